@@ -1,0 +1,1 @@
+//! The `#[idempotent]` attribute of idem.

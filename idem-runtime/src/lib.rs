@@ -1,0 +1,37 @@
+//! The runtime of [idem](https://docs.rs/idem): idempotency keys,
+//! fingerprints, the record protocol on real stores, and the HTTP layer that
+//! the `#[idempotent]` attribute calls.
+//!
+//! Users depend on the `idem` crate, which re-exports everything here.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// Failures are values: the runtime never unwraps outside its tests.
+#![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+
+mod fingerprint;
+mod key;
+mod store;
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod sql;
+
+#[cfg(feature = "postgres")]
+mod postgres;
+
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+pub use fingerprint::{canonical_json, fingerprint, Fingerprint, FingerprintError, FINGERPRINT_VERSION};
+pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use store::{
+    BoxFuture, IdempotencyStore, Lease, MemoryStore, RecordId, Reservation, ReserveRequest, StoreError,
+    StoredResponse,
+};
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub use sql::DEFAULT_TABLE;
+
+#[cfg(feature = "postgres")]
+pub use postgres::{PgStore, DEFAULT_OPERATION_TIMEOUT, POSTGRES_MIGRATION};
+
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SqliteStore, DEFAULT_BUSY_TIMEOUT, SQLITE_MIGRATION};

@@ -1,0 +1,223 @@
+//! The production store: PostgreSQL through sqlx.
+
+use crate::sql::{self, Statements};
+use crate::store::{bounded, millis, random_token, BoxFuture};
+use crate::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use std::time::Duration;
+
+/// The migration that creates the records table, with `{table}` and
+/// `{index}` standing for the configured names. [`PgStore::migrate`] applies it.
+pub const POSTGRES_MIGRATION: &str = include_str!("../migrations/postgres/0001_create_idempotency_keys.sql");
+
+/// The default bound on one store operation, connection included.
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Idempotency records in PostgreSQL: the store for several servers.
+///
+/// Taking a key is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE` statement
+/// under the primary key (tenant, scope, key); every later write carries the
+/// lock token; expiry and lock deadlines use the database's `now()`.
+///
+/// Round trips per request path:
+///
+/// | path | round trips |
+/// | --- | --- |
+/// | first request (reserve, then complete or release) | 2 |
+/// | replay of a completed record | 1 |
+/// | conflict (in progress, or fingerprint mismatch) | 1 |
+/// | takeover after the lock deadline (reserve, then complete) | 2 |
+///
+/// A request that races the very insert that created the row may need one
+/// more round trip for its reserve: the statement's snapshot predates that
+/// row, so it reads it again.
+///
+/// ```no_run
+/// use idem_runtime::PgStore;
+///
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PgStore::connect("postgres://postgres@127.0.0.1/app")?;
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[derive(Clone)]
+pub struct PgStore {
+    pool: PgPool,
+    sql: std::sync::Arc<Statements>,
+    reserve: std::sync::Arc<str>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgStore {
+    /// A store over an existing pool, on the table `idempotency_keys` in the
+    /// pool's search path.
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
+    /// let store = idem_runtime::PgStore::new(pool);
+    /// # Ok(()) }
+    /// ```
+    pub fn new(pool: PgPool) -> Self {
+        Self::build(pool, None, sql::DEFAULT_TABLE)
+            .unwrap_or_else(|_| unreachable!("default names are valid"))
+    }
+
+    /// A store with its own lazily connecting pool: the first operation
+    /// connects, and an unreachable server is reported as
+    /// [`StoreError::Unavailable`] within the operation timeout.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the URL does not parse, or when called
+    /// outside a Tokio runtime (the pool needs one for its maintenance task).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store = idem_runtime::PgStore::connect("postgres://postgres@127.0.0.1/app").unwrap();
+    /// assert!(idem_runtime::PgStore::connect("postgres://127.0.0.1:notaport/app").is_err());
+    /// # }
+    /// ```
+    pub fn connect(url: &str) -> Result<Self, StoreError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(StoreError::Backend(
+                "PgStore::connect must be called within a Tokio runtime".into(),
+            ));
+        }
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(DEFAULT_OPERATION_TIMEOUT)
+            .connect_lazy(url)
+            .map_err(|e| StoreError::Backend(format!("invalid PostgreSQL URL: {e}")))?;
+        Ok(Self::new(pool))
+    }
+
+    /// Uses `table` in `schema` (or in the search path with `None`).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] for a name that is not a plain identifier.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # let store = idem_runtime::PgStore::connect("postgres://127.0.0.1/app").unwrap();
+    /// let store = store.with_table(Some("billing"), "idem_records").unwrap();
+    /// assert!(store.with_table(None, "x; drop table y").is_err());
+    /// # }
+    /// ```
+    pub fn with_table(self, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
+        Self::build(self.pool, schema, table).map(|s| s.with_timeout(self.timeout))
+    }
+
+    /// Bounds every operation (connection included) by `timeout`; past it the
+    /// operation fails with [`StoreError::Unavailable`]. Default: 2 seconds.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # let store = idem_runtime::PgStore::connect("postgres://127.0.0.1/app").unwrap();
+    /// let store = store.with_timeout(Duration::from_millis(500));
+    /// # }
+    /// ```
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn build(pool: PgPool, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
+        let sql = Statements::new(sql::POSTGRES, POSTGRES_MIGRATION, schema, table)?;
+        // One round trip: take the key, or read the row that stops us.
+        let reserve = format!(
+            "WITH taken AS ({take}) \
+             SELECT TRUE AS taken, attempt, recovery_point, operation_id, NULL::text AS fingerprint, \
+             NULL::text AS state, NULL::bigint AS response_status, NULL::text AS response_headers, \
+             NULL::bytea AS response_body, 0::bigint AS lock_left_ms FROM taken \
+             UNION ALL \
+             SELECT FALSE, NULL::integer, NULL::text, NULL::text, e.* FROM ({existing}) AS e \
+             WHERE NOT EXISTS (SELECT 1 FROM taken)",
+            take = sql.take,
+            existing = sql.existing,
+        );
+        Ok(PgStore {
+            pool,
+            sql: std::sync::Arc::new(sql),
+            reserve: reserve.into(),
+            timeout: DEFAULT_OPERATION_TIMEOUT,
+        })
+    }
+
+    /// Creates the table and its index if they do not exist. Safe to run from
+    /// several processes at once (it holds an advisory lock while it runs).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the database is unreachable or refuses the DDL.
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() -> Result<(), idem_runtime::StoreError> {
+    /// let store = idem_runtime::PgStore::connect("postgres://postgres@127.0.0.1/app")?;
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(sql::map_err)?;
+        sqlx::query("SELECT pg_advisory_xact_lock(7319002151)")
+            .execute(&mut *tx)
+            .await
+            .map_err(sql::map_err)?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(self.sql.migrate.clone()))
+            .execute(&mut *tx)
+            .await
+            .map_err(sql::map_err)?;
+        tx.commit().await.map_err(sql::map_err)
+    }
+}
+
+impl IdempotencyStore for PgStore {
+    fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+        Box::pin(bounded(self.timeout, async move {
+            let token = random_token();
+            let operation_id = random_token();
+            loop {
+                let row = sqlx::query(sqlx::AssertSqlSafe(self.reserve.clone()))
+                    .bind(&req.id.tenant)
+                    .bind(&req.id.scope)
+                    .bind(&req.id.key)
+                    .bind(req.fingerprint)
+                    .bind(&token)
+                    .bind(&operation_id)
+                    .bind(millis(req.ttl))
+                    .bind(millis(req.lock_timeout))
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(sql::map_err)?;
+                // No row: the conflicting row was committed after this
+                // statement's snapshot was taken; read again.
+                let Some(row) = row else { continue };
+                let taken: bool =
+                    sqlx::Row::try_get(&row, "taken").map_err(|e| StoreError::Backend(e.to_string()))?;
+                return if taken {
+                    sql::lease_from_row(&row, token).map(Reservation::Reserved)
+                } else {
+                    sql::judge_row(&row, req.fingerprint)
+                };
+            }
+        }))
+    }
+
+    sql::fenced_ops!();
+}

@@ -1,0 +1,365 @@
+//! SQL shared by the PostgreSQL and SQLite stores. The two dialects differ
+//! only in their clock expression and placeholder sign; every statement is
+//! built once per store, with the table name validated and quoted, and every
+//! value bound as a parameter.
+
+use crate::store::StoreError;
+
+/// The table name both SQL stores use unless told otherwise.
+pub const DEFAULT_TABLE: &str = "idempotency_keys";
+
+/// The two SQL dialects.
+#[derive(Clone, Copy)]
+pub(crate) struct Dialect {
+    /// The store's clock, in the unit of the time columns.
+    now: &'static str,
+    /// `$` (PostgreSQL) or `?` (SQLite), followed by the parameter number.
+    param: char,
+    /// Turns a millisecond parameter into something addable to `now`.
+    millis: fn(String) -> String,
+    /// Milliseconds left until a time column, never negative.
+    left: fn(&str, &str) -> String,
+}
+
+pub(crate) const POSTGRES: Dialect = Dialect {
+    now: "now()",
+    param: '$',
+    millis: |p| format!("({p}::bigint * interval '1 millisecond')"),
+    left: |col, now| format!("GREATEST(0, CEIL(EXTRACT(EPOCH FROM ({col} - {now})) * 1000))::bigint"),
+};
+
+pub(crate) const SQLITE: Dialect = Dialect {
+    now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    param: '?',
+    millis: |p| p,
+    left: |col, now| format!("MAX(0, {col} - {now})"),
+};
+
+/// Every statement a store runs, for one table.
+pub(crate) struct Statements {
+    pub(crate) migrate: String,
+    /// Binds: tenant, scope, key, fingerprint, token, operation id, ttl ms, lock ms.
+    pub(crate) take: String,
+    /// Binds: tenant, scope, key. Columns: fingerprint, state, status,
+    /// headers, body, lock_left_ms.
+    pub(crate) existing: String,
+    /// Binds: tenant, scope, key, token, status, headers, body.
+    pub(crate) complete: String,
+    /// Binds: tenant, scope, key, token.
+    pub(crate) release: String,
+    /// Binds: tenant, scope, key, token, recovery point.
+    pub(crate) checkpoint: String,
+    /// Binds: tenant, scope, key, token, lock ms.
+    pub(crate) extend: String,
+    /// Binds: batch size.
+    pub(crate) purge: String,
+}
+
+/// Checks a SQL identifier: ASCII letters, digits and `_`, not starting with
+/// a digit, at most 63 bytes. Quoted afterwards all the same.
+pub(crate) fn check_identifier(name: &str) -> Result<(), StoreError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && !name.as_bytes()[0].is_ascii_digit();
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::Backend(format!(
+            "invalid table or schema name `{name}`: use ASCII letters, digits and `_`, not starting with a digit"
+        )))
+    }
+}
+
+impl Statements {
+    pub(crate) fn new(
+        d: Dialect,
+        migration: &str,
+        schema: Option<&str>,
+        table: &str,
+    ) -> Result<Self, StoreError> {
+        check_identifier(table)?;
+        if let Some(schema) = schema {
+            check_identifier(schema)?;
+        }
+        let t = match schema {
+            Some(s) => format!("\"{s}\".\"{table}\""),
+            None => format!("\"{table}\""),
+        };
+        let index = format!("\"{table}_expires_at_idx\"");
+        let now = d.now;
+        let p = |n: u8| format!("{}{n}", d.param);
+        let ms = |n: u8| (d.millis)(p(n));
+        let live_lock = format!("(cur.state = 'in_progress' AND cur.lock_expires_at > {now})");
+        let expired = format!("cur.expires_at <= {now}");
+        let id = format!("tenant = {} AND scope = {} AND key = {}", p(1), p(2), p(3));
+        let owned = format!("{id} AND state = 'in_progress' AND lock_token = {}", p(4));
+        Ok(Statements {
+            migrate: migration.replace("{table}", &t).replace("{index}", &index),
+            take: format!(
+                "INSERT INTO {t} AS cur (tenant, scope, key, fingerprint, state, operation_id, \
+                 lock_token, attempt, lock_expires_at, recovery_point, created_at, expires_at) \
+                 VALUES ({p1}, {p2}, {p3}, {p4}, 'in_progress', {p6}, {p5}, 1, {now} + {lock}, NULL, \
+                 {now}, {now} + {ttl}) \
+                 ON CONFLICT (tenant, scope, key) DO UPDATE SET \
+                 fingerprint = excluded.fingerprint, state = 'in_progress', \
+                 lock_token = excluded.lock_token, lock_expires_at = excluded.lock_expires_at, \
+                 attempt = CASE WHEN {expired} THEN 1 ELSE cur.attempt + 1 END, \
+                 recovery_point = CASE WHEN {expired} THEN NULL ELSE cur.recovery_point END, \
+                 operation_id = CASE WHEN {expired} THEN excluded.operation_id ELSE cur.operation_id END, \
+                 created_at = CASE WHEN {expired} THEN excluded.created_at ELSE cur.created_at END, \
+                 expires_at = CASE WHEN {expired} THEN excluded.expires_at ELSE cur.expires_at END, \
+                 response_status = NULL, response_headers = NULL, response_body = NULL \
+                 WHERE NOT {live_lock} AND ({expired} OR (cur.state = 'in_progress' \
+                 AND cur.fingerprint = excluded.fingerprint)) \
+                 RETURNING attempt, recovery_point, operation_id",
+                p1 = p(1),
+                p2 = p(2),
+                p3 = p(3),
+                p4 = p(4),
+                p5 = p(5),
+                p6 = p(6),
+                ttl = ms(7),
+                lock = ms(8),
+            ),
+            existing: format!(
+                "SELECT fingerprint, state, CAST(response_status AS BIGINT) AS response_status, \
+                 response_headers, response_body, {left} AS lock_left_ms \
+                 FROM {t} WHERE {id}",
+                left = (d.left)("lock_expires_at", now),
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = 'completed', lock_token = NULL, response_status = {}, \
+                 response_headers = {}, response_body = {} WHERE {owned}",
+                p(5),
+                p(6),
+                p(7),
+            ),
+            release: format!("DELETE FROM {t} WHERE {owned}"),
+            checkpoint: format!("UPDATE {t} SET recovery_point = {} WHERE {owned}", p(5)),
+            extend: format!("UPDATE {t} SET lock_expires_at = {now} + {} WHERE {owned}", ms(5)),
+            purge: format!(
+                "DELETE FROM {t} WHERE (tenant, scope, key) IN (SELECT tenant, scope, key \
+                 FROM {t} AS cur WHERE {expired} AND NOT {live_lock} LIMIT {})",
+                p(1)
+            ),
+        })
+    }
+}
+
+/// Maps a sqlx error: connection-level failures are [`StoreError::Unavailable`]
+/// (the request is refused with 503 and may be retried), the rest
+/// [`StoreError::Backend`].
+pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
+    use sqlx::Error as E;
+    match e {
+        E::Io(_) | E::Tls(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed => {
+            StoreError::Unavailable(e.to_string())
+        }
+        E::Database(ref db) => {
+            let code = db.code().unwrap_or_default();
+            // PostgreSQL: 08 connection, 53 resources, 57P0x shutdown/crash;
+            // SQLite: 5 busy, 6 locked (the busy timeout ran out).
+            let unavailable = code.starts_with("08")
+                || code.starts_with("53")
+                || code.starts_with("57P0")
+                || code == "5"
+                || code == "6"
+                || code.starts_with("5/")
+                || code.starts_with("6/");
+            if unavailable {
+                StoreError::Unavailable(e.to_string())
+            } else {
+                StoreError::Backend(e.to_string())
+            }
+        }
+        other => StoreError::Backend(other.to_string()),
+    }
+}
+
+/// The fenced writes and the purge, the same text for both SQL stores.
+/// Expects `self.pool`, `self.sql: Statements` and `self.timeout`.
+macro_rules! fenced_ops {
+    () => {
+        fn complete<'a>(
+            &'a self,
+            id: &'a $crate::RecordId,
+            token: &'a str,
+            response: &'a $crate::StoredResponse,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            let headers = response.headers_to_json();
+            Box::pin($crate::store::bounded(self.timeout, async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
+                    .bind(&id.tenant)
+                    .bind(&id.scope)
+                    .bind(&id.key)
+                    .bind(token)
+                    .bind(i32::from(response.status))
+                    .bind(headers)
+                    .bind(response.body.as_deref())
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                $crate::sql::fenced(done.rows_affected())
+            }))
+        }
+
+        fn release<'a>(
+            &'a self,
+            id: &'a $crate::RecordId,
+            token: &'a str,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            Box::pin($crate::store::bounded(self.timeout, async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.release.as_str()))
+                    .bind(&id.tenant)
+                    .bind(&id.scope)
+                    .bind(&id.key)
+                    .bind(token)
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                $crate::sql::fenced(done.rows_affected())
+            }))
+        }
+
+        fn checkpoint<'a>(
+            &'a self,
+            id: &'a $crate::RecordId,
+            token: &'a str,
+            recovery_point: &'a str,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            Box::pin($crate::store::bounded(self.timeout, async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.checkpoint.as_str()))
+                    .bind(&id.tenant)
+                    .bind(&id.scope)
+                    .bind(&id.key)
+                    .bind(token)
+                    .bind(recovery_point)
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                $crate::sql::fenced(done.rows_affected())
+            }))
+        }
+
+        fn extend_lock<'a>(
+            &'a self,
+            id: &'a $crate::RecordId,
+            token: &'a str,
+            lock_timeout: std::time::Duration,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            Box::pin($crate::store::bounded(self.timeout, async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
+                    .bind(&id.tenant)
+                    .bind(&id.scope)
+                    .bind(&id.key)
+                    .bind(token)
+                    .bind($crate::store::millis(lock_timeout))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                $crate::sql::fenced(done.rows_affected())
+            }))
+        }
+
+        fn purge_expired(&self, batch: u32) -> $crate::store::BoxFuture<'_, Result<u64, $crate::StoreError>> {
+            Box::pin($crate::store::bounded(self.timeout, async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
+                    .bind(i64::from(batch))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                Ok(done.rows_affected())
+            }))
+        }
+    };
+}
+pub(crate) use fenced_ops;
+
+/// A fenced write that touched no row lost its lock.
+pub(crate) fn fenced(rows: u64) -> Result<(), StoreError> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::LockLost)
+    }
+}
+
+/// Reads the row of an existing record that was not taken.
+pub(crate) fn judge_row<R>(row: &R, fingerprint: &str) -> Result<crate::Reservation, StoreError>
+where
+    R: sqlx::Row,
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<i64>: sqlx::Decode<'r, R::Database>,
+    for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database>,
+    for<'r> Vec<u8>: sqlx::Type<R::Database>,
+{
+    let get_err = |e: sqlx::Error| StoreError::Backend(e.to_string());
+    let stored_fp: String = row.try_get("fingerprint").map_err(get_err)?;
+    let state: String = row.try_get("state").map_err(get_err)?;
+    let lock_left: i64 = row.try_get("lock_left_ms").map_err(get_err)?;
+    let completed = if state == "completed" {
+        Some(crate::StoredResponse::from_columns(
+            row.try_get("response_status").map_err(get_err)?,
+            row.try_get("response_headers").map_err(get_err)?,
+            row.try_get("response_body").map_err(get_err)?,
+        )?)
+    } else {
+        None
+    };
+    Ok(crate::store::judge_existing(
+        stored_fp == fingerprint,
+        completed,
+        std::time::Duration::from_millis(u64::try_from(lock_left).unwrap_or(0)),
+    ))
+}
+
+/// Reads the row of a record the caller just took.
+pub(crate) fn lease_from_row<R>(row: &R, token: String) -> Result<crate::Lease, StoreError>
+where
+    R: sqlx::Row,
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let get_err = |e: sqlx::Error| StoreError::Backend(e.to_string());
+    let attempt: i32 = row.try_get("attempt").map_err(get_err)?;
+    Ok(crate::Lease {
+        token,
+        attempt: u32::try_from(attempt).unwrap_or(1),
+        recovery_point: row.try_get("recovery_point").map_err(get_err)?,
+        operation_id: row.try_get("operation_id").map_err(get_err)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_that_could_inject_sql_are_refused() {
+        for bad in ["", "a b", "t\"; drop table x; --", "1abc", "é", &"x".repeat(64)] {
+            assert!(check_identifier(bad).is_err(), "{bad}");
+        }
+        for good in ["idempotency_keys", "_t", "Keys2"] {
+            assert!(check_identifier(good).is_ok(), "{good}");
+        }
+    }
+
+    #[test]
+    fn statements_name_the_quoted_table() {
+        let s = Statements::new(POSTGRES, "CREATE TABLE {table}; {index}", Some("app"), "keys").unwrap();
+        assert_eq!(
+            s.migrate,
+            "CREATE TABLE \"app\".\"keys\"; \"keys_expires_at_idx\""
+        );
+        assert!(s.take.starts_with("INSERT INTO \"app\".\"keys\" AS cur"));
+        assert!(!s.take.contains('?'));
+        let s = Statements::new(SQLITE, "", None, "keys").unwrap();
+        assert!(s.take.contains("?8") && !s.take.contains('$'));
+    }
+}

@@ -1,0 +1,229 @@
+//! The embedded default store: SQLite in WAL mode through sqlx.
+
+use crate::sql::{self, Statements};
+use crate::store::{bounded, millis, random_token, BoxFuture};
+use crate::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The migration that creates the records table, with `{table}` and
+/// `{index}` standing for the configured names. [`SqliteStore::migrate`] applies it.
+pub const SQLITE_MIGRATION: &str = include_str!("../migrations/sqlite/0001_create_idempotency_keys.sql");
+
+/// How long a connection waits for another writer before giving up.
+pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Idempotency records in one SQLite file: the embedded default.
+///
+/// The file is opened in WAL mode with a busy timeout, so several tasks and
+/// several processes on one machine can share it. A reservation runs in a
+/// `BEGIN IMMEDIATE` transaction: SQLite's write lock makes the upsert and
+/// the read of a blocking row one atomic step. Expiry and lock deadlines
+/// use SQLite's clock, which is the machine's.
+///
+/// ```
+/// use idem_runtime::SqliteStore;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem_runtime::StoreError> {
+/// let dir = tempfile::tempdir().unwrap();
+/// let store = SqliteStore::open(dir.path().join("idem.db")).await?;
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+#[derive(Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    sql: std::sync::Arc<Statements>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database file at `path`, in WAL mode
+    /// with a 5 second busy timeout.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] when the file cannot be opened or created.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let err = idem_runtime::SqliteStore::open("/nonexistent-dir/x/idem.db").await.unwrap_err();
+    /// assert!(err.is_unavailable());
+    /// # }
+    /// ```
+    pub async fn open(path: impl AsRef<std::path::Path>) -> Result<Self, StoreError> {
+        let options = SqliteConnectOptions::new().filename(path).create_if_missing(true);
+        Self::open_with(options).await
+    }
+
+    /// Opens a `sqlite://` URL, such as `sqlite://payments.db`.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] for a URL that does not parse,
+    /// [`StoreError::Unavailable`] when the file cannot be opened.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+    /// let store = idem_runtime::SqliteStore::open_url(&url).await.unwrap();
+    /// # }
+    /// ```
+    pub async fn open_url(url: &str) -> Result<Self, StoreError> {
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Backend(format!("invalid SQLite URL: {e}")))?
+            .create_if_missing(true);
+        Self::open_with(options).await
+    }
+
+    async fn open_with(options: SqliteConnectOptions) -> Result<Self, StoreError> {
+        let options = options
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(DEFAULT_BUSY_TIMEOUT)
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(DEFAULT_BUSY_TIMEOUT)
+            .connect_with(options)
+            .await
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        Ok(Self::new(pool))
+    }
+
+    /// A store over an existing pool (which should use WAL mode and a busy
+    /// timeout), on the table `idempotency_keys`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    /// let store = idem_runtime::SqliteStore::new(pool);
+    /// # }
+    /// ```
+    pub fn new(pool: SqlitePool) -> Self {
+        Self::build(pool, sql::DEFAULT_TABLE).unwrap_or_else(|_| unreachable!("default names are valid"))
+    }
+
+    /// Uses another table name.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] for a name that is not a plain identifier.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    /// let store = idem_runtime::SqliteStore::new(pool).with_table("idem_records").unwrap();
+    /// # }
+    /// ```
+    pub fn with_table(self, table: &str) -> Result<Self, StoreError> {
+        let timeout = self.timeout;
+        Self::build(self.pool, table).map(|s| s.with_timeout(timeout))
+    }
+
+    /// Bounds every operation by `timeout` (default: the busy timeout plus
+    /// one second); past it the operation fails with
+    /// [`StoreError::Unavailable`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    /// let store = idem_runtime::SqliteStore::new(pool).with_timeout(std::time::Duration::from_secs(1));
+    /// # }
+    /// ```
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    fn build(pool: SqlitePool, table: &str) -> Result<Self, StoreError> {
+        Ok(SqliteStore {
+            pool,
+            sql: std::sync::Arc::new(Statements::new(sql::SQLITE, SQLITE_MIGRATION, None, table)?),
+            timeout: DEFAULT_BUSY_TIMEOUT + Duration::from_secs(1),
+        })
+    }
+
+    /// Creates the table and its index if they do not exist.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the file is not writable.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    /// let store = idem_runtime::SqliteStore::new(pool);
+    /// store.migrate().await.unwrap();
+    /// # }
+    /// ```
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(sql::map_err)?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(self.sql.migrate.clone()))
+            .execute(&mut *tx)
+            .await
+            .map_err(sql::map_err)?;
+        tx.commit().await.map_err(sql::map_err)
+    }
+}
+
+impl IdempotencyStore for SqliteStore {
+    fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+        Box::pin(bounded(self.timeout, async move {
+            let token = random_token();
+            let mut tx = self
+                .pool
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(sql::map_err)?;
+            let taken = sqlx::query(sqlx::AssertSqlSafe(self.sql.take.as_str()))
+                .bind(&req.id.tenant)
+                .bind(&req.id.scope)
+                .bind(&req.id.key)
+                .bind(req.fingerprint)
+                .bind(&token)
+                .bind(random_token())
+                .bind(millis(req.ttl))
+                .bind(millis(req.lock_timeout))
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(sql::map_err)?;
+            let answer = match taken {
+                Some(row) => sql::lease_from_row(&row, token).map(Reservation::Reserved)?,
+                None => {
+                    let row = sqlx::query(sqlx::AssertSqlSafe(self.sql.existing.as_str()))
+                        .bind(&req.id.tenant)
+                        .bind(&req.id.scope)
+                        .bind(&req.id.key)
+                        .fetch_one(&mut *tx)
+                        .await
+                        .map_err(sql::map_err)?;
+                    sql::judge_row(&row, req.fingerprint)?
+                }
+            };
+            tx.commit().await.map_err(sql::map_err)?;
+            Ok(answer)
+        }))
+    }
+
+    sql::fenced_ops!();
+}

@@ -1,0 +1,500 @@
+//! The record protocol (contract sections 4, 6 and 7): the store trait, the
+//! types it speaks, and the in-memory store.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// A boxed, sendable future: what the store trait's methods return, so that
+/// `Arc<dyn IdempotencyStore>` works.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What identifies a record: (tenant, scope, key), never the key alone.
+///
+/// ```
+/// use idem_runtime::RecordId;
+/// let id = RecordId::new("acct_1", "payment.create", "k-1");
+/// assert_eq!(id.scope, "payment.create");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RecordId {
+    /// The authenticated principal.
+    pub tenant: String,
+    /// The operation name of the attribute.
+    pub scope: String,
+    /// The client's idempotency key.
+    pub key: String,
+}
+
+impl RecordId {
+    /// Builds an id from its three parts.
+    ///
+    /// ```
+    /// # use idem_runtime::RecordId;
+    /// let id = RecordId::new("t", "s", "k");
+    /// assert_eq!((id.tenant.as_str(), id.key.as_str()), ("t", "k"));
+    /// ```
+    pub fn new(tenant: impl Into<String>, scope: impl Into<String>, key: impl Into<String>) -> Self {
+        RecordId {
+            tenant: tenant.into(),
+            scope: scope.into(),
+            key: key.into(),
+        }
+    }
+}
+
+/// One request to take a key.
+///
+/// ```
+/// use idem_runtime::{RecordId, ReserveRequest};
+/// use std::time::Duration;
+///
+/// let id = RecordId::new("t", "s", "k");
+/// let req = ReserveRequest {
+///     id: &id,
+///     fingerprint: "ab12",
+///     ttl: Duration::from_secs(86_400),
+///     lock_timeout: Duration::from_secs(60),
+/// };
+/// assert_eq!(req.id.key, "k");
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct ReserveRequest<'a> {
+    /// Which record.
+    pub id: &'a RecordId,
+    /// The request's fingerprint (see [`crate::fingerprint()`]).
+    pub fingerprint: &'a str,
+    /// How long the record is kept, counted from its first reservation.
+    pub ttl: Duration,
+    /// How long the lock holds before another request may take over.
+    pub lock_timeout: Duration,
+}
+
+/// The answer of [`IdempotencyStore::reserve`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reservation {
+    /// The caller owns the record now and must run the operation, then
+    /// complete or release it with the lease's token.
+    Reserved(Lease),
+    /// The operation completed before; here is its stored answer.
+    Completed(StoredResponse),
+    /// Another execution holds a valid lock; it expires in `retry_after`.
+    InProgress {
+        /// Time left until the lock deadline.
+        retry_after: Duration,
+    },
+    /// The key was used with a different fingerprint.
+    Mismatch,
+}
+
+/// Ownership of a record, proven by its lock token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// The lock token that every later write must carry.
+    pub token: String,
+    /// 1 for the first execution, then + 1 on every takeover.
+    pub attempt: u32,
+    /// The last checkpoint a previous attempt stored.
+    pub recovery_point: Option<String>,
+    /// An id the record got when first reserved; kept through takeovers.
+    pub operation_id: String,
+}
+
+impl Lease {
+    /// Whether this execution took over a lock whose deadline had passed.
+    ///
+    /// ```
+    /// # use idem_runtime::Lease;
+    /// let lease = Lease { token: "t".into(), attempt: 2, recovery_point: None, operation_id: "o".into() };
+    /// assert!(lease.is_takeover());
+    /// ```
+    pub fn is_takeover(&self) -> bool {
+        self.attempt > 1
+    }
+}
+
+/// A stored answer: status, the headers worth replaying, and the body.
+///
+/// ```
+/// use idem_runtime::StoredResponse;
+/// let r = StoredResponse { status: 201, headers: vec![("location".into(), "/v1/p/1".into())], body: Some(b"{}".to_vec()) };
+/// assert_eq!(r.status, 201);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The HTTP status code.
+    pub status: u16,
+    /// Header names (lowercase) and values, in the order they are replayed.
+    pub headers: Vec<(String, String)>,
+    /// The body bytes; `None` when the body was larger than the configured
+    /// limit and only status and headers were kept.
+    pub body: Option<Vec<u8>>,
+}
+
+impl StoredResponse {
+    pub(crate) fn headers_to_json(&self) -> String {
+        serde_json::to_string(&self.headers).unwrap_or_else(|_| "[]".to_owned())
+    }
+
+    pub(crate) fn from_columns(
+        status: Option<i64>,
+        headers: Option<String>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Self, StoreError> {
+        let status = status
+            .and_then(|s| u16::try_from(s).ok())
+            .ok_or_else(|| StoreError::Backend("completed record without a status".into()))?;
+        let headers = match headers {
+            Some(json) => serde_json::from_str(&json)
+                .map_err(|e| StoreError::Backend(format!("stored headers unreadable: {e}")))?,
+            None => Vec::new(),
+        };
+        Ok(StoredResponse {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
+/// Why a store operation failed.
+///
+/// ```
+/// use idem_runtime::StoreError;
+/// assert!(StoreError::Unavailable("timed out".into()).is_unavailable());
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// The store could not be reached, or did not answer in time.
+    Unavailable(String),
+    /// The lock token no longer owns the record: it was taken over, or the
+    /// record is gone.
+    LockLost,
+    /// The store answered with an error.
+    Backend(String),
+}
+
+impl StoreError {
+    /// Whether the store could not be reached in time.
+    ///
+    /// ```
+    /// # use idem_runtime::StoreError;
+    /// assert!(!StoreError::LockLost.is_unavailable());
+    /// ```
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_))
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::Unavailable(why) => write!(f, "idempotency store unavailable: {why}"),
+            StoreError::LockLost => f.write_str("the lock on this idempotency record was lost"),
+            StoreError::Backend(why) => write!(f, "idempotency store error: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+/// A place where idempotency records live.
+///
+/// Every method is one atomic operation of the store. `complete`,
+/// `release`, `checkpoint` and `extend_lock` are fenced by the lock token:
+/// a token whose lock was taken over gets [`StoreError::LockLost`] and
+/// changes nothing. Expiry and lock deadlines are judged by the store's own
+/// clock.
+///
+/// ```
+/// use idem_runtime::{IdempotencyStore, MemoryStore, RecordId, Reservation, ReserveRequest};
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = MemoryStore::new();
+/// let id = RecordId::new("t", "s", "k");
+/// let req = ReserveRequest { id: &id, fingerprint: "f", ttl: Duration::from_secs(60), lock_timeout: Duration::from_secs(5) };
+/// let Reservation::Reserved(lease) = store.reserve(req).await.unwrap() else { panic!() };
+/// store.release(&id, &lease.token).await.unwrap();
+/// # }
+/// ```
+pub trait IdempotencyStore: Send + Sync + 'static {
+    /// Takes the key in one atomic step, or says why not.
+    fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>>;
+
+    /// Marks the record completed with `response`.
+    fn complete<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Removes the record, so that a retry really retries.
+    fn release<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Stores `recovery_point` as the operation's progress.
+    fn checkpoint<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        recovery_point: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Moves the lock deadline to `lock_timeout` from now (a lease heartbeat).
+    fn extend_lock<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        lock_timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Deletes at most `batch` records past their TTL, never one whose lock
+    /// is still valid, and says how many it deleted.
+    fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>>;
+}
+
+/// A fresh random token: 128 bits as 32 hex digits.
+pub(crate) fn random_token() -> String {
+    let mut bytes = [0u8; 16];
+    // getrandom only fails when the OS has no entropy source at all.
+    if getrandom::fill(&mut bytes).is_err() {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        bytes = nanos.to_le_bytes();
+    }
+    crate::fingerprint::hex(&bytes)
+}
+
+/// How an existing record that the caller did not take is answered.
+pub(crate) fn judge_existing(
+    fingerprint_matches: bool,
+    completed: Option<StoredResponse>,
+    lock_left: Duration,
+) -> Reservation {
+    match (fingerprint_matches, completed) {
+        (false, _) => Reservation::Mismatch,
+        (true, Some(response)) => Reservation::Completed(response),
+        (true, None) => Reservation::InProgress {
+            retry_after: lock_left,
+        },
+    }
+}
+
+/// Bounds a store operation by `limit`: past it, [`StoreError::Unavailable`].
+pub(crate) async fn bounded<T>(
+    limit: Duration,
+    fut: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(result) => result,
+        Err(_) => Err(StoreError::Unavailable(format!(
+            "no answer within {} ms",
+            limit.as_millis()
+        ))),
+    }
+}
+
+/// Milliseconds as the stores bind them.
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[derive(Debug, Clone)]
+struct MemoryRecord {
+    fingerprint: String,
+    token: Option<String>,
+    attempt: u32,
+    operation_id: String,
+    recovery_point: Option<String>,
+    lock_deadline: Instant,
+    expires_at: Instant,
+    response: Option<StoredResponse>,
+}
+
+impl MemoryRecord {
+    fn lock_live(&self, now: Instant) -> bool {
+        self.response.is_none() && self.lock_deadline > now
+    }
+}
+
+/// An in-process store for unit tests and demos.
+///
+/// Records live in one process's memory: they vanish on restart and are not
+/// shared between servers, so it protects nothing across processes. Use
+/// [`crate::SqliteStore`] or [`crate::PgStore`] for anything real.
+///
+/// ```
+/// use idem_runtime::MemoryStore;
+/// let store = MemoryStore::new();
+/// assert_eq!(store.len(), 0);
+/// ```
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    records: Mutex<HashMap<RecordId, MemoryRecord>>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many records it holds, expired ones included.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether it holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RecordId, MemoryRecord>> {
+        // A panic while holding the lock cannot leave a record half-written:
+        // every change below is a single assignment.
+        self.records.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn fenced<T>(
+        &self,
+        id: &RecordId,
+        token: &str,
+        change: impl FnOnce(&mut HashMap<RecordId, MemoryRecord>, Instant) -> T,
+    ) -> Result<T, StoreError> {
+        let mut records = self.lock();
+        let now = Instant::now();
+        match records.get(id) {
+            Some(r) if r.response.is_none() && r.token.as_deref() == Some(token) => {
+                Ok(change(&mut records, now))
+            }
+            _ => Err(StoreError::LockLost),
+        }
+    }
+
+    fn reserve_now(&self, req: ReserveRequest<'_>) -> Reservation {
+        let mut records = self.lock();
+        let now = Instant::now();
+        let token = random_token();
+        let existing = records.get(req.id).cloned();
+        let fresh = |operation_id: String| MemoryRecord {
+            fingerprint: req.fingerprint.to_owned(),
+            token: Some(token.clone()),
+            attempt: 1,
+            operation_id,
+            recovery_point: None,
+            lock_deadline: now + req.lock_timeout,
+            expires_at: now + req.ttl,
+            response: None,
+        };
+        let record = match existing {
+            None => fresh(random_token()),
+            Some(r) if r.expires_at <= now && !r.lock_live(now) => fresh(random_token()),
+            Some(r) if r.response.is_none() && r.lock_deadline <= now && r.fingerprint == req.fingerprint => {
+                MemoryRecord {
+                    token: Some(token.clone()),
+                    attempt: r.attempt + 1,
+                    lock_deadline: now + req.lock_timeout,
+                    ..r
+                }
+            }
+            Some(r) => {
+                return judge_existing(
+                    r.fingerprint == req.fingerprint,
+                    r.response.clone(),
+                    r.lock_deadline.saturating_duration_since(now),
+                )
+            }
+        };
+        let lease = Lease {
+            token,
+            attempt: record.attempt,
+            recovery_point: record.recovery_point.clone(),
+            operation_id: record.operation_id.clone(),
+        };
+        records.insert(req.id.clone(), record);
+        Reservation::Reserved(lease)
+    }
+}
+
+impl IdempotencyStore for MemoryStore {
+    fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+        Box::pin(async move { Ok(self.reserve_now(req)) })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, _| {
+                if let Some(r) = records.get_mut(id) {
+                    r.response = Some(response.clone());
+                    r.token = None;
+                }
+            })
+        })
+    }
+
+    fn release<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, _| {
+                records.remove(id);
+            })
+        })
+    }
+
+    fn checkpoint<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        recovery_point: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, _| {
+                if let Some(r) = records.get_mut(id) {
+                    r.recovery_point = Some(recovery_point.to_owned());
+                }
+            })
+        })
+    }
+
+    fn extend_lock<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        lock_timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, now| {
+                if let Some(r) = records.get_mut(id) {
+                    r.lock_deadline = now + lock_timeout;
+                }
+            })
+        })
+    }
+
+    fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let mut records = self.lock();
+            let now = Instant::now();
+            let doomed: Vec<RecordId> = records
+                .iter()
+                .filter(|(_, r)| r.expires_at <= now && !r.lock_live(now))
+                .map(|(id, _)| id.clone())
+                .take(batch as usize)
+                .collect();
+            for id in &doomed {
+                records.remove(id);
+            }
+            Ok(doomed.len() as u64)
+        })
+    }
+}

@@ -1,0 +1,4 @@
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub use idem_runtime::*;

@@ -1,0 +1,78 @@
+//! Shared set-up for the integration tests: real stores only.
+#![allow(dead_code, unreachable_pub)]
+
+use idem::{PgStore, SqliteStore};
+use std::time::Duration;
+
+/// `DATABASE_URL`, or `None` after one loud line. With
+/// `IDEM_REQUIRE_POSTGRES=1` (CI) a missing URL fails the test instead.
+pub fn pg_url() -> Option<String> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if url.starts_with("postgres") => Some(url),
+        _ if std::env::var("IDEM_REQUIRE_POSTGRES").as_deref() == Ok("1") => {
+            panic!("IDEM_REQUIRE_POSTGRES=1 but DATABASE_URL does not name a PostgreSQL database")
+        }
+        _ => {
+            eprintln!("skipped: set DATABASE_URL=postgres://... to run the PostgreSQL tests");
+            None
+        }
+    }
+}
+
+/// A unique name for a schema, table or file.
+pub fn unique(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!(
+        "{prefix}_{}_{}_{}",
+        std::process::id(),
+        nanos % 1_000_000_000,
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A fresh schema in the test database, so tests run in parallel.
+pub async fn pg_schema(url: &str) -> String {
+    let schema = unique("idem_t");
+    let pool = sqlx::PgPool::connect(url).await.expect("connect to DATABASE_URL");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
+        .execute(&pool)
+        .await
+        .expect("create schema");
+    pool.close().await;
+    schema
+}
+
+/// A PostgreSQL store in its own schema, on a pool of `connections`.
+pub async fn pg_store_in(url: &str, schema: &str, connections: u32) -> PgStore {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .expect("connect to DATABASE_URL");
+    let store = PgStore::new(pool)
+        .with_table(Some(schema), "idempotency_keys")
+        .unwrap()
+        .with_timeout(Duration::from_secs(10));
+    store.migrate().await.expect("migrate");
+    store
+}
+
+pub async fn pg_store() -> Option<PgStore> {
+    let url = pg_url()?;
+    let schema = pg_schema(&url).await;
+    Some(pg_store_in(&url, &schema, 25).await)
+}
+
+/// A SQLite store on a temporary file (never `:memory:`, which hides locking).
+pub async fn sqlite_store() -> (SqliteStore, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("idem.db")).await.unwrap();
+    store.migrate().await.unwrap();
+    (store, dir)
+}

@@ -1,0 +1,517 @@
+//! One conformance suite for the record protocol, run against every store:
+//! memory, SQLite (a temp file) and PostgreSQL (`DATABASE_URL`, own schema).
+
+mod common;
+
+use idem::{IdempotencyStore, Lease, RecordId, Reservation, ReserveRequest, StoreError, StoredResponse};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const LONG: Duration = Duration::from_secs(3600);
+
+fn req<'a>(id: &'a RecordId, fp: &'a str, ttl: Duration, lock: Duration) -> ReserveRequest<'a> {
+    ReserveRequest {
+        id,
+        fingerprint: fp,
+        ttl,
+        lock_timeout: lock,
+    }
+}
+
+async fn reserve(
+    s: &dyn IdempotencyStore,
+    id: &RecordId,
+    fp: &str,
+    ttl: Duration,
+    lock: Duration,
+) -> Reservation {
+    s.reserve(req(id, fp, ttl, lock)).await.expect("reserve")
+}
+
+async fn take(s: &dyn IdempotencyStore, id: &RecordId, fp: &str, ttl: Duration, lock: Duration) -> Lease {
+    match reserve(s, id, fp, ttl, lock).await {
+        Reservation::Reserved(lease) => lease,
+        other => panic!("expected a reservation, got {other:?}"),
+    }
+}
+
+fn response(tag: &str) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![
+            ("content-type".into(), "application/json".into()),
+            ("location".into(), format!("/v1/payments/{tag}")),
+        ],
+        body: Some(format!("{{\"id\":\"{tag}\"}}").into_bytes()),
+    }
+}
+
+/// Absent, then in_progress, then completed with the stored answer.
+async fn moves_through_absent_in_progress_and_completed(s: &dyn IdempotencyStore) {
+    let id = RecordId::new("t1", "payment.create", "k1");
+    let lease = take(s, &id, "fp", LONG, Duration::from_secs(30)).await;
+    assert_eq!(lease.attempt, 1);
+    assert!(!lease.is_takeover());
+    assert_eq!(lease.recovery_point, None);
+    match reserve(s, &id, "fp", LONG, Duration::from_secs(30)).await {
+        Reservation::InProgress { retry_after } => {
+            assert!(
+                retry_after <= Duration::from_secs(30) && retry_after >= Duration::from_secs(25),
+                "{retry_after:?}"
+            )
+        }
+        other => panic!("expected in progress, got {other:?}"),
+    }
+    s.complete(&id, &lease.token, &response("p1")).await.unwrap();
+    assert_eq!(
+        reserve(s, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("p1"))
+    );
+    // Completed is final: neither the token nor anyone else can change it.
+    assert_eq!(s.release(&id, &lease.token).await, Err(StoreError::LockLost));
+    assert_eq!(
+        s.complete(&id, &lease.token, &response("p2")).await,
+        Err(StoreError::LockLost)
+    );
+    assert_eq!(
+        reserve(s, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("p1"))
+    );
+}
+
+/// The stored answer comes back byte for byte, even bytes that are not UTF-8,
+/// and a body that was too large to keep comes back as `None`.
+async fn replays_every_body_byte_and_header(s: &dyn IdempotencyStore) {
+    let id = RecordId::new("t1", "s", "bytes");
+    let lease = take(s, &id, "fp", LONG, LONG).await;
+    let stored = StoredResponse {
+        status: 402,
+        headers: vec![
+            ("content-type".into(), "application/octet-stream".into()),
+            ("x-b".into(), "2".into()),
+            ("x-a".into(), "1".into()),
+        ],
+        body: Some((0..=255u8).collect()),
+    };
+    s.complete(&id, &lease.token, &stored).await.unwrap();
+    assert_eq!(
+        reserve(s, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(stored)
+    );
+
+    let id = RecordId::new("t1", "s", "omitted");
+    let lease = take(s, &id, "fp", LONG, LONG).await;
+    let stored = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: None,
+    };
+    s.complete(&id, &lease.token, &stored).await.unwrap();
+    assert_eq!(
+        reserve(s, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(stored)
+    );
+}
+
+/// A different fingerprint is a mismatch in any state.
+async fn refuses_a_different_fingerprint_in_every_state(s: &dyn IdempotencyStore) {
+    let id = RecordId::new("t1", "payment.create", "k2");
+    let lease = take(s, &id, "fp-a", LONG, LONG).await;
+    assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
+    s.complete(&id, &lease.token, &response("p")).await.unwrap();
+    assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
+
+    // Also once the lock deadline has passed: no takeover with another body.
+    let id = RecordId::new("t1", "payment.create", "k3");
+    take(s, &id, "fp-a", LONG, Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
+}
+
+/// Release removes the record: the retry really retries, even with a fixed body.
+async fn release_lets_the_next_request_run(s: &dyn IdempotencyStore) {
+    let id = RecordId::new("t1", "s", "k4");
+    let first = take(s, &id, "fp-a", LONG, LONG).await;
+    s.release(&id, &first.token).await.unwrap();
+    let second = take(s, &id, "fp-b", LONG, LONG).await;
+    assert_eq!(second.attempt, 1);
+    assert_ne!(first.operation_id, second.operation_id);
+    assert_eq!(s.release(&id, &first.token).await, Err(StoreError::LockLost));
+}
+
+/// A record past its TTL counts as absent: a new operation with a new id.
+async fn treats_a_record_past_its_ttl_as_absent(s: &dyn IdempotencyStore) {
+    let id = RecordId::new("t1", "s", "k5");
+    let ttl = Duration::from_millis(300);
+    let first = take(s, &id, "fp-a", ttl, LONG).await;
+    s.complete(&id, &first.token, &response("old")).await.unwrap();
+    assert_eq!(
+        reserve(s, &id, "fp-a", ttl, LONG).await,
+        Reservation::Completed(response("old"))
+    );
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    // Another body may use the key now: the old operation is gone.
+    let second = take(s, &id, "fp-b", LONG, LONG).await;
+    assert_eq!(second.attempt, 1);
+    assert_eq!(second.recovery_point, None);
+    assert_ne!(second.operation_id, first.operation_id);
+}
+
+/// A lock past its deadline is taken over: new token, attempt + 1, recovery
+/// point and operation id kept; the old token can then do nothing.
+async fn takes_over_a_stale_lock_and_fences_the_old_owner(s: &dyn IdempotencyStore) {
+    let id = RecordId::new("t1", "s", "k6");
+    let lock = Duration::from_millis(200);
+    let old = take(s, &id, "fp", LONG, lock).await;
+    s.checkpoint(&id, &old.token, "charged").await.unwrap();
+    assert!(matches!(
+        reserve(s, &id, "fp", LONG, lock).await,
+        Reservation::InProgress { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(350)).await;
+
+    let new = take(s, &id, "fp", LONG, LONG).await;
+    assert_eq!(new.attempt, 2);
+    assert!(new.is_takeover());
+    assert_eq!(new.recovery_point.as_deref(), Some("charged"));
+    assert_eq!(new.operation_id, old.operation_id);
+    assert_ne!(new.token, old.token);
+
+    assert_eq!(
+        s.complete(&id, &old.token, &response("stale")).await,
+        Err(StoreError::LockLost)
+    );
+    assert_eq!(s.release(&id, &old.token).await, Err(StoreError::LockLost));
+    assert_eq!(
+        s.checkpoint(&id, &old.token, "stale").await,
+        Err(StoreError::LockLost)
+    );
+    assert_eq!(
+        s.extend_lock(&id, &old.token, LONG).await,
+        Err(StoreError::LockLost)
+    );
+    assert!(matches!(
+        reserve(s, &id, "fp", LONG, LONG).await,
+        Reservation::InProgress { .. }
+    ));
+
+    s.checkpoint(&id, &new.token, "notified").await.unwrap();
+    s.complete(&id, &new.token, &response("fresh")).await.unwrap();
+    assert_eq!(
+        reserve(s, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("fresh"))
+    );
+}
+
+/// Extending the lock keeps a slow but living owner from being taken over.
+async fn an_extended_lock_is_not_taken_over(s: &dyn IdempotencyStore) {
+    let id = RecordId::new("t1", "s", "k7");
+    let lease = take(s, &id, "fp", LONG, Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    s.extend_lock(&id, &lease.token, Duration::from_secs(5))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(
+        reserve(s, &id, "fp", LONG, LONG).await,
+        Reservation::InProgress { .. }
+    ));
+}
+
+/// The same key under another tenant or scope is another operation.
+async fn isolates_tenants_and_scopes(s: &dyn IdempotencyStore) {
+    let a = RecordId::new("tenant-a", "payment.create", "same-key");
+    let b = RecordId::new("tenant-b", "payment.create", "same-key");
+    let c = RecordId::new("tenant-a", "refund.create", "same-key");
+    let la = take(s, &a, "fp-a", LONG, LONG).await;
+    // Neither blocked (in progress) nor refused (different body) by tenant a.
+    let lb = take(s, &b, "fp-b", LONG, LONG).await;
+    let lc = take(s, &c, "fp-c", LONG, LONG).await;
+    s.complete(&a, &la.token, &response("a")).await.unwrap();
+    // A token of one record is worthless on another.
+    assert_eq!(
+        s.complete(&b, &la.token, &response("x")).await,
+        Err(StoreError::LockLost)
+    );
+    assert_eq!(s.release(&c, &lb.token).await, Err(StoreError::LockLost));
+    assert!(matches!(
+        reserve(s, &b, "fp-b", LONG, LONG).await,
+        Reservation::InProgress { .. }
+    ));
+    s.complete(&b, &lb.token, &response("b")).await.unwrap();
+    s.release(&c, &lc.token).await.unwrap();
+    assert_eq!(
+        reserve(s, &a, "fp-a", LONG, LONG).await,
+        Reservation::Completed(response("a"))
+    );
+    assert_eq!(
+        reserve(s, &b, "fp-b", LONG, LONG).await,
+        Reservation::Completed(response("b"))
+    );
+}
+
+/// Purge removes expired records in bounded batches and never a live lock.
+async fn purges_in_batches_and_never_a_live_lock(s: &dyn IdempotencyStore) {
+    let short = Duration::from_millis(100);
+    for i in 0..3 {
+        let id = RecordId::new("t1", "purge", format!("done-{i}"));
+        let l = take(s, &id, "fp", short, LONG).await;
+        s.complete(&id, &l.token, &response("x")).await.unwrap();
+    }
+    let stale = RecordId::new("t1", "purge", "stale-lock");
+    take(s, &stale, "fp", short, short).await;
+    let live = RecordId::new("t1", "purge", "live-lock");
+    take(s, &live, "fp", short, LONG).await;
+    let kept = RecordId::new("t1", "purge", "kept");
+    let l = take(s, &kept, "fp", LONG, LONG).await;
+    s.complete(&kept, &l.token, &response("kept")).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+
+    assert_eq!(s.purge_expired(2).await.unwrap(), 2);
+    assert_eq!(s.purge_expired(2).await.unwrap(), 2);
+    assert_eq!(s.purge_expired(2).await.unwrap(), 0);
+    assert!(matches!(
+        reserve(s, &live, "fp", LONG, LONG).await,
+        Reservation::InProgress { .. }
+    ));
+    assert_eq!(
+        reserve(s, &kept, "fp", LONG, LONG).await,
+        Reservation::Completed(response("kept"))
+    );
+}
+
+/// `n` tasks reserve one key at the same moment: exactly one wins.
+async fn concurrent_reservers_get_exactly_one(stores: Vec<Arc<dyn IdempotencyStore>>, n: usize) {
+    let id = Arc::new(RecordId::new("t1", "race", "one-key"));
+    let barrier = Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let store = stores[i % stores.len()].clone();
+            let (id, barrier) = (id.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.reserve(req(&id, "fp", LONG, LONG)).await
+            })
+        })
+        .collect();
+    let (mut reserved, mut in_progress) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap().expect("reserve") {
+            Reservation::Reserved(_) => reserved += 1,
+            Reservation::InProgress { .. } => in_progress += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((reserved, in_progress), (1, n - 1));
+}
+
+macro_rules! conformance {
+    ($store:ident, $make:expr) => {
+        conformance!(@cases $store, $make;
+            moves_through_absent_in_progress_and_completed,
+            replays_every_body_byte_and_header,
+            refuses_a_different_fingerprint_in_every_state,
+            release_lets_the_next_request_run,
+            treats_a_record_past_its_ttl_as_absent,
+            takes_over_a_stale_lock_and_fences_the_old_owner,
+            an_extended_lock_is_not_taken_over,
+            isolates_tenants_and_scopes,
+            purges_in_batches_and_never_a_live_lock,
+        );
+    };
+    (@cases $store:ident, $make:expr; $($case:ident,)*) => {
+        mod $store {
+            use super::*;
+
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    let Some((store, _guard)) = ($make) else { return };
+                    super::$case(&*store).await;
+                }
+            )*
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn twenty_concurrent_reservers_get_exactly_one() {
+                let Some((store, _guard)) = ($make) else { return };
+                super::concurrent_reservers_get_exactly_one(vec![store], 20).await;
+            }
+        }
+    };
+}
+
+conformance!(
+    memory,
+    Some((
+        Arc::new(idem::MemoryStore::new()) as Arc<dyn IdempotencyStore>,
+        ()
+    ))
+);
+
+conformance!(sqlite, {
+    // A pool of 20, so every reserver of the race has its own connection.
+    let dir = tempfile::tempdir().unwrap();
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(dir.path().join("idem.db"))
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(10));
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(20)
+        .min_connections(20)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = idem::SqliteStore::new(pool).with_timeout(Duration::from_secs(15));
+    store.migrate().await.unwrap();
+    Some((Arc::new(store) as Arc<dyn IdempotencyStore>, dir))
+});
+
+conformance!(
+    postgres,
+    common::pg_store()
+        .await
+        .map(|s| (Arc::new(s) as Arc<dyn IdempotencyStore>, ()))
+);
+
+/// 200 reservers over 4 separate pools, as 4 server processes would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_two_hundred_reservers_over_four_pools_get_exactly_one() {
+    let Some(url) = common::pg_url() else { return };
+    let schema = common::pg_schema(&url).await;
+    let mut stores: Vec<Arc<dyn IdempotencyStore>> = Vec::new();
+    for _ in 0..4 {
+        stores.push(Arc::new(common::pg_store_in(&url, &schema, 10).await));
+    }
+    concurrent_reservers_get_exactly_one(stores, 200).await;
+}
+
+/// A server that is down answers `Unavailable` within the configured time.
+#[tokio::test]
+async fn postgres_unreachable_is_unavailable_within_the_timeout() {
+    // A closed port: connections are refused.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    // A port that accepts and never answers: the handshake hangs.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    let _keep = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((sock, _)) = silent.accept().await {
+            held.push(sock);
+        }
+    });
+
+    for port in [port, silent_port] {
+        let store = idem::PgStore::connect(&format!("postgres://postgres@127.0.0.1:{port}/test"))
+            .unwrap()
+            .with_timeout(Duration::from_millis(500));
+        let id = RecordId::new("t", "s", "k");
+        let started = Instant::now();
+        let err = store.reserve(req(&id, "fp", LONG, LONG)).await.unwrap_err();
+        let took = started.elapsed();
+        assert!(err.is_unavailable(), "port {port}: {err:?}");
+        assert!(took < Duration::from_millis(1500), "port {port}: took {took:?}");
+        let err = store.release(&id, "token").await.unwrap_err();
+        assert!(err.is_unavailable(), "port {port}: {err:?}");
+    }
+}
+
+/// Two OS processes reserve the same 50 keys in one SQLite file at once:
+/// every key is won exactly once.
+#[test]
+fn sqlite_two_processes_get_exactly_one_reservation_per_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("shared.db");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        idem::SqliteStore::open(&db)
+            .await
+            .unwrap()
+            .migrate()
+            .await
+            .unwrap();
+    });
+    let start_at = std::time::SystemTime::now() + Duration::from_millis(1500);
+    let start_ms = start_at
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    let children: Vec<_> = (0..2)
+        .map(|_| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "sqlite_reserver_process",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env("IDEM_RACE_DB", &db)
+                .env("IDEM_RACE_START_MS", start_ms.to_string())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut won = Vec::new();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "reserver process failed");
+        let text = String::from_utf8(out.stdout).unwrap();
+        let keys: Vec<String> = text
+            .lines()
+            // The harness writes "test ... " before the first line of ours.
+            .filter_map(|l| l.split("WON ").nth(1))
+            .map(|k| k.trim().to_owned())
+            .collect();
+        assert!(text.contains("DONE"), "reserver did not finish: {text}");
+        won.push(keys);
+    }
+    let mut all: Vec<String> = won.concat();
+    all.sort();
+    let expected: Vec<String> = {
+        let mut v: Vec<String> = (0..50).map(|i| format!("key-{i}")).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(all, expected, "each key must be won exactly once");
+    eprintln!("process 1 won {}, process 2 won {}", won[0].len(), won[1].len());
+}
+
+/// The child of the test above (run only by it, through `--ignored`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "helper process of sqlite_two_processes_get_exactly_one_reservation_per_key"]
+async fn sqlite_reserver_process() {
+    let db = std::env::var("IDEM_RACE_DB").expect("run by the two-process test");
+    let start_ms: u128 = std::env::var("IDEM_RACE_START_MS").unwrap().parse().unwrap();
+    let store = Arc::new(
+        idem::SqliteStore::open(&db)
+            .await
+            .unwrap()
+            .with_timeout(Duration::from_secs(30)),
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    tokio::time::sleep(Duration::from_millis(start_ms.saturating_sub(now) as u64)).await;
+    let tasks: Vec<_> = (0..50)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let id = RecordId::new("t", "race", format!("key-{i}"));
+                let r = store.reserve(req(&id, "fp", LONG, LONG)).await.expect("reserve");
+                (id.key, r)
+            })
+        })
+        .collect();
+    for t in tasks {
+        let (key, r) = t.await.unwrap();
+        if let Reservation::Reserved(_) = r {
+            println!("WON {key}");
+        }
+    }
+    println!("DONE");
+}
