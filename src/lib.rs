@@ -2,3 +2,6 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idem_runtime::*;
+
+#[cfg(feature = "axum")]
+pub use idem_macros::idempotent;

@@ -14,6 +14,9 @@ mod store;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod sql;
 
+#[cfg(feature = "axum")]
+mod http;
+
 #[cfg(feature = "postgres")]
 mod postgres;
 
@@ -29,6 +32,22 @@ pub use store::{
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub use sql::DEFAULT_TABLE;
+
+#[cfg(feature = "axum")]
+pub use http::{
+    problem, Classification, Classify, Idem, Operation, Tenant, BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT,
+    DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, PROBLEM_TYPE_PREFIX, REPLAYED_HEADER,
+};
+
+/// What the `#[idempotent]` expansion calls; not a public API.
+#[cfg(feature = "axum")]
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::fingerprint::{fingerprint, Fingerprint};
+    pub use crate::http::{run, run_optional, Context, Probe, Spec, ViaErr, ViaSelf, ViaStatus};
+    pub use axum::response::{IntoResponse, Response};
+    pub use std::time::Duration;
+}
 
 #[cfg(feature = "postgres")]
 pub use postgres::{PgStore, DEFAULT_OPERATION_TIMEOUT, POSTGRES_MIGRATION};

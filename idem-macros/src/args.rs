@@ -1,0 +1,336 @@
+//! The arguments of `#[idempotent(...)]`.
+
+use proc_macro2::Span;
+use syn::parse::{Parse, ParseStream};
+use syn::punctuated::Punctuated;
+use syn::{Ident, LitStr, Token};
+
+pub(crate) mod kw {
+    syn::custom_keyword!(scope);
+    syn::custom_keyword!(fields);
+    syn::custom_keyword!(header);
+    syn::custom_keyword!(optional);
+    syn::custom_keyword!(ttl);
+    syn::custom_keyword!(lock_timeout);
+    syn::custom_keyword!(wait);
+}
+
+/// A field path of the body: `amount` or `recipient.account`.
+pub(crate) struct FieldPath {
+    pub(crate) segments: Punctuated<Ident, Token![.]>,
+}
+
+impl FieldPath {
+    pub(crate) fn name(&self) -> String {
+        self.segments
+            .iter()
+            .map(Ident::to_string)
+            .collect::<Vec<_>>()
+            .join(".")
+    }
+
+    /// The span of the whole path, for errors about it.
+    pub(crate) fn span(&self) -> Span {
+        let first = self.segments.first().map(Ident::span);
+        let last = self.segments.last().map(Ident::span);
+        match (first, last) {
+            (Some(a), Some(b)) => a.join(b).unwrap_or(a),
+            _ => Span::call_site(),
+        }
+    }
+}
+
+impl Parse for FieldPath {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        Ok(FieldPath {
+            segments: Punctuated::parse_separated_nonempty(input)?,
+        })
+    }
+}
+
+/// A duration literal such as `"30s"`, checked at compile time.
+pub(crate) struct DurationLit {
+    pub(crate) millis: u64,
+}
+
+impl DurationLit {
+    fn parse_lit(lit: &LitStr) -> syn::Result<Self> {
+        let text = lit.value();
+        let bad = || {
+            syn::Error::new(
+                lit.span(),
+                format!(
+                    "invalid duration `{text}`: use a positive whole number followed by `ms`, `s`, `m`, `h` or `d`, such as `\"30s\"`"
+                ),
+            )
+        };
+        let digits_end = text.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        let (number, unit) = text.split_at(digits_end);
+        let number: u64 = number.parse().map_err(|_| bad())?;
+        let factor = match unit {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            _ => return Err(bad()),
+        };
+        match number.checked_mul(factor) {
+            Some(millis) if millis > 0 => Ok(DurationLit { millis }),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// Everything `#[idempotent(...)]` accepts. Each keyword token is kept next
+/// to its value so that errors can point at it.
+#[derive(Default)]
+pub(crate) struct IdempotentArgs {
+    pub(crate) scope: Option<(kw::scope, LitStr)>,
+    pub(crate) fields: Option<(kw::fields, Vec<FieldPath>)>,
+    pub(crate) header: Option<(kw::header, LitStr)>,
+    pub(crate) optional: Option<kw::optional>,
+    pub(crate) ttl: Option<(kw::ttl, DurationLit)>,
+    pub(crate) lock_timeout: Option<(kw::lock_timeout, DurationLit)>,
+    pub(crate) wait: Option<(kw::wait, DurationLit)>,
+    pub(crate) krate: Option<(Token![crate], syn::Path)>,
+    /// Semantic errors found while parsing; parsing goes on after them.
+    pub(crate) errors: Option<syn::Error>,
+}
+
+fn push(errors: &mut Option<syn::Error>, err: syn::Error) {
+    match errors {
+        Some(all) => all.combine(err),
+        None => *errors = Some(err),
+    }
+}
+
+/// Stores `value` in `slot`, or reports the keyword given twice at its
+/// second occurrence.
+fn set_once<T>(errors: &mut Option<syn::Error>, slot: &mut Option<T>, value: T, span: Span, name: &str) {
+    if slot.is_some() {
+        push(errors, syn::Error::new(span, format!("`{name}` is given twice")));
+    } else {
+        *slot = Some(value);
+    }
+}
+
+fn value<T: Parse>(input: ParseStream<'_>) -> syn::Result<T> {
+    input.parse::<Token![=]>()?;
+    input.parse()
+}
+
+fn duration(input: ParseStream<'_>, errors: &mut Option<syn::Error>) -> syn::Result<Option<DurationLit>> {
+    let lit: LitStr = value(input)?;
+    match DurationLit::parse_lit(&lit) {
+        Ok(d) => Ok(Some(d)),
+        Err(e) => {
+            push(errors, e);
+            Ok(None)
+        }
+    }
+}
+
+fn valid_scope(scope: &str) -> bool {
+    !scope.is_empty()
+        && scope.split('.').all(|part| {
+            let mut chars = part.chars();
+            matches!(chars.next(), Some('a'..='z')) && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'))
+        })
+}
+
+fn valid_header(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+impl Parse for IdempotentArgs {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let mut args = IdempotentArgs::default();
+        let mut errors = None;
+        while !input.is_empty() {
+            let lookahead = input.lookahead1();
+            if lookahead.peek(kw::scope) {
+                let k: kw::scope = input.parse()?;
+                let lit: LitStr = value(input)?;
+                if !valid_scope(&lit.value()) {
+                    push(
+                        &mut errors,
+                        syn::Error::new(
+                            lit.span(),
+                            "`scope` must be a lowercase dotted name such as `\"payment.create\"`",
+                        ),
+                    );
+                }
+                set_once(&mut errors, &mut args.scope, (k, lit), k.span, "scope");
+            } else if lookahead.peek(kw::fields) {
+                let k: kw::fields = input.parse()?;
+                let content;
+                syn::parenthesized!(content in input);
+                let list: Punctuated<FieldPath, Token![,]> = Punctuated::parse_terminated(&content)?;
+                let mut seen: Vec<String> = Vec::new();
+                for field in &list {
+                    let name = field.name();
+                    if seen.contains(&name) {
+                        push(
+                            &mut errors,
+                            syn::Error::new(field.span(), format!("field `{name}` is listed twice")),
+                        );
+                    }
+                    seen.push(name);
+                }
+                if list.is_empty() {
+                    push(
+                        &mut errors,
+                        syn::Error::new(
+                            k.span,
+                            "`fields()` is empty: name at least one body field, or leave `fields` out to fingerprint the whole body",
+                        ),
+                    );
+                }
+                set_once(
+                    &mut errors,
+                    &mut args.fields,
+                    (k, list.into_iter().collect()),
+                    k.span,
+                    "fields",
+                );
+            } else if lookahead.peek(kw::header) {
+                let k: kw::header = input.parse()?;
+                let lit: LitStr = value(input)?;
+                if !valid_header(&lit.value()) {
+                    push(
+                        &mut errors,
+                        syn::Error::new(
+                            lit.span(),
+                            "`header` must be a valid HTTP header name, such as `\"Idempotency-Key\"`",
+                        ),
+                    );
+                }
+                set_once(&mut errors, &mut args.header, (k, lit), k.span, "header");
+            } else if lookahead.peek(kw::optional) {
+                let k: kw::optional = input.parse()?;
+                set_once(&mut errors, &mut args.optional, k, k.span, "optional");
+            } else if lookahead.peek(kw::ttl) {
+                let k: kw::ttl = input.parse()?;
+                if let Some(d) = duration(input, &mut errors)? {
+                    set_once(&mut errors, &mut args.ttl, (k, d), k.span, "ttl");
+                }
+            } else if lookahead.peek(kw::lock_timeout) {
+                let k: kw::lock_timeout = input.parse()?;
+                if let Some(d) = duration(input, &mut errors)? {
+                    set_once(
+                        &mut errors,
+                        &mut args.lock_timeout,
+                        (k, d),
+                        k.span,
+                        "lock_timeout",
+                    );
+                }
+            } else if lookahead.peek(kw::wait) {
+                let k: kw::wait = input.parse()?;
+                if let Some(d) = duration(input, &mut errors)? {
+                    set_once(&mut errors, &mut args.wait, (k, d), k.span, "wait");
+                }
+            } else if lookahead.peek(Token![crate]) {
+                let k: Token![crate] = input.parse()?;
+                let lit: LitStr = value(input)?;
+                match lit.parse::<syn::Path>() {
+                    Ok(path) => set_once(&mut errors, &mut args.krate, (k, path), k.span, "crate"),
+                    Err(_) => push(
+                        &mut errors,
+                        syn::Error::new(lit.span(), "`crate` must be a path such as `\"::idem\"`"),
+                    ),
+                }
+            } else {
+                return Err(lookahead.error());
+            }
+            if input.is_empty() {
+                break;
+            }
+            input.parse::<Token![,]>()?;
+        }
+        if args.scope.is_none() {
+            push(
+                &mut errors,
+                syn::Error::new(
+                    Span::call_site(),
+                    "`#[idempotent]` requires `scope = \"...\"`, such as `scope = \"payment.create\"`",
+                ),
+            );
+        }
+        args.errors = errors;
+        Ok(args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(tokens: proc_macro2::TokenStream) -> syn::Result<IdempotentArgs> {
+        syn::parse2(tokens)
+    }
+
+    #[test]
+    fn parses_every_argument() {
+        let args = parse(quote::quote!(
+            scope = "payment.create",
+            fields(amount, recipient.account),
+            header = "X-Key",
+            optional,
+            ttl = "2h",
+            lock_timeout = "30s",
+            wait = "500ms",
+            crate = "::idem"
+        ))
+        .unwrap();
+        assert!(args.errors.is_none());
+        assert_eq!(args.scope.unwrap().1.value(), "payment.create");
+        let fields: Vec<String> = args.fields.unwrap().1.iter().map(FieldPath::name).collect();
+        assert_eq!(fields, ["amount", "recipient.account"]);
+        assert_eq!(args.ttl.unwrap().1.millis, 7_200_000);
+        assert_eq!(args.lock_timeout.unwrap().1.millis, 30_000);
+        assert_eq!(args.wait.unwrap().1.millis, 500);
+        assert!(args.optional.is_some());
+    }
+
+    #[test]
+    fn collects_every_semantic_error() {
+        let args = parse(quote::quote!(scope = "Payment", ttl = "5x", fields(a, a))).unwrap();
+        let messages: Vec<String> = args.errors.unwrap().into_iter().map(|e| e.to_string()).collect();
+        assert_eq!(messages.len(), 3, "{messages:?}");
+    }
+
+    #[test]
+    fn scopes_and_durations() {
+        assert!(valid_scope("payment.create") && valid_scope("a1_b.c"));
+        for bad in ["", "Payment", "payment.", ".x", "a..b", "a-b", "1a"] {
+            assert!(!valid_scope(bad), "{bad}");
+        }
+        for bad in ["", "5", "s", "0s", "5 s", "-5s", "5sec", "99999999999999999999d"] {
+            let lit = LitStr::new(bad, Span::call_site());
+            assert!(DurationLit::parse_lit(&lit).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn unknown_arguments_list_the_valid_ones() {
+        let err = parse(quote::quote!(scope = "a", retries = 3)).err().unwrap();
+        let message = err.to_string();
+        for name in [
+            "scope",
+            "fields",
+            "header",
+            "optional",
+            "ttl",
+            "lock_timeout",
+            "wait",
+            "crate",
+        ] {
+            assert!(message.contains(name), "{message}");
+        }
+    }
+}

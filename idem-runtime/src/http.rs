@@ -1,0 +1,1035 @@
+//! The HTTP protocol around an annotated axum handler (contract sections 1,
+//! 2, 5, 6, 7 and 9). The `#[idempotent]` attribute expands to one call of
+//! [`run`]; everything else lives here.
+
+use crate::{
+    IdempotencyKey, IdempotencyStore, KeyError, Lease, RecordId, Reservation, ReserveRequest, StoreError,
+    StoredResponse,
+};
+use axum::body::Body;
+use axum::extract::FromRequestParts;
+use axum::http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use futures_util::FutureExt as _;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::Instrument as _;
+
+/// The default record retention: 24 hours.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
+/// The default lock timeout: 60 seconds. It must exceed the longest
+/// legitimate execution of a handler (the lease heartbeat extends it while
+/// the handler runs, so only a dead process's lock expires).
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
+/// The default limit of a stored response body: 1 MiB.
+pub const DEFAULT_MAX_STORED_BODY: usize = 1024 * 1024;
+/// The header that marks a replayed answer.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+/// The header that marks a replay whose body was too large to keep.
+pub const BODY_OMITTED_HEADER: &str = "idempotent-replay-body-omitted";
+
+/// Headers that are never stored, even when named.
+const NEVER_STORED: &[&str] = &[
+    "set-cookie",
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "date",
+    "www-authenticate",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+];
+
+/// The authenticated principal, as the application's auth layer puts it in
+/// the request extensions. Records are scoped by it: one tenant can neither
+/// read nor block another's.
+///
+/// ```
+/// use axum::{extract::Request, middleware::Next, response::Response};
+/// use idem::Tenant;
+///
+/// async fn auth(mut req: Request, next: Next) -> Response {
+///     // ... verify the credentials, then:
+///     req.extensions_mut().insert(Tenant::new("acct_42"));
+///     next.run(req).await
+/// }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Tenant(String);
+
+impl Tenant {
+    /// A tenant id, such as an account or API client id.
+    ///
+    /// ```
+    /// assert_eq!(idem::Tenant::new("acct_1").as_str(), "acct_1");
+    /// ```
+    pub fn new(id: impl Into<String>) -> Self {
+        Tenant(id.into())
+    }
+
+    /// The tenant id.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// How an outcome of the handler is recorded (contract section 6).
+///
+/// ```
+/// use idem::Classification;
+/// use axum::http::StatusCode;
+///
+/// assert_eq!(Classification::from_status(StatusCode::PAYMENT_REQUIRED), Classification::Store);
+/// assert_eq!(Classification::from_status(StatusCode::SERVICE_UNAVAILABLE), Classification::Release);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Classification {
+    /// The answer is final: complete the record and replay it to retries.
+    Store,
+    /// Nothing happened that a retry must not repeat: remove the record.
+    Release,
+}
+
+impl Classification {
+    /// The default rule: 2xx and 3xx are stored; 400, 408, 409, 422, 425,
+    /// 429 and every 5xx are released; every other 4xx is stored.
+    ///
+    /// ```
+    /// # use idem::Classification;
+    /// # use axum::http::StatusCode;
+    /// assert_eq!(Classification::from_status(StatusCode::CONFLICT), Classification::Release);
+    /// assert_eq!(Classification::from_status(StatusCode::NOT_FOUND), Classification::Store);
+    /// ```
+    pub fn from_status(status: StatusCode) -> Self {
+        match status.as_u16() {
+            400 | 408 | 409 | 422 | 425 | 429 | 500..=599 => Classification::Release,
+            _ => Classification::Store,
+        }
+    }
+}
+
+/// Lets a handler's error type (or whole return type) say how its outcome is
+/// recorded, instead of the status code rule.
+///
+/// ```
+/// use axum::{http::StatusCode, response::{IntoResponse, Response}};
+/// use idem::{Classification, Classify};
+///
+/// enum PaymentError { Declined, GatewayDown }
+///
+/// impl IntoResponse for PaymentError {
+///     fn into_response(self) -> Response {
+///         match self {
+///             PaymentError::Declined => StatusCode::PAYMENT_REQUIRED.into_response(),
+///             PaymentError::GatewayDown => StatusCode::BAD_GATEWAY.into_response(),
+///         }
+///     }
+/// }
+///
+/// impl Classify for PaymentError {
+///     fn classify(&self) -> Classification {
+///         match self {
+///             PaymentError::Declined => Classification::Store,
+///             PaymentError::GatewayDown => Classification::Release,
+///         }
+///     }
+/// }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` does not say how `#[idempotent]` should record it",
+    note = "implement `idem::Classify` for `{Self}`"
+)]
+pub trait Classify {
+    /// Store or release the record for this value.
+    fn classify(&self) -> Classification;
+}
+
+/// The configured idempotency layer: a store plus the service-wide
+/// defaults. Add it to the router with [`Idem::layer`].
+///
+/// ```no_run
+/// use axum::{routing::post, Router};
+/// use idem::{Idem, SqliteStore};
+///
+/// # async fn handler() {}
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = SqliteStore::open("idem.db").await?;
+/// store.migrate().await?;
+/// let app: Router = Router::new()
+///     .route("/v1/payments", post(handler))
+///     .layer(Idem::new(store).single_tenant().layer());
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Idem {
+    inner: Arc<Engine>,
+}
+
+struct Engine {
+    store: Arc<dyn IdempotencyStore>,
+    ttl: Duration,
+    lock_timeout: Duration,
+    single_tenant: bool,
+    max_stored_body: usize,
+    replay_headers: Vec<HeaderName>,
+}
+
+impl std::fmt::Debug for Idem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idem")
+            .field("ttl", &self.inner.ttl)
+            .field("lock_timeout", &self.inner.lock_timeout)
+            .field("single_tenant", &self.inner.single_tenant)
+            .field("max_stored_body", &self.inner.max_stored_body)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Idem {
+    /// A layer over `store` with the defaults: TTL 24 hours, lock timeout
+    /// 60 seconds, stored bodies up to 1 MiB, tenants required.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new());
+    /// ```
+    pub fn new(store: impl IdempotencyStore) -> Self {
+        Self::from_arc(Arc::new(store))
+    }
+
+    /// Like [`Idem::new`], for a store that is already shared.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// let store: Arc<dyn idem::IdempotencyStore> = Arc::new(idem::MemoryStore::new());
+    /// let idem = idem::Idem::from_arc(store);
+    /// ```
+    pub fn from_arc(store: Arc<dyn IdempotencyStore>) -> Self {
+        Idem {
+            inner: Arc::new(Engine {
+                store,
+                ttl: DEFAULT_TTL,
+                lock_timeout: DEFAULT_LOCK_TIMEOUT,
+                single_tenant: false,
+                max_stored_body: DEFAULT_MAX_STORED_BODY,
+                replay_headers: vec![CONTENT_TYPE, axum::http::header::LOCATION],
+            }),
+        }
+    }
+
+    fn change(mut self, f: impl FnOnce(&mut Engine)) -> Self {
+        match Arc::get_mut(&mut self.inner) {
+            Some(engine) => f(engine),
+            None => {
+                let old = &self.inner;
+                let mut engine = Engine {
+                    store: old.store.clone(),
+                    ttl: old.ttl,
+                    lock_timeout: old.lock_timeout,
+                    single_tenant: old.single_tenant,
+                    max_stored_body: old.max_stored_body,
+                    replay_headers: old.replay_headers.clone(),
+                };
+                f(&mut engine);
+                self.inner = Arc::new(engine);
+            }
+        }
+        self
+    }
+
+    /// How long records are kept (default 24 hours). Handlers can override
+    /// it with `ttl = "..."`.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).ttl(std::time::Duration::from_secs(3600));
+    /// ```
+    pub fn ttl(self, ttl: Duration) -> Self {
+        self.change(|e| e.ttl = ttl)
+    }
+
+    /// How long a lock holds before another request may take the operation
+    /// over (default 60 seconds). It must exceed the longest legitimate
+    /// execution; while a handler runs its lock is extended every third of
+    /// this time, so only a dead process's lock runs out.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).lock_timeout(std::time::Duration::from_secs(30));
+    /// ```
+    pub fn lock_timeout(self, lock_timeout: Duration) -> Self {
+        self.change(|e| e.lock_timeout = lock_timeout)
+    }
+
+    /// Serves one tenant: requests without a [`Tenant`] share one namespace.
+    /// Without this call such requests are refused with 500, so that a
+    /// missing auth layer never silently makes keys global.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).single_tenant();
+    /// ```
+    pub fn single_tenant(self) -> Self {
+        self.change(|e| e.single_tenant = true)
+    }
+
+    /// The largest response body stored for replay (default 1 MiB). A larger
+    /// answer still completes the record, so the handler never runs twice
+    /// for one key, but only its status and headers are kept: a replay
+    /// answers them with an empty body and `Idempotent-Replay-Body-Omitted: true`.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).max_stored_body(64 * 1024);
+    /// ```
+    pub fn max_stored_body(self, bytes: usize) -> Self {
+        self.change(|e| e.max_stored_body = bytes)
+    }
+
+    /// Also stores and replays these response headers (besides
+    /// `content-type` and `location`). `set-cookie`, `date` and
+    /// authentication headers are never stored, even when named here.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).replay_headers(["etag", "x-request-cost"]);
+    /// ```
+    pub fn replay_headers<I, H>(self, names: I) -> Self
+    where
+        I: IntoIterator<Item = H>,
+        H: AsRef<str>,
+    {
+        let names: Vec<HeaderName> = names
+            .into_iter()
+            .filter_map(|n| HeaderName::from_bytes(n.as_ref().as_bytes()).ok())
+            .filter(|n| !NEVER_STORED.contains(&n.as_str()))
+            .collect();
+        self.change(|e| {
+            for n in names {
+                if !e.replay_headers.contains(&n) {
+                    e.replay_headers.push(n);
+                }
+            }
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn IdempotencyStore> {
+        &self.inner.store
+    }
+
+    /// The layer to add to the router: it makes this configuration
+    /// available to every `#[idempotent]` handler below it.
+    ///
+    /// ```
+    /// use axum::Router;
+    /// let app: Router = Router::new().layer(idem::Idem::new(idem::MemoryStore::new()).layer());
+    /// ```
+    pub fn layer(self) -> axum::Extension<Idem> {
+        axum::Extension(self)
+    }
+}
+
+/// What one annotated handler declared in its attribute. Built by the macro.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Spec {
+    pub scope: &'static str,
+    /// Lowercase header name.
+    pub header: &'static str,
+    pub optional: bool,
+    pub ttl: Option<Duration>,
+    pub lock_timeout: Option<Duration>,
+    pub wait: Option<Duration>,
+}
+
+/// What the injected first parameter of an annotated handler extracts: the
+/// configuration, the tenant and the request headers.
+#[doc(hidden)]
+pub struct Context {
+    idem: Option<Idem>,
+    tenant: Option<Tenant>,
+    headers: HeaderMap,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").finish_non_exhaustive()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Context {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        Ok(Context {
+            idem: parts.extensions.get::<Idem>().cloned(),
+            tenant: parts.extensions.get::<Tenant>().cloned(),
+            headers: parts.headers.clone(),
+        })
+    }
+}
+
+#[derive(Clone)]
+struct OperationInfo {
+    store: Arc<dyn IdempotencyStore>,
+    id: RecordId,
+    lease: Lease,
+}
+
+/// The operation an annotated handler runs for: its key, attempt and
+/// recovery point, checkpoints, and derived keys for downstream calls.
+///
+/// Ask for it as a parameter of an `#[idempotent]` handler (any position:
+/// the attribute supplies it after the reservation, it is not an extractor).
+/// An `optional` handler asks for `Option<Operation>`: a request without a
+/// key runs unprotected and gets `None`.
+///
+/// ```
+/// use axum::Json;
+/// use idem::{idempotent, Operation};
+/// # #[derive(serde::Deserialize, serde::Serialize)] struct Order { sku: String }
+///
+/// #[idempotent(scope = "order.create", fields(sku))]
+/// async fn create_order(op: Operation, Json(order): Json<Order>) -> String {
+///     if op.recovery_point().as_deref() != Some("reserved") {
+///         // ... reserve stock, then remember that it is done:
+///         op.checkpoint("reserved").await.ok();
+///     }
+///     let gateway_key = op.derived_key("charge");
+///     format!("attempt {} with {gateway_key}", op.attempt())
+/// }
+/// ```
+#[derive(Clone)]
+pub struct Operation {
+    info: OperationInfo,
+    /// The recovery point as this execution last set it.
+    recovery_point: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl std::fmt::Debug for Operation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Operation")
+            .field("scope", &self.info.id.scope)
+            .field("attempt", &self.info.lease.attempt)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Operation {
+    /// The client's idempotency key.
+    pub fn key(&self) -> &str {
+        &self.info.id.key
+    }
+
+    /// The tenant the record belongs to.
+    pub fn tenant(&self) -> &str {
+        &self.info.id.tenant
+    }
+
+    /// The scope of the attribute.
+    pub fn scope(&self) -> &str {
+        &self.info.id.scope
+    }
+
+    /// 1 for the first execution, + 1 for every takeover.
+    pub fn attempt(&self) -> u32 {
+        self.info.lease.attempt
+    }
+
+    /// Whether this execution took over from one whose lock ran out.
+    pub fn is_takeover(&self) -> bool {
+        self.info.lease.is_takeover()
+    }
+
+    /// The last recovery point: set by [`Operation::checkpoint`] in this
+    /// execution, or by an earlier attempt that was taken over.
+    pub fn recovery_point(&self) -> Option<String> {
+        let own = self
+            .recovery_point
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        own.or_else(|| self.info.lease.recovery_point.clone())
+    }
+
+    /// Persists `name` as the operation's progress, under this execution's
+    /// lock token.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::LockLost`] when another execution took the operation
+    /// over (stop: the record is not yours any more), or another
+    /// [`StoreError`] when the store fails.
+    pub async fn checkpoint(&self, name: &str) -> Result<(), StoreError> {
+        let info = &self.info;
+        info.store.checkpoint(&info.id, &info.lease.token, name).await?;
+        *self.recovery_point.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.to_owned());
+        Ok(())
+    }
+
+    /// A key for the downstream call `step`, to pass to another system's own
+    /// idempotency support: the same on every retry, takeover and restart of
+    /// this operation; different for a new operation that reuses the key
+    /// after the old record expired; revealing none of its inputs.
+    pub fn derived_key(&self, step: &str) -> String {
+        derived_key(&self.info.id, &self.info.lease.operation_id, step)
+    }
+}
+
+/// `idem_` and 40 hex digits of SHA-256 over the record, its operation id
+/// and the step, all length-prefixed.
+pub(crate) fn derived_key(id: &RecordId, operation_id: &str, step: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in [
+        "idem-derived-key-v1",
+        &id.tenant,
+        &id.scope,
+        &id.key,
+        operation_id,
+        step,
+    ] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    format!("idem_{}", crate::fingerprint::hex(&h.finalize()[..20]))
+}
+
+/// The handler's outcome as the generated code hands it over.
+#[doc(hidden)]
+type HandlerFuture = Pin<Box<dyn Future<Output = (Response, Option<Classification>)> + Send>>;
+
+type Handler = Box<dyn FnOnce(Option<Operation>) -> HandlerFuture + Send>;
+
+/// Runs an annotated handler under the protocol. The generated code calls
+/// this once; `handler` builds the handler's future once the key is reserved.
+#[doc(hidden)]
+pub fn run<H, F>(
+    ctx: Context,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::FingerprintError>,
+    handler: H,
+) -> impl Future<Output = Response> + Send
+where
+    H: FnOnce(Operation) -> F + Send + 'static,
+    F: Future<Output = (Response, Option<Classification>)> + Send + 'static,
+{
+    let handler: Handler = Box::new(move |op: Option<Operation>| -> HandlerFuture {
+        match op {
+            Some(op) => Box::pin(handler(op)),
+            // Only `run_optional` runs a handler without a reservation.
+            None => Box::pin(async { (misconfigured(), Some(Classification::Release)) }),
+        }
+    });
+    run_boxed(ctx, spec, fingerprint, handler)
+}
+
+/// [`run`] for an `optional` handler: without a key it runs unprotected and
+/// gets `None`.
+#[doc(hidden)]
+pub fn run_optional<H, F>(
+    ctx: Context,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::FingerprintError>,
+    handler: H,
+) -> impl Future<Output = Response> + Send
+where
+    H: FnOnce(Option<Operation>) -> F + Send + 'static,
+    F: Future<Output = (Response, Option<Classification>)> + Send + 'static,
+{
+    let handler: Handler = Box::new(move |op: Option<Operation>| -> HandlerFuture { Box::pin(handler(op)) });
+    run_boxed(ctx, spec, fingerprint, handler)
+}
+
+async fn run_boxed(
+    ctx: Context,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::FingerprintError>,
+    handler: Handler,
+) -> Response {
+    let Some(idem) = ctx.idem else {
+        tracing::error!(
+            scope = spec.scope,
+            "no idempotency store is configured for this route: add `.layer(idem::Idem::new(store).layer())` \
+             to the router (below the routes it protects)"
+        );
+        return misconfigured();
+    };
+    let engine = idem.inner;
+    let values = ctx.headers.get_all(spec.header).iter().map(HeaderValue::as_bytes);
+    let key = match IdempotencyKey::from_header_values(values) {
+        Ok(key) => key,
+        Err(KeyError::Missing) if spec.optional => {
+            let span = tracing::info_span!("idem", scope = spec.scope, outcome = "unprotected");
+            return handler(None).instrument(span).await.0;
+        }
+        Err(e) => return key_problem(e, spec.header),
+    };
+    let span = tracing::info_span!(
+        "idem",
+        scope = spec.scope,
+        key = %key.log_hash(),
+        outcome = tracing::field::Empty,
+        attempt = tracing::field::Empty,
+    );
+    async move {
+        let tenant = match (ctx.tenant, engine.single_tenant) {
+            (Some(t), _) => t.0,
+            (None, true) => String::new(),
+            (None, false) => {
+                tracing::error!(
+                    "no tenant for this request: insert an `idem::Tenant` into the request extensions in \
+                     your auth layer, or call `Idem::single_tenant()` if the service has one tenant"
+                );
+                return misconfigured();
+            }
+        };
+        let fingerprint = match fingerprint {
+            Ok(fp) => fp,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot fingerprint the request");
+                return misconfigured();
+            }
+        };
+        let id = RecordId::new(tenant, spec.scope, key.as_str());
+        let request = ReserveRequest {
+            id: &id,
+            fingerprint: &fingerprint,
+            ttl: spec.ttl.unwrap_or(engine.ttl),
+            lock_timeout: spec.lock_timeout.unwrap_or(engine.lock_timeout),
+        };
+        let waited_until = spec.wait.map(|w| tokio::time::Instant::now() + w);
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let reservation = match engine.store.reserve(request).await {
+                Ok(r) => r,
+                Err(e) => {
+                    record("store_unavailable");
+                    tracing::error!(error = %e, "idempotency store failed; refusing the request");
+                    return store_unavailable();
+                }
+            };
+            match reservation {
+                Reservation::Reserved(lease) => {
+                    tracing::Span::current().record("attempt", lease.attempt);
+                    let lock_timeout = request.lock_timeout;
+                    return execute(engine, id.clone(), lease, lock_timeout, handler).await;
+                }
+                Reservation::Completed(stored) => {
+                    record("replayed");
+                    return replay(stored);
+                }
+                Reservation::Mismatch => {
+                    record("mismatch");
+                    return problem(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "idempotency-key-reused",
+                        "Idempotency key reused",
+                        "this idempotency key was already used with a different request; \
+                         use a new key for a new request",
+                    );
+                }
+                Reservation::InProgress { retry_after } => {
+                    let now = tokio::time::Instant::now();
+                    match waited_until {
+                        Some(deadline) if now < deadline => {
+                            tokio::time::sleep(pause.min(deadline - now)).await;
+                            pause = (pause * 2).min(Duration::from_millis(250));
+                        }
+                        _ => {
+                            record("in_progress");
+                            return in_progress(retry_after);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+fn record(outcome: &'static str) {
+    tracing::Span::current().record("outcome", outcome);
+}
+
+/// Runs the handler detached from the connection, so that a client that
+/// goes away cannot cancel it: its result is recorded all the same.
+async fn execute(
+    engine: Arc<Engine>,
+    id: RecordId,
+    lease: Lease,
+    lock_timeout: Duration,
+    handler: Handler,
+) -> Response {
+    let info = OperationInfo {
+        store: engine.store.clone(),
+        id,
+        lease,
+    };
+    let handler = handler(Some(Operation {
+        info: info.clone(),
+        recovery_point: Arc::default(),
+    }));
+    let span = tracing::Span::current();
+    if info.lease.is_takeover() {
+        tracing::warn!(
+            attempt = info.lease.attempt,
+            "taking over an operation whose lock ran out"
+        );
+    }
+    let task = tokio::spawn(
+        async move {
+            let outcome = with_heartbeat(
+                &engine,
+                &info,
+                lock_timeout,
+                AssertUnwindSafe(handler).catch_unwind(),
+            )
+            .await;
+            finish(&engine, &info, outcome).await
+        }
+        .instrument(span),
+    );
+    match task.await {
+        Ok(response) => response,
+        // The task itself never panics: the handler's panic is caught inside.
+        Err(_) => problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "handler-failed",
+            "Internal error",
+            "the request failed; it may be retried with the same key",
+        ),
+    }
+}
+
+/// Polls the handler while extending its lock every third of the lock
+/// timeout: a slow but living handler is never taken over.
+async fn with_heartbeat<T>(
+    engine: &Engine,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    handler: impl Future<Output = T>,
+) -> T {
+    let (store, id, token) = (engine.store.clone(), info.id.clone(), info.lease.token.clone());
+    let beat = tokio::spawn(async move {
+        let period = (lock_timeout / 3).max(Duration::from_millis(10));
+        loop {
+            tokio::time::sleep(period).await;
+            match store.extend_lock(&id, &token, lock_timeout).await {
+                Ok(()) => {}
+                Err(StoreError::LockLost) => {
+                    tracing::error!("lock lost while the handler runs: another execution took over");
+                    return;
+                }
+                Err(e) => tracing::warn!(error = %e, "could not extend the lock"),
+            }
+        }
+    });
+    let out = handler.await;
+    beat.abort();
+    out
+}
+
+type Caught = Result<(Response, Option<Classification>), Box<dyn std::any::Any + Send>>;
+
+async fn finish(engine: &Engine, info: &OperationInfo, outcome: Caught) -> Response {
+    let (response, declared) = match outcome {
+        Ok(pair) => pair,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            record("released");
+            tracing::error!(panic = %what, "handler panicked; releasing the key");
+            release(engine, info).await;
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "handler-failed",
+                "Internal error",
+                "the request failed; it may be retried with the same key",
+            );
+        }
+    };
+    let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
+    if class == Classification::Release {
+        record("released");
+        release(engine, info).await;
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(bytes) => Some(bytes),
+        Err(e) => {
+            tracing::error!(error = %e, "the response body failed while being read; storing status and headers");
+            None
+        }
+    };
+    let kept = bytes.as_ref().filter(|b| b.len() <= engine.max_stored_body);
+    if bytes.is_some() && kept.is_none() {
+        tracing::warn!(
+            limit = engine.max_stored_body,
+            "response body larger than the stored limit: a replay gets status and headers only"
+        );
+    }
+    let stored = StoredResponse {
+        status: parts.status.as_u16(),
+        headers: engine
+            .replay_headers
+            .iter()
+            .flat_map(|name| parts.headers.get_all(name).iter().map(move |v| (name, v)))
+            .filter_map(|(name, v)| Some((name.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+            .collect(),
+        body: kept.map(|b| b.to_vec()),
+    };
+    complete(engine, info, &stored).await;
+    record(if info.lease.is_takeover() {
+        "takeover"
+    } else {
+        "executed"
+    });
+    Response::from_parts(parts, Body::from(bytes.unwrap_or_default()))
+}
+
+/// Completes the record, retrying a store that fails for a moment: a record
+/// left in progress would be taken over and run again after its deadline.
+async fn complete(engine: &Engine, info: &OperationInfo, stored: &StoredResponse) {
+    let mut pause = Duration::from_millis(100);
+    for attempt in 1..=4 {
+        match engine.store.complete(&info.id, &info.lease.token, stored).await {
+            Ok(()) => return,
+            Err(StoreError::LockLost) => {
+                tracing::error!(
+                    "cannot complete: another execution took this operation over; its answer will be kept"
+                );
+                return;
+            }
+            Err(e) if attempt < 4 => {
+                tracing::warn!(error = %e, attempt, "completing the record failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            Err(e) => tracing::error!(
+                error = %e,
+                "completing the record failed; it stays in progress until its lock deadline"
+            ),
+        }
+    }
+}
+
+async fn release(engine: &Engine, info: &OperationInfo) {
+    match engine.store.release(&info.id, &info.lease.token).await {
+        Ok(()) => {}
+        Err(StoreError::LockLost) => {
+            tracing::error!("cannot release: another execution took this operation over")
+        }
+        Err(e) => tracing::error!(
+            error = %e,
+            "releasing the record failed; it becomes takeable at its lock deadline"
+        ),
+    }
+}
+
+fn replay(stored: StoredResponse) -> Response {
+    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let omitted = stored.body.is_none();
+    let mut response = Response::new(Body::from(stored.body.unwrap_or_default()));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    for (name, value) in stored.headers {
+        if omitted && name == CONTENT_TYPE.as_str() {
+            continue;
+        }
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
+            headers.append(n, v);
+        }
+    }
+    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    if omitted {
+        headers.insert(BODY_OMITTED_HEADER, HeaderValue::from_static("true"));
+    }
+    response
+}
+
+/// An RFC 9457 problem response whose `type` ends with `name`.
+///
+/// ```
+/// use axum::http::StatusCode;
+/// let r = idem::problem(StatusCode::CONFLICT, "idempotency-request-in-progress", "In progress", "wait");
+/// assert_eq!(r.headers()["content-type"], "application/problem+json");
+/// ```
+pub fn problem(status: StatusCode, name: &str, title: &str, detail: &str) -> Response {
+    let body = serde_json::json!({
+        "type": format!("{PROBLEM_TYPE_PREFIX}{name}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut response = Response::new(Body::from(body.to_string()));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    response
+}
+
+/// The start of every problem `type` of this layer; the name follows.
+pub const PROBLEM_TYPE_PREFIX: &str = "urn:idem:problem:";
+
+fn key_problem(e: KeyError, header: &str) -> Response {
+    let title = if e == KeyError::Missing {
+        "Idempotency key missing"
+    } else {
+        "Idempotency key invalid"
+    };
+    problem(
+        StatusCode::BAD_REQUEST,
+        e.problem_name(),
+        title,
+        &format!("{e} (header `{header}`)"),
+    )
+}
+
+fn in_progress(retry_after: Duration) -> Response {
+    let mut r = problem(
+        StatusCode::CONFLICT,
+        "idempotency-request-in-progress",
+        "Request in progress",
+        "a request with this idempotency key is still being processed; retry later with the same key",
+    );
+    let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+    r.headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
+    r
+}
+
+fn store_unavailable() -> Response {
+    let mut r = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency-store-unavailable",
+        "Idempotency store unavailable",
+        "the request was not processed; retry later with the same key",
+    );
+    r.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("2"));
+    r
+}
+
+fn misconfigured() -> Response {
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "idempotency-misconfigured",
+        "Idempotency layer misconfigured",
+        "the server is not configured correctly for this endpoint; the request was not processed",
+    )
+}
+
+/// The autoref probe the generated code uses to find a [`Classify`] impl on
+/// the handler's error type, then on its whole return type, else none.
+#[doc(hidden)]
+pub struct Probe<'a, T>(pub &'a T);
+
+#[doc(hidden)]
+pub trait ViaErr {
+    fn __idem_classify(&self) -> Option<Classification>;
+}
+
+impl<T, E: Classify> ViaErr for &&Probe<'_, Result<T, E>> {
+    fn __idem_classify(&self) -> Option<Classification> {
+        match self.0 {
+            Ok(_) => None,
+            Err(e) => Some(e.classify()),
+        }
+    }
+}
+
+#[doc(hidden)]
+pub trait ViaSelf {
+    fn __idem_classify(&self) -> Option<Classification>;
+}
+
+impl<T: Classify> ViaSelf for &Probe<'_, T> {
+    fn __idem_classify(&self) -> Option<Classification> {
+        Some(self.0.classify())
+    }
+}
+
+#[doc(hidden)]
+pub trait ViaStatus {
+    fn __idem_classify(&self) -> Option<Classification>;
+}
+
+impl<T> ViaStatus for Probe<'_, T> {
+    fn __idem_classify(&self) -> Option<Classification> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classification_follows_the_contract_table() {
+        for (code, class) in [
+            (200, Classification::Store),
+            (201, Classification::Store),
+            (303, Classification::Store),
+            (402, Classification::Store),
+            (403, Classification::Store),
+            (404, Classification::Store),
+            (400, Classification::Release),
+            (408, Classification::Release),
+            (409, Classification::Release),
+            (422, Classification::Release),
+            (425, Classification::Release),
+            (429, Classification::Release),
+            (500, Classification::Release),
+            (503, Classification::Release),
+        ] {
+            assert_eq!(
+                Classification::from_status(StatusCode::from_u16(code).unwrap()),
+                class,
+                "{code}"
+            );
+        }
+    }
+
+    #[test]
+    // The borrows are the autoref mechanism under test.
+    #[allow(clippy::needless_borrow)]
+    fn the_probe_prefers_the_error_type_then_the_whole_type_then_the_status() {
+        struct Declared;
+        impl Classify for Declared {
+            fn classify(&self) -> Classification {
+                Classification::Release
+            }
+        }
+        let err: Result<(), Declared> = Err(Declared);
+        assert_eq!((&&&Probe(&err)).__idem_classify(), Some(Classification::Release));
+        let ok: Result<(), Declared> = Ok(());
+        assert_eq!((&&&Probe(&ok)).__idem_classify(), None);
+        assert_eq!(
+            (&&&Probe(&Declared)).__idem_classify(),
+            Some(Classification::Release)
+        );
+        let plain: Result<(), String> = Err(String::new());
+        assert_eq!((&&&Probe(&plain)).__idem_classify(), None);
+    }
+
+    #[test]
+    fn derived_keys_are_stable_opaque_and_per_operation() {
+        let id = RecordId::new("acct_1", "payment.create", "key-1");
+        let a = derived_key(&id, "op-1", "charge");
+        assert_eq!(a, derived_key(&id, "op-1", "charge"));
+        assert_ne!(a, derived_key(&id, "op-2", "charge"));
+        assert_ne!(a, derived_key(&id, "op-1", "notify"));
+        assert!(!a.contains("acct_1") && !a.contains("key-1") && !a.contains("charge"));
+        assert_eq!(a.len(), 45);
+    }
+}

@@ -1,0 +1,628 @@
+//! The HTTP protocol of `#[idempotent]` over real HTTP (a server on a
+//! loopback port, a client on a raw socket), on SQLite and PostgreSQL: every
+//! row of contract sections 2, 5 and 6.
+
+mod common;
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use common::http::{post as post_req, serve, Reply};
+use idem::{idempotent, Classification, Classify, Idem, IdempotencyStore, Operation, Tenant};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Clone, Default)]
+struct App {
+    /// How many times the handler body ran, per recipient.
+    runs: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl App {
+    fn ran(&self, recipient: &str) -> usize {
+        self.runs.lock().unwrap().get(recipient).copied().unwrap_or(0)
+    }
+}
+
+#[derive(Deserialize, Serialize)]
+struct PaymentIn {
+    amount: i64,
+    currency: String,
+    recipient: String,
+    comment: Option<String>,
+}
+
+enum PaymentError {
+    Declined,
+    GatewayDown,
+    Invalid,
+    /// A 402 that the error type itself says to release.
+    RetryableDecline,
+}
+
+impl IntoResponse for PaymentError {
+    fn into_response(self) -> Response {
+        match self {
+            PaymentError::Declined => (
+                StatusCode::PAYMENT_REQUIRED,
+                Json(serde_json::json!({"error": "card_declined"})),
+            )
+                .into_response(),
+            PaymentError::RetryableDecline => (
+                StatusCode::PAYMENT_REQUIRED,
+                Json(serde_json::json!({"error": "try_again"})),
+            )
+                .into_response(),
+            PaymentError::GatewayDown => (StatusCode::SERVICE_UNAVAILABLE, "gateway down").into_response(),
+            PaymentError::Invalid => (StatusCode::UNPROCESSABLE_ENTITY, "invalid amount").into_response(),
+        }
+    }
+}
+
+impl Classify for PaymentError {
+    fn classify(&self) -> Classification {
+        match self {
+            PaymentError::RetryableDecline => Classification::Release,
+            other => Classification::from_status(match other {
+                PaymentError::Declined => StatusCode::PAYMENT_REQUIRED,
+                PaymentError::GatewayDown => StatusCode::SERVICE_UNAVAILABLE,
+                _ => StatusCode::UNPROCESSABLE_ENTITY,
+            }),
+        }
+    }
+}
+
+type Created = (StatusCode, HeaderMap, Json<serde_json::Value>);
+
+async fn pay(app: &App, p: PaymentIn, attempt: u32) -> Result<Created, PaymentError> {
+    let n = {
+        let mut runs = app.runs.lock().unwrap();
+        let n = runs.entry(p.recipient.clone()).or_default();
+        *n += 1;
+        *n
+    };
+    match p.recipient.as_str() {
+        "slow" => tokio::time::sleep(Duration::from_millis(600)).await,
+        "declined" => return Err(PaymentError::Declined),
+        "retryable" => return Err(PaymentError::RetryableDecline),
+        "down" => return Err(PaymentError::GatewayDown),
+        "panic" => panic!("the handler panicked"),
+        _ => {}
+    }
+    if p.amount <= 0 {
+        return Err(PaymentError::Invalid);
+    }
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::LOCATION,
+        HeaderValue::from_str(&format!("/v1/payments/pay_{n}")).unwrap(),
+    );
+    headers.insert(header::SET_COOKIE, HeaderValue::from_static("session=secret"));
+    headers.insert("x-not-stored", HeaderValue::from_static("1"));
+    let body = if p.recipient == "big" {
+        serde_json::json!({"blob": "x".repeat(4096)})
+    } else {
+        // Odd spacing and key order: the replay must return these bytes.
+        serde_json::json!({"id": format!("pay_{n}"), "amount": p.amount, "attempt": attempt, "status": "succeeded"})
+    };
+    Ok((StatusCode::CREATED, headers, Json(body)))
+}
+
+#[idempotent(scope = "payment.create", fields(amount, currency, recipient))]
+async fn create_payment(
+    State(app): State<App>,
+    op: Operation,
+    Json(p): Json<PaymentIn>,
+) -> Result<Created, PaymentError> {
+    pay(&app, p, op.attempt()).await
+}
+
+#[idempotent(scope = "refund.create", fields(amount))]
+async fn create_refund(State(app): State<App>, Json(p): Json<PaymentIn>) -> Result<Created, PaymentError> {
+    pay(&app, p, 1).await
+}
+
+#[idempotent(scope = "payment.wait", fields(amount), wait = "3s")]
+async fn create_waiting(State(app): State<App>, Json(p): Json<PaymentIn>) -> Result<Created, PaymentError> {
+    pay(&app, p, 1).await
+}
+
+#[idempotent(scope = "payment.optional", fields(amount), optional)]
+async fn create_optional(
+    State(app): State<App>,
+    op: Option<Operation>,
+    Json(p): Json<PaymentIn>,
+) -> Result<Created, PaymentError> {
+    pay(&app, p, op.map_or(0, |op| op.attempt())).await
+}
+
+#[idempotent(scope = "payment.custom", header = "X-Request-Id")]
+async fn create_custom_header(
+    State(app): State<App>,
+    Json(p): Json<PaymentIn>,
+) -> Result<Created, PaymentError> {
+    pay(&app, p, 1).await
+}
+
+/// Demo auth: the bearer token is the tenant.
+async fn auth(mut req: Request, next: Next) -> Response {
+    let tenant = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(Tenant::new);
+    if let Some(t) = tenant {
+        req.extensions_mut().insert(t);
+    }
+    next.run(req).await
+}
+
+fn router(app: App, idem: Idem) -> Router {
+    Router::new()
+        .route("/payments", post(create_payment))
+        .route("/refunds", post(create_refund))
+        .route("/waiting", post(create_waiting))
+        .route("/optional", post(create_optional))
+        .route("/custom", post(create_custom_header))
+        .layer(idem.layer())
+        .layer(middleware::from_fn(auth))
+        .with_state(app)
+}
+
+struct Harness {
+    addr: SocketAddr,
+    app: App,
+    _guard: Box<dyn std::any::Any + Send>,
+}
+
+async fn start(store: Arc<dyn IdempotencyStore>, guard: Box<dyn std::any::Any + Send>) -> Harness {
+    let app = App::default();
+    let idem = Idem::from_arc(store).max_stored_body(1024);
+    let addr = serve(router(app.clone(), idem)).await;
+    Harness {
+        addr,
+        app,
+        _guard: guard,
+    }
+}
+
+fn body(amount: i64, recipient: &str) -> String {
+    format!(r#"{{"amount": {amount}, "currency": "EUR", "recipient": "{recipient}"}}"#)
+}
+
+async fn pay_req(h: &Harness, key: &str, amount: i64, recipient: &str) -> Reply {
+    post_req("/payments", &body(amount, recipient))
+        .bearer("acct_1")
+        .key(key)
+        .send(h.addr)
+        .await
+}
+
+async fn missing_key_is_400_and_the_handler_does_not_run(h: Harness) {
+    let r = post_req("/payments", &body(100, "alice"))
+        .bearer("acct_1")
+        .send(h.addr)
+        .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.problem(), "idempotency-key-missing");
+    assert_eq!(h.app.ran("alice"), 0);
+}
+
+async fn invalid_keys_are_400_and_the_handler_does_not_run(h: Harness) {
+    let long = "k".repeat(256);
+    let cases: Vec<(&str, Vec<&[u8]>)> = vec![
+        ("empty", vec![b""]),
+        ("too long", vec![long.as_bytes()]),
+        ("comma", vec![b"a,b"]),
+        ("tab", vec![b"a\tb"]),
+        ("space", vec![b"a b"]),
+        ("non-ascii", vec!["caf\u{e9}".as_bytes()]),
+        ("bad quoting", vec![b"\"open"]),
+        ("sent twice", vec![b"k1", b"k1"]),
+    ];
+    for (what, values) in cases {
+        let mut req = post_req("/payments", &body(100, "alice")).bearer("acct_1");
+        for v in values {
+            req = req.header("Idempotency-Key", v);
+        }
+        let r = req.send(h.addr).await;
+        assert_eq!(r.status, 400, "{what}: {r:?}");
+        assert_eq!(r.problem(), "idempotency-key-invalid", "{what}");
+        let detail = r.json()["detail"].as_str().unwrap().to_owned();
+        assert!(!detail.is_empty(), "{what}");
+    }
+    // Other control bytes never reach the application: the HTTP server
+    // itself refuses the request with its own 400.
+    let r = post_req("/payments", &body(100, "alice"))
+        .bearer("acct_1")
+        .key("a\x01b")
+        .send(h.addr)
+        .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(h.app.ran("alice"), 0);
+}
+
+async fn a_quoted_key_is_the_same_key(h: Harness) {
+    let first = pay_req(&h, "order-1", 100, "alice").await;
+    assert_eq!(first.status, 201);
+    let again = post_req("/payments", &body(100, "alice"))
+        .bearer("acct_1")
+        .key("\"order-1\"")
+        .send(h.addr)
+        .await;
+    assert_eq!(again.status, 201);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(h.app.ran("alice"), 1);
+}
+
+async fn replays_the_stored_response_byte_for_byte(h: Harness) {
+    let first = pay_req(&h, "k-replay", 4990, "alice").await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("idempotent-replayed"), None);
+    assert_eq!(first.header("set-cookie"), Some("session=secret"));
+    let replay = pay_req(&h, "k-replay", 4990, "alice").await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("location"), first.header("location"));
+    assert_eq!(replay.header("content-type"), Some("application/json"));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    // Never stored: cookies and headers nobody asked to replay.
+    assert_eq!(replay.header("set-cookie"), None);
+    assert_eq!(replay.header("x-not-stored"), None);
+    assert_eq!(h.app.ran("alice"), 1);
+}
+
+async fn rejects_a_reused_key_with_a_different_body(h: Harness) {
+    assert_eq!(pay_req(&h, "k-reuse", 100, "alice").await.status, 201);
+    let r = pay_req(&h, "k-reuse", 200, "alice").await;
+    assert_eq!(r.status, 422);
+    assert_eq!(r.problem(), "idempotency-key-reused");
+    // The detail never echoes the other request's data.
+    assert!(!String::from_utf8_lossy(&r.body).contains("100"));
+    assert_eq!(h.app.ran("alice"), 1);
+}
+
+async fn an_undeclared_field_change_still_replays(h: Harness) {
+    let first = pay_req(&h, "k-comment", 100, "alice").await;
+    let with_comment = r#"{"recipient":"alice", "amount":100,"currency":"\u0045UR","comment":"second try"}"#;
+    let again = post_req("/payments", with_comment)
+        .bearer("acct_1")
+        .key("k-comment")
+        .send(h.addr)
+        .await;
+    assert_eq!(again.status, 201);
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+}
+
+async fn a_request_in_progress_is_409_with_retry_after(h: Harness) {
+    let addr = h.addr;
+    let first = tokio::spawn(async move {
+        post_req("/payments", &body(100, "slow"))
+            .bearer("acct_1")
+            .key("k-409")
+            .send(addr)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let second = pay_req(&h, "k-409", 100, "slow").await;
+    assert_eq!(second.status, 409);
+    assert_eq!(second.problem(), "idempotency-request-in-progress");
+    let retry: u64 = second.header("retry-after").unwrap().parse().unwrap();
+    assert!(retry >= 1);
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(h.app.ran("slow"), 1);
+}
+
+async fn wait_replays_the_first_execution_once_it_completes(h: Harness) {
+    let addr = h.addr;
+    let first = tokio::spawn(async move {
+        post_req("/waiting", &body(100, "slow"))
+            .bearer("acct_1")
+            .key("k-wait")
+            .send(addr)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let second = post_req("/waiting", &body(100, "slow"))
+        .bearer("acct_1")
+        .key("k-wait")
+        .send(h.addr)
+        .await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(second.status, 201);
+    assert_eq!(second.header("idempotent-replayed"), Some("true"));
+    assert_eq!(second.body, first.body);
+    assert_eq!(h.app.ran("slow"), 1);
+}
+
+async fn tenants_and_scopes_with_the_same_key_are_isolated(h: Harness) {
+    let a = post_req("/payments", &body(100, "alice"))
+        .bearer("acct_a")
+        .key("shared")
+        .send(h.addr)
+        .await;
+    let b = post_req("/payments", &body(999, "alice"))
+        .bearer("acct_b")
+        .key("shared")
+        .send(h.addr)
+        .await;
+    let refund = post_req("/refunds", &body(5, "alice"))
+        .bearer("acct_a")
+        .key("shared")
+        .send(h.addr)
+        .await;
+    assert_eq!((a.status, b.status, refund.status), (201, 201, 201));
+    assert_eq!(h.app.ran("alice"), 3);
+    let a2 = post_req("/payments", &body(100, "alice"))
+        .bearer("acct_a")
+        .key("shared")
+        .send(h.addr)
+        .await;
+    assert_eq!(a2.body, a.body);
+    assert_ne!(a2.body, b.body);
+}
+
+async fn a_business_rejection_is_stored(h: Harness) {
+    let first = pay_req(&h, "k-402", 100, "declined").await;
+    assert_eq!(first.status, 402);
+    let again = pay_req(&h, "k-402", 100, "declined").await;
+    assert_eq!(again.status, 402);
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(h.app.ran("declined"), 1);
+}
+
+async fn the_error_type_can_override_the_classification(h: Harness) {
+    assert_eq!(pay_req(&h, "k-typed", 100, "retryable").await.status, 402);
+    let again = pay_req(&h, "k-typed", 100, "retryable").await;
+    assert_eq!(again.status, 402);
+    assert_eq!(again.header("idempotent-replayed"), None);
+    assert_eq!(h.app.ran("retryable"), 2);
+}
+
+async fn a_server_error_is_released_so_the_retry_really_retries(h: Harness) {
+    assert_eq!(pay_req(&h, "k-503", 100, "down").await.status, 503);
+    let again = pay_req(&h, "k-503", 100, "down").await;
+    assert_eq!(again.status, 503);
+    assert_eq!(again.header("idempotent-replayed"), None);
+    assert_eq!(h.app.ran("down"), 2);
+}
+
+async fn a_validation_error_is_released_and_the_fixed_request_may_use_the_key(h: Harness) {
+    assert_eq!(pay_req(&h, "k-422", -5, "alice").await.status, 422);
+    // The fixed request, another body, same key: it runs.
+    assert_eq!(pay_req(&h, "k-422", 5, "alice").await.status, 201);
+    assert_eq!(h.app.ran("alice"), 2);
+}
+
+async fn a_panic_is_released_and_the_server_keeps_serving(h: Harness) {
+    let r = pay_req(&h, "k-panic", 100, "panic").await;
+    assert_eq!(r.status, 500);
+    let again = pay_req(&h, "k-panic", 100, "panic").await;
+    assert_eq!(again.status, 500);
+    assert_eq!(h.app.ran("panic"), 2);
+    assert_eq!(pay_req(&h, "k-after-panic", 100, "alice").await.status, 201);
+}
+
+async fn a_client_disconnect_does_not_cancel_the_execution(h: Harness) {
+    post_req("/payments", &body(100, "slow"))
+        .bearer("acct_1")
+        .key("k-gone")
+        .send_and_hang_up(h.addr, Duration::from_millis(150))
+        .await;
+    // The execution goes on without its client and records its answer.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let retry = pay_req(&h, "k-gone", 100, "slow").await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(h.app.ran("slow"), 1);
+}
+
+async fn twenty_concurrent_requests_run_the_handler_once(h: Harness) {
+    let addr = h.addr;
+    let barrier = Arc::new(tokio::sync::Barrier::new(20));
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                post_req("/payments", &body(100, "slow"))
+                    .bearer("acct_1")
+                    .key("k-race")
+                    .send(addr)
+                    .await
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap().status);
+    }
+    statuses.sort();
+    let created = statuses.iter().filter(|s| **s == 201).count();
+    let conflicts = statuses.iter().filter(|s| **s == 409).count();
+    assert_eq!((created, conflicts), (1, 19), "{statuses:?}");
+    assert_eq!(h.app.ran("slow"), 1);
+}
+
+async fn an_oversized_answer_is_never_run_twice(h: Harness) {
+    let first = pay_req(&h, "k-big", 100, "big").await;
+    assert_eq!(first.status, 201);
+    assert!(first.body.len() > 4096);
+    let replay = pay_req(&h, "k-big", 100, "big").await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("idempotent-replay-body-omitted"), Some("true"));
+    assert_eq!(replay.header("location"), first.header("location"));
+    assert!(replay.body.is_empty());
+    assert_eq!(h.app.ran("big"), 1);
+}
+
+async fn an_optional_handler_runs_unprotected_without_a_key(h: Harness) {
+    for _ in 0..2 {
+        let r = post_req("/optional", &body(100, "opt"))
+            .bearer("acct_1")
+            .send(h.addr)
+            .await;
+        assert_eq!(r.status, 201);
+        assert_eq!(r.json()["attempt"], 0, "no operation without a key");
+    }
+    assert_eq!(h.app.ran("opt"), 2);
+    for _ in 0..2 {
+        let r = post_req("/optional", &body(100, "opt"))
+            .bearer("acct_1")
+            .key("k-opt")
+            .send(h.addr)
+            .await;
+        assert_eq!(r.status, 201);
+    }
+    assert_eq!(h.app.ran("opt"), 3);
+}
+
+async fn a_custom_key_header_is_used(h: Harness) {
+    let first = post_req("/custom", &body(1, "custom"))
+        .bearer("acct_1")
+        .header("X-Request-Id", "r1")
+        .send(h.addr)
+        .await;
+    let again = post_req("/custom", &body(1, "custom"))
+        .bearer("acct_1")
+        .header("X-Request-Id", "r1")
+        .send(h.addr)
+        .await;
+    assert_eq!((first.status, again.status), (201, 201));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    let missing = post_req("/custom", &body(1, "custom"))
+        .bearer("acct_1")
+        .key("r1")
+        .send(h.addr)
+        .await;
+    assert_eq!(missing.status, 400);
+    assert!(missing.json()["detail"]
+        .as_str()
+        .unwrap()
+        .contains("x-request-id"));
+    assert_eq!(h.app.ran("custom"), 1);
+}
+
+macro_rules! protocol {
+    ($store:ident, $make:expr) => {
+        protocol!(@cases $store, $make;
+            missing_key_is_400_and_the_handler_does_not_run,
+            invalid_keys_are_400_and_the_handler_does_not_run,
+            a_quoted_key_is_the_same_key,
+            replays_the_stored_response_byte_for_byte,
+            rejects_a_reused_key_with_a_different_body,
+            an_undeclared_field_change_still_replays,
+            a_request_in_progress_is_409_with_retry_after,
+            wait_replays_the_first_execution_once_it_completes,
+            tenants_and_scopes_with_the_same_key_are_isolated,
+            a_business_rejection_is_stored,
+            the_error_type_can_override_the_classification,
+            a_server_error_is_released_so_the_retry_really_retries,
+            a_validation_error_is_released_and_the_fixed_request_may_use_the_key,
+            a_panic_is_released_and_the_server_keeps_serving,
+            a_client_disconnect_does_not_cancel_the_execution,
+            twenty_concurrent_requests_run_the_handler_once,
+            an_oversized_answer_is_never_run_twice,
+            an_optional_handler_runs_unprotected_without_a_key,
+            a_custom_key_header_is_used,
+        );
+    };
+    (@cases $store:ident, $make:expr; $($case:ident,)*) => {
+        mod $store {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    let Some((store, guard)) = ($make) else { return };
+                    super::$case(start(store, guard).await).await;
+                }
+            )*
+        }
+    };
+}
+
+protocol!(sqlite, {
+    let (store, dir) = common::sqlite_store().await;
+    Some((
+        Arc::new(store) as Arc<dyn IdempotencyStore>,
+        Box::new(dir) as Box<dyn std::any::Any + Send>,
+    ))
+});
+
+protocol!(
+    postgres,
+    common::pg_store().await.map(|s| {
+        (
+            Arc::new(s) as Arc<dyn IdempotencyStore>,
+            Box::new(()) as Box<dyn std::any::Any + Send>,
+        )
+    })
+);
+
+#[tokio::test]
+async fn a_store_that_is_down_answers_503_and_the_handler_does_not_run() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let store = idem::PgStore::connect(&format!("postgres://postgres@127.0.0.1:{port}/test"))
+        .unwrap()
+        .with_timeout(Duration::from_millis(300));
+    let h = start(Arc::new(store), Box::new(())).await;
+    let r = pay_req(&h, "k-down", 100, "alice").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.problem(), "idempotency-store-unavailable");
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(h.app.ran("alice"), 0);
+}
+
+#[tokio::test]
+async fn a_router_without_the_layer_answers_500_and_never_runs_unprotected() {
+    let app = App::default();
+    let router = Router::new()
+        .route("/payments", post(create_payment))
+        .with_state(app.clone());
+    let addr = serve(router).await;
+    let r = post_req("/payments", &body(100, "alice"))
+        .key("k")
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 500);
+    assert_eq!(r.problem(), "idempotency-misconfigured");
+    assert_eq!(app.ran("alice"), 0);
+}
+
+#[tokio::test]
+async fn a_request_without_a_tenant_is_refused_unless_single_tenant() {
+    let h = start(Arc::new(idem::MemoryStore::new()), Box::new(())).await;
+    let r = post_req("/payments", &body(100, "alice"))
+        .key("k")
+        .send(h.addr)
+        .await;
+    assert_eq!(r.status, 500);
+    assert_eq!(h.app.ran("alice"), 0);
+
+    let app = App::default();
+    let idem = Idem::new(idem::MemoryStore::new()).single_tenant();
+    let addr = serve(router(app.clone(), idem)).await;
+    let r = post_req("/payments", &body(100, "alice"))
+        .key("k")
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 201);
+    let r = post_req("/payments", &body(100, "alice"))
+        .key("k")
+        .send(addr)
+        .await;
+    assert_eq!(r.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.ran("alice"), 1);
+}
