@@ -155,11 +155,15 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
             .map(|field| {
                 let name = field.name();
                 let segments = field.segments.iter();
-                quote_spanned!(field.span()=> (#name, &#body_ident.0 #(.#segments)* as &dyn #private::Fingerprint))
+                // Resolved like the other generated names, located at the
+                // field: rustc then reports the field's errors there.
+                let body = syn::Ident::new("__idem_body", Span::mixed_site().located_at(field.span()));
+                quote_spanned!(field.span()=> (#name, #private::field(&#body.0 #(.#segments)*)))
             })
             .collect(),
         (None, Some(ty)) => {
-            vec![quote_spanned!(ty.span()=> ("", &#body_ident.0 as &dyn #private::Fingerprint))]
+            let body = syn::Ident::new("__idem_body", Span::mixed_site().located_at(ty.span()));
+            vec![quote_spanned!(ty.span()=> ("", #private::field(&#body.0)))]
         }
         _ => Vec::new(),
     };
@@ -185,10 +189,27 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
     let lock_timeout = millis(args.lock_timeout.as_ref().map(|(_, d)| d));
     let wait = millis(args.wait.as_ref().map(|(_, d)| d));
 
-    let ret: TokenStream = match &sig.output {
-        ReturnType::Default => quote!(()),
-        ReturnType::Type(_, ty) if matches!(**ty, Type::ImplTrait(_)) => quote!(_),
-        ReturnType::Type(_, ty) => quote!(#ty),
+    // The body's value is pinned to the declared type, so that `?` and an
+    // early `return` infer; an `impl Trait` is checked through a generic
+    // identity fn with the same bounds.
+    let pin_ident = mixed("__idem_pin");
+    let (ret, pin_fn): (TokenStream, TokenStream) = match &sig.output {
+        ReturnType::Default => (quote!(()), quote!()),
+        ReturnType::Type(_, ty) => match &**ty {
+            Type::ImplTrait(it) => {
+                let bounds = &it.bounds;
+                (
+                    quote!(_),
+                    quote!(fn #pin_ident<T: #bounds>(value: T) -> T { value }),
+                )
+            }
+            ty => (quote!(#ty), quote!()),
+        },
+    };
+    let pinned_block = if pin_fn.is_empty() {
+        quote!(#block)
+    } else {
+        quote!(#pin_ident(#block))
     };
     let run = if optional {
         quote!(run_optional)
@@ -222,8 +243,9 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
             let #fp_ident = #private::fingerprint(#scope, &[#(#fields),*]);
             #private::#run(#ctx, &#spec_ident, #fp_ident, move |#op_ident| async move {
                 #(#bindings)*
+                #pin_fn
                 let #out_ident = async move {
-                    let #ret_ident: #ret = #block;
+                    let #ret_ident: #ret = #pinned_block;
                     #ret_ident
                 }
                 .await;

@@ -44,6 +44,12 @@ pub use http::{
 #[doc(hidden)]
 pub mod __private {
     pub use crate::fingerprint::{fingerprint, Fingerprint};
+
+    /// Turns a body field into a fingerprint input; a field whose type
+    /// cannot be fingerprinted fails here, at the field's name.
+    pub fn field<T: Fingerprint>(value: &T) -> &dyn Fingerprint {
+        value
+    }
     pub use crate::http::{run, run_optional, Context, Probe, Spec, ViaErr, ViaSelf, ViaStatus};
     pub use axum::response::{IntoResponse, Response};
     pub use std::time::Duration;

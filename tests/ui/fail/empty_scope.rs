@@ -1,0 +1,6 @@
+use idem::idempotent;
+
+#[idempotent(scope = "")]
+async fn create() {}
+
+fn main() {}

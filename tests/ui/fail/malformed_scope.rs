@@ -1,0 +1,6 @@
+use idem::idempotent;
+
+#[idempotent(scope = "Payment Create")]
+async fn create() {}
+
+fn main() {}

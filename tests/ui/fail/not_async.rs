@@ -1,0 +1,6 @@
+use idem::idempotent;
+
+#[idempotent(scope = "payment.create")]
+fn create() {}
+
+fn main() {}

@@ -1,0 +1,6 @@
+use idem::idempotent;
+
+#[idempotent(scope = "payment.create", retries = 3)]
+async fn create() {}
+
+fn main() {}

@@ -1,0 +1,27 @@
+#![deny(warnings)]
+
+use axum::{routing::post, Json, Router};
+use idem::idempotent;
+
+#[derive(Debug, serde::Deserialize, serde::Serialize)]
+struct OrderIn {
+    sku: String,
+}
+
+#[tracing::instrument(skip_all)]
+#[idempotent(scope = "order.create", fields(sku))]
+async fn outer_instrument(Json(order): Json<OrderIn>) -> String {
+    order.sku
+}
+
+#[idempotent(scope = "order.update", fields(sku))]
+#[tracing::instrument(skip_all)]
+async fn inner_instrument(Json(order): Json<OrderIn>) -> String {
+    order.sku
+}
+
+fn main() {
+    let _app: Router = Router::new()
+        .route("/a", post(outer_instrument))
+        .route("/b", post(inner_instrument));
+}
