@@ -142,6 +142,13 @@ async fn create_optional(
     pay(&app, p, op.map_or(0, |op| op.attempt())).await
 }
 
+#[idempotent(scope = "payment.slow", fields(amount), lock_timeout = "300ms")]
+async fn create_slow(State(app): State<App>, Json(p): Json<PaymentIn>) -> Result<Created, PaymentError> {
+    // Far longer than its lock timeout: only the lease keeps it owned.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    pay(&app, p, 1).await
+}
+
 #[idempotent(scope = "payment.custom", header = "X-Request-Id")]
 async fn create_custom_header(
     State(app): State<App>,
@@ -171,6 +178,7 @@ fn router(app: App, idem: Idem) -> Router {
         .route("/waiting", post(create_waiting))
         .route("/optional", post(create_optional))
         .route("/custom", post(create_custom_header))
+        .route("/slow", post(create_slow))
         .layer(idem.layer())
         .layer(middleware::from_fn(auth))
         .with_state(app)
@@ -179,16 +187,18 @@ fn router(app: App, idem: Idem) -> Router {
 struct Harness {
     addr: SocketAddr,
     app: App,
+    store: Arc<dyn IdempotencyStore>,
     _guard: Box<dyn std::any::Any + Send>,
 }
 
 async fn start(store: Arc<dyn IdempotencyStore>, guard: Box<dyn std::any::Any + Send>) -> Harness {
     let app = App::default();
-    let idem = Idem::from_arc(store).max_stored_body(1024);
+    let idem = Idem::from_arc(store.clone()).max_stored_body(1024);
     let addr = serve(router(app.clone(), idem)).await;
     Harness {
         addr,
         app,
+        store,
         _guard: guard,
     }
 }
@@ -513,6 +523,67 @@ async fn a_custom_key_header_is_used(h: Harness) {
     assert_eq!(h.app.ran("custom"), 1);
 }
 
+async fn a_stale_lock_is_taken_over_with_the_next_attempt(h: Harness) {
+    // An execution that died: it reserved the key, checkpointed, and never
+    // finished. Its fingerprint is the one the HTTP request will have.
+    let fp = idem::fingerprint(
+        "payment.create",
+        &[
+            ("amount", &100_i64 as &dyn idem::Fingerprint),
+            ("currency", &"EUR"),
+            ("recipient", &"alice"),
+        ],
+    )
+    .unwrap();
+    let id = idem::RecordId::new("acct_1", "payment.create", "k-stale");
+    let req = idem::ReserveRequest {
+        id: &id,
+        fingerprint: &fp,
+        ttl: Duration::from_secs(3600),
+        lock_timeout: Duration::from_millis(300),
+    };
+    let idem::Reservation::Reserved(dead) = h.store.reserve(req).await.unwrap() else {
+        panic!()
+    };
+    h.store.checkpoint(&id, &dead.token, "charged").await.unwrap();
+
+    let early = pay_req(&h, "k-stale", 100, "alice").await;
+    assert_eq!(early.status, 409);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let taken = pay_req(&h, "k-stale", 100, "alice").await;
+    assert_eq!(taken.status, 201);
+    assert_eq!(taken.json()["attempt"], 2);
+    // The dead owner can no longer write.
+    assert_eq!(
+        h.store.release(&id, &dead.token).await,
+        Err(idem::StoreError::LockLost)
+    );
+    let replay = pay_req(&h, "k-stale", 100, "alice").await;
+    assert_eq!(replay.body, taken.body);
+    assert_eq!(h.app.ran("alice"), 1);
+}
+
+async fn a_slow_handler_keeps_its_lock_while_it_runs(h: Harness) {
+    let addr = h.addr;
+    let first = tokio::spawn(async move {
+        post_req("/slow", &body(7, "lease"))
+            .bearer("acct_1")
+            .key("k-lease")
+            .send(addr)
+            .await
+    });
+    // Twice the lock timeout later the handler still runs: no takeover.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let second = post_req("/slow", &body(7, "lease"))
+        .bearer("acct_1")
+        .key("k-lease")
+        .send(h.addr)
+        .await;
+    assert_eq!(second.status, 409);
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(h.app.ran("lease"), 1);
+}
+
 macro_rules! protocol {
     ($store:ident, $make:expr) => {
         protocol!(@cases $store, $make;
@@ -535,6 +606,8 @@ macro_rules! protocol {
             an_oversized_answer_is_never_run_twice,
             an_optional_handler_runs_unprotected_without_a_key,
             a_custom_key_header_is_used,
+            a_stale_lock_is_taken_over_with_the_next_attempt,
+            a_slow_handler_keeps_its_lock_while_it_runs,
         );
     };
     (@cases $store:ident, $make:expr; $($case:ident,)*) => {
@@ -625,4 +698,54 @@ async fn a_request_without_a_tenant_is_refused_unless_single_tenant() {
         .await;
     assert_eq!(r.header("idempotent-replayed"), Some("true"));
     assert_eq!(app.ran("alice"), 1);
+}
+
+/// One span per protected request: scope, outcome and a short hash of the
+/// key; never the raw key, which clients sometimes fill with personal data.
+#[test]
+fn the_span_names_scope_outcome_and_a_key_hash_but_never_the_key() {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let h = start(Arc::new(idem::MemoryStore::new()), Box::new(())).await;
+        let key = "jane.doe@example.com";
+        assert_eq!(pay_req(&h, key, 100, "alice").await.status, 201);
+        assert_eq!(pay_req(&h, key, 100, "alice").await.status, 201);
+        assert_eq!(pay_req(&h, key, 200, "alice").await.status, 422);
+    });
+    let log = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    let hash = idem::IdempotencyKey::parse(b"jane.doe@example.com")
+        .unwrap()
+        .log_hash();
+    assert!(!log.contains("jane.doe"), "{log}");
+    for outcome in ["executed", "replayed", "mismatch"] {
+        assert!(
+            log.lines().any(|l| l.contains("idem{")
+                && l.contains("scope=\"payment.create\"")
+                && l.contains(&format!("key={hash}"))
+                && l.contains(&format!("outcome=\"{outcome}\""))),
+            "{outcome}: {log}"
+        );
+    }
 }
