@@ -11,7 +11,7 @@ use axum::extract::FromRequestParts;
 use axum::http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use futures_util::FutureExt as _;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -19,6 +19,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument as _;
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+use crate::tx::TxConnection;
+use crate::tx::{PendingTx, TxFailure};
 
 /// The default record retention: 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -313,6 +317,19 @@ impl Idem {
         })
     }
 
+    /// Starts a [`crate::Janitor`] on this layer's store: every `every`,
+    /// expired records are deleted in batches of `batch`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let idem = idem::Idem::new(idem::MemoryStore::new());
+    /// let janitor = idem.start_janitor(std::time::Duration::from_secs(300), 1000);
+    /// # }
+    /// ```
+    pub fn start_janitor(&self, every: Duration, batch: u32) -> crate::Janitor {
+        crate::Janitor::start(self.inner.store.clone(), every, batch)
+    }
+
     /// The store.
     pub fn store(&self) -> &Arc<dyn IdempotencyStore> {
         &self.inner.store
@@ -405,6 +422,8 @@ pub struct Operation {
     info: OperationInfo,
     /// The recovery point as this execution last set it.
     recovery_point: Arc<std::sync::Mutex<Option<String>>>,
+    /// The handler's transaction, once it asked for one.
+    tx: Arc<tokio::sync::Mutex<Option<PendingTx>>>,
 }
 
 impl std::fmt::Debug for Operation {
@@ -466,6 +485,100 @@ impl Operation {
         info.store.checkpoint(&info.id, &info.lease.token, name).await?;
         *self.recovery_point.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.to_owned());
         Ok(())
+    }
+
+    /// The handler's transaction on the PostgreSQL store: its writes commit
+    /// together with the completion of this record (a stored outcome), or
+    /// are rolled back (a released outcome, a panic, a lost lock). The first
+    /// call opens it; later calls return the same one.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the layer's store is not a
+    /// [`crate::PgStore`]; [`StoreError::Unavailable`] when no connection
+    /// can be had.
+    ///
+    /// ```no_run
+    /// # use idem::{idempotent, Operation};
+    /// #[idempotent(scope = "order.create")]
+    /// async fn create_order(op: Operation) -> Result<&'static str, idem::StoreError> {
+    ///     let mut conn = op.pg_transaction().await?;
+    ///     sqlx::query("INSERT INTO orders (id) VALUES ($1)")
+    ///         .bind(op.derived_key("order-id"))
+    ///         .execute(&mut *conn)
+    ///         .await
+    ///         .map_err(|e| idem::StoreError::Backend(e.to_string()))?;
+    ///     Ok("created")
+    /// }
+    /// ```
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub async fn pg_transaction(&self) -> Result<TxConnection<'_, sqlx::PgConnection>, StoreError> {
+        let mut slot = self.tx.lock().await;
+        if slot.is_none() {
+            let store = self
+                .info
+                .store
+                .as_any()
+                .downcast_ref::<crate::PgStore>()
+                .ok_or_else(|| {
+                    StoreError::Backend("pg_transaction needs the layer's store to be a PgStore".into())
+                })?;
+            *slot = Some(PendingTx::Pg(store.begin_tx().await?));
+        }
+        tokio::sync::MutexGuard::try_map(slot, |slot| match slot {
+            Some(PendingTx::Pg(tx)) => Some(&mut **tx),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        })
+        .map_err(|_| StoreError::Backend("the operation holds a transaction of another store".into()))
+    }
+
+    /// The handler's transaction on the SQLite store (`BEGIN IMMEDIATE`):
+    /// the same contract as [`Operation::pg_transaction`].
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the layer's store is not a
+    /// [`crate::SqliteStore`]; [`StoreError::Unavailable`] when the write
+    /// lock cannot be had within the store's timeout.
+    ///
+    /// ```no_run
+    /// # use idem::{idempotent, Operation};
+    /// #[idempotent(scope = "order.create")]
+    /// async fn create_order(op: Operation) -> Result<&'static str, idem::StoreError> {
+    ///     let mut conn = op.sqlite_transaction().await?;
+    ///     sqlx::query("INSERT INTO orders (id) VALUES (?1)")
+    ///         .bind(op.derived_key("order-id"))
+    ///         .execute(&mut *conn)
+    ///         .await
+    ///         .map_err(|e| idem::StoreError::Backend(e.to_string()))?;
+    ///     Ok("created")
+    /// }
+    /// ```
+    #[cfg(feature = "sqlite")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+    pub async fn sqlite_transaction(&self) -> Result<TxConnection<'_, sqlx::SqliteConnection>, StoreError> {
+        let mut slot = self.tx.lock().await;
+        if slot.is_none() {
+            let store = self
+                .info
+                .store
+                .as_any()
+                .downcast_ref::<crate::SqliteStore>()
+                .ok_or_else(|| {
+                    StoreError::Backend(
+                        "sqlite_transaction needs the layer's store to be a SqliteStore".into(),
+                    )
+                })?;
+            *slot = Some(PendingTx::Sqlite(store.begin_tx().await?));
+        }
+        tokio::sync::MutexGuard::try_map(slot, |slot| match slot {
+            Some(PendingTx::Sqlite(tx)) => Some(&mut **tx),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        })
+        .map_err(|_| StoreError::Backend("the operation holds a transaction of another store".into()))
     }
 
     /// A key for the downstream call `step`, to pass to another system's own
@@ -668,9 +781,11 @@ async fn execute(
         id,
         lease,
     };
+    let tx: Arc<tokio::sync::Mutex<Option<PendingTx>>> = Arc::default();
     let handler = handler(Some(Operation {
         info: info.clone(),
         recovery_point: Arc::default(),
+        tx: tx.clone(),
     }));
     let span = tracing::Span::current();
     if info.lease.is_takeover() {
@@ -688,7 +803,9 @@ async fn execute(
                 AssertUnwindSafe(handler).catch_unwind(),
             )
             .await;
-            finish(&engine, &info, outcome).await
+            // The handler is done: its transaction, if any, is ours now.
+            let tx = tx.lock().await.take();
+            finish(&engine, &info, outcome, tx).await
         }
         .instrument(span),
     );
@@ -734,7 +851,7 @@ async fn with_heartbeat<T>(
 
 type Caught = Result<(Response, Option<Classification>), Box<dyn std::any::Any + Send>>;
 
-async fn finish(engine: &Engine, info: &OperationInfo, outcome: Caught) -> Response {
+async fn finish(engine: &Engine, info: &OperationInfo, outcome: Caught, tx: Option<PendingTx>) -> Response {
     let (response, declared) = match outcome {
         Ok(pair) => pair,
         Err(panic) => {
@@ -745,6 +862,9 @@ async fn finish(engine: &Engine, info: &OperationInfo, outcome: Caught) -> Respo
                 .unwrap_or_default();
             record("released");
             tracing::error!(panic = %what, "handler panicked; releasing the key");
+            if let Some(tx) = tx {
+                tx.rollback().await;
+            }
             release(engine, info).await;
             return problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -757,6 +877,9 @@ async fn finish(engine: &Engine, info: &OperationInfo, outcome: Caught) -> Respo
     let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
     if class == Classification::Release {
         record("released");
+        if let Some(tx) = tx {
+            tx.rollback().await;
+        }
         release(engine, info).await;
         return response;
     }
@@ -785,7 +908,37 @@ async fn finish(engine: &Engine, info: &OperationInfo, outcome: Caught) -> Respo
             .collect(),
         body: kept.map(|b| b.to_vec()),
     };
-    complete(engine, info, &stored).await;
+    match tx {
+        None => complete(engine, info, &stored).await,
+        Some(tx) => match tx
+            .complete(&*engine.store, &info.id, &info.lease.token, &stored)
+            .await
+        {
+            Ok(()) => {}
+            Err(TxFailure::NotCommitted(StoreError::LockLost)) => {
+                record("lock_lost");
+                tracing::error!(
+                    "cannot complete: another execution took this operation over; this execution's writes \
+                     were rolled back"
+                );
+                return store_unavailable();
+            }
+            Err(TxFailure::NotCommitted(e)) => {
+                // Nothing of this execution committed: a retry may run it again.
+                record("released");
+                tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back");
+                release(engine, info).await;
+                return store_unavailable();
+            }
+            Err(TxFailure::Unknown(e)) => {
+                // Committed or not, nobody knows: the record stays locked until
+                // its deadline, then a retry takes over (and replays, if it did commit).
+                record("commit_unknown");
+                tracing::error!(error = %e, "the commit of the handler's transaction failed");
+                return store_unavailable();
+            }
+        },
+    }
     record(if info.lease.is_takeover() {
         "takeover"
     } else {
@@ -894,6 +1047,17 @@ fn key_problem(e: KeyError, header: &str) -> Response {
         title,
         &format!("{e} (header `{header}`)"),
     )
+}
+
+/// A store failure a handler passes on with `?` (from a checkpoint or a
+/// transaction): `503 idempotency-store-unavailable` with `Retry-After`,
+/// which releases the key (a lost lock cannot be released, and is not).
+/// The store's own message is logged, never sent.
+impl IntoResponse for StoreError {
+    fn into_response(self) -> Response {
+        tracing::error!(error = %self, "the handler stopped on a store error");
+        store_unavailable()
+    }
 }
 
 fn in_progress(retry_after: Duration) -> Response {

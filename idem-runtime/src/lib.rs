@@ -17,6 +17,9 @@ mod sql;
 #[cfg(feature = "axum")]
 mod http;
 
+#[cfg(feature = "axum")]
+mod tx;
+
 #[cfg(feature = "postgres")]
 mod postgres;
 
@@ -26,8 +29,8 @@ mod sqlite;
 pub use fingerprint::{canonical_json, fingerprint, Fingerprint, FingerprintError, FINGERPRINT_VERSION};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use store::{
-    BoxFuture, IdempotencyStore, Lease, MemoryStore, RecordId, Reservation, ReserveRequest, StoreError,
-    StoredResponse,
+    purge_expired, AsAny, BoxFuture, IdempotencyStore, Janitor, Lease, MemoryStore, RecordId, Reservation,
+    ReserveRequest, StoreError, StoredResponse,
 };
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
@@ -54,6 +57,9 @@ pub mod __private {
     pub use axum::response::{IntoResponse, Response};
     pub use std::time::Duration;
 }
+
+#[cfg(all(feature = "axum", any(feature = "postgres", feature = "sqlite")))]
+pub use tx::TxConnection;
 
 #[cfg(feature = "postgres")]
 pub use postgres::{PgStore, DEFAULT_OPERATION_TIMEOUT, POSTGRES_MIGRATION};

@@ -187,6 +187,20 @@ impl PgStore {
     }
 }
 
+impl PgStore {
+    sql::complete_with!(sqlx::Postgres);
+
+    /// Opens a transaction for a handler's own writes, committed together
+    /// with the completion.
+    #[cfg(feature = "axum")]
+    pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
+        bounded(self.timeout, async {
+            self.pool.begin().await.map_err(sql::map_err)
+        })
+        .await
+    }
+}
+
 impl IdempotencyStore for PgStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
         Box::pin(bounded(self.timeout, async move {

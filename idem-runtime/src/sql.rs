@@ -21,6 +21,7 @@ pub(crate) struct Dialect {
     left: fn(&str, &str) -> String,
 }
 
+#[cfg(feature = "postgres")]
 pub(crate) const POSTGRES: Dialect = Dialect {
     now: "now()",
     param: '$',
@@ -28,6 +29,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     left: |col, now| format!("GREATEST(0, CEIL(EXTRACT(EPOCH FROM ({col} - {now})) * 1000))::bigint"),
 };
 
+#[cfg(feature = "sqlite")]
 pub(crate) const SQLITE: Dialect = Dialect {
     now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     param: '?',
@@ -187,21 +189,10 @@ macro_rules! fenced_ops {
             token: &'a str,
             response: &'a $crate::StoredResponse,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
-            let headers = response.headers_to_json();
-            Box::pin($crate::store::bounded(self.timeout, async move {
-                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
-                    .bind(&id.tenant)
-                    .bind(&id.scope)
-                    .bind(&id.key)
-                    .bind(token)
-                    .bind(i32::from(response.status))
-                    .bind(headers)
-                    .bind(response.body.as_deref())
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::sql::map_err)?;
-                $crate::sql::fenced(done.rows_affected())
-            }))
+            Box::pin($crate::store::bounded(
+                self.timeout,
+                self.complete_with(&self.pool, id, token, response),
+            ))
         }
 
         fn release<'a>(
@@ -275,6 +266,37 @@ macro_rules! fenced_ops {
     };
 }
 pub(crate) use fenced_ops;
+
+/// The completion statement on any executor of the store's database: the
+/// pool, or the handler's open transaction.
+macro_rules! complete_with {
+    ($db:ty) => {
+        pub(crate) async fn complete_with<'e, E>(
+            &self,
+            executor: E,
+            id: &$crate::RecordId,
+            token: &str,
+            response: &$crate::StoredResponse,
+        ) -> Result<(), $crate::StoreError>
+        where
+            E: sqlx::Executor<'e, Database = $db>,
+        {
+            let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .bind(token)
+                .bind(i32::from(response.status))
+                .bind(response.headers_to_json())
+                .bind(response.body.as_deref())
+                .execute(executor)
+                .await
+                .map_err($crate::sql::map_err)?;
+            $crate::sql::fenced(done.rows_affected())
+        }
+    };
+}
+pub(crate) use complete_with;
 
 /// A fenced write that touched no row lost its lock.
 pub(crate) fn fenced(rows: u64) -> Result<(), StoreError> {
@@ -351,6 +373,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(all(feature = "postgres", feature = "sqlite"))]
     fn statements_name_the_quoted_table() {
         let s = Statements::new(POSTGRES, "CREATE TABLE {table}; {index}", Some("app"), "keys").unwrap();
         assert_eq!(

@@ -186,6 +186,23 @@ impl SqliteStore {
     }
 }
 
+impl SqliteStore {
+    sql::complete_with!(sqlx::Sqlite);
+
+    /// Opens a transaction for a handler's own writes, committed together
+    /// with the completion.
+    #[cfg(feature = "axum")]
+    pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
+        bounded(self.timeout, async {
+            self.pool
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(sql::map_err)
+        })
+        .await
+    }
+}
+
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
         Box::pin(bounded(self.timeout, async move {

@@ -134,6 +134,8 @@ pub struct StoredResponse {
     pub body: Option<Vec<u8>>,
 }
 
+// The SQL stores' column mapping.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 impl StoredResponse {
     pub(crate) fn headers_to_json(&self) -> String {
         serde_json::to_string(&self.headers).unwrap_or_else(|_| "[]".to_owned())
@@ -221,7 +223,7 @@ impl std::error::Error for StoreError {}
 /// store.release(&id, &lease.token).await.unwrap();
 /// # }
 /// ```
-pub trait IdempotencyStore: Send + Sync + 'static {
+pub trait IdempotencyStore: AsAny + Send + Sync + 'static {
     /// Takes the key in one atomic step, or says why not.
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>>;
 
@@ -257,6 +259,46 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>>;
 }
 
+/// Lets the runtime find the concrete store behind `dyn IdempotencyStore`
+/// (for transactions on the SQL stores). Implemented for every type.
+pub trait AsAny {
+    /// `self` as `Any`.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+impl<T: std::any::Any> AsAny for T {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Deletes every record past its TTL, `batch` at a time (each batch one
+/// short statement, so no long table lock), and says how many it deleted.
+/// Call it from a scheduler, or let [`crate::Idem::start_janitor`] do it.
+///
+/// # Errors
+///
+/// The first [`StoreError`] of a batch; what earlier batches deleted stays deleted.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = idem_runtime::MemoryStore::new();
+/// assert_eq!(idem_runtime::purge_expired(&store, 500).await.unwrap(), 0);
+/// # }
+/// ```
+pub async fn purge_expired(store: &dyn IdempotencyStore, batch: u32) -> Result<u64, StoreError> {
+    let batch = batch.max(1);
+    let mut total = 0;
+    loop {
+        let removed = store.purge_expired(batch).await?;
+        total += removed;
+        if removed < u64::from(batch) {
+            return Ok(total);
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
 /// A fresh random token: 128 bits as 32 hex digits.
 pub(crate) fn random_token() -> String {
     let mut bytes = [0u8; 16];
@@ -286,6 +328,7 @@ pub(crate) fn judge_existing(
     }
 }
 
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 /// Bounds a store operation by `limit`: past it, [`StoreError::Unavailable`].
 pub(crate) async fn bounded<T>(
     limit: Duration,
@@ -300,6 +343,7 @@ pub(crate) async fn bounded<T>(
     }
 }
 
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 /// Milliseconds as the stores bind them.
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
@@ -496,5 +540,71 @@ impl IdempotencyStore for MemoryStore {
             }
             Ok(doomed.len() as u64)
         })
+    }
+}
+
+/// A background task that deletes expired records: every `every`, it
+/// purges in batches of `batch` until nothing expired is left. It never
+/// removes a record whose lock is still valid. Stops when dropped or
+/// [`Janitor::stop`]ped.
+///
+/// ```
+/// use idem_runtime::{Janitor, MemoryStore};
+/// use std::{sync::Arc, time::Duration};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let janitor = Janitor::start(Arc::new(MemoryStore::new()), Duration::from_secs(60), 500);
+/// assert_eq!(janitor.removed(), 0);
+/// janitor.stop();
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Janitor {
+    task: tokio::task::JoinHandle<()>,
+    removed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Janitor {
+    /// Starts the janitor on the current Tokio runtime. Its first pass runs
+    /// at once.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a Tokio runtime.
+    pub fn start(store: std::sync::Arc<dyn IdempotencyStore>, every: Duration, batch: u32) -> Self {
+        let removed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counter = removed.clone();
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match purge_expired(&*store, batch).await {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        counter.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                        tracing::info!(removed = n, "idempotency janitor removed expired records");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "idempotency janitor failed; retrying next round"),
+                }
+            }
+        });
+        Janitor { task, removed }
+    }
+
+    /// How many records it removed so far.
+    pub fn removed(&self) -> u64 {
+        self.removed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Stops the janitor.
+    pub fn stop(self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for Janitor {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
