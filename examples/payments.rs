@@ -1,0 +1,56 @@
+//! A payments API protected by `#[idempotent]`.
+//!
+//! ```text
+//! cargo run --release --example payments
+//! curl -i -X POST http://127.0.0.1:8080/v1/payments \
+//!   -H 'Authorization: Bearer acct_1' -H 'Idempotency-Key: order-42' \
+//!   -H 'Content-Type: application/json' \
+//!   -d '{"amount": 4990, "currency": "EUR", "recipient": "acct_bob"}'
+//! ```
+//!
+//! Environment: `PAYMENTS_ADDR` (default `127.0.0.1:8080`), `DATABASE_URL`
+//! (`postgres://...` or `sqlite://...`, default `sqlite://payments.db`),
+//! `IDEM_TTL` (default `24h`), `IDEM_LOCK_TIMEOUT` (default `60s`),
+//! `PAYMENTS_GATEWAY_DELAY_MS` (default 0). Several processes on one
+//! `DATABASE_URL` behave as one service.
+
+#[path = "support/service.rs"]
+mod service;
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let config = match service::Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("payments: {e}");
+            std::process::exit(2);
+        }
+    };
+    let addr = config.addr;
+    let store = config.database_url.clone();
+    let router = match service::build(config).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("payments: {e}");
+            std::process::exit(1);
+        }
+    };
+    let listener = match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("payments: cannot listen on {addr}: {e}");
+            std::process::exit(1);
+        }
+    };
+    let store = store.split('@').next_back().unwrap_or_default().to_owned();
+    tracing::info!(%addr, store = %store, "payments service listening");
+    if let Err(e) = service::serve(listener, router).await {
+        eprintln!("payments: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,167 @@
+//! One HTTP/1.1 exchange over a fresh TCP connection, written by hand so
+//! that tests can send what a well-behaved client library refuses to (a
+//! header twice, raw bytes) and can hang up mid-request. Shared by the
+//! demo and the tests.
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    /// Lowercase names, in the order received.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The problem type name, after the prefix.
+    pub fn problem(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        let t = self.json()["type"].as_str().unwrap_or_default().to_owned();
+        t.strip_prefix(idem::PROBLEM_TYPE_PREFIX).unwrap_or(&t).to_owned()
+    }
+}
+
+/// A request under construction.
+pub struct Request {
+    method: &'static str,
+    path: String,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+}
+
+pub fn post(path: &str, body: &str) -> Request {
+    Request {
+        method: "POST",
+        path: path.to_owned(),
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: body.as_bytes().to_vec(),
+    }
+}
+
+pub fn get(path: &str) -> Request {
+    Request {
+        method: "GET",
+        path: path.to_owned(),
+        headers: vec![],
+        body: vec![],
+    }
+}
+
+impl Request {
+    pub fn header(mut self, name: &str, value: impl AsRef<[u8]>) -> Self {
+        self.headers.push((name.to_owned(), value.as_ref().to_vec()));
+        self
+    }
+
+    pub fn key(self, key: &str) -> Self {
+        self.header("Idempotency-Key", key)
+    }
+
+    pub fn bearer(self, token: &str) -> Self {
+        self.header("Authorization", format!("Bearer {token}"))
+    }
+
+    fn bytes(&self, addr: std::net::SocketAddr) -> Vec<u8> {
+        let mut out = format!(
+            "{} {} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n",
+            self.method, self.path
+        )
+        .into_bytes();
+        for (n, v) in &self.headers {
+            out.extend_from_slice(n.as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(v);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(format!("content-length: {}\r\n\r\n", self.body.len()).as_bytes());
+        out.extend_from_slice(&self.body);
+        out
+    }
+
+    /// Sends the request and reads the whole answer.
+    pub async fn send(&self, addr: std::net::SocketAddr) -> Reply {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(&self.bytes(addr)).await.expect("write");
+        let mut raw = Vec::new();
+        tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut raw))
+            .await
+            .expect("answer within 30 s")
+            .expect("read");
+        parse(&raw)
+    }
+
+    /// Sends the request, waits `after`, then hangs up without reading.
+    pub async fn send_and_hang_up(&self, addr: std::net::SocketAddr, after: Duration) {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(&self.bytes(addr)).await.expect("write");
+        tokio::time::sleep(after).await;
+        drop(stream);
+    }
+}
+
+fn parse(raw: &[u8]) -> Reply {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a complete head");
+    let head = String::from_utf8_lossy(&raw[..split]);
+    let mut lines = head.split("\r\n");
+    let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    if headers
+        .iter()
+        .any(|(n, v)| n == "transfer-encoding" && v == "chunked")
+    {
+        body = dechunk(&body);
+    }
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let line_end = data.windows(2).position(|w| w == b"\r\n").unwrap();
+        let size = usize::from_str_radix(std::str::from_utf8(&data[..line_end]).unwrap().trim(), 16).unwrap();
+        data = &data[line_end + 2..];
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&data[..size]);
+        data = &data[size + 2..];
+    }
+}
+
+/// Serves `app` on a free loopback port until the test ends.
+pub async fn serve(app: axum::Router) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}

@@ -1,0 +1,634 @@
+//! The payments service of the examples: a small API that charges a fake
+//! card gateway, protected by `#[idempotent]`. Shared by `payments` (the
+//! server) and `demo` (which starts it in-process).
+#![allow(dead_code, unreachable_pub)]
+
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use idem::{idempotent, Idem, Operation, PgStore, SqliteStore, StoreError, Tenant};
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Every tenant starts with this balance, in minor units.
+pub const STARTING_BALANCE: i64 = 1_000_000;
+
+/// The service's settings, read from the environment.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// `PAYMENTS_ADDR`, default `127.0.0.1:8080`.
+    pub addr: SocketAddr,
+    /// `DATABASE_URL`: `postgres://...` or `sqlite://...`; default `sqlite://payments.db`.
+    pub database_url: String,
+    /// `IDEM_TTL`, default 24h.
+    pub ttl: Duration,
+    /// `IDEM_LOCK_TIMEOUT`, default 60s.
+    pub lock_timeout: Duration,
+    /// `PAYMENTS_GATEWAY_DELAY_MS`: how long the fake gateway takes, default 0.
+    pub gateway_delay: Duration,
+    /// `PAYMENTS_FAULT_AFTER_CHARGE_MS` (fault injection for crash tests): a
+    /// pause after the gateway charged and before the payment is written.
+    pub pause_after_charge: Duration,
+    /// `PAYMENTS_FAULT_BEFORE_COMMIT_MS` (fault injection for crash tests): a
+    /// pause after the payment is written and before it commits.
+    pub pause_before_commit: Duration,
+}
+
+/// Parses `500ms`, `30s`, `5m`, `24h`, `1d`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (n, unit) = text.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("invalid duration `{text}`: use e.g. 30s, 5m, 24h"))?;
+    let ms = match unit {
+        "ms" => n,
+        "s" => n * 1000,
+        "m" => n * 60_000,
+        "h" => n * 3_600_000,
+        "d" => n * 86_400_000,
+        _ => return Err(format!("invalid duration `{text}`: use e.g. 30s, 5m, 24h")),
+    };
+    Ok(Duration::from_millis(ms))
+}
+
+impl Config {
+    /// Reads the environment; a bad value is an error that names the variable.
+    pub fn from_env() -> Result<Config, String> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let duration = |name: &str, default: Duration| match var(name) {
+            Some(v) => parse_duration(&v).map_err(|e| format!("{name}: {e}")),
+            None => Ok(default),
+        };
+        let millis = |name: &str| match var(name) {
+            Some(v) => v
+                .parse::<u64>()
+                .map(Duration::from_millis)
+                .map_err(|_| format!("{name}: expected milliseconds, got `{v}`")),
+            None => Ok(Duration::ZERO),
+        };
+        Ok(Config {
+            addr: var("PAYMENTS_ADDR")
+                .unwrap_or_else(|| "127.0.0.1:8080".into())
+                .parse()
+                .map_err(|e| format!("PAYMENTS_ADDR: {e}"))?,
+            database_url: var("DATABASE_URL").unwrap_or_else(|| "sqlite://payments.db".into()),
+            ttl: duration("IDEM_TTL", idem::DEFAULT_TTL)?,
+            lock_timeout: duration("IDEM_LOCK_TIMEOUT", idem::DEFAULT_LOCK_TIMEOUT)?,
+            gateway_delay: millis("PAYMENTS_GATEWAY_DELAY_MS")?,
+            pause_after_charge: millis("PAYMENTS_FAULT_AFTER_CHARGE_MS")?,
+            pause_before_commit: millis("PAYMENTS_FAULT_BEFORE_COMMIT_MS")?,
+        })
+    }
+}
+
+/// The service's database: the same one as the idempotency records, so a
+/// payment and its stored answer commit in one transaction.
+#[derive(Clone)]
+enum Db {
+    Pg(sqlx::PgPool),
+    Sqlite(sqlx::SqlitePool),
+}
+
+/// Runs the same sqlx code on whichever pool or transaction the service has.
+macro_rules! on_pool {
+    ($db:expr, |$pool:ident| $body:expr) => {
+        match $db {
+            Db::Pg($pool) => $body,
+            Db::Sqlite($pool) => $body,
+        }
+    };
+}
+
+/// Runs the same sqlx code inside the operation's transaction.
+macro_rules! in_tx {
+    ($svc:expr, $op:expr, |$conn:ident| $body:expr) => {
+        match &$svc.db {
+            Db::Pg(_) => {
+                let mut guard = $op.pg_transaction().await?;
+                let $conn = &mut *guard;
+                $body
+            }
+            Db::Sqlite(_) => {
+                let mut guard = $op.sqlite_transaction().await?;
+                let $conn = &mut *guard;
+                $body
+            }
+        }
+    };
+}
+
+#[derive(Clone)]
+struct Service {
+    db: Db,
+    config: Arc<Config>,
+}
+
+impl Service {
+    /// SQL written with `$1` placeholders, in the dialect of the database.
+    fn sql(&self, sql: &str) -> sqlx::AssertSqlSafe<String> {
+        match self.db {
+            Db::Pg(_) => sqlx::AssertSqlSafe(sql.to_owned()),
+            Db::Sqlite(_) => sqlx::AssertSqlSafe(sql.replace('$', "?")),
+        }
+    }
+}
+
+const SCHEMA: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS accounts (tenant TEXT PRIMARY KEY, balance BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS payments (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, amount BIGINT NOT NULL, \
+     currency TEXT NOT NULL, recipient TEXT NOT NULL, refunded BIGINT NOT NULL DEFAULT 0)",
+    "CREATE TABLE IF NOT EXISTS refunds (id TEXT PRIMARY KEY, payment_id TEXT NOT NULL, tenant TEXT NOT NULL, \
+     amount BIGINT NOT NULL)",
+    // The fake card gateway's own state: charges are unique by the caller's key.
+    "CREATE TABLE IF NOT EXISTS gateway_charges (charge_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, \
+     amount BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS gateway_calls (tenant TEXT PRIMARY KEY, calls BIGINT NOT NULL)",
+];
+
+/// An answer of the service that is not a success.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    body: serde_json::Value,
+    problem: bool,
+}
+
+impl ApiError {
+    fn problem(status: StatusCode, name: &str, detail: &str) -> Self {
+        ApiError {
+            status,
+            problem: true,
+            body: serde_json::json!({
+                "type": format!("urn:payments:problem:{name}"),
+                "title": status.canonical_reason().unwrap_or("Error"),
+                "status": status.as_u16(),
+                "detail": detail,
+            }),
+        }
+    }
+
+    fn declined(code: &str) -> Self {
+        ApiError {
+            status: StatusCode::PAYMENT_REQUIRED,
+            problem: false,
+            body: serde_json::json!({ "error": code }),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, Json(self.body)).into_response();
+        if self.problem {
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/problem+json"),
+            );
+        }
+        response
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        tracing::error!(error = %e, "database error");
+        ApiError::problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database-unavailable",
+            "try again later",
+        )
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        tracing::error!(error = %e, "idempotency store error");
+        ApiError::problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database-unavailable",
+            "try again later",
+        )
+    }
+}
+
+#[derive(Deserialize, Serialize)]
+struct PaymentIn {
+    amount: i64,
+    currency: String,
+    recipient: String,
+    comment: Option<String>,
+    metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+#[derive(Serialize)]
+struct Payment {
+    id: String,
+    amount: i64,
+    currency: String,
+    recipient: String,
+    status: &'static str,
+}
+
+type Created<T> = (StatusCode, HeaderMap, Json<T>);
+
+fn validate(p: &PaymentIn) -> Result<(), ApiError> {
+    let invalid = |detail: &str| {
+        Err(ApiError::problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-request",
+            detail,
+        ))
+    };
+    if p.amount <= 0 {
+        return invalid("amount must be a positive integer in minor units");
+    }
+    if p.currency.len() != 3 || !p.currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        return invalid("currency must be three uppercase letters");
+    }
+    if p.recipient.is_empty() || p.recipient.chars().count() > 64 {
+        return invalid("recipient must be 1 to 64 characters");
+    }
+    Ok(())
+}
+
+impl Service {
+    async fn ensure_account(&self, tenant: &str) -> Result<(), sqlx::Error> {
+        let sql = self
+            .sql("INSERT INTO accounts (tenant, balance) VALUES ($1, $2) ON CONFLICT (tenant) DO NOTHING");
+        on_pool!(&self.db, |pool| sqlx::query(sql)
+            .bind(tenant)
+            .bind(STARTING_BALANCE)
+            .execute(pool)
+            .await
+            .map(|r| r.rows_affected()))?;
+        Ok(())
+    }
+
+    async fn balance(&self, tenant: &str) -> Result<i64, sqlx::Error> {
+        let sql = self.sql("SELECT balance FROM accounts WHERE tenant = $1");
+        let balance: Option<i64> = on_pool!(&self.db, |pool| sqlx::query_scalar(sql)
+            .bind(tenant)
+            .fetch_optional(pool)
+            .await)?;
+        Ok(balance.unwrap_or(STARTING_BALANCE))
+    }
+
+    /// The fake card gateway. It counts every call, waits its delay, and
+    /// charges at most once per charge key (a real gateway's idempotency).
+    /// `acct_unavailable` plays an outage. Its writes are its own: they
+    /// commit at once, outside the handler's transaction.
+    async fn gateway_charge(
+        &self,
+        tenant: &str,
+        charge_key: &str,
+        amount: i64,
+        recipient: &str,
+    ) -> Result<(), ApiError> {
+        let count = self.sql(
+            "INSERT INTO gateway_calls (tenant, calls) VALUES ($1, 1) \
+             ON CONFLICT (tenant) DO UPDATE SET calls = gateway_calls.calls + 1",
+        );
+        on_pool!(&self.db, |pool| sqlx::query(count)
+            .bind(tenant)
+            .execute(pool)
+            .await
+            .map(|r| r.rows_affected()))?;
+        tokio::time::sleep(self.config.gateway_delay).await;
+        if recipient == "acct_unavailable" {
+            return Err(ApiError::problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "gateway-unavailable",
+                "the card gateway is down; retry with the same key",
+            ));
+        }
+        let charge = self.sql(
+            "INSERT INTO gateway_charges (charge_key, tenant, amount) VALUES ($1, $2, $3) \
+             ON CONFLICT (charge_key) DO NOTHING",
+        );
+        on_pool!(&self.db, |pool| sqlx::query(charge)
+            .bind(charge_key)
+            .bind(tenant)
+            .bind(amount)
+            .execute(pool)
+            .await
+            .map(|r| r.rows_affected()))?;
+        Ok(())
+    }
+}
+
+/// Creates a payment: validate, check the balance, charge the gateway under
+/// the operation's derived key, then write the payment and debit the
+/// balance in the transaction that also completes the idempotency record.
+#[idempotent(scope = "payment.create", fields(amount, currency, recipient))]
+async fn create_payment(
+    State(svc): State<Service>,
+    op: Operation,
+    Json(p): Json<PaymentIn>,
+) -> Result<Created<Payment>, ApiError> {
+    validate(&p)?;
+    let tenant = op.tenant().to_owned();
+    if p.recipient == "acct_declined" {
+        return Err(ApiError::declined("card_declined"));
+    }
+    svc.ensure_account(&tenant).await?;
+    if svc.balance(&tenant).await? < p.amount {
+        return Err(ApiError::declined("insufficient_funds"));
+    }
+    if p.recipient == "acct_panic" {
+        panic!("acct_panic: the handler panics (the key is released)");
+    }
+    if op.recovery_point().as_deref() == Some("charged") {
+        tracing::info!(
+            attempt = op.attempt(),
+            "resuming after the charge: the gateway deduplicates the derived key"
+        );
+    }
+    svc.gateway_charge(&tenant, &op.derived_key("charge"), p.amount, &p.recipient)
+        .await?;
+    op.checkpoint("charged").await?;
+    tokio::time::sleep(svc.config.pause_after_charge).await;
+
+    // The same id on every attempt of this operation.
+    let id = format!("pay_{}", &op.derived_key("payment-id")[5..29]);
+    let debit = svc.sql("UPDATE accounts SET balance = balance - $2 WHERE tenant = $1 AND balance >= $2");
+    let insert =
+        svc.sql("INSERT INTO payments (id, tenant, amount, currency, recipient) VALUES ($1, $2, $3, $4, $5)");
+    let debited = in_tx!(svc, op, |conn| {
+        let debited = sqlx::query(debit)
+            .bind(&tenant)
+            .bind(p.amount)
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+        if debited == 1 {
+            sqlx::query(insert)
+                .bind(&id)
+                .bind(&tenant)
+                .bind(p.amount)
+                .bind(&p.currency)
+                .bind(&p.recipient)
+                .execute(&mut *conn)
+                .await?;
+        }
+        debited
+    });
+    if debited == 0 {
+        // Another payment of this tenant spent the balance meanwhile. (A real
+        // integration would void the gateway charge here.)
+        return Err(ApiError::declined("insufficient_funds"));
+    }
+    tokio::time::sleep(svc.config.pause_before_commit).await;
+    let mut headers = HeaderMap::new();
+    if let Ok(location) = HeaderValue::from_str(&format!("/v1/payments/{id}")) {
+        headers.insert(header::LOCATION, location);
+    }
+    Ok((
+        StatusCode::CREATED,
+        headers,
+        Json(Payment {
+            id,
+            amount: p.amount,
+            currency: p.currency,
+            recipient: p.recipient,
+            status: "succeeded",
+        }),
+    ))
+}
+
+#[derive(Deserialize, Serialize)]
+struct RefundIn {
+    amount: i64,
+}
+
+#[derive(Serialize)]
+struct Refund {
+    id: String,
+    payment_id: String,
+    amount: i64,
+}
+
+/// Refunds part or all of a payment: 201, 404 for a payment of another
+/// tenant or none, 422 when more than the payment would be refunded.
+#[idempotent(scope = "refund.create", fields(amount))]
+async fn create_refund(
+    State(svc): State<Service>,
+    Path(payment_id): Path<String>,
+    op: Operation,
+    Json(r): Json<RefundIn>,
+) -> Result<Created<Refund>, ApiError> {
+    if r.amount <= 0 {
+        return Err(ApiError::problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-request",
+            "amount must be a positive integer",
+        ));
+    }
+    let tenant = op.tenant().to_owned();
+    let id = format!("re_{}", &op.derived_key("refund-id")[5..29]);
+    let find = svc.sql("SELECT amount, refunded FROM payments WHERE id = $1 AND tenant = $2");
+    let refund = svc.sql("UPDATE payments SET refunded = refunded + $3 WHERE id = $1 AND tenant = $2 AND refunded + $3 <= amount");
+    let insert = svc.sql("INSERT INTO refunds (id, payment_id, tenant, amount) VALUES ($1, $2, $3, $4)");
+    let credit = svc.sql("UPDATE accounts SET balance = balance + $2 WHERE tenant = $1");
+    let outcome: Result<(), ApiError> = in_tx!(svc, op, |conn| {
+        let found: Option<(i64, i64)> = sqlx::query_as(find)
+            .bind(&payment_id)
+            .bind(&tenant)
+            .fetch_optional(&mut *conn)
+            .await?;
+        match found {
+            None => Err(ApiError::problem(
+                StatusCode::NOT_FOUND,
+                "payment-not-found",
+                "no such payment",
+            )),
+            Some(_) => {
+                let done = sqlx::query(refund)
+                    .bind(&payment_id)
+                    .bind(&tenant)
+                    .bind(r.amount)
+                    .execute(&mut *conn)
+                    .await?;
+                if done.rows_affected() == 0 {
+                    Err(ApiError::problem(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "refund-exceeds-payment",
+                        "the refunds would exceed the payment",
+                    ))
+                } else {
+                    sqlx::query(insert)
+                        .bind(&id)
+                        .bind(&payment_id)
+                        .bind(&tenant)
+                        .bind(r.amount)
+                        .execute(&mut *conn)
+                        .await?;
+                    sqlx::query(credit)
+                        .bind(&tenant)
+                        .bind(r.amount)
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                }
+            }
+        }
+    });
+    outcome?;
+    Ok((
+        StatusCode::CREATED,
+        HeaderMap::new(),
+        Json(Refund {
+            id,
+            payment_id,
+            amount: r.amount,
+        }),
+    ))
+}
+
+async fn get_payment(
+    State(svc): State<Service>,
+    axum::Extension(tenant): axum::Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let sql =
+        svc.sql("SELECT amount, currency, recipient, refunded FROM payments WHERE id = $1 AND tenant = $2");
+    let row: Option<(i64, String, String, i64)> = on_pool!(&svc.db, |pool| sqlx::query_as(sql)
+        .bind(&id)
+        .bind(tenant.as_str())
+        .fetch_optional(pool)
+        .await)?;
+    let (amount, currency, recipient, refunded) =
+        row.ok_or_else(|| ApiError::problem(StatusCode::NOT_FOUND, "payment-not-found", "no such payment"))?;
+    Ok(Json(serde_json::json!({
+        "id": id, "amount": amount, "currency": currency, "recipient": recipient,
+        "refunded": refunded, "status": "succeeded",
+    })))
+}
+
+async fn ledger(
+    State(svc): State<Service>,
+    axum::Extension(tenant): axum::Extension<Tenant>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let t = tenant.as_str();
+    let charges_sql = svc.sql("SELECT COUNT(*) FROM gateway_charges WHERE tenant = $1");
+    let calls_sql = svc.sql("SELECT calls FROM gateway_calls WHERE tenant = $1");
+    let charges: i64 = on_pool!(&svc.db, |pool| sqlx::query_scalar(charges_sql)
+        .bind(t)
+        .fetch_one(pool)
+        .await)?;
+    let calls: Option<i64> = on_pool!(&svc.db, |pool| sqlx::query_scalar(calls_sql)
+        .bind(t)
+        .fetch_optional(pool)
+        .await)?;
+    Ok(Json(serde_json::json!({
+        "charges": charges,
+        "gateway_calls": calls.unwrap_or(0),
+        "balance": svc.balance(t).await?,
+    })))
+}
+
+/// Demo authentication, not for production: the bearer token is the tenant
+/// id (1 to 64 of `[A-Za-z0-9_-]`).
+async fn auth(mut req: Request, next: Next) -> Response {
+    let token = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .filter(|t| {
+            !t.is_empty()
+                && t.len() <= 64
+                && t.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        })
+        .map(str::to_owned);
+    match token {
+        Some(t) => {
+            req.extensions_mut().insert(Tenant::new(t));
+            next.run(req).await
+        }
+        None => {
+            let mut r = ApiError::problem(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "send `Authorization: Bearer <tenant id>` (1 to 64 of A-Z a-z 0-9 _ -)",
+            )
+            .into_response();
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            r
+        }
+    }
+}
+
+/// Opens the database named by the config, applies the migrations, and
+/// builds the router (with its janitor, which lives as long as the router).
+pub async fn build(config: Config) -> Result<Router, String> {
+    let url = config.database_url.clone();
+    let (idem, db) = if url.starts_with("postgres") {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(32)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&url)
+            .await
+            .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+        let store = PgStore::new(pool.clone());
+        store.migrate().await.map_err(|e| e.to_string())?;
+        let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
+        // One migrating process at a time.
+        sqlx::query("SELECT pg_advisory_xact_lock(7319002152)")
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| e.to_string())?;
+        for ddl in SCHEMA {
+            sqlx::query(*ddl)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        tx.commit().await.map_err(|e| e.to_string())?;
+        (Idem::new(store), Db::Pg(pool))
+    } else if url.starts_with("sqlite:") {
+        let store = SqliteStore::open_url(&url)
+            .await
+            .map_err(|e| format!("cannot open {url}: {e}"))?;
+        store.migrate().await.map_err(|e| e.to_string())?;
+        for ddl in SCHEMA {
+            sqlx::query(*ddl)
+                .execute(store.pool())
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let pool = store.pool().clone();
+        (Idem::new(store), Db::Sqlite(pool))
+    } else {
+        return Err(format!(
+            "DATABASE_URL must start with postgres:// or sqlite://, got `{url}`"
+        ));
+    };
+    let idem = idem.ttl(config.ttl).lock_timeout(config.lock_timeout);
+    let janitor = Arc::new(idem.start_janitor(Duration::from_secs(300), 1000));
+    let svc = Service {
+        db,
+        config: Arc::new(config),
+    };
+    Ok(Router::new()
+        .route("/v1/payments", post(create_payment))
+        .route("/v1/payments/{id}", get(get_payment))
+        .route("/v1/payments/{id}/refunds", post(create_refund))
+        .route("/v1/ledger", get(ledger))
+        .layer(idem.layer())
+        .layer(axum::Extension(janitor))
+        .layer(middleware::from_fn(auth))
+        .with_state(svc))
+}
+
+/// Serves on `listener` until the process ends.
+pub async fn serve(listener: tokio::net::TcpListener, router: Router) -> std::io::Result<()> {
+    axum::serve(listener, router).await
+}
