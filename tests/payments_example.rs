@@ -1,0 +1,466 @@
+//! End-to-end tests of the payments example: the real binary, started as
+//! separate processes on SQLite and PostgreSQL, driven over HTTP, killed
+//! with SIGKILL mid-payment and restarted.
+
+mod common;
+
+use common::http::{get, post, Reply};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The example binary that `cargo test` builds next to the tests.
+fn example_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let bin = dir.join("examples").join("payments");
+    assert!(
+        bin.exists(),
+        "{} is missing: `cargo test --all-features` builds it",
+        bin.display()
+    );
+    bin
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One running service process; killed when dropped.
+struct Service {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Service {
+    async fn start(database_url: &str, env: &[(&str, &str)]) -> Service {
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut cmd = Command::new(example_binary());
+        cmd.env("PAYMENTS_ADDR", addr.to_string())
+            .env("DATABASE_URL", database_url)
+            .env("RUST_LOG", "warn")
+            .env("RUST_BACKTRACE", "0")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().unwrap();
+        let started = Instant::now();
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the service did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Service { child, addr }
+    }
+
+    /// SIGKILL: no destructor, no graceful shutdown, like a crash.
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn payment(amount: i64) -> String {
+    format!(r#"{{"amount": {amount}, "currency": "EUR", "recipient": "acct_bob"}}"#)
+}
+
+async fn pay(addr: SocketAddr, tenant: &str, key: &str, amount: i64) -> Reply {
+    post("/v1/payments", &payment(amount))
+        .bearer(tenant)
+        .key(key)
+        .send(addr)
+        .await
+}
+
+async fn ledger(addr: SocketAddr, tenant: &str) -> (i64, i64, i64) {
+    let l = get("/v1/ledger").bearer(tenant).send(addr).await.json();
+    (
+        l["charges"].as_i64().unwrap(),
+        l["gateway_calls"].as_i64().unwrap(),
+        l["balance"].as_i64().unwrap(),
+    )
+}
+
+/// Where a test's service keeps its data.
+enum Store {
+    Sqlite(tempfile::TempDir),
+    Postgres(String),
+}
+
+impl Store {
+    fn sqlite() -> Store {
+        Store::Sqlite(tempfile::tempdir().unwrap())
+    }
+
+    fn postgres() -> Option<Store> {
+        common::pg_url().map(Store::Postgres)
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Store::Sqlite(dir) => format!("sqlite://{}", dir.path().join("payments.db").display()),
+            Store::Postgres(url) => url.clone(),
+        }
+    }
+
+    /// (payments rows, record state, record attempt) of a tenant, read
+    /// straight from the database.
+    async fn inspect(&self, tenant: &str) -> (i64, Option<String>, Option<i32>) {
+        let payments = "SELECT COUNT(*) FROM payments WHERE tenant = $1";
+        let record = "SELECT state, attempt FROM idempotency_keys WHERE tenant = $1";
+        match self {
+            Store::Sqlite(_) => {
+                let pool = sqlx::SqlitePool::connect(&self.url()).await.unwrap();
+                let n = sqlx::query_scalar(sqlx::AssertSqlSafe(payments.replace('$', "?")))
+                    .bind(tenant)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                let r: Option<(String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(record.replace('$', "?")))
+                    .bind(tenant)
+                    .fetch_optional(&pool)
+                    .await
+                    .unwrap();
+                (n, r.as_ref().map(|r| r.0.clone()), r.map(|r| r.1))
+            }
+            Store::Postgres(url) => {
+                let pool = sqlx::PgPool::connect(url).await.unwrap();
+                let n = sqlx::query_scalar(payments)
+                    .bind(tenant)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                let r: Option<(String, i32)> = sqlx::query_as(record)
+                    .bind(tenant)
+                    .fetch_optional(&pool)
+                    .await
+                    .unwrap();
+                (n, r.as_ref().map(|r| r.0.clone()), r.map(|r| r.1))
+            }
+        }
+    }
+}
+
+/// `n` same-key requests at once, spread over `addrs`: (201s that executed,
+/// 201s that replayed, 409s, others).
+async fn storm(addrs: &[SocketAddr], tenant: &str, n: usize) -> (usize, usize, usize, Vec<u16>) {
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let (addr, tenant, barrier) = (addrs[i % addrs.len()], tenant.to_owned(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                pay(addr, &tenant, "storm-key", 4990).await
+            })
+        })
+        .collect();
+    let (mut executed, mut replayed, mut conflicts, mut others) = (0, 0, 0, Vec::new());
+    for t in tasks {
+        let r = t.await.unwrap();
+        match (r.status, r.header("idempotent-replayed")) {
+            (201, None) => executed += 1,
+            (201, Some(_)) => replayed += 1,
+            (409, _) => conflicts += 1,
+            (s, _) => others.push(s),
+        }
+    }
+    (executed, replayed, conflicts, others)
+}
+
+async fn twenty_concurrent_requests_make_one_charge(store: Store) {
+    let svc = Service::start(&store.url(), &[("PAYMENTS_GATEWAY_DELAY_MS", "800")]).await;
+    let tenant = common::unique("storm");
+    let (executed, replayed, conflicts, others) = storm(&[svc.addr], &tenant, 20).await;
+    assert_eq!((executed, replayed, conflicts, others), (1, 0, 19, vec![]));
+    let (charges, calls, balance) = ledger(svc.addr, &tenant).await;
+    assert_eq!((charges, calls, balance), (1, 1, 1_000_000 - 4990));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_twenty_concurrent_requests_make_one_charge() {
+    twenty_concurrent_requests_make_one_charge(Store::sqlite()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_twenty_concurrent_requests_make_one_charge() {
+    let Some(store) = Store::postgres() else { return };
+    twenty_concurrent_requests_make_one_charge(store).await;
+}
+
+/// Two service processes on one PostgreSQL behave as one service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_two_instances_split_forty_requests_and_make_one_charge() {
+    let Some(store) = Store::postgres() else { return };
+    let env = [("PAYMENTS_GATEWAY_DELAY_MS", "800")];
+    let url = store.url();
+    let (a, b) = tokio::join!(Service::start(&url, &env), Service::start(&url, &env));
+    let tenant = common::unique("two_instances");
+    let (executed, replayed, conflicts, others) = storm(&[a.addr, b.addr], &tenant, 40).await;
+    assert_eq!(executed, 1);
+    assert_eq!(replayed + conflicts, 39, "others: {others:?}");
+    assert_eq!(ledger(a.addr, &tenant).await.0, 1);
+    assert_eq!(ledger(b.addr, &tenant).await.0, 1);
+}
+
+/// Both instances replay what the other stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_two_processes_on_one_file_share_their_records() {
+    let store = Store::sqlite();
+    let url = store.url();
+    let (a, b) = tokio::join!(Service::start(&url, &[]), Service::start(&url, &[]));
+    let tenant = common::unique("two_files");
+    let first = pay(a.addr, &tenant, "k", 100).await;
+    let again = pay(b.addr, &tenant, "k", 100).await;
+    assert_eq!((first.status, again.status), (201, 201));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(ledger(b.addr, &tenant).await.0, 1);
+}
+
+async fn wait_for_charge(addr: SocketAddr, tenant: &str) {
+    let started = Instant::now();
+    while ledger(addr, tenant).await.0 < 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the gateway never charged"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// SIGKILL between the gateway call and the completion: the key stays
+/// locked (409) until its deadline, then a takeover (attempt 2) resumes
+/// from the recovery point, reuses the derived key, and completes.
+async fn a_crash_after_the_charge_is_taken_over_without_a_second_charge(store: Store) {
+    let url = store.url();
+    let tenant = common::unique("crash_charge");
+    let lock = [("IDEM_LOCK_TIMEOUT", "2s")];
+    let svc = Service::start(&url, &[lock[0], ("PAYMENTS_FAULT_AFTER_CHARGE_MS", "60000")]).await;
+    let addr = svc.addr;
+    let t = tenant.clone();
+    let pending = tokio::spawn(async move { pay(addr, &t, "crash-key", 2500).await });
+    wait_for_charge(svc.addr, &tenant).await;
+    svc.kill();
+    let _ = pending.await; // the connection died with the process
+
+    let svc = Service::start(&url, &lock).await;
+    let early = pay(svc.addr, &tenant, "crash-key", 2500).await;
+    assert_eq!(
+        early.status, 409,
+        "the dead owner's lock holds until its deadline"
+    );
+    let retry_after: u64 = early.header("retry-after").unwrap().parse().unwrap();
+    assert!(retry_after <= 2);
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+
+    let taken = pay(svc.addr, &tenant, "crash-key", 2500).await;
+    assert_eq!(taken.status, 201, "{taken:?}");
+    assert_eq!(taken.header("idempotent-replayed"), None);
+    let (payments, state, attempt) = store.inspect(&tenant).await;
+    assert_eq!(
+        (payments, state.as_deref(), attempt),
+        (1, Some("completed"), Some(2))
+    );
+    let (charges, calls, balance) = ledger(svc.addr, &tenant).await;
+    assert_eq!(
+        (charges, calls, balance),
+        (1, 2, 1_000_000 - 2500),
+        "one charge; the gateway saw the key twice"
+    );
+    let replay = pay(svc.addr, &tenant, "crash-key", 2500).await;
+    assert_eq!(replay.body, taken.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_a_crash_after_the_charge_is_taken_over_without_a_second_charge() {
+    a_crash_after_the_charge_is_taken_over_without_a_second_charge(Store::sqlite()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_crash_after_the_charge_is_taken_over_without_a_second_charge() {
+    let Some(store) = Store::postgres() else { return };
+    a_crash_after_the_charge_is_taken_over_without_a_second_charge(store).await;
+}
+
+/// SIGKILL after the payment row is written and before it commits: neither
+/// the row nor the completion exists; the retry executes once.
+async fn a_crash_before_the_commit_leaves_nothing_behind(store: Store) {
+    let url = store.url();
+    let tenant = common::unique("crash_commit");
+    let lock = ("IDEM_LOCK_TIMEOUT", "2s");
+    let svc = Service::start(&url, &[lock, ("PAYMENTS_FAULT_BEFORE_COMMIT_MS", "60000")]).await;
+    let addr = svc.addr;
+    let t = tenant.clone();
+    let pending = tokio::spawn(async move { pay(addr, &t, "commit-key", 700).await });
+    wait_for_charge(svc.addr, &tenant).await;
+    // The payment is written inside the open transaction by now.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    svc.kill();
+    let _ = pending.await;
+
+    let (payments, state, _) = store.inspect(&tenant).await;
+    assert_eq!(payments, 0, "the uncommitted payment row must not exist");
+    assert_eq!(state.as_deref(), Some("in_progress"), "no completion was stored");
+
+    let svc = Service::start(&url, &[lock]).await;
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+    let retry = pay(svc.addr, &tenant, "commit-key", 700).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    let again = pay(svc.addr, &tenant, "commit-key", 700).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    let (payments, state, attempt) = store.inspect(&tenant).await;
+    assert_eq!(
+        (payments, state.as_deref(), attempt),
+        (1, Some("completed"), Some(2))
+    );
+    let (charges, _, balance) = ledger(svc.addr, &tenant).await;
+    assert_eq!((charges, balance), (1, 1_000_000 - 700));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_a_crash_before_the_commit_leaves_nothing_behind() {
+    a_crash_before_the_commit_leaves_nothing_behind(Store::sqlite()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_crash_before_the_commit_leaves_nothing_behind() {
+    let Some(store) = Store::postgres() else { return };
+    a_crash_before_the_commit_leaves_nothing_behind(store).await;
+}
+
+/// The README's contract for clients of the example: auth, validation,
+/// stored declines, released outages and panics, refunds, lookups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_the_example_answers_as_its_readme_says() {
+    let store = Store::sqlite();
+    let svc = Service::start(&store.url(), &[]).await;
+    let addr = svc.addr;
+    let t = common::unique("contract");
+
+    let anon = post("/v1/payments", &payment(1)).key("k").send(addr).await;
+    assert_eq!(anon.status, 401);
+    assert_eq!(anon.header("content-type"), Some("application/problem+json"));
+    let bad = post("/v1/payments", &payment(1))
+        .bearer("not a token!")
+        .key("k")
+        .send(addr)
+        .await;
+    assert_eq!(bad.status, 401);
+
+    let created = pay(addr, &t, "p1", 4990).await;
+    assert_eq!(created.status, 201);
+    let id = created.json()["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        created.header("location"),
+        Some(format!("/v1/payments/{id}").as_str())
+    );
+    assert_eq!(created.json()["status"], "succeeded");
+    assert_eq!(
+        get(&format!("/v1/payments/{id}"))
+            .bearer(&t)
+            .send(addr)
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        get(&format!("/v1/payments/{id}"))
+            .bearer("someone_else")
+            .send(addr)
+            .await
+            .status,
+        404
+    );
+
+    let invalid = post(
+        "/v1/payments",
+        r#"{"amount": 5, "currency": "eur", "recipient": "x"}"#,
+    )
+    .bearer(&t)
+    .key("p2")
+    .send(addr)
+    .await;
+    assert_eq!(invalid.status, 422);
+    let fixed = post(
+        "/v1/payments",
+        r#"{"amount": 5, "currency": "EUR", "recipient": "x"}"#,
+    )
+    .bearer(&t)
+    .key("p2")
+    .send(addr)
+    .await;
+    assert_eq!(fixed.status, 201, "a 422 releases the key for the fixed request");
+
+    let poor = pay(addr, &t, "p3", 2_000_000).await;
+    assert_eq!(
+        (poor.status, poor.json()["error"].as_str()),
+        (402, Some("insufficient_funds"))
+    );
+    let declined = post(
+        "/v1/payments",
+        r#"{"amount": 5, "currency": "EUR", "recipient": "acct_declined"}"#,
+    )
+    .bearer(&t)
+    .key("p4")
+    .send(addr)
+    .await;
+    assert_eq!(
+        (declined.status, declined.json()["error"].as_str()),
+        (402, Some("card_declined"))
+    );
+
+    let panic_body = r#"{"amount": 5, "currency": "EUR", "recipient": "acct_panic"}"#;
+    assert_eq!(
+        post("/v1/payments", panic_body)
+            .bearer(&t)
+            .key("p5")
+            .send(addr)
+            .await
+            .status,
+        500
+    );
+    assert_eq!(
+        post("/v1/payments", panic_body)
+            .bearer(&t)
+            .key("p5")
+            .send(addr)
+            .await
+            .status,
+        500
+    );
+
+    let path = format!("/v1/payments/{id}/refunds");
+    let refund = |amount: i64| post(&path, &format!(r#"{{"amount": {amount}}}"#)).bearer(&t);
+    assert_eq!(refund(4000).key("r1").send(addr).await.status, 201);
+    assert_eq!(
+        refund(4000)
+            .key("r1")
+            .send(addr)
+            .await
+            .header("idempotent-replayed"),
+        Some("true")
+    );
+    assert_eq!(
+        refund(1000).key("r2").send(addr).await.status,
+        422,
+        "more than the payment"
+    );
+    let (_, _, balance) = ledger(addr, &t).await;
+    assert_eq!(balance, 1_000_000 - 4990 - 5 + 4000);
+}
