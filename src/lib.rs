@@ -4,4 +4,5 @@
 pub use idem_runtime::*;
 
 #[cfg(feature = "axum")]
+#[doc = include_str!("idempotent.md")]
 pub use idem_macros::idempotent;

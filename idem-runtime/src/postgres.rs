@@ -15,9 +15,12 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Idempotency records in PostgreSQL: the store for several servers.
 ///
-/// Taking a key is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE` statement
-/// under the primary key (tenant, scope, key); every later write carries the
-/// lock token; expiry and lock deadlines use the database's `now()`.
+/// Taking a key is one statement under the primary key (tenant, scope,
+/// key): `INSERT ... ON CONFLICT DO NOTHING` for a fresh record and a
+/// conditional `UPDATE` of an expired or stale one, the database deciding
+/// between concurrent callers; a replay or a conflict writes and locks
+/// nothing. Every later write carries the lock token; expiry and lock
+/// deadlines use the database's `now()`.
 ///
 /// Round trips per request path:
 ///
@@ -140,16 +143,21 @@ impl PgStore {
 
     fn build(pool: PgPool, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
         let sql = Statements::new(sql::POSTGRES, POSTGRES_MIGRATION, schema, table)?;
-        // One round trip: take the key, or read the row that stops us.
+        // One round trip: insert a fresh record, or take over a takeable one,
+        // or read the row that stops us. A replay or a conflict writes
+        // nothing and locks nothing.
         let reserve = format!(
-            "WITH taken AS ({take}) \
+            "WITH inserted AS ({insert}), taken AS ({take_over}) \
              SELECT TRUE AS taken, attempt, recovery_point, operation_id, NULL::text AS fingerprint, \
              NULL::text AS state, NULL::bigint AS response_status, NULL::text AS response_headers, \
-             NULL::bytea AS response_body, 0::bigint AS lock_left_ms FROM taken \
+             NULL::bytea AS response_body, 0::bigint AS lock_left_ms FROM inserted \
+             UNION ALL \
+             SELECT TRUE, attempt, recovery_point, operation_id, NULL, NULL, NULL, NULL, NULL, 0 FROM taken \
              UNION ALL \
              SELECT FALSE, NULL::integer, NULL::text, NULL::text, e.* FROM ({existing}) AS e \
-             WHERE NOT EXISTS (SELECT 1 FROM taken)",
-            take = sql.take,
+             WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken)",
+            insert = sql.insert_new,
+            take_over = sql.take_over,
             existing = sql.existing,
         );
         Ok(PgStore {

@@ -40,8 +40,13 @@ pub(crate) const SQLITE: Dialect = Dialect {
 /// Every statement a store runs, for one table.
 pub(crate) struct Statements {
     pub(crate) migrate: String,
+    /// Takes the key (insert, or update of a takeable row) in one upsert.
     /// Binds: tenant, scope, key, fingerprint, token, operation id, ttl ms, lock ms.
     pub(crate) take: String,
+    /// Inserts a fresh record if there is none; the same binds.
+    pub(crate) insert_new: String,
+    /// Takes an existing, takeable record; the same binds.
+    pub(crate) take_over: String,
     /// Binds: tenant, scope, key. Columns: fingerprint, state, status,
     /// headers, body, lock_left_ms.
     pub(crate) existing: String,
@@ -96,33 +101,66 @@ impl Statements {
         let expired = format!("cur.expires_at <= {now}");
         let id = format!("tenant = {} AND scope = {} AND key = {}", p(1), p(2), p(3));
         let owned = format!("{id} AND state = 'in_progress' AND lock_token = {}", p(4));
+        // A fresh record: absent before, or replacing an expired one.
+        let insert = format!(
+            "INSERT INTO {t} AS cur (tenant, scope, key, fingerprint, state, operation_id, lock_token, \
+             attempt, lock_expires_at, recovery_point, created_at, expires_at) \
+             VALUES ({}, {}, {}, {}, 'in_progress', {}, {}, 1, {now} + {}, NULL, {now}, {now} + {})",
+            p(1),
+            p(2),
+            p(3),
+            p(4),
+            p(6),
+            p(5),
+            ms(8),
+            ms(7),
+        );
+        // What may be taken: an expired record without a live lock (a new
+        // operation), or a stale lock with the same fingerprint (a takeover).
+        let takeable = format!(
+            "NOT {live_lock} AND ({expired} OR (cur.state = 'in_progress' AND cur.fingerprint = {}))",
+            p(4)
+        );
+        // Taking it: `new(col)` is the new value of a column.
+        let take_set = |new: &dyn Fn(&str) -> String| {
+            format!(
+                "fingerprint = {fp}, state = 'in_progress', lock_token = {token}, lock_expires_at = {lock}, \
+                 attempt = CASE WHEN {expired} THEN 1 ELSE cur.attempt + 1 END, \
+                 recovery_point = CASE WHEN {expired} THEN NULL ELSE cur.recovery_point END, \
+                 operation_id = CASE WHEN {expired} THEN {op} ELSE cur.operation_id END, \
+                 created_at = CASE WHEN {expired} THEN {created} ELSE cur.created_at END, \
+                 expires_at = CASE WHEN {expired} THEN {expires} ELSE cur.expires_at END, \
+                 response_status = NULL, response_headers = NULL, response_body = NULL",
+                fp = new("fingerprint"),
+                token = new("lock_token"),
+                lock = new("lock_expires_at"),
+                op = new("operation_id"),
+                created = new("created_at"),
+                expires = new("expires_at"),
+            )
+        };
         Ok(Statements {
             migrate: migration.replace("{table}", &t).replace("{index}", &index),
             take: format!(
-                "INSERT INTO {t} AS cur (tenant, scope, key, fingerprint, state, operation_id, \
-                 lock_token, attempt, lock_expires_at, recovery_point, created_at, expires_at) \
-                 VALUES ({p1}, {p2}, {p3}, {p4}, 'in_progress', {p6}, {p5}, 1, {now} + {lock}, NULL, \
-                 {now}, {now} + {ttl}) \
-                 ON CONFLICT (tenant, scope, key) DO UPDATE SET \
-                 fingerprint = excluded.fingerprint, state = 'in_progress', \
-                 lock_token = excluded.lock_token, lock_expires_at = excluded.lock_expires_at, \
-                 attempt = CASE WHEN {expired} THEN 1 ELSE cur.attempt + 1 END, \
-                 recovery_point = CASE WHEN {expired} THEN NULL ELSE cur.recovery_point END, \
-                 operation_id = CASE WHEN {expired} THEN excluded.operation_id ELSE cur.operation_id END, \
-                 created_at = CASE WHEN {expired} THEN excluded.created_at ELSE cur.created_at END, \
-                 expires_at = CASE WHEN {expired} THEN excluded.expires_at ELSE cur.expires_at END, \
-                 response_status = NULL, response_headers = NULL, response_body = NULL \
-                 WHERE NOT {live_lock} AND ({expired} OR (cur.state = 'in_progress' \
-                 AND cur.fingerprint = excluded.fingerprint)) \
-                 RETURNING attempt, recovery_point, operation_id",
+                "{insert} ON CONFLICT (tenant, scope, key) DO UPDATE SET {set} \
+                 WHERE {takeable} RETURNING attempt, recovery_point, operation_id",
+                set = take_set(&|col| format!("excluded.{col}")),
+            ),
+            insert_new: format!("{insert} ON CONFLICT (tenant, scope, key) DO NOTHING RETURNING attempt, recovery_point, operation_id"),
+            take_over: format!(
+                "UPDATE {t} AS cur SET {set} WHERE cur.tenant = {p1} AND cur.scope = {p2} \
+                 AND cur.key = {p3} AND {takeable} RETURNING attempt, recovery_point, operation_id",
+                set = take_set(&|col| match col {
+                    "fingerprint" => p(4),
+                    "lock_token" => p(5),
+                    "operation_id" => p(6),
+                    "lock_expires_at" => format!("{now} + {}", ms(8)),
+                    "created_at" => now.to_owned(),
+                    _ => format!("{now} + {}", ms(7)), // expires_at
+                }),
                 p1 = p(1),
                 p2 = p(2),
                 p3 = p(3),
-                p4 = p(4),
-                p5 = p(5),
-                p6 = p(6),
-                ttl = ms(7),
-                lock = ms(8),
             ),
             existing: format!(
                 "SELECT fingerprint, state, CAST(response_status AS BIGINT) AS response_status, \
