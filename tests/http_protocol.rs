@@ -105,6 +105,7 @@ async fn pay(app: &App, p: PaymentIn, attempt: u32) -> Result<Created, PaymentEr
     );
     headers.insert(header::SET_COOKIE, HeaderValue::from_static("session=secret"));
     headers.insert("x-not-stored", HeaderValue::from_static("1"));
+    headers.insert(header::ETAG, HeaderValue::from_str(&format!("\"v{n}\"")).unwrap());
     let body = if p.recipient == "big" {
         serde_json::json!({"blob": "x".repeat(4096)})
     } else {
@@ -193,7 +194,8 @@ struct Harness {
 
 async fn start(store: Arc<dyn IdempotencyStore>, guard: Box<dyn std::any::Any + Send>) -> Harness {
     let app = App::default();
-    let idem = Idem::from_arc(store.clone()).max_stored_body(1024);
+    // `set-cookie` is named on purpose: it must never be stored all the same.
+    let idem = Idem::from_arc(store.clone()).max_stored_body(1024).replay_headers(["etag", "set-cookie"]);
     let addr = serve(router(app.clone(), idem)).await;
     Harness {
         addr,
@@ -282,6 +284,7 @@ async fn replays_the_stored_response_byte_for_byte(h: Harness) {
     assert_eq!(replay.body, first.body);
     assert_eq!(replay.header("location"), first.header("location"));
     assert_eq!(replay.header("content-type"), Some("application/json"));
+    assert_eq!(replay.header("etag"), first.header("etag"), "a named header is replayed");
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     // Never stored: cookies and headers nobody asked to replay.
     assert_eq!(replay.header("set-cookie"), None);
@@ -584,6 +587,17 @@ async fn a_slow_handler_keeps_its_lock_while_it_runs(h: Harness) {
     assert_eq!(h.app.ran("lease"), 1);
 }
 
+async fn a_new_key_with_the_same_body_is_a_new_operation(h: Harness) {
+    // The same coffee, bought twice: the key identifies the operation, the
+    // body only checks it.
+    let a = pay_req(&h, "coffee-1", 350, "cafe").await;
+    let b = pay_req(&h, "coffee-2", 350, "cafe").await;
+    assert_eq!((a.status, b.status), (201, 201));
+    assert_eq!(b.header("idempotent-replayed"), None);
+    assert_ne!(a.body, b.body);
+    assert_eq!(h.app.ran("cafe"), 2);
+}
+
 macro_rules! protocol {
     ($store:ident, $make:expr) => {
         protocol!(@cases $store, $make;
@@ -608,6 +622,7 @@ macro_rules! protocol {
             a_custom_key_header_is_used,
             a_stale_lock_is_taken_over_with_the_next_attempt,
             a_slow_handler_keeps_its_lock_while_it_runs,
+            a_new_key_with_the_same_body_is_a_new_operation,
         );
     };
     (@cases $store:ident, $make:expr; $($case:ident,)*) => {

@@ -515,3 +515,38 @@ async fn sqlite_reserver_process() {
     }
     println!("DONE");
 }
+
+/// Expiry is judged by the database's clock: moving the record's times
+/// back in the database (as if its clock ran ahead of this server's) is
+/// all it takes, while this process's clock has not moved.
+#[tokio::test]
+async fn postgres_the_database_clock_decides_expiry() {
+    let Some(url) = common::pg_url() else { return };
+    let schema = common::pg_schema(&url).await;
+    let store = common::pg_store_in(&url, &schema, 2).await;
+    let id = RecordId::new("t", "clock", "k");
+    let first = take(&store, &id, "fp", LONG, LONG).await;
+    store.complete(&id, &first.token, &response("old")).await.unwrap();
+    assert_eq!(reserve(&store, &id, "fp", LONG, LONG).await, Reservation::Completed(response("old")));
+    let shift = format!(
+        "UPDATE \"{schema}\".idempotency_keys SET created_at = now() - interval '2 hours', \
+         expires_at = now() - interval '1 second'"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(shift)).execute(store.pool()).await.unwrap();
+    let again = take(&store, &id, "fp", LONG, LONG).await;
+    assert_eq!(again.attempt, 1, "a new operation");
+    assert_ne!(again.operation_id, first.operation_id);
+}
+
+#[tokio::test]
+async fn sqlite_the_database_clock_decides_expiry() {
+    let (store, _dir) = common::sqlite_store().await;
+    let id = RecordId::new("t", "clock", "k");
+    let first = take(&store, &id, "fp", LONG, LONG).await;
+    store.complete(&id, &first.token, &response("old")).await.unwrap();
+    let shift = "UPDATE idempotency_keys SET expires_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) - 1000";
+    sqlx::query(shift).execute(store.pool()).await.unwrap();
+    let again = take(&store, &id, "fp", LONG, LONG).await;
+    assert_eq!(again.attempt, 1);
+    assert_ne!(again.operation_id, first.operation_id);
+}
