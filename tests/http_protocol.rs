@@ -195,7 +195,9 @@ struct Harness {
 async fn start(store: Arc<dyn IdempotencyStore>, guard: Box<dyn std::any::Any + Send>) -> Harness {
     let app = App::default();
     // `set-cookie` is named on purpose: it must never be stored all the same.
-    let idem = Idem::from_arc(store.clone()).max_stored_body(1024).replay_headers(["etag", "set-cookie"]);
+    let idem = Idem::from_arc(store.clone())
+        .max_stored_body(1024)
+        .replay_headers(["etag", "set-cookie"]);
     let addr = serve(router(app.clone(), idem)).await;
     Harness {
         addr,
@@ -284,7 +286,11 @@ async fn replays_the_stored_response_byte_for_byte(h: Harness) {
     assert_eq!(replay.body, first.body);
     assert_eq!(replay.header("location"), first.header("location"));
     assert_eq!(replay.header("content-type"), Some("application/json"));
-    assert_eq!(replay.header("etag"), first.header("etag"), "a named header is replayed");
+    assert_eq!(
+        replay.header("etag"),
+        first.header("etag"),
+        "a named header is replayed"
+    );
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     // Never stored: cookies and headers nobody asked to replay.
     assert_eq!(replay.header("set-cookie"), None);

@@ -192,16 +192,34 @@ async fn twenty_concurrent_requests_make_one_charge(store: Store) {
     assert_eq!((charges, calls, balance), (1, 1, 1_000_000 - 4990));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn sqlite_twenty_concurrent_requests_make_one_charge() {
-    twenty_concurrent_requests_make_one_charge(Store::sqlite()).await;
+/// Runs each scenario on a temporary SQLite file and on PostgreSQL.
+macro_rules! on_both_stores {
+    ($($scenario:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $scenario() {
+                    super::$scenario(super::Store::sqlite()).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $scenario() {
+                    let Some(store) = super::Store::postgres() else { return };
+                    super::$scenario(store).await;
+                }
+            )*
+        }
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres_twenty_concurrent_requests_make_one_charge() {
-    let Some(store) = Store::postgres() else { return };
-    twenty_concurrent_requests_make_one_charge(store).await;
-}
+on_both_stores!(
+    twenty_concurrent_requests_make_one_charge,
+    a_crash_after_the_charge_is_taken_over_without_a_second_charge,
+    a_crash_before_the_commit_leaves_nothing_behind,
+);
 
 /// Two service processes on one PostgreSQL behave as one service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -287,17 +305,6 @@ async fn a_crash_after_the_charge_is_taken_over_without_a_second_charge(store: S
     assert_eq!(replay.body, taken.body);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn sqlite_a_crash_after_the_charge_is_taken_over_without_a_second_charge() {
-    a_crash_after_the_charge_is_taken_over_without_a_second_charge(Store::sqlite()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres_a_crash_after_the_charge_is_taken_over_without_a_second_charge() {
-    let Some(store) = Store::postgres() else { return };
-    a_crash_after_the_charge_is_taken_over_without_a_second_charge(store).await;
-}
-
 /// SIGKILL after the payment row is written and before it commits: neither
 /// the row nor the completion exists; the retry executes once.
 async fn a_crash_before_the_commit_leaves_nothing_behind(store: Store) {
@@ -331,17 +338,6 @@ async fn a_crash_before_the_commit_leaves_nothing_behind(store: Store) {
     );
     let (charges, _, balance) = ledger(svc.addr, &tenant).await;
     assert_eq!((charges, balance), (1, 1_000_000 - 700));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn sqlite_a_crash_before_the_commit_leaves_nothing_behind() {
-    a_crash_before_the_commit_leaves_nothing_behind(Store::sqlite()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres_a_crash_before_the_commit_leaves_nothing_behind() {
-    let Some(store) = Store::postgres() else { return };
-    a_crash_before_the_commit_leaves_nothing_behind(store).await;
 }
 
 /// The README's contract for clients of the example: auth, validation,

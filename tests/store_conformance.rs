@@ -527,12 +527,18 @@ async fn postgres_the_database_clock_decides_expiry() {
     let id = RecordId::new("t", "clock", "k");
     let first = take(&store, &id, "fp", LONG, LONG).await;
     store.complete(&id, &first.token, &response("old")).await.unwrap();
-    assert_eq!(reserve(&store, &id, "fp", LONG, LONG).await, Reservation::Completed(response("old")));
+    assert_eq!(
+        reserve(&store, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("old"))
+    );
     let shift = format!(
         "UPDATE \"{schema}\".idempotency_keys SET created_at = now() - interval '2 hours', \
          expires_at = now() - interval '1 second'"
     );
-    sqlx::query(sqlx::AssertSqlSafe(shift)).execute(store.pool()).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(shift))
+        .execute(store.pool())
+        .await
+        .unwrap();
     let again = take(&store, &id, "fp", LONG, LONG).await;
     assert_eq!(again.attempt, 1, "a new operation");
     assert_ne!(again.operation_id, first.operation_id);

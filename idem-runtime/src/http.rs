@@ -423,6 +423,7 @@ pub struct Operation {
     /// The recovery point as this execution last set it.
     recovery_point: Arc<std::sync::Mutex<Option<String>>>,
     /// The handler's transaction, once it asked for one.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     tx: Arc<tokio::sync::Mutex<Option<PendingTx>>>,
 }
 
@@ -514,24 +515,8 @@ impl Operation {
     #[cfg(feature = "postgres")]
     #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
     pub async fn pg_transaction(&self) -> Result<TxConnection<'_, sqlx::PgConnection>, StoreError> {
-        let mut slot = self.tx.lock().await;
-        if slot.is_none() {
-            let store = self
-                .info
-                .store
-                .as_any()
-                .downcast_ref::<crate::PgStore>()
-                .ok_or_else(|| {
-                    StoreError::Backend("pg_transaction needs the layer's store to be a PgStore".into())
-                })?;
-            *slot = Some(PendingTx::Pg(store.begin_tx().await?));
-        }
-        tokio::sync::MutexGuard::try_map(slot, |slot| match slot {
-            Some(PendingTx::Pg(tx)) => Some(&mut **tx),
-            #[allow(unreachable_patterns)]
-            _ => None,
-        })
-        .map_err(|_| StoreError::Backend("the operation holds a transaction of another store".into()))
+        self.transaction(PendingTx::begin_pg(&*self.info.store), PendingTx::pg)
+            .await
     }
 
     /// The handler's transaction on the SQLite store (`BEGIN IMMEDIATE`):
@@ -559,26 +544,23 @@ impl Operation {
     #[cfg(feature = "sqlite")]
     #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
     pub async fn sqlite_transaction(&self) -> Result<TxConnection<'_, sqlx::SqliteConnection>, StoreError> {
+        self.transaction(PendingTx::begin_sqlite(&*self.info.store), PendingTx::sqlite)
+            .await
+    }
+
+    /// The open transaction's connection, opening it with `begin` first.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    async fn transaction<'a, C: 'a>(
+        &'a self,
+        begin: impl Future<Output = Result<PendingTx, StoreError>>,
+        connection: fn(&mut PendingTx) -> Option<&mut C>,
+    ) -> Result<TxConnection<'a, C>, StoreError> {
         let mut slot = self.tx.lock().await;
         if slot.is_none() {
-            let store = self
-                .info
-                .store
-                .as_any()
-                .downcast_ref::<crate::SqliteStore>()
-                .ok_or_else(|| {
-                    StoreError::Backend(
-                        "sqlite_transaction needs the layer's store to be a SqliteStore".into(),
-                    )
-                })?;
-            *slot = Some(PendingTx::Sqlite(store.begin_tx().await?));
+            *slot = Some(begin.await?);
         }
-        tokio::sync::MutexGuard::try_map(slot, |slot| match slot {
-            Some(PendingTx::Sqlite(tx)) => Some(&mut **tx),
-            #[allow(unreachable_patterns)]
-            _ => None,
-        })
-        .map_err(|_| StoreError::Backend("the operation holds a transaction of another store".into()))
+        tokio::sync::MutexGuard::try_map(slot, |slot| slot.as_mut().and_then(connection))
+            .map_err(|_| StoreError::Backend("the operation holds a transaction of another store".into()))
     }
 
     /// A key for the downstream call `step`, to pass to another system's own

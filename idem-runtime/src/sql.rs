@@ -42,10 +42,13 @@ pub(crate) struct Statements {
     pub(crate) migrate: String,
     /// Takes the key (insert, or update of a takeable row) in one upsert.
     /// Binds: tenant, scope, key, fingerprint, token, operation id, ttl ms, lock ms.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) take: String,
     /// Inserts a fresh record if there is none; the same binds.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) insert_new: String,
     /// Takes an existing, takeable record; the same binds.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) take_over: String,
     /// Binds: tenant, scope, key. Columns: fingerprint, state, status,
     /// headers, body, lock_left_ms.

@@ -13,9 +13,50 @@ pub(crate) enum PendingTx {
 
 /// The connection of a handler's transaction, borrowed from its
 /// [`Operation`](crate::Operation): use `&mut *conn` as a sqlx executor.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub type TxConnection<'a, C> = tokio::sync::MappedMutexGuard<'a, C>;
 
+#[cfg(feature = "postgres")]
+impl PendingTx {
+    pub(crate) async fn begin_pg(store: &dyn IdempotencyStore) -> Result<Self, StoreError> {
+        let pg = store.as_any().downcast_ref::<crate::PgStore>().ok_or_else(|| {
+            StoreError::Backend("pg_transaction needs the layer's store to be a PgStore".into())
+        })?;
+        Ok(PendingTx::Pg(pg.begin_tx().await?))
+    }
+
+    pub(crate) fn pg(&mut self) -> Option<&mut sqlx::PgConnection> {
+        match self {
+            PendingTx::Pg(tx) => Some(&mut **tx),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl PendingTx {
+    pub(crate) async fn begin_sqlite(store: &dyn IdempotencyStore) -> Result<Self, StoreError> {
+        let lite = store
+            .as_any()
+            .downcast_ref::<crate::SqliteStore>()
+            .ok_or_else(|| {
+                StoreError::Backend("sqlite_transaction needs the layer's store to be a SqliteStore".into())
+            })?;
+        Ok(PendingTx::Sqlite(lite.begin_tx().await?))
+    }
+
+    pub(crate) fn sqlite(&mut self) -> Option<&mut sqlx::SqliteConnection> {
+        match self {
+            PendingTx::Sqlite(tx) => Some(&mut **tx),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+}
+
 /// Why a same-transaction completion failed.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 pub(crate) enum TxFailure {
     /// Nothing was committed: neither the handler's writes nor the completion.
     NotCommitted(StoreError),
@@ -68,26 +109,19 @@ impl PendingTx {
 
     /// Rolls the handler's writes back.
     pub(crate) async fn rollback(self) {
-        let result: Result<(), sqlx_error::Error> = match self {
+        match self {
             #[cfg(feature = "postgres")]
-            PendingTx::Pg(tx) => tx.rollback().await,
+            PendingTx::Pg(tx) => log_rollback(tx.rollback().await),
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(tx) => tx.rollback().await,
-        };
-        #[allow(unreachable_code)]
-        if let Err(e) = result {
-            // Dropping the connection rolls back all the same.
-            tracing::warn!(error = %e, "rollback failed; the connection is discarded");
+            PendingTx::Sqlite(tx) => log_rollback(tx.rollback().await),
         }
     }
 }
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-mod sqlx_error {
-    pub(crate) use sqlx::Error;
-}
-
-#[cfg(not(any(feature = "postgres", feature = "sqlite")))]
-mod sqlx_error {
-    pub(crate) type Error = std::convert::Infallible;
+fn log_rollback(result: Result<(), sqlx::Error>) {
+    if let Err(e) = result {
+        // Dropping the connection rolls back all the same.
+        tracing::warn!(error = %e, "rollback failed; the connection is discarded");
+    }
 }
