@@ -22,6 +22,8 @@ use std::time::Duration;
 struct App {
     /// How many times the handler body ran, per recipient.
     runs: Arc<Mutex<HashMap<String, usize>>>,
+    /// The downstream keys the flaky handler used, in order.
+    charge_keys: Arc<Mutex<Vec<String>>>,
 }
 
 impl App {
@@ -150,6 +152,28 @@ async fn create_slow(State(app): State<App>, Json(p): Json<PaymentIn>) -> Result
     pay(&app, p, 1).await
 }
 
+/// Charges downstream under the derived key, then fails once with a 503
+/// (the key is released after the effect), then succeeds.
+#[idempotent(scope = "payment.flaky", fields(amount))]
+async fn create_flaky(
+    State(app): State<App>,
+    op: Operation,
+    Json(p): Json<PaymentIn>,
+) -> (StatusCode, String) {
+    let mut keys = app.charge_keys.lock().unwrap();
+    keys.push(op.derived_key("charge"));
+    if keys.len() == 1 {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ledger down after the charge".into(),
+        );
+    }
+    (
+        StatusCode::CREATED,
+        format!("{{\"amount\":{},\"attempt\":{}}}", p.amount, op.attempt()),
+    )
+}
+
 #[idempotent(scope = "payment.custom", header = "X-Request-Id")]
 async fn create_custom_header(
     State(app): State<App>,
@@ -180,6 +204,7 @@ fn router(app: App, idem: Idem) -> Router {
         .route("/optional", post(create_optional))
         .route("/custom", post(create_custom_header))
         .route("/slow", post(create_slow))
+        .route("/flaky", post(create_flaky))
         .layer(idem.layer())
         .layer(middleware::from_fn(auth))
         .with_state(app)
@@ -335,7 +360,7 @@ async fn a_request_in_progress_is_409_with_retry_after(h: Harness) {
     assert_eq!(second.status, 409);
     assert_eq!(second.problem(), "idempotency-request-in-progress");
     let retry: u64 = second.header("retry-after").unwrap().parse().unwrap();
-    assert!(retry >= 1);
+    assert!((1..=2).contains(&retry), "{retry}");
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(h.app.ran("slow"), 1);
 }
@@ -604,6 +629,35 @@ async fn a_new_key_with_the_same_body_is_a_new_operation(h: Harness) {
     assert_eq!(h.app.ran("cafe"), 2);
 }
 
+async fn a_retry_after_a_release_keeps_the_derived_keys(h: Harness) {
+    // Released after its downstream effect: the retry must present the same
+    // key downstream, so the other system's idempotency can deduplicate.
+    let first = post_req("/flaky", &body(10, "flaky"))
+        .bearer("acct_1")
+        .key("k-flaky")
+        .send(h.addr)
+        .await;
+    assert_eq!(first.status, 503);
+    let retry = post_req("/flaky", &body(10, "flaky"))
+        .bearer("acct_1")
+        .key("k-flaky")
+        .send(h.addr)
+        .await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.json()["attempt"], 2);
+    let keys = h.app.charge_keys.lock().unwrap().clone();
+    assert_eq!(keys.len(), 2);
+    assert_eq!(keys[0], keys[1]);
+    // A new key is a new operation, with new derived keys.
+    let other = post_req("/flaky", &body(10, "flaky"))
+        .bearer("acct_1")
+        .key("k-flaky-2")
+        .send(h.addr)
+        .await;
+    assert_eq!(other.status, 201);
+    assert_ne!(h.app.charge_keys.lock().unwrap()[2], keys[0]);
+}
+
 macro_rules! protocol {
     ($store:ident, $make:expr) => {
         protocol!(@cases $store, $make;
@@ -629,6 +683,7 @@ macro_rules! protocol {
             a_stale_lock_is_taken_over_with_the_next_attempt,
             a_slow_handler_keeps_its_lock_while_it_runs,
             a_new_key_with_the_same_body_is_a_new_operation,
+            a_retry_after_a_release_keeps_the_derived_keys,
         );
     };
     (@cases $store:ident, $make:expr; $($case:ident,)*) => {

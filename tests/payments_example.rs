@@ -108,8 +108,15 @@ impl Store {
         Store::Sqlite(tempfile::tempdir().unwrap())
     }
 
-    fn postgres() -> Option<Store> {
-        common::pg_url().map(Store::Postgres)
+    /// The test database, in a schema of its own (through `search_path`),
+    /// so that tests run in parallel and never meet an older run's tables.
+    async fn postgres() -> Option<Store> {
+        let url = common::pg_url()?;
+        let schema = common::pg_schema(&url).await;
+        let sep = if url.contains('?') { '&' } else { '?' };
+        Some(Store::Postgres(format!(
+            "{url}{sep}options=-c%20search_path%3D{schema}"
+        )))
     }
 
     fn url(&self) -> String {
@@ -207,7 +214,7 @@ macro_rules! on_both_stores {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $scenario() {
-                    let Some(store) = super::Store::postgres() else { return };
+                    let Some(store) = super::Store::postgres().await else { return };
                     super::$scenario(store).await;
                 }
             )*
@@ -224,7 +231,9 @@ on_both_stores!(
 /// Two service processes on one PostgreSQL behave as one service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_two_instances_split_forty_requests_and_make_one_charge() {
-    let Some(store) = Store::postgres() else { return };
+    let Some(store) = Store::postgres().await else {
+        return;
+    };
     let env = [("PAYMENTS_GATEWAY_DELAY_MS", "800")];
     let url = store.url();
     let (a, b) = tokio::join!(Service::start(&url, &env), Service::start(&url, &env));

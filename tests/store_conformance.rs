@@ -128,15 +128,38 @@ async fn refuses_a_different_fingerprint_in_every_state(s: &dyn IdempotencyStore
     assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
 }
 
-/// Release removes the record: the retry really retries, even with a fixed body.
+/// Release lets the retry really retry: the same request continues the
+/// same operation (its derived keys stay the same: a release after an
+/// external effect cannot cause a second one); a fixed request starts anew.
 async fn release_lets_the_next_request_run(s: &dyn IdempotencyStore) {
     let id = RecordId::new("t1", "s", "k4");
     let first = take(s, &id, "fp-a", LONG, LONG).await;
+    s.checkpoint(&id, &first.token, "charged").await.unwrap();
     s.release(&id, &first.token).await.unwrap();
-    let second = take(s, &id, "fp-b", LONG, LONG).await;
-    assert_eq!(second.attempt, 1);
-    assert_ne!(first.operation_id, second.operation_id);
     assert_eq!(s.release(&id, &first.token).await, Err(StoreError::LockLost));
+
+    let retry = take(s, &id, "fp-a", LONG, LONG).await;
+    assert_eq!(retry.attempt, 2);
+    assert!(!retry.is_takeover(), "a retry after a release is not a takeover");
+    assert_eq!(retry.operation_id, first.operation_id);
+    assert_eq!(retry.recovery_point.as_deref(), Some("charged"));
+    s.release(&id, &retry.token).await.unwrap();
+
+    let fixed = take(s, &id, "fp-b", LONG, LONG).await;
+    assert_eq!(fixed.attempt, 1);
+    assert!(!fixed.is_takeover());
+    assert_eq!(fixed.recovery_point, None);
+    assert_ne!(fixed.operation_id, first.operation_id);
+    assert_eq!(
+        s.complete(&id, &retry.token, &response("stale")).await,
+        Err(StoreError::LockLost)
+    );
+    s.complete(&id, &fixed.token, &response("fixed")).await.unwrap();
+    assert_eq!(
+        reserve(s, &id, "fp-b", LONG, LONG).await,
+        Reservation::Completed(response("fixed"))
+    );
+    assert_eq!(reserve(s, &id, "fp-a", LONG, LONG).await, Reservation::Mismatch);
 }
 
 /// A record past its TTL counts as absent: a new operation with a new id.

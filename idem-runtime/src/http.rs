@@ -32,6 +32,8 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
 /// The default limit of a stored response body: 1 MiB.
 pub const DEFAULT_MAX_STORED_BODY: usize = 1024 * 1024;
+/// The largest `Retry-After` of a 409, in seconds.
+const MAX_RETRY_AFTER_SECS: u64 = 2;
 /// The header that marks a replayed answer.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// The header that marks a replay whose body was too large to keep.
@@ -452,7 +454,8 @@ impl Operation {
         &self.info.id.scope
     }
 
-    /// 1 for the first execution, + 1 for every takeover.
+    /// 1 for the first execution of the operation, + 1 for every later one:
+    /// a takeover of a stale lock, or the retry of a released outcome.
     pub fn attempt(&self) -> u32 {
         self.info.lease.attempt
     }
@@ -1049,9 +1052,13 @@ fn in_progress(retry_after: Duration) -> Response {
         "Request in progress",
         "a request with this idempotency key is still being processed; retry later with the same key",
     );
+    // Until the lock deadline, at most 2 s: the lease keeps a living
+    // owner's deadline a whole lock timeout away, yet it may finish at once.
     let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
-    r.headers_mut()
-        .insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
+    r.headers_mut().insert(
+        RETRY_AFTER,
+        HeaderValue::from(secs.clamp(1, MAX_RETRY_AFTER_SECS)),
+    );
     r
 }
 

@@ -148,13 +148,14 @@ impl PgStore {
         // nothing and locks nothing.
         let reserve = format!(
             "WITH inserted AS ({insert}), taken AS ({take_over}) \
-             SELECT TRUE AS taken, attempt, recovery_point, operation_id, NULL::text AS fingerprint, \
+             SELECT TRUE AS taken, attempt, taken_over, recovery_point, operation_id, NULL::text AS fingerprint, \
              NULL::text AS state, NULL::bigint AS response_status, NULL::text AS response_headers, \
              NULL::bytea AS response_body, 0::bigint AS lock_left_ms FROM inserted \
              UNION ALL \
-             SELECT TRUE, attempt, recovery_point, operation_id, NULL, NULL, NULL, NULL, NULL, 0 FROM taken \
+             SELECT TRUE, attempt, taken_over, recovery_point, operation_id, NULL, NULL, NULL, NULL, NULL, 0 \
+             FROM taken \
              UNION ALL \
-             SELECT FALSE, NULL::integer, NULL::text, NULL::text, e.* FROM ({existing}) AS e \
+             SELECT FALSE, NULL::integer, NULL::integer, NULL::text, NULL::text, e.* FROM ({existing}) AS e \
              WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken)",
             insert = sql.insert_new,
             take_over = sql.take_over,

@@ -5,6 +5,9 @@
 
 use crate::store::StoreError;
 
+/// What a statement that took the key returns.
+const RETURNED: &str = "attempt, taken_over, recovery_point, operation_id";
+
 /// The table name both SQL stores use unless told otherwise.
 pub const DEFAULT_TABLE: &str = "idempotency_keys";
 
@@ -53,6 +56,9 @@ pub(crate) struct Statements {
     /// Binds: tenant, scope, key. Columns: fingerprint, state, status,
     /// headers, body, lock_left_ms.
     pub(crate) existing: String,
+    /// `existing` plus `maybe_takeable`: expired, or a lock that ran out.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) peek: String,
     /// Binds: tenant, scope, key, token, status, headers, body.
     pub(crate) complete: String,
     /// Binds: tenant, scope, key, token.
@@ -119,20 +125,30 @@ impl Statements {
             ms(7),
         );
         // What may be taken: an expired record without a live lock (a new
-        // operation), or a stale lock with the same fingerprint (a takeover).
+        // operation), a stale lock with the same fingerprint (a takeover), or
+        // a released record (the retry of its operation, or with another
+        // fingerprint a new one). A released record has no lock token.
         let takeable = format!(
-            "NOT {live_lock} AND ({expired} OR (cur.state = 'in_progress' AND cur.fingerprint = {}))",
+            "NOT {live_lock} AND ({expired} OR (cur.state = 'in_progress' \
+             AND (cur.fingerprint = {} OR cur.lock_token IS NULL)))",
             p(4)
         );
-        // Taking it: `new(col)` is the new value of a column.
+        // Taking it: `new(col)` is the new value of a column. A new operation
+        // starts afresh; the same one keeps its id and recovery point, so
+        // that its derived keys stay the same.
         let take_set = |new: &dyn Fn(&str) -> String| {
+            let fresh = format!(
+                "({expired} OR (cur.lock_token IS NULL AND cur.fingerprint <> {}))",
+                new("fingerprint")
+            );
             format!(
                 "fingerprint = {fp}, state = 'in_progress', lock_token = {token}, lock_expires_at = {lock}, \
-                 attempt = CASE WHEN {expired} THEN 1 ELSE cur.attempt + 1 END, \
-                 recovery_point = CASE WHEN {expired} THEN NULL ELSE cur.recovery_point END, \
-                 operation_id = CASE WHEN {expired} THEN {op} ELSE cur.operation_id END, \
-                 created_at = CASE WHEN {expired} THEN {created} ELSE cur.created_at END, \
-                 expires_at = CASE WHEN {expired} THEN {expires} ELSE cur.expires_at END, \
+                 attempt = CASE WHEN {fresh} THEN 1 ELSE cur.attempt + 1 END, \
+                 taken_over = CASE WHEN {fresh} OR cur.lock_token IS NULL THEN 0 ELSE 1 END, \
+                 recovery_point = CASE WHEN {fresh} THEN NULL ELSE cur.recovery_point END, \
+                 operation_id = CASE WHEN {fresh} THEN {op} ELSE cur.operation_id END, \
+                 created_at = CASE WHEN {fresh} THEN {created} ELSE cur.created_at END, \
+                 expires_at = CASE WHEN {fresh} THEN {expires} ELSE cur.expires_at END, \
                  response_status = NULL, response_headers = NULL, response_body = NULL",
                 fp = new("fingerprint"),
                 token = new("lock_token"),
@@ -146,13 +162,13 @@ impl Statements {
             migrate: migration.replace("{table}", &t).replace("{index}", &index),
             take: format!(
                 "{insert} ON CONFLICT (tenant, scope, key) DO UPDATE SET {set} \
-                 WHERE {takeable} RETURNING attempt, recovery_point, operation_id",
+                 WHERE {takeable} RETURNING {RETURNED}",
                 set = take_set(&|col| format!("excluded.{col}")),
             ),
-            insert_new: format!("{insert} ON CONFLICT (tenant, scope, key) DO NOTHING RETURNING attempt, recovery_point, operation_id"),
+            insert_new: format!("{insert} ON CONFLICT (tenant, scope, key) DO NOTHING RETURNING {RETURNED}"),
             take_over: format!(
                 "UPDATE {t} AS cur SET {set} WHERE cur.tenant = {p1} AND cur.scope = {p2} \
-                 AND cur.key = {p3} AND {takeable} RETURNING attempt, recovery_point, operation_id",
+                 AND cur.key = {p3} AND {takeable} RETURNING {RETURNED}",
                 set = take_set(&|col| match col {
                     "fingerprint" => p(4),
                     "lock_token" => p(5),
@@ -171,6 +187,17 @@ impl Statements {
                  FROM {t} WHERE {id}",
                 left = (d.left)("lock_expires_at", now),
             ),
+            peek: format!(
+                "SELECT fingerprint, state, CAST(response_status AS BIGINT) AS response_status, \
+                 response_headers, response_body, {left} AS lock_left_ms, \
+                 CASE WHEN NOT {live_lock} AND ({expired} OR cur.state = 'in_progress') \
+                 THEN 1 ELSE 0 END AS maybe_takeable \
+                 FROM {t} AS cur WHERE cur.tenant = {} AND cur.scope = {} AND cur.key = {}",
+                p(1),
+                p(2),
+                p(3),
+                left = (d.left)("cur.lock_expires_at", now),
+            ),
             complete: format!(
                 "UPDATE {t} SET state = 'completed', lock_token = NULL, response_status = {}, \
                  response_headers = {}, response_body = {} WHERE {owned}",
@@ -178,7 +205,9 @@ impl Statements {
                 p(6),
                 p(7),
             ),
-            release: format!("DELETE FROM {t} WHERE {owned}"),
+            // Released, not deleted: the retry of the same request continues
+            // the same operation (same id, so the same derived keys).
+            release: format!("UPDATE {t} SET lock_token = NULL, lock_expires_at = {now} WHERE {owned}"),
             checkpoint: format!("UPDATE {t} SET recovery_point = {} WHERE {owned}", p(5)),
             extend: format!("UPDATE {t} SET lock_expires_at = {now} + {} WHERE {owned}", ms(5)),
             purge: format!(
@@ -391,9 +420,11 @@ where
 {
     let get_err = |e: sqlx::Error| StoreError::Backend(e.to_string());
     let attempt: i32 = row.try_get("attempt").map_err(get_err)?;
+    let taken_over: i32 = row.try_get("taken_over").map_err(get_err)?;
     Ok(crate::Lease {
         token,
         attempt: u32::try_from(attempt).unwrap_or(1),
+        takeover: taken_over != 0,
         recovery_point: row.try_get("recovery_point").map_err(get_err)?,
         operation_id: row.try_get("operation_id").map_err(get_err)?,
     })

@@ -17,9 +17,11 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Idempotency records in one SQLite file: the embedded default.
 ///
 /// The file is opened in WAL mode with a busy timeout, so several tasks and
-/// several processes on one machine can share it. A reservation runs in a
-/// `BEGIN IMMEDIATE` transaction: SQLite's write lock makes the upsert and
-/// the read of a blocking row one atomic step. Expiry and lock deadlines
+/// several processes on one machine can share it. A reservation first reads
+/// the record: a replay, a mismatch or a live lock is answered from that
+/// read, without the write lock. Otherwise it runs in a `BEGIN IMMEDIATE`
+/// transaction, where SQLite's write lock makes the upsert (which checks
+/// again) and the read of a blocking row one atomic step. Expiry and lock deadlines
 /// use SQLite's clock, which is the machine's.
 ///
 /// ```
@@ -206,6 +208,24 @@ impl SqliteStore {
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
         Box::pin(bounded(self.timeout, async move {
+            // A read first: a replay, a mismatch or a live lock is answered
+            // without the write lock (WAL readers never wait for a writer).
+            let seen = sqlx::query(sqlx::AssertSqlSafe(self.sql.peek.as_str()))
+                .bind(&req.id.tenant)
+                .bind(&req.id.scope)
+                .bind(&req.id.key)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(sql::map_err)?;
+            if let Some(row) = seen {
+                let maybe_takeable: i64 = sqlx::Row::try_get(&row, "maybe_takeable")
+                    .map_err(|e| StoreError::Backend(e.to_string()))?;
+                if maybe_takeable == 0 {
+                    return sql::judge_row(&row, req.fingerprint);
+                }
+            }
+            // Absent, expired, stale or released: take it under the write
+            // lock, where the upsert decides again.
             let token = random_token();
             let mut tx = self
                 .pool

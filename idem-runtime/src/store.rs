@@ -95,8 +95,12 @@ pub enum Reservation {
 pub struct Lease {
     /// The lock token that every later write must carry.
     pub token: String,
-    /// 1 for the first execution, then + 1 on every takeover.
+    /// 1 for the first execution of the operation, then + 1 for every later
+    /// one (a takeover, or the retry of a released outcome).
     pub attempt: u32,
+    /// Whether this execution took over a lock whose deadline had passed
+    /// (the previous execution may still be running, or died).
+    pub takeover: bool,
     /// The last checkpoint a previous attempt stored.
     pub recovery_point: Option<String>,
     /// An id the record got when first reserved; kept through takeovers.
@@ -108,11 +112,11 @@ impl Lease {
     ///
     /// ```
     /// # use idem_runtime::Lease;
-    /// let lease = Lease { token: "t".into(), attempt: 2, recovery_point: None, operation_id: "o".into() };
+    /// let lease = Lease { token: "t".into(), attempt: 2, takeover: true, recovery_point: None, operation_id: "o".into() };
     /// assert!(lease.is_takeover());
     /// ```
     pub fn is_takeover(&self) -> bool {
-        self.attempt > 1
+        self.takeover
     }
 }
 
@@ -235,7 +239,9 @@ pub trait IdempotencyStore: AsAny + Send + Sync + 'static {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
 
-    /// Removes the record, so that a retry really retries.
+    /// Releases the record, so that a retry really retries: the same request
+    /// continues the same operation (attempt + 1, same operation id and
+    /// recovery point); another request starts a new one.
     fn release<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// Stores `recovery_point` as the operation's progress.
@@ -436,10 +442,17 @@ impl MemoryStore {
             expires_at: now + req.ttl,
             response: None,
         };
+        let mut taken_over = false;
         let record = match existing {
             None => fresh(random_token()),
             Some(r) if r.expires_at <= now && !r.lock_live(now) => fresh(random_token()),
+            // Released, and now another request: a new operation.
+            Some(r) if r.response.is_none() && r.token.is_none() && r.fingerprint != req.fingerprint => {
+                fresh(random_token())
+            }
+            // A stale lock (a takeover) or a released record (its retry).
             Some(r) if r.response.is_none() && r.lock_deadline <= now && r.fingerprint == req.fingerprint => {
+                taken_over = r.token.is_some();
                 MemoryRecord {
                     token: Some(token.clone()),
                     attempt: r.attempt + 1,
@@ -458,6 +471,7 @@ impl MemoryStore {
         let lease = Lease {
             token,
             attempt: record.attempt,
+            takeover: taken_over,
             recovery_point: record.recovery_point.clone(),
             operation_id: record.operation_id.clone(),
         };
@@ -489,8 +503,11 @@ impl IdempotencyStore for MemoryStore {
 
     fn release<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            self.fenced(id, token, |records, _| {
-                records.remove(id);
+            self.fenced(id, token, |records, now| {
+                if let Some(r) = records.get_mut(id) {
+                    r.token = None;
+                    r.lock_deadline = now;
+                }
             })
         })
     }

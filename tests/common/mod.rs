@@ -35,10 +35,32 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
-/// A fresh schema in the test database, so tests run in parallel.
+/// A fresh schema in the test database, so tests run in parallel. Its name
+/// carries its creation time: schemas of runs over an hour old are dropped
+/// here, so the test database does not fill up.
 pub async fn pg_schema(url: &str) -> String {
-    let schema = unique("idem_t");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let schema = unique(&format!("idem_t_{now}"));
     let pool = sqlx::PgPool::connect(url).await.expect("connect to DATABASE_URL");
+    let old: Vec<String> = sqlx::query_scalar(
+        "SELECT nspname::text FROM pg_namespace WHERE nspname ~ '^idem_t_[0-9]+_' \
+         AND split_part(nspname, '_', 3)::bigint < $1",
+    )
+    .bind(now as i64 - 3600)
+    .fetch_all(&pool)
+    .await
+    .expect("list old schemas");
+    for name in old {
+        // Another test process may drop it at the same time: ignore errors.
+        let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS \"{name}\" CASCADE"
+        )))
+        .execute(&pool)
+        .await;
+    }
     sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
         .execute(&pool)
         .await
