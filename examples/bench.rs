@@ -229,6 +229,21 @@ async fn http_overhead(store: Arc<dyn IdempotencyStore>) {
     );
 }
 
+/// The baseline: the mean time of one `SELECT 1` round trip on `pool`
+/// (a macro, as the two stores' pools are different types).
+macro_rules! select_one {
+    ($pool:expr) => {{
+        let pool = $pool;
+        mean(|_| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query("SELECT 1").execute(&pool).await.expect("select");
+            }
+        })
+        .await
+    }};
+}
+
 #[tokio::main]
 async fn main() {
     let url = std::env::var("DATABASE_URL")
@@ -249,13 +264,7 @@ async fn main() {
                 .with_table(Some(&schema), "idempotency_keys")
                 .expect("names");
             store.migrate().await.expect("migrate");
-            let baseline = mean(|_| {
-                let pool = pool.clone();
-                async move {
-                    sqlx::query("SELECT 1").execute(&pool).await.expect("select");
-                }
-            })
-            .await;
+            let baseline = select_one!(pool);
             println!("store: PostgreSQL\n");
             (Arc::new(store), baseline)
         }
@@ -264,14 +273,7 @@ async fn main() {
                 .await
                 .expect("open");
             store.migrate().await.expect("migrate");
-            let pool = store.pool().clone();
-            let baseline = mean(|_| {
-                let pool = pool.clone();
-                async move {
-                    sqlx::query("SELECT 1").execute(&pool).await.expect("select");
-                }
-            })
-            .await;
+            let baseline = select_one!(store.pool().clone());
             println!("store: SQLite (temporary file); set DATABASE_URL=postgres://... for PostgreSQL\n");
             (Arc::new(store), baseline)
         }

@@ -177,6 +177,7 @@ pub struct Idem {
     inner: Arc<Engine>,
 }
 
+#[derive(Clone)]
 struct Engine {
     store: Arc<dyn IdempotencyStore>,
     ttl: Duration,
@@ -229,22 +230,8 @@ impl Idem {
     }
 
     fn change(mut self, f: impl FnOnce(&mut Engine)) -> Self {
-        match Arc::get_mut(&mut self.inner) {
-            Some(engine) => f(engine),
-            None => {
-                let old = &self.inner;
-                let mut engine = Engine {
-                    store: old.store.clone(),
-                    ttl: old.ttl,
-                    lock_timeout: old.lock_timeout,
-                    single_tenant: old.single_tenant,
-                    max_stored_body: old.max_stored_body,
-                    replay_headers: old.replay_headers.clone(),
-                };
-                f(&mut engine);
-                self.inner = Arc::new(engine);
-            }
-        }
+        // Copies the engine only when a clone of this `Idem` shares it.
+        f(Arc::make_mut(&mut self.inner));
         self
     }
 
@@ -1126,6 +1113,20 @@ impl<T> ViaStatus for Probe<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn configuring_a_clone_leaves_the_original_as_it_was() {
+        let original = Idem::new(crate::MemoryStore::new());
+        let changed = original.clone().ttl(Duration::from_secs(1)).single_tenant();
+        assert_eq!(
+            (original.inner.ttl, original.inner.single_tenant),
+            (DEFAULT_TTL, false)
+        );
+        assert_eq!(
+            (changed.inner.ttl, changed.inner.single_tenant),
+            (Duration::from_secs(1), true)
+        );
+    }
 
     #[test]
     fn classification_follows_the_contract_table() {
