@@ -35,9 +35,12 @@ fn answer() -> StoredResponse {
 }
 
 async fn reserve(store: &dyn IdempotencyStore, id: &RecordId, fp: &str, lock: Duration) -> Reservation {
+    // Any unique string: the token this execution would hold.
+    let token = format!("{}-{:?}", id.key, std::time::Instant::now());
     let req = ReserveRequest {
         id,
         fingerprint: fp,
+        token: &token,
         ttl: LONG,
         lock_timeout: lock,
     };

@@ -573,6 +573,7 @@ async fn a_stale_lock_is_taken_over_with_the_next_attempt(h: Harness) {
     let req = idem::ReserveRequest {
         id: &id,
         fingerprint: &fp,
+        token: common::token(),
         ttl: Duration::from_secs(3600),
         lock_timeout: Duration::from_millis(300),
     };

@@ -217,6 +217,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
         let req = ReserveRequest {
             id: &id,
             fingerprint: "f",
+            token: common::token(),
             ttl: short,
             lock_timeout: short,
         };
@@ -236,6 +237,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
     let req = ReserveRequest {
         id: &live,
         fingerprint: "f",
+        token: common::token(),
         ttl: short,
         lock_timeout: long,
     };
@@ -247,6 +249,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
     let req = ReserveRequest {
         id: &kept,
         fingerprint: "f",
+        token: common::token(),
         ttl: long,
         lock_timeout: short,
     };
@@ -272,6 +275,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
     let req = ReserveRequest {
         id: &live,
         fingerprint: "f",
+        token: common::token(),
         ttl: long,
         lock_timeout: long,
     };
@@ -283,6 +287,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
     let req = ReserveRequest {
         id: &kept,
         fingerprint: "f",
+        token: common::token(),
         ttl: long,
         lock_timeout: long,
     };

@@ -13,6 +13,7 @@ fn req<'a>(id: &'a RecordId, fp: &'a str, ttl: Duration, lock: Duration) -> Rese
     ReserveRequest {
         id,
         fingerprint: fp,
+        token: common::token(),
         ttl,
         lock_timeout: lock,
     }

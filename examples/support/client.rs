@@ -109,6 +109,26 @@ impl Request {
         parse(&raw)
     }
 
+    /// Sends the request and hands over the open connection, unread.
+    pub async fn start(&self, addr: std::net::SocketAddr) -> TcpStream {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(&self.bytes(addr)).await.expect("write");
+        stream
+    }
+
+    /// Sends the request and reads every byte until the server closes the
+    /// connection, without parsing: for answers that may break off.
+    pub async fn send_raw(&self, addr: std::net::SocketAddr) -> Vec<u8> {
+        let mut stream = self.start(addr).await;
+        let mut raw = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut raw))
+            .await
+            .expect("the server closes within 30 s");
+        // A reset connection is one way to break off.
+        let _ = read;
+        raw
+    }
+
     /// Sends the request, waits `after`, then hangs up without reading.
     pub async fn send_and_hang_up(&self, addr: std::net::SocketAddr, after: Duration) {
         let mut stream = TcpStream::connect(addr).await.expect("connect");

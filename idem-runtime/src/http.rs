@@ -12,12 +12,13 @@ use axum::http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use futures_util::FutureExt as _;
+use futures_util::{FutureExt as _, StreamExt as _};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::time::Instant;
 use tracing::Instrument as _;
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
@@ -381,6 +382,14 @@ struct OperationInfo {
     store: Arc<dyn IdempotencyStore>,
     id: RecordId,
     lease: Lease,
+    /// Set once the lease is lost: taken over, or not extended in time.
+    lost: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl OperationInfo {
+    fn is_lost(&self) -> bool {
+        *self.lost.borrow()
+    }
 }
 
 /// The operation an annotated handler runs for: its key, attempt and
@@ -463,16 +472,67 @@ impl Operation {
         own.or_else(|| self.info.lease.recovery_point.clone())
     }
 
+    /// Whether this execution's lease is lost: another execution took the
+    /// operation over, or the lock could not be extended before its deadline
+    /// (the store was unreachable), so another may have. A handler that sees
+    /// it should stop before its next external effect: its answer will not
+    /// be given (the client gets 503 with `Retry-After`) unless the
+    /// completion, fenced by the lock token, still succeeds.
+    ///
+    /// ```
+    /// # use idem::{idempotent, Operation};
+    /// #[idempotent(scope = "report.build")]
+    /// async fn build(op: Operation) -> &'static str {
+    ///     for _part in 0..3 {
+    ///         if op.is_lease_lost() {
+    ///             return "stopped"; // the client gets 503, never this
+    ///         }
+    ///         // ... one step of work
+    ///     }
+    ///     "built"
+    /// }
+    /// ```
+    pub fn is_lease_lost(&self) -> bool {
+        self.info.is_lost()
+    }
+
+    /// Resolves when this execution's lease is lost (see
+    /// [`Operation::is_lease_lost`]); never while the lease holds. Race it
+    /// against long work to stop early.
+    ///
+    /// ```
+    /// # use idem::{idempotent, Operation};
+    /// # async fn long_work() -> &'static str { "done" }
+    /// #[idempotent(scope = "report.build")]
+    /// async fn build(op: Operation) -> &'static str {
+    ///     tokio::select! {
+    ///         done = long_work() => done,
+    ///         () = op.lease_lost() => "stopped", // the client gets 503, never this
+    ///     }
+    /// }
+    /// ```
+    pub async fn lease_lost(&self) {
+        let mut lost = self.info.lost.subscribe();
+        if lost.wait_for(|lost| *lost).await.is_err() {
+            // The execution is over: the lease will never be lost now.
+            std::future::pending::<()>().await;
+        }
+    }
+
     /// Persists `name` as the operation's progress, under this execution's
     /// lock token.
     ///
     /// # Errors
     ///
     /// [`StoreError::LockLost`] when another execution took the operation
-    /// over (stop: the record is not yours any more), or another
-    /// [`StoreError`] when the store fails.
+    /// over, or when the lease is lost (see [`Operation::is_lease_lost`]):
+    /// stop, the record is not yours any more. Another [`StoreError`] when
+    /// the store fails.
     pub async fn checkpoint(&self, name: &str) -> Result<(), StoreError> {
         let info = &self.info;
+        if info.is_lost() {
+            return Err(StoreError::LockLost);
+        }
         info.store.checkpoint(&info.id, &info.lease.token, name).await?;
         *self.recovery_point.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.to_owned());
         Ok(())
@@ -545,6 +605,9 @@ impl Operation {
         begin: impl Future<Output = Result<PendingTx, StoreError>>,
         connection: fn(&mut PendingTx) -> Option<&mut C>,
     ) -> Result<TxConnection<'a, C>, StoreError> {
+        if self.info.is_lost() {
+            return Err(StoreError::LockLost);
+        }
         let mut slot = self.tx.lock().await;
         if slot.is_none() {
             *slot = Some(begin.await?);
@@ -658,100 +721,136 @@ async fn run_boxed(
         outcome = tracing::field::Empty,
         attempt = tracing::field::Empty,
     );
-    async move {
-        let tenant = match (ctx.tenant, engine.single_tenant) {
-            (Some(t), _) => t.0,
-            (None, true) => String::new(),
-            (None, false) => {
-                tracing::error!(
-                    "no tenant for this request: insert an `idem::Tenant` into the request extensions in \
-                     your auth layer, or call `Idem::single_tenant()` if the service has one tenant"
-                );
-                return misconfigured();
-            }
-        };
-        let fingerprint = match fingerprint {
-            Ok(fp) => fp,
+    // From here on the protocol runs detached from the connection: a client
+    // that goes away cancels neither the reservation nor the execution.
+    let task = tokio::spawn(protect(engine, ctx.tenant, spec, fingerprint, key, handler).instrument(span));
+    match task.await {
+        Ok(response) => response,
+        // The task itself never panics: the handler's panic is caught inside.
+        Err(_) => handler_failed(),
+    }
+}
+
+/// The protocol for one keyed request: tenant, fingerprint, reserve, then
+/// execute under the lease, or answer from the record.
+async fn protect(
+    engine: Arc<Engine>,
+    tenant: Option<Tenant>,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::FingerprintError>,
+    key: IdempotencyKey,
+    handler: Handler,
+) -> Response {
+    let tenant = match (tenant, engine.single_tenant) {
+        (Some(t), _) => t.0,
+        (None, true) => String::new(),
+        (None, false) => {
+            tracing::error!(
+                "no tenant for this request: insert an `idem::Tenant` into the request extensions in \
+                 your auth layer, or call `Idem::single_tenant()` if the service has one tenant"
+            );
+            return misconfigured();
+        }
+    };
+    let fingerprint = match fingerprint {
+        Ok(fp) => fp,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot fingerprint the request");
+            return misconfigured();
+        }
+    };
+    let id = RecordId::new(tenant, spec.scope, key.as_str());
+    let token = crate::store::random_token();
+    let request = ReserveRequest {
+        id: &id,
+        fingerprint: &fingerprint,
+        token: &token,
+        ttl: spec.ttl.unwrap_or(engine.ttl),
+        lock_timeout: spec.lock_timeout.unwrap_or(engine.lock_timeout),
+    };
+    let waited_until = spec.wait.map(|w| Instant::now() + w);
+    let mut pause = Duration::from_millis(20);
+    loop {
+        let asked = Instant::now();
+        let reservation = match engine.store.reserve(request).await {
+            Ok(r) => r,
             Err(e) => {
-                tracing::error!(error = %e, "cannot fingerprint the request");
-                return misconfigured();
+                record("store_unavailable");
+                tracing::error!(error = %e, "idempotency store failed; refusing the request");
+                // The reservation may have committed although its answer
+                // never came: give the key back, fenced by our token.
+                let _ = give_back(&engine, &id, &token, request.lock_timeout).await;
+                return store_unavailable(NOT_PROCESSED);
             }
         };
-        let id = RecordId::new(tenant, spec.scope, key.as_str());
-        let request = ReserveRequest {
-            id: &id,
-            fingerprint: &fingerprint,
-            ttl: spec.ttl.unwrap_or(engine.ttl),
-            lock_timeout: spec.lock_timeout.unwrap_or(engine.lock_timeout),
-        };
-        let waited_until = spec.wait.map(|w| tokio::time::Instant::now() + w);
-        let mut pause = Duration::from_millis(20);
-        loop {
-            let reservation = match engine.store.reserve(request).await {
-                Ok(r) => r,
-                Err(e) => {
-                    record("store_unavailable");
-                    tracing::error!(error = %e, "idempotency store failed; refusing the request");
-                    return store_unavailable();
-                }
-            };
-            match reservation {
-                Reservation::Reserved(lease) => {
-                    tracing::Span::current().record("attempt", lease.attempt);
-                    let lock_timeout = request.lock_timeout;
-                    return execute(engine, id.clone(), lease, lock_timeout, handler).await;
-                }
-                Reservation::Completed(stored) => {
-                    record("replayed");
-                    return replay(stored);
-                }
-                Reservation::Mismatch => {
-                    record("mismatch");
-                    return problem(
-                        StatusCode::UNPROCESSABLE_ENTITY,
-                        "idempotency-key-reused",
-                        "Idempotency key reused",
-                        "this idempotency key was already used with a different request; \
-                         use a new key for a new request",
-                    );
-                }
-                Reservation::InProgress { retry_after } => {
-                    let now = tokio::time::Instant::now();
-                    match waited_until {
-                        Some(deadline) if now < deadline => {
-                            tokio::time::sleep(pause.min(deadline - now)).await;
-                            pause = (pause * 2).min(Duration::from_millis(250));
-                        }
-                        _ => {
-                            record("in_progress");
-                            return in_progress(retry_after);
-                        }
+        match reservation {
+            Reservation::Reserved(lease) => {
+                tracing::Span::current().record("attempt", lease.attempt);
+                let clock = LeaseClock {
+                    lock_timeout: request.lock_timeout,
+                    // The store set the deadline after `asked`: counting from
+                    // it errs on the safe side.
+                    deadline: asked + request.lock_timeout,
+                };
+                return execute(engine, id, lease, clock, handler).await;
+            }
+            Reservation::Completed(stored) => {
+                record("replayed");
+                return replay(stored);
+            }
+            Reservation::Mismatch => {
+                record("mismatch");
+                return problem(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "idempotency-key-reused",
+                    "Idempotency key reused",
+                    "this idempotency key was already used with a different request; \
+                     use a new key for a new request",
+                );
+            }
+            Reservation::InProgress { retry_after } => {
+                let now = Instant::now();
+                match waited_until {
+                    Some(deadline) if now < deadline => {
+                        tokio::time::sleep(pause.min(deadline - now)).await;
+                        pause = (pause * 2).min(Duration::from_millis(250));
+                    }
+                    _ => {
+                        record("in_progress");
+                        return in_progress(retry_after);
                     }
                 }
             }
         }
     }
-    .instrument(span)
-    .await
 }
 
 fn record(outcome: &'static str) {
     tracing::Span::current().record("outcome", outcome);
 }
 
-/// Runs the handler detached from the connection, so that a client that
-/// goes away cannot cancel it: its result is recorded all the same.
+/// When this execution's lock runs out, as far as it can tell.
+#[derive(Clone, Copy)]
+struct LeaseClock {
+    lock_timeout: Duration,
+    /// The lock deadline, or earlier: the store's clock set it after this.
+    deadline: Instant,
+}
+
+/// Runs the handler, produces its answer and records the outcome, all under
+/// the lease: the lock is extended until the completion is recorded.
 async fn execute(
     engine: Arc<Engine>,
     id: RecordId,
     lease: Lease,
-    lock_timeout: Duration,
+    clock: LeaseClock,
     handler: Handler,
 ) -> Response {
     let info = OperationInfo {
         store: engine.store.clone(),
         id,
         lease,
+        lost: Arc::new(tokio::sync::watch::Sender::new(false)),
     };
     let tx: Arc<tokio::sync::Mutex<Option<PendingTx>>> = Arc::default();
     let handler = handler(Some(Operation {
@@ -759,117 +858,131 @@ async fn execute(
         recovery_point: Arc::default(),
         tx: tx.clone(),
     }));
-    let span = tracing::Span::current();
     if info.lease.is_takeover() {
         tracing::warn!(
             attempt = info.lease.attempt,
             "taking over an operation whose lock ran out"
         );
     }
-    let task = tokio::spawn(
-        async move {
-            let outcome = with_heartbeat(
-                &engine,
-                &info,
-                lock_timeout,
-                AssertUnwindSafe(handler).catch_unwind(),
-            )
-            .await;
-            // The handler is done: its transaction, if any, is ours now.
-            let tx = tx.lock().await.take();
-            finish(&engine, &info, outcome, tx).await
-        }
-        .instrument(span),
-    );
-    match task.await {
-        Ok(response) => response,
-        // The task itself never panics: the handler's panic is caught inside.
-        Err(_) => problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "handler-failed",
-            "Internal error",
-            "the request failed; it may be retried with the same key",
-        ),
-    }
+    let work = async {
+        let outcome = AssertUnwindSafe(handler).catch_unwind().await;
+        pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
+        // The handler is done: its transaction, if any, is ours now.
+        let tx = tx.lock().await.take();
+        finish(&engine, &info, clock.lock_timeout, outcome, tx).await
+    };
+    with_lease(&info, clock, work).await
 }
 
-/// Polls the handler while extending its lock every third of the lock
-/// timeout: a slow but living handler is never taken over.
-async fn with_heartbeat<T>(
-    engine: &Engine,
-    info: &OperationInfo,
-    lock_timeout: Duration,
-    handler: impl Future<Output = T>,
-) -> T {
-    let (store, id, token) = (engine.store.clone(), info.id.clone(), info.lease.token.clone());
-    let beat = tokio::spawn(async move {
-        let period = (lock_timeout / 3).max(Duration::from_millis(10));
+/// Polls `work` while extending the lock every third of the lock timeout,
+/// in the same task. When the lock is taken over, or cannot be extended
+/// before its deadline, the lease counts as lost and the handler is told
+/// (see [`Operation::lease_lost`]).
+async fn with_lease<T>(info: &OperationInfo, clock: LeaseClock, work: impl Future<Output = T>) -> T {
+    let heartbeat = async {
+        let period = (clock.lock_timeout / 3).max(Duration::from_millis(10));
+        let mut deadline = clock.deadline;
         loop {
-            tokio::time::sleep(period).await;
-            match store.extend_lock(&id, &token, lock_timeout).await {
-                Ok(()) => {}
-                Err(StoreError::LockLost) => {
+            tokio::select! {
+                () = tokio::time::sleep_until(deadline) => break,
+                () = tokio::time::sleep(period) => {}
+            }
+            let asked = Instant::now();
+            let extended = tokio::time::timeout_at(
+                deadline,
+                info.store
+                    .extend_lock(&info.id, &info.lease.token, clock.lock_timeout),
+            )
+            .await;
+            match extended {
+                Ok(Ok(())) => deadline = asked + clock.lock_timeout,
+                Ok(Err(StoreError::LockLost)) => {
                     tracing::error!("lock lost while the handler runs: another execution took over");
-                    return;
+                    break;
                 }
-                Err(e) => tracing::warn!(error = %e, "could not extend the lock"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "could not extend the lock; trying again"),
+                Err(_) => break,
             }
         }
-    });
-    let out = handler.await;
-    beat.abort();
-    out
+        if !info.is_lost() {
+            tracing::error!("the lock could not be extended before its deadline: the lease counts as lost");
+        }
+        info.lost.send_replace(true);
+        std::future::pending::<()>().await;
+    };
+    tokio::pin!(work, heartbeat);
+    loop {
+        tokio::select! {
+            biased;
+            out = &mut work => return out,
+            () = &mut heartbeat => {}
+        }
+    }
 }
 
 type Caught = Result<(Response, Option<Classification>), Box<dyn std::any::Any + Send>>;
 
-async fn finish(engine: &Engine, info: &OperationInfo, outcome: Caught, tx: Option<PendingTx>) -> Response {
+/// Classifies the outcome, produces the answer and records it.
+async fn finish(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    outcome: Caught,
+    tx: Option<PendingTx>,
+) -> Response {
     let (response, declared) = match outcome {
         Ok(pair) => pair,
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            record("released");
-            tracing::error!(panic = %what, "handler panicked; releasing the key");
-            if let Some(tx) = tx {
-                tx.rollback().await;
-            }
-            release(engine, info).await;
-            return problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "handler-failed",
-                "Internal error",
-                "the request failed; it may be retried with the same key",
-            );
+            tracing::error!(panic = %panic_message(&*panic), "handler panicked; releasing the key");
+            return fail(engine, info, lock_timeout, tx, handler_failed()).await;
         }
     };
     let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
     if class == Classification::Release {
-        record("released");
-        if let Some(tx) = tx {
-            tx.rollback().await;
-        }
-        release(engine, info).await;
-        return response;
+        return fail(engine, info, lock_timeout, tx, response).await;
     }
     let (parts, body) = response.into_parts();
-    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
-        Ok(bytes) => Some(bytes),
-        Err(e) => {
-            tracing::error!(error = %e, "the response body failed while being read; storing status and headers");
-            None
+    let stream = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let collected = match AssertUnwindSafe(collect(body, engine.max_stored_body, stream))
+        .catch_unwind()
+        .await
+    {
+        Ok(collected) => collected,
+        Err(panic) => {
+            tracing::error!(panic = %panic_message(&*panic), "the response body panicked; releasing the key");
+            return fail(engine, info, lock_timeout, tx, handler_failed()).await;
         }
     };
-    let kept = bytes.as_ref().filter(|b| b.len() <= engine.max_stored_body);
-    if bytes.is_some() && kept.is_none() {
-        tracing::warn!(
-            limit = engine.max_stored_body,
-            "response body larger than the stored limit: a replay gets status and headers only"
-        );
-    }
+    let (kept, answer) = match collected {
+        Collected::Whole(bytes) => (Some(bytes.to_vec()), Body::from(bytes)),
+        Collected::Streamed { head, rest } => {
+            if !stream {
+                tracing::warn!(
+                    limit = engine.max_stored_body,
+                    "response body larger than the stored limit: a replay gets status and headers only"
+                );
+            }
+            let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
+            (None, Body::from_stream(head.chain(rest)))
+        }
+        Collected::Failed(e) => {
+            // Without idem the connection would break: so it does here, and
+            // nothing is stored.
+            tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
+            let broken = futures_util::stream::once(async move { Err::<axum::body::Bytes, _>(e) });
+            return fail(
+                engine,
+                info,
+                lock_timeout,
+                tx,
+                Response::from_parts(parts, Body::from_stream(broken)),
+            )
+            .await;
+        }
+    };
     let stored = StoredResponse {
         status: parts.status.as_u16(),
         headers: engine
@@ -878,84 +991,207 @@ async fn finish(engine: &Engine, info: &OperationInfo, outcome: Caught, tx: Opti
             .flat_map(|name| parts.headers.get_all(name).iter().map(move |v| (name, v)))
             .filter_map(|(name, v)| Some((name.as_str().to_owned(), v.to_str().ok()?.to_owned())))
             .collect(),
-        body: kept.map(|b| b.to_vec()),
+        body: kept,
     };
-    match tx {
-        None => complete(engine, info, &stored).await,
-        Some(tx) => match tx
-            .complete(&*engine.store, &info.id, &info.lease.token, &stored)
-            .await
-        {
-            Ok(()) => {}
-            Err(TxFailure::NotCommitted(StoreError::LockLost)) => {
-                record("lock_lost");
-                tracing::error!(
-                    "cannot complete: another execution took this operation over; this execution's writes \
-                     were rolled back"
-                );
-                return store_unavailable();
-            }
-            Err(TxFailure::NotCommitted(e)) => {
-                // Nothing of this execution committed: a retry may run it again.
-                record("released");
-                tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back");
-                release(engine, info).await;
-                return store_unavailable();
-            }
-            Err(TxFailure::Unknown(e)) => {
-                // Committed or not, nobody knows: the record stays locked until
-                // its deadline, then a retry takes over (and replays, if it did commit).
-                record("commit_unknown");
-                tracing::error!(error = %e, "the commit of the handler's transaction failed");
-                return store_unavailable();
-            }
-        },
+    if let Err(refusal) = record_completion(engine, info, lock_timeout, &stored, tx).await {
+        return refusal;
     }
     record(if info.lease.is_takeover() {
         "takeover"
     } else {
         "executed"
     });
-    Response::from_parts(parts, Body::from(bytes.unwrap_or_default()))
+    Response::from_parts(parts, answer)
 }
 
-/// Completes the record, retrying a store that fails for a moment: a record
-/// left in progress would be taken over and run again after its deadline.
-async fn complete(engine: &Engine, info: &OperationInfo, stored: &StoredResponse) {
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default()
+}
+
+/// A response body, read under the lease.
+enum Collected {
+    /// The whole body, within the stored limit.
+    Whole(axum::body::Bytes),
+    /// Larger than the limit, or an event stream: what was read, and the rest.
+    Streamed {
+        head: Vec<axum::body::Bytes>,
+        rest: axum::body::BodyDataStream,
+    },
+    /// The body failed while it was produced.
+    Failed(axum::Error),
+}
+
+/// Reads `body` up to `limit` bytes, holding no more than that in memory.
+async fn collect(body: Body, limit: usize, stream: bool) -> Collected {
+    let mut rest = body.into_data_stream();
+    if stream {
+        return Collected::Streamed {
+            head: Vec::new(),
+            rest,
+        };
+    }
+    let (mut head, mut len) = (Vec::new(), 0usize);
+    while let Some(chunk) = rest.next().await {
+        match chunk {
+            Ok(chunk) => {
+                len = len.saturating_add(chunk.len());
+                head.push(chunk);
+                if len > limit {
+                    return Collected::Streamed { head, rest };
+                }
+            }
+            Err(e) => return Collected::Failed(e),
+        }
+    }
+    let mut whole = Vec::with_capacity(len);
+    for chunk in head {
+        whole.extend_from_slice(&chunk);
+    }
+    Collected::Whole(whole.into())
+}
+
+/// Records the completion, in the handler's transaction if it opened one.
+/// `Err` is the answer the client gets instead of the handler's.
+async fn record_completion(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    stored: &StoredResponse,
+    tx: Option<PendingTx>,
+) -> Result<(), Response> {
+    let Some(tx) = tx else {
+        return complete(engine, info, lock_timeout, stored).await;
+    };
+    match tx
+        .complete(&*engine.store, &info.id, &info.lease.token, stored)
+        .await
+    {
+        Ok(()) => Ok(()),
+        Err(TxFailure::NotCommitted(StoreError::LockLost)) => {
+            record("lock_lost");
+            tracing::error!(
+                "cannot complete: another execution took this operation over; this execution's writes \
+                 were rolled back"
+            );
+            Err(lease_lost())
+        }
+        Err(TxFailure::NotCommitted(e)) => {
+            // Nothing of this execution committed: the retry runs it again.
+            record("released");
+            tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back");
+            if give_back(engine, &info.id, &info.lease.token, lock_timeout).await == Err(StoreError::LockLost)
+            {
+                return Err(lease_lost());
+            }
+            Err(store_unavailable(ROLLED_BACK))
+        }
+        Err(TxFailure::Unknown(e)) => {
+            // Committed or not, nobody knows. Giving the key back is fenced:
+            // if the commit took effect, the record is completed and stays so.
+            record("commit_unknown");
+            tracing::error!(error = %e, "the commit of the handler's transaction failed");
+            let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+            Err(store_unavailable(OUTCOME_UNKNOWN))
+        }
+    }
+}
+
+/// Completes the record, retrying a store that fails for a moment. When it
+/// cannot, the answer is not given (it would never be replayed): the key is
+/// given back and the client told to retry.
+async fn complete(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    stored: &StoredResponse,
+) -> Result<(), Response> {
     let mut pause = Duration::from_millis(100);
     for attempt in 1..=4 {
         match engine.store.complete(&info.id, &info.lease.token, stored).await {
-            Ok(()) => return,
+            Ok(()) => return Ok(()),
             Err(StoreError::LockLost) => {
-                tracing::error!(
-                    "cannot complete: another execution took this operation over; its answer will be kept"
-                );
-                return;
+                record("lock_lost");
+                tracing::error!("cannot complete: another execution took this operation over");
+                return Err(lease_lost());
             }
-            Err(e) if attempt < 4 => {
+            Err(e) if attempt < 4 && !info.is_lost() => {
                 tracing::warn!(error = %e, attempt, "completing the record failed; retrying");
                 tokio::time::sleep(pause).await;
                 pause *= 2;
             }
-            Err(e) => tracing::error!(
-                error = %e,
-                "completing the record failed; it stays in progress until its lock deadline"
-            ),
+            Err(e) => {
+                tracing::error!(error = %e, "completing the record failed; giving the key back");
+                break;
+            }
         }
     }
+    record("not_recorded");
+    let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+    Err(store_unavailable(OUTCOME_UNKNOWN))
 }
 
-async fn release(engine: &Engine, info: &OperationInfo) {
-    match engine.store.release(&info.id, &info.lease.token).await {
-        Ok(()) => {}
-        Err(StoreError::LockLost) => {
-            tracing::error!("cannot release: another execution took this operation over")
-        }
-        Err(e) => tracing::error!(
-            error = %e,
-            "releasing the record failed; it becomes takeable at its lock deadline"
-        ),
+/// A failed execution: rolls back the handler's transaction, releases the
+/// key, and answers `response`, unless another execution took the operation
+/// over, whose answer is the one that counts.
+async fn fail(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    tx: Option<PendingTx>,
+    response: Response,
+) -> Response {
+    record("released");
+    if let Some(tx) = tx {
+        tx.rollback().await;
     }
+    if give_back(engine, &info.id, &info.lease.token, lock_timeout).await == Err(StoreError::LockLost) {
+        record("lock_lost");
+        tracing::error!("cannot release: another execution took this operation over");
+        return lease_lost();
+    }
+    response
+}
+
+/// Gives the key back: a release fenced by `token`, which changes nothing
+/// if the token holds nothing. It serves executions that failed and
+/// reservations or completions whose answer never came (a timeout: they may
+/// have committed all the same). While the store is unreachable it keeps
+/// trying in the background, until the lock would have run out by itself,
+/// so no lock stays that nobody holds. Says how the first try went.
+async fn give_back(
+    engine: &Arc<Engine>,
+    id: &RecordId,
+    token: &str,
+    lock_timeout: Duration,
+) -> Result<(), StoreError> {
+    let first = engine.store.release(id, token).await;
+    match &first {
+        Ok(()) | Err(StoreError::LockLost) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "giving the key back failed; trying again in the background");
+            let (store, id, token) = (engine.store.clone(), id.clone(), token.to_owned());
+            let until = Instant::now() + lock_timeout;
+            tokio::spawn(
+                async move {
+                    let mut pause = Duration::from_millis(100);
+                    while Instant::now() < until {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(2));
+                        match store.release(&id, &token).await {
+                            Ok(()) | Err(StoreError::LockLost) => return,
+                            Err(_) => {}
+                        }
+                    }
+                }
+                .in_current_span(),
+            );
+        }
+    }
+    first
 }
 
 fn replay(stored: StoredResponse) -> Response {
@@ -1028,7 +1264,7 @@ fn key_problem(e: KeyError, header: &str) -> Response {
 impl IntoResponse for StoreError {
     fn into_response(self) -> Response {
         tracing::error!(error = %self, "the handler stopped on a store error");
-        store_unavailable()
+        store_unavailable(NOT_COMPLETED)
     }
 }
 
@@ -1049,15 +1285,45 @@ fn in_progress(retry_after: Duration) -> Response {
     r
 }
 
-fn store_unavailable() -> Response {
+/// What a 503 says: only what is known about the request.
+const NOT_PROCESSED: &str = "the request was not processed; retry later with the same key";
+const ROLLED_BACK: &str = "the request's changes in this service were rolled back; retry later with the \
+                           same key";
+const OUTCOME_UNKNOWN: &str = "the outcome of the request could not be recorded; retry later with the same \
+                               key to get it";
+const NOT_COMPLETED: &str = "the request could not be completed; retry later with the same key";
+
+fn store_unavailable(detail: &str) -> Response {
     let mut r = problem(
         StatusCode::SERVICE_UNAVAILABLE,
         "idempotency-store-unavailable",
         "Idempotency store unavailable",
-        "the request was not processed; retry later with the same key",
+        detail,
     );
     r.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("2"));
     r
+}
+
+/// The answer of an execution that another one fenced out: its result will
+/// never be replayed, so it is not given.
+fn lease_lost() -> Response {
+    let mut r = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency-lease-lost",
+        "Idempotency lease lost",
+        "another execution of this request took over; retry later with the same key to get its answer",
+    );
+    r.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("2"));
+    r
+}
+
+fn handler_failed() -> Response {
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "handler-failed",
+        "Internal error",
+        "the request failed; it may be retried with the same key",
+    )
 }
 
 fn misconfigured() -> Response {

@@ -7,9 +7,22 @@
 // Failures are values: the runtime never unwraps outside its tests.
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+/// Stops at a named pause point when a test armed it (the `pause-points`
+/// feature); otherwise nothing.
+macro_rules! pause_point {
+    ($point:expr, $key:expr) => {
+        #[cfg(feature = "pause-points")]
+        $crate::pause::hit($point, $key).await;
+    };
+}
+
 mod fingerprint;
 mod key;
 mod store;
+
+#[cfg(feature = "pause-points")]
+#[doc(hidden)]
+pub mod pause;
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod sql;

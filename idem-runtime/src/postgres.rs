@@ -145,21 +145,24 @@ impl PgStore {
         let sql = Statements::new(sql::POSTGRES, POSTGRES_MIGRATION, schema, table)?;
         // One round trip: insert a fresh record, or take over a takeable one,
         // or read the row that stops us. A replay or a conflict writes
-        // nothing and locks nothing.
+        // nothing and locks nothing. The read comes from the statement's
+        // snapshot: `takeable` says whether that row, as read, was one this
+        // request would have taken; if so, another request changed it
+        // meanwhile and the statement runs again, on a fresh snapshot.
         let reserve = format!(
             "WITH inserted AS ({insert}), taken AS ({take_over}) \
              SELECT TRUE AS taken, attempt, taken_over, recovery_point, operation_id, NULL::text AS fingerprint, \
              NULL::text AS state, NULL::bigint AS response_status, NULL::text AS response_headers, \
-             NULL::bytea AS response_body, 0::bigint AS lock_left_ms FROM inserted \
+             NULL::bytea AS response_body, 0::bigint AS lock_left_ms, 0 AS takeable FROM inserted \
              UNION ALL \
-             SELECT TRUE, attempt, taken_over, recovery_point, operation_id, NULL, NULL, NULL, NULL, NULL, 0 \
+             SELECT TRUE, attempt, taken_over, recovery_point, operation_id, NULL, NULL, NULL, NULL, NULL, 0, 0 \
              FROM taken \
              UNION ALL \
-             SELECT FALSE, NULL::integer, NULL::integer, NULL::text, NULL::text, e.* FROM ({existing}) AS e \
+             SELECT FALSE, NULL::integer, NULL::integer, NULL::text, NULL::text, e.* FROM ({peek}) AS e \
              WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken)",
             insert = sql.insert_new,
             take_over = sql.take_over,
-            existing = sql.existing,
+            peek = sql.peek,
         );
         Ok(PgStore {
             pool,
@@ -199,6 +202,12 @@ impl PgStore {
 impl PgStore {
     sql::complete_with!(sqlx::Postgres);
 
+    /// The bound on one store operation.
+    #[cfg(feature = "axum")]
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Opens a transaction for a handler's own writes, committed together
     /// with the completion.
     #[cfg(feature = "axum")]
@@ -213,7 +222,6 @@ impl PgStore {
 impl IdempotencyStore for PgStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
         Box::pin(bounded(self.timeout, async move {
-            let token = random_token();
             let operation_id = random_token();
             loop {
                 let row = sqlx::query(sqlx::AssertSqlSafe(self.reserve.clone()))
@@ -221,7 +229,7 @@ impl IdempotencyStore for PgStore {
                     .bind(&req.id.scope)
                     .bind(&req.id.key)
                     .bind(req.fingerprint)
-                    .bind(&token)
+                    .bind(req.token)
                     .bind(&operation_id)
                     .bind(millis(req.ttl))
                     .bind(millis(req.lock_timeout))
@@ -231,13 +239,22 @@ impl IdempotencyStore for PgStore {
                 // No row: the conflicting row was committed after this
                 // statement's snapshot was taken; read again.
                 let Some(row) = row else { continue };
+                let get = |col| {
+                    sqlx::Row::try_get::<i32, _>(&row, col).map_err(|e| StoreError::Backend(e.to_string()))
+                };
                 let taken: bool =
                     sqlx::Row::try_get(&row, "taken").map_err(|e| StoreError::Backend(e.to_string()))?;
-                return if taken {
-                    sql::lease_from_row(&row, token).map(Reservation::Reserved)
-                } else {
-                    sql::judge_row(&row, req.fingerprint)
-                };
+                if taken {
+                    pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+                    return sql::lease_from_row(&row, req.token.to_owned()).map(Reservation::Reserved);
+                }
+                // The row as read would have been ours, yet it was not taken:
+                // another request won it meanwhile. Judge the winner's row.
+                if get("takeable")? != 0 {
+                    continue;
+                }
+                pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+                return sql::judge_row(&row, req.fingerprint);
             }
         }))
     }

@@ -22,6 +22,9 @@ pub(crate) struct Dialect {
     millis: fn(String) -> String,
     /// Milliseconds left until a time column, never negative.
     left: fn(&str, &str) -> String,
+    /// What the purge adds to its choice of rows: on PostgreSQL it locks
+    /// them and skips those another transaction holds.
+    purge_lock: &'static str,
 }
 
 #[cfg(feature = "postgres")]
@@ -30,6 +33,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     param: '$',
     millis: |p| format!("({p}::bigint * interval '1 millisecond')"),
     left: |col, now| format!("GREATEST(0, CEIL(EXTRACT(EPOCH FROM ({col} - {now})) * 1000))::bigint"),
+    purge_lock: " FOR UPDATE SKIP LOCKED",
 };
 
 #[cfg(feature = "sqlite")]
@@ -38,6 +42,8 @@ pub(crate) const SQLITE: Dialect = Dialect {
     param: '?',
     millis: |p| p,
     left: |col, now| format!("MAX(0, {col} - {now})"),
+    // One statement under SQLite's write lock: nothing changes meanwhile.
+    purge_lock: "",
 };
 
 /// Every statement a store runs, for one table.
@@ -55,9 +61,11 @@ pub(crate) struct Statements {
     pub(crate) take_over: String,
     /// Binds: tenant, scope, key. Columns: fingerprint, state, status,
     /// headers, body, lock_left_ms.
-    pub(crate) existing: String,
-    /// `existing` plus `maybe_takeable`: expired, or a lock that ran out.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) existing: String,
+    /// `existing` plus `takeable` (1 or 0): whether a reservation with this
+    /// fingerprint would take the row as read. Binds: tenant, scope, key,
+    /// fingerprint.
     pub(crate) peek: String,
     /// Binds: tenant, scope, key, token, status, headers, body.
     pub(crate) complete: String,
@@ -190,8 +198,7 @@ impl Statements {
             peek: format!(
                 "SELECT fingerprint, state, CAST(response_status AS BIGINT) AS response_status, \
                  response_headers, response_body, {left} AS lock_left_ms, \
-                 CASE WHEN NOT {live_lock} AND ({expired} OR cur.state = 'in_progress') \
-                 THEN 1 ELSE 0 END AS maybe_takeable \
+                 CASE WHEN {takeable} THEN 1 ELSE 0 END AS takeable \
                  FROM {t} AS cur WHERE cur.tenant = {} AND cur.scope = {} AND cur.key = {}",
                 p(1),
                 p(2),
@@ -210,10 +217,15 @@ impl Statements {
             release: format!("UPDATE {t} SET lock_token = NULL, lock_expires_at = {now} WHERE {owned}"),
             checkpoint: format!("UPDATE {t} SET recovery_point = {} WHERE {owned}", p(5)),
             extend: format!("UPDATE {t} SET lock_expires_at = {now} + {} WHERE {owned}", ms(5)),
+            // The conditions stand twice: on the chosen rows and on the row
+            // deleted, so a row that changed in between (reserved afresh)
+            // is judged again and kept.
             purge: format!(
-                "DELETE FROM {t} WHERE (tenant, scope, key) IN (SELECT tenant, scope, key \
-                 FROM {t} AS cur WHERE {expired} AND NOT {live_lock} LIMIT {})",
-                p(1)
+                "DELETE FROM {t} AS cur WHERE (cur.tenant, cur.scope, cur.key) IN (SELECT tenant, scope, key \
+                 FROM {t} AS cur WHERE {expired} AND NOT {live_lock} LIMIT {}{lock}) \
+                 AND {expired} AND NOT {live_lock}",
+                p(1),
+                lock = d.purge_lock,
             ),
         })
     }
@@ -259,10 +271,11 @@ macro_rules! fenced_ops {
             token: &'a str,
             response: &'a $crate::StoredResponse,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
-            Box::pin($crate::store::bounded(
-                self.timeout,
-                self.complete_with(&self.pool, id, token, response),
-            ))
+            Box::pin($crate::store::bounded(self.timeout, async move {
+                self.complete_with(&self.pool, id, token, response).await?;
+                pause_point!($crate::pause::COMPLETE_AFTER, &id.key);
+                Ok(())
+            }))
         }
 
         fn release<'a>(
@@ -279,7 +292,9 @@ macro_rules! fenced_ops {
                     .execute(&self.pool)
                     .await
                     .map_err($crate::sql::map_err)?;
-                $crate::sql::fenced(done.rows_affected())
+                $crate::sql::fenced(done.rows_affected())?;
+                pause_point!($crate::pause::RELEASE_AFTER, &id.key);
+                Ok(())
             }))
         }
 
@@ -299,7 +314,9 @@ macro_rules! fenced_ops {
                     .execute(&self.pool)
                     .await
                     .map_err($crate::sql::map_err)?;
-                $crate::sql::fenced(done.rows_affected())
+                $crate::sql::fenced(done.rows_affected())?;
+                pause_point!($crate::pause::CHECKPOINT_AFTER, &id.key);
+                Ok(())
             }))
         }
 
@@ -319,7 +336,9 @@ macro_rules! fenced_ops {
                     .execute(&self.pool)
                     .await
                     .map_err($crate::sql::map_err)?;
-                $crate::sql::fenced(done.rows_affected())
+                $crate::sql::fenced(done.rows_affected())?;
+                pause_point!($crate::pause::EXTEND_AFTER, &id.key);
+                Ok(())
             }))
         }
 
@@ -330,6 +349,7 @@ macro_rules! fenced_ops {
                     .execute(&self.pool)
                     .await
                     .map_err($crate::sql::map_err)?;
+                pause_point!($crate::pause::PURGE_AFTER, "");
                 Ok(done.rows_affected())
             }))
         }

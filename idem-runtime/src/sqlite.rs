@@ -191,6 +191,12 @@ impl SqliteStore {
 impl SqliteStore {
     sql::complete_with!(sqlx::Sqlite);
 
+    /// The bound on one store operation.
+    #[cfg(feature = "axum")]
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Opens a transaction for a handler's own writes, committed together
     /// with the completion.
     #[cfg(feature = "axum")]
@@ -214,19 +220,22 @@ impl IdempotencyStore for SqliteStore {
                 .bind(&req.id.tenant)
                 .bind(&req.id.scope)
                 .bind(&req.id.key)
+                .bind(req.fingerprint)
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(sql::map_err)?;
             if let Some(row) = seen {
-                let maybe_takeable: i64 = sqlx::Row::try_get(&row, "maybe_takeable")
-                    .map_err(|e| StoreError::Backend(e.to_string()))?;
-                if maybe_takeable == 0 {
-                    return sql::judge_row(&row, req.fingerprint);
+                let takeable: i32 =
+                    sqlx::Row::try_get(&row, "takeable").map_err(|e| StoreError::Backend(e.to_string()))?;
+                if takeable == 0 {
+                    let answer = sql::judge_row(&row, req.fingerprint);
+                    pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+                    return answer;
                 }
             }
+            pause_point!(crate::pause::SQLITE_RESERVE_AFTER_PEEK, &req.id.key);
             // Absent, expired, stale or released: take it under the write
-            // lock, where the upsert decides again.
-            let token = random_token();
+            // lock, where the upsert decides again on the row as it is now.
             let mut tx = self
                 .pool
                 .begin_with("BEGIN IMMEDIATE")
@@ -237,7 +246,7 @@ impl IdempotencyStore for SqliteStore {
                 .bind(&req.id.scope)
                 .bind(&req.id.key)
                 .bind(req.fingerprint)
-                .bind(&token)
+                .bind(req.token)
                 .bind(random_token())
                 .bind(millis(req.ttl))
                 .bind(millis(req.lock_timeout))
@@ -245,7 +254,7 @@ impl IdempotencyStore for SqliteStore {
                 .await
                 .map_err(sql::map_err)?;
             let answer = match taken {
-                Some(row) => sql::lease_from_row(&row, token).map(Reservation::Reserved)?,
+                Some(row) => sql::lease_from_row(&row, req.token.to_owned()).map(Reservation::Reserved)?,
                 None => {
                     let row = sqlx::query(sqlx::AssertSqlSafe(self.sql.existing.as_str()))
                         .bind(&req.id.tenant)
@@ -257,7 +266,9 @@ impl IdempotencyStore for SqliteStore {
                     sql::judge_row(&row, req.fingerprint)?
                 }
             };
+            pause_point!(crate::pause::SQLITE_RESERVE_BEFORE_COMMIT, &req.id.key);
             tx.commit().await.map_err(sql::map_err)?;
+            pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
             Ok(answer)
         }))
     }

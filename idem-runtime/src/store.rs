@@ -56,6 +56,7 @@ impl RecordId {
 /// let req = ReserveRequest {
 ///     id: &id,
 ///     fingerprint: "ab12",
+///     token: "5f0c0ffee",
 ///     ttl: Duration::from_secs(86_400),
 ///     lock_timeout: Duration::from_secs(60),
 /// };
@@ -67,6 +68,10 @@ pub struct ReserveRequest<'a> {
     pub id: &'a RecordId,
     /// The request's fingerprint (see [`crate::fingerprint()`]).
     pub fingerprint: &'a str,
+    /// The lock token this execution will hold if it takes the key (128
+    /// random bits, chosen by the caller): a reservation whose answer never
+    /// arrives (a timeout, a cancellation) is undone by releasing it.
+    pub token: &'a str,
     /// How long the record is kept, counted from its first reservation.
     pub ttl: Duration,
     /// How long the lock holds before another request may take over.
@@ -222,7 +227,7 @@ impl std::error::Error for StoreError {}
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let store = MemoryStore::new();
 /// let id = RecordId::new("t", "s", "k");
-/// let req = ReserveRequest { id: &id, fingerprint: "f", ttl: Duration::from_secs(60), lock_timeout: Duration::from_secs(5) };
+/// let req = ReserveRequest { id: &id, fingerprint: "f", token: "t1", ttl: Duration::from_secs(60), lock_timeout: Duration::from_secs(5) };
 /// let Reservation::Reserved(lease) = store.reserve(req).await.unwrap() else { panic!() };
 /// store.release(&id, &lease.token).await.unwrap();
 /// # }
@@ -430,7 +435,7 @@ impl MemoryStore {
     fn reserve_now(&self, req: ReserveRequest<'_>) -> Reservation {
         let mut records = self.lock();
         let now = Instant::now();
-        let token = random_token();
+        let token = req.token.to_owned();
         let existing = records.get(req.id).cloned();
         let fresh = |operation_id: String| MemoryRecord {
             fingerprint: req.fingerprint.to_owned(),
@@ -482,7 +487,11 @@ impl MemoryStore {
 
 impl IdempotencyStore for MemoryStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
-        Box::pin(async move { Ok(self.reserve_now(req)) })
+        Box::pin(async move {
+            let answer = self.reserve_now(req);
+            pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+            Ok(answer)
+        })
     }
 
     fn complete<'a>(
@@ -497,7 +506,9 @@ impl IdempotencyStore for MemoryStore {
                     r.response = Some(response.clone());
                     r.token = None;
                 }
-            })
+            })?;
+            pause_point!(crate::pause::COMPLETE_AFTER, &id.key);
+            Ok(())
         })
     }
 
@@ -508,7 +519,9 @@ impl IdempotencyStore for MemoryStore {
                     r.token = None;
                     r.lock_deadline = now;
                 }
-            })
+            })?;
+            pause_point!(crate::pause::RELEASE_AFTER, &id.key);
+            Ok(())
         })
     }
 
@@ -523,7 +536,9 @@ impl IdempotencyStore for MemoryStore {
                 if let Some(r) = records.get_mut(id) {
                     r.recovery_point = Some(recovery_point.to_owned());
                 }
-            })
+            })?;
+            pause_point!(crate::pause::CHECKPOINT_AFTER, &id.key);
+            Ok(())
         })
     }
 
@@ -538,24 +553,30 @@ impl IdempotencyStore for MemoryStore {
                 if let Some(r) = records.get_mut(id) {
                     r.lock_deadline = now + lock_timeout;
                 }
-            })
+            })?;
+            pause_point!(crate::pause::EXTEND_AFTER, &id.key);
+            Ok(())
         })
     }
 
     fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>> {
         Box::pin(async move {
-            let mut records = self.lock();
-            let now = Instant::now();
-            let doomed: Vec<RecordId> = records
-                .iter()
-                .filter(|(_, r)| r.expires_at <= now && !r.lock_live(now))
-                .map(|(id, _)| id.clone())
-                .take(batch as usize)
-                .collect();
-            for id in &doomed {
-                records.remove(id);
-            }
-            Ok(doomed.len() as u64)
+            let removed = {
+                let mut records = self.lock();
+                let now = Instant::now();
+                let doomed: Vec<RecordId> = records
+                    .iter()
+                    .filter(|(_, r)| r.expires_at <= now && !r.lock_live(now))
+                    .map(|(id, _)| id.clone())
+                    .take(batch as usize)
+                    .collect();
+                for id in &doomed {
+                    records.remove(id);
+                }
+                doomed.len() as u64
+            };
+            pause_point!(crate::pause::PURGE_AFTER, "");
+            Ok(removed)
         })
     }
 }

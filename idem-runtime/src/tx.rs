@@ -1,14 +1,17 @@
 //! Same-transaction completion: a handler's own writes and the completion
 //! of its record commit together, or not at all.
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+use crate::store::bounded;
 use crate::{IdempotencyStore, RecordId, StoreError, StoredResponse};
 
 /// A handler's open transaction, held until the runtime knows the outcome.
 pub(crate) enum PendingTx {
+    /// With the store's bound on one operation.
     #[cfg(feature = "postgres")]
-    Pg(sqlx::Transaction<'static, sqlx::Postgres>),
+    Pg(sqlx::Transaction<'static, sqlx::Postgres>, std::time::Duration),
     #[cfg(feature = "sqlite")]
-    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
+    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>, std::time::Duration),
 }
 
 /// The connection of a handler's transaction, borrowed from its
@@ -22,12 +25,12 @@ impl PendingTx {
         let pg = store.as_any().downcast_ref::<crate::PgStore>().ok_or_else(|| {
             StoreError::Backend("pg_transaction needs the layer's store to be a PgStore".into())
         })?;
-        Ok(PendingTx::Pg(pg.begin_tx().await?))
+        Ok(PendingTx::Pg(pg.begin_tx().await?, pg.timeout()))
     }
 
     pub(crate) fn pg(&mut self) -> Option<&mut sqlx::PgConnection> {
         match self {
-            PendingTx::Pg(tx) => Some(&mut **tx),
+            PendingTx::Pg(tx, _) => Some(&mut **tx),
             #[allow(unreachable_patterns)]
             _ => None,
         }
@@ -43,12 +46,12 @@ impl PendingTx {
             .ok_or_else(|| {
                 StoreError::Backend("sqlite_transaction needs the layer's store to be a SqliteStore".into())
             })?;
-        Ok(PendingTx::Sqlite(lite.begin_tx().await?))
+        Ok(PendingTx::Sqlite(lite.begin_tx().await?, lite.timeout()))
     }
 
     pub(crate) fn sqlite(&mut self) -> Option<&mut sqlx::SqliteConnection> {
         match self {
-            PendingTx::Sqlite(tx) => Some(&mut **tx),
+            PendingTx::Sqlite(tx, _) => Some(&mut **tx),
             #[allow(unreachable_patterns)]
             _ => None,
         }
@@ -78,48 +81,60 @@ impl PendingTx {
         let _ = (store, id, token, response);
         match self {
             #[cfg(feature = "postgres")]
-            PendingTx::Pg(mut tx) => {
+            PendingTx::Pg(mut tx, _) => {
                 let pg = store.as_any().downcast_ref::<crate::PgStore>().ok_or_else(|| {
                     TxFailure::NotCommitted(StoreError::Backend("the transaction's store changed".into()))
                 })?;
-                pg.complete_with(&mut *tx, id, token, response)
+                // Each step is bounded: past the timeout the completion did not
+                // happen (the transaction rolls back when dropped), while a
+                // commit that does not answer may have happened.
+                bounded(pg.timeout(), pg.complete_with(&mut *tx, id, token, response))
                     .await
                     .map_err(TxFailure::NotCommitted)?;
-                tx.commit()
-                    .await
-                    .map_err(|e| TxFailure::Unknown(crate::sql::map_err(e)))
+                bounded(pg.timeout(), async {
+                    tx.commit().await.map_err(crate::sql::map_err)
+                })
+                .await
+                .map_err(TxFailure::Unknown)
             }
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(mut tx) => {
+            PendingTx::Sqlite(mut tx, _) => {
                 let lite = store
                     .as_any()
                     .downcast_ref::<crate::SqliteStore>()
                     .ok_or_else(|| {
                         TxFailure::NotCommitted(StoreError::Backend("the transaction's store changed".into()))
                     })?;
-                lite.complete_with(&mut *tx, id, token, response)
+                bounded(lite.timeout(), lite.complete_with(&mut *tx, id, token, response))
                     .await
                     .map_err(TxFailure::NotCommitted)?;
-                tx.commit()
-                    .await
-                    .map_err(|e| TxFailure::Unknown(crate::sql::map_err(e)))
+                bounded(lite.timeout(), async {
+                    tx.commit().await.map_err(crate::sql::map_err)
+                })
+                .await
+                .map_err(TxFailure::Unknown)
             }
         }
     }
 
-    /// Rolls the handler's writes back.
+    /// Rolls the handler's writes back, within the store's timeout (past
+    /// it the connection is dropped, which rolls back all the same).
     pub(crate) async fn rollback(self) {
         match self {
             #[cfg(feature = "postgres")]
-            PendingTx::Pg(tx) => log_rollback(tx.rollback().await),
+            PendingTx::Pg(tx, limit) => {
+                log_rollback(bounded(limit, async { tx.rollback().await.map_err(crate::sql::map_err) }).await)
+            }
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(tx) => log_rollback(tx.rollback().await),
+            PendingTx::Sqlite(tx, limit) => {
+                log_rollback(bounded(limit, async { tx.rollback().await.map_err(crate::sql::map_err) }).await)
+            }
         }
     }
 }
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-fn log_rollback(result: Result<(), sqlx::Error>) {
+fn log_rollback(result: Result<(), StoreError>) {
     if let Err(e) = result {
         // Dropping the connection rolls back all the same.
         tracing::warn!(error = %e, "rollback failed; the connection is discarded");

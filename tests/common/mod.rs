@@ -35,6 +35,11 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// A fresh lock token for one reservation (leaked: tests are short-lived).
+pub fn token() -> &'static str {
+    Box::leak(unique("token").into_boxed_str())
+}
+
 /// A fresh schema in the test database, so tests run in parallel. Its name
 /// carries its creation time: schemas of runs over an hour old are dropped
 /// here, so the test database does not fill up.

@@ -1,0 +1,521 @@
+//! The lease over real HTTP: it covers the handler, the production of its
+//! answer and the recording of the completion; a reservation runs to its end
+//! or is undone; a fenced-out execution never answers with a result that
+//! will not be replayed. Races are pinned with pause points and row locks,
+//! never with sleeps that hope for an ordering.
+
+mod common;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use common::http::post as post_req;
+use futures_util::StreamExt as _;
+use idem::{idempotent, pause, Idem, IdempotencyStore, Operation, RecordId, StoreError, StoredResponse};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::AsyncReadExt;
+use tokio::sync::{mpsc, Notify};
+
+#[derive(Clone)]
+struct App {
+    /// How many times each handler ran.
+    runs: Arc<Mutex<HashMap<&'static str, u32>>>,
+    /// What handlers report while they run.
+    events: mpsc::UnboundedSender<&'static str>,
+    /// Lets a waiting handler (or its body) go on.
+    gate: Arc<Notify>,
+    /// Told when the server dropped a request before answering it.
+    dropped: Arc<Notify>,
+    /// The PostgreSQL schema of the test, for the transaction handler.
+    schema: Option<String>,
+}
+
+impl App {
+    fn ran(&self, name: &'static str) -> u32 {
+        let mut runs = self.runs.lock().unwrap();
+        let n = runs.entry(name).or_default();
+        *n += 1;
+        *n
+    }
+
+    fn runs(&self, name: &'static str) -> u32 {
+        self.runs.lock().unwrap().get(name).copied().unwrap_or(0)
+    }
+}
+
+fn chunk(s: &'static str) -> Result<axum::body::Bytes, std::io::Error> {
+    Ok(axum::body::Bytes::from_static(s.as_bytes()))
+}
+
+/// Its body takes as long as the test wants: far past the lock timeout.
+#[idempotent(scope = "lease.slow_body", lock_timeout = "300ms")]
+async fn slow_body(State(app): State<App>) -> Response {
+    app.ran("slow_body");
+    app.events.send("slow_body").unwrap();
+    let gate = app.gate.clone();
+    let rest = async move {
+        gate.notified().await;
+        chunk("part2")
+    };
+    let body = futures_util::stream::iter([chunk("part1,")]).chain(futures_util::stream::once(rest));
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
+/// A server-sent event stream that never ends.
+#[idempotent(scope = "lease.events")]
+async fn event_stream(State(app): State<App>) -> Response {
+    app.ran("events");
+    let body = futures_util::stream::iter([chunk("data: hello\n\n")]).chain(futures_util::stream::pending());
+    (
+        [(header::CONTENT_TYPE, "text/event-stream")],
+        Body::from_stream(body),
+    )
+        .into_response()
+}
+
+/// Its first body breaks after one chunk; later ones are whole.
+#[idempotent(scope = "lease.broken_body")]
+async fn broken_body(State(app): State<App>, op: Operation) -> Response {
+    let n = app.ran("broken_body");
+    let end = if n == 1 {
+        Err(std::io::Error::other("the disk went away"))
+    } else {
+        chunk("}")
+    };
+    let body = futures_util::stream::iter([Ok(format!("{{\"attempt\":{}", op.attempt()).into()), end]);
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
+/// Its first body panics while it is produced.
+#[idempotent(scope = "lease.panicky_body")]
+async fn panicky_body(State(app): State<App>, op: Operation) -> Response {
+    let n = app.ran("panicky_body");
+    let attempt = op.attempt();
+    let body = futures_util::stream::once(async move {
+        assert!(n > 1, "the body panics");
+        Ok::<_, std::io::Error>(format!("attempt {attempt}"))
+    });
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
+/// Waits until its lease is lost, then checks that checkpoints are refused.
+#[idempotent(scope = "lease.lost", lock_timeout = "300ms")]
+async fn loses_its_lease(State(app): State<App>, op: Operation) -> (StatusCode, &'static str) {
+    app.ran("lease_lost");
+    app.events.send("lease_lost").unwrap();
+    op.lease_lost().await;
+    assert!(op.is_lease_lost());
+    if op.checkpoint("late").await == Err(StoreError::LockLost) {
+        app.events.send("checkpoint_refused").unwrap();
+    }
+    (StatusCode::CREATED, "first")
+}
+
+/// A plain handler; a retry waits for a first execution in progress.
+#[idempotent(scope = "lease.plain", wait = "10s")]
+async fn plain(State(app): State<App>) -> (StatusCode, String) {
+    let n = app.ran("plain");
+    (StatusCode::CREATED, format!("run {n}"))
+}
+
+/// Writes a row in its transaction, then waits for the test.
+#[idempotent(scope = "lease.tx")]
+async fn in_transaction(
+    State(app): State<App>,
+    op: Operation,
+) -> Result<(StatusCode, &'static str), StoreError> {
+    app.ran("tx");
+    let schema = app.schema.clone().unwrap();
+    let mut conn = op.pg_transaction().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".side (id) VALUES ('written')"
+    )))
+    .execute(&mut *conn)
+    .await
+    .map_err(|e| StoreError::Backend(e.to_string()))?;
+    drop(conn);
+    app.events.send("in_tx").unwrap();
+    app.gate.notified().await;
+    Ok((StatusCode::CREATED, "committed"))
+}
+
+/// Tells the test when the server drops a request it has not answered.
+async fn watch_drops(State(app): State<App>, req: Request, next: Next) -> Response {
+    struct Dropped(Option<Arc<Notify>>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            if let Some(n) = self.0.take() {
+                n.notify_one();
+            }
+        }
+    }
+    let mut guard = Dropped(Some(app.dropped.clone()));
+    let response = next.run(req).await;
+    guard.0 = None;
+    response
+}
+
+enum Db {
+    Pg(sqlx::PgPool, String),
+    Sqlite(sqlx::SqlitePool),
+    Memory,
+}
+
+struct Harness {
+    addr: SocketAddr,
+    app: App,
+    events: mpsc::UnboundedReceiver<&'static str>,
+    store: Arc<dyn IdempotencyStore>,
+    db: Db,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl Harness {
+    /// Waits until a handler reports `what`.
+    async fn told(&mut self, what: &'static str) {
+        loop {
+            let got = tokio::time::timeout(Duration::from_secs(20), self.events.recv())
+                .await
+                .expect("the handler reports within 20 s")
+                .unwrap();
+            if got == what {
+                return;
+            }
+        }
+    }
+
+    /// Plays another execution that took the record over: its lock token
+    /// changes under the running one.
+    async fn take_over_behind_its_back(&self, key: &str) {
+        let sql = "UPDATE {t} SET lock_token = 'intruder', attempt = attempt + 1, taken_over = 1 \
+                   WHERE key = {k} AND state = 'in_progress'";
+        let done = match &self.db {
+            Db::Pg(pool, schema) => sqlx::query(sqlx::AssertSqlSafe(
+                sql.replace("{t}", &format!("\"{schema}\".idempotency_keys"))
+                    .replace("{k}", "$1"),
+            ))
+            .bind(key)
+            .execute(pool)
+            .await
+            .unwrap()
+            .rows_affected(),
+            Db::Sqlite(pool) => sqlx::query(sqlx::AssertSqlSafe(
+                sql.replace("{t}", "idempotency_keys").replace("{k}", "?1"),
+            ))
+            .bind(key)
+            .execute(pool)
+            .await
+            .unwrap()
+            .rows_affected(),
+            Db::Memory => unreachable!("the memory store cannot be reached behind its back"),
+        };
+        assert_eq!(done, 1);
+    }
+}
+
+async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
+    let (store, db, dir): (Arc<dyn IdempotencyStore>, Db, _) = match kind {
+        "postgres" => {
+            let url = common::pg_url()?;
+            let schema = common::pg_schema(&url).await;
+            let store = common::pg_store_in(&url, &schema, 8)
+                .await
+                .with_timeout(store_timeout);
+            let pool = store.pool().clone();
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "CREATE TABLE \"{schema}\".side (id TEXT)"
+            )))
+            .execute(&pool)
+            .await
+            .unwrap();
+            (Arc::new(store), Db::Pg(pool, schema), None)
+        }
+        "sqlite" => {
+            let (store, dir) = common::sqlite_store().await;
+            let store = store.with_timeout(store_timeout);
+            let pool = store.pool().clone();
+            (Arc::new(store), Db::Sqlite(pool), Some(dir))
+        }
+        _ => (Arc::new(idem::MemoryStore::new()), Db::Memory, None),
+    };
+    let (tx, events) = mpsc::unbounded_channel();
+    let app = App {
+        runs: Arc::default(),
+        events: tx,
+        gate: Arc::default(),
+        dropped: Arc::default(),
+        schema: match &db {
+            Db::Pg(_, schema) => Some(schema.clone()),
+            _ => None,
+        },
+    };
+    let idem = Idem::from_arc(store.clone())
+        .single_tenant()
+        .max_stored_body(1024);
+    let router = Router::new()
+        .route("/slow-body", post(slow_body))
+        .route("/events", post(event_stream))
+        .route("/broken-body", post(broken_body))
+        .route("/panicky-body", post(panicky_body))
+        .route("/lease-lost", post(loses_its_lease))
+        .route("/plain", post(plain))
+        .route("/tx", post(in_transaction))
+        .layer(idem.layer())
+        .layer(middleware::from_fn_with_state(app.clone(), watch_drops))
+        .with_state(app.clone());
+    let addr = common::http::serve(router).await;
+    Some(Harness {
+        addr,
+        app,
+        events,
+        store,
+        db,
+        _dir: dir,
+    })
+}
+
+fn id(scope: &str, key: &str) -> RecordId {
+    RecordId::new("", scope, key)
+}
+
+/// A body produced long after the lock timeout is still produced under the
+/// lease: a retry meanwhile gets 409, never a second execution.
+async fn a_slow_body_is_produced_under_the_lease(mut h: Harness) {
+    let first = {
+        let addr = h.addr;
+        tokio::spawn(async move { post_req("/slow-body", "").key("k-slow").send(addr).await })
+    };
+    h.told("slow_body").await;
+    // Three lock timeouts: without the lease the lock would be stale now.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let retry = post_req("/slow-body", "").key("k-slow").send(h.addr).await;
+    assert_eq!(retry.status, 409, "{retry:?}");
+    assert_eq!(retry.problem(), "idempotency-request-in-progress");
+
+    h.app.gate.notify_one();
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.body.as_slice()), (201, &b"part1,part2"[..]));
+    let replay = post_req("/slow-body", "").key("k-slow").send(h.addr).await;
+    assert_eq!((replay.status, &replay.body), (201, &first.body));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(h.app.runs("slow_body"), 1);
+}
+
+/// A never-ending event stream completes once its headers are known, and
+/// streams to the client; a retry gets status and headers only.
+async fn an_event_stream_completes_at_its_headers_and_streams(h: Harness) {
+    let mut conn = post_req("/events", "").key("k-events").start(h.addr).await;
+    let mut seen = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), async {
+        let mut buf = [0u8; 1024];
+        while !String::from_utf8_lossy(&seen).contains("data: hello") {
+            let n = conn.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the stream ended");
+            seen.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .expect("the first event arrives while the stream goes on");
+    drop(conn);
+
+    let replay = post_req("/events", "").key("k-events").send(h.addr).await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("idempotent-replay-body-omitted"), Some("true"));
+    assert!(replay.body.is_empty());
+    assert_eq!(h.app.runs("events"), 1);
+}
+
+/// A body that fails while it is produced is a failed execution: the
+/// client's connection breaks as it would without idem, nothing is stored,
+/// and the retry runs again (attempt 2).
+async fn a_body_that_fails_midway_is_released_never_stored(h: Harness) {
+    let raw = post_req("/broken-body", "")
+        .key("k-broken")
+        .send_raw(h.addr)
+        .await;
+    let text = String::from_utf8_lossy(&raw);
+    assert!(!text.ends_with("0\r\n\r\n"), "a complete answer: {text}");
+    assert!(!text.contains("content-length"), "a complete answer: {text}");
+
+    let retry = post_req("/broken-body", "").key("k-broken").send(h.addr).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert_eq!(retry.header("idempotent-replayed"), None);
+    assert_eq!(retry.json()["attempt"], 2);
+    assert_eq!(h.app.runs("broken_body"), 2);
+}
+
+/// A body that panics while it is produced releases the key (500), so the
+/// retry runs again instead of waiting for a lock nobody holds.
+async fn a_body_that_panics_is_released(h: Harness) {
+    let first = post_req("/panicky-body", "").key("k-panic").send(h.addr).await;
+    assert_eq!(first.status, 500);
+    assert_eq!(first.problem(), "handler-failed");
+    let retry = post_req("/panicky-body", "").key("k-panic").send(h.addr).await;
+    assert_eq!((retry.status, retry.body.as_slice()), (201, &b"attempt 2"[..]));
+    assert_eq!(h.app.runs("panicky_body"), 2);
+}
+
+/// An execution whose lock another took over is told (`lease_lost`,
+/// checkpoints refused), and its client gets 503 with `Retry-After`, never
+/// its answer: the answer that counts is the other execution's.
+async fn a_lost_lease_is_told_and_never_answered(mut h: Harness) {
+    let first = {
+        let addr = h.addr;
+        tokio::spawn(async move { post_req("/lease-lost", "").key("k-lost").send(addr).await })
+    };
+    h.told("lease_lost").await;
+    h.take_over_behind_its_back("k-lost").await;
+    h.told("checkpoint_refused").await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 503, "{first:?}");
+    assert_eq!(first.problem(), "idempotency-lease-lost");
+    assert!(first.header("retry-after").is_some());
+
+    let theirs = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Some(b"the other execution".to_vec()),
+    };
+    h.store
+        .complete(&id("lease.lost", "k-lost"), "intruder", &theirs)
+        .await
+        .unwrap();
+    let retry = post_req("/lease-lost", "").key("k-lost").send(h.addr).await;
+    assert_eq!(
+        (retry.status, retry.body.as_slice()),
+        (201, &b"the other execution"[..])
+    );
+    assert_eq!(h.app.runs("lease_lost"), 1);
+}
+
+/// A client that leaves while its key is being reserved cancels nothing:
+/// the reservation runs to its end, the execution too, and the retry gets
+/// its answer instead of a lock that nobody holds.
+async fn a_client_that_leaves_during_the_reservation_leaves_no_lock(h: Harness) {
+    let mut paused = pause::arm(pause::RESERVE_AFTER, "k-leave");
+    let conn = post_req("/plain", "").key("k-leave").start(h.addr).await;
+    paused.reached().await;
+    let dropped = h.app.dropped.notified();
+    drop(conn);
+    dropped.await; // the server dropped the request
+    paused.resume();
+
+    let retry = post_req("/plain", "").key("k-leave").send(h.addr).await;
+    assert_eq!((retry.status, retry.body.as_slice()), (201, &b"run 1"[..]));
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(h.app.runs("plain"), 1);
+}
+
+/// A reservation that committed but whose answer came after the store
+/// timeout is undone before the 503: the retry runs at once.
+async fn a_reservation_that_times_out_after_committing_is_undone(h: Harness) {
+    let paused = pause::arm(pause::RESERVE_AFTER, "k-timeout");
+    let first = post_req("/plain", "").key("k-timeout").send(h.addr).await;
+    assert_eq!(first.status, 503, "{first:?}");
+    assert_eq!(first.problem(), "idempotency-store-unavailable");
+    assert!(first.json()["detail"].as_str().unwrap().contains("not processed"));
+    drop(paused);
+    assert_eq!(h.app.runs("plain"), 0);
+
+    let retry = post_req("/plain", "").key("k-timeout").send(h.addr).await;
+    assert_eq!((retry.status, retry.body.as_slice()), (201, &b"run 1"[..]));
+    assert_eq!(retry.header("idempotent-replayed"), None);
+}
+
+macro_rules! for_stores {
+    ($timeout:expr, $stores:tt; $($case:ident,)*) => {
+        $( for_stores!(@case $timeout, $stores, $case); )*
+    };
+    (@case $timeout:expr, [$($store:ident),*], $case:ident) => {
+        mod $case {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $store() {
+                    let Some(h) = start($timeout, stringify!($store)).await else { return };
+                    super::super::$case(h).await;
+                }
+            )*
+        }
+    };
+}
+
+mod every_store {
+    use super::*;
+    for_stores!(Duration::from_secs(10), [memory, sqlite, postgres];
+        a_slow_body_is_produced_under_the_lease,
+        an_event_stream_completes_at_its_headers_and_streams,
+        a_body_that_fails_midway_is_released_never_stored,
+        a_body_that_panics_is_released,
+        a_client_that_leaves_during_the_reservation_leaves_no_lock,
+    );
+}
+
+mod sql_stores {
+    use super::*;
+    for_stores!(Duration::from_secs(10), [sqlite, postgres];
+        a_lost_lease_is_told_and_never_answered,
+    );
+}
+
+mod short_timeout {
+    use super::*;
+    for_stores!(Duration::from_millis(300), [sqlite, postgres];
+        a_reservation_that_times_out_after_committing_is_undone,
+    );
+}
+
+/// The completion in the handler's transaction is bounded by the store
+/// timeout like every store call: a row lock that holds it answers 503 in
+/// time, and the handler's writes are rolled back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_blocked_transactional_completion_answers_503_in_time() {
+    use sqlx::Connection as _;
+    let Some(mut h) = start(Duration::from_millis(500), "postgres").await else {
+        return;
+    };
+    let Db::Pg(pool, schema) = &h.db else {
+        unreachable!()
+    };
+    let (pool, schema) = (pool.clone(), schema.clone());
+    let first = {
+        let addr = h.addr;
+        tokio::spawn(async move { post_req("/tx", "").key("k-tx").send(addr).await })
+    };
+    h.told("in_tx").await;
+    let mut locker = sqlx::PgConnection::connect(&common::pg_url().unwrap())
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM \"{schema}\".idempotency_keys WHERE key = 'k-tx' FOR UPDATE"
+    )))
+    .execute(&mut locker)
+    .await
+    .unwrap();
+    h.app.gate.notify_one();
+
+    let first = tokio::time::timeout(Duration::from_secs(15), first)
+        .await
+        .expect("answered while the row is still locked")
+        .unwrap();
+    assert_eq!(first.status, 503, "{first:?}");
+    assert_eq!(first.problem(), "idempotency-store-unavailable");
+    assert!(first.json()["detail"].as_str().unwrap().contains("rolled back"));
+    sqlx::query("COMMIT").execute(&mut locker).await.unwrap();
+    let written: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{schema}\".side"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(written, 0, "the handler's writes were rolled back");
+}
