@@ -157,3 +157,567 @@ async fn postgres_the_loser_of_a_race_for_an_expired_record_is_judged_on_the_win
         assert!(ok, "{case}: expected {expected}, got {got:?}");
     }
 }
+
+// ---------------------------------------------------------------------------
+// The interleaving harness.
+//
+// Every pair of protocol steps (reserve with the same body, reserve with
+// another, takeover, complete, release, extend, checkpoint, purge) runs
+// against each other from every state a record can be in: step A stops at
+// each of its pause points, step B runs to one of its own points or to its
+// end, then A goes on, then B. After every run the answers of both steps
+// and the record must be those of running them one after the other, in an
+// order the schedule allows (A first when A had committed before B began),
+// on a model of the protocol. That one check holds the invariants: at most
+// one live lease per key, a live lease's operation never changes, a
+// completed record never changes, an expired record behaves as absent, and
+// no request is answered from a stale row.
+// ---------------------------------------------------------------------------
+
+use idem::pause;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Initial {
+    Absent,
+    Live,
+    Stale,
+    Released,
+    Completed,
+    ExpiredCompleted,
+    ExpiredStale,
+    ExpiredLive,
+}
+
+const INITIALS: [Initial; 8] = [
+    Initial::Absent,
+    Initial::Live,
+    Initial::Stale,
+    Initial::Released,
+    Initial::Completed,
+    Initial::ExpiredCompleted,
+    Initial::ExpiredStale,
+    Initial::ExpiredLive,
+];
+
+/// A step. Reserves use their executor's own token; the fenced steps use
+/// the token of the initial holder, `h0`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Step {
+    ReserveSame,
+    ReserveOther,
+    Complete,
+    Release,
+    Extend,
+    Checkpoint,
+    Purge,
+}
+
+const STEPS: [Step; 7] = [
+    Step::ReserveSame,
+    Step::ReserveOther,
+    Step::Complete,
+    Step::Release,
+    Step::Extend,
+    Step::Checkpoint,
+    Step::Purge,
+];
+
+/// What a step answered, with tokens and ids reduced to who they belong to.
+#[derive(Clone, Debug, PartialEq)]
+enum Out {
+    Reserved {
+        attempt: i64,
+        takeover: bool,
+        new_operation: bool,
+        recovery_point: Option<String>,
+    },
+    Completed(String),
+    InProgress,
+    Mismatch,
+    Done,
+    LockLost,
+    Purged(u64),
+    /// The store failed: never right in these schedules.
+    Failed(String),
+}
+
+/// A record as the model (and the check) sees it.
+#[derive(Clone, Debug, PartialEq)]
+struct Rec {
+    fingerprint: String,
+    /// The stored body, once completed.
+    completed: Option<String>,
+    holder: Option<String>,
+    attempt: i64,
+    taken_over: bool,
+    new_operation: bool,
+    recovery_point: Option<String>,
+    lock_live: bool,
+    expired: bool,
+}
+
+fn initial_rec(initial: Initial) -> Option<Rec> {
+    let (completed, holder, lock_live, expired) = match initial {
+        Initial::Absent => return None,
+        Initial::Live => (None, Some("h0"), true, false),
+        Initial::Stale => (None, Some("h0"), false, false),
+        Initial::Released => (None, None, false, false),
+        Initial::Completed => (Some("done"), None, false, false),
+        Initial::ExpiredCompleted => (Some("done"), None, false, true),
+        Initial::ExpiredStale => (None, Some("h0"), false, true),
+        Initial::ExpiredLive => (None, Some("h0"), true, true),
+    };
+    Some(Rec {
+        fingerprint: "F".into(),
+        completed: completed.map(Into::into),
+        holder: holder.map(Into::into),
+        attempt: 1,
+        taken_over: false,
+        new_operation: false,
+        recovery_point: Some("rp0".into()),
+        lock_live,
+        expired,
+    })
+}
+
+/// The protocol, one step at a time (the store trait's documented rules).
+fn model(state: &mut Option<Rec>, step: Step, me: &str) -> Out {
+    let fenced = |state: &mut Option<Rec>, change: &dyn Fn(&mut Rec)| match state {
+        Some(r) if r.completed.is_none() && r.holder.as_deref() == Some("h0") => {
+            change(r);
+            Out::Done
+        }
+        _ => Out::LockLost,
+    };
+    match step {
+        Step::ReserveSame | Step::ReserveOther => {
+            let fp = if step == Step::ReserveSame { "F" } else { "G" };
+            let fresh = Rec {
+                fingerprint: fp.into(),
+                completed: None,
+                holder: Some(me.into()),
+                attempt: 1,
+                taken_over: false,
+                new_operation: true,
+                recovery_point: None,
+                lock_live: true,
+                expired: false,
+            };
+            let Some(r) = state.as_mut() else {
+                *state = Some(fresh);
+                return reserved(state);
+            };
+            let in_progress = r.completed.is_none();
+            let live = in_progress && r.lock_live;
+            if r.expired && !live {
+                *state = Some(fresh);
+                return reserved(state);
+            }
+            if let Some(body) = &r.completed {
+                return if r.fingerprint == fp {
+                    Out::Completed(body.clone())
+                } else {
+                    Out::Mismatch
+                };
+            }
+            if live {
+                return if r.fingerprint == fp {
+                    Out::InProgress
+                } else {
+                    Out::Mismatch
+                };
+            }
+            if r.holder.is_none() && r.fingerprint != fp {
+                *state = Some(fresh);
+                return reserved(state);
+            }
+            if r.fingerprint != fp {
+                return Out::Mismatch;
+            }
+            r.taken_over = r.holder.is_some();
+            r.holder = Some(me.into());
+            r.attempt += 1;
+            r.lock_live = true;
+            reserved(state)
+        }
+        Step::Complete => fenced(state, &|r| {
+            r.completed = Some("b-h0".into());
+            r.holder = None;
+            r.lock_live = false;
+        }),
+        Step::Release => fenced(state, &|r| {
+            r.holder = None;
+            r.lock_live = false;
+        }),
+        Step::Extend => fenced(state, &|r| r.lock_live = true),
+        Step::Checkpoint => fenced(state, &|r| r.recovery_point = Some("rp-new".into())),
+        Step::Purge => match state {
+            Some(r) if r.expired && !(r.completed.is_none() && r.lock_live) => {
+                *state = None;
+                Out::Purged(1)
+            }
+            _ => Out::Purged(0),
+        },
+    }
+}
+
+fn reserved(state: &Option<Rec>) -> Out {
+    let r = state.as_ref().unwrap();
+    Out::Reserved {
+        attempt: r.attempt,
+        takeover: r.taken_over,
+        new_operation: r.new_operation,
+        recovery_point: r.recovery_point.clone(),
+    }
+}
+
+/// A real store under the harness, and the SQL to set and read its records.
+struct Subject {
+    store: std::sync::Arc<dyn IdempotencyStore>,
+    pool: SubjectPool,
+    table: String,
+    /// The points each step can stop at.
+    sqlite: bool,
+}
+
+enum SubjectPool {
+    Pg(sqlx::PgPool),
+    Sqlite(sqlx::SqlitePool),
+}
+
+/// A time `ms` from the database's now, in the dialect's unit.
+fn at(sqlite: bool, ms: i64) -> String {
+    if sqlite {
+        format!("(CAST(unixepoch('subsec') * 1000 AS INTEGER) + ({ms}))")
+    } else {
+        format!("(now() + ({ms} * interval '1 millisecond'))")
+    }
+}
+
+impl Subject {
+    async fn exec(&self, sql: String) {
+        match &self.pool {
+            SubjectPool::Pg(p) => sqlx::query(sqlx::AssertSqlSafe(sql)).execute(p).await.map(|_| ()),
+            SubjectPool::Sqlite(p) => sqlx::query(sqlx::AssertSqlSafe(sql)).execute(p).await.map(|_| ()),
+        }
+        .unwrap();
+    }
+
+    async fn set(&self, key: &str, initial: Initial) {
+        self.exec(format!("DELETE FROM {} WHERE key = '{key}'", self.table))
+            .await;
+        let Some(r) = initial_rec(initial) else { return };
+        let hour = 3_600_000;
+        let lock = if r.lock_live { hour } else { -2000 };
+        let expires = if r.expired { -1000 } else { hour };
+        let (state, status, body) = match &r.completed {
+            Some(b) => ("completed", "201", format!("'{b}'")),
+            None => ("in_progress", "NULL", "NULL".into()),
+        };
+        let body = if self.sqlite {
+            format!("CAST({body} AS BLOB)")
+        } else {
+            format!("convert_to({body}, 'UTF8')")
+        };
+        let holder = r.holder.map_or("NULL".into(), |h| format!("'{h}'"));
+        self.exec(format!(
+            "INSERT INTO {t} (tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, \
+             taken_over, lock_expires_at, recovery_point, response_status, response_headers, response_body, \
+             created_at, expires_at) VALUES ('t', 'harness', '{key}', 'F', '{state}', 'op0', {holder}, 1, 0, \
+             {lock}, 'rp0', {status}, '[]', {body}, {created}, {expires})",
+            t = self.table,
+            lock = at(self.sqlite, lock),
+            created = at(self.sqlite, -hour),
+            expires = at(self.sqlite, expires),
+        ))
+        .await;
+    }
+
+    async fn read(&self, key: &str) -> Option<Rec> {
+        let sql = format!(
+            "SELECT fingerprint, state, lock_token, CAST(attempt AS BIGINT) AS attempt, \
+             CAST(taken_over AS BIGINT) AS taken_over, operation_id, recovery_point, response_body, \
+             CASE WHEN lock_expires_at > {now} THEN 1 ELSE 0 END AS lock_live, \
+             CASE WHEN expires_at <= {now} THEN 1 ELSE 0 END AS expired \
+             FROM {t} WHERE key = '{key}'",
+            now = at(self.sqlite, 0),
+            t = self.table,
+        );
+        macro_rules! rec {
+            ($row:expr) => {{
+                use sqlx::Row as _;
+                let row = $row;
+                let state: String = row.get("state");
+                let body: Option<Vec<u8>> = row.get("response_body");
+                Rec {
+                    fingerprint: row.get("fingerprint"),
+                    completed: (state == "completed")
+                        .then(|| String::from_utf8(body.unwrap_or_default()).unwrap()),
+                    holder: row.get("lock_token"),
+                    attempt: row.get("attempt"),
+                    taken_over: row.get::<i64, _>("taken_over") != 0,
+                    new_operation: row.get::<String, _>("operation_id") != "op0",
+                    recovery_point: row.get("recovery_point"),
+                    lock_live: row.get::<i32, _>("lock_live") != 0 && state == "in_progress",
+                    expired: row.get::<i32, _>("expired") != 0,
+                }
+            }};
+        }
+        match &self.pool {
+            SubjectPool::Pg(p) => sqlx::query(sqlx::AssertSqlSafe(sql))
+                .fetch_optional(p)
+                .await
+                .unwrap()
+                .map(|row| rec!(row)),
+            SubjectPool::Sqlite(p) => sqlx::query(sqlx::AssertSqlSafe(sql))
+                .fetch_optional(p)
+                .await
+                .unwrap()
+                .map(|row| rec!(row)),
+        }
+    }
+
+    /// The points where `step` can stop, in order.
+    fn points(&self, step: Step) -> Vec<&'static str> {
+        match step {
+            Step::ReserveSame | Step::ReserveOther if self.sqlite => vec![
+                pause::SQLITE_RESERVE_AFTER_PEEK,
+                pause::SQLITE_RESERVE_BEFORE_COMMIT,
+                pause::RESERVE_AFTER,
+            ],
+            Step::ReserveSame | Step::ReserveOther => vec![pause::RESERVE_AFTER],
+            Step::Complete => vec![pause::COMPLETE_AFTER],
+            Step::Release => vec![pause::RELEASE_AFTER],
+            Step::Extend => vec![pause::EXTEND_AFTER],
+            Step::Checkpoint => vec![pause::CHECKPOINT_AFTER],
+            Step::Purge => vec![pause::PURGE_AFTER],
+        }
+    }
+
+    /// What a pause point of step `step` is armed for.
+    fn pause_key(&self, step: Step, key: &str) -> String {
+        if step == Step::Purge {
+            self.table.clone()
+        } else {
+            key.to_owned()
+        }
+    }
+}
+
+/// Whether a step stopped at `point` has committed all it writes.
+fn committed(point: &str) -> bool {
+    point.ends_with(".after")
+}
+
+/// Whether a step stopped at `point` holds SQLite's write lock.
+fn holds_write_lock(point: &str) -> bool {
+    point == pause::SQLITE_RESERVE_BEFORE_COMMIT
+}
+
+async fn perform(store: &dyn IdempotencyStore, id: &RecordId, step: Step, me: &'static str) -> Out {
+    let fenced = |r: Result<(), idem::StoreError>| match r {
+        Ok(()) => Out::Done,
+        Err(idem::StoreError::LockLost) => Out::LockLost,
+        Err(e) => Out::Failed(e.to_string()),
+    };
+    match step {
+        Step::ReserveSame | Step::ReserveOther => {
+            let fp = if step == Step::ReserveSame { "F" } else { "G" };
+            let request = ReserveRequest {
+                id,
+                fingerprint: fp,
+                token: me,
+                ttl: LONG,
+                lock_timeout: LONG,
+            };
+            let reservation = match store.reserve(request).await {
+                Ok(r) => r,
+                Err(e) => return Out::Failed(e.to_string()),
+            };
+            match reservation {
+                Reservation::Reserved(l) => Out::Reserved {
+                    attempt: i64::from(l.attempt),
+                    takeover: l.takeover,
+                    new_operation: l.operation_id != "op0",
+                    recovery_point: l.recovery_point,
+                },
+                Reservation::Completed(r) => Out::Completed(String::from_utf8(r.body.unwrap()).unwrap()),
+                Reservation::InProgress { retry_after } if retry_after.is_zero() => {
+                    Out::Failed("in progress on a lock that ran out".into())
+                }
+                Reservation::InProgress { .. } => Out::InProgress,
+                Reservation::Mismatch => Out::Mismatch,
+            }
+        }
+        Step::Complete => fenced(store.complete(id, "h0", &answer_of("b-h0")).await),
+        Step::Release => fenced(store.release(id, "h0").await),
+        Step::Extend => fenced(store.extend_lock(id, "h0", LONG).await),
+        Step::Checkpoint => fenced(store.checkpoint(id, "h0", "rp-new").await),
+        Step::Purge => match store.purge_expired(100).await {
+            Ok(n) => Out::Purged(n),
+            Err(e) => Out::Failed(e.to_string()),
+        },
+    }
+}
+
+fn answer_of(body: &str) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Some(body.as_bytes().to_vec()),
+    }
+}
+
+/// A step running in its own task, maybe stopped at a pause point.
+struct Running {
+    task: tokio::task::JoinHandle<Out>,
+    pause: Option<pause::Pause>,
+    stopped: bool,
+}
+
+async fn launch(
+    s: &Subject,
+    id: &RecordId,
+    step: Step,
+    me: &'static str,
+    point: Option<&'static str>,
+) -> Running {
+    let mut pause = point.map(|p| pause::arm(p, &s.pause_key(step, &id.key)));
+    let task = {
+        let (store, id) = (s.store.clone(), id.clone());
+        tokio::spawn(async move { perform(&*store, &id, step, me).await })
+    };
+    let mut stopped = false;
+    if let Some(p) = pause.as_mut() {
+        // Until it stops there, or ends without passing the point.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if p.is_reached() {
+                stopped = true;
+                break;
+            }
+            if task.is_finished() {
+                // It never passed the point: disarm it, or the other step
+                // would stop there.
+                pause = None;
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{step:?} neither stopped nor ended"
+            );
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    Running { task, pause, stopped }
+}
+
+impl Running {
+    async fn finish(self) -> Out {
+        if let Some(p) = self.pause {
+            p.resume();
+        }
+        tokio::time::timeout(Duration::from_secs(20), self.task)
+            .await
+            .expect("the step ends")
+            .unwrap()
+    }
+}
+
+/// Runs every schedule on `s` and says how many ran.
+async fn every_schedule(s: &Subject) -> usize {
+    let mut runs = 0;
+    let mut failures = Vec::new();
+    for a in STEPS {
+        for b in STEPS {
+            for p in s.points(a) {
+                let mut qs: Vec<Option<&'static str>> = s.points(b).into_iter().map(Some).collect();
+                qs.push(None);
+                for q in qs {
+                    // Skip schedules that would wait on SQLite's write lock
+                    // held by a stopped step (a deadlock of the schedule,
+                    // not of the protocol).
+                    let b_writes_first = q.is_none_or(|q| q != pause::SQLITE_RESERVE_AFTER_PEEK);
+                    if holds_write_lock(p) && b_writes_first {
+                        continue;
+                    }
+                    if q.is_some_and(holds_write_lock) && !committed(p) {
+                        continue;
+                    }
+                    for initial in INITIALS {
+                        runs += 1;
+                        let key = format!("h{runs}");
+                        let id = RecordId::new("t", "harness", &key);
+                        s.set(&key, initial).await;
+                        let ra = launch(s, &id, a, "tA", Some(p)).await;
+                        let a_committed_first = ra.stopped && committed(p);
+                        let rb = launch(s, &id, b, "tB", q).await;
+                        let out_a = ra.finish().await;
+                        let out_b = rb.finish().await;
+                        let seen = s.read(&key).await;
+
+                        let mut orders = vec![("A;B", true)];
+                        if !a_committed_first {
+                            orders.push(("B;A", false));
+                        }
+                        let ok = orders.iter().any(|&(_, a_first)| {
+                            let mut m = initial_rec(initial);
+                            let (ma, mb) = if a_first {
+                                let ma = model(&mut m, a, "tA");
+                                (ma, model(&mut m, b, "tB"))
+                            } else {
+                                let mb = model(&mut m, b, "tB");
+                                (model(&mut m, a, "tA"), mb)
+                            };
+                            ma == out_a && mb == out_b && m == seen
+                        });
+                        if !ok {
+                            failures.push(format!(
+                                "{initial:?}: A={a:?} at {p}, B={b:?} to {q:?}: A got {out_a:?}, B got {out_b:?}, \
+                                 record {seen:?}"
+                            ));
+                        }
+                        s.exec(format!("DELETE FROM {} WHERE key = '{key}'", s.table))
+                            .await;
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {runs} schedules broke the protocol:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    runs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_every_pair_of_steps_at_every_pause_point_is_linearizable() {
+    let Some(url) = common::pg_url() else { return };
+    let schema = common::pg_schema(&url).await;
+    let store = common::pg_store_in(&url, &schema, 8).await;
+    let s = Subject {
+        pool: SubjectPool::Pg(store.pool().clone()),
+        store: std::sync::Arc::new(store),
+        table: format!("\"{schema}\".\"idempotency_keys\""),
+        sqlite: false,
+    };
+    let runs = every_schedule(&s).await;
+    eprintln!("postgres: {runs} schedules");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_every_pair_of_steps_at_every_pause_point_is_linearizable() {
+    let (store, _dir) = common::sqlite_store().await;
+    let s = Subject {
+        pool: SubjectPool::Sqlite(store.pool().clone()),
+        store: std::sync::Arc::new(store),
+        table: "\"idempotency_keys\"".into(),
+        sqlite: true,
+    };
+    let runs = every_schedule(&s).await;
+    eprintln!("sqlite: {runs} schedules");
+}

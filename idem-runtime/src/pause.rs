@@ -5,8 +5,9 @@
 //! point is nothing at all.
 //!
 //! A point is armed for one record key (tests use unique keys, so they do
-//! not disturb each other); the purge, which has no key, hits its points
-//! with the empty key. The first execution to reach an armed point stops
+//! not disturb each other); the purge, which has no key, hits its point
+//! with its table's quoted name (`"schema"."table"` on PostgreSQL,
+//! `"table"` on SQLite, the empty string in memory). The first execution to reach an armed point stops
 //! there until the test resumes it (or drops the handle).
 //!
 //! ```
@@ -41,7 +42,7 @@ pub const RELEASE_AFTER: &str = "release.after";
 pub const CHECKPOINT_AFTER: &str = "checkpoint.after";
 /// A lock extension committed, before it returns.
 pub const EXTEND_AFTER: &str = "extend.after";
-/// A purge batch committed, before it returns (the empty key).
+/// A purge batch committed, before it returns (keyed by the table's name).
 pub const PURGE_AFTER: &str = "purge.after";
 /// The handler returned; its answer is not classified or recorded yet.
 pub const HANDLER_RETURNED: &str = "handler.returned";
@@ -122,6 +123,7 @@ impl Drop for Pause {
         if let Some(resume) = self.resume.take() {
             let _ = resume.send(());
         }
+        drop(self.reached.take());
         lock().retain(|a| !a.reached.is_closed());
     }
 }

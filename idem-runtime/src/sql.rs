@@ -48,6 +48,9 @@ pub(crate) const SQLITE: Dialect = Dialect {
 
 /// Every statement a store runs, for one table.
 pub(crate) struct Statements {
+    /// The quoted, qualified table name.
+    #[cfg_attr(not(feature = "pause-points"), allow(dead_code))]
+    pub(crate) table: String,
     pub(crate) migrate: String,
     /// Takes the key (insert, or update of a takeable row) in one upsert.
     /// Binds: tenant, scope, key, fingerprint, token, operation id, ttl ms, lock ms.
@@ -167,6 +170,7 @@ impl Statements {
             )
         };
         Ok(Statements {
+            table: t.clone(),
             migrate: migration.replace("{table}", &t).replace("{index}", &index),
             take: format!(
                 "{insert} ON CONFLICT (tenant, scope, key) DO UPDATE SET {set} \
@@ -349,7 +353,7 @@ macro_rules! fenced_ops {
                     .execute(&self.pool)
                     .await
                     .map_err($crate::sql::map_err)?;
-                pause_point!($crate::pause::PURGE_AFTER, "");
+                pause_point!($crate::pause::PURGE_AFTER, &self.sql.table);
                 Ok(done.rows_affected())
             }))
         }
