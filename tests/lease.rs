@@ -55,7 +55,7 @@ fn chunk(s: &'static str) -> Result<axum::body::Bytes, std::io::Error> {
 }
 
 /// Its body takes as long as the test wants: far past the lock timeout.
-#[idempotent(scope = "lease.slow_body", lock_timeout = "300ms")]
+#[idempotent(scope = "lease.slow_body", lock_timeout = "1s")]
 async fn slow_body(State(app): State<App>) -> Response {
     app.ran("slow_body");
     app.events.send("slow_body").unwrap();
@@ -146,6 +146,96 @@ async fn in_transaction(
     Ok((StatusCode::CREATED, "committed"))
 }
 
+/// Blocks its thread (the sanctioned way, `block_in_place`) for two and a
+/// half lock timeouts: the lease must hold all the same.
+#[idempotent(scope = "lease.blocking", lock_timeout = "1s")]
+async fn blocking(State(app): State<App>) -> (StatusCode, String) {
+    let n = app.ran("blocking");
+    app.events.send("blocking").unwrap();
+    tokio::task::block_in_place(|| std::thread::sleep(Duration::from_millis(2500)));
+    (StatusCode::CREATED, format!("run {n}"))
+}
+
+/// Stops early when told its lease is lost, as `Operation::lease_lost`
+/// teaches: that early answer must never be given or stored.
+#[idempotent(scope = "lease.stops", lock_timeout = "300ms")]
+async fn stops_when_its_lease_is_lost(State(app): State<App>, op: Operation) -> &'static str {
+    let n = app.ran("stops");
+    app.events.send("stops").unwrap();
+    if n > 1 {
+        return "done";
+    }
+    tokio::select! {
+        () = app.gate.notified() => "done",
+        () = op.lease_lost() => "stopped",
+    }
+}
+
+/// First run: a first request fails (released); later ones succeed.
+#[idempotent(scope = "lease.flaky", lock_timeout = "5s")]
+async fn flaky(State(app): State<App>) -> (StatusCode, String) {
+    let n = app.ran("flaky");
+    if n == 1 {
+        (StatusCode::SERVICE_UNAVAILABLE, "gateway down".into())
+    } else {
+        (StatusCode::CREATED, format!("run {n}"))
+    }
+}
+
+fn filler(n: usize) -> Result<axum::body::Bytes, std::io::Error> {
+    Ok(axum::body::Bytes::from(vec![b'x'; n]))
+}
+
+/// A body past the stored limit (1024 bytes) that fails once it is past it.
+#[idempotent(scope = "lease.big_broken")]
+async fn big_broken(State(app): State<App>) -> Response {
+    let n = app.ran("big_broken");
+    let end = if n == 1 {
+        Err(std::io::Error::other("the disk went away"))
+    } else {
+        filler(10)
+    };
+    let body = futures_util::stream::iter([filler(800), filler(800), end]);
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
+/// A body past the stored limit whose end waits for the test.
+#[idempotent(scope = "lease.big_slow")]
+async fn big_slow(State(app): State<App>) -> Response {
+    app.ran("big_slow");
+    let gate = app.gate.clone();
+    let events = app.events.clone();
+    let last = async move {
+        events.send("big_slow_waits").unwrap();
+        gate.notified().await;
+        filler(10)
+    };
+    let body = futures_util::stream::iter([filler(800), filler(800)]).chain(futures_util::stream::once(last));
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
+/// An event stream whose media type is written in upper case.
+#[idempotent(scope = "lease.upper_events")]
+async fn upper_event_stream(State(app): State<App>) -> Response {
+    app.ran("upper_events");
+    let body = futures_util::stream::iter([chunk("data: hello\n\n")]).chain(futures_util::stream::pending());
+    (
+        [(header::CONTENT_TYPE, "Text/Event-Stream")],
+        Body::from_stream(body),
+    )
+        .into_response()
+}
+
+/// A body of `n` bytes.
+#[idempotent(scope = "lease.sized")]
+async fn sized(
+    State(app): State<App>,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, usize>>,
+) -> (StatusCode, Vec<u8>) {
+    app.ran("sized");
+    (StatusCode::CREATED, vec![b'y'; q["n"]])
+}
+
 /// Tells the test when the server drops a request it has not answered.
 async fn watch_drops(State(app): State<App>, req: Request, next: Next) -> Response {
     struct Dropped(Option<Arc<Notify>>);
@@ -220,6 +310,81 @@ impl Harness {
     }
 }
 
+/// Something else holds the record: a row lock on PostgreSQL, the write
+/// lock on SQLite. Let go by committing.
+enum Holder {
+    Pg(sqlx::PgConnection),
+    Sqlite(sqlx::SqliteConnection),
+}
+
+impl Harness {
+    async fn hold(&self, key: &str) -> Holder {
+        use sqlx::Connection as _;
+        match &self.db {
+            Db::Pg(_, schema) => {
+                let mut c = sqlx::PgConnection::connect(&common::pg_url().unwrap())
+                    .await
+                    .unwrap();
+                sqlx::query("BEGIN").execute(&mut c).await.unwrap();
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SELECT 1 FROM \"{schema}\".idempotency_keys WHERE key = $1 FOR UPDATE"
+                )))
+                .bind(key)
+                .execute(&mut c)
+                .await
+                .unwrap();
+                Holder::Pg(c)
+            }
+            Db::Sqlite(pool) => {
+                let mut c = pool.acquire().await.unwrap().detach();
+                sqlx::query("BEGIN IMMEDIATE").execute(&mut c).await.unwrap();
+                Holder::Sqlite(c)
+            }
+            Db::Memory => unreachable!("nothing holds the memory store"),
+        }
+    }
+
+    /// Waits until the record's attempt is `attempt` and nobody holds its
+    /// lock (fails after 20 s).
+    async fn until_released_at(&self, key: &str, attempt: i64) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let seen: (i64, Option<String>) = match &self.db {
+                Db::Pg(pool, schema) => sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                    "SELECT attempt::bigint, lock_token FROM \"{schema}\".idempotency_keys WHERE key = $1"
+                )))
+                .bind(key)
+                .fetch_one(pool)
+                .await
+                .unwrap(),
+                Db::Sqlite(pool) => {
+                    sqlx::query_as("SELECT attempt, lock_token FROM idempotency_keys WHERE key = ?1")
+                        .bind(key)
+                        .fetch_one(pool)
+                        .await
+                        .unwrap()
+                }
+                Db::Memory => unreachable!(),
+            };
+            if seen == (attempt, None) {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the record stayed {seen:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Holder {
+    async fn let_go(self) {
+        match self {
+            Holder::Pg(mut c) => sqlx::query("COMMIT").execute(&mut c).await.map(|_| ()),
+            Holder::Sqlite(mut c) => sqlx::query("COMMIT").execute(&mut c).await.map(|_| ()),
+        }
+        .unwrap();
+    }
+}
+
 async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
     let (store, db, dir): (Arc<dyn IdempotencyStore>, Db, _) = match kind {
         "postgres" => {
@@ -267,6 +432,13 @@ async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
         .route("/lease-lost", post(loses_its_lease))
         .route("/plain", post(plain))
         .route("/tx", post(in_transaction))
+        .route("/blocking", post(blocking))
+        .route("/stops", post(stops_when_its_lease_is_lost))
+        .route("/flaky", post(flaky))
+        .route("/big-broken", post(big_broken))
+        .route("/big-slow", post(big_slow))
+        .route("/upper-events", post(upper_event_stream))
+        .route("/sized", post(sized))
         .layer(idem.layer())
         .layer(middleware::from_fn_with_state(app.clone(), watch_drops))
         .with_state(app.clone());
@@ -293,8 +465,8 @@ async fn a_slow_body_is_produced_under_the_lease(mut h: Harness) {
         tokio::spawn(async move { post_req("/slow-body", "").key("k-slow").send(addr).await })
     };
     h.told("slow_body").await;
-    // Three lock timeouts: without the lease the lock would be stale now.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Past the lock timeout: without the lease the lock would be stale now.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     let retry = post_req("/slow-body", "").key("k-slow").send(h.addr).await;
     assert_eq!(retry.status, 409, "{retry:?}");
     assert_eq!(retry.problem(), "idempotency-request-in-progress");
@@ -430,6 +602,180 @@ async fn a_reservation_that_times_out_after_committing_is_undone(h: Harness) {
     assert_eq!(retry.header("idempotent-replayed"), None);
 }
 
+/// A handler that blocks its thread keeps its lease: a retry meanwhile gets
+/// 409, never a second execution.
+async fn a_handler_that_blocks_its_thread_keeps_its_lease(mut h: Harness) {
+    let first = {
+        let addr = h.addr;
+        tokio::spawn(async move { post_req("/blocking", "").key("k-block").send(addr).await })
+    };
+    h.told("blocking").await;
+    // Past the lock timeout (1 s), while the handler blocks its thread.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let retry = post_req("/blocking", "").key("k-block").send(h.addr).await;
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.body.as_slice()), (201, &b"run 1"[..]));
+    // In progress, or (on a machine slow enough) already the replay.
+    match retry.status {
+        409 => {}
+        _ => assert_eq!(
+            (retry.status, retry.body.as_slice()),
+            (201, &b"run 1"[..]),
+            "{retry:?}"
+        ),
+    }
+    assert_eq!(h.app.runs("blocking"), 1);
+}
+
+/// A handler told its lease is lost (the lock could not be extended before
+/// its deadline) and answering early never has that answer given or stored:
+/// its client gets 503, and the retry continues the operation.
+async fn an_answer_given_after_the_lease_was_lost_is_never_stored(mut h: Harness) {
+    let first = {
+        let addr = h.addr;
+        tokio::spawn(async move { post_req("/stops", "").key("k-stops").send(addr).await })
+    };
+    h.told("stops").await;
+    let holder = h.hold("k-stops").await;
+    let first = tokio::time::timeout(Duration::from_secs(20), first)
+        .await
+        .unwrap()
+        .unwrap();
+    holder.let_go().await;
+    assert_eq!(first.status, 503, "{first:?}");
+    assert_eq!(first.problem(), "idempotency-lease-lost");
+    h.until_released_at("k-stops", 1).await;
+    let retry = post_req("/stops", "").key("k-stops").send(h.addr).await;
+    assert_eq!(
+        (retry.status, retry.body.as_slice()),
+        (200, &b"done"[..]),
+        "{retry:?}"
+    );
+    assert_eq!(retry.header("idempotent-replayed"), None);
+}
+
+/// A reservation held up past the store timeout (a row lock, SQLite's write
+/// lock) that then commits is given back when it commits: no lock stays
+/// that no execution holds.
+async fn a_reservation_that_commits_after_its_timeout_is_given_back(h: Harness) {
+    let first = post_req("/flaky", "").key("k-late").send(h.addr).await;
+    assert_eq!(first.status, 503);
+    let holder = h.hold("k-late").await;
+    let retry = post_req("/flaky", "").key("k-late").send(h.addr).await;
+    assert_eq!(retry.status, 503, "{retry:?}");
+    assert_eq!(retry.problem(), "idempotency-store-unavailable");
+    holder.let_go().await;
+    // The held reservation commits now (attempt 2), then is given back.
+    h.until_released_at("k-late", 2).await;
+    let again = post_req("/flaky", "").key("k-late").send(h.addr).await;
+    assert_eq!(
+        (again.status, again.body.as_slice()),
+        (201, &b"run 2"[..]),
+        "{again:?}"
+    );
+    assert_eq!(h.app.runs("flaky"), 2);
+}
+
+/// A body past the stored limit that fails once past it is a failed
+/// execution: never completed, the client's connection broken, the retry
+/// runs again.
+async fn a_large_body_that_fails_past_the_limit_is_released(h: Harness) {
+    let raw = post_req("/big-broken", "")
+        .key("k-big-broken")
+        .send_raw(h.addr)
+        .await;
+    let text = String::from_utf8_lossy(&raw);
+    assert!(!text.ends_with("0\r\n\r\n"), "a complete answer: {text}");
+    let retry = post_req("/big-broken", "").key("k-big-broken").send(h.addr).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.header("idempotent-replayed"), None);
+    assert_eq!(retry.body.len(), 1610);
+    assert_eq!(h.app.runs("big_broken"), 2);
+}
+
+/// A body past the stored limit streams to the client under the lease; the
+/// record completes when the body ends (a retry meanwhile gets 409), and
+/// its replay is status and headers only.
+async fn a_large_body_streams_and_completes_when_it_ends(mut h: Harness) {
+    let mut conn = post_req("/big-slow", "").key("k-big-slow").start(h.addr).await;
+    h.told("big_slow_waits").await;
+    let retry = post_req("/big-slow", "").key("k-big-slow").send(h.addr).await;
+    assert_eq!(retry.status, 409, "{retry:?}");
+    h.app.gate.notify_one();
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut raw))
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    assert!(
+        text.starts_with("HTTP/1.1 201") && text.ends_with("0\r\n\r\n"),
+        "{text}"
+    );
+    assert_eq!(text.matches('x').count(), 1610);
+    let replay = post_req("/big-slow", "").key("k-big-slow").send(h.addr).await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("idempotent-replay-body-omitted"), Some("true"));
+    assert_eq!(h.app.runs("big_slow"), 1);
+}
+
+/// A client that leaves while a large body streams cancels nothing: the
+/// body is produced to its end and the outcome recorded.
+async fn a_client_that_leaves_a_large_body_midway_cancels_nothing(mut h: Harness) {
+    let conn = post_req("/big-slow", "").key("k-big-leave").start(h.addr).await;
+    h.told("big_slow_waits").await;
+    drop(conn);
+    h.app.gate.notify_one();
+    let retry = post_req("/big-slow", "")
+        .key("k-big-leave")
+        .wait_for_replay(h.addr)
+        .await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.header("idempotent-replay-body-omitted"), Some("true"));
+    assert_eq!(h.app.runs("big_slow"), 1);
+}
+
+/// Media types are compared without regard to case.
+async fn an_upper_case_event_stream_is_an_event_stream(h: Harness) {
+    let mut conn = post_req("/upper-events", "").key("k-upper").start(h.addr).await;
+    let mut seen = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), async {
+        let mut buf = [0u8; 1024];
+        while !String::from_utf8_lossy(&seen).contains("data: hello") {
+            let n = conn.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the stream ended");
+            seen.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .expect("the first event arrives while the stream goes on");
+    assert_eq!(h.app.runs("upper_events"), 1);
+}
+
+/// Bodies at the limit are stored whole; one byte more is streamed and its
+/// replay omits the body.
+async fn bodies_at_the_limit_are_stored_and_one_byte_more_is_not(h: Harness) {
+    for n in [0usize, 1024, 1025] {
+        let key = format!("k-size-{n}");
+        let first = post_req(&format!("/sized?n={n}"), "")
+            .key(&key)
+            .send(h.addr)
+            .await;
+        let replay = post_req(&format!("/sized?n={n}"), "")
+            .key(&key)
+            .send(h.addr)
+            .await;
+        assert_eq!(first.body.len(), n);
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        if n <= 1024 {
+            assert_eq!(replay.body, first.body);
+        } else {
+            assert_eq!(replay.header("idempotent-replay-body-omitted"), Some("true"));
+        }
+    }
+    assert_eq!(h.app.runs("sized"), 3);
+}
+
 macro_rules! for_stores {
     ($timeout:expr, $stores:tt; $($case:ident,)*) => {
         $( for_stores!(@case $timeout, $stores, $case); )*
@@ -456,6 +802,12 @@ mod every_store {
         a_body_that_fails_midway_is_released_never_stored,
         a_body_that_panics_is_released,
         a_client_that_leaves_during_the_reservation_leaves_no_lock,
+        a_handler_that_blocks_its_thread_keeps_its_lease,
+        a_large_body_that_fails_past_the_limit_is_released,
+        a_large_body_streams_and_completes_when_it_ends,
+        a_client_that_leaves_a_large_body_midway_cancels_nothing,
+        an_upper_case_event_stream_is_an_event_stream,
+        bodies_at_the_limit_are_stored_and_one_byte_more_is_not,
     );
 }
 
@@ -463,6 +815,7 @@ mod sql_stores {
     use super::*;
     for_stores!(Duration::from_secs(10), [sqlite, postgres];
         a_lost_lease_is_told_and_never_answered,
+        an_answer_given_after_the_lease_was_lost_is_never_stored,
     );
 }
 
@@ -470,6 +823,7 @@ mod short_timeout {
     use super::*;
     for_stores!(Duration::from_millis(300), [sqlite, postgres];
         a_reservation_that_times_out_after_committing_is_undone,
+        a_reservation_that_commits_after_its_timeout_is_given_back,
     );
 }
 

@@ -129,6 +129,19 @@ impl Request {
         raw
     }
 
+    /// Sends the request until it is not 409 (an execution in progress),
+    /// for at most 20 s.
+    pub async fn wait_for_replay(&self, addr: std::net::SocketAddr) -> Reply {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let reply = self.send(addr).await;
+            if reply.status != 409 || std::time::Instant::now() > deadline {
+                return reply;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Sends the request, waits `after`, then hangs up without reading.
     pub async fn send_and_hang_up(&self, addr: std::net::SocketAddr, after: Duration) {
         let mut stream = TcpStream::connect(addr).await.expect("connect");

@@ -475,9 +475,11 @@ impl Operation {
     /// Whether this execution's lease is lost: another execution took the
     /// operation over, or the lock could not be extended before its deadline
     /// (the store was unreachable), so another may have. A handler that sees
-    /// it should stop before its next external effect: its answer will not
-    /// be given (the client gets 503 with `Retry-After`) unless the
-    /// completion, fenced by the lock token, still succeeds.
+    /// it should stop before its next external effect: whatever it answers
+    /// now is neither given nor stored (its client gets 503
+    /// `idempotency-lease-lost` with `Retry-After`, its transaction rolls
+    /// back, and the key is given back so that a retry continues the
+    /// operation).
     ///
     /// ```
     /// # use idem::{idempotent, Operation};
@@ -864,71 +866,78 @@ async fn execute(
             "taking over an operation whose lock ran out"
         );
     }
-    let work = async {
-        let outcome = AssertUnwindSafe(handler).catch_unwind().await;
-        pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
-        // The handler is done: its transaction, if any, is ours now.
-        let tx = tx.lock().await.take();
-        finish(&engine, &info, clock.lock_timeout, outcome, tx).await
-    };
-    with_lease(&info, clock, work).await
+    let beat = Heartbeat::start(&info, clock);
+    let outcome = AssertUnwindSafe(handler).catch_unwind().await;
+    pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
+    // The handler is done: its transaction, if any, is ours now.
+    let tx = tx.lock().await.take();
+    finish(&engine, &info, clock.lock_timeout, outcome, tx, beat).await
 }
 
-/// Polls `work` while extending the lock every third of the lock timeout,
-/// in the same task. When the lock is taken over, or cannot be extended
-/// before its deadline, the lease counts as lost and the handler is told
-/// (see [`Operation::lease_lost`]).
-async fn with_lease<T>(info: &OperationInfo, clock: LeaseClock, work: impl Future<Output = T>) -> T {
-    let heartbeat = async {
-        let period = (clock.lock_timeout / 3).max(Duration::from_millis(10));
-        let mut deadline = clock.deadline;
-        loop {
-            tokio::select! {
-                () = tokio::time::sleep_until(deadline) => break,
-                () = tokio::time::sleep(period) => {}
-            }
-            let asked = Instant::now();
-            let extended = tokio::time::timeout_at(
-                deadline,
-                info.store
-                    .extend_lock(&info.id, &info.lease.token, clock.lock_timeout),
-            )
-            .await;
-            match extended {
-                Ok(Ok(())) => deadline = asked + clock.lock_timeout,
-                Ok(Err(StoreError::LockLost)) => {
-                    tracing::error!("lock lost while the handler runs: another execution took over");
-                    break;
+/// The lease's heartbeat: it extends the lock every third of the lock
+/// timeout until dropped. It runs in a task of its own, so that a handler
+/// that blocks its thread (`block_in_place`, heavy work) still keeps its
+/// lease. When the lock is taken over, or cannot be extended before its
+/// deadline, the lease counts as lost and the handler is told (see
+/// [`Operation::lease_lost`]).
+struct Heartbeat(tokio::task::JoinHandle<()>);
+
+impl Heartbeat {
+    fn start(info: &OperationInfo, clock: LeaseClock) -> Self {
+        let info = info.clone();
+        let beat = async move {
+            let period = (clock.lock_timeout / 3).max(Duration::from_millis(10));
+            let mut deadline = clock.deadline;
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep_until(deadline) => break,
+                    () = tokio::time::sleep(period) => {}
                 }
-                Ok(Err(e)) => tracing::warn!(error = %e, "could not extend the lock; trying again"),
-                Err(_) => break,
+                let asked = Instant::now();
+                let extended = tokio::time::timeout_at(
+                    deadline,
+                    info.store
+                        .extend_lock(&info.id, &info.lease.token, clock.lock_timeout),
+                )
+                .await;
+                match extended {
+                    Ok(Ok(())) => deadline = asked + clock.lock_timeout,
+                    Ok(Err(StoreError::LockLost)) => {
+                        tracing::error!("lock lost while the handler runs: another execution took over");
+                        break;
+                    }
+                    Ok(Err(e)) => tracing::warn!(error = %e, "could not extend the lock; trying again"),
+                    Err(_) => break,
+                }
             }
-        }
-        if !info.is_lost() {
-            tracing::error!("the lock could not be extended before its deadline: the lease counts as lost");
-        }
-        info.lost.send_replace(true);
-        std::future::pending::<()>().await;
-    };
-    tokio::pin!(work, heartbeat);
-    loop {
-        tokio::select! {
-            biased;
-            out = &mut work => return out,
-            () = &mut heartbeat => {}
-        }
+            if !info.is_lost() {
+                tracing::error!(
+                    "the lock could not be extended before its deadline: the lease counts as lost"
+                );
+            }
+            info.lost.send_replace(true);
+        };
+        Heartbeat(tokio::spawn(beat.in_current_span()))
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
 type Caught = Result<(Response, Option<Classification>), Box<dyn std::any::Any + Send>>;
 
-/// Classifies the outcome, produces the answer and records it.
+/// Classifies the outcome, produces the answer and records it; `beat`
+/// keeps the lease until then.
 async fn finish(
     engine: &Arc<Engine>,
     info: &OperationInfo,
     lock_timeout: Duration,
     outcome: Caught,
     tx: Option<PendingTx>,
+    beat: Heartbeat,
 ) -> Response {
     let (response, declared) = match outcome {
         Ok(pair) => pair,
@@ -945,7 +954,8 @@ async fn finish(
     let stream = parts
         .headers
         .get(CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        .and_then(|v| v.as_bytes().get(..EVENT_STREAM.len()))
+        .is_some_and(|v| v.eq_ignore_ascii_case(EVENT_STREAM));
     let collected = match AssertUnwindSafe(collect(body, engine.max_stored_body, stream))
         .catch_unwind()
         .await
@@ -956,17 +966,49 @@ async fn finish(
             return fail(engine, info, lock_timeout, tx, handler_failed()).await;
         }
     };
-    let (kept, answer) = match collected {
-        Collected::Whole(bytes) => (Some(bytes.to_vec()), Body::from(bytes)),
-        Collected::Streamed { head, rest } => {
-            if !stream {
-                tracing::warn!(
-                    limit = engine.max_stored_body,
-                    "response body larger than the stored limit: a replay gets status and headers only"
-                );
-            }
+    let mut stored = StoredResponse {
+        status: parts.status.as_u16(),
+        headers: engine
+            .replay_headers
+            .iter()
+            .flat_map(|name| parts.headers.get_all(name).iter().map(move |v| (name, v)))
+            .filter_map(|(name, v)| Some((name.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+            .collect(),
+        body: None,
+    };
+    let answer = match collected {
+        Collected::Whole(bytes) => {
+            stored.body = Some(bytes.to_vec());
+            Body::from(bytes)
+        }
+        Collected::Streamed { head, rest } if stream => {
+            // An event stream may never end: it is completed at its
+            // headers, and then streams.
             let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
-            (None, Body::from_stream(head.chain(rest)))
+            Body::from_stream(head.chain(rest))
+        }
+        Collected::Streamed { head, rest } => {
+            tracing::warn!(
+                limit = engine.max_stored_body,
+                "response body larger than the stored limit: a replay gets status and headers only"
+            );
+            let (to_client, from_task) = tokio::sync::mpsc::channel(1);
+            let streamer = stream_then_complete(StreamedAnswer {
+                engine: engine.clone(),
+                info: info.clone(),
+                lock_timeout,
+                stored,
+                tx,
+                beat,
+                head,
+                rest,
+                client: Some(to_client),
+            });
+            tokio::spawn(streamer.in_current_span());
+            let body = futures_util::stream::unfold(from_task, |mut rx| async move {
+                rx.recv().await.map(|item| (item, rx))
+            });
+            return Response::from_parts(parts, Body::from_stream(body));
         }
         Collected::Failed(e) => {
             // Without idem the connection would break: so it does here, and
@@ -983,19 +1025,10 @@ async fn finish(
             .await;
         }
     };
-    let stored = StoredResponse {
-        status: parts.status.as_u16(),
-        headers: engine
-            .replay_headers
-            .iter()
-            .flat_map(|name| parts.headers.get_all(name).iter().map(move |v| (name, v)))
-            .filter_map(|(name, v)| Some((name.as_str().to_owned(), v.to_str().ok()?.to_owned())))
-            .collect(),
-        body: kept,
-    };
     if let Err(refusal) = record_completion(engine, info, lock_timeout, &stored, tx).await {
         return refusal;
     }
+    drop(beat);
     record(if info.lease.is_takeover() {
         "takeover"
     } else {
@@ -1003,6 +1036,9 @@ async fn finish(
     });
     Response::from_parts(parts, answer)
 }
+
+/// The media type of server-sent events, compared without regard to case.
+const EVENT_STREAM: &[u8] = b"text/event-stream";
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic
@@ -1054,6 +1090,104 @@ async fn collect(body: Body, limit: usize, stream: bool) -> Collected {
     Collected::Whole(whole.into())
 }
 
+/// An answer too large to keep, still being produced.
+struct StreamedAnswer {
+    engine: Arc<Engine>,
+    info: OperationInfo,
+    lock_timeout: Duration,
+    /// Its status and headers, to record once the body ended.
+    stored: StoredResponse,
+    tx: Option<PendingTx>,
+    beat: Heartbeat,
+    head: Vec<axum::body::Bytes>,
+    rest: axum::body::BodyDataStream,
+    /// Gone once the client went away.
+    client: Option<tokio::sync::mpsc::Sender<Result<axum::body::Bytes, axum::Error>>>,
+}
+
+/// Streams an answer larger than the stored limit to the client, still under
+/// the lease, and records its completion (status and headers) when the body
+/// ends. The last chunk is held back until the completion is recorded: a
+/// client gets a whole body only when its answer is recorded; otherwise its
+/// connection breaks. A body that fails is a failed execution. A client
+/// that goes away cancels nothing: the body is read to its end and the
+/// outcome recorded all the same.
+async fn stream_then_complete(mut s: StreamedAnswer) {
+    let mut held: Option<axum::body::Bytes> = None;
+    for chunk in std::mem::take(&mut s.head) {
+        if let Some(previous) = held.replace(chunk) {
+            s.pass(Ok(previous)).await;
+        }
+    }
+    let broken = loop {
+        match AssertUnwindSafe(s.rest.next()).catch_unwind().await {
+            Ok(Some(Ok(chunk))) => {
+                if let Some(previous) = held.replace(chunk) {
+                    s.pass(Ok(previous)).await;
+                }
+            }
+            Ok(None) => break None,
+            Ok(Some(Err(e))) => {
+                tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
+                break Some(e);
+            }
+            Err(panic) => {
+                tracing::error!(panic = %panic_message(&*panic), "the response body panicked; releasing the key");
+                break Some(axum::Error::new(std::io::Error::other(
+                    "the response body panicked",
+                )));
+            }
+        }
+    };
+    let StreamedAnswer {
+        engine,
+        info,
+        lock_timeout,
+        stored,
+        tx,
+        beat,
+        mut client,
+        ..
+    } = s;
+    let last = match broken {
+        Some(e) => {
+            let _ = fail(&engine, &info, lock_timeout, tx, Response::default()).await;
+            Err(e)
+        }
+        None => match record_completion(&engine, &info, lock_timeout, &stored, tx).await {
+            Ok(()) => {
+                record(if info.lease.is_takeover() {
+                    "takeover"
+                } else {
+                    "executed"
+                });
+                match held {
+                    Some(chunk) => Ok(chunk),
+                    None => return,
+                }
+            }
+            Err(_) => Err(axum::Error::new(std::io::Error::other(
+                "the answer could not be recorded; retry with the same key",
+            ))),
+        },
+    };
+    drop(beat);
+    if let Some(c) = client.take() {
+        let _ = c.send(last).await;
+    }
+}
+
+impl StreamedAnswer {
+    /// Sends a chunk to the client, if it is still there.
+    async fn pass(&mut self, chunk: Result<axum::body::Bytes, axum::Error>) {
+        if let Some(c) = &self.client {
+            if c.send(chunk).await.is_err() {
+                self.client = None;
+            }
+        }
+    }
+}
+
 /// Records the completion, in the handler's transaction if it opened one.
 /// `Err` is the answer the client gets instead of the handler's.
 async fn record_completion(
@@ -1063,6 +1197,17 @@ async fn record_completion(
     stored: &StoredResponse,
     tx: Option<PendingTx>,
 ) -> Result<(), Response> {
+    if info.is_lost() {
+        // The handler was told its lease is lost: whatever it answered then
+        // is not the operation's answer. Give the key back; the retry
+        // continues the operation.
+        record("lock_lost");
+        if let Some(tx) = tx {
+            tx.rollback().await;
+        }
+        let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+        return Err(lease_lost());
+    }
     let Some(tx) = tx else {
         return complete(engine, info, lock_timeout, stored).await;
     };

@@ -221,43 +221,49 @@ impl PgStore {
 
 impl IdempotencyStore for PgStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
-        Box::pin(bounded(self.timeout, async move {
-            let operation_id = random_token();
-            loop {
-                let row = sqlx::query(sqlx::AssertSqlSafe(self.reserve.clone()))
-                    .bind(&req.id.tenant)
-                    .bind(&req.id.scope)
-                    .bind(&req.id.key)
-                    .bind(req.fingerprint)
-                    .bind(req.token)
-                    .bind(&operation_id)
-                    .bind(millis(req.ttl))
-                    .bind(millis(req.lock_timeout))
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(sql::map_err)?;
-                // No row: the conflicting row was committed after this
-                // statement's snapshot was taken; read again.
-                let Some(row) = row else { continue };
-                let get = |col| {
-                    sqlx::Row::try_get::<i32, _>(&row, col).map_err(|e| StoreError::Backend(e.to_string()))
-                };
-                let taken: bool =
-                    sqlx::Row::try_get(&row, "taken").map_err(|e| StoreError::Backend(e.to_string()))?;
-                if taken {
-                    pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
-                    return sql::lease_from_row(&row, req.token.to_owned()).map(Reservation::Reserved);
-                }
-                // The row as read would have been ours, yet it was not taken:
-                // another request won it meanwhile. Judge the winner's row.
-                if get("takeable")? != 0 {
-                    continue;
-                }
-                pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
-                return sql::judge_row(&row, req.fingerprint);
-            }
+        Box::pin(sql::reserve_detached(self, self.timeout, req, |store, req| {
+            Box::pin(async move { store.reserve_once(req.request()).await })
         }))
     }
 
     sql::fenced_ops!();
+}
+
+impl PgStore {
+    /// One reservation, as long as it takes: [`sql::reserve_detached`] bounds it.
+    async fn reserve_once(&self, req: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        let operation_id = random_token();
+        loop {
+            let row = sqlx::query(sqlx::AssertSqlSafe(self.reserve.clone()))
+                .bind(&req.id.tenant)
+                .bind(&req.id.scope)
+                .bind(&req.id.key)
+                .bind(req.fingerprint)
+                .bind(req.token)
+                .bind(&operation_id)
+                .bind(millis(req.ttl))
+                .bind(millis(req.lock_timeout))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(sql::map_err)?;
+            // No row: the conflicting row was committed after this
+            // statement's snapshot was taken; read again.
+            let Some(row) = row else { continue };
+            let get =
+                |col| sqlx::Row::try_get::<i32, _>(&row, col).map_err(|e| StoreError::Backend(e.to_string()));
+            let taken: bool =
+                sqlx::Row::try_get(&row, "taken").map_err(|e| StoreError::Backend(e.to_string()))?;
+            if taken {
+                pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+                return sql::lease_from_row(&row, req.token.to_owned()).map(Reservation::Reserved);
+            }
+            // The row as read would have been ours, yet it was not taken:
+            // another request won it meanwhile. Judge the winner's row.
+            if get("takeable")? != 0 {
+                continue;
+            }
+            pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+            return sql::judge_row(&row, req.fingerprint);
+        }
+    }
 }

@@ -235,6 +235,91 @@ impl Statements {
     }
 }
 
+/// A reservation request that owns its parts, for a reservation that may
+/// outlive its caller.
+pub(crate) struct OwnedReserve {
+    id: crate::RecordId,
+    fingerprint: String,
+    token: String,
+    ttl: std::time::Duration,
+    lock_timeout: std::time::Duration,
+}
+
+impl OwnedReserve {
+    pub(crate) fn request(&self) -> crate::ReserveRequest<'_> {
+        crate::ReserveRequest {
+            id: &self.id,
+            fingerprint: &self.fingerprint,
+            token: &self.token,
+            ttl: self.ttl,
+            lock_timeout: self.lock_timeout,
+        }
+    }
+}
+
+/// Runs a reservation so that a timeout never leaves it half-done. Past
+/// `limit` the caller gets [`StoreError::Unavailable`], but the statements
+/// are not cancelled (a cancelled statement may still commit on the server,
+/// after anything the caller does to undo it): they run on in the
+/// background, and if they took the key after all, it is given back at once
+/// by a release fenced by the reservation's token. Statements still running
+/// a lock timeout later are abandoned.
+pub(crate) async fn reserve_detached<S>(
+    store: &S,
+    limit: std::time::Duration,
+    req: crate::ReserveRequest<'_>,
+    run: impl FnOnce(S, OwnedReserve) -> crate::store::BoxFuture<'static, Result<crate::Reservation, StoreError>>,
+) -> Result<crate::Reservation, StoreError>
+where
+    S: crate::IdempotencyStore + Clone,
+{
+    use crate::Reservation;
+    let owned = OwnedReserve {
+        id: req.id.clone(),
+        fingerprint: req.fingerprint.to_owned(),
+        token: req.token.to_owned(),
+        ttl: req.ttl,
+        lock_timeout: req.lock_timeout,
+    };
+    let mut running = run(store.clone(), owned);
+    match tokio::time::timeout(limit, &mut running).await {
+        Ok(answer) => answer,
+        Err(_) => {
+            let (store, id, token) = (store.clone(), req.id.clone(), req.token.to_owned());
+            let hold = req.lock_timeout.max(limit);
+            let undo = async move {
+                let until = tokio::time::Instant::now() + hold;
+                let late = tokio::time::timeout(hold, running).await;
+                let took = !matches!(
+                    late,
+                    Ok(Ok(Reservation::Completed(_)
+                        | Reservation::InProgress { .. }
+                        | Reservation::Mismatch))
+                );
+                let mut pause = std::time::Duration::from_millis(100);
+                while took && tokio::time::Instant::now() < until {
+                    match store.release(&id, &token).await {
+                        Ok(()) => {
+                            tracing::warn!("a reservation answered after its timeout; gave the key back");
+                            return;
+                        }
+                        Err(StoreError::LockLost) => return,
+                        Err(_) => {
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(std::time::Duration::from_secs(2));
+                        }
+                    }
+                }
+            };
+            tokio::spawn(tracing::Instrument::in_current_span(undo));
+            Err(StoreError::Unavailable(format!(
+                "no answer within {} ms",
+                limit.as_millis()
+            )))
+        }
+    }
+}
+
 /// Maps a sqlx error: connection-level failures are [`StoreError::Unavailable`]
 /// (the request is refused with 503 and may be retried), the rest
 /// [`StoreError::Backend`].

@@ -213,65 +213,72 @@ impl SqliteStore {
 
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
-        Box::pin(bounded(self.timeout, async move {
-            // A read first: a replay, a mismatch or a live lock is answered
-            // without the write lock (WAL readers never wait for a writer).
-            let seen = sqlx::query(sqlx::AssertSqlSafe(self.sql.peek.as_str()))
-                .bind(&req.id.tenant)
-                .bind(&req.id.scope)
-                .bind(&req.id.key)
-                .bind(req.fingerprint)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(sql::map_err)?;
-            if let Some(row) = seen {
-                let takeable: i32 =
-                    sqlx::Row::try_get(&row, "takeable").map_err(|e| StoreError::Backend(e.to_string()))?;
-                if takeable == 0 {
-                    let answer = sql::judge_row(&row, req.fingerprint);
-                    pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
-                    return answer;
-                }
-            }
-            pause_point!(crate::pause::SQLITE_RESERVE_AFTER_PEEK, &req.id.key);
-            // Absent, expired, stale or released: take it under the write
-            // lock, where the upsert decides again on the row as it is now.
-            let mut tx = self
-                .pool
-                .begin_with("BEGIN IMMEDIATE")
-                .await
-                .map_err(sql::map_err)?;
-            let taken = sqlx::query(sqlx::AssertSqlSafe(self.sql.take.as_str()))
-                .bind(&req.id.tenant)
-                .bind(&req.id.scope)
-                .bind(&req.id.key)
-                .bind(req.fingerprint)
-                .bind(req.token)
-                .bind(random_token())
-                .bind(millis(req.ttl))
-                .bind(millis(req.lock_timeout))
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(sql::map_err)?;
-            let answer = match taken {
-                Some(row) => sql::lease_from_row(&row, req.token.to_owned()).map(Reservation::Reserved)?,
-                None => {
-                    let row = sqlx::query(sqlx::AssertSqlSafe(self.sql.existing.as_str()))
-                        .bind(&req.id.tenant)
-                        .bind(&req.id.scope)
-                        .bind(&req.id.key)
-                        .fetch_one(&mut *tx)
-                        .await
-                        .map_err(sql::map_err)?;
-                    sql::judge_row(&row, req.fingerprint)?
-                }
-            };
-            pause_point!(crate::pause::SQLITE_RESERVE_BEFORE_COMMIT, &req.id.key);
-            tx.commit().await.map_err(sql::map_err)?;
-            pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
-            Ok(answer)
+        Box::pin(sql::reserve_detached(self, self.timeout, req, |store, req| {
+            Box::pin(async move { store.reserve_once(req.request()).await })
         }))
     }
 
     sql::fenced_ops!();
+}
+
+impl SqliteStore {
+    /// One reservation, as long as it takes: [`sql::reserve_detached`] bounds it.
+    async fn reserve_once(&self, req: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        // A read first: a replay, a mismatch or a live lock is answered
+        // without the write lock (WAL readers never wait for a writer).
+        let seen = sqlx::query(sqlx::AssertSqlSafe(self.sql.peek.as_str()))
+            .bind(&req.id.tenant)
+            .bind(&req.id.scope)
+            .bind(&req.id.key)
+            .bind(req.fingerprint)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(sql::map_err)?;
+        if let Some(row) = seen {
+            let takeable: i32 =
+                sqlx::Row::try_get(&row, "takeable").map_err(|e| StoreError::Backend(e.to_string()))?;
+            if takeable == 0 {
+                let answer = sql::judge_row(&row, req.fingerprint);
+                pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+                return answer;
+            }
+        }
+        pause_point!(crate::pause::SQLITE_RESERVE_AFTER_PEEK, &req.id.key);
+        // Absent, expired, stale or released: take it under the write
+        // lock, where the upsert decides again on the row as it is now.
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(sql::map_err)?;
+        let taken = sqlx::query(sqlx::AssertSqlSafe(self.sql.take.as_str()))
+            .bind(&req.id.tenant)
+            .bind(&req.id.scope)
+            .bind(&req.id.key)
+            .bind(req.fingerprint)
+            .bind(req.token)
+            .bind(random_token())
+            .bind(millis(req.ttl))
+            .bind(millis(req.lock_timeout))
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(sql::map_err)?;
+        let answer = match taken {
+            Some(row) => sql::lease_from_row(&row, req.token.to_owned()).map(Reservation::Reserved)?,
+            None => {
+                let row = sqlx::query(sqlx::AssertSqlSafe(self.sql.existing.as_str()))
+                    .bind(&req.id.tenant)
+                    .bind(&req.id.scope)
+                    .bind(&req.id.key)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(sql::map_err)?;
+                sql::judge_row(&row, req.fingerprint)?
+            }
+        };
+        pause_point!(crate::pause::SQLITE_RESERVE_BEFORE_COMMIT, &req.id.key);
+        tx.commit().await.map_err(sql::map_err)?;
+        pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+        Ok(answer)
+    }
 }

@@ -233,7 +233,11 @@ impl std::error::Error for StoreError {}
 /// # }
 /// ```
 pub trait IdempotencyStore: AsAny + Send + Sync + 'static {
-    /// Takes the key in one atomic step, or says why not.
+    /// Takes the key in one atomic step, or says why not. The record, if
+    /// taken, holds `req.token`. An error means the key may or may not have
+    /// been taken: the caller gives it back with [`IdempotencyStore::release`]
+    /// and that token, and a store whose statements may still commit after
+    /// it answered with a timeout gives the key back itself when they do.
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>>;
 
     /// Marks the record completed with `response`.
