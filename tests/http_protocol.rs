@@ -630,6 +630,36 @@ async fn a_new_key_with_the_same_body_is_a_new_operation(h: Harness) {
     assert_eq!(h.app.ran("cafe"), 2);
 }
 
+/// A failure after an external effect keeps the key bound to its request:
+/// the same key with another body gets 422 (it cannot start a second
+/// operation, with new derived keys, that would charge again); the same
+/// request retried continues the operation.
+async fn a_failed_request_stays_bound_to_its_body(h: Harness) {
+    let first = post_req("/flaky", &body(10, "flaky"))
+        .bearer("acct_1")
+        .key("k-bound")
+        .send(h.addr)
+        .await;
+    assert_eq!(first.status, 503);
+    let changed = post_req("/flaky", &body(11, "flaky"))
+        .bearer("acct_1")
+        .key("k-bound")
+        .send(h.addr)
+        .await;
+    assert_eq!(changed.status, 422, "{changed:?}");
+    assert_eq!(changed.problem(), "idempotency-key-reused");
+    let retry = post_req("/flaky", &body(10, "flaky"))
+        .bearer("acct_1")
+        .key("k-bound")
+        .send(h.addr)
+        .await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.json()["attempt"], 2);
+    let keys = h.app.charge_keys.lock().unwrap().clone();
+    assert_eq!(keys.len(), 2);
+    assert_eq!(keys[0], keys[1], "one operation, one downstream key");
+}
+
 async fn a_retry_after_a_release_keeps_the_derived_keys(h: Harness) {
     // Released after its downstream effect: the retry must present the same
     // key downstream, so the other system's idempotency can deduplicate.
@@ -685,6 +715,7 @@ macro_rules! protocol {
             a_slow_handler_keeps_its_lock_while_it_runs,
             a_new_key_with_the_same_body_is_a_new_operation,
             a_retry_after_a_release_keeps_the_derived_keys,
+            a_failed_request_stays_bound_to_its_body,
         );
     };
     (@cases $store:ident, $make:expr; $($case:ident,)*) => {

@@ -207,16 +207,18 @@ enum Step {
     ReserveOther,
     Complete,
     Release,
+    Reject,
     Extend,
     Checkpoint,
     Purge,
 }
 
-const STEPS: [Step; 7] = [
+const STEPS: [Step; 8] = [
     Step::ReserveSame,
     Step::ReserveOther,
     Step::Complete,
     Step::Release,
+    Step::Reject,
     Step::Extend,
     Step::Checkpoint,
     Step::Purge,
@@ -274,7 +276,8 @@ fn initial_rec(initial: Initial) -> Option<Rec> {
         attempt: 1,
         taken_over: false,
         new_operation: false,
-        recovery_point: Some("rp0".into()),
+        // A first attempt with no recovery point yet: a rejection frees it.
+        recovery_point: None,
         lock_live,
         expired,
     })
@@ -327,10 +330,6 @@ fn model(state: &mut Option<Rec>, step: Step, me: &str) -> Out {
                     Out::Mismatch
                 };
             }
-            if r.holder.is_none() && r.fingerprint != fp {
-                *state = Some(fresh);
-                return reserved(state);
-            }
             if r.fingerprint != fp {
                 return Out::Mismatch;
             }
@@ -349,6 +348,19 @@ fn model(state: &mut Option<Rec>, step: Step, me: &str) -> Out {
             r.holder = None;
             r.lock_live = false;
         }),
+        Step::Reject => {
+            let first = state
+                .as_ref()
+                .is_some_and(|r| r.attempt == 1 && r.recovery_point.is_none());
+            let out = fenced(state, &|r| {
+                r.holder = None;
+                r.lock_live = false;
+            });
+            if out == Out::Done && first {
+                *state = None;
+            }
+            out
+        }
         Step::Extend => fenced(state, &|r| r.lock_live = true),
         Step::Checkpoint => fenced(state, &|r| r.recovery_point = Some("rp-new".into())),
         Step::Purge => match state {
@@ -424,7 +436,7 @@ impl Subject {
             "INSERT INTO {t} (tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, \
              taken_over, lock_expires_at, recovery_point, response_status, response_headers, response_body, \
              created_at, expires_at) VALUES ('t', 'harness', '{key}', 'F', '{state}', 'op0', {holder}, 1, 0, \
-             {lock}, 'rp0', {status}, '[]', {body}, {created}, {expires})",
+             {lock}, NULL, {status}, '[]', {body}, {created}, {expires})",
             t = self.table,
             lock = at(self.sqlite, lock),
             created = at(self.sqlite, -hour),
@@ -488,6 +500,7 @@ impl Subject {
             Step::ReserveSame | Step::ReserveOther => vec![pause::RESERVE_AFTER],
             Step::Complete => vec![pause::COMPLETE_AFTER],
             Step::Release => vec![pause::RELEASE_AFTER],
+            Step::Reject => vec![pause::REJECT_AFTER],
             Step::Extend => vec![pause::EXTEND_AFTER],
             Step::Checkpoint => vec![pause::CHECKPOINT_AFTER],
             Step::Purge => vec![pause::PURGE_AFTER],
@@ -551,6 +564,7 @@ async fn perform(store: &dyn IdempotencyStore, id: &RecordId, step: Step, me: &'
         }
         Step::Complete => fenced(store.complete(id, "h0", &answer_of("b-h0")).await),
         Step::Release => fenced(store.release(id, "h0").await),
+        Step::Reject => fenced(store.reject(id, "h0").await),
         Step::Extend => fenced(store.extend_lock(id, "h0", LONG).await),
         Step::Checkpoint => fenced(store.checkpoint(id, "h0", "rp-new").await),
         Step::Purge => match store.purge_expired(100).await {

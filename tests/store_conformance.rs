@@ -129,38 +129,55 @@ async fn refuses_a_different_fingerprint_in_every_state(s: &dyn IdempotencyStore
     assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
 }
 
-/// Release lets the retry really retry: the same request continues the
-/// same operation (its derived keys stay the same: a release after an
-/// external effect cannot cause a second one); a fixed request starts anew.
+/// Release (as failed) lets the retry really retry: the same request
+/// continues the same operation (its derived keys stay the same: a release
+/// after an external effect cannot cause a second one), while another
+/// request with the key is a mismatch. A rejection frees the key.
 async fn release_lets_the_next_request_run(s: &dyn IdempotencyStore) {
     let id = RecordId::new("t1", "s", "k4");
     let first = take(s, &id, "fp-a", LONG, LONG).await;
     s.checkpoint(&id, &first.token, "charged").await.unwrap();
     s.release(&id, &first.token).await.unwrap();
     assert_eq!(s.release(&id, &first.token).await, Err(StoreError::LockLost));
+    // Bound to its request: another body cannot start a new operation.
+    assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
 
     let retry = take(s, &id, "fp-a", LONG, LONG).await;
     assert_eq!(retry.attempt, 2);
     assert!(!retry.is_takeover(), "a retry after a release is not a takeover");
     assert_eq!(retry.operation_id, first.operation_id);
     assert_eq!(retry.recovery_point.as_deref(), Some("charged"));
-    s.release(&id, &retry.token).await.unwrap();
+    // A rejection on a later attempt keeps the key bound all the same.
+    s.reject(&id, &retry.token).await.unwrap();
+    assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
+    let again = take(s, &id, "fp-a", LONG, LONG).await;
+    assert_eq!(again.attempt, 3);
+    assert_eq!(
+        s.complete(&id, &retry.token, &response("stale")).await,
+        Err(StoreError::LockLost)
+    );
+    s.complete(&id, &again.token, &response("done")).await.unwrap();
+    assert_eq!(
+        reserve(s, &id, "fp-a", LONG, LONG).await,
+        Reservation::Completed(response("done"))
+    );
+    assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
 
+    // A first attempt rejected: nothing happened, the key is free.
+    let id = RecordId::new("t1", "s", "k4-rejected");
+    let first = take(s, &id, "fp-a", LONG, LONG).await;
+    s.reject(&id, &first.token).await.unwrap();
+    assert_eq!(s.reject(&id, &first.token).await, Err(StoreError::LockLost));
     let fixed = take(s, &id, "fp-b", LONG, LONG).await;
     assert_eq!(fixed.attempt, 1);
     assert!(!fixed.is_takeover());
     assert_eq!(fixed.recovery_point, None);
     assert_ne!(fixed.operation_id, first.operation_id);
-    assert_eq!(
-        s.complete(&id, &retry.token, &response("stale")).await,
-        Err(StoreError::LockLost)
-    );
     s.complete(&id, &fixed.token, &response("fixed")).await.unwrap();
     assert_eq!(
         reserve(s, &id, "fp-b", LONG, LONG).await,
         Reservation::Completed(response("fixed"))
     );
-    assert_eq!(reserve(s, &id, "fp-a", LONG, LONG).await, Reservation::Mismatch);
 }
 
 /// A record past its TTL counts as absent: a new operation with a new id.

@@ -94,28 +94,42 @@ impl Tenant {
 ///
 /// assert_eq!(Classification::from_status(StatusCode::PAYMENT_REQUIRED), Classification::Store);
 /// assert_eq!(Classification::from_status(StatusCode::SERVICE_UNAVAILABLE), Classification::Release);
+/// assert_eq!(Classification::from_status(StatusCode::UNPROCESSABLE_ENTITY), Classification::Reject);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Classification {
     /// The answer is final: complete the record and replay it to retries.
     Store,
-    /// Nothing happened that a retry must not repeat: remove the record.
+    /// Released as *failed*: something went wrong that a retry should really
+    /// retry (408, 425, 429, 5xx, a panic). The record stays bound to its
+    /// request: the same request retried continues the operation (attempt
+    /// + 1, recovery point, derived keys); another request with this key
+    /// gets 422 until the record expires.
     Release,
+    /// Released as *rejected*: the request was refused and nothing happened
+    /// (400, 409, 422). The key is free: a fixed request with the same key
+    /// starts a new operation. On a later attempt of an operation (one that
+    /// failed before, or saved a recovery point) something may have
+    /// happened, so it is kept bound as [`Classification::Release`] is.
+    Reject,
 }
 
 impl Classification {
-    /// The default rule: 2xx and 3xx are stored; 400, 408, 409, 422, 425,
-    /// 429 and every 5xx are released; every other 4xx is stored.
+    /// The default rule: 2xx and 3xx are stored; 400, 409 and 422 are
+    /// rejected; 408, 425, 429 and every 5xx are released as failed; every
+    /// other 4xx is stored.
     ///
     /// ```
     /// # use idem::Classification;
     /// # use axum::http::StatusCode;
-    /// assert_eq!(Classification::from_status(StatusCode::CONFLICT), Classification::Release);
+    /// assert_eq!(Classification::from_status(StatusCode::CONFLICT), Classification::Reject);
+    /// assert_eq!(Classification::from_status(StatusCode::TOO_MANY_REQUESTS), Classification::Release);
     /// assert_eq!(Classification::from_status(StatusCode::NOT_FOUND), Classification::Store);
     /// ```
     pub fn from_status(status: StatusCode) -> Self {
         match status.as_u16() {
-            400 | 408 | 409 | 422 | 425 | 429 | 500..=599 => Classification::Release,
+            400 | 409 | 422 => Classification::Reject,
+            408 | 425 | 429 | 500..=599 => Classification::Release,
             _ => Classification::Store,
         }
     }
@@ -947,6 +961,9 @@ async fn finish(
         }
     };
     let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
+    if class == Classification::Reject {
+        return reject(engine, info, lock_timeout, tx, response).await;
+    }
     if class == Classification::Release {
         return fail(engine, info, lock_timeout, tx, response).await;
     }
@@ -1282,6 +1299,32 @@ async fn complete(
 /// A failed execution: rolls back the handler's transaction, releases the
 /// key, and answers `response`, unless another execution took the operation
 /// over, whose answer is the one that counts.
+/// A rejected request: rolls back the handler's transaction and frees the
+/// key (see [`Classification::Reject`]), unless another execution took the
+/// operation over.
+async fn reject(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    tx: Option<PendingTx>,
+    response: Response,
+) -> Response {
+    record("rejected");
+    if let Some(tx) = tx {
+        tx.rollback().await;
+    }
+    match engine.store.reject(&info.id, &info.lease.token).await {
+        Ok(()) => response,
+        Err(StoreError::LockLost) => {
+            record("lock_lost");
+            tracing::error!("cannot release: another execution took this operation over");
+            lease_lost()
+        }
+        // Not freed: at least never left locked.
+        Err(_) => fail(engine, info, lock_timeout, None, response).await,
+    }
+}
+
 async fn fail(
     engine: &Arc<Engine>,
     info: &OperationInfo,
@@ -1548,10 +1591,10 @@ mod tests {
             (402, Classification::Store),
             (403, Classification::Store),
             (404, Classification::Store),
-            (400, Classification::Release),
+            (400, Classification::Reject),
             (408, Classification::Release),
-            (409, Classification::Release),
-            (422, Classification::Release),
+            (409, Classification::Reject),
+            (422, Classification::Reject),
             (425, Classification::Release),
             (429, Classification::Release),
             (500, Classification::Release),

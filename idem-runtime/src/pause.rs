@@ -38,6 +38,8 @@ pub const SQLITE_RESERVE_BEFORE_COMMIT: &str = "sqlite.reserve.before_commit";
 pub const COMPLETE_AFTER: &str = "complete.after";
 /// A release committed, before it returns.
 pub const RELEASE_AFTER: &str = "release.after";
+/// A rejection committed, before it returns.
+pub const REJECT_AFTER: &str = "reject.after";
 /// A checkpoint committed, before it returns.
 pub const CHECKPOINT_AFTER: &str = "checkpoint.after";
 /// A lock extension committed, before it returns.

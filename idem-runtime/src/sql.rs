@@ -74,6 +74,8 @@ pub(crate) struct Statements {
     pub(crate) complete: String,
     /// Binds: tenant, scope, key, token.
     pub(crate) release: String,
+    /// Removes a rejected first attempt. Binds: tenant, scope, key, token.
+    pub(crate) reject: String,
     /// Binds: tenant, scope, key, token, recovery point.
     pub(crate) checkpoint: String,
     /// Binds: tenant, scope, key, token, lock ms.
@@ -136,22 +138,18 @@ impl Statements {
             ms(7),
         );
         // What may be taken: an expired record without a live lock (a new
-        // operation), a stale lock with the same fingerprint (a takeover), or
-        // a released record (the retry of its operation, or with another
-        // fingerprint a new one). A released record has no lock token.
+        // operation), a stale lock (a takeover) or a record released as
+        // failed (the retry of its operation), both with the same
+        // fingerprint. A released record has no lock token.
         let takeable = format!(
-            "NOT {live_lock} AND ({expired} OR (cur.state = 'in_progress' \
-             AND (cur.fingerprint = {} OR cur.lock_token IS NULL)))",
+            "NOT {live_lock} AND ({expired} OR (cur.state = 'in_progress' AND cur.fingerprint = {}))",
             p(4)
         );
         // Taking it: `new(col)` is the new value of a column. A new operation
         // starts afresh; the same one keeps its id and recovery point, so
         // that its derived keys stay the same.
         let take_set = |new: &dyn Fn(&str) -> String| {
-            let fresh = format!(
-                "({expired} OR (cur.lock_token IS NULL AND cur.fingerprint <> {}))",
-                new("fingerprint")
-            );
+            let fresh = format!("({expired})");
             format!(
                 "fingerprint = {fp}, state = 'in_progress', lock_token = {token}, lock_expires_at = {lock}, \
                  attempt = CASE WHEN {fresh} THEN 1 ELSE cur.attempt + 1 END, \
@@ -219,6 +217,7 @@ impl Statements {
             // Released, not deleted: the retry of the same request continues
             // the same operation (same id, so the same derived keys).
             release: format!("UPDATE {t} SET lock_token = NULL, lock_expires_at = {now} WHERE {owned}"),
+            reject: format!("DELETE FROM {t} WHERE {owned} AND attempt = 1 AND recovery_point IS NULL"),
             checkpoint: format!("UPDATE {t} SET recovery_point = {} WHERE {owned}", p(5)),
             extend: format!("UPDATE {t} SET lock_expires_at = {now} + {} WHERE {owned}", ms(5)),
             // The conditions stand twice: on the chosen rows and on the row
@@ -383,6 +382,37 @@ macro_rules! fenced_ops {
                     .map_err($crate::sql::map_err)?;
                 $crate::sql::fenced(done.rows_affected())?;
                 pause_point!($crate::pause::RELEASE_AFTER, &id.key);
+                Ok(())
+            }))
+        }
+
+        fn reject<'a>(
+            &'a self,
+            id: &'a $crate::RecordId,
+            token: &'a str,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            Box::pin($crate::store::bounded(self.timeout, async move {
+                let removed = sqlx::query(sqlx::AssertSqlSafe(self.sql.reject.as_str()))
+                    .bind(&id.tenant)
+                    .bind(&id.scope)
+                    .bind(&id.key)
+                    .bind(token)
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                if removed.rows_affected() == 0 {
+                    // A later attempt (or a lost lock): released as failed.
+                    let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.release.as_str()))
+                        .bind(&id.tenant)
+                        .bind(&id.scope)
+                        .bind(&id.key)
+                        .bind(token)
+                        .execute(&self.pool)
+                        .await
+                        .map_err($crate::sql::map_err)?;
+                    $crate::sql::fenced(done.rows_affected())?;
+                }
+                pause_point!($crate::pause::REJECT_AFTER, &id.key);
                 Ok(())
             }))
         }

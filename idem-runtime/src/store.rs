@@ -248,10 +248,20 @@ pub trait IdempotencyStore: AsAny + Send + Sync + 'static {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
 
-    /// Releases the record, so that a retry really retries: the same request
-    /// continues the same operation (attempt + 1, same operation id and
-    /// recovery point); another request starts a new one.
+    /// Releases the record as *failed*, so that a retry really retries: the
+    /// same request (the same fingerprint) continues the same operation
+    /// (attempt + 1, same operation id and recovery point); another request
+    /// with this key is a mismatch until the record expires.
     fn release<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Releases the record as *rejected*: on the operation's first attempt
+    /// with no recovery point (nothing can have happened) the record is
+    /// removed and the key is free; otherwise it is released as failed
+    /// ([`IdempotencyStore::release`]). The default is the safe half:
+    /// always release as failed.
+    fn reject<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.release(id, token)
+    }
 
     /// Stores `recovery_point` as the operation's progress.
     fn checkpoint<'a>(
@@ -455,10 +465,6 @@ impl MemoryStore {
         let record = match existing {
             None => fresh(random_token()),
             Some(r) if r.expires_at <= now && !r.lock_live(now) => fresh(random_token()),
-            // Released, and now another request: a new operation.
-            Some(r) if r.response.is_none() && r.token.is_none() && r.fingerprint != req.fingerprint => {
-                fresh(random_token())
-            }
             // A stale lock (a takeover) or a released record (its retry).
             Some(r) if r.response.is_none() && r.lock_deadline <= now && r.fingerprint == req.fingerprint => {
                 taken_over = r.token.is_some();
@@ -525,6 +531,24 @@ impl IdempotencyStore for MemoryStore {
                 }
             })?;
             pause_point!(crate::pause::RELEASE_AFTER, &id.key);
+            Ok(())
+        })
+    }
+
+    fn reject<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, now| {
+                let first = records
+                    .get(id)
+                    .is_some_and(|r| r.attempt == 1 && r.recovery_point.is_none());
+                if first {
+                    records.remove(id);
+                } else if let Some(r) = records.get_mut(id) {
+                    r.token = None;
+                    r.lock_deadline = now;
+                }
+            })?;
+            pause_point!(crate::pause::REJECT_AFTER, &id.key);
             Ok(())
         })
     }
