@@ -102,9 +102,9 @@ pub enum Classification {
     Store,
     /// Released as *failed*: something went wrong that a retry should really
     /// retry (408, 425, 429, 5xx, a panic). The record stays bound to its
-    /// request: the same request retried continues the operation (attempt
-    /// + 1, recovery point, derived keys); another request with this key
-    /// gets 422 until the record expires.
+    /// request: the same request retried continues the operation (the next
+    /// attempt, recovery point, derived keys); another request with this
+    /// key gets 422 until the record expires.
     Release,
     /// Released as *rejected*: the request was refused and nothing happened
     /// (400, 409, 422). The key is free: a fixed request with the same key
