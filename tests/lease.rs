@@ -214,6 +214,34 @@ async fn big_slow(State(app): State<App>) -> Response {
     (StatusCode::CREATED, Body::from_stream(body)).into_response()
 }
 
+/// A body past the limit with its Content-Length set, whose stream ends with
+/// an empty chunk; its end waits for the test.
+#[idempotent(scope = "lease.sized_tail")]
+async fn sized_with_empty_tail(State(app): State<App>) -> Response {
+    app.ran("sized_tail");
+    let (gate, events) = (app.gate.clone(), app.events.clone());
+    let end = futures_util::stream::once(async move {
+        events.send("sized_tail_waits").unwrap();
+        gate.notified().await;
+    })
+    .filter_map(|()| async { None::<Result<axum::body::Bytes, std::io::Error>> });
+    let body = futures_util::stream::iter([filler(2000), Ok(axum::body::Bytes::new())]).chain(end);
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_LENGTH, "2000")],
+        Body::from_stream(body),
+    )
+        .into_response()
+}
+
+/// 8 MiB in 64 KiB chunks, far past the limit and any socket buffer.
+#[idempotent(scope = "lease.huge", lock_timeout = "1s")]
+async fn huge(State(app): State<App>) -> Response {
+    app.ran("huge");
+    let body = futures_util::stream::iter((0..128).map(|_| filler(65536)));
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
 /// An event stream whose media type is written in upper case.
 #[idempotent(scope = "lease.upper_events")]
 async fn upper_event_stream(State(app): State<App>) -> Response {
@@ -439,6 +467,8 @@ async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
         .route("/big-slow", post(big_slow))
         .route("/upper-events", post(upper_event_stream))
         .route("/sized", post(sized))
+        .route("/sized-tail", post(sized_with_empty_tail))
+        .route("/huge", post(huge))
         .layer(idem.layer())
         .layer(middleware::from_fn_with_state(app.clone(), watch_drops))
         .with_state(app.clone());
@@ -735,6 +765,39 @@ async fn a_client_that_leaves_a_large_body_midway_cancels_nothing(mut h: Harness
     assert_eq!(h.app.runs("big_slow"), 1);
 }
 
+/// The last bytes wait for the completion, whatever the framing: with a
+/// Content-Length and an empty last chunk, a client still cannot hold the
+/// whole body before the answer is recorded. Here it never is (the lease is
+/// lost), so the client's answer breaks off.
+async fn a_whole_body_never_arrives_before_its_answer_is_recorded(mut h: Harness) {
+    let mut conn = post_req("/sized-tail", "").key("k-tail").start(h.addr).await;
+    h.told("sized_tail_waits").await;
+    h.take_over_behind_its_back("k-tail").await;
+    h.app.gate.notify_one();
+    let mut raw = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut raw))
+        .await
+        .expect("the connection ends");
+    let body = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(0, |at| raw.len() - at - 4);
+    assert!(body < 2000, "a whole body that was never recorded: {body} bytes");
+    assert_eq!(h.app.runs("sized_tail"), 1);
+}
+
+/// A client that stops reading a large answer is cut off after a lock
+/// timeout: the body is read to its end and the answer recorded, so the key
+/// is not held for as long as the client keeps its connection open.
+async fn a_client_that_stops_reading_is_cut_off_and_the_answer_recorded(h: Harness) {
+    let conn = post_req("/huge", "").key("k-stall").start(h.addr).await;
+    let replay = post_req("/huge", "").key("k-stall").wait_for_replay(h.addr).await;
+    assert_eq!(replay.status, 201, "{replay:?}");
+    assert_eq!(replay.header("idempotent-replay-body-omitted"), Some("true"));
+    drop(conn);
+    assert_eq!(h.app.runs("huge"), 1);
+}
+
 /// Media types are compared without regard to case.
 async fn an_upper_case_event_stream_is_an_event_stream(h: Harness) {
     let mut conn = post_req("/upper-events", "").key("k-upper").start(h.addr).await;
@@ -808,6 +871,7 @@ mod every_store {
         a_client_that_leaves_a_large_body_midway_cancels_nothing,
         an_upper_case_event_stream_is_an_event_stream,
         bodies_at_the_limit_are_stored_and_one_byte_more_is_not,
+        a_client_that_stops_reading_is_cut_off_and_the_answer_recorded,
     );
 }
 
@@ -816,6 +880,7 @@ mod sql_stores {
     for_stores!(Duration::from_secs(10), [sqlite, postgres];
         a_lost_lease_is_told_and_never_answered,
         an_answer_given_after_the_lease_was_lost_is_never_stored,
+        a_whole_body_never_arrives_before_its_answer_is_recorded,
     );
 }
 

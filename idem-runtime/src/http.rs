@@ -1022,8 +1022,16 @@ async fn finish(
                 client: Some(to_client),
             });
             tokio::spawn(streamer.in_current_span());
-            let body = futures_util::stream::unfold(from_task, |mut rx| async move {
-                rx.recv().await.map(|item| (item, rx))
+            // The body ends only on `End`: a streamer that stops without it
+            // breaks the client's connection instead.
+            let body = futures_util::stream::unfold(Some(from_task), |rx| async move {
+                let mut rx = rx?;
+                match rx.recv().await {
+                    Some(Frame::Data(bytes)) => Some((Ok(bytes), Some(rx))),
+                    Some(Frame::End) => None,
+                    Some(Frame::Fail(e)) => Some((Err(e), None)),
+                    None => Some((Err(axum::Error::new(std::io::Error::other(ABANDONED))), None)),
+                }
             });
             return Response::from_parts(parts, Body::from_stream(body));
         }
@@ -1107,6 +1115,16 @@ async fn collect(body: Body, limit: usize, stream: bool) -> Collected {
     Collected::Whole(whole.into())
 }
 
+/// What the streamer sends to the client's body.
+enum Frame {
+    Data(axum::body::Bytes),
+    /// The body is whole: its answer is recorded.
+    End,
+    Fail(axum::Error),
+}
+
+const ABANDONED: &str = "the client did not read the answer within the lock timeout";
+
 /// An answer too large to keep, still being produced.
 struct StreamedAnswer {
     engine: Arc<Engine>,
@@ -1118,31 +1136,26 @@ struct StreamedAnswer {
     beat: Heartbeat,
     head: Vec<axum::body::Bytes>,
     rest: axum::body::BodyDataStream,
-    /// Gone once the client went away.
-    client: Option<tokio::sync::mpsc::Sender<Result<axum::body::Bytes, axum::Error>>>,
+    /// Gone once the client went away, or stopped reading.
+    client: Option<tokio::sync::mpsc::Sender<Frame>>,
 }
 
 /// Streams an answer larger than the stored limit to the client, still under
 /// the lease, and records its completion (status and headers) when the body
-/// ends. The last chunk is held back until the completion is recorded: a
-/// client gets a whole body only when its answer is recorded; otherwise its
-/// connection breaks. A body that fails is a failed execution. A client
-/// that goes away cancels nothing: the body is read to its end and the
-/// outcome recorded all the same.
+/// ends. The last bytes are held back until the completion is recorded (and
+/// the body ends only with an explicit end): a client gets a whole body only
+/// when its answer is recorded; otherwise its connection breaks. A body that
+/// fails is a failed execution. A client that goes away, or reads nothing
+/// for a whole lock timeout, cancels nothing: it is cut off, and the body is
+/// read to its end and the outcome recorded all the same.
 async fn stream_then_complete(mut s: StreamedAnswer) {
     let mut held: Option<axum::body::Bytes> = None;
     for chunk in std::mem::take(&mut s.head) {
-        if let Some(previous) = held.replace(chunk) {
-            s.pass(Ok(previous)).await;
-        }
+        s.hold(&mut held, chunk).await;
     }
     let broken = loop {
         match AssertUnwindSafe(s.rest.next()).catch_unwind().await {
-            Ok(Some(Ok(chunk))) => {
-                if let Some(previous) = held.replace(chunk) {
-                    s.pass(Ok(previous)).await;
-                }
-            }
+            Ok(Some(Ok(chunk))) => s.hold(&mut held, chunk).await,
             Ok(None) => break None,
             Ok(Some(Err(e))) => {
                 tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
@@ -1166,10 +1179,10 @@ async fn stream_then_complete(mut s: StreamedAnswer) {
         mut client,
         ..
     } = s;
-    let last = match broken {
+    let ending = match broken {
         Some(e) => {
             let _ = fail(&engine, &info, lock_timeout, tx, Response::default()).await;
-            Err(e)
+            vec![Frame::Fail(e)]
         }
         None => match record_completion(&engine, &info, lock_timeout, &stored, tx).await {
             Ok(()) => {
@@ -1178,29 +1191,44 @@ async fn stream_then_complete(mut s: StreamedAnswer) {
                 } else {
                     "executed"
                 });
-                match held {
-                    Some(chunk) => Ok(chunk),
-                    None => return,
-                }
+                held.into_iter().map(Frame::Data).chain([Frame::End]).collect()
             }
-            Err(_) => Err(axum::Error::new(std::io::Error::other(
+            Err(_) => vec![Frame::Fail(axum::Error::new(std::io::Error::other(
                 "the answer could not be recorded; retry with the same key",
-            ))),
+            )))],
         },
     };
     drop(beat);
-    if let Some(c) = client.take() {
-        let _ = c.send(last).await;
+    for frame in ending {
+        let Some(c) = &client else { break };
+        if !matches!(
+            tokio::time::timeout(lock_timeout, c.send(frame)).await,
+            Ok(Ok(()))
+        ) {
+            client = None;
+        }
     }
 }
 
 impl StreamedAnswer {
-    /// Sends a chunk to the client, if it is still there.
-    async fn pass(&mut self, chunk: Result<axum::body::Bytes, axum::Error>) {
-        if let Some(c) = &self.client {
-            if c.send(chunk).await.is_err() {
-                self.client = None;
-            }
+    /// Keeps `chunk` back and sends the one kept before: the last bytes
+    /// wait for the completion. Empty chunks carry nothing to keep.
+    async fn hold(&mut self, held: &mut Option<axum::body::Bytes>, chunk: axum::body::Bytes) {
+        if chunk.is_empty() {
+            return;
+        }
+        let Some(previous) = held.replace(chunk) else {
+            return;
+        };
+        let Some(c) = &self.client else { return };
+        // A client that reads nothing for a lock timeout is cut off (its
+        // connection breaks); the body is still read to its end.
+        if !matches!(
+            tokio::time::timeout(self.lock_timeout, c.send(Frame::Data(previous))).await,
+            Ok(Ok(()))
+        ) {
+            tracing::warn!("{ABANDONED}; cut off, the answer is still recorded");
+            self.client = None;
         }
     }
 }
