@@ -560,14 +560,16 @@ async fn a_custom_key_header_is_used(h: Harness) {
 async fn a_stale_lock_is_taken_over_with_the_next_attempt(h: Harness) {
     // An execution that died: it reserved the key, checkpointed, and never
     // finished. Its fingerprint is the one the HTTP request will have.
-    let fp = idem::fingerprint(
-        "payment.create",
-        &[
-            ("amount", &100_i64 as &dyn idem::Fingerprint),
-            ("currency", &"EUR"),
-            ("recipient", &"alice"),
-        ],
-    )
+    let fp = idem::fingerprint(&idem::RequestPrint {
+        scope: "payment.create",
+        path: &[],
+        query: None,
+        body: idem::BodyPrint::Json {
+            text: body(100, "alice").as_bytes(),
+            fields: Some(&["amount", "currency", "recipient"]),
+        },
+        ignore: &[],
+    })
     .unwrap();
     let id = idem::RecordId::new("acct_1", "payment.create", "k-stale");
     let req = idem::ReserveRequest {

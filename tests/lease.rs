@@ -238,6 +238,7 @@ async fn sized_with_empty_tail(State(app): State<App>) -> Response {
 #[idempotent(scope = "lease.huge", lock_timeout = "1s")]
 async fn huge(State(app): State<App>) -> Response {
     app.ran("huge");
+    app.events.send("huge").unwrap();
     let body = futures_util::stream::iter((0..128).map(|_| filler(65536)));
     (StatusCode::CREATED, Body::from_stream(body)).into_response()
 }
@@ -789,8 +790,9 @@ async fn a_whole_body_never_arrives_before_its_answer_is_recorded(mut h: Harness
 /// A client that stops reading a large answer is cut off after a lock
 /// timeout: the body is read to its end and the answer recorded, so the key
 /// is not held for as long as the client keeps its connection open.
-async fn a_client_that_stops_reading_is_cut_off_and_the_answer_recorded(h: Harness) {
+async fn a_client_that_stops_reading_is_cut_off_and_the_answer_recorded(mut h: Harness) {
     let conn = post_req("/huge", "").key("k-stall").start(h.addr).await;
+    h.told("huge").await;
     let replay = post_req("/huge", "").key("k-stall").wait_for_replay(h.addr).await;
     assert_eq!(replay.status, 201, "{replay:?}");
     assert_eq!(replay.header("idempotent-replay-body-omitted"), Some("true"));

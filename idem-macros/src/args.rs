@@ -1,6 +1,7 @@
 //! The arguments of `#[idempotent(...)]`.
 
 use proc_macro2::Span;
+use syn::ext::IdentExt as _;
 use syn::parse::{Parse, ParseStream};
 use syn::punctuated::Punctuated;
 use syn::{Ident, LitStr, Token};
@@ -13,20 +14,30 @@ pub(crate) mod kw {
     syn::custom_keyword!(ttl);
     syn::custom_keyword!(lock_timeout);
     syn::custom_keyword!(wait);
+    syn::custom_keyword!(ignore);
+    syn::custom_keyword!(body);
 }
 
-/// A field path of the body: `amount` or `recipient.account`.
+/// A field path of the body: `amount` or `recipient.account`, with the
+/// wire path the client sends it under when it differs
+/// (`recipient.account = "recipient.acct"`).
 pub(crate) struct FieldPath {
     pub(crate) segments: Punctuated<Ident, Token![.]>,
+    pub(crate) wire: Option<LitStr>,
 }
 
 impl FieldPath {
     pub(crate) fn name(&self) -> String {
         self.segments
             .iter()
-            .map(Ident::to_string)
+            .map(|s| s.unraw().to_string())
             .collect::<Vec<_>>()
             .join(".")
+    }
+
+    /// The dotted path of JSON member names that the fingerprint reads.
+    pub(crate) fn wire(&self) -> String {
+        self.wire.as_ref().map_or_else(|| self.name(), LitStr::value)
     }
 
     /// The span of the whole path, for errors about it.
@@ -42,9 +53,14 @@ impl FieldPath {
 
 impl Parse for FieldPath {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
-        Ok(FieldPath {
-            segments: Punctuated::parse_separated_nonempty(input)?,
-        })
+        let segments = Punctuated::parse_separated_nonempty_with(input, Ident::parse_any)?;
+        let wire = if input.peek(Token![=]) {
+            input.parse::<Token![=]>()?;
+            Some(input.parse()?)
+        } else {
+            None
+        };
+        Ok(FieldPath { segments, wire })
     }
 }
 
@@ -93,6 +109,10 @@ pub(crate) struct IdempotentArgs {
     pub(crate) ttl: Option<(kw::ttl, DurationLit)>,
     pub(crate) lock_timeout: Option<(kw::lock_timeout, DurationLit)>,
     pub(crate) wait: Option<(kw::wait, DurationLit)>,
+    /// Path parameters and query names that do not count.
+    pub(crate) ignore: Option<(kw::ignore, Vec<LitStr>)>,
+    /// `body = "none"`: the last parameter reads no body.
+    pub(crate) no_body: Option<kw::body>,
     pub(crate) krate: Option<(Token![crate], syn::Path)>,
     /// Semantic errors found while parsing; parsing goes on after them.
     pub(crate) errors: Option<syn::Error>,
@@ -171,6 +191,7 @@ impl Parse for IdempotentArgs {
                 syn::parenthesized!(content in input);
                 let list: Punctuated<FieldPath, Token![,]> = Punctuated::parse_terminated(&content)?;
                 let mut seen: Vec<String> = Vec::new();
+                let mut wires: Vec<String> = Vec::new();
                 for field in &list {
                     let name = field.name();
                     if seen.contains(&name) {
@@ -178,8 +199,25 @@ impl Parse for IdempotentArgs {
                             &mut errors,
                             syn::Error::new(field.span(), format!("field `{name}` is listed twice")),
                         );
+                    } else if let Some(lit) = &field.wire {
+                        let wire = lit.value();
+                        if wire.is_empty() || wire.split('.').any(str::is_empty) {
+                            push(
+                                &mut errors,
+                                syn::Error::new(
+                                    lit.span(),
+                                    "a wire path is the dotted JSON member names, such as `\"recipient.acct\"`",
+                                ),
+                            );
+                        } else if wires.contains(&wire) {
+                            push(
+                                &mut errors,
+                                syn::Error::new(lit.span(), format!("wire path `{wire}` is listed twice")),
+                            );
+                        }
                     }
                     seen.push(name);
+                    wires.push(field.wire());
                 }
                 if list.is_empty() {
                     push(
@@ -234,6 +272,42 @@ impl Parse for IdempotentArgs {
                 if let Some(d) = duration(input, &mut errors)? {
                     set_once(&mut errors, &mut args.wait, (k, d), k.span, "wait");
                 }
+            } else if lookahead.peek(kw::ignore) {
+                let k: kw::ignore = input.parse()?;
+                let content;
+                syn::parenthesized!(content in input);
+                let list: Punctuated<LitStr, Token![,]> = Punctuated::parse_terminated(&content)?;
+                for lit in &list {
+                    if lit.value().is_empty() {
+                        push(
+                            &mut errors,
+                            syn::Error::new(
+                                lit.span(),
+                                "`ignore` names path parameters or query names; this one is empty",
+                            ),
+                        );
+                    }
+                }
+                set_once(
+                    &mut errors,
+                    &mut args.ignore,
+                    (k, list.into_iter().collect()),
+                    k.span,
+                    "ignore",
+                );
+            } else if lookahead.peek(kw::body) {
+                let k: kw::body = input.parse()?;
+                let lit: LitStr = value(input)?;
+                if lit.value() != "none" {
+                    push(
+                        &mut errors,
+                        syn::Error::new(
+                            lit.span(),
+                            "`body` takes `\"none\"`: it says that the handler reads no request body",
+                        ),
+                    );
+                }
+                set_once(&mut errors, &mut args.no_body, k, k.span, "body");
             } else if lookahead.peek(Token![crate]) {
                 let k: Token![crate] = input.parse()?;
                 let lit: LitStr = value(input)?;
@@ -328,6 +402,8 @@ mod tests {
             "ttl",
             "lock_timeout",
             "wait",
+            "ignore",
+            "body",
             "crate",
         ] {
             assert!(message.contains(name), "{message}");

@@ -1,11 +1,11 @@
 //! The expansion of `#[idempotent(...)]`.
 
 use crate::args::IdempotentArgs;
-use crate::handler::{Handler, OperationParam};
+use crate::handler::{BodyKind, Handler, OperationParam};
 use proc_macro2::{Span, TokenStream};
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::{FnArg, ReturnType, Type};
+use syn::{FnArg, LitStr, ReturnType, Type};
 
 fn combine(errors: &mut Option<syn::Error>, err: syn::Error) {
     match errors {
@@ -36,7 +36,7 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         Err(e) => return with_error(item, e),
     };
     let mut errors = args.errors.clone();
-    let handler = match Handler::analyze(func, args.optional.is_some()) {
+    let handler = match Handler::analyze(func, args.optional.is_some(), args.no_body.is_some()) {
         Ok(h) => Some(h),
         Err(e) => {
             combine(&mut errors, e);
@@ -44,7 +44,7 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         }
     };
     if let (Some((fields_kw, _)), Some(h)) = (&args.fields, &handler) {
-        if h.body.is_none() {
+        if !matches!(h.body, Some((_, BodyKind::Json))) {
             combine(
                 &mut errors,
                 syn::Error::new(
@@ -66,14 +66,94 @@ fn mixed(name: &str) -> syn::Ident {
     syn::Ident::new(name, Span::mixed_site())
 }
 
+/// Calls `f` on `ty` and, where `f` says to go on, on every type nested in
+/// it (generic arguments, tuples, references, arrays).
+fn visit_types(ty: &mut Type, f: &mut dyn FnMut(&mut Type) -> bool) {
+    if !f(ty) {
+        return;
+    }
+    match ty {
+        Type::Path(p) => {
+            for seg in p.path.segments.iter_mut() {
+                if let syn::PathArguments::AngleBracketed(args) = &mut seg.arguments {
+                    for arg in args.args.iter_mut() {
+                        if let syn::GenericArgument::Type(t) = arg {
+                            visit_types(t, f);
+                        }
+                    }
+                }
+            }
+        }
+        Type::Tuple(t) => t.elems.iter_mut().for_each(|t| visit_types(t, f)),
+        Type::Paren(syn::TypeParen { elem, .. })
+        | Type::Group(syn::TypeGroup { elem, .. })
+        | Type::Array(syn::TypeArray { elem, .. })
+        | Type::Slice(syn::TypeSlice { elem, .. })
+        | Type::Reference(syn::TypeReference { elem, .. }) => visit_types(elem, f),
+        _ => {}
+    }
+}
+
+fn not_precise_capture(b: &syn::TypeParamBound) -> bool {
+    !matches!(b, syn::TypeParamBound::PreciseCapture(_))
+}
+
+/// The return type `ty` taken apart for the handler's body: the type of the
+/// binding (each `impl Trait` left to inference), a checking fn's parameter
+/// type (each `impl Trait` a generic parameter), those parameters with their
+/// bounds, and the checking fn's return type (`ty` without `use<..>`, which
+/// only the handler's own signature may carry).
+fn split_return_type(ty: &Type) -> (Type, Type, Vec<(syn::Ident, TokenStream)>, Type) {
+    let (mut inferred, mut generic, mut declared) = (ty.clone(), ty.clone(), ty.clone());
+    visit_types(&mut inferred, &mut |t| {
+        if matches!(t, Type::ImplTrait(_)) {
+            *t = syn::parse_quote!(_);
+            return false;
+        }
+        true
+    });
+    let mut params = Vec::new();
+    visit_types(&mut generic, &mut |t| {
+        let Type::ImplTrait(it) = t else { return true };
+        let name = syn::Ident::new(&format!("__IdemImpl{}", params.len()), Span::mixed_site());
+        let bounds = it.bounds.iter().filter(|b| not_precise_capture(b));
+        params.push((name.clone(), quote!(#(#bounds)+*)));
+        *t = syn::parse_quote!(#name);
+        false
+    });
+    visit_types(&mut declared, &mut |t| {
+        if let Type::ImplTrait(it) = t {
+            it.bounds = std::mem::take(&mut it.bounds)
+                .into_iter()
+                .filter(not_precise_capture)
+                .collect();
+        }
+        true
+    });
+    (inferred, generic, params, declared)
+}
+
+/// `Json<T>` as `RawJson<T>` (or `Form<T>` as `RawForm<T>`): the same
+/// generic arguments under idem's extractor that keeps the bytes.
+fn raw_extractor(private: &TokenStream, ty: &Type, name: &str) -> TokenStream {
+    let args = match ty {
+        Type::Path(p) => p.path.segments.last().map(|s| s.arguments.clone()),
+        _ => None,
+    };
+    let name = syn::Ident::new(name, ty.span());
+    quote_spanned!(ty.span()=> #private::#name #args)
+}
+
 // Input:  a checked handler and its arguments.
 // Output:
 //     #[attrs] vis async fn create(__idem_ctx: ::idem::__private::Context,
-//             State(s): State<App>, __idem_body: Json<In>) -> ::idem::__private::Response {
-//         static __IDEM_SPEC: Spec = Spec { scope: "payment.create", .. };
-//         let __idem_fp = fingerprint("payment.create", &[("amount", &__idem_body.0.amount as &dyn Fingerprint)]);
-//         run(__idem_ctx, &__IDEM_SPEC, __idem_fp, move |__idem_op| async move {
-//             let Json(p) = __idem_body;
+//             State(s): State<App>, __idem_body: ::idem::__private::RawJson<In>)
+//             -> ::idem::__private::Response {
+//         let __idem_spec: &'static Spec = { static SPEC: Spec = Spec { scope: "payment.create", .. }; &SPEC };
+//         let _ = &__idem_body.value.0.amount; // each declared field exists
+//         let __idem_fp = fingerprint_request(&__idem_ctx, __idem_spec, __idem_body.print());
+//         run(__idem_ctx, __idem_spec, __idem_fp, move |__idem_op| async move {
+//             let Json(p) = __idem_body.value;
 //             let __idem_out = async move { let __idem_ret: R = { .. }; __idem_ret }.await;
 //             let __idem_class = (&&&Probe(&__idem_out)).__idem_classify();
 //             (IntoResponse::into_response(__idem_out), __idem_class)
@@ -92,7 +172,7 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
     let out_ident = mixed("__idem_out");
     let ret_ident = mixed("__idem_ret");
     let class_ident = mixed("__idem_class");
-    let spec_ident = mixed("__IDEM_SPEC");
+    let spec_ident = mixed("__idem_spec");
 
     let Handler {
         item,
@@ -110,20 +190,37 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
     // bindings that recreate the user's patterns inside the handler future.
     let mut params: Vec<TokenStream> = vec![quote!(#ctx: #private::Context)];
     let mut bindings: Vec<TokenStream> = Vec::new();
-    let mut body_type: Option<Type> = None;
+    let mut print = quote!(#private::BodyPrint::None);
     for (i, input) in sig.inputs.iter().enumerate() {
         let FnArg::Typed(pt) = input else { continue };
         if operation.as_ref().is_some_and(|(at, _)| *at == i) {
             continue;
         }
-        if body == Some(i) {
-            let (pat, ty) = (&pt.pat, &pt.ty);
-            let attrs = &pt.attrs;
-            params.push(quote!(#(#attrs)* #body_ident: #ty));
-            bindings.push(quote!(let #pat = #body_ident;));
-            body_type = Some((*pt.ty).clone());
-        } else {
-            params.push(quote!(#input));
+        match body {
+            Some((at, kind)) if at == i => {
+                let (pat, ty, attrs) = (&pt.pat, &pt.ty, &pt.attrs);
+                let (param_ty, value, body_print) = match kind {
+                    BodyKind::Json => (
+                        raw_extractor(&private, ty, "RawJson"),
+                        quote!(#body_ident.value),
+                        quote!(#body_ident.print()),
+                    ),
+                    BodyKind::Form => (
+                        raw_extractor(&private, ty, "RawForm"),
+                        quote!(#body_ident.value),
+                        quote!(#body_ident.print()),
+                    ),
+                    BodyKind::Raw => (
+                        quote!(#ty),
+                        quote!(#body_ident),
+                        quote!(#private::raw(&#body_ident)),
+                    ),
+                };
+                params.push(quote!(#(#attrs)* #body_ident: #param_ty));
+                bindings.push(quote!(let #pat = #value;));
+                print = body_print;
+            }
+            _ => params.push(quote!(#input)),
         }
     }
     let optional = args.optional.is_some();
@@ -146,27 +243,32 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
         None => bindings.insert(0, quote!(let _ = #op_ident;)),
     }
 
-    // The fingerprinted fields, each spanned at its name in the attribute so
-    // that an unknown field or a type that cannot be fingerprinted is
-    // reported there.
-    let fields: Vec<TokenStream> = match (&args.fields, &body_type) {
-        (Some((_, list)), Some(_)) => list
+    // Each declared field must exist on the body type: an access spanned at
+    // its name in the attribute, so that rustc reports a missing one there.
+    let (field_checks, wires): (Vec<TokenStream>, Vec<String>) = match &args.fields {
+        Some((_, list)) => list
             .iter()
             .map(|field| {
-                let name = field.name();
                 let segments = field.segments.iter();
-                // Resolved like the other generated names, located at the
-                // field: rustc then reports the field's errors there.
                 let body = syn::Ident::new("__idem_body", Span::mixed_site().located_at(field.span()));
-                quote_spanned!(field.span()=> (#name, #private::field(&#body.0 #(.#segments)*)))
+                (
+                    quote_spanned!(field.span()=> let _ = &#body.value.0 #(.#segments)*;),
+                    field.wire(),
+                )
             })
-            .collect(),
-        (None, Some(ty)) => {
-            let body = syn::Ident::new("__idem_body", Span::mixed_site().located_at(ty.span()));
-            vec![quote_spanned!(ty.span()=> ("", #private::field(&#body.0)))]
-        }
-        _ => Vec::new(),
+            .unzip(),
+        None => (Vec::new(), Vec::new()),
     };
+    let fields = if args.fields.is_some() {
+        quote!(::core::option::Option::Some(&[#(#wires),*]))
+    } else {
+        quote!(::core::option::Option::None)
+    };
+    let ignore: Vec<String> = args
+        .ignore
+        .as_ref()
+        .map(|(_, list)| list.iter().map(LitStr::value).collect())
+        .unwrap_or_default();
 
     let scope = args
         .scope
@@ -189,27 +291,31 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
     let lock_timeout = millis(args.lock_timeout.as_ref().map(|(_, d)| d));
     let wait = millis(args.wait.as_ref().map(|(_, d)| d));
 
-    // The body's value is pinned to the declared type, so that `?` and an
-    // early `return` infer; an `impl Trait` is checked through a generic
-    // identity fn with the same bounds.
-    let pin_ident = mixed("__idem_pin");
-    let (ret, pin_fn): (TokenStream, TokenStream) = match &sig.output {
-        ReturnType::Default => (quote!(()), quote!()),
-        ReturnType::Type(_, ty) => match &**ty {
-            Type::ImplTrait(it) => {
-                let bounds = &it.bounds;
+    // The body's value is typed as declared, so that `?` and an early
+    // `return` infer; each `impl Trait` in it is a generic parameter of a
+    // checking fn whose return type is the declared one, so that its bounds
+    // hold (and the names it uses count as used).
+    let (ret, check) = match &sig.output {
+        ReturnType::Default => (quote!(()), quote!(#ret_ident)),
+        ReturnType::Type(_, ty) => {
+            let (inferred, generic, params, declared) = split_return_type(ty);
+            if params.is_empty() {
+                (quote!(#ty), quote!(#ret_ident))
+            } else {
+                let (names, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
+                let placeholders = names.iter().map(|_| quote!(_));
+                let check_fn = mixed("__idem_check");
                 (
-                    quote!(_),
-                    quote!(fn #pin_ident<T: #bounds>(value: T) -> T { value }),
+                    quote!(#inferred),
+                    quote!({
+                        fn #check_fn<#(#names: #bounds),*>(value: #generic) -> #declared {
+                            value
+                        }
+                        #check_fn::<#(#placeholders),*>(#ret_ident)
+                    }),
                 )
             }
-            ty => (quote!(#ty), quote!()),
-        },
-    };
-    let pinned_block = if pin_fn.is_empty() {
-        quote!(#block)
-    } else {
-        quote!(#pin_ident(#block))
+        }
     };
     let run = if optional {
         quote!(run_optional)
@@ -232,21 +338,27 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
         #vis #constness async #unsafety #abi #fn_token #ident #generics (#(#params),*) -> #private::Response
         #where_clause
         {
-            static #spec_ident: #private::Spec = #private::Spec {
-                scope: #scope,
-                header: #header,
-                optional: #optional,
-                ttl: #ttl,
-                lock_timeout: #lock_timeout,
-                wait: #wait,
+            // In a block of its own: no item of the user's can meet it.
+            let #spec_ident: &'static #private::Spec = {
+                static SPEC: #private::Spec = #private::Spec {
+                    scope: #scope,
+                    header: #header,
+                    optional: #optional,
+                    ttl: #ttl,
+                    lock_timeout: #lock_timeout,
+                    wait: #wait,
+                    fields: #fields,
+                    ignore: &[#(#ignore),*],
+                };
+                &SPEC
             };
-            let #fp_ident = #private::fingerprint(#scope, &[#(#fields),*]);
-            #private::#run(#ctx, &#spec_ident, #fp_ident, move |#op_ident| async move {
+            #(#field_checks)*
+            let #fp_ident = #private::fingerprint_request(&#ctx, #spec_ident, #print);
+            #private::#run(#ctx, #spec_ident, #fp_ident, move |#op_ident| async move {
                 #(#bindings)*
-                #pin_fn
                 let #out_ident = async move {
-                    let #ret_ident: #ret = #pinned_block;
-                    #ret_ident
+                    let #ret_ident: #ret = #block;
+                    #check
                 }
                 .await;
                 let #class_ident = {
@@ -281,10 +393,12 @@ mod tests {
         );
         let ctx = out.find("__idem_ctx : :: idem :: __private :: Context").unwrap();
         let state = out.find("State (s) : State < App >").unwrap();
-        let body = out.find("__idem_body : Json < In >").unwrap();
+        let body = out
+            .find("__idem_body : :: idem :: __private :: RawJson < In >")
+            .unwrap();
         assert!(ctx < state && state < body, "{out}");
         assert!(out.contains("\"amount\""), "{out}");
-        assert!(out.contains("let Json (p) = __idem_body ;"), "{out}");
+        assert!(out.contains("let Json (p) = __idem_body . value ;"), "{out}");
         assert!(out.contains("-> :: idem :: __private :: Response"), "{out}");
     }
 

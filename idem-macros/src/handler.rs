@@ -11,11 +11,72 @@ pub(crate) enum OperationParam {
     Optional(syn::PatType),
 }
 
+/// How the handler reads the request body, which the fingerprint must see.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BodyKind {
+    /// `Json<T>`
+    Json,
+    /// `Form<T>`
+    Form,
+    /// `String` or `Bytes`: the bytes themselves.
+    Raw,
+}
+
+/// The extractors that read only the request head (`FromRequestParts`), by
+/// name: a handler whose last parameter is one of them reads no body.
+const HEAD_ONLY: &[&str] = &[
+    "State",
+    "Path",
+    "Query",
+    "Extension",
+    "HeaderMap",
+    "Method",
+    "Uri",
+    "Version",
+    "OriginalUri",
+    "MatchedPath",
+    "RawQuery",
+    "RawPathParams",
+    "ConnectInfo",
+    "TypedHeader",
+    "Host",
+    "CookieJar",
+    "SignedCookieJar",
+    "PrivateCookieJar",
+    "Extensions",
+    "NestedPath",
+    "Parts",
+    "Tenant",
+];
+
+fn body_kind(ty: &Type) -> Option<BodyKind> {
+    let seg = last_segment(ty)?;
+    match seg.ident.to_string().as_str() {
+        "Json" => Some(BodyKind::Json),
+        "Form" => Some(BodyKind::Form),
+        "String" | "Bytes" => Some(BodyKind::Raw),
+        _ => None,
+    }
+}
+
+/// `Option<Json<T>>`, `Result<Form<T>, _>`: a body wrapped so that idem
+/// cannot see it.
+fn wrapped_body(ty: &Type) -> bool {
+    let Some(seg) = last_segment(ty) else { return false };
+    if seg.ident != "Option" && seg.ident != "Result" {
+        return false;
+    }
+    let PathArguments::AngleBracketed(args) = &seg.arguments else {
+        return false;
+    };
+    matches!(args.args.first(), Some(GenericArgument::Type(inner)) if body_kind(inner).is_some())
+}
+
 /// The handler, taken apart.
 pub(crate) struct Handler {
     pub(crate) item: ItemFn,
-    /// The index in `item.sig.inputs` of the last `Json<T>` parameter.
-    pub(crate) body: Option<usize>,
+    /// The index in `item.sig.inputs` of the body parameter, and its kind.
+    pub(crate) body: Option<(usize, BodyKind)>,
     /// The index and kind of the `Operation` parameter.
     pub(crate) operation: Option<(usize, OperationParam)>,
 }
@@ -47,7 +108,7 @@ fn is_option_of_operation(ty: &Type) -> bool {
 
 impl Handler {
     /// Checks the handler's shape; every problem is reported, combined.
-    pub(crate) fn analyze(item: ItemFn, optional: bool) -> Result<Self, syn::Error> {
+    pub(crate) fn analyze(item: ItemFn, optional: bool, no_body: bool) -> Result<Self, syn::Error> {
         let mut errors: Option<syn::Error> = None;
         let mut push = |e: syn::Error| match &mut errors {
             Some(all) => all.combine(e),
@@ -79,9 +140,6 @@ impl Handler {
                     } else if is_option_of_operation(&pt.ty) {
                         Some(OperationParam::Optional(pt.clone()))
                     } else {
-                        if is_named(&pt.ty, "Json") {
-                            body = Some(i);
-                        }
                         None
                     };
                     if let Some(kind) = kind {
@@ -90,6 +148,53 @@ impl Handler {
                         }
                         operation = Some((i, kind));
                     }
+                }
+            }
+        }
+        // The body: axum extracts it last, so it is the last parameter
+        // (the `Operation` is not extracted and may stand anywhere).
+        let extracted: Vec<(usize, &syn::PatType)> = item
+            .sig
+            .inputs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, input)| match input {
+                FnArg::Typed(pt) if operation.as_ref().is_none_or(|(at, _)| *at != i) => Some((i, pt)),
+                _ => None,
+            })
+            .collect();
+        for (n, (i, pt)) in extracted.iter().enumerate() {
+            let last = n + 1 == extracted.len();
+            if wrapped_body(&pt.ty) {
+                push(syn::Error::new(
+                    pt.ty.span(),
+                    "`#[idempotent]` fingerprints the request body, so it must see it: take the body as \
+                     `Json<T>`, `Form<T>`, `String` or `Bytes` itself, not wrapped in `Option` or `Result`",
+                ));
+            } else if let Some(kind) = body_kind(&pt.ty) {
+                if !last {
+                    push(syn::Error::new(
+                        pt.ty.span(),
+                        "the request body must be the last parameter: axum extracts the body last, so move it after the others",
+                    ));
+                } else if no_body {
+                    push(syn::Error::new(
+                        pt.ty.span(),
+                        "this handler reads the request body, yet the attribute says `body = \"none\"`: remove `body = \"none\"`",
+                    ));
+                } else {
+                    body = Some((*i, kind));
+                }
+            } else if last && !no_body {
+                let head_only =
+                    last_segment(&pt.ty).is_some_and(|s| HEAD_ONLY.contains(&s.ident.to_string().as_str()));
+                if !head_only {
+                    push(syn::Error::new(
+                        pt.ty.span(),
+                        "`#[idempotent]` cannot tell whether this parameter reads the request body, so it cannot \
+                         fingerprint it: take the body as `Json<T>`, `Form<T>`, `String` or `Bytes`, or add \
+                         `body = \"none\"` to the attribute if this parameter reads no body",
+                    ));
                 }
             }
         }

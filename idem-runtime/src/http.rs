@@ -362,15 +362,23 @@ pub struct Spec {
     pub ttl: Option<Duration>,
     pub lock_timeout: Option<Duration>,
     pub wait: Option<Duration>,
+    /// The declared fields' wire paths; `None` for the whole body.
+    pub fields: Option<&'static [&'static str]>,
+    /// Path parameters and query names that do not count.
+    pub ignore: &'static [&'static str],
 }
 
 /// What the injected first parameter of an annotated handler extracts: the
-/// configuration, the tenant and the request headers.
+/// configuration, the tenant, the request headers and what identifies the
+/// request besides its body.
 #[doc(hidden)]
 pub struct Context {
     idem: Option<Idem>,
     tenant: Option<Tenant>,
     headers: HeaderMap,
+    /// The route's path parameters.
+    path: Vec<(String, String)>,
+    query: Option<String>,
 }
 
 impl std::fmt::Debug for Context {
@@ -382,12 +390,130 @@ impl std::fmt::Debug for Context {
 impl<S: Send + Sync> FromRequestParts<S> for Context {
     type Rejection = std::convert::Infallible;
 
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        use axum::extract::rejection::RawPathParamsRejection;
+        let path = match axum::extract::RawPathParams::from_request_parts(parts, state).await {
+            Ok(params) => params.iter().map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
+            Err(RawPathParamsRejection::MissingPathParams(_)) => Vec::new(),
+            // Not UTF-8 once decoded: the raw path identifies it all the same.
+            Err(_) => vec![(String::new(), parts.uri.path().to_owned())],
+        };
         Ok(Context {
             idem: parts.extensions.get::<Idem>().cloned(),
             tenant: parts.extensions.get::<Tenant>().cloned(),
             headers: parts.headers.clone(),
+            path,
+            query: parts.uri.query().map(str::to_owned),
         })
+    }
+}
+
+/// The fingerprint of the request: the scope, the path parameters, the
+/// query and `body`, as the handler's attribute says.
+#[doc(hidden)]
+pub fn fingerprint_request(
+    ctx: &Context,
+    spec: &Spec,
+    body: crate::BodyPrint<'_>,
+) -> Result<String, crate::FingerprintError> {
+    let path: Vec<(&str, &str)> = ctx.path.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let body = match body {
+        crate::BodyPrint::Json { text, .. } => crate::BodyPrint::Json {
+            text,
+            fields: spec.fields,
+        },
+        other => other,
+    };
+    crate::fingerprint(&crate::RequestPrint {
+        scope: spec.scope,
+        path: &path,
+        query: ctx.query.as_deref(),
+        body,
+        ignore: spec.ignore,
+    })
+}
+
+/// A raw body (`String`, `Bytes`) as the fingerprint sees it.
+#[doc(hidden)]
+pub fn raw<T: AsRef<[u8]>>(body: &T) -> crate::BodyPrint<'_> {
+    crate::BodyPrint::Raw(body.as_ref())
+}
+
+/// `Json<T>` and the bytes it was read from: the handler gets the typed
+/// value, the fingerprint what the client sent. Rejections are axum's own.
+#[doc(hidden)]
+pub struct RawJson<T> {
+    pub value: axum::Json<T>,
+    pub bytes: axum::body::Bytes,
+}
+
+/// `Form<T>` and the bytes it was read from.
+#[doc(hidden)]
+pub struct RawForm<T> {
+    pub value: axum::Form<T>,
+    pub bytes: axum::body::Bytes,
+}
+
+/// Reads the body once (within axum's body limit), then extracts `E` from
+/// those bytes.
+async fn with_bytes<S, E>(req: axum::extract::Request, state: &S) -> Result<(E, axum::body::Bytes), Response>
+where
+    S: Send + Sync,
+    E: axum::extract::FromRequest<S>,
+{
+    use axum::extract::FromRequest as _;
+    let (parts, body) = req.into_parts();
+    let bytes =
+        axum::body::Bytes::from_request(axum::extract::Request::from_parts(parts.clone(), body), state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+    let request = axum::extract::Request::from_parts(parts, Body::from(bytes.clone()));
+    let value = E::from_request(request, state)
+        .await
+        .map_err(IntoResponse::into_response)?;
+    Ok((value, bytes))
+}
+
+impl<S, T> axum::extract::FromRequest<S> for RawJson<T>
+where
+    S: Send + Sync,
+    T: serde::de::DeserializeOwned,
+{
+    type Rejection = Response;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+        let (value, bytes) = with_bytes(req, state).await?;
+        Ok(RawJson { value, bytes })
+    }
+}
+
+impl<S, T> axum::extract::FromRequest<S> for RawForm<T>
+where
+    S: Send + Sync,
+    T: serde::de::DeserializeOwned,
+{
+    type Rejection = Response;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+        let (value, bytes) = with_bytes(req, state).await?;
+        Ok(RawForm { value, bytes })
+    }
+}
+
+impl<T> RawJson<T> {
+    /// The body as the fingerprint sees it.
+    pub fn print(&self) -> crate::BodyPrint<'_> {
+        crate::BodyPrint::Json {
+            text: &self.bytes,
+            fields: None,
+        }
+    }
+}
+
+impl<T> RawForm<T> {
+    /// The body as the fingerprint sees it.
+    pub fn print(&self) -> crate::BodyPrint<'_> {
+        crate::BodyPrint::Form(&self.bytes)
     }
 }
 
@@ -771,8 +897,13 @@ async fn protect(
     let fingerprint = match fingerprint {
         Ok(fp) => fp,
         Err(e) => {
-            tracing::error!(error = %e, "cannot fingerprint the request");
-            return misconfigured();
+            record("body_invalid");
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "idempotency-body-invalid",
+                "Request body invalid",
+                &format!("{e}; a request with an idempotency key must be I-JSON (RFC 7493)"),
+            );
         }
     };
     let id = RecordId::new(tenant, spec.scope, key.as_str());

@@ -17,6 +17,7 @@ macro_rules! pause_point {
 }
 
 mod fingerprint;
+mod jcs;
 mod key;
 mod store;
 
@@ -39,7 +40,8 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-pub use fingerprint::{canonical_json, fingerprint, Fingerprint, FingerprintError, FINGERPRINT_VERSION};
+pub use fingerprint::{fingerprint, BodyPrint, FingerprintError, RequestPrint, FINGERPRINT_VERSION};
+pub use jcs::{canonical_json, JsonError};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use store::{
     purge_expired, AsAny, BoxFuture, IdempotencyStore, Janitor, Lease, MemoryStore, RecordId, Reservation,
@@ -59,14 +61,11 @@ pub use http::{
 #[cfg(feature = "axum")]
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::fingerprint::{fingerprint, Fingerprint};
-
-    /// Turns a body field into a fingerprint input; a field whose type
-    /// cannot be fingerprinted fails here, at the field's name.
-    pub fn field<T: Fingerprint>(value: &T) -> &dyn Fingerprint {
-        value
-    }
-    pub use crate::http::{run, run_optional, Context, Probe, Spec, ViaErr, ViaSelf, ViaStatus};
+    pub use crate::fingerprint::BodyPrint;
+    pub use crate::http::{
+        fingerprint_request, raw, run, run_optional, Context, Probe, RawForm, RawJson, Spec, ViaErr, ViaSelf,
+        ViaStatus,
+    };
     pub use axum::response::{IntoResponse, Response};
     pub use std::time::Duration;
 }

@@ -1,0 +1,456 @@
+//! RFC 8785 (JCS) canonical JSON of the bytes a client sent: a parser that
+//! keeps what typed deserialization loses (integers of any size, member
+//! names as sent) and refuses what I-JSON (RFC 7493) forbids, and the
+//! canonical writer.
+
+use std::fmt::Write as _;
+
+/// How deep arrays and objects may nest (as `serde_json` allows).
+const MAX_DEPTH: usize = 128;
+
+/// A body that is not I-JSON, so it has no canonical form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JsonError(pub(crate) String);
+
+impl std::fmt::Display for JsonError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for JsonError {}
+
+/// A parsed JSON value, its numbers already in canonical form.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Node {
+    Null,
+    Bool(bool),
+    /// The canonical text of the number.
+    Number(String),
+    String(String),
+    Array(Vec<Node>),
+    /// Members sorted by their names' UTF-16 code units.
+    Object(Vec<(String, Node)>),
+}
+
+/// The RFC 8785 canonical form of the JSON text `text`: object members
+/// sorted by the UTF-16 code units of their names, no whitespace, minimal
+/// string escapes, numbers in ECMAScript form from correctly rounded
+/// parsing.
+///
+/// One deliberate difference: an integer written without fraction or
+/// exponent is kept exactly, whatever its size, where RFC 8785 would round
+/// it through a double above 2^53: two different large amounts never share
+/// a fingerprint.
+///
+/// # Errors
+///
+/// [`JsonError`] for text that is not I-JSON: invalid JSON, duplicate member
+/// names, a lone surrogate, a number beyond the range of a double, nesting
+/// deeper than 128.
+///
+/// ```
+/// use idem::canonical_json;
+/// assert_eq!(canonical_json(br#"{ "b": 4.99e3, "a": "\u00e9" }"#).unwrap(), r#"{"a":"é","b":4990}"#);
+/// assert!(canonical_json(br#"{"a": 1, "a": 2}"#).is_err());
+/// ```
+pub fn canonical_json(text: &[u8]) -> Result<String, JsonError> {
+    Ok(parse(text)?.canonical())
+}
+
+pub(crate) fn parse(text: &[u8]) -> Result<Node, JsonError> {
+    let text = std::str::from_utf8(text).map_err(|_| JsonError("the body is not UTF-8".into()))?;
+    let mut p = Parser {
+        s: text.as_bytes(),
+        at: 0,
+    };
+    p.skip_ws();
+    let node = p.value(0)?;
+    p.skip_ws();
+    if p.at != p.s.len() {
+        return Err(p.error("unexpected text after the value"));
+    }
+    Ok(node)
+}
+
+impl Node {
+    pub(crate) fn canonical(&self) -> String {
+        let mut out = String::new();
+        self.write(&mut out);
+        out
+    }
+
+    fn write(&self, out: &mut String) {
+        match self {
+            Node::Null => out.push_str("null"),
+            Node::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            Node::Number(n) => out.push_str(n),
+            Node::String(s) => write_string(out, s),
+            Node::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    item.write(out);
+                }
+                out.push(']');
+            }
+            Node::Object(members) => {
+                out.push('{');
+                for (i, (name, value)) in members.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    write_string(out, name);
+                    out.push(':');
+                    value.write(out);
+                }
+                out.push('}');
+            }
+        }
+    }
+
+    /// The member at `path` (names, outermost first), if every step is an
+    /// object that has it.
+    pub(crate) fn get(&self, path: &str) -> Option<&Node> {
+        path.split('.').try_fold(self, |node, name| match node {
+            Node::Object(members) => members.iter().find(|(n, _)| n == name).map(|(_, v)| v),
+            _ => None,
+        })
+    }
+}
+
+/// A JSON string, with RFC 8785's minimal escapes.
+pub(crate) fn write_string(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// The canonical text of a JSON number as written: an integer exactly, any
+/// other form as the ECMAScript text of the nearest double.
+fn number(lexeme: &str) -> Result<String, String> {
+    if !lexeme.contains(['.', 'e', 'E']) {
+        let digits = lexeme.trim_start_matches('-');
+        return Ok(if digits == "0" {
+            "0".into()
+        } else {
+            lexeme.to_owned()
+        });
+    }
+    // Rust's parser is correctly rounded.
+    let v: f64 = lexeme.parse().map_err(|_| format!("invalid number {lexeme}"))?;
+    if !v.is_finite() {
+        return Err(format!("the number {lexeme} is beyond the range of a double"));
+    }
+    Ok(ecmascript(v))
+}
+
+/// ECMAScript's `Number.prototype.toString` of a finite double.
+pub(crate) fn ecmascript(v: f64) -> String {
+    if v == 0.0 {
+        return "0".into();
+    }
+    ryu_js::Buffer::new().format_finite(v).to_owned()
+}
+
+struct Parser<'a> {
+    s: &'a [u8],
+    at: usize,
+}
+
+impl Parser<'_> {
+    fn error(&self, what: &str) -> JsonError {
+        JsonError(format!("{what} at byte {}", self.at))
+    }
+
+    fn skip_ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.s.get(self.at) {
+            self.at += 1;
+        }
+    }
+
+    fn eat(&mut self, lit: &[u8]) -> bool {
+        if self.s[self.at..].starts_with(lit) {
+            self.at += lit.len();
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A value inside `depth` arrays and objects.
+    fn value(&mut self, depth: usize) -> Result<Node, JsonError> {
+        if depth >= MAX_DEPTH && matches!(self.s.get(self.at), Some(b'{' | b'[')) {
+            return Err(self.error("nested deeper than 128"));
+        }
+        match self.s.get(self.at) {
+            Some(b'{') => self.object(depth),
+            Some(b'[') => self.array(depth),
+            Some(b'"') => Ok(Node::String(self.string()?)),
+            Some(b'-' | b'0'..=b'9') => self.number(),
+            _ if self.eat(b"null") => Ok(Node::Null),
+            _ if self.eat(b"true") => Ok(Node::Bool(true)),
+            _ if self.eat(b"false") => Ok(Node::Bool(false)),
+            _ => Err(self.error("expected a JSON value")),
+        }
+    }
+
+    fn object(&mut self, depth: usize) -> Result<Node, JsonError> {
+        self.at += 1;
+        let mut members: Vec<(String, Node)> = Vec::new();
+        self.skip_ws();
+        if self.eat(b"}") {
+            return Ok(Node::Object(members));
+        }
+        loop {
+            self.skip_ws();
+            if self.s.get(self.at) != Some(&b'"') {
+                return Err(self.error("expected a member name"));
+            }
+            let name = self.string()?;
+            self.skip_ws();
+            if !self.eat(b":") {
+                return Err(self.error("expected `:`"));
+            }
+            self.skip_ws();
+            let value = self.value(depth + 1)?;
+            members.push((name, value));
+            self.skip_ws();
+            if self.eat(b",") {
+                continue;
+            }
+            if self.eat(b"}") {
+                break;
+            }
+            return Err(self.error("expected `,` or `}`"));
+        }
+        members.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+        if let Some(pair) = members.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(JsonError(format!(
+                "the member name {:?} appears twice",
+                pair[0].0
+            )));
+        }
+        Ok(Node::Object(members))
+    }
+
+    fn array(&mut self, depth: usize) -> Result<Node, JsonError> {
+        self.at += 1;
+        let mut items = Vec::new();
+        self.skip_ws();
+        if self.eat(b"]") {
+            return Ok(Node::Array(items));
+        }
+        loop {
+            self.skip_ws();
+            items.push(self.value(depth + 1)?);
+            self.skip_ws();
+            if self.eat(b",") {
+                continue;
+            }
+            if self.eat(b"]") {
+                return Ok(Node::Array(items));
+            }
+            return Err(self.error("expected `,` or `]`"));
+        }
+    }
+
+    fn number(&mut self) -> Result<Node, JsonError> {
+        let start = self.at;
+        let digits = |p: &mut Self| {
+            let from = p.at;
+            while p.s.get(p.at).is_some_and(u8::is_ascii_digit) {
+                p.at += 1;
+            }
+            p.at > from
+        };
+        self.eat(b"-");
+        if self.eat(b"0") {
+            if self.s.get(self.at).is_some_and(u8::is_ascii_digit) {
+                return Err(self.error("a number with a leading zero"));
+            }
+        } else if !digits(self) {
+            return Err(self.error("expected digits"));
+        }
+        if self.eat(b".") && !digits(self) {
+            return Err(self.error("expected digits after `.`"));
+        }
+        if self.eat(b"e") || self.eat(b"E") {
+            let _ = self.eat(b"+") || self.eat(b"-");
+            if !digits(self) {
+                return Err(self.error("expected exponent digits"));
+            }
+        }
+        // The lexeme is ASCII, checked above.
+        let lexeme =
+            std::str::from_utf8(&self.s[start..self.at]).map_err(|_| self.error("invalid number"))?;
+        number(lexeme).map(Node::Number).map_err(JsonError)
+    }
+
+    fn hex4(&mut self) -> Result<u32, JsonError> {
+        let hex = self
+            .s
+            .get(self.at..self.at + 4)
+            .ok_or_else(|| self.error("a short \\u escape"))?;
+        let hex = std::str::from_utf8(hex).map_err(|_| self.error("an invalid \\u escape"))?;
+        let v = u32::from_str_radix(hex, 16).map_err(|_| self.error("an invalid \\u escape"))?;
+        self.at += 4;
+        Ok(v)
+    }
+
+    fn string(&mut self) -> Result<String, JsonError> {
+        self.at += 1;
+        let mut out = String::new();
+        loop {
+            let start = self.at;
+            while let Some(&b) = self.s.get(self.at) {
+                if b == b'"' || b == b'\\' || b < 0x20 {
+                    break;
+                }
+                self.at += 1;
+            }
+            // The text is UTF-8, and a run stops only at ASCII bytes.
+            out.push_str(
+                std::str::from_utf8(&self.s[start..self.at]).map_err(|_| self.error("invalid UTF-8"))?,
+            );
+            match self.s.get(self.at) {
+                Some(b'"') => {
+                    self.at += 1;
+                    return Ok(out);
+                }
+                Some(b'\\') => {
+                    self.at += 1;
+                    let escaped = *self
+                        .s
+                        .get(self.at)
+                        .ok_or_else(|| self.error("an unfinished escape"))?;
+                    self.at += 1;
+                    match escaped {
+                        b'"' => out.push('"'),
+                        b'\\' => out.push('\\'),
+                        b'/' => out.push('/'),
+                        b'b' => out.push('\u{8}'),
+                        b'f' => out.push('\u{c}'),
+                        b'n' => out.push('\n'),
+                        b'r' => out.push('\r'),
+                        b't' => out.push('\t'),
+                        b'u' => {
+                            let hi = self.hex4()?;
+                            let c = if (0xD800..0xDC00).contains(&hi) {
+                                if !self.eat(b"\\u") {
+                                    return Err(self.error("a lone surrogate"));
+                                }
+                                let lo = self.hex4()?;
+                                if !(0xDC00..0xE000).contains(&lo) {
+                                    return Err(self.error("a lone surrogate"));
+                                }
+                                0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00)
+                            } else {
+                                hi
+                            };
+                            out.push(char::from_u32(c).ok_or_else(|| self.error("a lone surrogate"))?);
+                        }
+                        _ => return Err(self.error("an invalid escape")),
+                    }
+                }
+                Some(_) => return Err(self.error("a control character in a string")),
+                None => return Err(self.error("an unfinished string")),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canon(json: &str) -> String {
+        canonical_json(json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn numbers_follow_ecmascript_form_and_integers_stay_exact() {
+        for (input, expected) in [
+            ("4990", "4990"),
+            ("4.99e3", "4990"),
+            ("4990.0", "4990"),
+            ("1.5", "1.5"),
+            ("-0", "0"),
+            ("-0.0", "0"),
+            ("1e21", "1e+21"),
+            ("1e20", "100000000000000000000"),
+            ("0.000001", "0.000001"),
+            ("0.0000001", "1e-7"),
+            ("123.456e-10", "1.23456e-8"),
+            ("9007199254740993", "9007199254740993"),
+            (
+                "340282366920938463463374607431768211457",
+                "340282366920938463463374607431768211457",
+            ),
+            ("-12.5", "-12.5"),
+            ("5e-324", "5e-324"),
+            ("1.7976931348623157e308", "1.7976931348623157e+308"),
+        ] {
+            assert_eq!(canon(input), expected, "input {input}");
+        }
+    }
+
+    #[test]
+    fn what_i_json_forbids_is_refused() {
+        for bad in [
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":{"b":1,"b":1}}"#,
+            r#""\ud800""#,
+            r#""\udc00\ud800""#,
+            "1e400",
+            "-1e400",
+            "01",
+            "1.",
+            "[1,]",
+            "{\"a\":1}x",
+            "\"a\u{1}\"",
+            "nul",
+        ] {
+            assert!(canonical_json(bad.as_bytes()).is_err(), "{bad}");
+        }
+        assert!(canonical_json(&[b'"', 0xff, b'"']).is_err());
+        let deep = "[".repeat(129) + &"]".repeat(129);
+        assert!(canonical_json(deep.as_bytes()).is_err());
+        let fine = "[".repeat(128) + &"]".repeat(128);
+        assert!(canonical_json(fine.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn objects_are_sorted_by_utf16_code_units() {
+        // By code point U+E000 comes first; by UTF-16 code unit the surrogate
+        // pair of U+1F600 (0xD83D ...) does, and JCS sorts by UTF-16.
+        assert_eq!(
+            canon(r#"{"\ue000":1,"\ud83d\ude00":2}"#),
+            "{\"😀\":2,\"\u{e000}\":1}"
+        );
+    }
+
+    #[test]
+    fn paths_reach_nested_members() {
+        let node = parse(br#"{"recipient":{"account":"a1"},"n":[1]}"#).unwrap();
+        assert_eq!(node.get("recipient.account"), Some(&Node::String("a1".into())));
+        assert_eq!(node.get("recipient.name"), None);
+        assert_eq!(node.get("n.0"), None);
+    }
+}
