@@ -265,6 +265,16 @@ async fn sized(
     (StatusCode::CREATED, vec![b'y'; q["n"]])
 }
 
+/// A header value with bytes beyond ASCII (obs-text, which HTTP allows).
+#[idempotent(scope = "lease.obs_text")]
+async fn obs_text(State(app): State<App>) -> Response {
+    app.ran("obs_text");
+    let mut r = (StatusCode::CREATED, "noted").into_response();
+    r.headers_mut()
+        .insert("x-note", axum::http::HeaderValue::from_bytes(b"caf\xe9 \xff").unwrap());
+    r
+}
+
 /// Tells the test when the server drops a request it has not answered.
 async fn watch_drops(State(app): State<App>, req: Request, next: Next) -> Response {
     struct Dropped(Option<Arc<Notify>>);
@@ -452,7 +462,8 @@ async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
     };
     let idem = Idem::from_arc(store.clone())
         .single_tenant()
-        .max_stored_body(1024);
+        .max_stored_body(1024)
+        .replay_headers(["x-note"]);
     let router = Router::new()
         .route("/slow-body", post(slow_body))
         .route("/events", post(event_stream))
@@ -470,6 +481,7 @@ async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
         .route("/sized", post(sized))
         .route("/sized-tail", post(sized_with_empty_tail))
         .route("/huge", post(huge))
+        .route("/obs-text", post(obs_text))
         .layer(idem.layer())
         .layer(middleware::from_fn_with_state(app.clone(), watch_drops))
         .with_state(app.clone());
@@ -800,6 +812,17 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_answer_recorded(mut h: H
     assert_eq!(h.app.runs("huge"), 1);
 }
 
+/// A replayed header keeps its bytes, obs-text included.
+async fn a_replayed_header_keeps_every_byte(h: Harness) {
+    let first = post_req("/obs-text", "").key("k-obs").send_raw(h.addr).await;
+    let replay = post_req("/obs-text", "").key("k-obs").send_raw(h.addr).await;
+    for raw in [&first, &replay] {
+        assert!(raw.windows(12).any(|w| w == b"x-note: caf\xe9"), "{}", String::from_utf8_lossy(raw));
+    }
+    assert!(String::from_utf8_lossy(&replay).contains("idempotent-replayed: true"));
+    assert_eq!(h.app.runs("obs_text"), 1);
+}
+
 /// Media types are compared without regard to case.
 async fn an_upper_case_event_stream_is_an_event_stream(h: Harness) {
     let mut conn = post_req("/upper-events", "").key("k-upper").start(h.addr).await;
@@ -874,6 +897,7 @@ mod every_store {
         an_upper_case_event_stream_is_an_event_stream,
         bodies_at_the_limit_are_stored_and_one_byte_more_is_not,
         a_client_that_stops_reading_is_cut_off_and_the_answer_recorded,
+        a_replayed_header_keeps_every_byte,
     );
 }
 

@@ -41,7 +41,7 @@ fn response(tag: &str) -> StoredResponse {
         status: 201,
         headers: vec![
             ("content-type".into(), "application/json".into()),
-            ("location".into(), format!("/v1/payments/{tag}")),
+            ("location".into(), format!("/v1/payments/{tag}").into()),
         ],
         body: Some(format!("{{\"id\":\"{tag}\"}}").into_bytes()),
     }
@@ -91,6 +91,8 @@ async fn replays_every_body_byte_and_header(s: &dyn IdempotencyStore) {
             ("content-type".into(), "application/octet-stream".into()),
             ("x-b".into(), "2".into()),
             ("x-a".into(), "1".into()),
+            // obs-text: a byte beyond ASCII, which HTTP allows in a value.
+            ("x-note".into(), vec![b'c', b'a', b'f', 0xe9, b' ', 0xff]),
         ],
         body: Some((0..=255u8).collect()),
     };

@@ -1120,7 +1120,7 @@ async fn finish(
             .replay_headers
             .iter()
             .flat_map(|name| parts.headers.get_all(name).iter().map(move |v| (name, v)))
-            .filter_map(|(name, v)| Some((name.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+            .map(|(name, v)| (name.as_str().to_owned(), v.as_bytes().to_vec()))
             .collect(),
         body: None,
     };
@@ -1553,7 +1553,7 @@ fn replay(stored: StoredResponse) -> Response {
         }
         if let (Ok(n), Ok(v)) = (
             HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_str(&value),
+            HeaderValue::from_bytes(&value),
         ) {
             headers.append(n, v);
         }

@@ -136,8 +136,9 @@ impl Lease {
 pub struct StoredResponse {
     /// The HTTP status code.
     pub status: u16,
-    /// Header names (lowercase) and values, in the order they are replayed.
-    pub headers: Vec<(String, String)>,
+    /// Header names (lowercase) and values as bytes (HTTP allows bytes
+    /// beyond ASCII in a value), in the order they are replayed.
+    pub headers: Vec<(String, Vec<u8>)>,
     /// The body bytes; `None` when the body was larger than the configured
     /// limit and only status and headers were kept.
     pub body: Option<Vec<u8>>,
@@ -146,8 +147,16 @@ pub struct StoredResponse {
 // The SQL stores' column mapping.
 #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 impl StoredResponse {
+    /// The headers as a JSON array of `[name, value]` strings, each value
+    /// byte one character of the same number (U+0000 to U+00FF): ASCII
+    /// values read as they are, and every byte comes back.
     pub(crate) fn headers_to_json(&self) -> String {
-        serde_json::to_string(&self.headers).unwrap_or_else(|_| "[]".to_owned())
+        let latin1: Vec<(&str, String)> = self
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.iter().map(|&b| char::from(b)).collect()))
+            .collect();
+        serde_json::to_string(&latin1).unwrap_or_else(|_| "[]".to_owned())
     }
 
     pub(crate) fn from_columns(
@@ -158,9 +167,22 @@ impl StoredResponse {
         let status = status
             .and_then(|s| u16::try_from(s).ok())
             .ok_or_else(|| StoreError::Backend("completed record without a status".into()))?;
+        let unreadable = |why: String| StoreError::Backend(format!("stored headers unreadable: {why}"));
         let headers = match headers {
-            Some(json) => serde_json::from_str(&json)
-                .map_err(|e| StoreError::Backend(format!("stored headers unreadable: {e}")))?,
+            Some(json) => {
+                let latin1: Vec<(String, String)> =
+                    serde_json::from_str(&json).map_err(|e| unreadable(e.to_string()))?;
+                latin1
+                    .into_iter()
+                    .map(|(n, v)| {
+                        let bytes: Option<Vec<u8>> =
+                            v.chars().map(|c| u8::try_from(u32::from(c)).ok()).collect();
+                        bytes
+                            .map(|b| (n, b))
+                            .ok_or_else(|| unreadable("a value beyond one byte a character".into()))
+                    })
+                    .collect::<Result<_, _>>()?
+            }
             None => Vec::new(),
         };
         Ok(StoredResponse {
