@@ -270,8 +270,10 @@ async fn sized(
 async fn obs_text(State(app): State<App>) -> Response {
     app.ran("obs_text");
     let mut r = (StatusCode::CREATED, "noted").into_response();
-    r.headers_mut()
-        .insert("x-note", axum::http::HeaderValue::from_bytes(b"caf\xe9 \xff").unwrap());
+    r.headers_mut().insert(
+        "x-note",
+        axum::http::HeaderValue::from_bytes(b"caf\xe9 \xff").unwrap(),
+    );
     r
 }
 
@@ -812,12 +814,49 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_answer_recorded(mut h: H
     assert_eq!(h.app.runs("huge"), 1);
 }
 
+/// The problem `type` can point to the application's documentation.
+#[tokio::test]
+async fn problem_types_can_point_to_the_applications_documentation() {
+    let idem = Idem::new(idem::MemoryStore::new())
+        .single_tenant()
+        .problem_type_base("https://docs.example.com/errors/");
+    let router = Router::new()
+        .route("/plain", post(plain_for_problems))
+        .layer(idem.layer());
+    let addr = common::http::serve(router).await;
+    let missing = post_req("/plain", "").send(addr).await;
+    assert_eq!(missing.status, 400);
+    assert_eq!(
+        missing.json()["type"],
+        "https://docs.example.com/errors/idempotency-key-missing"
+    );
+    assert_eq!(missing.header("content-type"), Some("application/problem+json"));
+    let first = post_req("/plain", "a").key("k").send(addr).await;
+    assert_eq!(first.status, 201);
+    let reused = post_req("/plain", "b").key("k").send(addr).await;
+    assert_eq!(reused.status, 422);
+    assert_eq!(
+        reused.json()["type"],
+        "https://docs.example.com/errors/idempotency-key-reused"
+    );
+    assert_eq!(reused.json()["title"], "Idempotency key reused");
+}
+
+#[idempotent(scope = "lease.problems")]
+async fn plain_for_problems(body: String) -> (StatusCode, String) {
+    (StatusCode::CREATED, body)
+}
+
 /// A replayed header keeps its bytes, obs-text included.
 async fn a_replayed_header_keeps_every_byte(h: Harness) {
     let first = post_req("/obs-text", "").key("k-obs").send_raw(h.addr).await;
     let replay = post_req("/obs-text", "").key("k-obs").send_raw(h.addr).await;
     for raw in [&first, &replay] {
-        assert!(raw.windows(12).any(|w| w == b"x-note: caf\xe9"), "{}", String::from_utf8_lossy(raw));
+        assert!(
+            raw.windows(12).any(|w| w == b"x-note: caf\xe9"),
+            "{}",
+            String::from_utf8_lossy(raw)
+        );
     }
     assert!(String::from_utf8_lossy(&replay).contains("idempotent-replayed: true"));
     assert_eq!(h.app.runs("obs_text"), 1);

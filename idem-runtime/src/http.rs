@@ -200,6 +200,8 @@ struct Engine {
     single_tenant: bool,
     max_stored_body: usize,
     replay_headers: Vec<HeaderName>,
+    /// What problem `type`s start with, when not [`PROBLEM_TYPE_PREFIX`].
+    problem_base: Option<Arc<str>>,
 }
 
 impl std::fmt::Debug for Idem {
@@ -240,6 +242,7 @@ impl Idem {
                 single_tenant: false,
                 max_stored_body: DEFAULT_MAX_STORED_BODY,
                 replay_headers: vec![CONTENT_TYPE, axum::http::header::LOCATION],
+                problem_base: None,
             }),
         }
     }
@@ -319,6 +322,19 @@ impl Idem {
                 }
             }
         })
+    }
+
+    /// Makes every problem `type` of this layer start with `base` instead of
+    /// `urn:idem:problem:`, so that it points to the application's own
+    /// documentation: `problem_type_base("https://docs.example.com/errors/")`
+    /// gives `https://docs.example.com/errors/idempotency-key-reused`.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).problem_type_base("https://docs.example.com/errors/");
+    /// ```
+    pub fn problem_type_base(self, base: impl Into<String>) -> Self {
+        let base: String = base.into();
+        self.change(|e| e.problem_base = Some(base.into()))
     }
 
     /// Starts a [`crate::Janitor`] on this layer's store: every `every`,
@@ -838,7 +854,7 @@ async fn run_boxed(
     fingerprint: Result<String, crate::FingerprintError>,
     handler: Handler,
 ) -> Response {
-    let Some(idem) = ctx.idem else {
+    let Some(idem) = ctx.idem.clone() else {
         tracing::error!(
             scope = spec.scope,
             "no idempotency store is configured for this route: add `.layer(idem::Idem::new(store).layer())` \
@@ -846,7 +862,22 @@ async fn run_boxed(
         );
         return misconfigured();
     };
-    let engine = idem.inner;
+    let base = idem.inner.problem_base.clone();
+    let response = run_keyed(idem.inner, ctx, spec, fingerprint, handler).await;
+    match base {
+        Some(base) => rebase_problem(response, &base),
+        None => response,
+    }
+}
+
+/// Reads the key, then runs the protocol detached from the connection.
+async fn run_keyed(
+    engine: Arc<Engine>,
+    ctx: Context,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::FingerprintError>,
+    handler: Handler,
+) -> Response {
     let values = ctx.headers.get_all(spec.header).iter().map(HeaderValue::as_bytes);
     let key = match IdempotencyKey::from_header_values(values) {
         Ok(key) => key,
@@ -1573,18 +1604,51 @@ fn replay(stored: StoredResponse) -> Response {
 /// assert_eq!(r.headers()["content-type"], "application/problem+json");
 /// ```
 pub fn problem(status: StatusCode, name: &str, title: &str, detail: &str) -> Response {
-    let body = serde_json::json!({
-        "type": format!("{PROBLEM_TYPE_PREFIX}{name}"),
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    let mut response = Response::new(Body::from(body.to_string()));
+    let parts = ProblemParts {
+        name: name.into(),
+        title: title.into(),
+        detail: detail.into(),
+    };
+    let mut response = Response::new(Body::from(parts.body(status, PROBLEM_TYPE_PREFIX)));
     *response.status_mut() = status;
     response
         .headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    response.extensions_mut().insert(parts);
     response
+}
+
+/// What a problem response of this layer says, kept so that its `type` can
+/// be written with another base.
+#[derive(Clone)]
+struct ProblemParts {
+    name: Box<str>,
+    title: Box<str>,
+    detail: Box<str>,
+}
+
+impl ProblemParts {
+    fn body(&self, status: StatusCode, base: &str) -> String {
+        serde_json::json!({
+            "type": format!("{base}{}", self.name),
+            "title": &*self.title,
+            "status": status.as_u16(),
+            "detail": &*self.detail,
+        })
+        .to_string()
+    }
+}
+
+/// A problem of this layer with its `type` under `base`; any other response
+/// as it is.
+fn rebase_problem(response: Response, base: &str) -> Response {
+    let Some(parts) = response.extensions().get::<ProblemParts>().cloned() else {
+        return response;
+    };
+    let (mut head, _) = response.into_parts();
+    let body = parts.body(head.status, base);
+    head.headers.remove(axum::http::header::CONTENT_LENGTH);
+    Response::from_parts(head, Body::from(body))
 }
 
 /// The start of every problem `type` of this layer; the name follows.
