@@ -313,6 +313,7 @@ async fn main() {
         gateway_delay: Duration::from_millis(300),
         pause_after_charge: Duration::ZERO,
         pause_before_commit: Duration::ZERO,
+        ledger_down_once: false,
     };
     let router = match service::build(config).await {
         Ok(r) => r,

@@ -199,6 +199,49 @@ async fn twenty_concurrent_requests_make_one_charge(store: Store) {
     assert_eq!((charges, calls, balance), (1, 1, 1_000_000 - 4990));
 }
 
+/// A retried failure stays bound to its request: after the ledger failed
+/// behind a gateway charge, the same key with another amount gets 422, the
+/// same request continues the operation, and the ledger shows one charge.
+async fn a_failed_payment_retried_with_another_amount_gets_422_and_one_charge(store: Store) {
+    let svc = Service::start(&store.url(), &[("PAYMENTS_FAULT_LEDGER_ONCE", "1")]).await;
+    let tenant = common::unique("bound");
+    let failed = pay(svc.addr, &tenant, "k-bound", 4990).await;
+    assert_eq!(failed.status, 503, "{failed:?}");
+    let other = pay(svc.addr, &tenant, "k-bound", 9990).await;
+    assert_eq!(other.status, 422, "{other:?}");
+    assert_eq!(other.problem(), "idempotency-key-reused");
+    let retried = pay(svc.addr, &tenant, "k-bound", 4990).await;
+    assert_eq!(retried.status, 201, "{retried:?}");
+    let (charges, calls, balance) = ledger(svc.addr, &tenant).await;
+    assert_eq!((charges, calls, balance), (1, 2, 1_000_000 - 4990));
+}
+
+/// The key of a refund names the refund of one payment: the same key on
+/// another payment's refund is another request (422), never a replay.
+async fn a_refund_key_reused_on_another_payment_gets_422(store: Store) {
+    let svc = Service::start(&store.url(), &[]).await;
+    let tenant = common::unique("refund");
+    let a = pay(svc.addr, &tenant, "pay-a", 1000).await.json()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let b = pay(svc.addr, &tenant, "pay-b", 1000).await.json()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let refund = |payment: &str| post(&format!("/v1/payments/{payment}/refunds"), r#"{"amount": 100}"#);
+    let first = refund(&a).bearer(&tenant).key("r-1").send(svc.addr).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let other = refund(&b).bearer(&tenant).key("r-1").send(svc.addr).await;
+    assert_eq!(other.status, 422, "{other:?}");
+    assert_eq!(other.problem(), "idempotency-key-reused");
+    let replay = refund(&a).bearer(&tenant).key("r-1").send(svc.addr).await;
+    assert_eq!(
+        (replay.status, replay.header("idempotent-replayed")),
+        (201, Some("true"))
+    );
+}
+
 /// Runs each scenario on a temporary SQLite file and on PostgreSQL.
 macro_rules! on_both_stores {
     ($($scenario:ident),* $(,)?) => {
@@ -224,6 +267,8 @@ macro_rules! on_both_stores {
 
 on_both_stores!(
     twenty_concurrent_requests_make_one_charge,
+    a_failed_payment_retried_with_another_amount_gets_422_and_one_charge,
+    a_refund_key_reused_on_another_payment_gets_422,
     a_crash_after_the_charge_is_taken_over_without_a_second_charge,
     a_crash_before_the_commit_leaves_nothing_behind,
 );

@@ -37,6 +37,9 @@ pub struct Config {
     /// `PAYMENTS_FAULT_BEFORE_COMMIT_MS` (fault injection for crash tests): a
     /// pause after the payment is written and before it commits.
     pub pause_before_commit: Duration,
+    /// `PAYMENTS_FAULT_LEDGER_ONCE=1` (fault injection): the first attempt of
+    /// every payment finds the ledger down after the gateway charged (503).
+    pub ledger_down_once: bool,
 }
 
 /// Parses `500ms`, `30s`, `5m`, `24h`, `1d`.
@@ -83,6 +86,7 @@ impl Config {
             gateway_delay: millis("PAYMENTS_GATEWAY_DELAY_MS")?,
             pause_after_charge: millis("PAYMENTS_FAULT_AFTER_CHARGE_MS")?,
             pause_before_commit: millis("PAYMENTS_FAULT_BEFORE_COMMIT_MS")?,
+            ledger_down_once: var("PAYMENTS_FAULT_LEDGER_ONCE").as_deref() == Some("1"),
         })
     }
 }
@@ -353,6 +357,16 @@ async fn create_payment(
         .await?;
     op.checkpoint("charged").await?;
     tokio::time::sleep(svc.config.pause_after_charge).await;
+    if svc.config.ledger_down_once && op.attempt() == 1 {
+        // Released as failed: the retry of this request continues this
+        // operation (the gateway deduplicates its derived key); another
+        // request with this key gets 422.
+        return Err(ApiError::problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ledger-unavailable",
+            "the ledger is down after the charge; retry with the same key",
+        ));
+    }
 
     // The same id on every attempt of this operation.
     let id = format!("pay_{}", &op.derived_key("payment-id")[5..29]);
