@@ -72,6 +72,12 @@ impl Request {
         self
     }
 
+    /// Replaces the `content-type` (JSON by default).
+    pub fn content_type(mut self, value: &str) -> Self {
+        self.headers.retain(|(n, _)| n != "content-type");
+        self.header("content-type", value)
+    }
+
     pub fn key(self, key: &str) -> Self {
         self.header("Idempotency-Key", key)
     }

@@ -180,6 +180,7 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn print<'a>(path: &'a [(&'a str, &'a str)], query: Option<&'a str>, body: BodyPrint<'a>) -> String {
         fingerprint(&RequestPrint {
@@ -239,5 +240,50 @@ mod tests {
             fp(r#"{"amount":1}"#),
             fp(r#"{"amount":1,"recipient":{"account":null}}"#)
         );
+    }
+
+    fn json_print(text: &str) -> String {
+        print(
+            &[],
+            None,
+            BodyPrint::Json {
+                text: text.as_bytes(),
+                fields: Some(&["a", "b"]),
+            },
+        )
+    }
+
+    proptest! {
+        /// Requests that differ in a path parameter, a query value, a
+        /// declared field or any byte of a raw body never share a
+        /// fingerprint.
+        #[test]
+        fn what_identifies_a_request_always_changes_it(
+            x in "[a-z0-9]{1,8}", y in "[a-z0-9]{1,8}", n in any::<i64>(), m in any::<i64>(),
+            raw in proptest::collection::vec(any::<u8>(), 1..64), at in any::<usize>(), flip in 1u8..=255,
+        ) {
+            prop_assume!(x != y && n != m);
+            prop_assert_ne!(print(&[("id", &x)], None, BodyPrint::None), print(&[("id", &y)], None, BodyPrint::None));
+            let (qx, qy) = (format!("q={x}"), format!("q={y}"));
+            prop_assert_ne!(print(&[], Some(&qx), BodyPrint::None), print(&[], Some(&qy), BodyPrint::None));
+            prop_assert_ne!(json_print(&format!(r#"{{"a":{n},"b":1}}"#)), json_print(&format!(r#"{{"a":{m},"b":1}}"#)));
+            let mut other = raw.clone();
+            let i = at % other.len();
+            other[i] ^= flip;
+            prop_assert_ne!(print(&[], None, BodyPrint::Raw(&raw)), print(&[], None, BodyPrint::Raw(&other)));
+        }
+
+        /// Requests that differ only in an undeclared field, whitespace,
+        /// member order or number spelling always share it.
+        #[test]
+        fn what_does_not_identify_a_request_never_changes_it(
+            n in -1_000_000i64..1_000_000, s in "[a-z]{0,8}", note in "[a-z ]{0,12}", ws in "[ \t\n]{0,3}", swap in any::<bool>(),
+        ) {
+            let base = json_print(&format!(r#"{{"a":{n},"b":"{s}"}}"#));
+            let (first, second) = (format!(r#""a"{ws}:{ws}{n}.0e0"#), format!(r#""b":{ws}"{s}""#));
+            let members = if swap { [second, first] } else { [first, second] };
+            let spelled = format!("{ws}{{{ws}{},{ws}{},\"note\":\"{note}\"}}{ws}", members[0], members[1]);
+            prop_assert_eq!(json_print(&spelled), base);
+        }
     }
 }

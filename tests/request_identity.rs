@@ -1,0 +1,289 @@
+//! What identifies a request, over real HTTP: the path and query, every
+//! kind of body, the body as the client sent it (not the handler's type),
+//! and fingerprints that survive deploys that do not change a request's
+//! meaning.
+
+mod common;
+
+use axum::extract::Path;
+use axum::routing::post;
+use axum::{Form, Json, Router};
+use common::http::{post as post_req, Reply};
+use idem::{idempotent, Idem, IdempotencyStore, MemoryStore};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// Serves `router` with idem over `store` (single tenant).
+async fn serve(store: &Arc<dyn IdempotencyStore>, router: Router) -> SocketAddr {
+    common::http::serve(router.layer(Idem::from_arc(store.clone()).single_tenant().layer())).await
+}
+
+fn memory() -> Arc<dyn IdempotencyStore> {
+    Arc::new(MemoryStore::new())
+}
+
+async fn send(addr: SocketAddr, path: &str, body: &str, key: &str) -> Reply {
+    post_req(path, body).key(key).send(addr).await
+}
+
+fn replayed(r: &Reply) -> bool {
+    r.header("idempotent-replayed") == Some("true")
+}
+
+mod v1 {
+    use super::*;
+
+    #[derive(serde::Deserialize)]
+    pub struct PaymentIn {
+        pub amount: i64,
+        pub currency: String,
+    }
+
+    #[idempotent(scope = "payment.create", fields(amount, currency))]
+    pub async fn declared(Json(p): Json<PaymentIn>) -> String {
+        format!("v1 {} {}", p.amount, p.currency)
+    }
+
+    #[idempotent(scope = "payment.whole")]
+    pub async fn whole(Json(p): Json<PaymentIn>) -> String {
+        format!("v1 {} {}", p.amount, p.currency)
+    }
+}
+
+/// The same endpoints after a deploy: a Rust field renamed under the same
+/// wire name, an optional field the client does not send.
+mod v2 {
+    use super::*;
+
+    #[derive(serde::Deserialize)]
+    pub struct PaymentIn {
+        #[serde(rename = "amount")]
+        pub amount_minor: i64,
+        pub currency: String,
+        pub note: Option<String>,
+    }
+
+    #[idempotent(scope = "payment.create", fields(amount_minor = "amount", currency))]
+    pub async fn declared(Json(p): Json<PaymentIn>) -> String {
+        format!("v2 {} {} {:?}", p.amount_minor, p.currency, p.note)
+    }
+
+    #[idempotent(scope = "payment.whole")]
+    pub async fn whole(Json(p): Json<PaymentIn>) -> String {
+        format!("v2 {} {} {:?}", p.amount_minor, p.currency, p.note)
+    }
+}
+
+/// A retry that spans a deploy which renames a Rust field (same wire name)
+/// or adds an optional field replays the first answer.
+#[tokio::test]
+async fn a_retry_across_a_deploy_that_keeps_the_wire_form_replays() {
+    let store = memory();
+    let before = serve(
+        &store,
+        Router::new()
+            .route("/declared", post(v1::declared))
+            .route("/whole", post(v1::whole)),
+    )
+    .await;
+    let after = serve(
+        &store,
+        Router::new()
+            .route("/declared", post(v2::declared))
+            .route("/whole", post(v2::whole)),
+    )
+    .await;
+    let body = r#"{"amount": 4990, "currency": "EUR"}"#;
+    for path in ["/declared", "/whole"] {
+        let first = send(before, path, body, "k-deploy").await;
+        assert_eq!((first.status, first.body.as_slice()), (200, &b"v1 4990 EUR"[..]));
+        let retry = send(after, path, body, "k-deploy").await;
+        assert!(replayed(&retry), "{path}: {retry:?}");
+        assert_eq!(retry.body, first.body);
+        // And a changed value is still another request.
+        let changed = send(after, path, r#"{"amount": 4991, "currency": "EUR"}"#, "k-deploy").await;
+        assert_eq!(changed.status, 422, "{path}");
+    }
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+struct CardPayment {
+    amount: i64,
+    /// Kept out of every response, yet part of what the client sent.
+    #[serde(skip_serializing)]
+    card: String,
+    big: Option<u128>,
+}
+
+#[idempotent(scope = "card.charge")]
+async fn charge(Json(p): Json<CardPayment>) -> String {
+    format!("charged {} on {}", p.amount, &p.card[p.card.len() - 4..])
+}
+
+/// The whole-body fingerprint is what the client sent: a field the type
+/// never serializes counts, a value past u64 fingerprints (and exactly).
+#[tokio::test]
+async fn the_whole_body_is_what_the_client_sent() {
+    let addr = serve(&memory(), Router::new().route("/charge", post(charge))).await;
+    let first = send(
+        addr,
+        "/charge",
+        r#"{"amount": 5, "card": "4111111111111111"}"#,
+        "k-card",
+    )
+    .await;
+    assert_eq!(first.status, 200);
+    let other_card = send(
+        addr,
+        "/charge",
+        r#"{"amount": 5, "card": "5500000000000004"}"#,
+        "k-card",
+    )
+    .await;
+    assert_eq!(other_card.status, 422, "another card is another request");
+
+    let big = |n: &str| format!(r#"{{"amount": 5, "card": "4111111111111111", "big": {n}}}"#);
+    let a = send(
+        addr,
+        "/charge",
+        &big("340282366920938463463374607431768211454"),
+        "k-big",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{a:?}");
+    let b = send(
+        addr,
+        "/charge",
+        &big("340282366920938463463374607431768211455"),
+        "k-big",
+    )
+    .await;
+    assert_eq!(b.status, 422, "two u128 values one apart are two requests");
+    let same = send(
+        addr,
+        "/charge",
+        &big("340282366920938463463374607431768211454"),
+        "k-big",
+    )
+    .await;
+    assert!(replayed(&same));
+}
+
+#[idempotent(scope = "event.record")]
+async fn record_event(Json(v): Json<serde_json::Value>) -> String {
+    v.to_string()
+}
+
+/// A body that is not I-JSON cannot be fingerprinted: where the handler's
+/// type would take it (a map keeps the last of two equal names), idem
+/// refuses it with 400, stores nothing, and the handler does not run.
+#[tokio::test]
+async fn a_body_with_duplicate_names_is_refused_before_anything_is_stored() {
+    let store = memory();
+    let addr = serve(&store, Router::new().route("/events", post(record_event))).await;
+    let dup = send(addr, "/events", r#"{"kind": "a", "kind": "b"}"#, "k-dup").await;
+    assert_eq!(dup.status, 400, "{dup:?}");
+    assert_eq!(dup.problem(), "idempotency-body-invalid");
+    assert_eq!(store.as_any_store_len(), 0);
+}
+
+/// How many records a memory store holds.
+trait StoreLen {
+    fn as_any_store_len(&self) -> usize;
+}
+
+impl StoreLen for Arc<dyn IdempotencyStore> {
+    fn as_any_store_len(&self) -> usize {
+        let any: &dyn std::any::Any = self.as_any();
+        any.downcast_ref::<MemoryStore>().unwrap().len()
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct RefundIn {
+    amount: i64,
+}
+
+#[idempotent(scope = "refund.create", fields(amount), ignore("utm_source"))]
+async fn refund(Path(id): Path<String>, Json(r): Json<RefundIn>) -> String {
+    format!("refunded {} of {id}", r.amount)
+}
+
+#[idempotent(scope = "report.create", body = "none")]
+async fn report(axum::extract::RawQuery(q): axum::extract::RawQuery) -> String {
+    format!("report {q:?}")
+}
+
+/// The path parameters and the query identify the request; an ignored
+/// query name does not.
+#[tokio::test]
+async fn the_path_and_the_query_identify_the_request() {
+    let addr = serve(
+        &memory(),
+        Router::new()
+            .route("/payments/{id}/refunds", post(refund))
+            .route("/reports", post(report)),
+    )
+    .await;
+    let body = r#"{"amount": 100}"#;
+    let a = send(addr, "/payments/pay_a/refunds", body, "k-r").await;
+    assert_eq!(a.body, b"refunded 100 of pay_a");
+    let b = send(addr, "/payments/pay_b/refunds", body, "k-r").await;
+    assert_eq!(b.status, 422, "another payment's refund is another request");
+    let tracked = send(addr, "/payments/pay_a/refunds?utm_source=mail", body, "k-r").await;
+    assert!(replayed(&tracked), "an ignored query name changes nothing");
+
+    let first = send(addr, "/reports?month=11&year=2026", "", "k-q").await;
+    assert_eq!(first.status, 200);
+    let reordered = send(addr, "/reports?year=2026&month=11", "", "k-q").await;
+    assert!(replayed(&reordered), "the order of query names does not count");
+    let other = send(addr, "/reports?month=12&year=2026", "", "k-q").await;
+    assert_eq!(other.status, 422);
+}
+
+#[derive(serde::Deserialize)]
+struct Signup {
+    email: String,
+}
+
+#[idempotent(scope = "signup.create")]
+async fn signup(Form(s): Form<Signup>) -> String {
+    format!("welcome {}", s.email)
+}
+
+#[idempotent(scope = "message.send")]
+async fn message(body: axum::body::Bytes) -> String {
+    format!("{} bytes", body.len())
+}
+
+/// Forms count by their pairs, raw bodies by every byte.
+#[tokio::test]
+async fn forms_and_raw_bodies_are_fingerprinted() {
+    let addr = serve(
+        &memory(),
+        Router::new()
+            .route("/signup", post(signup))
+            .route("/messages", post(message)),
+    )
+    .await;
+    let form = |body: &str, key: &str| {
+        let request = post_req("/signup", body)
+            .content_type("application/x-www-form-urlencoded")
+            .key(key);
+        async move { request.send(addr).await }
+    };
+    let first = form("email=a%40example.com&plan=pro", "k-form").await;
+    assert_eq!(first.body, b"welcome a@example.com");
+    assert!(replayed(&form("plan=pro&email=a@example.com", "k-form").await));
+    assert_eq!(form("email=b%40example.com&plan=pro", "k-form").await.status, 422);
+
+    let raw = |body: &str| {
+        let request = post_req("/messages", body)
+            .content_type("application/octet-stream")
+            .key("k-raw");
+        async move { request.send(addr).await }
+    };
+    assert_eq!(raw("hello").await.status, 200);
+    assert!(replayed(&raw("hello").await));
+    assert_eq!(raw("hellp").await.status, 422);
+}
