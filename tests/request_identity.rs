@@ -34,18 +34,18 @@ mod v1 {
     use super::*;
 
     #[derive(serde::Deserialize)]
-    pub struct PaymentIn {
-        pub amount: i64,
-        pub currency: String,
+    pub(crate) struct PaymentIn {
+        pub(crate) amount: i64,
+        pub(crate) currency: String,
     }
 
     #[idempotent(scope = "payment.create", fields(amount, currency))]
-    pub async fn declared(Json(p): Json<PaymentIn>) -> String {
+    pub(crate) async fn declared(Json(p): Json<PaymentIn>) -> String {
         format!("v1 {} {}", p.amount, p.currency)
     }
 
     #[idempotent(scope = "payment.whole")]
-    pub async fn whole(Json(p): Json<PaymentIn>) -> String {
+    pub(crate) async fn whole(Json(p): Json<PaymentIn>) -> String {
         format!("v1 {} {}", p.amount, p.currency)
     }
 }
@@ -56,20 +56,20 @@ mod v2 {
     use super::*;
 
     #[derive(serde::Deserialize)]
-    pub struct PaymentIn {
+    pub(crate) struct PaymentIn {
         #[serde(rename = "amount")]
-        pub amount_minor: i64,
-        pub currency: String,
-        pub note: Option<String>,
+        pub(crate) amount_minor: i64,
+        pub(crate) currency: String,
+        pub(crate) note: Option<String>,
     }
 
     #[idempotent(scope = "payment.create", fields(amount_minor = "amount", currency))]
-    pub async fn declared(Json(p): Json<PaymentIn>) -> String {
+    pub(crate) async fn declared(Json(p): Json<PaymentIn>) -> String {
         format!("v2 {} {} {:?}", p.amount_minor, p.currency, p.note)
     }
 
     #[idempotent(scope = "payment.whole")]
-    pub async fn whole(Json(p): Json<PaymentIn>) -> String {
+    pub(crate) async fn whole(Json(p): Json<PaymentIn>) -> String {
         format!("v2 {} {} {:?}", p.amount_minor, p.currency, p.note)
     }
 }
