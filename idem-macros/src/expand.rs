@@ -133,21 +133,16 @@ fn split_return_type(ty: &Type) -> (Type, Type, Vec<(syn::Ident, TokenStream)>, 
     (inferred, generic, params, declared)
 }
 
-/// `Json<T>` as `RawJson<T>` (or `Form<T>` as `RawForm<T>`): the same
-/// generic arguments under idem's extractor that keeps the bytes.
-fn raw_extractor(private: &TokenStream, ty: &Type, name: &str) -> TokenStream {
-    let args = match ty {
-        Type::Path(p) => p.path.segments.last().map(|s| s.arguments.clone()),
-        _ => None,
-    };
-    let name = syn::Ident::new(name, ty.span());
-    quote_spanned!(ty.span()=> #private::#name #args)
+/// `Json<T>` as `Raw<Json<T>>` (or `Form<T>` as `Raw<Form<T>>`): the body
+/// extractor under idem's, which keeps the bytes.
+fn raw_extractor(private: &TokenStream, ty: &Type) -> TokenStream {
+    quote_spanned!(ty.span()=> #private::Raw<#ty>)
 }
 
 // Input:  a checked handler and its arguments.
 // Output:
 //     #[attrs] vis async fn create(__idem_ctx: ::idem::__private::Context,
-//             State(s): State<App>, __idem_body: ::idem::__private::RawJson<In>)
+//             State(s): State<App>, __idem_body: ::idem::__private::Raw<Json<In>>)
 //             -> ::idem::__private::Response {
 //         let __idem_spec: &'static Spec = { static SPEC: Spec = Spec { scope: "payment.create", .. }; &SPEC };
 //         let _ = &__idem_body.value.0.amount; // each declared field exists
@@ -200,13 +195,8 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
             Some((at, kind)) if at == i => {
                 let (pat, ty, attrs) = (&pt.pat, &pt.ty, &pt.attrs);
                 let (param_ty, value, body_print) = match kind {
-                    BodyKind::Json => (
-                        raw_extractor(&private, ty, "RawJson"),
-                        quote!(#body_ident.value),
-                        quote!(#body_ident.print()),
-                    ),
-                    BodyKind::Form => (
-                        raw_extractor(&private, ty, "RawForm"),
+                    BodyKind::Json | BodyKind::Form => (
+                        raw_extractor(&private, ty),
                         quote!(#body_ident.value),
                         quote!(#body_ident.print()),
                     ),
@@ -394,7 +384,7 @@ mod tests {
         let ctx = out.find("__idem_ctx : :: idem :: __private :: Context").unwrap();
         let state = out.find("State (s) : State < App >").unwrap();
         let body = out
-            .find("__idem_body : :: idem :: __private :: RawJson < In >")
+            .find("__idem_body : :: idem :: __private :: Raw < Json < In > >")
             .unwrap();
         assert!(ctx < state && state < body, "{out}");
         assert!(out.contains("\"amount\""), "{out}");

@@ -455,68 +455,39 @@ pub fn raw<T: AsRef<[u8]>>(body: &T) -> crate::BodyPrint<'_> {
     crate::BodyPrint::Raw(body.as_ref())
 }
 
-/// `Json<T>` and the bytes it was read from: the handler gets the typed
-/// value, the fingerprint what the client sent. Rejections are axum's own.
+/// A body extractor (`Json<T>`, `Form<T>`) and the bytes it was read from:
+/// the handler gets the typed value, the fingerprint what the client sent.
+/// Rejections are the extractor's own.
 #[doc(hidden)]
-pub struct RawJson<T> {
-    pub value: axum::Json<T>,
+pub struct Raw<E> {
+    pub value: E,
     pub bytes: axum::body::Bytes,
 }
 
-/// `Form<T>` and the bytes it was read from.
-#[doc(hidden)]
-pub struct RawForm<T> {
-    pub value: axum::Form<T>,
-    pub bytes: axum::body::Bytes,
-}
-
-/// Reads the body once (within axum's body limit), then extracts `E` from
-/// those bytes.
-async fn with_bytes<S, E>(req: axum::extract::Request, state: &S) -> Result<(E, axum::body::Bytes), Response>
+impl<S, E> axum::extract::FromRequest<S> for Raw<E>
 where
     S: Send + Sync,
     E: axum::extract::FromRequest<S>,
 {
-    use axum::extract::FromRequest as _;
-    let (parts, body) = req.into_parts();
-    let bytes =
-        axum::body::Bytes::from_request(axum::extract::Request::from_parts(parts.clone(), body), state)
+    type Rejection = Response;
+
+    /// Reads the body once (within axum's body limit), then extracts `E`
+    /// from those bytes.
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+        let (parts, body) = req.into_parts();
+        let bytes =
+            axum::body::Bytes::from_request(axum::extract::Request::from_parts(parts.clone(), body), state)
+                .await
+                .map_err(IntoResponse::into_response)?;
+        let request = axum::extract::Request::from_parts(parts, Body::from(bytes.clone()));
+        let value = E::from_request(request, state)
             .await
             .map_err(IntoResponse::into_response)?;
-    let request = axum::extract::Request::from_parts(parts, Body::from(bytes.clone()));
-    let value = E::from_request(request, state)
-        .await
-        .map_err(IntoResponse::into_response)?;
-    Ok((value, bytes))
-}
-
-impl<S, T> axum::extract::FromRequest<S> for RawJson<T>
-where
-    S: Send + Sync,
-    T: serde::de::DeserializeOwned,
-{
-    type Rejection = Response;
-
-    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
-        let (value, bytes) = with_bytes(req, state).await?;
-        Ok(RawJson { value, bytes })
+        Ok(Raw { value, bytes })
     }
 }
 
-impl<S, T> axum::extract::FromRequest<S> for RawForm<T>
-where
-    S: Send + Sync,
-    T: serde::de::DeserializeOwned,
-{
-    type Rejection = Response;
-
-    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
-        let (value, bytes) = with_bytes(req, state).await?;
-        Ok(RawForm { value, bytes })
-    }
-}
-
-impl<T> RawJson<T> {
+impl<T> Raw<axum::Json<T>> {
     /// The body as the fingerprint sees it.
     pub fn print(&self) -> crate::BodyPrint<'_> {
         crate::BodyPrint::Json {
@@ -526,7 +497,7 @@ impl<T> RawJson<T> {
     }
 }
 
-impl<T> RawForm<T> {
+impl<T> Raw<axum::Form<T>> {
     /// The body as the fingerprint sees it.
     pub fn print(&self) -> crate::BodyPrint<'_> {
         crate::BodyPrint::Form(&self.bytes)

@@ -63,8 +63,7 @@ pub use http::{
 pub mod __private {
     pub use crate::fingerprint::BodyPrint;
     pub use crate::http::{
-        fingerprint_request, raw, run, run_optional, Context, Probe, RawForm, RawJson, Spec, ViaErr, ViaSelf,
-        ViaStatus,
+        fingerprint_request, raw, run, run_optional, Context, Probe, Raw, Spec, ViaErr, ViaSelf, ViaStatus,
     };
     pub use axum::response::{IntoResponse, Response};
     pub use std::time::Duration;

@@ -372,15 +372,7 @@ macro_rules! fenced_ops {
             token: &'a str,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
             Box::pin($crate::store::bounded(self.timeout, async move {
-                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.release.as_str()))
-                    .bind(&id.tenant)
-                    .bind(&id.scope)
-                    .bind(&id.key)
-                    .bind(token)
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::sql::map_err)?;
-                $crate::sql::fenced(done.rows_affected())?;
+                $crate::sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
                 pause_point!($crate::pause::RELEASE_AFTER, &id.key);
                 Ok(())
             }))
@@ -392,25 +384,9 @@ macro_rules! fenced_ops {
             token: &'a str,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
             Box::pin($crate::store::bounded(self.timeout, async move {
-                let removed = sqlx::query(sqlx::AssertSqlSafe(self.sql.reject.as_str()))
-                    .bind(&id.tenant)
-                    .bind(&id.scope)
-                    .bind(&id.key)
-                    .bind(token)
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::sql::map_err)?;
-                if removed.rows_affected() == 0 {
+                if self.owned_write(&self.sql.reject, id, token).await? == 0 {
                     // A later attempt (or a lost lock): released as failed.
-                    let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.release.as_str()))
-                        .bind(&id.tenant)
-                        .bind(&id.scope)
-                        .bind(&id.key)
-                        .bind(token)
-                        .execute(&self.pool)
-                        .await
-                        .map_err($crate::sql::map_err)?;
-                    $crate::sql::fenced(done.rows_affected())?;
+                    $crate::sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
                 }
                 pause_point!($crate::pause::REJECT_AFTER, &id.key);
                 Ok(())
@@ -480,6 +456,25 @@ pub(crate) use fenced_ops;
 /// pool, or the handler's open transaction.
 macro_rules! complete_with {
     ($db:ty) => {
+        /// Runs `statement` (binds: tenant, scope, key, token) on the pool
+        /// and says how many rows it changed.
+        async fn owned_write(
+            &self,
+            statement: &str,
+            id: &$crate::RecordId,
+            token: &str,
+        ) -> Result<u64, $crate::StoreError> {
+            let done = sqlx::query(sqlx::AssertSqlSafe(statement))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .bind(token)
+                .execute(&self.pool)
+                .await
+                .map_err($crate::sql::map_err)?;
+            Ok(done.rows_affected())
+        }
+
         pub(crate) async fn complete_with<'e, E>(
             &self,
             executor: E,
