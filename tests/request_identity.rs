@@ -287,3 +287,115 @@ async fn forms_and_raw_bodies_are_fingerprinted() {
     assert!(replayed(&raw("hello").await));
     assert_eq!(raw("hellp").await.status, 422);
 }
+
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct AliasedIn {
+    #[serde(alias = "amt")]
+    amount: i64,
+    account_id: Option<String>,
+    #[serde(rename = "billing.account")]
+    billing: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    nickname: Option<Option<String>>,
+}
+
+/// `Some(None)` for an explicit `null`, `None` (by default) for absent.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
+    use serde::Deserialize;
+    Option::<String>::deserialize(d).map(Some)
+}
+
+#[idempotent(
+    scope = "aliased.pay",
+    fields(amount, account_id, billing = "billing.account", nickname)
+)]
+async fn aliased(Json(p): Json<AliasedIn>) -> String {
+    format!("{} {:?} {:?} {:?}", p.amount, p.account_id, p.billing, p.nickname)
+}
+
+#[derive(serde::Deserialize)]
+struct Positional {
+    amount: i64,
+    currency: String,
+}
+
+#[idempotent(scope = "positional.pay", fields(amount, currency))]
+async fn positional(Json(p): Json<Positional>) -> String {
+    format!("{} {}", p.amount, p.currency)
+}
+
+/// A declared field that is not where its wire path says (sent under an
+/// alias, renamed by the type, behind a dot in its name, left out, or in a
+/// struct sent as an array) never makes two requests meet: the whole body
+/// counts then.
+#[tokio::test]
+async fn a_declared_field_idem_cannot_find_makes_the_whole_body_count() {
+    let addr = serve(
+        &memory(),
+        Router::new()
+            .route("/aliased", post(aliased))
+            .route("/positional", post(positional)),
+    )
+    .await;
+    for (key, first, second) in [
+        ("k-alias", r#"{"amt": 100}"#, r#"{"amt": 999}"#),
+        (
+            "k-camel",
+            r#"{"amount": 1, "accountId": "a"}"#,
+            r#"{"amount": 1, "accountId": "b"}"#,
+        ),
+        (
+            "k-dot",
+            r#"{"amount": 1, "billing.account": "a"}"#,
+            r#"{"amount": 1, "billing.account": "b"}"#,
+        ),
+        ("k-null", r#"{"amount": 1}"#, r#"{"amount": 1, "nickname": null}"#),
+    ] {
+        let a = send(addr, "/aliased", first, key).await;
+        assert_eq!(a.status, 200, "{key}: {a:?}");
+        let b = send(addr, "/aliased", second, key).await;
+        assert_eq!(
+            b.status,
+            422,
+            "{key}: another request replayed {:?}",
+            String::from_utf8_lossy(&b.body)
+        );
+        assert!(replayed(&send(addr, "/aliased", first, key).await), "{key}");
+    }
+    let a = send(addr, "/positional", r#"[100, "EUR"]"#, "k-array").await;
+    assert_eq!(a.body, b"100 EUR");
+    assert_eq!(
+        send(addr, "/positional", r#"[999999, "USD"]"#, "k-array")
+            .await
+            .status,
+        422
+    );
+}
+
+#[idempotent(scope = "number.record")]
+async fn number(Json(n): Json<serde_json::Number>) -> String {
+    n.to_string()
+}
+
+/// Numbers past 2^53: the same number spelled two ways is one request; two
+/// different numbers are two, whichever way each is spelled.
+#[tokio::test]
+async fn large_numbers_are_one_request_per_value() {
+    let addr = serve(&memory(), Router::new().route("/n", post(number))).await;
+    for (key, a, b) in [
+        ("k-2p60", "1152921504606846976.0", "1152921504606846976"),
+        ("k-1e21", "1e21", "1000000000000000000000"),
+        ("k-4990", "4.99e3", "4990"),
+    ] {
+        assert_eq!(send(addr, "/n", a, key).await.status, 200);
+        let again = send(addr, "/n", b, key).await;
+        assert!(replayed(&again), "{key}: {b} is {a}: {again:?}");
+    }
+    assert_eq!(
+        send(addr, "/n", "1152921504606847000", "k-2p60").await.status,
+        422
+    );
+    assert_eq!(send(addr, "/n", "9007199254740993", "k-big").await.status, 200);
+    assert_eq!(send(addr, "/n", "9007199254740992", "k-big").await.status, 422);
+}

@@ -44,7 +44,7 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         }
     };
     if let (Some((fields_kw, _)), Some(h)) = (&args.fields, &handler) {
-        if !matches!(h.body, Some((_, BodyKind::Json))) {
+        if !matches!(h.body, Some((_, BodyKind::Extracted))) {
             combine(
                 &mut errors,
                 syn::Error::new(
@@ -146,7 +146,7 @@ fn raw_extractor(private: &TokenStream, ty: &Type) -> TokenStream {
 //             -> ::idem::__private::Response {
 //         let __idem_spec: &'static Spec = { static SPEC: Spec = Spec { scope: "payment.create", .. }; &SPEC };
 //         let _ = &__idem_body.value.0.amount; // each declared field exists
-//         let __idem_fp = fingerprint_request(&__idem_ctx, __idem_spec, __idem_body.print());
+//         let __idem_fp = fingerprint_request(&__idem_ctx, __idem_spec, print_body::<Json<In>>(&__idem_body));
 //         run(__idem_ctx, __idem_spec, __idem_fp, move |__idem_op| async move {
 //             let Json(p) = __idem_body.value;
 //             let __idem_out = async move { let __idem_ret: R = { .. }; __idem_ret }.await;
@@ -186,6 +186,7 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
     let mut params: Vec<TokenStream> = vec![quote!(#ctx: #private::Context)];
     let mut bindings: Vec<TokenStream> = Vec::new();
     let mut print = quote!(#private::BodyPrint::None);
+    let mut body_type: Option<Type> = None;
     for (i, input) in sig.inputs.iter().enumerate() {
         let FnArg::Typed(pt) = input else { continue };
         if operation.as_ref().is_some_and(|(at, _)| *at == i) {
@@ -195,10 +196,10 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
             Some((at, kind)) if at == i => {
                 let (pat, ty, attrs) = (&pt.pat, &pt.ty, &pt.attrs);
                 let (param_ty, value, body_print) = match kind {
-                    BodyKind::Json | BodyKind::Form => (
+                    BodyKind::Extracted => (
                         raw_extractor(&private, ty),
                         quote!(#body_ident.value),
-                        quote!(#body_ident.print()),
+                        quote_spanned!(ty.span()=> #private::print_body::<#ty>(&#body_ident)),
                     ),
                     BodyKind::Raw => (
                         quote!(#ty),
@@ -207,6 +208,7 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
                     ),
                 };
                 params.push(quote!(#(#attrs)* #body_ident: #param_ty));
+                body_type = Some((**ty).clone());
                 bindings.push(quote!(let #pat = #value;));
                 print = body_print;
             }
@@ -248,6 +250,16 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
             })
             .unzip(),
         None => (Vec::new(), Vec::new()),
+    };
+    // `fields(...)` names JSON members: the body must read JSON.
+    let json_check = match (&args.fields, &body_type) {
+        (Some((kw, _)), Some(ty)) => quote_spanned!(kw.span=>
+            const _: () = ::core::assert!(
+                #private::is_json::<#ty>(),
+                "`fields(...)` names members of a JSON body, but this body extractor does not read JSON"
+            );
+        ),
+        _ => quote!(),
     };
     let fields = if args.fields.is_some() {
         quote!(::core::option::Option::Some(&[#(#wires),*]))
@@ -342,6 +354,7 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
                 };
                 &SPEC
             };
+            #json_check
             #(#field_checks)*
             let #fp_ident = #private::fingerprint_request(&#ctx, #spec_ident, #print);
             #private::#run(#ctx, #spec_ident, #fp_ident, move |#op_ident| async move {

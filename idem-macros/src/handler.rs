@@ -14,10 +14,10 @@ pub(crate) enum OperationParam {
 /// How the handler reads the request body, which the fingerprint must see.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum BodyKind {
-    /// `Json<T>`
-    Json,
-    /// `Form<T>`
-    Form,
+    /// A body extractor (`Json<T>`, `Form<T>`, one of the application's
+    /// own): read through idem's, which keeps the bytes, and fingerprinted
+    /// as its `FingerprintBody` impl says.
+    Extracted,
     /// `String` or `Bytes`: the bytes themselves.
     Raw,
 }
@@ -49,14 +49,30 @@ const HEAD_ONLY: &[&str] = &[
     "Tenant",
 ];
 
+/// The body types idem knows by name: they must come last.
 fn body_kind(ty: &Type) -> Option<BodyKind> {
     let seg = last_segment(ty)?;
     match seg.ident.to_string().as_str() {
-        "Json" => Some(BodyKind::Json),
-        "Form" => Some(BodyKind::Form),
+        "Json" | "Form" => Some(BodyKind::Extracted),
         "String" | "Bytes" => Some(BodyKind::Raw),
         _ => None,
     }
+}
+
+/// A head-only extractor, or one wrapped in `Option` or `Result`.
+fn head_only(ty: &Type) -> bool {
+    let Some(seg) = last_segment(ty) else { return false };
+    let name = seg.ident.to_string();
+    if HEAD_ONLY.contains(&name.as_str()) {
+        return true;
+    }
+    if name != "Option" && name != "Result" {
+        return false;
+    }
+    let PathArguments::AngleBracketed(args) = &seg.arguments else {
+        return false;
+    };
+    matches!(args.args.first(), Some(GenericArgument::Type(inner)) if head_only(inner))
 }
 
 /// `Option<Json<T>>`, `Result<Form<T>, _>`: a body wrapped so that idem
@@ -185,17 +201,11 @@ impl Handler {
                 } else {
                     body = Some((*i, kind));
                 }
-            } else if last && !no_body {
-                let head_only =
-                    last_segment(&pt.ty).is_some_and(|s| HEAD_ONLY.contains(&s.ident.to_string().as_str()));
-                if !head_only {
-                    push(syn::Error::new(
-                        pt.ty.span(),
-                        "`#[idempotent]` cannot tell whether this parameter reads the request body, so it cannot \
-                         fingerprint it: take the body as `Json<T>`, `Form<T>`, `String` or `Bytes`, or add \
-                         `body = \"none\"` to the attribute if this parameter reads no body",
-                    ));
-                }
+            } else if last && !no_body && !head_only(&pt.ty) {
+                // An extractor idem does not know by name: read through
+                // idem's, whose `FingerprintBody` bound says what to do if it
+                // cannot be fingerprinted.
+                body = Some((*i, BodyKind::Extracted));
             }
         }
         match errors {

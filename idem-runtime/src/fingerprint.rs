@@ -19,8 +19,8 @@ pub enum BodyPrint<'a> {
     /// The handler reads no body.
     None,
     /// A JSON body (`Json<T>`), as sent. With `fields`, only the members at
-    /// those dotted paths of wire names count (an absent one counts as
-    /// `null`); without, the whole body does.
+    /// those dotted paths of wire names count, when every one is there;
+    /// without `fields`, or when one is missing, the whole body does.
     Json {
         /// The body's bytes.
         text: &'a [u8],
@@ -138,13 +138,25 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
             fields: Some(fields),
         } => {
             let body = jcs::parse(text)?;
-            let mut fields = fields.to_vec();
-            fields.sort_unstable();
-            fields.dedup();
-            put(b"fields");
-            for field in fields {
-                put(field.as_bytes());
-                put(body.get(field).unwrap_or(&Node::Null).canonical().as_bytes());
+            // Every declared field where its wire path says; else (the
+            // field left out, sent under an alias, in an array, behind a
+            // flattened or renamed name) the whole body counts, so that two
+            // different requests can never meet on a missing value.
+            let found: Option<Vec<(&str, &Node)>> = fields.iter().map(|f| Some((*f, body.get(f)?))).collect();
+            match found {
+                Some(mut values) => {
+                    values.sort_unstable_by_key(|(f, _)| *f);
+                    values.dedup_by_key(|(f, _)| *f);
+                    put(b"fields");
+                    for (field, value) in values {
+                        put(field.as_bytes());
+                        put(value.canonical().as_bytes());
+                    }
+                }
+                None => {
+                    put(b"json");
+                    put(body.canonical().as_bytes());
+                }
             }
         }
     }
@@ -236,10 +248,13 @@ mod tests {
         );
         assert_ne!(fp(r#"{"amount":2,"recipient":{"account":"a"}}"#), base);
         assert_ne!(fp(r#"{"amount":1,"recipient":{"account":"b"}}"#), base);
-        assert_eq!(
+        // A missing field is not a null one: the whole body counts then.
+        assert_ne!(
             fp(r#"{"amount":1}"#),
             fp(r#"{"amount":1,"recipient":{"account":null}}"#)
         );
+        assert_ne!(fp(r#"{"amount":1}"#), fp(r#"{"amount":2}"#));
+        assert_ne!(fp(r#"[1,"a"]"#), fp(r#"[2,"a"]"#));
     }
 
     fn json_print(text: &str) -> String {

@@ -487,21 +487,81 @@ where
     }
 }
 
-impl<T> Raw<axum::Json<T>> {
-    /// The body as the fingerprint sees it.
-    pub fn print(&self) -> crate::BodyPrint<'_> {
-        crate::BodyPrint::Json {
-            text: &self.bytes,
+/// The body of `raw` as the fingerprint sees it, as `E` says.
+#[doc(hidden)]
+pub fn print_body<E: FingerprintBody>(raw: &Raw<E>) -> crate::BodyPrint<'_> {
+    match E::FORMAT {
+        BodyFormat::Json => crate::BodyPrint::Json {
+            text: &raw.bytes,
             fields: None,
-        }
+        },
+        BodyFormat::Form => crate::BodyPrint::Form(&raw.bytes),
+        BodyFormat::Raw => crate::BodyPrint::Raw(&raw.bytes),
     }
 }
 
-impl<T> Raw<axum::Form<T>> {
-    /// The body as the fingerprint sees it.
-    pub fn print(&self) -> crate::BodyPrint<'_> {
-        crate::BodyPrint::Form(&self.bytes)
-    }
+/// What a body extractor reads, for the fingerprint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyFormat {
+    /// JSON: fingerprinted in its canonical form; `fields(...)` may name
+    /// its members.
+    Json,
+    /// `application/x-www-form-urlencoded`: fingerprinted by its pairs.
+    Form,
+    /// Anything else: fingerprinted by its bytes.
+    Raw,
+}
+
+/// Says how `#[idempotent]` fingerprints the body a body extractor reads.
+/// idem implements it for axum's `Json<T>` and `Form<T>`; implement it for
+/// an extractor of your own (such as a `Json<T>` with your own rejections).
+///
+/// ```
+/// use axum::extract::{FromRequest, Request};
+/// use idem::{BodyFormat, FingerprintBody};
+///
+/// /// axum's JSON with the application's own error answers.
+/// struct AppJson<T>(T);
+///
+/// impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for AppJson<T> {
+///     type Rejection = (axum::http::StatusCode, String);
+///     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+///         axum::Json::<T>::from_request(req, state)
+///             .await
+///             .map(|axum::Json(v)| AppJson(v))
+///             .map_err(|e| (e.status(), format!("bad JSON: {e}")))
+///     }
+/// }
+///
+/// impl<T> FingerprintBody for AppJson<T> {
+///     const FORMAT: BodyFormat = BodyFormat::Json;
+/// }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent]` cannot tell what the body extractor `{Self}` reads, so it cannot fingerprint it",
+    label = "idem must see this request body",
+    note = "implement `idem::FingerprintBody` for `{Self}` (JSON, a form or raw bytes), take the body as axum's \
+            `Json<T>`, `Form<T>`, `String` or `Bytes`, or add `body = \"none\"` to the attribute if this parameter \
+            reads only the request head"
+)]
+pub trait FingerprintBody {
+    /// What the extractor reads.
+    const FORMAT: BodyFormat;
+}
+
+impl<T> FingerprintBody for axum::Json<T> {
+    const FORMAT: BodyFormat = BodyFormat::Json;
+}
+
+impl<T> FingerprintBody for axum::Form<T> {
+    const FORMAT: BodyFormat = BodyFormat::Form;
+}
+
+/// Whether `E` reads JSON, for the macro's check that `fields(...)` names
+/// members of a JSON body.
+#[doc(hidden)]
+pub const fn is_json<E: FingerprintBody>() -> bool {
+    matches!(E::FORMAT, BodyFormat::Json)
 }
 
 #[derive(Clone)]

@@ -39,9 +39,11 @@ pub(crate) enum Node {
 /// parsing.
 ///
 /// One deliberate difference: an integer written without fraction or
-/// exponent is kept exactly, whatever its size, where RFC 8785 would round
-/// it through a double above 2^53: two different large amounts never share
-/// a fingerprint.
+/// exponent that no double holds exactly (past 2^53, such as a `u128`) is
+/// kept exactly, as its digits followed by `.0` (a form ECMAScript never
+/// writes), where RFC 8785 would round it to the nearest double: two
+/// different large amounts never share a canonical form, and an integer
+/// that a double does hold is written as RFC 8785 writes that double.
 ///
 /// # Errors
 ///
@@ -142,23 +144,28 @@ pub(crate) fn write_string(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// The canonical text of a JSON number as written: an integer exactly, any
-/// other form as the ECMAScript text of the nearest double.
+/// The canonical text of a JSON number as written: the ECMAScript text of
+/// its double (Rust's parser rounds correctly), or, for an integer no double
+/// holds exactly, its exact digits followed by `.0`.
 fn number(lexeme: &str) -> Result<String, String> {
-    if !lexeme.contains(['.', 'e', 'E']) {
-        let digits = lexeme.trim_start_matches('-');
-        return Ok(if digits == "0" {
-            "0".into()
-        } else {
-            lexeme.to_owned()
-        });
-    }
-    // Rust's parser is correctly rounded.
     let v: f64 = lexeme.parse().map_err(|_| format!("invalid number {lexeme}"))?;
+    if !lexeme.contains(['.', 'e', 'E']) && !holds_exactly(v, lexeme) {
+        return Ok(format!("{lexeme}.0"));
+    }
     if !v.is_finite() {
         return Err(format!("the number {lexeme} is beyond the range of a double"));
     }
     Ok(ecmascript(v))
+}
+
+/// Whether the double `v` is exactly the integer `lexeme`. Integers past
+/// the range of `i128` count as not held (their `.0` form stays distinct).
+fn holds_exactly(v: f64, lexeme: &str) -> bool {
+    const LIMIT: f64 = 1.7e38; // below 2^127: `as i128` is exact
+    match lexeme.parse::<i128>() {
+        Ok(n) => v.is_finite() && v.abs() < LIMIT && v as i128 == n,
+        Err(_) => false,
+    }
 }
 
 /// ECMAScript's `Number.prototype.toString` of a finite double.
@@ -398,10 +405,19 @@ mod tests {
             ("0.000001", "0.000001"),
             ("0.0000001", "1e-7"),
             ("123.456e-10", "1.23456e-8"),
-            ("9007199254740993", "9007199254740993"),
+            ("9007199254740992", "9007199254740992"),
+            ("9007199254740993", "9007199254740993.0"),
+            ("1152921504606846976", "1152921504606847000"),
+            ("1152921504606846976.0", "1152921504606847000"),
+            ("1152921504606847000", "1152921504606847000.0"),
+            ("1000000000000000000000", "1e+21"),
             (
                 "340282366920938463463374607431768211457",
-                "340282366920938463463374607431768211457",
+                "340282366920938463463374607431768211457.0",
+            ),
+            (
+                "-340282366920938463463374607431768211457",
+                "-340282366920938463463374607431768211457.0",
             ),
             ("-12.5", "-12.5"),
             ("5e-324", "5e-324"),
@@ -420,6 +436,7 @@ mod tests {
             r#""\udc00\ud800""#,
             "1e400",
             "-1e400",
+            "1e309",
             "01",
             "1.",
             "[1,]",
@@ -432,6 +449,8 @@ mod tests {
         assert!(canonical_json(&[b'"', 0xff, b'"']).is_err());
         let deep = "[".repeat(129) + &"]".repeat(129);
         assert!(canonical_json(deep.as_bytes()).is_err());
+        let huge = "1".repeat(400);
+        assert_eq!(canon(&huge), format!("{huge}.0"));
         let fine = "[".repeat(128) + &"]".repeat(128);
         assert!(canonical_json(fine.as_bytes()).is_ok());
     }

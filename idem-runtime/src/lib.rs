@@ -53,8 +53,9 @@ pub use sql::DEFAULT_TABLE;
 
 #[cfg(feature = "axum")]
 pub use http::{
-    problem, Classification, Classify, Idem, Operation, Tenant, BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT,
-    DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, PROBLEM_TYPE_PREFIX, REPLAYED_HEADER,
+    problem, BodyFormat, Classification, Classify, FingerprintBody, Idem, Operation, Tenant,
+    BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, PROBLEM_TYPE_PREFIX,
+    REPLAYED_HEADER,
 };
 
 /// What the `#[idempotent]` expansion calls; not a public API.
@@ -63,7 +64,8 @@ pub use http::{
 pub mod __private {
     pub use crate::fingerprint::BodyPrint;
     pub use crate::http::{
-        fingerprint_request, raw, run, run_optional, Context, Probe, Raw, Spec, ViaErr, ViaSelf, ViaStatus,
+        fingerprint_request, is_json, print_body, raw, run, run_optional, Context, Probe, Raw, Spec, ViaErr,
+        ViaSelf, ViaStatus,
     };
     pub use axum::response::{IntoResponse, Response};
     pub use std::time::Duration;
