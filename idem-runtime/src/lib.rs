@@ -49,7 +49,7 @@ pub use store::{
 };
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub use sql::DEFAULT_TABLE;
+pub use sql::{Migration, DEFAULT_TABLE, MAX_TABLE_NAME};
 
 #[cfg(feature = "axum")]
 pub use http::{
@@ -75,7 +75,7 @@ pub mod __private {
 pub use tx::TxConnection;
 
 #[cfg(feature = "postgres")]
-pub use postgres::{PgStore, DEFAULT_OPERATION_TIMEOUT, POSTGRES_MIGRATION};
+pub use postgres::{PgStore, DEFAULT_OPERATION_TIMEOUT, POSTGRES_MIGRATIONS};
 
 #[cfg(feature = "sqlite")]
-pub use sqlite::{SqliteStore, DEFAULT_BUSY_TIMEOUT, SQLITE_MIGRATION};
+pub use sqlite::{SqliteStore, DEFAULT_BUSY_TIMEOUT, SQLITE_MIGRATIONS};

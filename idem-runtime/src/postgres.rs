@@ -6,9 +6,21 @@ use crate::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use std::time::Duration;
 
-/// The migration that creates the records table, with `{table}` and
-/// `{index}` standing for the configured names. [`PgStore::migrate`] applies it.
-pub const POSTGRES_MIGRATION: &str = include_str!("../migrations/postgres/0001_create_idempotency_keys.sql");
+/// The migrations of the records table, in order, with `{table}` and
+/// `{index}` standing for the configured names. [`PgStore::migrate`] applies
+/// those not yet applied.
+pub const POSTGRES_MIGRATIONS: &[sql::Migration] = &[
+    sql::Migration {
+        version: 1,
+        name: "create idempotency keys",
+        sql: include_str!("../migrations/postgres/0001_create_idempotency_keys.sql"),
+    },
+    sql::Migration {
+        version: 2,
+        name: "add taken_over",
+        sql: include_str!("../migrations/postgres/0002_add_taken_over.sql"),
+    },
+];
 
 /// The default bound on one store operation, connection included.
 pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
@@ -142,7 +154,7 @@ impl PgStore {
     }
 
     fn build(pool: PgPool, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
-        let sql = Statements::new(sql::POSTGRES, POSTGRES_MIGRATION, schema, table)?;
+        let sql = Statements::new(sql::POSTGRES, POSTGRES_MIGRATIONS, schema, table)?;
         // One round trip: insert a fresh record, or take over a takeable one,
         // or read the row that stops us. A replay or a conflict writes
         // nothing and locks nothing. The read comes from the statement's
@@ -172,12 +184,16 @@ impl PgStore {
         })
     }
 
-    /// Creates the table and its index if they do not exist. Safe to run from
-    /// several processes at once (it holds an advisory lock while it runs).
+    /// Brings the table to the schema this build needs: applies, under an
+    /// advisory lock (several processes may start at once), each migration
+    /// not yet recorded in `<table>_migrations`, then checks the table
+    /// ([`PgStore::check_schema`]). A table made by an earlier build is
+    /// recognised and upgraded.
     ///
     /// # Errors
     ///
-    /// [`StoreError`] when the database is unreachable or refuses the DDL.
+    /// [`StoreError`] when the database is unreachable, refuses the DDL, or
+    /// the table does not match afterwards.
     ///
     /// ```no_run
     /// # #[tokio::main] async fn main() -> Result<(), idem_runtime::StoreError> {
@@ -191,12 +207,10 @@ impl PgStore {
             .execute(&mut *tx)
             .await
             .map_err(sql::map_err)?;
-        sqlx::raw_sql(sqlx::AssertSqlSafe(self.sql.migrate.clone()))
-            .execute(&mut *tx)
-            .await
-            .map_err(sql::map_err)?;
-        tx.commit().await.map_err(sql::map_err)
+        sql::migrate_in!(self, tx)
     }
+
+    sql::check_schema!();
 }
 
 impl PgStore {

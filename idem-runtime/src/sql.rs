@@ -11,6 +11,28 @@ const RETURNED: &str = "attempt, taken_over, recovery_point, operation_id";
 /// The table name both SQL stores use unless told otherwise.
 pub const DEFAULT_TABLE: &str = "idempotency_keys";
 
+/// The longest table name: its index (`<table>_expires_at_idx`) and its
+/// migrations table (`<table>_migrations`) must fit PostgreSQL's 63 bytes.
+pub const MAX_TABLE_NAME: usize = 63 - "_expires_at_idx".len();
+
+/// One schema change: a new file for every change, never an edited one.
+/// `{table}` and `{index}` stand for the configured, quoted names.
+#[derive(Clone, Copy, Debug)]
+pub struct Migration {
+    /// Applied in this order; recorded in `<table>_migrations`.
+    pub version: i64,
+    /// What it does.
+    pub name: &'static str,
+    /// Its SQL.
+    pub sql: &'static str,
+}
+
+/// Every column the records table has at the latest version.
+const COLUMNS: &str =
+    "tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, taken_over, \
+                       lock_expires_at, recovery_point, response_status, response_headers, response_body, \
+                       created_at, expires_at";
+
 /// The two SQL dialects.
 #[derive(Clone, Copy)]
 pub(crate) struct Dialect {
@@ -25,6 +47,8 @@ pub(crate) struct Dialect {
     /// What the purge adds to its choice of rows: on PostgreSQL it locks
     /// them and skips those another transaction holds.
     purge_lock: &'static str,
+    /// The store's clock in milliseconds since the Unix epoch.
+    epoch_millis: &'static str,
 }
 
 #[cfg(feature = "postgres")]
@@ -34,6 +58,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     millis: |p| format!("({p}::bigint * interval '1 millisecond')"),
     left: |col, now| format!("GREATEST(0, CEIL(EXTRACT(EPOCH FROM ({col} - {now})) * 1000))::bigint"),
     purge_lock: " FOR UPDATE SKIP LOCKED",
+    epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
 };
 
 #[cfg(feature = "sqlite")]
@@ -44,14 +69,27 @@ pub(crate) const SQLITE: Dialect = Dialect {
     left: |col, now| format!("MAX(0, {col} - {now})"),
     // One statement under SQLite's write lock: nothing changes meanwhile.
     purge_lock: "",
+    epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
 };
 
 /// Every statement a store runs, for one table.
 pub(crate) struct Statements {
     /// The quoted, qualified table name.
-    #[cfg_attr(not(feature = "pause-points"), allow(dead_code))]
     pub(crate) table: String,
-    pub(crate) migrate: String,
+    /// The migrations, their names filled in.
+    pub(crate) migrations: Vec<(Migration, String)>,
+    /// Creates the migrations table.
+    pub(crate) create_versions: String,
+    /// The versions applied. Columns: version.
+    pub(crate) versions: String,
+    /// Records a version. Binds: version, name.
+    pub(crate) record_version: String,
+    /// Reads nothing, but fails unless the table exists.
+    pub(crate) table_exists: String,
+    /// Reads nothing, but fails unless version 2's column exists.
+    pub(crate) has_taken_over: String,
+    /// Reads nothing, but fails unless every column the code needs exists.
+    pub(crate) has_columns: String,
     /// Takes the key (insert, or update of a takeable row) in one upsert.
     /// Binds: tenant, scope, key, fingerprint, token, operation id, ttl ms, lock ms.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
@@ -85,10 +123,16 @@ pub(crate) struct Statements {
 }
 
 /// Checks a SQL identifier: ASCII letters, digits and `_`, not starting with
-/// a digit, at most 63 bytes. Quoted afterwards all the same.
-pub(crate) fn check_identifier(name: &str) -> Result<(), StoreError> {
+/// a digit, at most `max` bytes. Quoted afterwards all the same.
+pub(crate) fn check_identifier(name: &str, max: usize) -> Result<(), StoreError> {
+    if name.len() > max {
+        return Err(StoreError::Backend(format!(
+            "the name `{name}` is {} bytes; at most {max} are allowed (a table's index and migrations \
+             table are named after it, within PostgreSQL's 63 bytes)",
+            name.len()
+        )));
+    }
     let ok = !name.is_empty()
-        && name.len() <= 63
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
         && !name.as_bytes()[0].is_ascii_digit();
     if ok {
@@ -103,18 +147,20 @@ pub(crate) fn check_identifier(name: &str) -> Result<(), StoreError> {
 impl Statements {
     pub(crate) fn new(
         d: Dialect,
-        migration: &str,
+        migrations: &[Migration],
         schema: Option<&str>,
         table: &str,
     ) -> Result<Self, StoreError> {
-        check_identifier(table)?;
+        check_identifier(table, MAX_TABLE_NAME)?;
         if let Some(schema) = schema {
-            check_identifier(schema)?;
+            check_identifier(schema, 63)?;
         }
-        let t = match schema {
-            Some(s) => format!("\"{s}\".\"{table}\""),
-            None => format!("\"{table}\""),
+        let qualify = |name: &str| match schema {
+            Some(s) => format!("\"{s}\".\"{name}\""),
+            None => format!("\"{name}\""),
         };
+        let t = qualify(table);
+        let versions_table = qualify(&format!("{table}_migrations"));
         let index = format!("\"{table}_expires_at_idx\"");
         let now = d.now;
         let p = |n: u8| format!("{}{n}", d.param);
@@ -169,7 +215,25 @@ impl Statements {
         };
         Ok(Statements {
             table: t.clone(),
-            migrate: migration.replace("{table}", &t).replace("{index}", &index),
+            migrations: migrations
+                .iter()
+                .map(|m| (*m, m.sql.replace("{table}", &t).replace("{index}", &index)))
+                .collect(),
+            create_versions: format!(
+                "CREATE TABLE IF NOT EXISTS {versions_table} (version BIGINT PRIMARY KEY, name TEXT NOT NULL, \
+                 applied_at BIGINT NOT NULL)"
+            ),
+            versions: format!("SELECT version FROM {versions_table} ORDER BY version"),
+            record_version: format!(
+                "INSERT INTO {versions_table} (version, name, applied_at) VALUES ({}, {}, {}) \
+                 ON CONFLICT (version) DO NOTHING",
+                p(1),
+                p(2),
+                d.epoch_millis,
+            ),
+            table_exists: format!("SELECT 1 FROM {t} LIMIT 0"),
+            has_taken_over: format!("SELECT taken_over FROM {t} LIMIT 0"),
+            has_columns: format!("SELECT {COLUMNS} FROM {t} LIMIT 0"),
             take: format!(
                 "{insert} ON CONFLICT (tenant, scope, key) DO UPDATE SET {set} \
                  WHERE {takeable} RETURNING {RETURNED}",
@@ -346,6 +410,111 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
             }
         }
         other => StoreError::Backend(other.to_string()),
+    }
+}
+
+/// Applies the migrations not yet applied, in a transaction `$tx` that
+/// holds the store's migration lock, then checks the table. A table made
+/// by a build from before the migrations table existed is recognised by its
+/// columns. Probes that may fail run in a savepoint (PostgreSQL aborts a
+/// transaction on an error otherwise).
+macro_rules! migrate_in {
+    ($self:ident, $tx:ident) => {{
+        use sqlx::Acquire as _;
+        let sql = &$self.sql;
+        let run = |statement: &str| sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned()));
+        run(&sql.create_versions)
+            .execute(&mut *$tx)
+            .await
+            .map_err($crate::sql::map_err)?;
+        let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
+            .fetch_all(&mut *$tx)
+            .await
+            .map_err($crate::sql::map_err)?;
+        let mut current = applied.last().copied().unwrap_or(0);
+        if current == 0 {
+            // Made before versions were recorded: what is there already?
+            for (version, probe) in [(1, &sql.table_exists), (2, &sql.has_taken_over)] {
+                let mut savepoint = $tx.begin().await.map_err($crate::sql::map_err)?;
+                let found = run(probe).execute(&mut *savepoint).await.is_ok();
+                savepoint.rollback().await.map_err($crate::sql::map_err)?;
+                if !found {
+                    break;
+                }
+                current = version;
+            }
+        }
+        let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
+        if current > latest {
+            return Err($crate::StoreError::Backend(format!(
+                "the table {} is at schema version {current}, newer than this build of idem knows \
+                 ({latest}): upgrade idem",
+                sql.table
+            )));
+        }
+        for (migration, text) in &sql.migrations {
+            if migration.version > current {
+                run(text).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
+            }
+            if migration.version > applied.last().copied().unwrap_or(0) {
+                sqlx::query(sqlx::AssertSqlSafe(sql.record_version.as_str()))
+                    .bind(migration.version)
+                    .bind(migration.name)
+                    .execute(&mut *$tx)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+            }
+        }
+        $tx.commit().await.map_err($crate::sql::map_err)?;
+        $self.check_schema().await
+    }};
+}
+pub(crate) use migrate_in;
+
+/// Checks that the table has every column this build needs, at the latest
+/// schema version.
+macro_rules! check_schema {
+    () => {
+        /// Checks that the table matches what this build of idem needs (every
+        /// migration applied): a service should refuse to start otherwise.
+        /// [`migrate`](Self::migrate) ends with it.
+        ///
+        /// # Errors
+        ///
+        /// [`StoreError::Backend`](crate::StoreError::Backend) naming the table and what
+        /// is missing, or [`StoreError::Unavailable`](crate::StoreError::Unavailable).
+        pub async fn check_schema(&self) -> Result<(), $crate::StoreError> {
+            let sql = &self.sql;
+            let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
+            let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
+            let current = applied.last().copied().unwrap_or(0);
+            if current != latest {
+                return Err($crate::StoreError::Backend(format!(
+                    "the table {} is at schema version {current}, this build of idem needs {latest}: \
+                     run migrate()",
+                    sql.table
+                )));
+            }
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql.has_columns.clone()))
+                .execute(&self.pool)
+                .await
+                .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
+            Ok(())
+        }
+    };
+}
+pub(crate) use check_schema;
+
+/// A schema check that failed: unreachable, or a table that does not match.
+pub(crate) fn schema_error(table: &str, latest: i64, e: sqlx::Error) -> StoreError {
+    match map_err(e) {
+        StoreError::Backend(why) => StoreError::Backend(format!(
+            "the table {table} does not match schema version {latest} of idem ({why}): run migrate()"
+        )),
+        other => other,
     }
 }
 
@@ -571,24 +740,30 @@ mod tests {
     #[test]
     fn identifiers_that_could_inject_sql_are_refused() {
         for bad in ["", "a b", "t\"; drop table x; --", "1abc", "é", &"x".repeat(64)] {
-            assert!(check_identifier(bad).is_err(), "{bad}");
+            assert!(check_identifier(bad, 63).is_err(), "{bad}");
         }
         for good in ["idempotency_keys", "_t", "Keys2"] {
-            assert!(check_identifier(good).is_ok(), "{good}");
+            assert!(check_identifier(good, 63).is_ok(), "{good}");
         }
+        assert!(check_identifier(&"x".repeat(MAX_TABLE_NAME + 1), MAX_TABLE_NAME).is_err());
     }
 
     #[test]
     #[cfg(all(feature = "postgres", feature = "sqlite"))]
     fn statements_name_the_quoted_table() {
-        let s = Statements::new(POSTGRES, "CREATE TABLE {table}; {index}", Some("app"), "keys").unwrap();
+        let m = [Migration {
+            version: 1,
+            name: "t",
+            sql: "CREATE TABLE {table}; {index}",
+        }];
+        let s = Statements::new(POSTGRES, &m, Some("app"), "keys").unwrap();
         assert_eq!(
-            s.migrate,
+            s.migrations[0].1,
             "CREATE TABLE \"app\".\"keys\"; \"keys_expires_at_idx\""
         );
         assert!(s.take.starts_with("INSERT INTO \"app\".\"keys\" AS cur"));
         assert!(!s.take.contains('?'));
-        let s = Statements::new(SQLITE, "", None, "keys").unwrap();
+        let s = Statements::new(SQLITE, &[], None, "keys").unwrap();
         assert!(s.take.contains("?8") && !s.take.contains('$'));
     }
 }

@@ -7,9 +7,21 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use std::str::FromStr;
 use std::time::Duration;
 
-/// The migration that creates the records table, with `{table}` and
-/// `{index}` standing for the configured names. [`SqliteStore::migrate`] applies it.
-pub const SQLITE_MIGRATION: &str = include_str!("../migrations/sqlite/0001_create_idempotency_keys.sql");
+/// The migrations of the records table, in order, with `{table}` and
+/// `{index}` standing for the configured names. [`SqliteStore::migrate`]
+/// applies those not yet applied.
+pub const SQLITE_MIGRATIONS: &[sql::Migration] = &[
+    sql::Migration {
+        version: 1,
+        name: "create idempotency keys",
+        sql: include_str!("../migrations/sqlite/0001_create_idempotency_keys.sql"),
+    },
+    sql::Migration {
+        version: 2,
+        name: "add taken_over",
+        sql: include_str!("../migrations/sqlite/0002_add_taken_over.sql"),
+    },
+];
 
 /// How long a connection waits for another writer before giving up.
 pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -156,16 +168,20 @@ impl SqliteStore {
     fn build(pool: SqlitePool, table: &str) -> Result<Self, StoreError> {
         Ok(SqliteStore {
             pool,
-            sql: std::sync::Arc::new(Statements::new(sql::SQLITE, SQLITE_MIGRATION, None, table)?),
+            sql: std::sync::Arc::new(Statements::new(sql::SQLITE, SQLITE_MIGRATIONS, None, table)?),
             timeout: DEFAULT_BUSY_TIMEOUT + Duration::from_secs(1),
         })
     }
 
-    /// Creates the table and its index if they do not exist.
+    /// Brings the table to the schema this build needs: applies, under the
+    /// write lock, each migration not yet recorded in `<table>_migrations`,
+    /// then checks the table ([`SqliteStore::check_schema`]). A table made
+    /// by an earlier build is recognised and upgraded.
     ///
     /// # Errors
     ///
-    /// [`StoreError`] when the file is not writable.
+    /// [`StoreError`] when the file is not writable, or the table does not
+    /// match afterwards.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -180,12 +196,10 @@ impl SqliteStore {
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(sql::map_err)?;
-        sqlx::raw_sql(sqlx::AssertSqlSafe(self.sql.migrate.clone()))
-            .execute(&mut *tx)
-            .await
-            .map_err(sql::map_err)?;
-        tx.commit().await.map_err(sql::map_err)
+        sql::migrate_in!(self, tx)
     }
+
+    sql::check_schema!();
 }
 
 impl SqliteStore {

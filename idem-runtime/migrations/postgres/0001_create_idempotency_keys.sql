@@ -9,7 +9,6 @@ CREATE TABLE IF NOT EXISTS {table} (
     operation_id     TEXT        NOT NULL,
     lock_token       TEXT,
     attempt          INTEGER     NOT NULL,
-    taken_over       INTEGER     NOT NULL DEFAULT 0,
     lock_expires_at  TIMESTAMPTZ NOT NULL,
     recovery_point   TEXT,
     response_status  INTEGER,

@@ -1,0 +1,201 @@
+//! Versioned migrations: every schema ever released upgrades and serves, a
+//! table that does not match refuses to serve with a clear error, and names
+//! derived from the table's never truncate.
+
+mod common;
+
+use idem::{IdempotencyStore, PgStore, RecordId, Reservation, ReserveRequest, SqliteStore, StoredResponse};
+use sqlx::Executor as _;
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(3600);
+
+/// The first released schema (before `taken_over`), as that build created it.
+const V1_POSTGRES: &str = "CREATE TABLE {t} (tenant TEXT NOT NULL, scope TEXT NOT NULL, key TEXT NOT NULL, \
+    fingerprint TEXT NOT NULL, state TEXT NOT NULL CHECK (state IN ('in_progress', 'completed')), \
+    operation_id TEXT NOT NULL, lock_token TEXT, attempt INTEGER NOT NULL, lock_expires_at TIMESTAMPTZ NOT NULL, \
+    recovery_point TEXT, response_status INTEGER, response_headers TEXT, response_body BYTEA, \
+    created_at TIMESTAMPTZ NOT NULL, expires_at TIMESTAMPTZ NOT NULL, PRIMARY KEY (tenant, scope, key)); \
+    INSERT INTO {t} VALUES ('t', 's', 'old', 'fp', 'completed', 'op', NULL, 1, now(), NULL, 201, \
+    '[[\"content-type\",\"text/plain\"]]', 'before the upgrade', now(), now() + interval '1 hour')";
+
+const V1_SQLITE: &str = "CREATE TABLE {t} (tenant TEXT NOT NULL, scope TEXT NOT NULL, key TEXT NOT NULL, \
+    fingerprint TEXT NOT NULL, state TEXT NOT NULL CHECK (state IN ('in_progress', 'completed')), \
+    operation_id TEXT NOT NULL, lock_token TEXT, attempt INTEGER NOT NULL, lock_expires_at INTEGER NOT NULL, \
+    recovery_point TEXT, response_status INTEGER, response_headers TEXT, response_body BLOB, \
+    created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, PRIMARY KEY (tenant, scope, key)) WITHOUT ROWID; \
+    INSERT INTO {t} VALUES ('t', 's', 'old', 'fp', 'completed', 'op', NULL, 1, 0, NULL, 201, \
+    '[[\"content-type\",\"text/plain\"]]', CAST('before the upgrade' AS BLOB), 0, \
+    CAST(unixepoch('subsec') * 1000 AS INTEGER) + 3600000)";
+
+fn req<'a>(id: &'a RecordId, fp: &'a str) -> ReserveRequest<'a> {
+    ReserveRequest {
+        id,
+        fingerprint: fp,
+        token: common::token(),
+        ttl: LONG,
+        lock_timeout: LONG,
+    }
+}
+
+/// The old record replays, a new key is served end to end.
+async fn serves_after_the_upgrade(store: &dyn IdempotencyStore) {
+    let old = RecordId::new("t", "s", "old");
+    assert_eq!(
+        store.reserve(req(&old, "fp")).await.unwrap(),
+        Reservation::Completed(StoredResponse {
+            status: 201,
+            headers: vec![("content-type".into(), "text/plain".into())],
+            body: Some(b"before the upgrade".to_vec()),
+        })
+    );
+    let new = RecordId::new("t", "s", "new");
+    let Reservation::Reserved(lease) = store.reserve(req(&new, "fp")).await.unwrap() else {
+        panic!("a new key is reserved")
+    };
+    let answer = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Some(b"after".to_vec()),
+    };
+    store.complete(&new, &lease.token, &answer).await.unwrap();
+    assert_eq!(
+        store.reserve(req(&new, "fp")).await.unwrap(),
+        Reservation::Completed(answer)
+    );
+}
+
+#[tokio::test]
+async fn postgres_the_first_released_schema_upgrades_and_serves() {
+    let Some(url) = common::pg_url() else { return };
+    let schema = common::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let t = format!("\"{schema}\".\"idempotency_keys\"");
+    pool.execute(sqlx::AssertSqlSafe(V1_POSTGRES.replace("{t}", &t)))
+        .await
+        .unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    assert!(
+        store.check_schema().await.is_err(),
+        "an old table is refused before the upgrade"
+    );
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    let versions: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT version FROM \"{schema}\".\"idempotency_keys_migrations\" ORDER BY version"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, [1, 2]);
+    serves_after_the_upgrade(&store).await;
+}
+
+#[tokio::test]
+async fn sqlite_the_first_released_schema_upgrades_and_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("old.db")).await.unwrap();
+    store
+        .pool()
+        .execute(sqlx::AssertSqlSafe(
+            V1_SQLITE.replace("{t}", "\"idempotency_keys\""),
+        ))
+        .await
+        .unwrap();
+    assert!(store.check_schema().await.is_err());
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    serves_after_the_upgrade(&store).await;
+}
+
+/// A table made by the build that added `taken_over` in place (before
+/// versions were recorded) is recognised as version 2, not altered twice.
+#[tokio::test]
+async fn sqlite_a_table_from_before_versions_were_recorded_is_recognised() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("v2.db")).await.unwrap();
+    let in_place = V1_SQLITE.replace("{t}", "\"idempotency_keys\"").replacen(
+        "attempt INTEGER NOT NULL,",
+        "attempt INTEGER NOT NULL, taken_over INTEGER NOT NULL DEFAULT 0,",
+        1,
+    );
+    let in_place = in_place.replace("'op', NULL, 1, 0,", "'op', NULL, 1, 0, 0,");
+    store.pool().execute(sqlx::AssertSqlSafe(in_place)).await.unwrap();
+    store.migrate().await.unwrap();
+    serves_after_the_upgrade(&store).await;
+}
+
+/// A table that claims the latest version but lacks a column refuses to
+/// serve, and says what to do.
+#[tokio::test]
+async fn postgres_a_table_that_does_not_match_refuses_to_start() {
+    let Some(url) = common::pg_url() else { return };
+    let schema = common::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE \"{schema}\".idempotency_keys DROP COLUMN response_headers"
+    )))
+    .await
+    .unwrap();
+    let err = store.migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains("does not match schema version 2")
+            && err.contains("response_headers")
+            && err.contains("run migrate()"),
+        "{err}"
+    );
+}
+
+/// Two processes (pools) migrating at once: one applies, both serve.
+#[tokio::test]
+async fn postgres_concurrent_migrations_apply_once() {
+    let Some(url) = common::pg_url() else { return };
+    let schema = common::pg_schema(&url).await;
+    let stores: Vec<PgStore> = futures_util::future::join_all((0..4).map(|_| {
+        let (url, schema) = (url.clone(), schema.clone());
+        async move {
+            let pool = sqlx::PgPool::connect(&url).await.unwrap();
+            PgStore::new(pool)
+                .with_table(Some(&schema), "idempotency_keys")
+                .unwrap()
+        }
+    }))
+    .await;
+    let results = futures_util::future::join_all(stores.iter().map(|s| s.migrate())).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+}
+
+/// Names derived from the table's never truncate: a table name past the
+/// limit is refused with the limit; one at it gets its expiry index.
+#[tokio::test]
+async fn postgres_a_long_table_name_is_refused_or_fully_indexed() {
+    let Some(url) = common::pg_url() else { return };
+    let schema = common::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let too_long = "t".repeat(idem::MAX_TABLE_NAME + 1);
+    let err = PgStore::new(pool.clone())
+        .with_table(Some(&schema), &too_long)
+        .unwrap_err();
+    assert!(err.to_string().contains("at most 48"), "{err}");
+    let longest = "t".repeat(idem::MAX_TABLE_NAME);
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), &longest)
+        .unwrap();
+    store.migrate().await.unwrap();
+    let index: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 AND indexname = $3",
+    )
+    .bind(&schema)
+    .bind(&longest)
+    .bind(format!("{longest}_expires_at_idx"))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(index, 1);
+}
