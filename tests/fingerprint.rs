@@ -15,6 +15,7 @@ fn fp_of(json: &str) -> String {
         body: BodyPrint::Json {
             text: json.as_bytes(),
             fields: Some(FIELDS),
+            read: None,
         },
         ignore: &[],
     })
@@ -84,6 +85,7 @@ fn vector_print(v: &Value) -> String {
         "json" => BodyPrint::Json {
             text,
             fields: fields.as_deref(),
+            read: None,
         },
         "form" => BodyPrint::Form(text),
         _ => BodyPrint::Raw(text),

@@ -567,6 +567,7 @@ async fn a_stale_lock_is_taken_over_with_the_next_attempt(h: Harness) {
         body: idem::BodyPrint::Json {
             text: body(100, "alice").as_bytes(),
             fields: Some(&["amount", "currency", "recipient"]),
+            read: None,
         },
         ignore: &[],
     })

@@ -351,6 +351,17 @@ async fn a_declared_field_idem_cannot_find_makes_the_whole_body_count() {
             r#"{"amount": 1, "billing.account": "b"}"#,
         ),
         ("k-null", r#"{"amount": 1}"#, r#"{"amount": 1, "nickname": null}"#),
+        // A decoy at the declared path, while serde reads another member.
+        (
+            "k-decoy-camel",
+            r#"{"amount": 1, "accountId": "a", "account_id": "legacy"}"#,
+            r#"{"amount": 1, "accountId": "b", "account_id": "legacy"}"#,
+        ),
+        (
+            "k-decoy-dot",
+            r#"{"amount": 1, "billing.account": "a", "billing": {"account": "x"}}"#,
+            r#"{"amount": 1, "billing.account": "b", "billing": {"account": "x"}}"#,
+        ),
     ] {
         let a = send(addr, "/aliased", first, key).await;
         assert_eq!(a.status, 200, "{key}: {a:?}");
@@ -398,4 +409,59 @@ async fn large_numbers_are_one_request_per_value() {
     );
     assert_eq!(send(addr, "/n", "9007199254740993", "k-big").await.status, 200);
     assert_eq!(send(addr, "/n", "9007199254740992", "k-big").await.status, 422);
+}
+
+#[derive(serde::Deserialize)]
+struct Inner {
+    account: String,
+}
+
+#[derive(serde::Deserialize)]
+struct Flattened {
+    #[serde(flatten)]
+    inner: Inner,
+}
+
+#[idempotent(scope = "flattened.pay", fields(inner.account))]
+async fn flattened(Json(p): Json<Flattened>) -> String {
+    format!("paid to {}", p.inner.account)
+}
+
+/// A flattened field, even with a decoy under the declared path, counts by
+/// what the handler read.
+#[tokio::test]
+async fn a_flattened_field_counts_by_what_the_handler_read() {
+    let addr = serve(&memory(), Router::new().route("/f", post(flattened))).await;
+    let a = send(
+        addr,
+        "/f",
+        r#"{"account": "a", "inner": {"account": "x"}}"#,
+        "k-flat",
+    )
+    .await;
+    assert_eq!(a.body, b"paid to a");
+    let b = send(
+        addr,
+        "/f",
+        r#"{"account": "b", "inner": {"account": "x"}}"#,
+        "k-flat",
+    )
+    .await;
+    assert_eq!(b.status, 422, "{b:?}");
+}
+
+/// The body extractor sees the request as it came: its own checks in its
+/// own order (415 before the body limit), and axum's body limit.
+#[tokio::test]
+async fn the_body_extractor_keeps_its_own_rejections_and_limits() {
+    let addr = serve(&memory(), Router::new().route("/charge", post(charge))).await;
+    let big = format!(r#"{{"amount": 5, "card": "{}"}}"#, "4".repeat(3 * 1024 * 1024));
+    let wrong_type = post_req("/charge", &big)
+        .content_type("text/plain")
+        .key("k-415")
+        .send(addr)
+        .await;
+    assert_eq!(wrong_type.status, 415, "{:?}", wrong_type.status);
+    let too_big = post_req("/charge", &big).key("k-413").send(addr).await;
+    assert_eq!(too_big.status, 413);
 }

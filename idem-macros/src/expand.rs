@@ -237,27 +237,43 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
 
     // Each declared field must exist on the body type: an access spanned at
     // its name in the attribute, so that rustc reports a missing one there.
-    let (field_checks, wires): (Vec<TokenStream>, Vec<String>) = match &args.fields {
+    // What the handler reads of each: the fingerprint counts a field by its
+    // wire path only where the JSON there is that value.
+    let (reads, wires): (Vec<TokenStream>, Vec<String>) = match &args.fields {
         Some((_, list)) => list
             .iter()
             .map(|field| {
                 let segments = field.segments.iter();
                 let body = syn::Ident::new("__idem_body", Span::mixed_site().located_at(field.span()));
                 (
-                    quote_spanned!(field.span()=> let _ = &#body.value.0 #(.#segments)*;),
+                    quote_spanned!(field.span()=>
+                        (&&#private::FieldProbe(&#body.value.0 #(.#segments)*)).__idem_json()
+                    ),
                     field.wire(),
                 )
             })
             .unzip(),
         None => (Vec::new(), Vec::new()),
     };
+    let read_ident = mixed("__idem_read");
     // `fields(...)` names JSON members: the body must read JSON.
     let json_check = match (&args.fields, &body_type) {
-        (Some((kw, _)), Some(ty)) => quote_spanned!(kw.span=>
+        // An item is checked at once, but cannot name the handler's generic
+        // parameters; a generic handler gets an inline const, checked when
+        // it is instantiated.
+        (Some((kw, _)), Some(ty)) if sig.generics.params.is_empty() => quote_spanned!(kw.span=>
             const _: () = ::core::assert!(
                 #private::is_json::<#ty>(),
                 "`fields(...)` names members of a JSON body, but this body extractor does not read JSON"
             );
+        ),
+        (Some((kw, _)), Some(ty)) => quote_spanned!(kw.span=>
+            const {
+                ::core::assert!(
+                    #private::is_json::<#ty>(),
+                    "`fields(...)` names members of a JSON body, but this body extractor does not read JSON"
+                )
+            };
         ),
         _ => quote!(),
     };
@@ -355,8 +371,12 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
                 &SPEC
             };
             #json_check
-            #(#field_checks)*
-            let #fp_ident = #private::fingerprint_request(&#ctx, #spec_ident, #print);
+            let #read_ident: &[::core::option::Option<::std::vec::Vec<u8>>] = {
+                #[allow(unused_imports)]
+                use #private::{ViaNothing as _, ViaSerialize as _};
+                &[#(#reads),*]
+            };
+            let #fp_ident = #private::fingerprint_request(&#ctx, #spec_ident, #print, #read_ident);
             #private::#run(#ctx, #spec_ident, #fp_ident, move |#op_ident| async move {
                 #(#bindings)*
                 let #out_ident = async move {

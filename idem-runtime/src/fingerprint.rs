@@ -26,6 +26,12 @@ pub enum BodyPrint<'a> {
         text: &'a [u8],
         /// The declared fields' wire paths.
         fields: Option<&'a [&'a str]>,
+        /// What the handler read for each declared field, as JSON (`None`
+        /// where its type cannot say). A field counts by its wire path only
+        /// where the JSON there is what the handler read; otherwise (a
+        /// serde alias, `flatten`, another member under the same name) the
+        /// whole body counts. `None`: not checked.
+        read: Option<&'a [Option<Vec<u8>>]>,
     },
     /// A form body (`Form<T>`): its pairs, each name's values in order.
     Form(&'a [u8]),
@@ -43,7 +49,7 @@ pub enum BodyPrint<'a> {
 ///         scope: "refund.create",
 ///         path: &[("id", payment)],
 ///         query: None,
-///         body: BodyPrint::Json { text: br#"{"amount": 500}"#, fields: Some(&["amount"]) },
+///         body: BodyPrint::Json { text: br#"{"amount": 500}"#, fields: Some(&["amount"]), read: None },
 ///         ignore: &[],
 ///     })
 ///     .unwrap()
@@ -129,20 +135,37 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
             put(b"form");
             put(pairs(bytes, &|_| true).as_bytes());
         }
-        BodyPrint::Json { text, fields: None } => {
+        BodyPrint::Json {
+            text, fields: None, ..
+        } => {
             put(b"json");
             put(jcs::parse(text)?.canonical().as_bytes());
         }
         BodyPrint::Json {
             text,
             fields: Some(fields),
+            read,
         } => {
             let body = jcs::parse(text)?;
+            // Where the handler read something else than the member at the
+            // wire path, that member does not identify the request.
+            let agrees = |i: usize, node: &Node| match read {
+                None => true,
+                Some(read) => read
+                    .get(i)
+                    .and_then(Option::as_deref)
+                    .and_then(|json| jcs::parse(json).ok())
+                    .is_some_and(|typed| typed.canonical() == node.canonical()),
+            };
             // Every declared field where its wire path says; else (the
             // field left out, sent under an alias, in an array, behind a
             // flattened or renamed name) the whole body counts, so that two
             // different requests can never meet on a missing value.
-            let found: Option<Vec<(&str, &Node)>> = fields.iter().map(|f| Some((*f, body.get(f)?))).collect();
+            let found: Option<Vec<(&str, &Node)>> = fields
+                .iter()
+                .enumerate()
+                .map(|(i, f)| body.get(f).filter(|node| agrees(i, node)).map(|node| (*f, node)))
+                .collect();
             match found {
                 Some(mut values) => {
                     values.sort_unstable_by_key(|(f, _)| *f);
@@ -238,6 +261,7 @@ mod tests {
                 BodyPrint::Json {
                     text: text.as_bytes(),
                     fields: Some(fields),
+                    read: None,
                 },
             )
         };
@@ -264,6 +288,7 @@ mod tests {
             BodyPrint::Json {
                 text: text.as_bytes(),
                 fields: Some(&["a", "b"]),
+                read: None,
             },
         )
     }

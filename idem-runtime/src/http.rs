@@ -431,12 +431,14 @@ pub fn fingerprint_request(
     ctx: &Context,
     spec: &Spec,
     body: crate::BodyPrint<'_>,
+    read: &[Option<Vec<u8>>],
 ) -> Result<String, crate::FingerprintError> {
     let path: Vec<(&str, &str)> = ctx.path.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let body = match body {
         crate::BodyPrint::Json { text, .. } => crate::BodyPrint::Json {
             text,
             fields: spec.fields,
+            read: Some(read),
         },
         other => other,
     };
@@ -471,18 +473,28 @@ where
 {
     type Rejection = Response;
 
-    /// Reads the body once (within axum's body limit), then extracts `E`
-    /// from those bytes.
+    /// Extracts `E` from the request, keeping a copy of every body byte it
+    /// reads: `E` sees the request as it came (its own checks, its own body
+    /// limit, its own rejections, in its own order).
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
-        let (parts, body) = req.into_parts();
-        let bytes =
-            axum::body::Bytes::from_request(axum::extract::Request::from_parts(parts.clone(), body), state)
-                .await
-                .map_err(IntoResponse::into_response)?;
-        let request = axum::extract::Request::from_parts(parts, Body::from(bytes.clone()));
-        let value = E::from_request(request, state)
+        let seen: Arc<std::sync::Mutex<Vec<axum::body::Bytes>>> = Arc::default();
+        let tap = seen.clone();
+        let req = req.map(|body| {
+            Body::from_stream(body.into_data_stream().map(move |chunk| {
+                if let Ok(bytes) = &chunk {
+                    tap.lock().unwrap_or_else(|e| e.into_inner()).push(bytes.clone());
+                }
+                chunk
+            }))
+        });
+        let value = E::from_request(req, state)
             .await
             .map_err(IntoResponse::into_response)?;
+        let chunks = std::mem::take(&mut *seen.lock().unwrap_or_else(|e| e.into_inner()));
+        let bytes = match chunks.len() {
+            1 => chunks.into_iter().next().unwrap_or_default(),
+            _ => chunks.concat().into(),
+        };
         Ok(Raw { value, bytes })
     }
 }
@@ -494,6 +506,7 @@ pub fn print_body<E: FingerprintBody>(raw: &Raw<E>) -> crate::BodyPrint<'_> {
         BodyFormat::Json => crate::BodyPrint::Json {
             text: &raw.bytes,
             fields: None,
+            read: None,
         },
         BodyFormat::Form => crate::BodyPrint::Form(&raw.bytes),
         BodyFormat::Raw => crate::BodyPrint::Raw(&raw.bytes),
@@ -1775,6 +1788,33 @@ fn misconfigured() -> Response {
         "Idempotency layer misconfigured",
         "the server is not configured correctly for this endpoint; the request was not processed",
     )
+}
+
+/// The autoref probe the generated code uses to read a declared field as
+/// JSON when its type is `Serialize`, else nothing.
+#[doc(hidden)]
+pub struct FieldProbe<'a, T>(pub &'a T);
+
+#[doc(hidden)]
+pub trait ViaSerialize {
+    fn __idem_json(&self) -> Option<Vec<u8>>;
+}
+
+impl<T: serde::Serialize> ViaSerialize for &FieldProbe<'_, T> {
+    fn __idem_json(&self) -> Option<Vec<u8>> {
+        serde_json::to_vec(self.0).ok()
+    }
+}
+
+#[doc(hidden)]
+pub trait ViaNothing {
+    fn __idem_json(&self) -> Option<Vec<u8>>;
+}
+
+impl<T> ViaNothing for FieldProbe<'_, T> {
+    fn __idem_json(&self) -> Option<Vec<u8>> {
+        None
+    }
 }
 
 /// The autoref probe the generated code uses to find a [`Classify`] impl on

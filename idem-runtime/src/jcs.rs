@@ -158,14 +158,13 @@ fn number(lexeme: &str) -> Result<String, String> {
     Ok(ecmascript(v))
 }
 
-/// Whether the double `v` is exactly the integer `lexeme`. Integers past
-/// the range of `i128` count as not held (their `.0` form stays distinct).
+/// Whether the double `v` is exactly the integer `lexeme` (JSON digits,
+/// perhaps with a minus): Rust writes a double's exact decimal value.
 fn holds_exactly(v: f64, lexeme: &str) -> bool {
-    const LIMIT: f64 = 1.7e38; // below 2^127: `as i128` is exact
-    match lexeme.parse::<i128>() {
-        Ok(n) => v.is_finite() && v.abs() < LIMIT && v as i128 == n,
-        Err(_) => false,
+    if v == 0.0 {
+        return lexeme.trim_start_matches('-') == "0";
     }
+    v.is_finite() && format!("{v:.0}") == lexeme
 }
 
 /// ECMAScript's `Number.prototype.toString` of a finite double.
@@ -411,6 +410,18 @@ mod tests {
             ("1152921504606846976.0", "1152921504606847000"),
             ("1152921504606847000", "1152921504606847000.0"),
             ("1000000000000000000000", "1e+21"),
+            (
+                "170141183460469212842221372237303250944",
+                "1.7014118346046921e+38",
+            ),
+            (
+                "-170141183460469231731687303715884105728",
+                "-1.7014118346046923e+38",
+            ),
+            (
+                "1361129467683753853853498429727072845824",
+                "1.361129467683754e+39",
+            ),
             (
                 "340282366920938463463374607431768211457",
                 "340282366920938463463374607431768211457.0",

@@ -64,8 +64,8 @@ pub use http::{
 pub mod __private {
     pub use crate::fingerprint::BodyPrint;
     pub use crate::http::{
-        fingerprint_request, is_json, print_body, raw, run, run_optional, Context, Probe, Raw, Spec, ViaErr,
-        ViaSelf, ViaStatus,
+        fingerprint_request, is_json, print_body, raw, run, run_optional, Context, FieldProbe, Probe, Raw,
+        Spec, ViaErr, ViaNothing, ViaSelf, ViaSerialize, ViaStatus,
     };
     pub use axum::response::{IntoResponse, Response};
     pub use std::time::Duration;
