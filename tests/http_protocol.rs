@@ -219,10 +219,15 @@ struct Harness {
 
 async fn start(store: Arc<dyn IdempotencyStore>, guard: Box<dyn std::any::Any + Send>) -> Harness {
     let app = App::default();
-    // `set-cookie` is named on purpose: it must never be stored all the same.
+    // `set-cookie` is never stored: naming it is refused.
+    assert!(Idem::from_arc(store.clone())
+        .replay_headers(["set-cookie"])
+        .is_err());
     let idem = Idem::from_arc(store.clone())
         .max_stored_body(1024)
-        .replay_headers(["etag", "set-cookie"]);
+        .unwrap()
+        .replay_headers(["etag"])
+        .unwrap();
     let addr = serve(router(app.clone(), idem)).await;
     Harness {
         addr,

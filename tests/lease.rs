@@ -465,7 +465,9 @@ async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
     let idem = Idem::from_arc(store.clone())
         .single_tenant()
         .max_stored_body(1024)
-        .replay_headers(["x-note"]);
+        .unwrap()
+        .replay_headers(["x-note"])
+        .unwrap();
     let router = Router::new()
         .route("/slow-body", post(slow_body))
         .route("/events", post(event_stream))
@@ -825,7 +827,8 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_answer_recorded(mut h: H
 async fn problem_types_can_point_to_the_applications_documentation() {
     let idem = Idem::new(idem::MemoryStore::new())
         .single_tenant()
-        .problem_type_base("https://docs.example.com/errors/");
+        .problem_type_base("https://docs.example.com/errors/")
+        .unwrap();
     let router = Router::new()
         .route("/plain", post(plain_for_problems))
         .layer(idem.layer());

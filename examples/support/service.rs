@@ -49,14 +49,17 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let n: u64 = n
         .parse()
         .map_err(|_| format!("invalid duration `{text}`: use e.g. 30s, 5m, 24h"))?;
-    let ms = match unit {
-        "ms" => n,
-        "s" => n * 1000,
-        "m" => n * 60_000,
-        "h" => n * 3_600_000,
-        "d" => n * 86_400_000,
+    let factor: u64 = match unit {
+        "ms" => 1,
+        "s" => 1000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
         _ => return Err(format!("invalid duration `{text}`: use e.g. 30s, 5m, 24h")),
     };
+    let ms = n
+        .checked_mul(factor)
+        .ok_or_else(|| format!("invalid duration `{text}`: too long"))?;
     Ok(Duration::from_millis(ms))
 }
 
@@ -625,8 +628,14 @@ pub async fn build(config: Config) -> Result<Router, String> {
             "DATABASE_URL must start with postgres:// or sqlite://, got `{url}`"
         ));
     };
-    let idem = idem.ttl(config.ttl).lock_timeout(config.lock_timeout);
-    let janitor = Arc::new(idem.start_janitor(Duration::from_secs(300), 1000));
+    let idem = idem
+        .ttl(config.ttl)
+        .and_then(|idem| idem.lock_timeout(config.lock_timeout))
+        .map_err(|e| format!("IDEM_TTL / IDEM_LOCK_TIMEOUT: {e}"))?;
+    let janitor = Arc::new(
+        idem.start_janitor(Duration::from_secs(300), 1000)
+            .map_err(|e| e.to_string())?,
+    );
     let svc = Service {
         db,
         config: Arc::new(config),

@@ -140,10 +140,29 @@ fn value<T: Parse>(input: ParseStream<'_>) -> syn::Result<T> {
     input.parse()
 }
 
-fn duration(input: ParseStream<'_>, errors: &mut Option<syn::Error>) -> syn::Result<Option<DurationLit>> {
+/// The durations each argument allows, in milliseconds, and how the
+/// message writes them: the runtime's `TTL_RANGE` and `LOCK_TIMEOUT_RANGE`
+/// (tests/settings.rs and tests/ui pin the same words for both).
+pub(crate) const TTL_MS: (u64, u64, &str) = (1_000, 365 * 86_400_000, "1s to 365d");
+pub(crate) const LOCK_TIMEOUT_MS: (u64, u64, &str) = (100, 86_400_000, "100ms to 1d");
+pub(crate) const WAIT_MS: (u64, u64, &str) = (1, 3_600_000, "1ms to 1h");
+
+fn duration(
+    input: ParseStream<'_>,
+    errors: &mut Option<syn::Error>,
+    name: &str,
+    (min, max, allowed): (u64, u64, &str),
+) -> syn::Result<Option<DurationLit>> {
     let lit: LitStr = value(input)?;
     match DurationLit::parse_lit(&lit) {
-        Ok(d) => Ok(Some(d)),
+        Ok(d) if (min..=max).contains(&d.millis) => Ok(Some(d)),
+        Ok(_) => {
+            push(
+                errors,
+                syn::Error::new(lit.span(), format!("`{name}` is out of range: allowed {allowed}")),
+            );
+            Ok(None)
+        }
         Err(e) => {
             push(errors, e);
             Ok(None)
@@ -253,12 +272,12 @@ impl Parse for IdempotentArgs {
                 set_once(&mut errors, &mut args.optional, k, k.span, "optional");
             } else if lookahead.peek(kw::ttl) {
                 let k: kw::ttl = input.parse()?;
-                if let Some(d) = duration(input, &mut errors)? {
+                if let Some(d) = duration(input, &mut errors, "ttl", TTL_MS)? {
                     set_once(&mut errors, &mut args.ttl, (k, d), k.span, "ttl");
                 }
             } else if lookahead.peek(kw::lock_timeout) {
                 let k: kw::lock_timeout = input.parse()?;
-                if let Some(d) = duration(input, &mut errors)? {
+                if let Some(d) = duration(input, &mut errors, "lock_timeout", LOCK_TIMEOUT_MS)? {
                     set_once(
                         &mut errors,
                         &mut args.lock_timeout,
@@ -269,7 +288,7 @@ impl Parse for IdempotentArgs {
                 }
             } else if lookahead.peek(kw::wait) {
                 let k: kw::wait = input.parse()?;
-                if let Some(d) = duration(input, &mut errors)? {
+                if let Some(d) = duration(input, &mut errors, "wait", WAIT_MS)? {
                     set_once(&mut errors, &mut args.wait, (k, d), k.span, "wait");
                 }
             } else if lookahead.peek(kw::ignore) {

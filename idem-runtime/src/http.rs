@@ -25,6 +25,58 @@ use tracing::Instrument as _;
 use crate::tx::TxConnection;
 use crate::tx::{PendingTx, TxFailure};
 
+/// A setting that would disable or break the protection, with the allowed
+/// range.
+///
+/// ```
+/// let err = idem::Idem::new(idem::MemoryStore::new()).lock_timeout(std::time::Duration::ZERO).unwrap_err();
+/// assert!(err.to_string().contains("allowed: 100ms to 1d"));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError(String);
+
+impl ConfigError {
+    fn check(name: &str, value: Duration, range: &std::ops::RangeInclusive<Duration>) -> Result<(), Self> {
+        if range.contains(&value) {
+            return Ok(());
+        }
+        Err(ConfigError(format!(
+            "{name} is {value:?}; allowed: {} to {}",
+            human(*range.start()),
+            human(*range.end())
+        )))
+    }
+}
+
+/// `100ms`, `1s`, `365d`: how the attribute writes durations.
+fn human(d: Duration) -> String {
+    let ms = d.as_millis();
+    for (unit, size) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
+        if ms >= size && ms.is_multiple_of(size) {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The TTLs allowed: 1 second to 365 days (the attribute checks the same).
+pub const TTL_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(365 * 86_400);
+/// The lock timeouts allowed: 100 milliseconds to 1 day (the attribute
+/// checks the same).
+pub const LOCK_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(100)..=Duration::from_secs(86_400);
+/// The largest `max_stored_body`: 64 MiB.
+pub const MAX_STORED_BODY_LIMIT: usize = 64 * 1024 * 1024;
+
 /// The default record retention: 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
 /// The default lock timeout: 60 seconds. It must exceed the longest
@@ -253,26 +305,42 @@ impl Idem {
         self
     }
 
-    /// How long records are kept (default 24 hours). Handlers can override
-    /// it with `ttl = "..."`.
+    /// How long records are kept (default 24 hours): how long an answer is
+    /// replayed. Handlers can override it with `ttl = "..."`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] outside [`TTL_RANGE`] (1 second to 365 days): a zero
+    /// TTL would turn the protection off.
     ///
     /// ```
-    /// let idem = idem::Idem::new(idem::MemoryStore::new()).ttl(std::time::Duration::from_secs(3600));
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).ttl(std::time::Duration::from_secs(3600))?;
+    /// assert!(idem::Idem::new(idem::MemoryStore::new()).ttl(std::time::Duration::ZERO).is_err());
+    /// # Ok::<(), idem::ConfigError>(())
     /// ```
-    pub fn ttl(self, ttl: Duration) -> Self {
-        self.change(|e| e.ttl = ttl)
+    pub fn ttl(self, ttl: Duration) -> Result<Self, ConfigError> {
+        ConfigError::check("ttl", ttl, &TTL_RANGE)?;
+        Ok(self.change(|e| e.ttl = ttl))
     }
 
     /// How long a lock holds before another request may take the operation
     /// over (default 60 seconds). It must exceed the longest legitimate
-    /// execution; while a handler runs its lock is extended every third of
-    /// this time, so only a dead process's lock runs out.
+    /// execution that could stall without its heartbeat; while a handler
+    /// runs its lock is extended every third of this time, so only a dead
+    /// process's lock runs out.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] outside [`LOCK_TIMEOUT_RANGE`] (100 milliseconds to
+    /// 1 day): a zero lock timeout would let concurrent duplicates run.
     ///
     /// ```
-    /// let idem = idem::Idem::new(idem::MemoryStore::new()).lock_timeout(std::time::Duration::from_secs(30));
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).lock_timeout(std::time::Duration::from_secs(30))?;
+    /// # Ok::<(), idem::ConfigError>(())
     /// ```
-    pub fn lock_timeout(self, lock_timeout: Duration) -> Self {
-        self.change(|e| e.lock_timeout = lock_timeout)
+    pub fn lock_timeout(self, lock_timeout: Duration) -> Result<Self, ConfigError> {
+        ConfigError::check("lock_timeout", lock_timeout, &LOCK_TIMEOUT_RANGE)?;
+        Ok(self.change(|e| e.lock_timeout = lock_timeout))
     }
 
     /// Serves one tenant: requests without a [`Tenant`] share one namespace.
@@ -291,37 +359,62 @@ impl Idem {
     /// for one key, but only its status and headers are kept: a replay
     /// answers them with an empty body and `Idempotent-Replay-Body-Omitted: true`.
     ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] past [`MAX_STORED_BODY_LIMIT`] (64 MiB).
+    ///
     /// ```
-    /// let idem = idem::Idem::new(idem::MemoryStore::new()).max_stored_body(64 * 1024);
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).max_stored_body(64 * 1024)?;
+    /// # Ok::<(), idem::ConfigError>(())
     /// ```
-    pub fn max_stored_body(self, bytes: usize) -> Self {
-        self.change(|e| e.max_stored_body = bytes)
+    pub fn max_stored_body(self, bytes: usize) -> Result<Self, ConfigError> {
+        if bytes > MAX_STORED_BODY_LIMIT {
+            return Err(ConfigError(format!(
+                "max_stored_body is {bytes} bytes; allowed: 0 to {MAX_STORED_BODY_LIMIT} (64 MiB)"
+            )));
+        }
+        Ok(self.change(|e| e.max_stored_body = bytes))
     }
 
     /// Also stores and replays these response headers (besides
-    /// `content-type` and `location`). `set-cookie`, `date` and
-    /// authentication headers are never stored, even when named here.
+    /// `content-type` and `location`).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] for a name that is not a header name, or one that is
+    /// never stored (`set-cookie`, `authorization`, `cookie`, `date`,
+    /// `content-length` and the like: stored data must be safe to keep).
     ///
     /// ```
-    /// let idem = idem::Idem::new(idem::MemoryStore::new()).replay_headers(["etag", "x-request-cost"]);
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).replay_headers(["etag", "x-request-cost"])?;
+    /// assert!(idem::Idem::new(idem::MemoryStore::new()).replay_headers(["set-cookie"]).is_err());
+    /// # Ok::<(), idem::ConfigError>(())
     /// ```
-    pub fn replay_headers<I, H>(self, names: I) -> Self
+    pub fn replay_headers<I, H>(self, names: I) -> Result<Self, ConfigError>
     where
         I: IntoIterator<Item = H>,
         H: AsRef<str>,
     {
-        let names: Vec<HeaderName> = names
-            .into_iter()
-            .filter_map(|n| HeaderName::from_bytes(n.as_ref().as_bytes()).ok())
-            .filter(|n| !NEVER_STORED.contains(&n.as_str()))
-            .collect();
-        self.change(|e| {
-            for n in names {
+        let mut checked = Vec::new();
+        for name in names {
+            let name = name.as_ref();
+            let n = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| ConfigError(format!("replay_headers: `{name}` is not a header name")))?;
+            if NEVER_STORED.contains(&n.as_str()) {
+                return Err(ConfigError(format!(
+                    "replay_headers: `{name}` is never stored (credentials, cookies and framing headers are not \
+                     safe to keep or to replay)"
+                )));
+            }
+            checked.push(n);
+        }
+        Ok(self.change(|e| {
+            for n in checked {
                 if !e.replay_headers.contains(&n) {
                     e.replay_headers.push(n);
                 }
             }
-        })
+        }))
     }
 
     /// Makes every problem `type` of this layer start with `base` instead of
@@ -330,24 +423,50 @@ impl Idem {
     /// gives `https://docs.example.com/errors/idempotency-key-reused`.
     ///
     /// ```
-    /// let idem = idem::Idem::new(idem::MemoryStore::new()).problem_type_base("https://docs.example.com/errors/");
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).problem_type_base("https://docs.example.com/errors/")?;
+    /// # Ok::<(), idem::ConfigError>(())
     /// ```
-    pub fn problem_type_base(self, base: impl Into<String>) -> Self {
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] for an empty base, or one with spaces.
+    pub fn problem_type_base(self, base: impl Into<String>) -> Result<Self, ConfigError> {
         let base: String = base.into();
-        self.change(|e| e.problem_base = Some(base.into()))
+        if base.is_empty() || base.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(ConfigError(format!(
+                "problem_type_base `{base}` must be a URI prefix without spaces, such as \
+                 `https://docs.example.com/errors/`"
+            )));
+        }
+        Ok(self.change(|e| e.problem_base = Some(base.into())))
     }
 
     /// Starts a [`crate::Janitor`] on this layer's store: every `every`,
     /// expired records are deleted in batches of `batch`.
     ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] for `every` under 1 second or over 1 day, or `batch`
+    /// outside 1 to 100,000.
+    ///
     /// ```
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem::ConfigError> {
     /// let idem = idem::Idem::new(idem::MemoryStore::new());
-    /// let janitor = idem.start_janitor(std::time::Duration::from_secs(300), 1000);
-    /// # }
+    /// let janitor = idem.start_janitor(std::time::Duration::from_secs(300), 1000)?;
+    /// # Ok(()) }
     /// ```
-    pub fn start_janitor(&self, every: Duration, batch: u32) -> crate::Janitor {
-        crate::Janitor::start(self.inner.store.clone(), every, batch)
+    pub fn start_janitor(&self, every: Duration, batch: u32) -> Result<crate::Janitor, ConfigError> {
+        ConfigError::check(
+            "janitor period",
+            every,
+            &(Duration::from_secs(1)..=Duration::from_secs(86_400)),
+        )?;
+        if !(1..=100_000).contains(&batch) {
+            return Err(ConfigError(format!(
+                "janitor batch is {batch}; allowed: 1 to 100000"
+            )));
+        }
+        Ok(crate::Janitor::start(self.inner.store.clone(), every, batch))
     }
 
     /// The store.
@@ -1865,7 +1984,11 @@ mod tests {
     #[test]
     fn configuring_a_clone_leaves_the_original_as_it_was() {
         let original = Idem::new(crate::MemoryStore::new());
-        let changed = original.clone().ttl(Duration::from_secs(1)).single_tenant();
+        let changed = original
+            .clone()
+            .ttl(Duration::from_secs(1))
+            .unwrap()
+            .single_tenant();
         assert_eq!(
             (original.inner.ttl, original.inner.single_tenant),
             (DEFAULT_TTL, false)

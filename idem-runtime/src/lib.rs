@@ -53,9 +53,9 @@ pub use sql::{Migration, DEFAULT_TABLE, MAX_TABLE_NAME};
 
 #[cfg(feature = "axum")]
 pub use http::{
-    problem, BodyFormat, Classification, Classify, FingerprintBody, Idem, Operation, Tenant,
-    BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, PROBLEM_TYPE_PREFIX,
-    REPLAYED_HEADER,
+    problem, BodyFormat, Classification, Classify, ConfigError, FingerprintBody, Idem, Operation, Tenant,
+    BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, LOCK_TIMEOUT_RANGE,
+    MAX_STORED_BODY_LIMIT, PROBLEM_TYPE_PREFIX, REPLAYED_HEADER, TTL_RANGE,
 };
 
 /// What the `#[idempotent]` expansion calls; not a public API.

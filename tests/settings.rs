@@ -1,0 +1,33 @@
+//! Settings that would disable or break the protection are refused where
+//! they are set, with the allowed range; the attribute checks the same
+//! ranges at compile time.
+
+use idem::{Idem, MemoryStore, LOCK_TIMEOUT_RANGE, MAX_STORED_BODY_LIMIT, TTL_RANGE};
+use std::time::Duration;
+
+fn idem() -> Idem {
+    Idem::new(MemoryStore::new())
+}
+
+#[test]
+fn each_invalid_setting_is_refused_with_its_range() {
+    let err = |r: Result<Idem, idem::ConfigError>| r.unwrap_err().to_string();
+    assert!(err(idem().ttl(Duration::ZERO)).contains("allowed: 1s to 365d"));
+    assert!(err(idem().ttl(Duration::from_secs(366 * 86_400))).contains("allowed: 1s to 365d"));
+    assert!(err(idem().lock_timeout(Duration::ZERO)).contains("allowed: 100ms to 1d"));
+    assert!(err(idem().lock_timeout(Duration::from_millis(99))).contains("allowed: 100ms to 1d"));
+    assert!(err(idem().max_stored_body(MAX_STORED_BODY_LIMIT + 1)).contains("0 to 67108864"));
+    assert!(err(idem().replay_headers(["authorization"])).contains("never stored"));
+    assert!(err(idem().replay_headers(["bad header"])).contains("not a header name"));
+    assert!(err(idem().problem_type_base("")).contains("URI prefix"));
+    assert!(idem().ttl(*TTL_RANGE.start()).is_ok() && idem().ttl(*TTL_RANGE.end()).is_ok());
+    assert!(idem().lock_timeout(*LOCK_TIMEOUT_RANGE.start()).is_ok());
+    assert!(idem().max_stored_body(0).is_ok() && idem().max_stored_body(MAX_STORED_BODY_LIMIT).is_ok());
+}
+
+#[tokio::test]
+async fn the_janitor_refuses_a_zero_batch_or_period() {
+    assert!(idem().start_janitor(Duration::ZERO, 10).is_err());
+    assert!(idem().start_janitor(Duration::from_secs(60), 0).is_err());
+    assert!(idem().start_janitor(Duration::from_secs(60), 500).is_ok());
+}
