@@ -19,10 +19,14 @@ mod service;
 
 #[tokio::main]
 async fn main() {
+    // Logs go to stderr, coloured only on a terminal (a file or a pipe
+    // gets plain text).
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let config = match service::Config::from_env() {
         Ok(c) => c,
@@ -47,8 +51,7 @@ async fn main() {
             std::process::exit(1);
         }
     };
-    let store = store.split('@').next_back().unwrap_or_default().to_owned();
-    tracing::info!(%addr, store = %store, "payments service listening");
+    tracing::info!(%addr, store = %service::redact(&store), "payments service listening");
     if let Err(e) = service::serve(listener, router).await {
         eprintln!("payments: {e}");
         std::process::exit(1);

@@ -514,3 +514,101 @@ async fn sqlite_the_example_answers_as_its_readme_says() {
     let (_, _, balance) = ledger(addr, &t).await;
     assert_eq!(balance, 1_000_000 - 4990 - 5 + 4000);
 }
+
+/// Runs the example with `env` until it exits by itself (within 20 s), and
+/// returns its exit status and everything it wrote.
+fn run_to_exit(env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
+    let mut cmd = Command::new(example_binary());
+    cmd.env("PAYMENTS_ADDR", format!("127.0.0.1:{}", free_port()))
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd.spawn().unwrap();
+    let started = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the example did not give up in time"
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status, text)
+}
+
+/// A start that cannot reach its database fails, says why, and never logs
+/// the password, in the user info or as a query parameter.
+#[test]
+fn a_failed_start_says_why_and_logs_no_password() {
+    let closed = free_port();
+    for url in [
+        format!("postgres://idem:s3cret-pw@127.0.0.1:{closed}/payments"),
+        format!("postgres://idem@127.0.0.1:{closed}/payments?password=s3cret-pw&sslmode=disable"),
+    ] {
+        let (status, text) = run_to_exit(&[("DATABASE_URL", &url)]);
+        assert!(!status.success(), "{text}");
+        assert!(!text.contains("s3cret-pw"), "the password was logged: {text}");
+        assert!(
+            text.to_lowercase().contains("refused"),
+            "the cause is named: {text}"
+        );
+    }
+    let (status, text) = run_to_exit(&[("DATABASE_URL", "mysql://root:s3cret-pw@127.0.0.1/x")]);
+    assert!(
+        !status.success() && !text.contains("s3cret-pw") && text.contains("postgres://"),
+        "{text}"
+    );
+    // Settings that would turn the protection off are refused before anything opens.
+    for (name, value) in [
+        ("IDEM_TTL", "0s"),
+        ("IDEM_LOCK_TIMEOUT", "0s"),
+        ("IDEM_TTL", "99999999999999999d"),
+    ] {
+        let (status, text) = run_to_exit(&[
+            ("DATABASE_URL", "sqlite:///nonexistent-dir/x/p.db"),
+            (name, value),
+        ]);
+        assert!(!status.success() && text.contains(name), "{name}={value}: {text}");
+        assert!(
+            !text.contains("unable to open"),
+            "{name}={value} is checked first: {text}"
+        );
+    }
+}
+
+/// Logs written to a pipe carry no terminal colour codes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_to_a_pipe_are_plain_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("p.db").display());
+    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let mut child = tokio::process::Command::new(example_binary())
+        .env("PAYMENTS_ADDR", addr.to_string())
+        .env("DATABASE_URL", &url)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(Duration::from_secs(30), async {
+        use tokio::io::AsyncReadExt as _;
+        while !String::from_utf8_lossy(&seen).contains("listening") {
+            let n = stderr.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the example ended: {}", String::from_utf8_lossy(&seen));
+            seen.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .expect("the example logs that it listens");
+    assert!(
+        !seen.contains(&0x1b),
+        "colour codes in a pipe: {:?}",
+        String::from_utf8_lossy(&seen)
+    );
+    child.kill().await.unwrap();
+}

@@ -78,14 +78,31 @@ impl Config {
                 .map_err(|_| format!("{name}: expected milliseconds, got `{v}`")),
             None => Ok(Duration::ZERO),
         };
+        let in_range = |name: &str, d: Duration, range: std::ops::RangeInclusive<Duration>, words: &str| {
+            if range.contains(&d) {
+                Ok(d)
+            } else {
+                Err(format!("{name}: {d:?} is out of range; allowed {words}"))
+            }
+        };
         Ok(Config {
             addr: var("PAYMENTS_ADDR")
                 .unwrap_or_else(|| "127.0.0.1:8080".into())
                 .parse()
                 .map_err(|e| format!("PAYMENTS_ADDR: {e}"))?,
             database_url: var("DATABASE_URL").unwrap_or_else(|| "sqlite://payments.db".into()),
-            ttl: duration("IDEM_TTL", idem::DEFAULT_TTL)?,
-            lock_timeout: duration("IDEM_LOCK_TIMEOUT", idem::DEFAULT_LOCK_TIMEOUT)?,
+            ttl: in_range(
+                "IDEM_TTL",
+                duration("IDEM_TTL", idem::DEFAULT_TTL)?,
+                idem::TTL_RANGE,
+                "1s to 365d",
+            )?,
+            lock_timeout: in_range(
+                "IDEM_LOCK_TIMEOUT",
+                duration("IDEM_LOCK_TIMEOUT", idem::DEFAULT_LOCK_TIMEOUT)?,
+                idem::LOCK_TIMEOUT_RANGE,
+                "100ms to 1d",
+            )?,
             gateway_delay: millis("PAYMENTS_GATEWAY_DELAY_MS")?,
             pause_after_charge: millis("PAYMENTS_FAULT_AFTER_CHARGE_MS")?,
             pause_before_commit: millis("PAYMENTS_FAULT_BEFORE_COMMIT_MS")?,
@@ -583,17 +600,58 @@ async fn auth(mut req: Request, next: Next) -> Response {
     }
 }
 
+/// `url` with its password, if any, written `***` (in the user info, or as
+/// a `password` query parameter): safe to log.
+pub fn redact(url: &str) -> String {
+    let (head, query) = url.split_once('?').map_or((url, None), |(h, q)| (h, Some(q)));
+    let mut out = match head.split_once("://") {
+        Some((scheme, rest)) => {
+            let (authority, path) = rest.find('/').map_or((rest, ""), |at| rest.split_at(at));
+            let authority = match authority.rsplit_once('@') {
+                Some((user_info, host)) => match user_info.split_once(':') {
+                    Some((user, _)) => format!("{user}:***@{host}"),
+                    None => format!("{user_info}@{host}"),
+                },
+                None => authority.to_owned(),
+            };
+            format!("{scheme}://{authority}{path}")
+        }
+        None => head.to_owned(),
+    };
+    if let Some(query) = query {
+        let pairs: Vec<String> = query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((k, _)) if k.to_ascii_lowercase().contains("password") => format!("{k}=***"),
+                _ => pair.to_owned(),
+            })
+            .collect();
+        out = format!("{out}?{}", pairs.join("&"));
+    }
+    out
+}
+
 /// Opens the database named by the config, applies the migrations, and
 /// builds the router (with its janitor, which lives as long as the router).
+/// Errors say what failed and never carry the URL's password.
 pub async fn build(config: Config) -> Result<Router, String> {
     let url = config.database_url.clone();
+    let shown = redact(&url);
     let (idem, db) = if url.starts_with("postgres") {
+        // One connection first: its error names the cause (refused, unknown
+        // host, bad password), where a pool would only say it timed out.
+        use sqlx::Connection as _;
+        match tokio::time::timeout(Duration::from_secs(5), sqlx::PgConnection::connect(&url)).await {
+            Ok(Ok(conn)) => drop(conn),
+            Ok(Err(e)) => return Err(format!("cannot connect to {shown}: {e}")),
+            Err(_) => return Err(format!("cannot connect to {shown}: no answer within 5 s")),
+        }
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(32)
             .acquire_timeout(Duration::from_secs(5))
             .connect(&url)
             .await
-            .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+            .map_err(|e| format!("cannot connect to {shown}: {e}"))?;
         let store = PgStore::new(pool.clone());
         store.migrate().await.map_err(|e| e.to_string())?;
         let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
@@ -613,7 +671,7 @@ pub async fn build(config: Config) -> Result<Router, String> {
     } else if url.starts_with("sqlite:") {
         let store = SqliteStore::open_url(&url)
             .await
-            .map_err(|e| format!("cannot open {url}: {e}"))?;
+            .map_err(|e| format!("cannot open {shown}: {e}"))?;
         store.migrate().await.map_err(|e| e.to_string())?;
         for ddl in SCHEMA {
             sqlx::query(*ddl)
@@ -625,7 +683,7 @@ pub async fn build(config: Config) -> Result<Router, String> {
         (Idem::new(store), Db::Sqlite(pool))
     } else {
         return Err(format!(
-            "DATABASE_URL must start with postgres:// or sqlite://, got `{url}`"
+            "DATABASE_URL must start with postgres:// or sqlite://, got `{shown}`"
         ));
     };
     let idem = idem
