@@ -242,6 +242,105 @@ async fn a_refund_key_reused_on_another_payment_gets_422(store: Store) {
     );
 }
 
+/// Payments that race near the balance: the balance is held before the
+/// gateway is called, so every gateway charge is a payment, and the balance
+/// never goes below zero.
+async fn payments_near_the_balance_never_charge_without_a_payment(store: Store) {
+    let svc = Service::start(&store.url(), &[]).await;
+    let tenant = common::unique("near");
+    let replies = futures_util::future::join_all((0..15).map(|i| {
+        let (addr, tenant) = (svc.addr, tenant.clone());
+        async move { pay(addr, &tenant, &format!("near-{i}"), 100_000).await }
+    }))
+    .await;
+    let created = replies.iter().filter(|r| r.status == 201).count();
+    let poor = replies
+        .iter()
+        .filter(|r| r.status == 402 && r.json()["error"] == "insufficient_funds")
+        .count();
+    assert_eq!(
+        (created, poor),
+        (10, 5),
+        "{:?}",
+        replies.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    let l = get("/v1/ledger").bearer(&tenant).send(svc.addr).await.json();
+    assert_eq!(l["charges"], l["payments"], "{l}");
+    assert_eq!(
+        (l["payments"].as_i64(), l["balance"].as_i64()),
+        (Some(10), Some(0)),
+        "{l}"
+    );
+}
+
+/// A declined card is the gateway's answer: the gateway was called once,
+/// the balance is given back, and the retry replays without calling it.
+async fn a_declined_retry_never_calls_the_gateway_again(store: Store) {
+    let svc = Service::start(&store.url(), &[]).await;
+    let tenant = common::unique("declined");
+    let body = r#"{"amount": 500, "currency": "EUR", "recipient": "acct_declined"}"#;
+    let first = post("/v1/payments", body)
+        .bearer(&tenant)
+        .key("k-dec")
+        .send(svc.addr)
+        .await;
+    assert_eq!(
+        (first.status, first.json()["error"].as_str()),
+        (402, Some("card_declined"))
+    );
+    let retry = post("/v1/payments", body)
+        .bearer(&tenant)
+        .key("k-dec")
+        .send(svc.addr)
+        .await;
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(ledger(svc.addr, &tenant).await, (0, 1, 1_000_000));
+}
+
+/// Every input error is a 4xx on every store (an overflowing refund too),
+/// every 503 carries `Retry-After`, the scheme of `Authorization` is
+/// case-insensitive, and `GET /health` answers without credentials.
+async fn the_example_answers_input_errors_and_outages_alike_on_every_store(store: Store) {
+    let svc = Service::start(&store.url(), &[]).await;
+    let tenant = common::unique("edges");
+    let paid = post("/v1/payments", &payment(1000))
+        .header("authorization", format!("bearer {tenant}"))
+        .key("k-lower")
+        .send(svc.addr)
+        .await;
+    assert_eq!(paid.status, 201, "a lower-case scheme: {paid:?}");
+    let id = paid.json()["id"].as_str().unwrap().to_owned();
+    let refund = |amount: &str, key: &str| {
+        post(
+            &format!("/v1/payments/{id}/refunds"),
+            &format!(r#"{{"amount": {amount}}}"#),
+        )
+        .bearer(&tenant)
+        .key(key)
+    };
+    let huge = refund("9223372036854775807", "k-huge").send(svc.addr).await;
+    assert_eq!(huge.status, 422, "{huge:?}");
+    let down = post(
+        "/v1/payments",
+        r#"{"amount": 5, "currency": "EUR", "recipient": "acct_unavailable"}"#,
+    )
+    .bearer(&tenant)
+    .key("k-down")
+    .send(svc.addr)
+    .await;
+    assert_eq!((down.status, down.header("retry-after")), (503, Some("2")));
+    assert_eq!(
+        ledger(svc.addr, &tenant).await.2,
+        1_000_000 - 1000,
+        "the failed payment's hold is given back"
+    );
+    let health = get("/health").send(svc.addr).await;
+    assert_eq!(
+        (health.status, health.json()["status"].as_str()),
+        (200, Some("ok"))
+    );
+}
+
 /// Runs each scenario on a temporary SQLite file and on PostgreSQL.
 macro_rules! on_both_stores {
     ($($scenario:ident),* $(,)?) => {
@@ -269,6 +368,9 @@ on_both_stores!(
     twenty_concurrent_requests_make_one_charge,
     a_failed_payment_retried_with_another_amount_gets_422_and_one_charge,
     a_refund_key_reused_on_another_payment_gets_422,
+    payments_near_the_balance_never_charge_without_a_payment,
+    a_declined_retry_never_calls_the_gateway_again,
+    the_example_answers_input_errors_and_outages_alike_on_every_store,
     a_crash_after_the_charge_is_taken_over_without_a_second_charge,
     a_crash_before_the_commit_leaves_nothing_behind,
 );

@@ -151,6 +151,15 @@ macro_rules! in_tx {
 struct Service {
     db: Db,
     config: Arc<Config>,
+    /// The idempotency store, for `GET /health`.
+    store: Store,
+}
+
+/// The idempotency store of either kind.
+#[derive(Clone)]
+enum Store {
+    Pg(PgStore),
+    Sqlite(SqliteStore),
 }
 
 impl Service {
@@ -173,6 +182,9 @@ const SCHEMA: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS gateway_charges (charge_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, \
      amount BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS gateway_calls (tenant TEXT PRIMARY KEY, calls BIGINT NOT NULL)",
+    // Balance held for a payment in flight, once per operation: debited when
+    // taken, settled (kept) with the payment, given back when it fails.
+    "CREATE TABLE IF NOT EXISTS holds (hold_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, amount BIGINT NOT NULL)",
 ];
 
 /// An answer of the service that is not a success.
@@ -214,6 +226,12 @@ impl IntoResponse for ApiError {
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/problem+json"),
             );
+        }
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            // Like idem's own 503s: the client is told when to retry.
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("2"));
         }
         response
     }
@@ -294,6 +312,63 @@ impl Service {
         Ok(())
     }
 
+    /// Holds `amount` of the tenant's balance for the operation whose hold
+    /// key is `key`, atomically and once: `false` when the balance is too
+    /// low (nothing changed), `true` when held now or before.
+    async fn hold(&self, tenant: &str, key: &str, amount: i64) -> Result<bool, sqlx::Error> {
+        let insert =
+            self.sql("INSERT INTO holds (hold_key, tenant, amount) VALUES ($1, $2, $3) ON CONFLICT (hold_key) DO NOTHING");
+        let debit =
+            self.sql("UPDATE accounts SET balance = balance - $2 WHERE tenant = $1 AND balance >= $2");
+        on_pool!(&self.db, |pool| async {
+            let mut tx = pool.begin().await?;
+            let taken = sqlx::query(insert)
+                .bind(key)
+                .bind(tenant)
+                .bind(amount)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if taken == 1 {
+                let debited = sqlx::query(debit)
+                    .bind(tenant)
+                    .bind(amount)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                if debited == 0 {
+                    tx.rollback().await?;
+                    return Ok(false);
+                }
+            }
+            tx.commit().await?;
+            Ok(true)
+        }
+        .await)
+    }
+
+    /// Gives a hold back to the balance (a payment that did not happen).
+    async fn release_hold(&self, tenant: &str, key: &str) -> Result<(), sqlx::Error> {
+        let remove = self.sql("DELETE FROM holds WHERE hold_key = $1 RETURNING amount");
+        let credit = self.sql("UPDATE accounts SET balance = balance + $2 WHERE tenant = $1");
+        on_pool!(&self.db, |pool| async {
+            let mut tx = pool.begin().await?;
+            let held: Option<i64> = sqlx::query_scalar(remove)
+                .bind(key)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if let Some(amount) = held {
+                sqlx::query(credit)
+                    .bind(tenant)
+                    .bind(amount)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await
+        }
+        .await)
+    }
+
     async fn balance(&self, tenant: &str) -> Result<i64, sqlx::Error> {
         let sql = self.sql("SELECT balance FROM accounts WHERE tenant = $1");
         let balance: Option<i64> = on_pool!(&self.db, |pool| sqlx::query_scalar(sql)
@@ -305,8 +380,9 @@ impl Service {
 
     /// The fake card gateway. It counts every call, waits its delay, and
     /// charges at most once per charge key (a real gateway's idempotency).
-    /// `acct_unavailable` plays an outage. Its writes are its own: they
-    /// commit at once, outside the handler's transaction.
+    /// `acct_declined` plays a declined card, `acct_unavailable` an outage.
+    /// Its writes are its own: they commit at once, outside the handler's
+    /// transaction.
     async fn gateway_charge(
         &self,
         tenant: &str,
@@ -324,6 +400,9 @@ impl Service {
             .await
             .map(|r| r.rows_affected()))?;
         tokio::time::sleep(self.config.gateway_delay).await;
+        if recipient == "acct_declined" {
+            return Err(ApiError::declined("card_declined"));
+        }
         if recipient == "acct_unavailable" {
             return Err(ApiError::problem(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -357,15 +436,17 @@ async fn create_payment(
 ) -> Result<Created<Payment>, ApiError> {
     validate(&p)?;
     let tenant = op.tenant().to_owned();
-    if p.recipient == "acct_declined" {
-        return Err(ApiError::declined("card_declined"));
-    }
     svc.ensure_account(&tenant).await?;
-    if svc.balance(&tenant).await? < p.amount {
-        return Err(ApiError::declined("insufficient_funds"));
-    }
     if p.recipient == "acct_panic" {
         panic!("acct_panic: the handler panics (the key is released)");
+    }
+    // The balance is held atomically before the gateway is called: two
+    // payments near the balance cannot both charge. Once per operation (a
+    // retry or takeover finds its hold), settled with the payment below,
+    // given back when the payment fails.
+    let hold = op.derived_key("hold");
+    if !svc.hold(&tenant, &hold, p.amount).await? {
+        return Err(ApiError::declined("insufficient_funds"));
     }
     if op.recovery_point().as_deref() == Some("charged") {
         tracing::info!(
@@ -373,8 +454,14 @@ async fn create_payment(
             "resuming after the charge: the gateway deduplicates the derived key"
         );
     }
-    svc.gateway_charge(&tenant, &op.derived_key("charge"), p.amount, &p.recipient)
-        .await?;
+    if let Err(e) = svc
+        .gateway_charge(&tenant, &op.derived_key("charge"), p.amount, &p.recipient)
+        .await
+    {
+        // Declined, or the gateway is down: nothing was charged.
+        svc.release_hold(&tenant, &hold).await?;
+        return Err(e);
+    }
     op.checkpoint("charged").await?;
     tokio::time::sleep(svc.config.pause_after_charge).await;
     if svc.config.ledger_down_once && op.attempt() == 1 {
@@ -388,35 +475,23 @@ async fn create_payment(
         ));
     }
 
-    // The same id on every attempt of this operation.
+    // The same id on every attempt of this operation. The payment and the
+    // settled hold commit with the stored answer, or not at all.
     let id = format!("pay_{}", &op.derived_key("payment-id")[5..29]);
-    let debit = svc.sql("UPDATE accounts SET balance = balance - $2 WHERE tenant = $1 AND balance >= $2");
     let insert =
         svc.sql("INSERT INTO payments (id, tenant, amount, currency, recipient) VALUES ($1, $2, $3, $4, $5)");
-    let debited = in_tx!(svc, op, |conn| {
-        let debited = sqlx::query(debit)
+    let settle = svc.sql("DELETE FROM holds WHERE hold_key = $1");
+    in_tx!(svc, op, |conn| {
+        sqlx::query(insert)
+            .bind(&id)
             .bind(&tenant)
             .bind(p.amount)
+            .bind(&p.currency)
+            .bind(&p.recipient)
             .execute(&mut *conn)
-            .await?
-            .rows_affected();
-        if debited == 1 {
-            sqlx::query(insert)
-                .bind(&id)
-                .bind(&tenant)
-                .bind(p.amount)
-                .bind(&p.currency)
-                .bind(&p.recipient)
-                .execute(&mut *conn)
-                .await?;
-        }
-        debited
+            .await?;
+        sqlx::query(settle).bind(&hold).execute(&mut *conn).await?;
     });
-    if debited == 0 {
-        // Another payment of this tenant spent the balance meanwhile. (A real
-        // integration would void the gateway charge here.)
-        return Err(ApiError::declined("insufficient_funds"));
-    }
     tokio::time::sleep(svc.config.pause_before_commit).await;
     let mut headers = HeaderMap::new();
     if let Ok(location) = HeaderValue::from_str(&format!("/v1/payments/{id}")) {
@@ -466,7 +541,8 @@ async fn create_refund(
     let tenant = op.tenant().to_owned();
     let id = format!("re_{}", &op.derived_key("refund-id")[5..29]);
     let find = svc.sql("SELECT amount, refunded FROM payments WHERE id = $1 AND tenant = $2");
-    let refund = svc.sql("UPDATE payments SET refunded = refunded + $3 WHERE id = $1 AND tenant = $2 AND refunded + $3 <= amount");
+    // `refunded <= amount - $3` cannot overflow: $3 is at most the amount.
+    let refund = svc.sql("UPDATE payments SET refunded = refunded + $3 WHERE id = $1 AND tenant = $2 AND refunded <= amount - $3");
     let insert = svc.sql("INSERT INTO refunds (id, payment_id, tenant, amount) VALUES ($1, $2, $3, $4)");
     let credit = svc.sql("UPDATE accounts SET balance = balance + $2 WHERE tenant = $1");
     let outcome: Result<(), ApiError> = in_tx!(svc, op, |conn| {
@@ -480,6 +556,11 @@ async fn create_refund(
                 StatusCode::NOT_FOUND,
                 "payment-not-found",
                 "no such payment",
+            )),
+            Some((amount, _)) if r.amount > amount => Err(ApiError::problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "refund-exceeds-payment",
+                "the refunds would exceed the payment",
             )),
             Some(_) => {
                 let done = sqlx::query(refund)
@@ -559,11 +640,37 @@ async fn ledger(
         .bind(t)
         .fetch_optional(pool)
         .await)?;
+    let payments_sql = svc.sql("SELECT COUNT(*) FROM payments WHERE tenant = $1");
+    let payments: i64 = on_pool!(&svc.db, |pool| sqlx::query_scalar(payments_sql)
+        .bind(t)
+        .fetch_one(pool)
+        .await)?;
     Ok(Json(serde_json::json!({
         "charges": charges,
+        "payments": payments,
         "gateway_calls": calls.unwrap_or(0),
         "balance": svc.balance(t).await?,
     })))
+}
+
+/// `GET /health`: 200 when the store answers and its table is migrated,
+/// 503 (with `Retry-After`) otherwise.
+async fn health(State(svc): State<Service>) -> Result<Json<serde_json::Value>, ApiError> {
+    let checked = match &svc.store {
+        Store::Pg(s) => s.check_schema().await,
+        Store::Sqlite(s) => s.check_schema().await,
+    };
+    match checked {
+        Ok(()) => Ok(Json(serde_json::json!({ "status": "ok" }))),
+        Err(e) => {
+            tracing::error!(error = %e, "health check failed");
+            Err(ApiError::problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unhealthy",
+                "the store is unreachable or not migrated",
+            ))
+        }
+    }
 }
 
 /// Demo authentication, not for production: the bearer token is the tenant
@@ -573,7 +680,9 @@ async fn auth(mut req: Request, next: Next) -> Response {
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| v.split_once(' '))
+        // The scheme is case-insensitive (RFC 9110, 11.1).
+        .and_then(|(scheme, token)| scheme.eq_ignore_ascii_case("bearer").then_some(token.trim()))
         .filter(|t| {
             !t.is_empty()
                 && t.len() <= 64
@@ -637,7 +746,7 @@ pub fn redact(url: &str) -> String {
 pub async fn build(config: Config) -> Result<Router, String> {
     let url = config.database_url.clone();
     let shown = redact(&url);
-    let (idem, db) = if url.starts_with("postgres") {
+    let (idem, db, store) = if url.starts_with("postgres") {
         // One connection first: its error names the cause (refused, unknown
         // host, bad password), where a pool would only say it timed out.
         use sqlx::Connection as _;
@@ -667,12 +776,23 @@ pub async fn build(config: Config) -> Result<Router, String> {
                 .map_err(|e| e.to_string())?;
         }
         tx.commit().await.map_err(|e| e.to_string())?;
-        (Idem::new(store), Db::Pg(pool))
+        (Idem::new(store.clone()), Db::Pg(pool), Store::Pg(store))
     } else if url.starts_with("sqlite:") {
-        let store = SqliteStore::open_url(&url)
-            .await
-            .map_err(|e| format!("cannot open {shown}: {e}"))?;
-        store.migrate().await.map_err(|e| e.to_string())?;
+        // Several processes may start on one file at once: opening (which
+        // switches the file to WAL) and migrating wait for each other, a few
+        // busy timeouts at most.
+        let mut tries = 0;
+        let store = loop {
+            let opened = match SqliteStore::open_url(&url).await {
+                Ok(store) => store.migrate().await.map(|()| store),
+                Err(e) => Err(e),
+            };
+            match opened {
+                Ok(store) => break store,
+                Err(e) if e.is_unavailable() && tries < 5 => tries += 1,
+                Err(e) => return Err(format!("cannot open {shown}: {e}")),
+            }
+        };
         for ddl in SCHEMA {
             sqlx::query(*ddl)
                 .execute(store.pool())
@@ -680,7 +800,7 @@ pub async fn build(config: Config) -> Result<Router, String> {
                 .map_err(|e| e.to_string())?;
         }
         let pool = store.pool().clone();
-        (Idem::new(store), Db::Sqlite(pool))
+        (Idem::new(store.clone()), Db::Sqlite(pool), Store::Sqlite(store))
     } else {
         return Err(format!(
             "DATABASE_URL must start with postgres:// or sqlite://, got `{shown}`"
@@ -697,6 +817,7 @@ pub async fn build(config: Config) -> Result<Router, String> {
     let svc = Service {
         db,
         config: Arc::new(config),
+        store,
     };
     Ok(Router::new()
         .route("/v1/payments", post(create_payment))
@@ -706,6 +827,8 @@ pub async fn build(config: Config) -> Result<Router, String> {
         .layer(idem.layer())
         .layer(axum::Extension(janitor))
         .layer(middleware::from_fn(auth))
+        // Outside the authentication: for orchestrators.
+        .route("/health", get(health))
         .with_state(svc))
 }
 
