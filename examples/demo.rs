@@ -191,8 +191,8 @@ impl Demo {
                 first.status == 402
                     && second.status == 402
                     && second.header("idempotent-replayed") == Some("true")
-                    && calls == 0,
-                "the decline must be stored and replayed",
+                    && calls == 1,
+                "the decline must be stored and replayed, the gateway asked once",
             ),
         }
     }
