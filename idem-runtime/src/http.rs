@@ -1282,15 +1282,15 @@ async fn finish(
         Ok(pair) => pair,
         Err(panic) => {
             tracing::error!(panic = %panic_message(&*panic), "handler panicked; releasing the key");
-            return fail(engine, info, lock_timeout, tx, handler_failed()).await;
+            return let_go(engine, info, lock_timeout, tx, handler_failed(), LetGo::Fail).await;
         }
     };
     let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
     if class == Classification::Reject {
-        return reject(engine, info, lock_timeout, tx, response).await;
+        return let_go(engine, info, lock_timeout, tx, response, LetGo::Reject).await;
     }
     if class == Classification::Release {
-        return fail(engine, info, lock_timeout, tx, response).await;
+        return let_go(engine, info, lock_timeout, tx, response, LetGo::Fail).await;
     }
     let (parts, body) = response.into_parts();
     let stream = parts
@@ -1305,7 +1305,7 @@ async fn finish(
         Ok(collected) => collected,
         Err(panic) => {
             tracing::error!(panic = %panic_message(&*panic), "the response body panicked; releasing the key");
-            return fail(engine, info, lock_timeout, tx, handler_failed()).await;
+            return let_go(engine, info, lock_timeout, tx, handler_failed(), LetGo::Fail).await;
         }
     };
     let mut stored = StoredResponse {
@@ -1365,12 +1365,13 @@ async fn finish(
             // nothing is stored.
             tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
             let broken = futures_util::stream::once(async move { Err::<axum::body::Bytes, _>(e) });
-            return fail(
+            return let_go(
                 engine,
                 info,
                 lock_timeout,
                 tx,
                 Response::from_parts(parts, Body::from_stream(broken)),
+                LetGo::Fail,
             )
             .await;
         }
@@ -1506,7 +1507,7 @@ async fn stream_then_complete(mut s: StreamedAnswer) {
     } = s;
     let ending = match broken {
         Some(e) => {
-            let _ = fail(&engine, &info, lock_timeout, tx, Response::default()).await;
+            let _ = let_go(&engine, &info, lock_timeout, tx, Response::default(), LetGo::Fail).await;
             vec![Frame::Fail(e)]
         }
         None => match record_completion(&engine, &info, lock_timeout, &stored, tx).await {
@@ -1649,47 +1650,45 @@ async fn complete(
     Err(store_unavailable(OUTCOME_UNKNOWN))
 }
 
-/// A failed execution: rolls back the handler's transaction, releases the
-/// key, and answers `response`, unless another execution took the operation
-/// over, whose answer is the one that counts.
-/// A rejected request: rolls back the handler's transaction and frees the
-/// key (see [`Classification::Reject`]), unless another execution took the
-/// operation over.
-async fn reject(
-    engine: &Arc<Engine>,
-    info: &OperationInfo,
-    lock_timeout: Duration,
-    tx: Option<PendingTx>,
-    response: Response,
-) -> Response {
-    record("rejected");
-    if let Some(tx) = tx {
-        tx.rollback().await;
-    }
-    match engine.store.reject(&info.id, &info.lease.token).await {
-        Ok(()) => response,
-        Err(StoreError::LockLost) => {
-            record("lock_lost");
-            tracing::error!("cannot release: another execution took this operation over");
-            lease_lost()
-        }
-        // Not freed: at least never left locked.
-        Err(_) => fail(engine, info, lock_timeout, None, response).await,
-    }
+/// How an execution that produced no answer to keep lets its key go.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LetGo {
+    /// Released as failed: bound to its request (see [`Classification::Release`]).
+    Fail,
+    /// Rejected: the key is free on a first attempt (see [`Classification::Reject`]).
+    Reject,
 }
 
-async fn fail(
+/// A failed execution (`fail`) or a rejected request (`reject`): rolls back
+/// the handler's transaction, lets the key go as `how` says, and answers
+/// `response`, unless another execution took the operation over, whose
+/// answer is the one that counts.
+async fn let_go(
     engine: &Arc<Engine>,
     info: &OperationInfo,
     lock_timeout: Duration,
     tx: Option<PendingTx>,
     response: Response,
+    how: LetGo,
 ) -> Response {
-    record("released");
+    record(if how == LetGo::Reject {
+        "rejected"
+    } else {
+        "released"
+    });
     if let Some(tx) = tx {
         tx.rollback().await;
     }
-    if give_back(engine, &info.id, &info.lease.token, lock_timeout).await == Err(StoreError::LockLost) {
+    let (id, token) = (&info.id, &info.lease.token);
+    let outcome = match how {
+        LetGo::Reject => match engine.store.reject(id, token).await {
+            // Not freed: at least never left locked.
+            Err(e) if e != StoreError::LockLost => give_back(engine, id, token, lock_timeout).await,
+            other => other,
+        },
+        LetGo::Fail => give_back(engine, id, token, lock_timeout).await,
+    };
+    if outcome == Err(StoreError::LockLost) {
         record("lock_lost");
         tracing::error!("cannot release: another execution took this operation over");
         return lease_lost();
