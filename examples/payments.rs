@@ -51,7 +51,7 @@ async fn main() {
             std::process::exit(1);
         }
     };
-    tracing::info!(%addr, store = %service::redact(&store), "payments service listening");
+    tracing::info!(%addr, store = %service::describe(&store), "payments service listening");
     if let Err(e) = service::serve(listener, router).await {
         eprintln!("payments: {e}");
         std::process::exit(1);

@@ -709,43 +709,33 @@ async fn auth(mut req: Request, next: Next) -> Response {
     }
 }
 
-/// `url` with its password, if any, written `***` (in the user info, or as
-/// a `password` query parameter): safe to log.
-pub fn redact(url: &str) -> String {
-    let (head, query) = url.split_once('?').map_or((url, None), |(h, q)| (h, Some(q)));
-    let mut out = match head.split_once("://") {
-        Some((scheme, rest)) => {
-            let (authority, path) = rest.find('/').map_or((rest, ""), |at| rest.split_at(at));
-            let authority = match authority.rsplit_once('@') {
-                Some((user_info, host)) => match user_info.split_once(':') {
-                    Some((user, _)) => format!("{user}:***@{host}"),
-                    None => format!("{user_info}@{host}"),
-                },
-                None => authority.to_owned(),
-            };
-            format!("{scheme}://{authority}{path}")
+/// What `DATABASE_URL` names, safe to log: the kind of database and where
+/// it is, never the URL itself (which may carry a password in any of its
+/// many spellings).
+pub fn describe(url: &str) -> String {
+    use std::str::FromStr as _;
+    let lower = url.to_ascii_lowercase();
+    if lower.starts_with("postgres:") || lower.starts_with("postgresql:") {
+        match sqlx::postgres::PgConnectOptions::from_str(url) {
+            Ok(o) => format!("PostgreSQL at {}:{}", o.get_host(), o.get_port()),
+            Err(_) => "PostgreSQL (DATABASE_URL does not parse)".into(),
         }
-        None => head.to_owned(),
-    };
-    if let Some(query) = query {
-        let pairs: Vec<String> = query
-            .split('&')
-            .map(|pair| match pair.split_once('=') {
-                Some((k, _)) if k.to_ascii_lowercase().contains("password") => format!("{k}=***"),
-                _ => pair.to_owned(),
-            })
-            .collect();
-        out = format!("{out}?{}", pairs.join("&"));
+    } else if lower.starts_with("sqlite:") {
+        match sqlx::sqlite::SqliteConnectOptions::from_str(url) {
+            Ok(o) => format!("SQLite file {}", o.get_filename().display()),
+            Err(_) => "SQLite (DATABASE_URL does not parse)".into(),
+        }
+    } else {
+        "a database of an unsupported kind".into()
     }
-    out
 }
 
 /// Opens the database named by the config, applies the migrations, and
 /// builds the router (with its janitor, which lives as long as the router).
-/// Errors say what failed and never carry the URL's password.
+/// Errors say what failed and never carry the URL.
 pub async fn build(config: Config) -> Result<Router, String> {
     let url = config.database_url.clone();
-    let shown = redact(&url);
+    let shown = describe(&url);
     let (idem, db, store) = if url.starts_with("postgres") {
         // One connection first: its error names the cause (refused, unknown
         // host, bad password), where a pool would only say it timed out.
@@ -803,7 +793,7 @@ pub async fn build(config: Config) -> Result<Router, String> {
         (Idem::new(store.clone()), Db::Sqlite(pool), Store::Sqlite(store))
     } else {
         return Err(format!(
-            "DATABASE_URL must start with postgres:// or sqlite://, got `{shown}`"
+            "DATABASE_URL must start with postgres:// or sqlite:// (its value is not shown: it may hold a password)"
         ));
     };
     let idem = idem
