@@ -312,7 +312,7 @@ fn model(state: &mut Option<Rec>, step: Step, me: &str) -> Out {
             };
             let in_progress = r.completed.is_none();
             let live = in_progress && r.lock_live;
-            if r.expired && !live {
+            if gone(r) {
                 *state = Some(fresh);
                 return reserved(state);
             }
@@ -343,6 +343,8 @@ fn model(state: &mut Option<Rec>, step: Step, me: &str) -> Out {
             r.completed = Some("b-h0".into());
             r.holder = None;
             r.lock_live = false;
+            // Kept a whole TTL from its completion.
+            r.expired = false;
         }),
         Step::Release => fenced(state, &|r| {
             r.holder = None;
@@ -364,13 +366,20 @@ fn model(state: &mut Option<Rec>, step: Step, me: &str) -> Out {
         Step::Extend => fenced(state, &|r| r.lock_live = true),
         Step::Checkpoint => fenced(state, &|r| r.recovery_point = Some("rp-new".into())),
         Step::Purge => match state {
-            Some(r) if r.expired && !(r.completed.is_none() && r.lock_live) => {
+            Some(r) if gone(r) => {
                 *state = None;
                 Out::Purged(1)
             }
             _ => Out::Purged(0),
         },
     }
+}
+
+/// As if absent, and purgeable: past its TTL and completed. (A record in
+/// progress is kept a whole TTL past its lock deadline; in these schedules,
+/// with TTLs of an hour, that never comes.)
+fn gone(r: &Rec) -> bool {
+    r.expired && r.completed.is_some()
 }
 
 fn reserved(state: &Option<Rec>) -> Out {

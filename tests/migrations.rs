@@ -89,7 +89,7 @@ async fn postgres_the_first_released_schema_upgrades_and_serves() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, [1, 2]);
+    assert_eq!(versions, [1, 2, 3]);
     serves_after_the_upgrade(&store).await;
 }
 
@@ -145,7 +145,7 @@ async fn postgres_a_table_that_does_not_match_refuses_to_start() {
     .unwrap();
     let err = store.migrate().await.unwrap_err().to_string();
     assert!(
-        err.contains("does not match schema version 2")
+        err.contains("does not match schema version 3")
             && err.contains("response_headers")
             && err.contains("run migrate()"),
         "{err}"
@@ -171,10 +171,11 @@ async fn postgres_concurrent_migrations_apply_once() {
     assert!(results.iter().all(Result::is_ok), "{results:?}");
 }
 
-/// Names derived from the table's never truncate: a table name past the
-/// limit is refused with the limit; one at it gets its expiry index.
+/// Names derived from the table's never truncate: a table name past 63
+/// bytes is refused; a long one gets an expiry index and a migrations table
+/// whose names fit, and a long table of an earlier build upgrades.
 #[tokio::test]
-async fn postgres_a_long_table_name_is_refused_or_fully_indexed() {
+async fn postgres_long_table_names_get_their_index_and_upgrade() {
     let Some(url) = common::pg_url() else { return };
     let schema = common::pg_schema(&url).await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
@@ -182,20 +183,103 @@ async fn postgres_a_long_table_name_is_refused_or_fully_indexed() {
     let err = PgStore::new(pool.clone())
         .with_table(Some(&schema), &too_long)
         .unwrap_err();
-    assert!(err.to_string().contains("at most 48"), "{err}");
+    assert!(err.to_string().contains("at most 63"), "{err}");
+    let indexes = |table: String| {
+        let pool = pool.clone();
+        let schema = schema.clone();
+        async move {
+            let names: Vec<String> = sqlx::query_scalar(
+                "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 \
+                 AND indexdef LIKE '%(expires_at)%'",
+            )
+            .bind(&schema)
+            .bind(&table)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            names
+        }
+    };
     let longest = "t".repeat(idem::MAX_TABLE_NAME);
     let store = PgStore::new(pool.clone())
         .with_table(Some(&schema), &longest)
         .unwrap();
     store.migrate().await.unwrap();
-    let index: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 AND indexname = $3",
-    )
-    .bind(&schema)
-    .bind(&longest)
-    .bind(format!("{longest}_expires_at_idx"))
-    .fetch_one(&pool)
+    let names = indexes(longest.clone()).await;
+    assert_eq!(names.len(), 1, "{names:?}");
+    assert!(names[0].starts_with("idem_expires_at_idx_"), "{names:?}");
+
+    // A 50-byte table of the first released build: upgraded in place.
+    let earlier = "k".repeat(50);
+    let t = format!("\"{schema}\".\"{earlier}\"");
+    pool.execute(sqlx::AssertSqlSafe(V1_POSTGRES.replace("{t}", &t)))
+        .await
+        .unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), &earlier)
+        .unwrap();
+    store.migrate().await.unwrap();
+    serves_after_the_upgrade(&store).await;
+    assert_eq!(indexes(earlier).await.len(), 1);
+}
+
+/// A table dropped after it was migrated is made again by `migrate()`.
+#[tokio::test]
+async fn sqlite_a_dropped_table_is_made_again() {
+    let (store, _dir) = common::sqlite_store().await;
+    store.pool().execute("DROP TABLE idempotency_keys").await.unwrap();
+    assert!(store.check_schema().await.is_err());
+    store.migrate().await.unwrap();
+    let id = RecordId::new("t", "s", "again");
+    assert!(matches!(
+        store.reserve(req(&id, "fp")).await.unwrap(),
+        Reservation::Reserved(_)
+    ));
+}
+
+/// A column of someone else's that every row must fill is refused at the
+/// check, not at the first request.
+#[tokio::test]
+async fn postgres_an_extra_required_column_refuses_to_start() {
+    let Some(url) = common::pg_url() else { return };
+    let schema = common::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE \"{schema}\".idempotency_keys ADD COLUMN region TEXT NOT NULL"
+    )))
     .await
     .unwrap();
-    assert_eq!(index, 1);
+    let err = store.check_schema().await.unwrap_err().to_string();
+    assert!(err.contains("region") && err.contains("no default"), "{err}");
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE \"{schema}\".idempotency_keys ALTER COLUMN region SET DEFAULT 'eu'"
+    )))
+    .await
+    .unwrap();
+    store.check_schema().await.unwrap();
+}
+
+#[tokio::test]
+async fn sqlite_an_extra_required_column_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("extra.db")).await.unwrap();
+    let with_region = V1_SQLITE
+        .replace("{t}", "\"idempotency_keys\"")
+        .replacen(
+            "attempt INTEGER NOT NULL,",
+            "attempt INTEGER NOT NULL, region TEXT NOT NULL,",
+            1,
+        )
+        .replace("'op', NULL, 1, 0,", "'op', NULL, 1, 'eu', 0,");
+    store
+        .pool()
+        .execute(sqlx::AssertSqlSafe(with_region))
+        .await
+        .unwrap();
+    let err = store.migrate().await.unwrap_err().to_string();
+    assert!(err.contains("region") && err.contains("no default"), "{err}");
 }

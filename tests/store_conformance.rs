@@ -200,6 +200,49 @@ async fn treats_a_record_past_its_ttl_as_absent(s: &dyn IdempotencyStore) {
     assert_ne!(second.operation_id, first.operation_id);
 }
 
+/// An answer is kept a whole TTL from its completion, not from its first
+/// reservation: a slow execution's answer is still replayed right after.
+async fn an_answer_is_kept_a_whole_ttl_from_its_completion(s: &dyn IdempotencyStore) {
+    let id = RecordId::new("t1", "s", "k-ttl-completion");
+    let ttl = Duration::from_millis(400);
+    let lease = take(s, &id, "fp", ttl, LONG).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.complete(&id, &lease.token, &response("slow")).await.unwrap();
+    // Past the TTL from the reservation, within it from the completion.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        reserve(s, &id, "fp", ttl, LONG).await,
+        Reservation::Completed(response("slow"))
+    );
+}
+
+/// An execution that crashed after an effect is kept a whole TTL past its
+/// lock deadline: its retry continues the same operation (same id and
+/// recovery point), even past the record's TTL, and the janitor keeps it.
+async fn a_crashed_operation_outlives_its_ttl_for_its_retry(s: &dyn IdempotencyStore) {
+    let id = RecordId::new("t1", "crash", "k-ttl-crash");
+    let (ttl, lock) = (Duration::from_millis(300), Duration::from_millis(200));
+    let dead = take(s, &id, "fp", ttl, lock).await;
+    s.checkpoint(&id, &dead.token, "charged").await.unwrap();
+    // Past the TTL and the lock deadline (but not the deadline plus a TTL).
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    assert_eq!(s.purge_expired(100).await.unwrap(), 0);
+    assert_eq!(
+        reserve(s, &id, "fp-other", ttl, lock).await,
+        Reservation::Mismatch
+    );
+    let retry = take(s, &id, "fp", ttl, LONG).await;
+    assert_eq!(
+        (
+            retry.attempt,
+            retry.is_takeover(),
+            retry.recovery_point.as_deref()
+        ),
+        (2, true, Some("charged"))
+    );
+    assert_eq!(retry.operation_id, dead.operation_id);
+}
+
 /// A lock past its deadline is taken over: new token, attempt + 1, recovery
 /// point and operation id kept; the old token can then do nothing.
 async fn takes_over_a_stale_lock_and_fences_the_old_owner(s: &dyn IdempotencyStore) {
@@ -357,6 +400,8 @@ macro_rules! conformance {
             release_lets_the_next_request_run,
             treats_a_record_past_its_ttl_as_absent,
             takes_over_a_stale_lock_and_fences_the_old_owner,
+            an_answer_is_kept_a_whole_ttl_from_its_completion,
+            a_crashed_operation_outlives_its_ttl_for_its_retry,
             an_extended_lock_is_not_taken_over,
             isolates_tenants_and_scopes,
             purges_in_batches_and_never_a_live_lock,

@@ -183,8 +183,10 @@ const SCHEMA: &[&str] = &[
      amount BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS gateway_calls (tenant TEXT PRIMARY KEY, calls BIGINT NOT NULL)",
     // Balance held for a payment in flight, once per operation: debited when
-    // taken, settled (kept) with the payment, given back when it fails.
-    "CREATE TABLE IF NOT EXISTS holds (hold_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, amount BIGINT NOT NULL)",
+    // taken, settled with the payment (the row stays, so a late execution
+    // of the same operation cannot hold again), given back when it fails.
+    "CREATE TABLE IF NOT EXISTS holds (hold_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, amount BIGINT NOT NULL, \
+     settled INTEGER NOT NULL DEFAULT 0)",
 ];
 
 /// An answer of the service that is not a success.
@@ -349,7 +351,7 @@ impl Service {
 
     /// Gives a hold back to the balance (a payment that did not happen).
     async fn release_hold(&self, tenant: &str, key: &str) -> Result<(), sqlx::Error> {
-        let remove = self.sql("DELETE FROM holds WHERE hold_key = $1 RETURNING amount");
+        let remove = self.sql("DELETE FROM holds WHERE hold_key = $1 AND settled = 0 RETURNING amount");
         let credit = self.sql("UPDATE accounts SET balance = balance + $2 WHERE tenant = $1");
         on_pool!(&self.db, |pool| async {
             let mut tx = pool.begin().await?;
@@ -445,6 +447,10 @@ async fn create_payment(
     // retry or takeover finds its hold), settled with the payment below,
     // given back when the payment fails.
     let hold = op.derived_key("hold");
+    if op.is_lease_lost() {
+        // Another execution owns this payment now: no further effect.
+        return Err(StoreError::LockLost.into());
+    }
     if !svc.hold(&tenant, &hold, p.amount).await? {
         return Err(ApiError::declined("insufficient_funds"));
     }
@@ -480,7 +486,7 @@ async fn create_payment(
     let id = format!("pay_{}", &op.derived_key("payment-id")[5..29]);
     let insert =
         svc.sql("INSERT INTO payments (id, tenant, amount, currency, recipient) VALUES ($1, $2, $3, $4, $5)");
-    let settle = svc.sql("DELETE FROM holds WHERE hold_key = $1");
+    let settle = svc.sql("UPDATE holds SET settled = 1 WHERE hold_key = $1");
     in_tx!(svc, op, |conn| {
         sqlx::query(insert)
             .bind(&id)

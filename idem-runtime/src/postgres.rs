@@ -20,6 +20,11 @@ pub const POSTGRES_MIGRATIONS: &[sql::Migration] = &[
         name: "add taken_over",
         sql: include_str!("../migrations/postgres/0002_add_taken_over.sql"),
     },
+    sql::Migration {
+        version: 3,
+        name: "ensure expiry index",
+        sql: include_str!("../migrations/postgres/0003_ensure_expiry_index.sql"),
+    },
 ];
 
 /// The default bound on one store operation, connection included.

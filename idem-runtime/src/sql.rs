@@ -11,9 +11,22 @@ const RETURNED: &str = "attempt, taken_over, recovery_point, operation_id";
 /// The table name both SQL stores use unless told otherwise.
 pub const DEFAULT_TABLE: &str = "idempotency_keys";
 
-/// The longest table name: its index (`<table>_expires_at_idx`) and its
-/// migrations table (`<table>_migrations`) must fit PostgreSQL's 63 bytes.
-pub const MAX_TABLE_NAME: usize = 63 - "_expires_at_idx".len();
+/// The longest table name: PostgreSQL's 63 bytes. The names derived from it
+/// (`<table>_expires_at_idx`, `<table>_migrations`) that would not fit are
+/// `idem_<what>_` and a hash of the table's name instead, so that they never
+/// truncate or collide.
+pub const MAX_TABLE_NAME: usize = 63;
+
+/// `<table>_<suffix>`, or `idem_<suffix>_<hash>` where that would not fit.
+fn derived_name(table: &str, suffix: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let name = format!("{table}_{suffix}");
+    if name.len() <= 63 {
+        return name;
+    }
+    let hash = crate::fingerprint::hex(&Sha256::digest(table.as_bytes())[..8]);
+    format!("idem_{suffix}_{hash}")
+}
 
 /// One schema change: a new file for every change, never an edited one.
 /// `{table}` and `{index}` stand for the configured, quoted names.
@@ -49,6 +62,10 @@ pub(crate) struct Dialect {
     purge_lock: &'static str,
     /// The store's clock in milliseconds since the Unix epoch.
     epoch_millis: &'static str,
+    /// Lists the columns of `table` (in `schema`) that a row must fill (no
+    /// default, not null) and that are not in `known` (a list of quoted
+    /// names). The names are checked identifiers.
+    required_columns: fn(Option<&str>, &str, &str) -> String,
 }
 
 #[cfg(feature = "postgres")]
@@ -59,6 +76,14 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     left: |col, now| format!("GREATEST(0, CEIL(EXTRACT(EPOCH FROM ({col} - {now})) * 1000))::bigint"),
     purge_lock: " FOR UPDATE SKIP LOCKED",
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
+    required_columns: |schema, table, known| {
+        let schema = schema.map_or_else(|| "current_schema()".to_owned(), |s| format!("'{s}'"));
+        format!(
+            "SELECT column_name::text FROM information_schema.columns WHERE table_schema = {schema} \
+             AND table_name = '{table}' AND is_nullable = 'NO' AND column_default IS NULL \
+             AND column_name NOT IN ({known})"
+        )
+    },
 };
 
 #[cfg(feature = "sqlite")]
@@ -70,6 +95,12 @@ pub(crate) const SQLITE: Dialect = Dialect {
     // One statement under SQLite's write lock: nothing changes meanwhile.
     purge_lock: "",
     epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    required_columns: |_, table, known| {
+        format!(
+            "SELECT name FROM pragma_table_info('{table}') WHERE \"notnull\" = 1 AND dflt_value IS NULL \
+             AND name NOT IN ({known})"
+        )
+    },
 };
 
 /// Every statement a store runs, for one table.
@@ -90,6 +121,8 @@ pub(crate) struct Statements {
     pub(crate) has_taken_over: String,
     /// Reads nothing, but fails unless every column the code needs exists.
     pub(crate) has_columns: String,
+    /// The columns a row must fill that the code does not know.
+    pub(crate) unknown_required: String,
     /// Takes the key (insert, or update of a takeable row) in one upsert.
     /// Binds: tenant, scope, key, fingerprint, token, operation id, ttl ms, lock ms.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
@@ -127,8 +160,7 @@ pub(crate) struct Statements {
 pub(crate) fn check_identifier(name: &str, max: usize) -> Result<(), StoreError> {
     if name.len() > max {
         return Err(StoreError::Backend(format!(
-            "the name `{name}` is {} bytes; at most {max} are allowed (a table's index and migrations \
-             table are named after it, within PostgreSQL's 63 bytes)",
+            "the name `{name}` is {} bytes; at most {max} are allowed (PostgreSQL's limit for a name)",
             name.len()
         )));
     }
@@ -160,13 +192,20 @@ impl Statements {
             None => format!("\"{name}\""),
         };
         let t = qualify(table);
-        let versions_table = qualify(&format!("{table}_migrations"));
-        let index = format!("\"{table}_expires_at_idx\"");
+        let versions_table = qualify(&derived_name(table, "migrations"));
+        let index = format!("\"{}\"", derived_name(table, "expires_at_idx"));
         let now = d.now;
         let p = |n: u8| format!("{}{n}", d.param);
         let ms = |n: u8| (d.millis)(p(n));
         let live_lock = format!("(cur.state = 'in_progress' AND cur.lock_expires_at > {now})");
-        let expired = format!("cur.expires_at <= {now}");
+        // Gone (as if absent, and purgeable): a completed record past its
+        // TTL; a record in progress (its execution may have crashed after an
+        // effect) only once it is also a whole TTL past its lock deadline,
+        // so that a retry can still continue its operation.
+        let expired = format!(
+            "(cur.expires_at <= {now} AND (cur.state = 'completed' \
+             OR cur.lock_expires_at + (cur.expires_at - cur.created_at) <= {now}))"
+        );
         let id = format!("tenant = {} AND scope = {} AND key = {}", p(1), p(2), p(3));
         let owned = format!("{id} AND state = 'in_progress' AND lock_token = {}", p(4));
         // A fresh record: absent before, or replacing an expired one.
@@ -234,6 +273,15 @@ impl Statements {
             table_exists: format!("SELECT 1 FROM {t} LIMIT 0"),
             has_taken_over: format!("SELECT taken_over FROM {t} LIMIT 0"),
             has_columns: format!("SELECT {COLUMNS} FROM {t} LIMIT 0"),
+            unknown_required: (d.required_columns)(
+                schema,
+                table,
+                &COLUMNS
+                    .split(',')
+                    .map(|c| format!("'{}'", c.trim()))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ),
             take: format!(
                 "{insert} ON CONFLICT (tenant, scope, key) DO UPDATE SET {set} \
                  WHERE {takeable} RETURNING {RETURNED}",
@@ -271,9 +319,11 @@ impl Statements {
                 p(3),
                 left = (d.left)("cur.lock_expires_at", now),
             ),
+            // The answer is kept a whole TTL from its completion.
             complete: format!(
                 "UPDATE {t} SET state = 'completed', lock_token = NULL, response_status = {}, \
-                 response_headers = {}, response_body = {} WHERE {owned}",
+                 response_headers = {}, response_body = {}, created_at = {now}, \
+                 expires_at = {now} + (expires_at - created_at) WHERE {owned}",
                 p(5),
                 p(6),
                 p(7),
@@ -432,7 +482,13 @@ macro_rules! migrate_in {
             .await
             .map_err($crate::sql::map_err)?;
         let mut current = applied.last().copied().unwrap_or(0);
-        if current == 0 {
+        let mut exists = $tx.begin().await.map_err($crate::sql::map_err)?;
+        let table_exists = run(&sql.table_exists).execute(&mut *exists).await.is_ok();
+        exists.rollback().await.map_err($crate::sql::map_err)?;
+        if !table_exists {
+            // Never made, or dropped since: every migration runs (again).
+            current = 0;
+        } else if current == 0 {
             // Made before versions were recorded: what is there already?
             for (version, probe) in [(1, &sql.table_exists), (2, &sql.has_taken_over)] {
                 let mut savepoint = $tx.begin().await.map_err($crate::sql::map_err)?;
@@ -456,7 +512,7 @@ macro_rules! migrate_in {
             if migration.version > current {
                 run(text).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
             }
-            if migration.version > applied.last().copied().unwrap_or(0) {
+            if !applied.contains(&migration.version) {
                 sqlx::query(sqlx::AssertSqlSafe(sql.record_version.as_str()))
                     .bind(migration.version)
                     .bind(migration.name)
@@ -502,6 +558,20 @@ macro_rules! check_schema {
                 .execute(&self.pool)
                 .await
                 .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
+            // A column of someone else's that every row must fill would make
+            // every reservation fail.
+            let unknown: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.unknown_required.as_str()))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
+            if !unknown.is_empty() {
+                return Err($crate::StoreError::Backend(format!(
+                    "the table {} has columns idem does not fill and that have no default: {}; give them a \
+                     default or drop them",
+                    sql.table,
+                    unknown.join(", ")
+                )));
+            }
             Ok(())
         }
     };
@@ -746,6 +816,14 @@ mod tests {
             assert!(check_identifier(good, 63).is_ok(), "{good}");
         }
         assert!(check_identifier(&"x".repeat(MAX_TABLE_NAME + 1), MAX_TABLE_NAME).is_err());
+        assert_eq!(derived_name("keys", "migrations"), "keys_migrations");
+        let long = "x".repeat(63);
+        let derived = derived_name(&long, "expires_at_idx");
+        assert!(
+            derived.starts_with("idem_expires_at_idx_") && derived.len() <= 63,
+            "{derived}"
+        );
+        assert_ne!(derived, derived_name(&"y".repeat(63), "expires_at_idx"));
     }
 
     #[test]

@@ -21,6 +21,11 @@ pub const SQLITE_MIGRATIONS: &[sql::Migration] = &[
         name: "add taken_over",
         sql: include_str!("../migrations/sqlite/0002_add_taken_over.sql"),
     },
+    sql::Migration {
+        version: 3,
+        name: "ensure expiry index",
+        sql: include_str!("../migrations/sqlite/0003_ensure_expiry_index.sql"),
+    },
 ];
 
 /// How long a connection waits for another writer before giving up.

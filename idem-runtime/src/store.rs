@@ -405,12 +405,20 @@ struct MemoryRecord {
     recovery_point: Option<String>,
     lock_deadline: Instant,
     expires_at: Instant,
+    /// The retention it was reserved with.
+    ttl: Duration,
     response: Option<StoredResponse>,
 }
 
 impl MemoryRecord {
     fn lock_live(&self, now: Instant) -> bool {
         self.response.is_none() && self.lock_deadline > now
+    }
+
+    /// As if absent, and purgeable: a completed record past its TTL; one in
+    /// progress only once also a whole TTL past its lock deadline.
+    fn gone(&self, now: Instant) -> bool {
+        self.expires_at <= now && (self.response.is_some() || self.lock_deadline + self.ttl <= now)
     }
 }
 
@@ -481,12 +489,13 @@ impl MemoryStore {
             recovery_point: None,
             lock_deadline: now + req.lock_timeout,
             expires_at: now + req.ttl,
+            ttl: req.ttl,
             response: None,
         };
         let mut taken_over = false;
         let record = match existing {
             None => fresh(random_token()),
-            Some(r) if r.expires_at <= now && !r.lock_live(now) => fresh(random_token()),
+            Some(r) if r.gone(now) && !r.lock_live(now) => fresh(random_token()),
             // A stale lock (a takeover) or a released record (its retry).
             Some(r) if r.response.is_none() && r.lock_deadline <= now && r.fingerprint == req.fingerprint => {
                 taken_over = r.token.is_some();
@@ -533,10 +542,12 @@ impl IdempotencyStore for MemoryStore {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            self.fenced(id, token, |records, _| {
+            self.fenced(id, token, |records, now| {
                 if let Some(r) = records.get_mut(id) {
                     r.response = Some(response.clone());
                     r.token = None;
+                    // The answer is kept a whole TTL from its completion.
+                    r.expires_at = now + r.ttl;
                 }
             })?;
             pause_point!(crate::pause::COMPLETE_AFTER, &id.key);
@@ -616,7 +627,7 @@ impl IdempotencyStore for MemoryStore {
                 let now = Instant::now();
                 let doomed: Vec<RecordId> = records
                     .iter()
-                    .filter(|(_, r)| r.expires_at <= now && !r.lock_live(now))
+                    .filter(|(_, r)| r.gone(now) && !r.lock_live(now))
                     .map(|(id, _)| id.clone())
                     .take(batch as usize)
                     .collect();
