@@ -798,9 +798,10 @@ pub async fn build(config: Config) -> Result<Router, String> {
         let pool = store.pool().clone();
         (Idem::new(store.clone()), Db::Sqlite(pool), Store::Sqlite(store))
     } else {
-        return Err(format!(
+        return Err(
             "DATABASE_URL must start with postgres:// or sqlite:// (its value is not shown: it may hold a password)"
-        ));
+                .to_owned(),
+        );
     };
     let idem = idem
         .ttl(config.ttl)
