@@ -277,6 +277,19 @@ async fn obs_text(State(app): State<App>) -> Response {
     r
 }
 
+/// Slower than its TTL, in a transaction: its answer is still kept a TTL
+/// from its completion.
+#[idempotent(scope = "lease.slow_tx", ttl = "1s")]
+async fn slow_in_transaction(
+    State(app): State<App>,
+    op: Operation,
+) -> Result<(StatusCode, String), StoreError> {
+    let n = app.ran("slow_tx");
+    let _conn = op.pg_transaction().await?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    Ok((StatusCode::CREATED, format!("run {n}")))
+}
+
 /// Tells the test when the server drops a request it has not answered.
 async fn watch_drops(State(app): State<App>, req: Request, next: Next) -> Response {
     struct Dropped(Option<Arc<Notify>>);
@@ -486,6 +499,7 @@ async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
         .route("/sized-tail", post(sized_with_empty_tail))
         .route("/huge", post(huge))
         .route("/obs-text", post(obs_text))
+        .route("/slow-tx", post(slow_in_transaction))
         .layer(idem.layer())
         .layer(middleware::from_fn_with_state(app.clone(), watch_drops))
         .with_state(app.clone());
@@ -1001,4 +1015,18 @@ async fn postgres_a_blocked_transactional_completion_answers_503_in_time() {
     .await
     .unwrap();
     assert_eq!(written, 0, "the handler's writes were rolled back");
+}
+
+/// An answer completed in the handler's transaction is kept a TTL from its
+/// completion, not from when the transaction opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_slow_transactional_answer_is_kept_a_ttl_from_its_completion() {
+    let Some(h) = start(Duration::from_secs(10), "postgres").await else {
+        return;
+    };
+    let first = post_req("/slow-tx", "").key("k-slow-tx").send(h.addr).await;
+    assert_eq!((first.status, first.body.as_slice()), (201, &b"run 1"[..]));
+    let retry = post_req("/slow-tx", "").key("k-slow-tx").send(h.addr).await;
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"), "{retry:?}");
+    assert_eq!(h.app.runs("slow_tx"), 1);
 }

@@ -644,3 +644,40 @@ async fn sqlite_the_database_clock_decides_expiry() {
     assert_eq!(again.attempt, 1);
     assert_ne!(again.operation_id, first.operation_id);
 }
+
+/// Retention is exact on PostgreSQL whatever the session's time zone (a
+/// timestamp difference in calendar days would gain or lose an hour across
+/// a change of daylight saving).
+#[tokio::test]
+async fn postgres_retention_is_exact_in_a_time_zone_with_daylight_saving() {
+    let Some(url) = common::pg_url() else { return };
+    let schema = common::pg_schema(&url).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(conn, "SET TIME ZONE 'America/New_York'").await?;
+                Ok(())
+            })
+        })
+        .connect(&url)
+        .await
+        .unwrap();
+    let store = idem::PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    let id = RecordId::new("t", "s", "dst");
+    let ttl = Duration::from_secs(200 * 86_400);
+    let lease = take(&store, &id, "fp", ttl, LONG).await;
+    store
+        .complete(&id, &lease.token, &response("kept"))
+        .await
+        .unwrap();
+    let kept: f64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT EXTRACT(EPOCH FROM (expires_at - created_at))::float8 FROM \"{schema}\".idempotency_keys"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kept, ttl.as_secs_f64());
+}

@@ -62,6 +62,13 @@ pub(crate) struct Dialect {
     purge_lock: &'static str,
     /// The store's clock in milliseconds since the Unix epoch.
     epoch_millis: &'static str,
+    /// The time now, even inside a transaction (PostgreSQL's `now()` is the
+    /// transaction's start).
+    clock: &'static str,
+    /// The length of time from `b` to `a`, addable to a time column: an
+    /// exact one (PostgreSQL's timestamp difference counts calendar days,
+    /// which a time zone with daylight saving stretches).
+    span: fn(&str, &str) -> String,
     /// Lists the columns of `table` (in `schema`) that a row must fill (no
     /// default, not null) and that are not in `known` (a list of quoted
     /// names). The names are checked identifiers.
@@ -76,6 +83,8 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     left: |col, now| format!("GREATEST(0, CEIL(EXTRACT(EPOCH FROM ({col} - {now})) * 1000))::bigint"),
     purge_lock: " FOR UPDATE SKIP LOCKED",
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
+    clock: "clock_timestamp()",
+    span: |a, b| format!("(EXTRACT(EPOCH FROM ({a} - {b})) * interval '1 second')"),
     required_columns: |schema, table, known| {
         let schema = schema.map_or_else(|| "current_schema()".to_owned(), |s| format!("'{s}'"));
         format!(
@@ -95,6 +104,8 @@ pub(crate) const SQLITE: Dialect = Dialect {
     // One statement under SQLite's write lock: nothing changes meanwhile.
     purge_lock: "",
     epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    clock: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    span: |a, b| format!("({a} - {b})"),
     required_columns: |_, table, known| {
         format!(
             "SELECT name FROM pragma_table_info('{table}') WHERE \"notnull\" = 1 AND dflt_value IS NULL \
@@ -204,7 +215,8 @@ impl Statements {
         // so that a retry can still continue its operation.
         let expired = format!(
             "(cur.expires_at <= {now} AND (cur.state = 'completed' \
-             OR cur.lock_expires_at + (cur.expires_at - cur.created_at) <= {now}))"
+             OR cur.lock_expires_at + {ttl} <= {now}))",
+            ttl = (d.span)("cur.expires_at", "cur.created_at"),
         );
         let id = format!("tenant = {} AND scope = {} AND key = {}", p(1), p(2), p(3));
         let owned = format!("{id} AND state = 'in_progress' AND lock_token = {}", p(4));
@@ -322,11 +334,13 @@ impl Statements {
             // The answer is kept a whole TTL from its completion.
             complete: format!(
                 "UPDATE {t} SET state = 'completed', lock_token = NULL, response_status = {}, \
-                 response_headers = {}, response_body = {}, created_at = {now}, \
-                 expires_at = {now} + (expires_at - created_at) WHERE {owned}",
+                 response_headers = {}, response_body = {}, created_at = {clock}, \
+                 expires_at = {clock} + {ttl} WHERE {owned}",
                 p(5),
                 p(6),
                 p(7),
+                clock = d.clock,
+                ttl = (d.span)("expires_at", "created_at"),
             ),
             // Released, not deleted: the retry of the same request continues
             // the same operation (same id, so the same derived keys).
