@@ -689,6 +689,16 @@ impl<T> FingerprintBody for axum::Form<T> {
     const FORMAT: BodyFormat = BodyFormat::Form;
 }
 
+/// A `String` body (also behind a type alias) counts by its bytes.
+impl FingerprintBody for String {
+    const FORMAT: BodyFormat = BodyFormat::Raw;
+}
+
+/// A `Bytes` body (also behind a type alias) counts by its bytes.
+impl FingerprintBody for axum::body::Bytes {
+    const FORMAT: BodyFormat = BodyFormat::Raw;
+}
+
 /// Whether `E` reads JSON, for the macro's check that `fields(...)` names
 /// members of a JSON body.
 #[doc(hidden)]

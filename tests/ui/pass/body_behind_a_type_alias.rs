@@ -41,6 +41,13 @@ async fn own_json(Json(p): Json<PaymentIn>) -> String {
     p.amount.to_string()
 }
 
+type Note = String;
+
+#[idempotent(scope = "note.create")]
+async fn note(text: Note) -> String {
+    text
+}
+
 #[idempotent(scope = "payment.get")]
 async fn optional_path(id: Option<Path<String>>) -> String {
     id.map(|Path(id)| id).unwrap_or_default()
@@ -50,5 +57,6 @@ fn main() {
     let _app: Router = Router::new()
         .route("/a", post(aliased))
         .route("/o", post(own_json))
+        .route("/n", post(note))
         .route("/p/{id}", post(optional_path));
 }
