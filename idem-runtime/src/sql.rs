@@ -63,7 +63,7 @@ pub(crate) struct Dialect {
     /// The store's clock in milliseconds since the Unix epoch.
     epoch_millis: &'static str,
     /// The time now, even inside a transaction (PostgreSQL's `now()` is the
-    /// transaction's start).
+    /// transaction's start), the same everywhere in one statement.
     clock: &'static str,
     /// The length of time from `b` to `a`, addable to a time column: an
     /// exact one (PostgreSQL's timestamp difference counts calendar days,
@@ -83,7 +83,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     left: |col, now| format!("GREATEST(0, CEIL(EXTRACT(EPOCH FROM ({col} - {now})) * 1000))::bigint"),
     purge_lock: " FOR UPDATE SKIP LOCKED",
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
-    clock: "clock_timestamp()",
+    clock: "statement_timestamp()",
     span: |a, b| format!("(EXTRACT(EPOCH FROM ({a} - {b})) * interval '1 second')"),
     required_columns: |schema, table, known| {
         let schema = schema.map_or_else(|| "current_schema()".to_owned(), |s| format!("'{s}'"));
