@@ -9,23 +9,7 @@ use std::time::Duration;
 /// The migrations of the records table, in order, with `{table}` and
 /// `{index}` standing for the configured names. [`PgStore::migrate`] applies
 /// those not yet applied.
-pub const POSTGRES_MIGRATIONS: &[sql::Migration] = &[
-    sql::Migration {
-        version: 1,
-        name: "create idempotency keys",
-        sql: include_str!("../migrations/postgres/0001_create_idempotency_keys.sql"),
-    },
-    sql::Migration {
-        version: 2,
-        name: "add taken_over",
-        sql: include_str!("../migrations/postgres/0002_add_taken_over.sql"),
-    },
-    sql::Migration {
-        version: 3,
-        name: "ensure expiry index",
-        sql: include_str!("../migrations/postgres/0003_ensure_expiry_index.sql"),
-    },
-];
+pub const POSTGRES_MIGRATIONS: &[sql::Migration] = sql::migrations!("postgres");
 
 /// The default bound on one store operation, connection included.
 pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);

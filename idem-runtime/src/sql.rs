@@ -40,6 +40,35 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
+/// The migrations of the records table, in order, for the dialect whose
+/// files are in `migrations/<dir>/`: the one list of versions and names.
+macro_rules! migrations {
+    ($dir:literal) => {
+        &[
+            $crate::sql::Migration {
+                version: 1,
+                name: "create idempotency keys",
+                sql: include_str!(concat!(
+                    "../migrations/",
+                    $dir,
+                    "/0001_create_idempotency_keys.sql"
+                )),
+            },
+            $crate::sql::Migration {
+                version: 2,
+                name: "add taken_over",
+                sql: include_str!(concat!("../migrations/", $dir, "/0002_add_taken_over.sql")),
+            },
+            $crate::sql::Migration {
+                version: 3,
+                name: "ensure expiry index",
+                sql: include_str!(concat!("../migrations/", $dir, "/0003_ensure_expiry_index.sql")),
+            },
+        ]
+    };
+}
+pub(crate) use migrations;
+
 /// Every column the records table has at the latest version.
 const COLUMNS: &str =
     "tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, taken_over, \

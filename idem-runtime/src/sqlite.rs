@@ -10,23 +10,7 @@ use std::time::Duration;
 /// The migrations of the records table, in order, with `{table}` and
 /// `{index}` standing for the configured names. [`SqliteStore::migrate`]
 /// applies those not yet applied.
-pub const SQLITE_MIGRATIONS: &[sql::Migration] = &[
-    sql::Migration {
-        version: 1,
-        name: "create idempotency keys",
-        sql: include_str!("../migrations/sqlite/0001_create_idempotency_keys.sql"),
-    },
-    sql::Migration {
-        version: 2,
-        name: "add taken_over",
-        sql: include_str!("../migrations/sqlite/0002_add_taken_over.sql"),
-    },
-    sql::Migration {
-        version: 3,
-        name: "ensure expiry index",
-        sql: include_str!("../migrations/sqlite/0003_ensure_expiry_index.sql"),
-    },
-];
+pub const SQLITE_MIGRATIONS: &[sql::Migration] = sql::migrations!("sqlite");
 
 /// How long a connection waits for another writer before giving up.
 pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
