@@ -15,7 +15,8 @@
 mod client;
 
 use axum::{routing::post, Json, Router};
-use idem::{idempotent, Idem, IdempotencyStore, RecordId, Reservation, ReserveRequest, StoredResponse};
+use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
+use idem::{idempotent, Idem, IdempotencyStore};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 //! The fingerprint: golden vectors that pin the encoding (version 2), and
 //! the properties of contract section 3 on requests as clients send them.
 
-use idem::{fingerprint, BodyPrint, RequestPrint};
+use idem::fingerprint::{fingerprint, BodyPrint, RequestPrint};
 use serde_json::{json, Value};
 
 const BASE: &str = r#"{"amount":4990,"currency":"EUR","recipient":{"account":"acct_1","name":"Zoë"}}"#;

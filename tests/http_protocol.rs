@@ -565,11 +565,11 @@ async fn a_custom_key_header_is_used(h: Harness) {
 async fn a_stale_lock_is_taken_over_with_the_next_attempt(h: Harness) {
     // An execution that died: it reserved the key, checkpointed, and never
     // finished. Its fingerprint is the one the HTTP request will have.
-    let fp = idem::fingerprint(&idem::RequestPrint {
+    let fp = idem::fingerprint::fingerprint(&idem::fingerprint::RequestPrint {
         scope: "payment.create",
         path: &[],
         query: None,
-        body: idem::BodyPrint::Json {
+        body: idem::fingerprint::BodyPrint::Json {
             text: body(100, "alice").as_bytes(),
             fields: Some(&["amount", "currency", "recipient"]),
             read: None,
@@ -577,15 +577,15 @@ async fn a_stale_lock_is_taken_over_with_the_next_attempt(h: Harness) {
         ignore: &[],
     })
     .unwrap();
-    let id = idem::RecordId::new("acct_1", "payment.create", "k-stale");
-    let req = idem::ReserveRequest {
+    let id = idem::store::RecordId::new("acct_1", "payment.create", "k-stale");
+    let req = idem::store::ReserveRequest {
         id: &id,
         fingerprint: &fp,
         token: common::token(),
         ttl: Duration::from_secs(3600),
         lock_timeout: Duration::from_millis(300),
     };
-    let idem::Reservation::Reserved(dead) = h.store.reserve(req).await.unwrap() else {
+    let idem::store::Reservation::Reserved(dead) = h.store.reserve(req).await.unwrap() else {
         panic!()
     };
     h.store.checkpoint(&id, &dead.token, "charged").await.unwrap();
@@ -851,7 +851,7 @@ fn the_span_names_scope_outcome_and_a_key_hash_but_never_the_key() {
         assert_eq!(pay_req(&h, key, 200, "alice").await.status, 422);
     });
     let log = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
-    let hash = idem::IdempotencyKey::parse(b"jane.doe@example.com")
+    let hash = idem::key::IdempotencyKey::parse(b"jane.doe@example.com")
         .unwrap()
         .log_hash();
     assert!(!log.contains("jane.doe"), "{log}");

@@ -4,7 +4,8 @@
 
 mod common;
 
-use idem::{IdempotencyStore, RecordId, Reservation, ReserveRequest, StoredResponse};
+use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
+use idem::IdempotencyStore;
 use sqlx::Connection as _;
 use std::time::Duration;
 
@@ -174,7 +175,7 @@ async fn postgres_the_loser_of_a_race_for_an_expired_record_is_judged_on_the_win
 // no request is answered from a stale row.
 // ---------------------------------------------------------------------------
 
-use idem::pause;
+use idem_runtime::pause;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Initial {

@@ -15,7 +15,9 @@ use axum::routing::post;
 use axum::Router;
 use common::http::post as post_req;
 use futures_util::StreamExt as _;
-use idem::{idempotent, pause, Idem, IdempotencyStore, Operation, RecordId, StoreError, StoredResponse};
+use idem::store::{RecordId, StoredResponse};
+use idem::{idempotent, Idem, IdempotencyStore, Operation, StoreError};
+use idem_runtime::pause;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -139,7 +141,7 @@ async fn in_transaction(
     )))
     .execute(&mut *conn)
     .await
-    .map_err(|e| StoreError::Backend(e.to_string()))?;
+    .map_err(|e| StoreError::backend(e.to_string()))?;
     drop(conn);
     app.events.send("in_tx").unwrap();
     app.gate.notified().await;

@@ -4,7 +4,8 @@
 
 mod common;
 
-use idem::{IdempotencyStore, PgStore, RecordId, Reservation, ReserveRequest, SqliteStore, StoredResponse};
+use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
+use idem::{IdempotencyStore, PgStore, SqliteStore};
 use sqlx::Executor as _;
 use std::time::Duration;
 
@@ -179,7 +180,7 @@ async fn postgres_long_table_names_get_their_index_and_upgrade() {
     let Some(url) = common::pg_url() else { return };
     let schema = common::pg_schema(&url).await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    let too_long = "t".repeat(idem::MAX_TABLE_NAME + 1);
+    let too_long = "t".repeat(idem::migrations::MAX_TABLE_NAME + 1);
     let err = PgStore::new(pool.clone())
         .with_table(Some(&schema), &too_long)
         .unwrap_err();
@@ -200,7 +201,7 @@ async fn postgres_long_table_names_get_their_index_and_upgrade() {
             names
         }
     };
-    let longest = "t".repeat(idem::MAX_TABLE_NAME);
+    let longest = "t".repeat(idem::migrations::MAX_TABLE_NAME);
     let store = PgStore::new(pool.clone())
         .with_table(Some(&schema), &longest)
         .unwrap();

@@ -10,7 +10,8 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
 use common::http::{post as post_req, serve};
-use idem::{idempotent, Idem, IdempotencyStore, Operation, RecordId, Reservation, ReserveRequest};
+use idem::store::{RecordId, Reservation, ReserveRequest};
+use idem::{idempotent, Idem, IdempotencyStore, Operation};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -225,7 +226,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
             panic!()
         };
         if i % 2 == 0 {
-            let done = idem::StoredResponse {
+            let done = idem::store::StoredResponse {
                 status: 200,
                 headers: vec![],
                 body: Some(vec![]),

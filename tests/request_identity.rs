@@ -194,7 +194,7 @@ trait StoreLen {
 
 impl StoreLen for Arc<dyn IdempotencyStore> {
     fn as_any_store_len(&self) -> usize {
-        let any: &dyn std::any::Any = self.as_any();
+        let any: &dyn std::any::Any = &**self;
         any.downcast_ref::<MemoryStore>().unwrap().len()
     }
 }

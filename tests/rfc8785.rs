@@ -5,7 +5,7 @@
 //! `IDEM_ECMASCRIPT_NUMBERS=<file>` to check a larger corpus (CI checks a
 //! million).
 
-use idem::canonical_json;
+use idem::fingerprint::canonical_json;
 
 /// The canonical form of the double with IEEE 754 bits `bits`, written the
 /// long way (always with an exponent, so never an exact integer).

@@ -3,7 +3,8 @@
 
 mod common;
 
-use idem::{IdempotencyStore, Lease, RecordId, Reservation, ReserveRequest, StoreError, StoredResponse};
+use idem::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
+use idem::{IdempotencyStore, StoreError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -1,10 +1,12 @@
-//! Request fingerprints (contract section 3): SHA-256 over a version tag,
+//! Request fingerprints (docs/PROTOCOL.md; README, "The fingerprint"): SHA-256 over a version tag,
 //! the scope, the route's path parameters, the query and the body as the
 //! client sent it, each part length-prefixed. Changing this encoding is a
 //! breaking change: the golden vectors in `tests/fingerprint_vectors.json`
 //! pin it.
 
-use crate::jcs::{self, JsonError, Node};
+pub use crate::jcs::{canonical_json, JsonError};
+
+use crate::jcs::{self, Node};
 use sha2::{Digest, Sha256};
 use std::fmt::Write as _;
 
@@ -42,7 +44,7 @@ pub enum BodyPrint<'a> {
 /// Everything that identifies a request to the fingerprint.
 ///
 /// ```
-/// use idem::{fingerprint, BodyPrint, RequestPrint};
+/// use idem::fingerprint::{fingerprint, BodyPrint, RequestPrint};
 ///
 /// let refund = |payment: &str| {
 ///     fingerprint(&RequestPrint {

@@ -52,7 +52,7 @@ pub(crate) enum Node {
 /// deeper than 128.
 ///
 /// ```
-/// use idem::canonical_json;
+/// use idem::fingerprint::canonical_json;
 /// assert_eq!(canonical_json(br#"{ "b": 4.99e3, "a": "\u00e9" }"#).unwrap(), r#"{"a":"é","b":4990}"#);
 /// assert!(canonical_json(br#"{"a": 1, "a": 2}"#).is_err());
 /// ```

@@ -1,4 +1,4 @@
-//! The `Idempotency-Key` header: parsing and validation (contract section 2).
+//! The `Idempotency-Key` header: parsing and validation (README, "What a client gets").
 
 use std::fmt;
 
@@ -12,7 +12,7 @@ pub const MAX_KEY_LEN: usize = 255;
 /// [`IdempotencyKey::from_header_values`].
 ///
 /// ```
-/// use idem_runtime::IdempotencyKey;
+/// use idem::key::IdempotencyKey;
 ///
 /// let key = IdempotencyKey::parse(b"\"order-7\"").unwrap();
 /// assert_eq!(key.as_str(), "order-7");
@@ -23,7 +23,7 @@ pub struct IdempotencyKey(String);
 /// Why a key header was refused. Each variant names the rule that failed.
 ///
 /// ```
-/// use idem_runtime::{IdempotencyKey, KeyError};
+/// use idem::key::{IdempotencyKey, KeyError};
 ///
 /// assert_eq!(IdempotencyKey::parse(b"a,b"), Err(KeyError::Comma));
 /// ```
@@ -44,22 +44,6 @@ pub enum KeyError {
     BadQuoting,
     /// The header was sent more than once.
     Repeated,
-}
-
-impl KeyError {
-    /// The problem type name for this error: `idempotency-key-missing` for
-    /// [`KeyError::Missing`], `idempotency-key-invalid` for the others.
-    ///
-    /// ```
-    /// use idem_runtime::KeyError;
-    /// assert_eq!(KeyError::Repeated.problem_name(), "idempotency-key-invalid");
-    /// ```
-    pub fn problem_name(self) -> &'static str {
-        match self {
-            KeyError::Missing => "idempotency-key-missing",
-            _ => "idempotency-key-invalid",
-        }
-    }
 }
 
 impl fmt::Display for KeyError {
@@ -93,7 +77,7 @@ impl IdempotencyKey {
     /// A [`KeyError`] naming the rule the value breaks.
     ///
     /// ```
-    /// use idem_runtime::{IdempotencyKey, KeyError};
+    /// use idem::key::{IdempotencyKey, KeyError};
     ///
     /// assert_eq!(IdempotencyKey::parse(b"pay_01H8").unwrap().as_str(), "pay_01H8");
     /// assert_eq!(IdempotencyKey::parse(b""), Err(KeyError::Empty));
@@ -135,7 +119,7 @@ impl IdempotencyKey {
     /// than one, otherwise what [`IdempotencyKey::parse`] says.
     ///
     /// ```
-    /// use idem_runtime::{IdempotencyKey, KeyError};
+    /// use idem::key::{IdempotencyKey, KeyError};
     ///
     /// let none: [&[u8]; 0] = [];
     /// assert_eq!(IdempotencyKey::from_header_values(none), Err(KeyError::Missing));
@@ -165,7 +149,7 @@ impl IdempotencyKey {
     /// and spans: clients sometimes put personal data in keys.
     ///
     /// ```
-    /// use idem_runtime::IdempotencyKey;
+    /// use idem::key::IdempotencyKey;
     /// let key = IdempotencyKey::parse(b"alice@example.com").unwrap();
     /// assert_eq!(key.log_hash().len(), 12);
     /// assert!(!key.log_hash().contains("alice"));

@@ -2,7 +2,7 @@
 //! fingerprints, the record protocol on real stores, and the HTTP layer that
 //! the `#[idempotent]` attribute calls.
 //!
-//! Users depend on the `idem` crate, which re-exports everything here.
+//! Users depend on the `idem` crate, which re-exports what they need.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // Failures are values: the runtime never unwraps outside its tests.
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
@@ -16,10 +16,12 @@ macro_rules! pause_point {
     };
 }
 
-mod fingerprint;
+mod janitor;
 mod jcs;
-mod key;
-mod store;
+
+pub mod fingerprint;
+pub mod key;
+pub mod store;
 
 #[cfg(feature = "pause-points")]
 #[doc(hidden)]
@@ -29,53 +31,84 @@ pub mod pause;
 mod sql;
 
 #[cfg(feature = "axum")]
-mod http;
-
+mod answer;
+#[cfg(feature = "axum")]
+mod classify;
+#[cfg(feature = "axum")]
+mod layer;
+#[cfg(feature = "axum")]
+mod lease;
+#[cfg(feature = "axum")]
+mod operation;
+#[cfg(feature = "axum")]
+mod outcome;
+#[cfg(feature = "axum")]
+mod problem;
+#[cfg(feature = "axum")]
+mod protocol;
+#[cfg(feature = "axum")]
+mod request;
 #[cfg(feature = "axum")]
 mod tx;
 
-#[cfg(feature = "postgres")]
-mod postgres;
-
-#[cfg(feature = "sqlite")]
-mod sqlite;
-
-pub use fingerprint::{fingerprint, BodyPrint, FingerprintError, RequestPrint, FINGERPRINT_VERSION};
-pub use jcs::{canonical_json, JsonError};
-pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use store::{
-    purge_expired, AsAny, BoxFuture, IdempotencyStore, Janitor, Lease, MemoryStore, RecordId, Reservation,
-    ReserveRequest, StoreError, StoredResponse,
-};
-
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub use sql::{Migration, DEFAULT_TABLE, MAX_TABLE_NAME};
+// The user's items. Store implementers' items are in `store`; the
+// fingerprint's and the key's in their modules.
+pub use janitor::{purge_expired, Janitor};
+pub use store::{IdempotencyStore, MemoryStore, StoreError};
 
 #[cfg(feature = "axum")]
-pub use http::{
-    problem, BodyFormat, Classification, Classify, ConfigError, FingerprintBody, Idem, Operation, Tenant,
-    BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, LOCK_TIMEOUT_RANGE,
-    MAX_STORED_BODY_LIMIT, PROBLEM_TYPE_PREFIX, REPLAYED_HEADER, TTL_RANGE,
+pub use classify::{Classification, Classify};
+#[cfg(feature = "axum")]
+pub use layer::{
+    ConfigError, Idem, Tenant, BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_STORED_BODY,
+    DEFAULT_TTL, LOCK_TIMEOUT_RANGE, MAX_STORED_BODY_LIMIT, REPLAYED_HEADER, TTL_RANGE,
 };
+#[cfg(feature = "axum")]
+pub use operation::Operation;
+#[cfg(feature = "axum")]
+pub use problem::{problem, Problem, Unavailable, PROBLEM_TYPE_PREFIX};
+#[cfg(feature = "axum")]
+pub use request::{BodyFormat, FingerprintBody};
+#[cfg(all(feature = "axum", any(feature = "postgres", feature = "sqlite")))]
+pub use tx::TxConnection;
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use sql::postgres::{PgStore, DEFAULT_OPERATION_TIMEOUT};
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use sql::sqlite::{SqliteStore, DEFAULT_BUSY_TIMEOUT};
+
+/// The SQL stores' migrations, for services that apply them with their own
+/// migration tool instead of `migrate()`.
+///
+/// ```
+/// # #[cfg(feature = "sqlite")] {
+/// let first = &idem::migrations::SQLITE_MIGRATIONS[0];
+/// assert_eq!(first.version, 1);
+/// # }
+/// ```
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub mod migrations {
+    #[cfg(feature = "postgres")]
+    pub use crate::sql::postgres::POSTGRES_MIGRATIONS;
+    #[cfg(feature = "sqlite")]
+    pub use crate::sql::sqlite::SQLITE_MIGRATIONS;
+    pub use crate::sql::{Migration, DEFAULT_TABLE, MAX_TABLE_NAME};
+}
 
 /// What the `#[idempotent]` expansion calls; not a public API.
 #[cfg(feature = "axum")]
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::classify::{Probe, ViaErr, ViaSelf, ViaStatus};
     pub use crate::fingerprint::BodyPrint;
-    pub use crate::http::{
-        fingerprint_request, is_json, print_body, raw, run, run_optional, Context, FieldProbe, Probe, Raw,
-        Spec, ViaErr, ViaNothing, ViaSelf, ViaSerialize, ViaStatus,
+    pub use crate::fingerprint::FingerprintError;
+    pub use crate::layer::Context;
+    pub use crate::protocol::{run, run_optional};
+    pub use crate::request::{
+        fingerprint_request, is_json, print_body, raw, FieldProbe, Raw, Spec, ViaNothing, ViaSerialize,
     };
     pub use axum::response::{IntoResponse, Response};
     pub use std::time::Duration;
 }
-
-#[cfg(all(feature = "axum", any(feature = "postgres", feature = "sqlite")))]
-pub use tx::TxConnection;
-
-#[cfg(feature = "postgres")]
-pub use postgres::{PgStore, DEFAULT_OPERATION_TIMEOUT, POSTGRES_MIGRATIONS};
-
-#[cfg(feature = "sqlite")]
-pub use sqlite::{SqliteStore, DEFAULT_BUSY_TIMEOUT, SQLITE_MIGRATIONS};

@@ -2,16 +2,19 @@
 //! of its record commit together, or not at all.
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-use crate::store::bounded;
-use crate::{IdempotencyStore, RecordId, StoreError, StoredResponse};
+use crate::sql::bounded;
+use crate::store::{RecordId, StoreError, StoredResponse};
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+use crate::IdempotencyStore;
 
 /// A handler's open transaction, held until the runtime knows the outcome.
 pub(crate) enum PendingTx {
     /// With the store's bound on one operation.
+    /// With the store it was opened on, which also completes the record.
     #[cfg(feature = "postgres")]
-    Pg(sqlx::Transaction<'static, sqlx::Postgres>, std::time::Duration),
+    Pg(sqlx::Transaction<'static, sqlx::Postgres>, crate::PgStore),
     #[cfg(feature = "sqlite")]
-    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>, std::time::Duration),
+    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>, crate::SqliteStore),
 }
 
 /// The connection of a handler's transaction, borrowed from its
@@ -22,10 +25,11 @@ pub type TxConnection<'a, C> = tokio::sync::MappedMutexGuard<'a, C>;
 #[cfg(feature = "postgres")]
 impl PendingTx {
     pub(crate) async fn begin_pg(store: &dyn IdempotencyStore) -> Result<Self, StoreError> {
-        let pg = store.as_any().downcast_ref::<crate::PgStore>().ok_or_else(|| {
-            StoreError::Backend("pg_transaction needs the layer's store to be a PgStore".into())
-        })?;
-        Ok(PendingTx::Pg(pg.begin_tx().await?, pg.timeout()))
+        let any: &dyn std::any::Any = store;
+        let pg = any
+            .downcast_ref::<crate::PgStore>()
+            .ok_or_else(|| StoreError::backend("pg_transaction needs the layer's store to be a PgStore"))?;
+        Ok(PendingTx::Pg(pg.begin_tx().await?, pg.clone()))
     }
 
     pub(crate) fn pg(&mut self) -> Option<&mut sqlx::PgConnection> {
@@ -40,13 +44,11 @@ impl PendingTx {
 #[cfg(feature = "sqlite")]
 impl PendingTx {
     pub(crate) async fn begin_sqlite(store: &dyn IdempotencyStore) -> Result<Self, StoreError> {
-        let lite = store
-            .as_any()
-            .downcast_ref::<crate::SqliteStore>()
-            .ok_or_else(|| {
-                StoreError::Backend("sqlite_transaction needs the layer's store to be a SqliteStore".into())
-            })?;
-        Ok(PendingTx::Sqlite(lite.begin_tx().await?, lite.timeout()))
+        let any: &dyn std::any::Any = store;
+        let lite = any.downcast_ref::<crate::SqliteStore>().ok_or_else(|| {
+            StoreError::backend("sqlite_transaction needs the layer's store to be a SqliteStore")
+        })?;
+        Ok(PendingTx::Sqlite(lite.begin_tx().await?, lite.clone()))
     }
 
     pub(crate) fn sqlite(&mut self) -> Option<&mut sqlx::SqliteConnection> {
@@ -72,19 +74,15 @@ impl PendingTx {
     /// If the lock was lost, nothing commits.
     pub(crate) async fn complete(
         self,
-        store: &dyn IdempotencyStore,
         id: &RecordId,
         token: &str,
         response: &StoredResponse,
     ) -> Result<(), TxFailure> {
         #[cfg(not(any(feature = "postgres", feature = "sqlite")))]
-        let _ = (store, id, token, response);
+        let _ = (id, token, response);
         match self {
             #[cfg(feature = "postgres")]
-            PendingTx::Pg(mut tx, _) => {
-                let pg = store.as_any().downcast_ref::<crate::PgStore>().ok_or_else(|| {
-                    TxFailure::NotCommitted(StoreError::Backend("the transaction's store changed".into()))
-                })?;
+            PendingTx::Pg(mut tx, pg) => {
                 // Each step is bounded: past the timeout the completion did not
                 // happen (the transaction rolls back when dropped), while a
                 // commit that does not answer may have happened.
@@ -98,13 +96,7 @@ impl PendingTx {
                 .map_err(TxFailure::Unknown)
             }
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(mut tx, _) => {
-                let lite = store
-                    .as_any()
-                    .downcast_ref::<crate::SqliteStore>()
-                    .ok_or_else(|| {
-                        TxFailure::NotCommitted(StoreError::Backend("the transaction's store changed".into()))
-                    })?;
+            PendingTx::Sqlite(mut tx, lite) => {
                 bounded(lite.timeout(), lite.complete_with(&mut *tx, id, token, response))
                     .await
                     .map_err(TxFailure::NotCommitted)?;
@@ -122,13 +114,19 @@ impl PendingTx {
     pub(crate) async fn rollback(self) {
         match self {
             #[cfg(feature = "postgres")]
-            PendingTx::Pg(tx, limit) => {
-                log_rollback(bounded(limit, async { tx.rollback().await.map_err(crate::sql::map_err) }).await)
-            }
+            PendingTx::Pg(tx, pg) => log_rollback(
+                bounded(pg.timeout(), async {
+                    tx.rollback().await.map_err(crate::sql::map_err)
+                })
+                .await,
+            ),
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(tx, limit) => {
-                log_rollback(bounded(limit, async { tx.rollback().await.map_err(crate::sql::map_err) }).await)
-            }
+            PendingTx::Sqlite(tx, lite) => log_rollback(
+                bounded(lite.timeout(), async {
+                    tx.rollback().await.map_err(crate::sql::map_err)
+                })
+                .await,
+            ),
         }
     }
 }

@@ -1,8 +1,9 @@
 //! The embedded default store: SQLite in WAL mode through sqlx.
 
+use crate::sql::millis;
 use crate::sql::{self, Statements};
-use crate::store::{bounded, millis, random_token, BoxFuture};
-use crate::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
+use crate::store::{random_token, BoxFuture};
+use crate::store::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use std::str::FromStr;
 use std::time::Duration;
@@ -26,9 +27,9 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// use SQLite's clock, which is the machine's.
 ///
 /// ```
-/// use idem_runtime::SqliteStore;
+/// use idem::SqliteStore;
 ///
-/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem_runtime::StoreError> {
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem::StoreError> {
 /// let dir = tempfile::tempdir().unwrap();
 /// let store = SqliteStore::open(dir.path().join("idem.db")).await?;
 /// store.migrate().await?;
@@ -60,7 +61,7 @@ impl SqliteStore {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// let err = idem_runtime::SqliteStore::open("/nonexistent-dir/x/idem.db").await.unwrap_err();
+    /// let err = idem::SqliteStore::open("/nonexistent-dir/x/idem.db").await.unwrap_err();
     /// assert!(err.is_unavailable());
     /// # }
     /// ```
@@ -80,12 +81,12 @@ impl SqliteStore {
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// let dir = tempfile::tempdir().unwrap();
     /// let url = format!("sqlite://{}", dir.path().join("idem.db").display());
-    /// let store = idem_runtime::SqliteStore::open_url(&url).await.unwrap();
+    /// let store = idem::SqliteStore::open_url(&url).await.unwrap();
     /// # }
     /// ```
     pub async fn open_url(url: &str) -> Result<Self, StoreError> {
         let options = SqliteConnectOptions::from_str(url)
-            .map_err(|e| StoreError::Backend(format!("invalid SQLite URL: {e}")))?
+            .map_err(|e| StoreError::backend(format!("invalid SQLite URL: {e}")))?
             .create_if_missing(true);
         Self::open_with(options).await
     }
@@ -100,7 +101,7 @@ impl SqliteStore {
             .acquire_timeout(DEFAULT_BUSY_TIMEOUT)
             .connect_with(options)
             .await
-            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+            .map_err(|e| StoreError::unavailable(e.to_string()))?;
         Ok(Self::new(pool))
     }
 
@@ -110,7 +111,7 @@ impl SqliteStore {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
-    /// let store = idem_runtime::SqliteStore::new(pool);
+    /// let store = idem::SqliteStore::new(pool);
     /// # }
     /// ```
     pub fn new(pool: SqlitePool) -> Self {
@@ -126,7 +127,7 @@ impl SqliteStore {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// # let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
-    /// let store = idem_runtime::SqliteStore::new(pool).with_table("idem_records").unwrap();
+    /// let store = idem::SqliteStore::new(pool).with_table("idem_records").unwrap();
     /// # }
     /// ```
     pub fn with_table(self, table: &str) -> Result<Self, StoreError> {
@@ -141,7 +142,7 @@ impl SqliteStore {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// # let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
-    /// let store = idem_runtime::SqliteStore::new(pool).with_timeout(std::time::Duration::from_secs(1));
+    /// let store = idem::SqliteStore::new(pool).with_timeout(std::time::Duration::from_secs(1));
     /// # }
     /// ```
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
@@ -175,7 +176,7 @@ impl SqliteStore {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// # let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
-    /// let store = idem_runtime::SqliteStore::new(pool);
+    /// let store = idem::SqliteStore::new(pool);
     /// store.migrate().await.unwrap();
     /// # }
     /// ```
@@ -204,7 +205,7 @@ impl SqliteStore {
     /// with the completion.
     #[cfg(feature = "axum")]
     pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
-        bounded(self.timeout, async {
+        crate::sql::bounded(self.timeout, async {
             self.pool
                 .begin_with("BEGIN IMMEDIATE")
                 .await
@@ -239,7 +240,7 @@ impl SqliteStore {
             .map_err(sql::map_err)?;
         if let Some(row) = seen {
             let takeable: i32 =
-                sqlx::Row::try_get(&row, "takeable").map_err(|e| StoreError::Backend(e.to_string()))?;
+                sqlx::Row::try_get(&row, "takeable").map_err(|e| StoreError::backend(e.to_string()))?;
             if takeable == 0 {
                 let answer = sql::judge_row(&row, req.fingerprint);
                 pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);

@@ -3,7 +3,14 @@
 //! built once per store, with the table name validated and quoted, and every
 //! value bound as a parameter.
 
-use crate::store::StoreError;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite;
+
+use crate::store::{RecordState, StoreError, StoredResponse};
+use std::future::Future;
+use std::time::Duration;
 
 /// What a statement that took the key returns.
 const RETURNED: &str = "attempt, taken_over, recovery_point, operation_id";
@@ -49,7 +56,7 @@ macro_rules! migrations {
                 version: 1,
                 name: "create idempotency keys",
                 sql: include_str!(concat!(
-                    "../migrations/",
+                    "../../migrations/",
                     $dir,
                     "/0001_create_idempotency_keys.sql"
                 )),
@@ -57,12 +64,16 @@ macro_rules! migrations {
             $crate::sql::Migration {
                 version: 2,
                 name: "add taken_over",
-                sql: include_str!(concat!("../migrations/", $dir, "/0002_add_taken_over.sql")),
+                sql: include_str!(concat!("../../migrations/", $dir, "/0002_add_taken_over.sql")),
             },
             $crate::sql::Migration {
                 version: 3,
                 name: "ensure expiry index",
-                sql: include_str!(concat!("../migrations/", $dir, "/0003_ensure_expiry_index.sql")),
+                sql: include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0003_ensure_expiry_index.sql"
+                )),
             },
         ]
     };
@@ -199,7 +210,7 @@ pub(crate) struct Statements {
 /// a digit, at most `max` bytes. Quoted afterwards all the same.
 pub(crate) fn check_identifier(name: &str, max: usize) -> Result<(), StoreError> {
     if name.len() > max {
-        return Err(StoreError::Backend(format!(
+        return Err(StoreError::backend(format!(
             "the name `{name}` is {} bytes; at most {max} are allowed (PostgreSQL's limit for a name)",
             name.len()
         )));
@@ -210,7 +221,7 @@ pub(crate) fn check_identifier(name: &str, max: usize) -> Result<(), StoreError>
     if ok {
         Ok(())
     } else {
-        Err(StoreError::Backend(format!(
+        Err(StoreError::backend(format!(
             "invalid table or schema name `{name}`: use ASCII letters, digits and `_`, not starting with a digit"
         )))
     }
@@ -237,23 +248,24 @@ impl Statements {
         let now = d.now;
         let p = |n: u8| format!("{}{n}", d.param);
         let ms = |n: u8| (d.millis)(p(n));
-        let live_lock = format!("(cur.state = 'in_progress' AND cur.lock_expires_at > {now})");
+        let (in_progress, completed) = (RecordState::IN_PROGRESS_COLUMN, RecordState::COMPLETED_COLUMN);
+        let live_lock = format!("(cur.state = '{in_progress}' AND cur.lock_expires_at > {now})");
         // Gone (as if absent, and purgeable): a completed record past its
         // TTL; a record in progress (its execution may have crashed after an
         // effect) only once it is also a whole TTL past its lock deadline,
         // so that a retry can still continue its operation.
         let expired = format!(
-            "(cur.expires_at <= {now} AND (cur.state = 'completed' \
+            "(cur.expires_at <= {now} AND (cur.state = '{completed}' \
              OR cur.lock_expires_at + {ttl} <= {now}))",
             ttl = (d.span)("cur.expires_at", "cur.created_at"),
         );
         let id = format!("tenant = {} AND scope = {} AND key = {}", p(1), p(2), p(3));
-        let owned = format!("{id} AND state = 'in_progress' AND lock_token = {}", p(4));
+        let owned = format!("{id} AND state = '{in_progress}' AND lock_token = {}", p(4));
         // A fresh record: absent before, or replacing an expired one.
         let insert = format!(
             "INSERT INTO {t} AS cur (tenant, scope, key, fingerprint, state, operation_id, lock_token, \
              attempt, lock_expires_at, recovery_point, created_at, expires_at) \
-             VALUES ({}, {}, {}, {}, 'in_progress', {}, {}, 1, {now} + {}, NULL, {now}, {now} + {})",
+             VALUES ({}, {}, {}, {}, '{in_progress}', {}, {}, 1, {now} + {}, NULL, {now}, {now} + {})",
             p(1),
             p(2),
             p(3),
@@ -268,7 +280,7 @@ impl Statements {
         // failed (the retry of its operation), both with the same
         // fingerprint. A released record has no lock token.
         let takeable = format!(
-            "NOT {live_lock} AND ({expired} OR (cur.state = 'in_progress' AND cur.fingerprint = {}))",
+            "NOT {live_lock} AND ({expired} OR (cur.state = '{in_progress}' AND cur.fingerprint = {}))",
             p(4)
         );
         // Taking it: `new(col)` is the new value of a column. A new operation
@@ -277,7 +289,7 @@ impl Statements {
         let take_set = |new: &dyn Fn(&str) -> String| {
             let fresh = format!("({expired})");
             format!(
-                "fingerprint = {fp}, state = 'in_progress', lock_token = {token}, lock_expires_at = {lock}, \
+                "fingerprint = {fp}, state = '{in_progress}', lock_token = {token}, lock_expires_at = {lock}, \
                  attempt = CASE WHEN {fresh} THEN 1 ELSE cur.attempt + 1 END, \
                  taken_over = CASE WHEN {fresh} OR cur.lock_token IS NULL THEN 0 ELSE 1 END, \
                  recovery_point = CASE WHEN {fresh} THEN NULL ELSE cur.recovery_point END, \
@@ -362,7 +374,7 @@ impl Statements {
             ),
             // The answer is kept a whole TTL from its completion.
             complete: format!(
-                "UPDATE {t} SET state = 'completed', lock_token = NULL, response_status = {}, \
+                "UPDATE {t} SET state = '{completed}', lock_token = NULL, response_status = {}, \
                  response_headers = {}, response_body = {}, created_at = {clock}, \
                  expires_at = {clock} + {ttl} WHERE {owned}",
                 p(5),
@@ -394,7 +406,7 @@ impl Statements {
 /// A reservation request that owns its parts, for a reservation that may
 /// outlive its caller.
 pub(crate) struct OwnedReserve {
-    id: crate::RecordId,
+    id: crate::store::RecordId,
     fingerprint: String,
     token: String,
     ttl: std::time::Duration,
@@ -402,8 +414,8 @@ pub(crate) struct OwnedReserve {
 }
 
 impl OwnedReserve {
-    pub(crate) fn request(&self) -> crate::ReserveRequest<'_> {
-        crate::ReserveRequest {
+    pub(crate) fn request(&self) -> crate::store::ReserveRequest<'_> {
+        crate::store::ReserveRequest {
             id: &self.id,
             fingerprint: &self.fingerprint,
             token: &self.token,
@@ -423,13 +435,16 @@ impl OwnedReserve {
 pub(crate) async fn reserve_detached<S>(
     store: &S,
     limit: std::time::Duration,
-    req: crate::ReserveRequest<'_>,
-    run: impl FnOnce(S, OwnedReserve) -> crate::store::BoxFuture<'static, Result<crate::Reservation, StoreError>>,
-) -> Result<crate::Reservation, StoreError>
+    req: crate::store::ReserveRequest<'_>,
+    run: impl FnOnce(
+        S,
+        OwnedReserve,
+    ) -> crate::store::BoxFuture<'static, Result<crate::store::Reservation, StoreError>>,
+) -> Result<crate::store::Reservation, StoreError>
 where
     S: crate::IdempotencyStore + Clone,
 {
-    use crate::Reservation;
+    use crate::store::Reservation;
     let owned = OwnedReserve {
         id: req.id.clone(),
         fingerprint: req.fingerprint.to_owned(),
@@ -468,7 +483,7 @@ where
                 }
             };
             tokio::spawn(tracing::Instrument::in_current_span(undo));
-            Err(StoreError::Unavailable(format!(
+            Err(StoreError::unavailable(format!(
                 "no answer within {} ms",
                 limit.as_millis()
             )))
@@ -481,28 +496,27 @@ where
 /// [`StoreError::Backend`].
 pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
     use sqlx::Error as E;
-    match e {
-        E::Io(_) | E::Tls(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed => {
-            StoreError::Unavailable(e.to_string())
-        }
-        E::Database(ref db) => {
+    let unavailable = match &e {
+        E::Io(_) | E::Tls(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed => true,
+        E::Database(db) => {
             let code = db.code().unwrap_or_default();
             // PostgreSQL: 08 connection, 53 resources, 57P0x shutdown/crash;
             // SQLite: 5 busy, 6 locked (the busy timeout ran out).
-            let unavailable = code.starts_with("08")
+            code.starts_with("08")
                 || code.starts_with("53")
                 || code.starts_with("57P0")
                 || code == "5"
                 || code == "6"
                 || code.starts_with("5/")
-                || code.starts_with("6/");
-            if unavailable {
-                StoreError::Unavailable(e.to_string())
-            } else {
-                StoreError::Backend(e.to_string())
-            }
+                || code.starts_with("6/")
         }
-        other => StoreError::Backend(other.to_string()),
+        _ => false,
+    };
+    let reason = e.to_string();
+    if unavailable {
+        StoreError::unavailable(reason).with_source(e)
+    } else {
+        StoreError::backend(reason).with_source(e)
     }
 }
 
@@ -545,7 +559,7 @@ macro_rules! migrate_in {
         }
         let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
         if current > latest {
-            return Err($crate::StoreError::Backend(format!(
+            return Err($crate::StoreError::backend(format!(
                 "the table {} is at schema version {current}, newer than this build of idem knows \
                  ({latest}): upgrade idem",
                 sql.table
@@ -591,7 +605,7 @@ macro_rules! check_schema {
                 .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
             let current = applied.last().copied().unwrap_or(0);
             if current != latest {
-                return Err($crate::StoreError::Backend(format!(
+                return Err($crate::StoreError::backend(format!(
                     "the table {} is at schema version {current}, this build of idem needs {latest}: \
                      run migrate()",
                     sql.table
@@ -608,7 +622,7 @@ macro_rules! check_schema {
                 .await
                 .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
             if !unknown.is_empty() {
-                return Err($crate::StoreError::Backend(format!(
+                return Err($crate::StoreError::backend(format!(
                     "the table {} has columns idem does not fill and that have no default: {}; give them a \
                      default or drop them",
                     sql.table,
@@ -624,9 +638,12 @@ pub(crate) use check_schema;
 /// A schema check that failed: unreachable, or a table that does not match.
 pub(crate) fn schema_error(table: &str, latest: i64, e: sqlx::Error) -> StoreError {
     match map_err(e) {
-        StoreError::Backend(why) => StoreError::Backend(format!(
-            "the table {table} does not match schema version {latest} of idem ({why}): run migrate()"
-        )),
+        StoreError::Backend { reason, source } => StoreError::Backend {
+            reason: format!(
+                "the table {table} does not match schema version {latest} of idem ({reason}): run migrate()"
+            ),
+            source,
+        },
         other => other,
     }
 }
@@ -637,11 +654,11 @@ macro_rules! fenced_ops {
     () => {
         fn complete<'a>(
             &'a self,
-            id: &'a $crate::RecordId,
+            id: &'a $crate::store::RecordId,
             token: &'a str,
-            response: &'a $crate::StoredResponse,
+            response: &'a $crate::store::StoredResponse,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
-            Box::pin($crate::store::bounded(self.timeout, async move {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
                 self.complete_with(&self.pool, id, token, response).await?;
                 pause_point!($crate::pause::COMPLETE_AFTER, &id.key);
                 Ok(())
@@ -650,10 +667,10 @@ macro_rules! fenced_ops {
 
         fn release<'a>(
             &'a self,
-            id: &'a $crate::RecordId,
+            id: &'a $crate::store::RecordId,
             token: &'a str,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
-            Box::pin($crate::store::bounded(self.timeout, async move {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
                 $crate::sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
                 pause_point!($crate::pause::RELEASE_AFTER, &id.key);
                 Ok(())
@@ -662,10 +679,10 @@ macro_rules! fenced_ops {
 
         fn reject<'a>(
             &'a self,
-            id: &'a $crate::RecordId,
+            id: &'a $crate::store::RecordId,
             token: &'a str,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
-            Box::pin($crate::store::bounded(self.timeout, async move {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
                 if self.owned_write(&self.sql.reject, id, token).await? == 0 {
                     // A later attempt (or a lost lock): released as failed.
                     $crate::sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
@@ -677,11 +694,11 @@ macro_rules! fenced_ops {
 
         fn checkpoint<'a>(
             &'a self,
-            id: &'a $crate::RecordId,
+            id: &'a $crate::store::RecordId,
             token: &'a str,
             recovery_point: &'a str,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
-            Box::pin($crate::store::bounded(self.timeout, async move {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
                 let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.checkpoint.as_str()))
                     .bind(&id.tenant)
                     .bind(&id.scope)
@@ -699,17 +716,17 @@ macro_rules! fenced_ops {
 
         fn extend_lock<'a>(
             &'a self,
-            id: &'a $crate::RecordId,
+            id: &'a $crate::store::RecordId,
             token: &'a str,
             lock_timeout: std::time::Duration,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
-            Box::pin($crate::store::bounded(self.timeout, async move {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
                 let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
                     .bind(&id.tenant)
                     .bind(&id.scope)
                     .bind(&id.key)
                     .bind(token)
-                    .bind($crate::store::millis(lock_timeout))
+                    .bind($crate::sql::millis(lock_timeout))
                     .execute(&self.pool)
                     .await
                     .map_err($crate::sql::map_err)?;
@@ -720,7 +737,7 @@ macro_rules! fenced_ops {
         }
 
         fn purge_expired(&self, batch: u32) -> $crate::store::BoxFuture<'_, Result<u64, $crate::StoreError>> {
-            Box::pin($crate::store::bounded(self.timeout, async move {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
                 let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
                     .bind(i64::from(batch))
                     .execute(&self.pool)
@@ -743,7 +760,7 @@ macro_rules! complete_with {
         async fn owned_write(
             &self,
             statement: &str,
-            id: &$crate::RecordId,
+            id: &$crate::store::RecordId,
             token: &str,
         ) -> Result<u64, $crate::StoreError> {
             let done = sqlx::query(sqlx::AssertSqlSafe(statement))
@@ -760,9 +777,9 @@ macro_rules! complete_with {
         pub(crate) async fn complete_with<'e, E>(
             &self,
             executor: E,
-            id: &$crate::RecordId,
+            id: &$crate::store::RecordId,
             token: &str,
-            response: &$crate::StoredResponse,
+            response: &$crate::store::StoredResponse,
         ) -> Result<(), $crate::StoreError>
         where
             E: sqlx::Executor<'e, Database = $db>,
@@ -794,7 +811,7 @@ pub(crate) fn fenced(rows: u64) -> Result<(), StoreError> {
 }
 
 /// Reads the row of an existing record that was not taken.
-pub(crate) fn judge_row<R>(row: &R, fingerprint: &str) -> Result<crate::Reservation, StoreError>
+pub(crate) fn judge_row<R>(row: &R, fingerprint: &str) -> Result<crate::store::Reservation, StoreError>
 where
     R: sqlx::Row,
     for<'r> &'r str: sqlx::ColumnIndex<R>,
@@ -805,12 +822,12 @@ where
     for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database>,
     for<'r> Vec<u8>: sqlx::Type<R::Database>,
 {
-    let get_err = |e: sqlx::Error| StoreError::Backend(e.to_string());
+    let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
     let stored_fp: String = row.try_get("fingerprint").map_err(get_err)?;
     let state: String = row.try_get("state").map_err(get_err)?;
     let lock_left: i64 = row.try_get("lock_left_ms").map_err(get_err)?;
-    let completed = if state == "completed" {
-        Some(crate::StoredResponse::from_columns(
+    let completed = if state == RecordState::COMPLETED_COLUMN {
+        Some(crate::store::StoredResponse::from_columns(
             row.try_get("response_status").map_err(get_err)?,
             row.try_get("response_headers").map_err(get_err)?,
             row.try_get("response_body").map_err(get_err)?,
@@ -826,7 +843,7 @@ where
 }
 
 /// Reads the row of a record the caller just took.
-pub(crate) fn lease_from_row<R>(row: &R, token: String) -> Result<crate::Lease, StoreError>
+pub(crate) fn lease_from_row<R>(row: &R, token: String) -> Result<crate::store::Lease, StoreError>
 where
     R: sqlx::Row,
     for<'r> &'r str: sqlx::ColumnIndex<R>,
@@ -834,16 +851,83 @@ where
     for<'r> Option<String>: sqlx::Decode<'r, R::Database>,
     for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
-    let get_err = |e: sqlx::Error| StoreError::Backend(e.to_string());
+    let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
     let attempt: i32 = row.try_get("attempt").map_err(get_err)?;
     let taken_over: i32 = row.try_get("taken_over").map_err(get_err)?;
-    Ok(crate::Lease {
+    Ok(crate::store::Lease {
         token,
         attempt: u32::try_from(attempt).unwrap_or(1),
         takeover: taken_over != 0,
         recovery_point: row.try_get("recovery_point").map_err(get_err)?,
         operation_id: row.try_get("operation_id").map_err(get_err)?,
     })
+}
+
+// The SQL stores' column mapping.
+impl StoredResponse {
+    /// The headers as a JSON array of `[name, value]` strings, each value
+    /// byte one character of the same number (U+0000 to U+00FF): ASCII
+    /// values read as they are, and every byte comes back.
+    pub(crate) fn headers_to_json(&self) -> String {
+        let latin1: Vec<(&str, String)> = self
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.iter().map(|&b| char::from(b)).collect()))
+            .collect();
+        serde_json::to_string(&latin1).unwrap_or_else(|_| "[]".to_owned())
+    }
+
+    pub(crate) fn from_columns(
+        status: Option<i64>,
+        headers: Option<String>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Self, StoreError> {
+        let status = status
+            .and_then(|s| u16::try_from(s).ok())
+            .ok_or_else(|| StoreError::backend("completed record without a status"))?;
+        let unreadable = |why: String| StoreError::backend(format!("stored headers unreadable: {why}"));
+        let headers = match headers {
+            Some(json) => {
+                let latin1: Vec<(String, String)> =
+                    serde_json::from_str(&json).map_err(|e| unreadable(e.to_string()))?;
+                latin1
+                    .into_iter()
+                    .map(|(n, v)| {
+                        let bytes: Option<Vec<u8>> =
+                            v.chars().map(|c| u8::try_from(u32::from(c)).ok()).collect();
+                        bytes
+                            .map(|b| (n, b))
+                            .ok_or_else(|| unreadable("a value beyond one byte a character".into()))
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            None => Vec::new(),
+        };
+        Ok(StoredResponse {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
+/// Bounds a store operation by `limit`: past it, [`StoreError::Unavailable`].
+pub(crate) async fn bounded<T>(
+    limit: Duration,
+    fut: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(result) => result,
+        Err(_) => Err(StoreError::unavailable(format!(
+            "no answer within {} ms",
+            limit.as_millis()
+        ))),
+    }
+}
+
+/// Milliseconds as the stores bind them.
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

@@ -1,8 +1,9 @@
 //! The production store: PostgreSQL through sqlx.
 
+use crate::sql::millis;
 use crate::sql::{self, Statements};
-use crate::store::{bounded, millis, random_token, BoxFuture};
-use crate::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
+use crate::store::{random_token, BoxFuture};
+use crate::store::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use std::time::Duration;
 
@@ -37,7 +38,7 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 /// row, so it reads it again.
 ///
 /// ```no_run
-/// use idem_runtime::PgStore;
+/// use idem::PgStore;
 ///
 /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PgStore::connect("postgres://postgres@127.0.0.1/app")?;
@@ -68,7 +69,7 @@ impl PgStore {
     /// ```no_run
     /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
-    /// let store = idem_runtime::PgStore::new(pool);
+    /// let store = idem::PgStore::new(pool);
     /// # Ok(()) }
     /// ```
     pub fn new(pool: PgPool) -> Self {
@@ -87,21 +88,21 @@ impl PgStore {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// let store = idem_runtime::PgStore::connect("postgres://postgres@127.0.0.1/app").unwrap();
-    /// assert!(idem_runtime::PgStore::connect("postgres://127.0.0.1:notaport/app").is_err());
+    /// let store = idem::PgStore::connect("postgres://postgres@127.0.0.1/app").unwrap();
+    /// assert!(idem::PgStore::connect("postgres://127.0.0.1:notaport/app").is_err());
     /// # }
     /// ```
     pub fn connect(url: &str) -> Result<Self, StoreError> {
         if tokio::runtime::Handle::try_current().is_err() {
-            return Err(StoreError::Backend(
-                "PgStore::connect must be called within a Tokio runtime".into(),
+            return Err(StoreError::backend(
+                "PgStore::connect must be called within a Tokio runtime",
             ));
         }
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(DEFAULT_OPERATION_TIMEOUT)
             .connect_lazy(url)
-            .map_err(|e| StoreError::Backend(format!("invalid PostgreSQL URL: {e}")))?;
+            .map_err(|e| StoreError::backend(format!("invalid PostgreSQL URL: {e}")))?;
         Ok(Self::new(pool))
     }
 
@@ -113,7 +114,7 @@ impl PgStore {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// # let store = idem_runtime::PgStore::connect("postgres://127.0.0.1/app").unwrap();
+    /// # let store = idem::PgStore::connect("postgres://127.0.0.1/app").unwrap();
     /// let store = store.with_table(Some("billing"), "idem_records").unwrap();
     /// assert!(store.with_table(None, "x; drop table y").is_err());
     /// # }
@@ -128,7 +129,7 @@ impl PgStore {
     /// ```
     /// # use std::time::Duration;
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// # let store = idem_runtime::PgStore::connect("postgres://127.0.0.1/app").unwrap();
+    /// # let store = idem::PgStore::connect("postgres://127.0.0.1/app").unwrap();
     /// let store = store.with_timeout(Duration::from_millis(500));
     /// # }
     /// ```
@@ -185,8 +186,8 @@ impl PgStore {
     /// the table does not match afterwards.
     ///
     /// ```no_run
-    /// # #[tokio::main] async fn main() -> Result<(), idem_runtime::StoreError> {
-    /// let store = idem_runtime::PgStore::connect("postgres://postgres@127.0.0.1/app")?;
+    /// # #[tokio::main] async fn main() -> Result<(), idem::StoreError> {
+    /// let store = idem::PgStore::connect("postgres://postgres@127.0.0.1/app")?;
     /// store.migrate().await?;
     /// # Ok(()) }
     /// ```
@@ -215,7 +216,7 @@ impl PgStore {
     /// with the completion.
     #[cfg(feature = "axum")]
     pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        bounded(self.timeout, async {
+        crate::sql::bounded(self.timeout, async {
             self.pool.begin().await.map_err(sql::map_err)
         })
         .await
@@ -253,9 +254,9 @@ impl PgStore {
             // statement's snapshot was taken; read again.
             let Some(row) = row else { continue };
             let get =
-                |col| sqlx::Row::try_get::<i32, _>(&row, col).map_err(|e| StoreError::Backend(e.to_string()));
+                |col| sqlx::Row::try_get::<i32, _>(&row, col).map_err(|e| StoreError::backend(e.to_string()));
             let taken: bool =
-                sqlx::Row::try_get(&row, "taken").map_err(|e| StoreError::Backend(e.to_string()))?;
+                sqlx::Row::try_get(&row, "taken").map_err(|e| StoreError::backend(e.to_string()))?;
             if taken {
                 pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
                 return sql::lease_from_row(&row, req.token.to_owned()).map(Reservation::Reserved);

@@ -1,0 +1,202 @@
+//! Capturing a handler's answer under the lease (whole, too large to keep,
+//! streamed, or failed) and replaying a stored one.
+
+use crate::layer::{Engine, BODY_OMITTED_HEADER, REPLAYED_HEADER};
+use crate::lease::Heartbeat;
+use crate::operation::OperationInfo;
+use crate::outcome::{let_go, record_completion, LetGo};
+use crate::protocol::{panic_message, record};
+use crate::store::StoredResponse;
+use crate::tx::PendingTx;
+use axum::body::Body;
+use axum::http::header::{HeaderName, HeaderValue, CONTENT_TYPE};
+use axum::http::StatusCode;
+use axum::response::Response;
+use futures_util::{FutureExt as _, StreamExt as _};
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A response body, read under the lease.
+pub(crate) enum Collected {
+    /// The whole body, within the stored limit.
+    Whole(axum::body::Bytes),
+    /// Larger than the limit, or an event stream: what was read, and the rest.
+    Streamed {
+        head: Vec<axum::body::Bytes>,
+        rest: axum::body::BodyDataStream,
+    },
+    /// The body failed while it was produced.
+    Failed(axum::Error),
+}
+
+/// Reads `body` up to `limit` bytes, holding no more than that in memory.
+pub(crate) async fn collect(body: Body, limit: usize, stream: bool) -> Collected {
+    let mut rest = body.into_data_stream();
+    if stream {
+        return Collected::Streamed {
+            head: Vec::new(),
+            rest,
+        };
+    }
+    let (mut head, mut len) = (Vec::new(), 0usize);
+    while let Some(chunk) = rest.next().await {
+        match chunk {
+            Ok(chunk) => {
+                len = len.saturating_add(chunk.len());
+                head.push(chunk);
+                if len > limit {
+                    return Collected::Streamed { head, rest };
+                }
+            }
+            Err(e) => return Collected::Failed(e),
+        }
+    }
+    let mut whole = Vec::with_capacity(len);
+    for chunk in head {
+        whole.extend_from_slice(&chunk);
+    }
+    Collected::Whole(whole.into())
+}
+
+/// What the streamer sends to the client's body.
+pub(crate) enum Frame {
+    Data(axum::body::Bytes),
+    /// The body is whole: its answer is recorded.
+    End,
+    Fail(axum::Error),
+}
+
+pub(crate) const ABANDONED: &str = "the client did not read the answer within the lock timeout";
+
+/// An answer too large to keep, still being produced.
+pub(crate) struct StreamedAnswer {
+    pub(crate) engine: Arc<Engine>,
+    pub(crate) info: OperationInfo,
+    pub(crate) lock_timeout: Duration,
+    /// Its status and headers, to record once the body ended.
+    pub(crate) stored: StoredResponse,
+    pub(crate) tx: Option<PendingTx>,
+    pub(crate) beat: Heartbeat,
+    pub(crate) head: Vec<axum::body::Bytes>,
+    pub(crate) rest: axum::body::BodyDataStream,
+    /// Gone once the client went away, or stopped reading.
+    pub(crate) client: Option<tokio::sync::mpsc::Sender<Frame>>,
+}
+
+/// Streams an answer larger than the stored limit to the client, still under
+/// the lease, and records its completion (status and headers) when the body
+/// ends. The last bytes are held back until the completion is recorded (and
+/// the body ends only with an explicit end): a client gets a whole body only
+/// when its answer is recorded; otherwise its connection breaks. A body that
+/// fails is a failed execution. A client that goes away, or reads nothing
+/// for a whole lock timeout, cancels nothing: it is cut off, and the body is
+/// read to its end and the outcome recorded all the same.
+pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
+    let mut held: Option<axum::body::Bytes> = None;
+    for chunk in std::mem::take(&mut s.head) {
+        s.hold(&mut held, chunk).await;
+    }
+    let broken = loop {
+        match AssertUnwindSafe(s.rest.next()).catch_unwind().await {
+            Ok(Some(Ok(chunk))) => s.hold(&mut held, chunk).await,
+            Ok(None) => break None,
+            Ok(Some(Err(e))) => {
+                tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
+                break Some(e);
+            }
+            Err(panic) => {
+                tracing::error!(panic = %panic_message(&*panic), "the response body panicked; releasing the key");
+                break Some(axum::Error::new(std::io::Error::other(
+                    "the response body panicked",
+                )));
+            }
+        }
+    };
+    let StreamedAnswer {
+        engine,
+        info,
+        lock_timeout,
+        stored,
+        tx,
+        beat,
+        mut client,
+        ..
+    } = s;
+    let ending = match broken {
+        Some(e) => {
+            let _ = let_go(&engine, &info, lock_timeout, tx, Response::default(), LetGo::Fail).await;
+            vec![Frame::Fail(e)]
+        }
+        None => match record_completion(&engine, &info, lock_timeout, &stored, tx).await {
+            Ok(()) => {
+                record(if info.lease.is_takeover() {
+                    "takeover"
+                } else {
+                    "executed"
+                });
+                held.into_iter().map(Frame::Data).chain([Frame::End]).collect()
+            }
+            Err(_) => vec![Frame::Fail(axum::Error::new(std::io::Error::other(
+                "the answer could not be recorded; retry with the same key",
+            )))],
+        },
+    };
+    drop(beat);
+    for frame in ending {
+        let Some(c) = &client else { break };
+        if !matches!(
+            tokio::time::timeout(lock_timeout, c.send(frame)).await,
+            Ok(Ok(()))
+        ) {
+            client = None;
+        }
+    }
+}
+
+impl StreamedAnswer {
+    /// Keeps `chunk` back and sends the one kept before: the last bytes
+    /// wait for the completion. Empty chunks carry nothing to keep.
+    async fn hold(&mut self, held: &mut Option<axum::body::Bytes>, chunk: axum::body::Bytes) {
+        if chunk.is_empty() {
+            return;
+        }
+        let Some(previous) = held.replace(chunk) else {
+            return;
+        };
+        let Some(c) = &self.client else { return };
+        // A client that reads nothing for a lock timeout is cut off (its
+        // connection breaks); the body is still read to its end.
+        if !matches!(
+            tokio::time::timeout(self.lock_timeout, c.send(Frame::Data(previous))).await,
+            Ok(Ok(()))
+        ) {
+            tracing::warn!("{ABANDONED}; cut off, the answer is still recorded");
+            self.client = None;
+        }
+    }
+}
+
+pub(crate) fn replay(stored: StoredResponse) -> Response {
+    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let omitted = stored.body.is_none();
+    let mut response = Response::new(Body::from(stored.body.unwrap_or_default()));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    for (name, value) in stored.headers {
+        if omitted && name == CONTENT_TYPE.as_str() {
+            continue;
+        }
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(&value),
+        ) {
+            headers.append(n, v);
+        }
+    }
+    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    if omitted {
+        headers.insert(BODY_OMITTED_HEADER, HeaderValue::from_static("true"));
+    }
+    response
+}

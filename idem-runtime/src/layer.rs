@@ -1,0 +1,447 @@
+//! The layer: [`Idem`] and its configuration, the [`Tenant`] a request runs
+//! for, and the [`Context`] extractor that hands both to an annotated handler.
+
+use crate::store::IdempotencyStore;
+use axum::extract::FromRequestParts;
+use axum::http::header::{HeaderName, CONTENT_TYPE};
+use axum::http::request::Parts;
+use axum::http::HeaderMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A setting that would disable or break the protection, with the allowed
+/// range.
+///
+/// ```
+/// let err = idem::Idem::new(idem::MemoryStore::new()).lock_timeout(std::time::Duration::ZERO).unwrap_err();
+/// assert!(err.to_string().contains("allowed: 100ms to 1d"));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError(String);
+
+impl ConfigError {
+    fn check(name: &str, value: Duration, range: &std::ops::RangeInclusive<Duration>) -> Result<(), Self> {
+        if range.contains(&value) {
+            return Ok(());
+        }
+        Err(ConfigError(format!(
+            "{name} is {value:?}; allowed: {} to {}",
+            human(*range.start()),
+            human(*range.end())
+        )))
+    }
+}
+
+/// `100ms`, `1s`, `365d`: how the attribute writes durations.
+fn human(d: Duration) -> String {
+    let ms = d.as_millis();
+    for (unit, size) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
+        if ms >= size && ms.is_multiple_of(size) {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The TTLs allowed: 1 second to 365 days (the attribute checks the same).
+pub const TTL_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(365 * 86_400);
+/// The lock timeouts allowed: 100 milliseconds to 1 day (the attribute
+/// checks the same).
+pub const LOCK_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(100)..=Duration::from_secs(86_400);
+/// The largest `max_stored_body`: 64 MiB.
+pub const MAX_STORED_BODY_LIMIT: usize = 64 * 1024 * 1024;
+
+/// The default record retention: 24 hours.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
+/// The default lock timeout: 60 seconds. It must exceed the longest
+/// legitimate execution of a handler (the lease heartbeat extends it while
+/// the handler runs, so only a dead process's lock expires).
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
+/// The default limit of a stored response body: 1 MiB.
+pub const DEFAULT_MAX_STORED_BODY: usize = 1024 * 1024;
+/// The header that marks a replayed answer.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+/// The header that marks a replay whose body was too large to keep.
+pub const BODY_OMITTED_HEADER: &str = "idempotent-replay-body-omitted";
+
+/// Headers that are never stored, even when named.
+const NEVER_STORED: &[&str] = &[
+    "set-cookie",
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "date",
+    "www-authenticate",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+];
+
+/// The authenticated principal, as the application's auth layer puts it in
+/// the request extensions. Records are scoped by it: one tenant can neither
+/// read nor block another's.
+///
+/// ```
+/// use axum::{extract::Request, middleware::Next, response::Response};
+/// use idem::Tenant;
+///
+/// async fn auth(mut req: Request, next: Next) -> Response {
+///     // ... verify the credentials, then:
+///     req.extensions_mut().insert(Tenant::new("acct_42"));
+///     next.run(req).await
+/// }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Tenant(String);
+
+impl Tenant {
+    /// A tenant id, such as an account or API client id.
+    ///
+    /// ```
+    /// assert_eq!(idem::Tenant::new("acct_1").as_str(), "acct_1");
+    /// ```
+    pub fn new(id: impl Into<String>) -> Self {
+        Tenant(id.into())
+    }
+
+    /// The tenant id.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The configured idempotency layer: a store plus the service-wide
+/// defaults. Add it to the router with [`Idem::layer`].
+///
+/// ```no_run
+/// use axum::{routing::post, Router};
+/// use idem::{Idem, SqliteStore};
+///
+/// # async fn handler() {}
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = SqliteStore::open("idem.db").await?;
+/// store.migrate().await?;
+/// let app: Router = Router::new()
+///     .route("/v1/payments", post(handler))
+///     .layer(Idem::new(store).single_tenant().layer());
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Idem {
+    pub(crate) inner: Arc<Engine>,
+}
+
+#[derive(Clone)]
+pub(crate) struct Engine {
+    pub(crate) store: Arc<dyn IdempotencyStore>,
+    pub(crate) ttl: Duration,
+    pub(crate) lock_timeout: Duration,
+    pub(crate) single_tenant: bool,
+    pub(crate) max_stored_body: usize,
+    pub(crate) replay_headers: Vec<HeaderName>,
+    /// What problem `type`s start with, when not [`PROBLEM_TYPE_PREFIX`].
+    pub(crate) problem_base: Option<Arc<str>>,
+}
+
+impl std::fmt::Debug for Idem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idem")
+            .field("ttl", &self.inner.ttl)
+            .field("lock_timeout", &self.inner.lock_timeout)
+            .field("single_tenant", &self.inner.single_tenant)
+            .field("max_stored_body", &self.inner.max_stored_body)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Idem {
+    /// A layer over `store` with the defaults: TTL 24 hours, lock timeout
+    /// 60 seconds, stored bodies up to 1 MiB, tenants required.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new());
+    /// ```
+    pub fn new(store: impl IdempotencyStore) -> Self {
+        Self::from_arc(Arc::new(store))
+    }
+
+    /// Like [`Idem::new`], for a store that is already shared.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// let store: Arc<dyn idem::IdempotencyStore> = Arc::new(idem::MemoryStore::new());
+    /// let idem = idem::Idem::from_arc(store);
+    /// ```
+    pub fn from_arc(store: Arc<dyn IdempotencyStore>) -> Self {
+        Idem {
+            inner: Arc::new(Engine {
+                store,
+                ttl: DEFAULT_TTL,
+                lock_timeout: DEFAULT_LOCK_TIMEOUT,
+                single_tenant: false,
+                max_stored_body: DEFAULT_MAX_STORED_BODY,
+                replay_headers: vec![CONTENT_TYPE, axum::http::header::LOCATION],
+                problem_base: None,
+            }),
+        }
+    }
+
+    fn change(mut self, f: impl FnOnce(&mut Engine)) -> Self {
+        // Copies the engine only when a clone of this `Idem` shares it.
+        f(Arc::make_mut(&mut self.inner));
+        self
+    }
+
+    /// How long records are kept (default 24 hours): how long an answer is
+    /// replayed. Handlers can override it with `ttl = "..."`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] outside [`TTL_RANGE`] (1 second to 365 days): a zero
+    /// TTL would turn the protection off.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).ttl(std::time::Duration::from_secs(3600))?;
+    /// assert!(idem::Idem::new(idem::MemoryStore::new()).ttl(std::time::Duration::ZERO).is_err());
+    /// # Ok::<(), idem::ConfigError>(())
+    /// ```
+    pub fn ttl(self, ttl: Duration) -> Result<Self, ConfigError> {
+        ConfigError::check("ttl", ttl, &TTL_RANGE)?;
+        Ok(self.change(|e| e.ttl = ttl))
+    }
+
+    /// How long a lock holds before another request may take the operation
+    /// over (default 60 seconds). It must exceed the longest legitimate
+    /// execution that could stall without its heartbeat; while a handler
+    /// runs its lock is extended every third of this time, so only a dead
+    /// process's lock runs out.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] outside [`LOCK_TIMEOUT_RANGE`] (100 milliseconds to
+    /// 1 day): a zero lock timeout would let concurrent duplicates run.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).lock_timeout(std::time::Duration::from_secs(30))?;
+    /// # Ok::<(), idem::ConfigError>(())
+    /// ```
+    pub fn lock_timeout(self, lock_timeout: Duration) -> Result<Self, ConfigError> {
+        ConfigError::check("lock_timeout", lock_timeout, &LOCK_TIMEOUT_RANGE)?;
+        Ok(self.change(|e| e.lock_timeout = lock_timeout))
+    }
+
+    /// Serves one tenant: requests without a [`Tenant`] share one namespace.
+    /// Without this call such requests are refused with 500, so that a
+    /// missing auth layer never silently makes keys global.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).single_tenant();
+    /// ```
+    pub fn single_tenant(self) -> Self {
+        self.change(|e| e.single_tenant = true)
+    }
+
+    /// The largest response body stored for replay (default 1 MiB). A larger
+    /// answer still completes the record, so the handler never runs twice
+    /// for one key, but only its status and headers are kept: a replay
+    /// answers them with an empty body and `Idempotent-Replay-Body-Omitted: true`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] past [`MAX_STORED_BODY_LIMIT`] (64 MiB).
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).max_stored_body(64 * 1024)?;
+    /// # Ok::<(), idem::ConfigError>(())
+    /// ```
+    pub fn max_stored_body(self, bytes: usize) -> Result<Self, ConfigError> {
+        if bytes > MAX_STORED_BODY_LIMIT {
+            return Err(ConfigError(format!(
+                "max_stored_body is {bytes} bytes; allowed: 0 to {MAX_STORED_BODY_LIMIT} (64 MiB)"
+            )));
+        }
+        Ok(self.change(|e| e.max_stored_body = bytes))
+    }
+
+    /// Also stores and replays these response headers (besides
+    /// `content-type` and `location`).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] for a name that is not a header name, or one that is
+    /// never stored (`set-cookie`, `authorization`, `cookie`, `date`,
+    /// `content-length` and the like: stored data must be safe to keep).
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).replay_headers(["etag", "x-request-cost"])?;
+    /// assert!(idem::Idem::new(idem::MemoryStore::new()).replay_headers(["set-cookie"]).is_err());
+    /// # Ok::<(), idem::ConfigError>(())
+    /// ```
+    pub fn replay_headers<I, H>(self, names: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = H>,
+        H: AsRef<str>,
+    {
+        let mut checked = Vec::new();
+        for name in names {
+            let name = name.as_ref();
+            let n = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| ConfigError(format!("replay_headers: `{name}` is not a header name")))?;
+            if NEVER_STORED.contains(&n.as_str()) {
+                return Err(ConfigError(format!(
+                    "replay_headers: `{name}` is never stored (credentials, cookies and framing headers are not \
+                     safe to keep or to replay)"
+                )));
+            }
+            checked.push(n);
+        }
+        Ok(self.change(|e| {
+            for n in checked {
+                if !e.replay_headers.contains(&n) {
+                    e.replay_headers.push(n);
+                }
+            }
+        }))
+    }
+
+    /// Makes every problem `type` of this layer start with `base` instead of
+    /// `urn:idem:problem:`, so that it points to the application's own
+    /// documentation: `problem_type_base("https://docs.example.com/errors/")`
+    /// gives `https://docs.example.com/errors/idempotency-key-reused`.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).problem_type_base("https://docs.example.com/errors/")?;
+    /// # Ok::<(), idem::ConfigError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] for an empty base, or one with spaces.
+    pub fn problem_type_base(self, base: impl Into<String>) -> Result<Self, ConfigError> {
+        let base: String = base.into();
+        if base.is_empty() || base.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(ConfigError(format!(
+                "problem_type_base `{base}` must be a URI prefix without spaces, such as \
+                 `https://docs.example.com/errors/`"
+            )));
+        }
+        Ok(self.change(|e| e.problem_base = Some(base.into())))
+    }
+
+    /// Starts a [`crate::Janitor`] on this layer's store: every `every`,
+    /// expired records are deleted in batches of `batch`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] for `every` under 1 second or over 1 day, or `batch`
+    /// outside 1 to 100,000.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem::ConfigError> {
+    /// let idem = idem::Idem::new(idem::MemoryStore::new());
+    /// let janitor = idem.start_janitor(std::time::Duration::from_secs(300), 1000)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn start_janitor(&self, every: Duration, batch: u32) -> Result<crate::Janitor, ConfigError> {
+        ConfigError::check(
+            "janitor period",
+            every,
+            &(Duration::from_secs(1)..=Duration::from_secs(86_400)),
+        )?;
+        if !(1..=100_000).contains(&batch) {
+            return Err(ConfigError(format!(
+                "janitor batch is {batch}; allowed: 1 to 100000"
+            )));
+        }
+        Ok(crate::Janitor::start(self.inner.store.clone(), every, batch))
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn IdempotencyStore> {
+        &self.inner.store
+    }
+
+    /// The layer to add to the router: it makes this configuration
+    /// available to every `#[idempotent]` handler below it.
+    ///
+    /// ```
+    /// use axum::Router;
+    /// let app: Router = Router::new().layer(idem::Idem::new(idem::MemoryStore::new()).layer());
+    /// ```
+    pub fn layer(self) -> axum::Extension<Idem> {
+        axum::Extension(self)
+    }
+}
+
+/// What the injected first parameter of an annotated handler extracts: the
+/// configuration, the tenant, the request headers and what identifies the
+/// request besides its body.
+#[doc(hidden)]
+pub struct Context {
+    pub(crate) idem: Option<Idem>,
+    pub(crate) tenant: Option<Tenant>,
+    pub(crate) headers: HeaderMap,
+    /// The route's path parameters.
+    pub(crate) path: Vec<(String, String)>,
+    pub(crate) query: Option<String>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").finish_non_exhaustive()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Context {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        use axum::extract::rejection::RawPathParamsRejection;
+        let path = match axum::extract::RawPathParams::from_request_parts(parts, state).await {
+            Ok(params) => params.iter().map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
+            Err(RawPathParamsRejection::MissingPathParams(_)) => Vec::new(),
+            // Not UTF-8 once decoded: the raw path identifies it all the same.
+            Err(_) => vec![(String::new(), parts.uri.path().to_owned())],
+        };
+        Ok(Context {
+            idem: parts.extensions.get::<Idem>().cloned(),
+            tenant: parts.extensions.get::<Tenant>().cloned(),
+            headers: parts.headers.clone(),
+            path,
+            query: parts.uri.query().map(str::to_owned),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configuring_a_clone_leaves_the_original_as_it_was() {
+        let original = Idem::new(crate::MemoryStore::new());
+        let changed = original
+            .clone()
+            .ttl(Duration::from_secs(1))
+            .unwrap()
+            .single_tenant();
+        assert_eq!(
+            (original.inner.ttl, original.inner.single_tenant),
+            (DEFAULT_TTL, false)
+        );
+        assert_eq!(
+            (changed.inner.ttl, changed.inner.single_tenant),
+            (Duration::from_secs(1), true)
+        );
+    }
+}

@@ -1,0 +1,296 @@
+//! The [`Operation`] handed to a handler: its key and attempt, checkpoints,
+//! derived keys for downstream calls, the lease's state, and transactions
+//! committed with the completion.
+
+use crate::store::{IdempotencyStore, Lease, RecordId, StoreError};
+use crate::tx::PendingTx;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+use crate::tx::TxConnection;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+use std::future::Future;
+use std::sync::Arc;
+
+#[derive(Clone)]
+pub(crate) struct OperationInfo {
+    pub(crate) store: Arc<dyn IdempotencyStore>,
+    pub(crate) id: RecordId,
+    pub(crate) lease: Lease,
+    /// Set once the lease is lost: taken over, or not extended in time.
+    pub(crate) lost: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl OperationInfo {
+    pub(crate) fn is_lost(&self) -> bool {
+        *self.lost.borrow()
+    }
+}
+
+/// The operation an annotated handler runs for: its key, attempt and
+/// recovery point, checkpoints, and derived keys for downstream calls.
+///
+/// Ask for it as a parameter of an `#[idempotent]` handler (any position:
+/// the attribute supplies it after the reservation, it is not an extractor).
+/// An `optional` handler asks for `Option<Operation>`: a request without a
+/// key runs unprotected and gets `None`.
+///
+/// ```
+/// use axum::Json;
+/// use idem::{idempotent, Operation};
+/// # #[derive(serde::Deserialize, serde::Serialize)] struct Order { sku: String }
+///
+/// #[idempotent(scope = "order.create", fields(sku))]
+/// async fn create_order(op: Operation, Json(order): Json<Order>) -> String {
+///     if op.recovery_point().as_deref() != Some("reserved") {
+///         // ... reserve stock, then remember that it is done:
+///         op.checkpoint("reserved").await.ok();
+///     }
+///     let gateway_key = op.derived_key("charge");
+///     format!("attempt {} with {gateway_key}", op.attempt())
+/// }
+/// ```
+#[derive(Clone)]
+pub struct Operation {
+    pub(crate) info: OperationInfo,
+    /// The recovery point as this execution last set it.
+    pub(crate) recovery_point: Arc<std::sync::Mutex<Option<String>>>,
+    /// The handler's transaction, once it asked for one.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    pub(crate) tx: Arc<tokio::sync::Mutex<Option<PendingTx>>>,
+}
+
+impl std::fmt::Debug for Operation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Operation")
+            .field("scope", &self.info.id.scope)
+            .field("attempt", &self.info.lease.attempt)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Operation {
+    /// The client's idempotency key.
+    pub fn key(&self) -> &str {
+        &self.info.id.key
+    }
+
+    /// The tenant the record belongs to.
+    pub fn tenant(&self) -> &str {
+        &self.info.id.tenant
+    }
+
+    /// The scope of the attribute.
+    pub fn scope(&self) -> &str {
+        &self.info.id.scope
+    }
+
+    /// 1 for the first execution of the operation, + 1 for every later one:
+    /// a takeover of a stale lock, or the retry of a released outcome.
+    pub fn attempt(&self) -> u32 {
+        self.info.lease.attempt
+    }
+
+    /// Whether this execution took over from one whose lock ran out.
+    pub fn is_takeover(&self) -> bool {
+        self.info.lease.is_takeover()
+    }
+
+    /// The last recovery point: set by [`Operation::checkpoint`] in this
+    /// execution, or by an earlier attempt that was taken over.
+    pub fn recovery_point(&self) -> Option<String> {
+        let own = self
+            .recovery_point
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        own.or_else(|| self.info.lease.recovery_point.clone())
+    }
+
+    /// Whether this execution's lease is lost: another execution took the
+    /// operation over, or the lock could not be extended before its deadline
+    /// (the store was unreachable), so another may have. A handler that sees
+    /// it should stop before its next external effect: whatever it answers
+    /// now is neither given nor stored (its client gets 503
+    /// `idempotency-lease-lost` with `Retry-After`, its transaction rolls
+    /// back, and the key is given back so that a retry continues the
+    /// operation).
+    ///
+    /// ```
+    /// # use idem::{idempotent, Operation};
+    /// #[idempotent(scope = "report.build")]
+    /// async fn build(op: Operation) -> &'static str {
+    ///     for _part in 0..3 {
+    ///         if op.is_lease_lost() {
+    ///             return "stopped"; // the client gets 503, never this
+    ///         }
+    ///         // ... one step of work
+    ///     }
+    ///     "built"
+    /// }
+    /// ```
+    pub fn is_lease_lost(&self) -> bool {
+        self.info.is_lost()
+    }
+
+    /// Resolves when this execution's lease is lost (see
+    /// [`Operation::is_lease_lost`]); never while the lease holds. Race it
+    /// against long work to stop early.
+    ///
+    /// ```
+    /// # use idem::{idempotent, Operation};
+    /// # async fn long_work() -> &'static str { "done" }
+    /// #[idempotent(scope = "report.build")]
+    /// async fn build(op: Operation) -> &'static str {
+    ///     tokio::select! {
+    ///         done = long_work() => done,
+    ///         () = op.lease_lost() => "stopped", // the client gets 503, never this
+    ///     }
+    /// }
+    /// ```
+    pub async fn lease_lost(&self) {
+        let mut lost = self.info.lost.subscribe();
+        if lost.wait_for(|lost| *lost).await.is_err() {
+            // The execution is over: the lease will never be lost now.
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Persists `name` as the operation's progress, under this execution's
+    /// lock token.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::LockLost`] when another execution took the operation
+    /// over, or when the lease is lost (see [`Operation::is_lease_lost`]):
+    /// stop, the record is not yours any more. Another [`StoreError`] when
+    /// the store fails.
+    pub async fn checkpoint(&self, name: &str) -> Result<(), StoreError> {
+        let info = &self.info;
+        if info.is_lost() {
+            return Err(StoreError::LockLost);
+        }
+        info.store.checkpoint(&info.id, &info.lease.token, name).await?;
+        *self.recovery_point.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.to_owned());
+        Ok(())
+    }
+
+    /// The handler's transaction on the PostgreSQL store: its writes commit
+    /// together with the completion of this record (a stored outcome), or
+    /// are rolled back (a released outcome, a panic, a lost lock). The first
+    /// call opens it; later calls return the same one.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the layer's store is not a
+    /// [`crate::PgStore`]; [`StoreError::Unavailable`] when no connection
+    /// can be had.
+    ///
+    /// ```no_run
+    /// # use idem::{idempotent, Operation};
+    /// #[idempotent(scope = "order.create")]
+    /// async fn create_order(op: Operation) -> Result<&'static str, idem::StoreError> {
+    ///     let mut conn = op.pg_transaction().await?;
+    ///     sqlx::query("INSERT INTO orders (id) VALUES ($1)")
+    ///         .bind(op.derived_key("order-id"))
+    ///         .execute(&mut *conn)
+    ///         .await
+    ///         .map_err(|e| idem::StoreError::backend(e.to_string()))?;
+    ///     Ok("created")
+    /// }
+    /// ```
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub async fn pg_transaction(&self) -> Result<TxConnection<'_, sqlx::PgConnection>, StoreError> {
+        self.transaction(PendingTx::begin_pg(&*self.info.store), PendingTx::pg)
+            .await
+    }
+
+    /// The handler's transaction on the SQLite store (`BEGIN IMMEDIATE`):
+    /// the same contract as [`Operation::pg_transaction`].
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the layer's store is not a
+    /// [`crate::SqliteStore`]; [`StoreError::Unavailable`] when the write
+    /// lock cannot be had within the store's timeout.
+    ///
+    /// ```no_run
+    /// # use idem::{idempotent, Operation};
+    /// #[idempotent(scope = "order.create")]
+    /// async fn create_order(op: Operation) -> Result<&'static str, idem::StoreError> {
+    ///     let mut conn = op.sqlite_transaction().await?;
+    ///     sqlx::query("INSERT INTO orders (id) VALUES (?1)")
+    ///         .bind(op.derived_key("order-id"))
+    ///         .execute(&mut *conn)
+    ///         .await
+    ///         .map_err(|e| idem::StoreError::backend(e.to_string()))?;
+    ///     Ok("created")
+    /// }
+    /// ```
+    #[cfg(feature = "sqlite")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+    pub async fn sqlite_transaction(&self) -> Result<TxConnection<'_, sqlx::SqliteConnection>, StoreError> {
+        self.transaction(PendingTx::begin_sqlite(&*self.info.store), PendingTx::sqlite)
+            .await
+    }
+
+    /// The open transaction's connection, opening it with `begin` first.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    async fn transaction<'a, C: 'a>(
+        &'a self,
+        begin: impl Future<Output = Result<PendingTx, StoreError>>,
+        connection: fn(&mut PendingTx) -> Option<&mut C>,
+    ) -> Result<TxConnection<'a, C>, StoreError> {
+        if self.info.is_lost() {
+            return Err(StoreError::LockLost);
+        }
+        let mut slot = self.tx.lock().await;
+        if slot.is_none() {
+            *slot = Some(begin.await?);
+        }
+        tokio::sync::MutexGuard::try_map(slot, |slot| slot.as_mut().and_then(connection))
+            .map_err(|_| StoreError::backend("the operation holds a transaction of another store"))
+    }
+
+    /// A key for the downstream call `step`, to pass to another system's own
+    /// idempotency support: the same on every retry, takeover and restart of
+    /// this operation; different for a new operation that reuses the key
+    /// after the old record expired; revealing none of its inputs.
+    pub fn derived_key(&self, step: &str) -> String {
+        derived_key(&self.info.id, &self.info.lease.operation_id, step)
+    }
+}
+
+/// `idem_` and 40 hex digits of SHA-256 over the record, its operation id
+/// and the step, all length-prefixed.
+pub(crate) fn derived_key(id: &RecordId, operation_id: &str, step: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in [
+        "idem-derived-key-v1",
+        &id.tenant,
+        &id.scope,
+        &id.key,
+        operation_id,
+        step,
+    ] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    format!("idem_{}", crate::fingerprint::hex(&h.finalize()[..20]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_keys_are_stable_opaque_and_per_operation() {
+        let id = RecordId::new("acct_1", "payment.create", "key-1");
+        let a = derived_key(&id, "op-1", "charge");
+        assert_eq!(a, derived_key(&id, "op-1", "charge"));
+        assert_ne!(a, derived_key(&id, "op-2", "charge"));
+        assert_ne!(a, derived_key(&id, "op-1", "notify"));
+        assert!(!a.contains("acct_1") && !a.contains("key-1") && !a.contains("charge"));
+        assert_eq!(a.len(), 45);
+    }
+}

@@ -1,0 +1,188 @@
+//! Recording an execution's outcome: completing the record (in the handler's
+//! transaction when it opened one), or letting the key go as failed or
+//! rejected, fenced by the lease's token. See docs/PROTOCOL.md, "Completion
+//! and release".
+
+use crate::layer::Engine;
+use crate::operation::OperationInfo;
+use crate::problem::{Problem, Unavailable};
+use crate::protocol::record;
+use crate::store::{RecordId, StoreError, StoredResponse};
+use crate::tx::{PendingTx, TxFailure};
+use axum::response::{IntoResponse as _, Response};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tracing::Instrument as _;
+
+/// Records the completion, in the handler's transaction if it opened one.
+/// `Err` is the answer the client gets instead of the handler's.
+pub(crate) async fn record_completion(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    stored: &StoredResponse,
+    tx: Option<PendingTx>,
+) -> Result<(), Response> {
+    if info.is_lost() {
+        // The handler was told its lease is lost: whatever it answered then
+        // is not the operation's answer. Give the key back; the retry
+        // continues the operation.
+        record("lock_lost");
+        if let Some(tx) = tx {
+            tx.rollback().await;
+        }
+        let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+        return Err(Problem::LeaseLost.into_response());
+    }
+    let Some(tx) = tx else {
+        return complete(engine, info, lock_timeout, stored).await;
+    };
+    match tx.complete(&info.id, &info.lease.token, stored).await {
+        Ok(()) => Ok(()),
+        Err(TxFailure::NotCommitted(StoreError::LockLost)) => {
+            record("lock_lost");
+            tracing::error!(
+                "cannot complete: another execution took this operation over; this execution's writes \
+                 were rolled back"
+            );
+            Err(Problem::LeaseLost.into_response())
+        }
+        Err(TxFailure::NotCommitted(e)) => {
+            // Nothing of this execution committed: the retry runs it again.
+            record("released");
+            tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back");
+            if give_back(engine, &info.id, &info.lease.token, lock_timeout).await == Err(StoreError::LockLost)
+            {
+                return Err(Problem::LeaseLost.into_response());
+            }
+            Err(Problem::StoreUnavailable(Unavailable::RolledBack).into_response())
+        }
+        Err(TxFailure::Unknown(e)) => {
+            // Committed or not, nobody knows. Giving the key back is fenced:
+            // if the commit took effect, the record is completed and stays so.
+            record("commit_unknown");
+            tracing::error!(error = %e, "the commit of the handler's transaction failed");
+            let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+            Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
+        }
+    }
+}
+
+/// Completes the record, retrying a store that fails for a moment. When it
+/// cannot, the answer is not given (it would never be replayed): the key is
+/// given back and the client told to retry.
+pub(crate) async fn complete(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    stored: &StoredResponse,
+) -> Result<(), Response> {
+    let mut pause = Duration::from_millis(100);
+    for attempt in 1..=4 {
+        match engine.store.complete(&info.id, &info.lease.token, stored).await {
+            Ok(()) => return Ok(()),
+            Err(StoreError::LockLost) => {
+                record("lock_lost");
+                tracing::error!("cannot complete: another execution took this operation over");
+                return Err(Problem::LeaseLost.into_response());
+            }
+            Err(e) if attempt < 4 && !info.is_lost() => {
+                tracing::warn!(error = %e, attempt, "completing the record failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "completing the record failed; giving the key back");
+                break;
+            }
+        }
+    }
+    record("not_recorded");
+    let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+    Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
+}
+
+/// How an execution that produced no answer to keep lets its key go.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LetGo {
+    /// Released as failed: bound to its request (see [`Classification::Release`]).
+    Fail,
+    /// Rejected: the key is free on a first attempt (see [`Classification::Reject`]).
+    Reject,
+}
+
+/// A failed execution (`fail`) or a rejected request (`reject`): rolls back
+/// the handler's transaction, lets the key go as `how` says, and answers
+/// `response`, unless another execution took the operation over, whose
+/// answer is the one that counts.
+pub(crate) async fn let_go(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    tx: Option<PendingTx>,
+    response: Response,
+    how: LetGo,
+) -> Response {
+    record(if how == LetGo::Reject {
+        "rejected"
+    } else {
+        "released"
+    });
+    if let Some(tx) = tx {
+        tx.rollback().await;
+    }
+    let (id, token) = (&info.id, &info.lease.token);
+    let outcome = match how {
+        LetGo::Reject => match engine.store.reject(id, token).await {
+            // Not freed: at least never left locked.
+            Err(e) if e != StoreError::LockLost => give_back(engine, id, token, lock_timeout).await,
+            other => other,
+        },
+        LetGo::Fail => give_back(engine, id, token, lock_timeout).await,
+    };
+    if outcome == Err(StoreError::LockLost) {
+        record("lock_lost");
+        tracing::error!("cannot release: another execution took this operation over");
+        return Problem::LeaseLost.into_response();
+    }
+    response
+}
+
+/// Gives the key back: a release fenced by `token`, which changes nothing
+/// if the token holds nothing. It serves executions that failed and
+/// reservations or completions whose answer never came (a timeout: they may
+/// have committed all the same). While the store is unreachable it keeps
+/// trying in the background, until the lock would have run out by itself,
+/// so no lock stays that nobody holds. Says how the first try went.
+pub(crate) async fn give_back(
+    engine: &Arc<Engine>,
+    id: &RecordId,
+    token: &str,
+    lock_timeout: Duration,
+) -> Result<(), StoreError> {
+    let first = engine.store.release(id, token).await;
+    match &first {
+        Ok(()) | Err(StoreError::LockLost) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "giving the key back failed; trying again in the background");
+            let (store, id, token) = (engine.store.clone(), id.clone(), token.to_owned());
+            let until = Instant::now() + lock_timeout;
+            tokio::spawn(
+                async move {
+                    let mut pause = Duration::from_millis(100);
+                    while Instant::now() < until {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(2));
+                        match store.release(&id, &token).await {
+                            Ok(()) | Err(StoreError::LockLost) => return,
+                            Err(_) => {}
+                        }
+                    }
+                }
+                .in_current_span(),
+            );
+        }
+    }
+    first
+}

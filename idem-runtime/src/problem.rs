@@ -1,0 +1,337 @@
+//! Every refusal of the layer: one variant of [`Problem`] each, with its
+//! status, `type` name, title and detail, answered as an RFC 9457 problem.
+//! The README's table of refusals is checked against [`Problem::catalog`].
+
+use crate::key::KeyError;
+use axum::body::Body;
+use axum::http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use std::borrow::Cow;
+use std::time::Duration;
+
+/// The start of every problem `type` of this layer; the name follows.
+pub const PROBLEM_TYPE_PREFIX: &str = "urn:idem:problem:";
+
+/// The largest `Retry-After` of a 409, in seconds.
+const MAX_RETRY_AFTER_SECS: u64 = 2;
+
+/// The `Retry-After` of a 503, in seconds.
+const UNAVAILABLE_RETRY_AFTER_SECS: u64 = 2;
+
+/// A refusal of the layer: what the client gets instead of the handler's
+/// answer. Its `type` is [`PROBLEM_TYPE_PREFIX`] (or the configured
+/// `problem_type_base`) followed by [`Problem::type_name`].
+///
+/// ```
+/// use idem::Problem;
+/// use axum::response::IntoResponse;
+///
+/// let p = Problem::KeyReused;
+/// assert_eq!(p.status().as_u16(), 422);
+/// assert_eq!(p.type_name(), "idempotency-key-reused");
+/// let response = p.into_response();
+/// assert_eq!(response.headers()["content-type"], "application/problem+json");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Problem {
+    /// 400: the key header is absent ([`KeyError::Missing`]) or invalid.
+    Key {
+        /// What is wrong with it.
+        error: KeyError,
+        /// The header's name.
+        header: &'static str,
+    },
+    /// 400: a JSON body that is not I-JSON; the reason.
+    BodyInvalid(String),
+    /// 409: another execution with this key and fingerprint still runs.
+    InProgress {
+        /// Time until its lock deadline.
+        retry_after: Duration,
+    },
+    /// 422: the key was used with a different request.
+    KeyReused,
+    /// 503: the store failed or did not answer in time; what is known.
+    StoreUnavailable(Unavailable),
+    /// 503: another execution took this one's operation over.
+    LeaseLost,
+    /// 500: no idem layer on the route, or no tenant.
+    Misconfigured,
+    /// 500: the handler (or its response body) panicked.
+    HandlerFailed,
+}
+
+/// What a 503 `idempotency-store-unavailable` knows about the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unavailable {
+    /// Refused before the handler ran.
+    NotProcessed,
+    /// The handler's transaction was rolled back.
+    RolledBack,
+    /// The outcome could not be recorded (or its commit's fate is unknown).
+    OutcomeUnknown,
+    /// The handler stopped on a store error it passed on with `?`.
+    NotCompleted,
+}
+
+impl Problem {
+    /// One problem of each kind, in the order of the README's table.
+    ///
+    /// ```
+    /// assert!(idem::Problem::catalog().iter().any(|p| p.type_name() == "handler-failed"));
+    /// ```
+    pub fn catalog() -> Vec<Problem> {
+        vec![
+            Problem::Key {
+                error: KeyError::Missing,
+                header: "idempotency-key",
+            },
+            Problem::Key {
+                error: KeyError::Empty,
+                header: "idempotency-key",
+            },
+            Problem::BodyInvalid(String::new()),
+            Problem::InProgress {
+                retry_after: Duration::from_secs(1),
+            },
+            Problem::KeyReused,
+            Problem::StoreUnavailable(Unavailable::NotProcessed),
+            Problem::LeaseLost,
+            Problem::Misconfigured,
+            Problem::HandlerFailed,
+        ]
+    }
+
+    /// The HTTP status.
+    ///
+    /// ```
+    /// assert_eq!(idem::Problem::LeaseLost.status().as_u16(), 503);
+    /// ```
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Problem::Key { .. } | Problem::BodyInvalid(_) => StatusCode::BAD_REQUEST,
+            Problem::InProgress { .. } => StatusCode::CONFLICT,
+            Problem::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Problem::StoreUnavailable(_) | Problem::LeaseLost => StatusCode::SERVICE_UNAVAILABLE,
+            Problem::Misconfigured | Problem::HandlerFailed => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The name the problem's `type` ends with.
+    ///
+    /// ```
+    /// assert_eq!(idem::Problem::Misconfigured.type_name(), "idempotency-misconfigured");
+    /// ```
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Problem::Key {
+                error: KeyError::Missing,
+                ..
+            } => "idempotency-key-missing",
+            Problem::Key { .. } => "idempotency-key-invalid",
+            Problem::BodyInvalid(_) => "idempotency-body-invalid",
+            Problem::InProgress { .. } => "idempotency-request-in-progress",
+            Problem::KeyReused => "idempotency-key-reused",
+            Problem::StoreUnavailable(_) => "idempotency-store-unavailable",
+            Problem::LeaseLost => "idempotency-lease-lost",
+            Problem::Misconfigured => "idempotency-misconfigured",
+            Problem::HandlerFailed => "handler-failed",
+        }
+    }
+
+    /// The short human-readable summary.
+    ///
+    /// ```
+    /// assert_eq!(idem::Problem::KeyReused.title(), "Idempotency key reused");
+    /// ```
+    pub fn title(&self) -> &'static str {
+        match self {
+            Problem::Key {
+                error: KeyError::Missing,
+                ..
+            } => "Idempotency key missing",
+            Problem::Key { .. } => "Idempotency key invalid",
+            Problem::BodyInvalid(_) => "Request body invalid",
+            Problem::InProgress { .. } => "Request in progress",
+            Problem::KeyReused => "Idempotency key reused",
+            Problem::StoreUnavailable(_) => "Idempotency store unavailable",
+            Problem::LeaseLost => "Idempotency lease lost",
+            Problem::Misconfigured => "Idempotency layer misconfigured",
+            Problem::HandlerFailed => "Internal error",
+        }
+    }
+
+    /// What the client should know: only what is known about the request.
+    ///
+    /// ```
+    /// use idem::{Problem, Unavailable};
+    /// let p = Problem::StoreUnavailable(Unavailable::NotProcessed);
+    /// assert!(p.detail().contains("not processed"));
+    /// ```
+    pub fn detail(&self) -> Cow<'static, str> {
+        match self {
+            Problem::Key { error, header } => format!("{error} (header `{header}`)").into(),
+            Problem::BodyInvalid(why) => {
+                format!("{why}; a request with an idempotency key must be I-JSON (RFC 7493)").into()
+            }
+            Problem::InProgress { .. } => "a request with this idempotency key is still being processed; retry \
+                                           later with the same key"
+                .into(),
+            Problem::KeyReused => "this idempotency key was already used with a different request; use a new \
+                                   key for a new request"
+                .into(),
+            Problem::StoreUnavailable(what) => match what {
+                Unavailable::NotProcessed => "the request was not processed; retry later with the same key",
+                Unavailable::RolledBack => {
+                    "the request's changes in this service were rolled back; retry later with the same key"
+                }
+                Unavailable::OutcomeUnknown => {
+                    "the outcome of the request could not be recorded; retry later with the same key to get it"
+                }
+                Unavailable::NotCompleted => "the request could not be completed; retry later with the same key",
+            }
+            .into(),
+            Problem::LeaseLost => "another execution of this request took over; retry later with the same key \
+                                   to get its answer"
+                .into(),
+            Problem::Misconfigured => "the server is not configured correctly for this endpoint; the request \
+                                       was not processed"
+                .into(),
+            Problem::HandlerFailed => "the request failed; it may be retried with the same key".into(),
+        }
+    }
+
+    /// The `Retry-After` it carries, in seconds.
+    ///
+    /// ```
+    /// assert_eq!(idem::Problem::LeaseLost.retry_after(), Some(2));
+    /// assert_eq!(idem::Problem::KeyReused.retry_after(), None);
+    /// ```
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            // Until the lock deadline, at most 2 s: the lease keeps a living
+            // owner's deadline a whole lock timeout away, yet it may finish
+            // at once.
+            Problem::InProgress { retry_after } => {
+                let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+                Some(secs.clamp(1, MAX_RETRY_AFTER_SECS))
+            }
+            Problem::StoreUnavailable(_) | Problem::LeaseLost => Some(UNAVAILABLE_RETRY_AFTER_SECS),
+            _ => None,
+        }
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let parts = Parts {
+            name: self.type_name().into(),
+            title: self.title().into(),
+            detail: self.detail().into(),
+        };
+        let mut response = parts.response(self.status());
+        if let Some(secs) = self.retry_after() {
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+/// A store failure a handler passes on with `?` (from a checkpoint or a
+/// transaction): `503 idempotency-store-unavailable` with `Retry-After`,
+/// which releases the key (a lost lock cannot be released, and is not).
+/// The store's own message is logged, never sent.
+impl IntoResponse for crate::StoreError {
+    fn into_response(self) -> Response {
+        tracing::error!(error = %self, "the handler stopped on a store error");
+        Problem::StoreUnavailable(Unavailable::NotCompleted).into_response()
+    }
+}
+
+/// An RFC 9457 problem response whose `type` ends with `name`, for a
+/// service's own refusals in the same shape as the layer's.
+///
+/// ```
+/// use axum::http::StatusCode;
+/// let r = idem::problem(StatusCode::PAYMENT_REQUIRED, "card-declined", "Card declined", "insufficient funds");
+/// assert_eq!(r.headers()["content-type"], "application/problem+json");
+/// ```
+pub fn problem(status: StatusCode, name: &str, title: &str, detail: &str) -> Response {
+    Parts {
+        name: name.into(),
+        title: title.into(),
+        detail: detail.into(),
+    }
+    .response(status)
+}
+
+/// What a problem response says, kept in its extensions so that its `type`
+/// can be written with another base.
+#[derive(Clone)]
+struct Parts {
+    name: Box<str>,
+    title: Box<str>,
+    detail: Box<str>,
+}
+
+impl Parts {
+    fn body(&self, status: StatusCode, base: &str) -> String {
+        serde_json::json!({
+            "type": format!("{base}{}", self.name),
+            "title": &*self.title,
+            "status": status.as_u16(),
+            "detail": &*self.detail,
+        })
+        .to_string()
+    }
+
+    fn response(self, status: StatusCode) -> Response {
+        let mut response = Response::new(Body::from(self.body(status, PROBLEM_TYPE_PREFIX)));
+        *response.status_mut() = status;
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        response.extensions_mut().insert(self);
+        response
+    }
+}
+
+/// A problem response with its `type` under `base`; any other response as
+/// it is.
+pub(crate) fn rebase(response: Response, base: &str) -> Response {
+    let Some(parts) = response.extensions().get::<Parts>().cloned() else {
+        return response;
+    };
+    let (mut head, _) = response.into_parts();
+    let body = parts.body(head.status, base);
+    head.headers.remove(axum::http::header::CONTENT_LENGTH);
+    Response::from_parts(head, Body::from(body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_problem_body_is_json_with_its_own_status_and_type() {
+        for p in Problem::catalog() {
+            let (status, name, retry) = (p.status(), p.type_name(), p.retry_after());
+            let r = p.into_response();
+            assert_eq!(r.status(), status);
+            assert_eq!(
+                r.headers()
+                    .get(RETRY_AFTER)
+                    .map(|v| v.to_str().unwrap().parse::<u64>().unwrap()),
+                retry
+            );
+            let parts = r.extensions().get::<Parts>().unwrap();
+            let body: serde_json::Value =
+                serde_json::from_str(&parts.body(status, PROBLEM_TYPE_PREFIX)).unwrap();
+            assert_eq!(body["type"], format!("{PROBLEM_TYPE_PREFIX}{name}"));
+            assert_eq!(body["status"], status.as_u16());
+        }
+    }
+}

@@ -1,0 +1,416 @@
+//! The request flow, top to bottom: read the key, the tenant and the
+//! fingerprint, reserve the record, execute the handler under the lease,
+//! classify its outcome, then complete or let go, or answer from the record.
+//! See docs/PROTOCOL.md.
+
+use crate::answer::{collect, replay, stream_then_complete, Collected, Frame, StreamedAnswer, ABANDONED};
+use crate::classify::Classification;
+use crate::key::{IdempotencyKey, KeyError};
+use crate::layer::{Context, Engine, Tenant};
+use crate::lease::{Heartbeat, LeaseClock};
+use crate::operation::{Operation, OperationInfo};
+use crate::outcome::{give_back, let_go, record_completion, LetGo};
+use crate::problem::{Problem, Unavailable};
+use crate::request::Spec;
+use crate::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
+use crate::tx::PendingTx;
+use axum::body::Body;
+use axum::http::header::{HeaderValue, CONTENT_TYPE};
+use axum::response::{IntoResponse as _, Response};
+use futures_util::{FutureExt as _, StreamExt as _};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tracing::Instrument as _;
+
+/// The handler's outcome as the generated code hands it over.
+#[doc(hidden)]
+pub(crate) type HandlerFuture = Pin<Box<dyn Future<Output = (Response, Option<Classification>)> + Send>>;
+
+pub(crate) type Handler = Box<dyn FnOnce(Option<Operation>) -> HandlerFuture + Send>;
+
+/// Runs an annotated handler under the protocol. The generated code calls
+/// this once; `handler` builds the handler's future once the key is reserved.
+#[doc(hidden)]
+pub fn run<H, F>(
+    ctx: Context,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    handler: H,
+) -> impl Future<Output = Response> + Send
+where
+    H: FnOnce(Operation) -> F + Send + 'static,
+    F: Future<Output = (Response, Option<Classification>)> + Send + 'static,
+{
+    let handler: Handler = Box::new(move |op: Option<Operation>| -> HandlerFuture {
+        match op {
+            Some(op) => Box::pin(handler(op)),
+            // Only `run_optional` runs a handler without a reservation.
+            None => Box::pin(async {
+                (
+                    Problem::Misconfigured.into_response(),
+                    Some(Classification::Release),
+                )
+            }),
+        }
+    });
+    run_boxed(ctx, spec, fingerprint, handler)
+}
+
+/// [`run`] for an `optional` handler: without a key it runs unprotected and
+/// gets `None`.
+#[doc(hidden)]
+pub fn run_optional<H, F>(
+    ctx: Context,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    handler: H,
+) -> impl Future<Output = Response> + Send
+where
+    H: FnOnce(Option<Operation>) -> F + Send + 'static,
+    F: Future<Output = (Response, Option<Classification>)> + Send + 'static,
+{
+    let handler: Handler = Box::new(move |op: Option<Operation>| -> HandlerFuture { Box::pin(handler(op)) });
+    run_boxed(ctx, spec, fingerprint, handler)
+}
+
+pub(crate) async fn run_boxed(
+    ctx: Context,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    handler: Handler,
+) -> Response {
+    let Some(idem) = ctx.idem.clone() else {
+        tracing::error!(
+            scope = spec.scope,
+            "no idempotency store is configured for this route: add `.layer(idem::Idem::new(store).layer())` \
+             to the router (below the routes it protects)"
+        );
+        return Problem::Misconfigured.into_response();
+    };
+    let base = idem.inner.problem_base.clone();
+    let response = run_keyed(idem.inner, ctx, spec, fingerprint, handler).await;
+    match base {
+        Some(base) => crate::problem::rebase(response, &base),
+        None => response,
+    }
+}
+
+/// Reads the key, then runs the protocol detached from the connection.
+pub(crate) async fn run_keyed(
+    engine: Arc<Engine>,
+    ctx: Context,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    handler: Handler,
+) -> Response {
+    let values = ctx.headers.get_all(spec.header).iter().map(HeaderValue::as_bytes);
+    let key = match IdempotencyKey::from_header_values(values) {
+        Ok(key) => key,
+        Err(KeyError::Missing) if spec.optional => {
+            let span = tracing::info_span!("idem", scope = spec.scope, outcome = "unprotected");
+            return handler(None).instrument(span).await.0;
+        }
+        Err(e) => {
+            return Problem::Key {
+                error: e,
+                header: spec.header,
+            }
+            .into_response()
+        }
+    };
+    let span = tracing::info_span!(
+        "idem",
+        scope = spec.scope,
+        key = %key.log_hash(),
+        outcome = tracing::field::Empty,
+        attempt = tracing::field::Empty,
+    );
+    // From here on the protocol runs detached from the connection: a client
+    // that goes away cancels neither the reservation nor the execution.
+    let task = tokio::spawn(protect(engine, ctx.tenant, spec, fingerprint, key, handler).instrument(span));
+    match task.await {
+        Ok(response) => response,
+        // The task itself never panics: the handler's panic is caught inside.
+        Err(_) => Problem::HandlerFailed.into_response(),
+    }
+}
+
+/// The protocol for one keyed request: tenant, fingerprint, reserve, then
+/// execute under the lease, or answer from the record.
+pub(crate) async fn protect(
+    engine: Arc<Engine>,
+    tenant: Option<Tenant>,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    key: IdempotencyKey,
+    handler: Handler,
+) -> Response {
+    let tenant = match (tenant, engine.single_tenant) {
+        (Some(t), _) => t.as_str().to_owned(),
+        (None, true) => String::new(),
+        (None, false) => {
+            tracing::error!(
+                "no tenant for this request: insert an `idem::Tenant` into the request extensions in \
+                 your auth layer, or call `Idem::single_tenant()` if the service has one tenant"
+            );
+            return Problem::Misconfigured.into_response();
+        }
+    };
+    let fingerprint = match fingerprint {
+        Ok(fp) => fp,
+        Err(e) => {
+            record("body_invalid");
+            return Problem::BodyInvalid(e.to_string()).into_response();
+        }
+    };
+    let id = RecordId::new(tenant, spec.scope, key.as_str());
+    let token = crate::store::random_token();
+    let request = ReserveRequest {
+        id: &id,
+        fingerprint: &fingerprint,
+        token: &token,
+        ttl: spec.ttl.unwrap_or(engine.ttl),
+        lock_timeout: spec.lock_timeout.unwrap_or(engine.lock_timeout),
+    };
+    let waited_until = spec.wait.map(|w| Instant::now() + w);
+    let mut pause = Duration::from_millis(20);
+    loop {
+        let asked = Instant::now();
+        let reservation = match engine.store.reserve(request).await {
+            Ok(r) => r,
+            Err(e) => {
+                record("store_unavailable");
+                tracing::error!(error = %e, "idempotency store failed; refusing the request");
+                // The reservation may have committed although its answer
+                // never came: give the key back, fenced by our token.
+                let _ = give_back(&engine, &id, &token, request.lock_timeout).await;
+                return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
+            }
+        };
+        match reservation {
+            Reservation::Reserved(lease) => {
+                tracing::Span::current().record("attempt", lease.attempt);
+                let clock = LeaseClock {
+                    lock_timeout: request.lock_timeout,
+                    // The store set the deadline after `asked`: counting from
+                    // it errs on the safe side.
+                    deadline: asked + request.lock_timeout,
+                };
+                return execute(engine, id, lease, clock, handler).await;
+            }
+            Reservation::Completed(stored) => {
+                record("replayed");
+                return replay(stored);
+            }
+            Reservation::Mismatch => {
+                record("mismatch");
+                return Problem::KeyReused.into_response();
+            }
+            Reservation::InProgress { retry_after } => {
+                let now = Instant::now();
+                match waited_until {
+                    Some(deadline) if now < deadline => {
+                        tokio::time::sleep(pause.min(deadline - now)).await;
+                        pause = (pause * 2).min(Duration::from_millis(250));
+                    }
+                    _ => {
+                        record("in_progress");
+                        return Problem::InProgress { retry_after }.into_response();
+                    }
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn record(outcome: &'static str) {
+    tracing::Span::current().record("outcome", outcome);
+}
+
+/// Runs the handler, produces its answer and records the outcome, all under
+/// the lease: the lock is extended until the completion is recorded.
+pub(crate) async fn execute(
+    engine: Arc<Engine>,
+    id: RecordId,
+    lease: Lease,
+    clock: LeaseClock,
+    handler: Handler,
+) -> Response {
+    let info = OperationInfo {
+        store: engine.store.clone(),
+        id,
+        lease,
+        lost: Arc::new(tokio::sync::watch::Sender::new(false)),
+    };
+    let tx: Arc<tokio::sync::Mutex<Option<PendingTx>>> = Arc::default();
+    let handler = handler(Some(Operation {
+        info: info.clone(),
+        recovery_point: Arc::default(),
+        tx: tx.clone(),
+    }));
+    if info.lease.is_takeover() {
+        tracing::warn!(
+            attempt = info.lease.attempt,
+            "taking over an operation whose lock ran out"
+        );
+    }
+    let beat = Heartbeat::start(&info, clock);
+    let outcome = AssertUnwindSafe(handler).catch_unwind().await;
+    pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
+    // The handler is done: its transaction, if any, is ours now.
+    let tx = tx.lock().await.take();
+    finish(&engine, &info, clock.lock_timeout, outcome, tx, beat).await
+}
+
+pub(crate) type Caught = Result<(Response, Option<Classification>), Box<dyn std::any::Any + Send>>;
+
+/// Classifies the outcome, produces the answer and records it; `beat`
+/// keeps the lease until then.
+pub(crate) async fn finish(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    outcome: Caught,
+    tx: Option<PendingTx>,
+    beat: Heartbeat,
+) -> Response {
+    let (response, declared) = match outcome {
+        Ok(pair) => pair,
+        Err(panic) => {
+            tracing::error!(panic = %panic_message(&*panic), "handler panicked; releasing the key");
+            return let_go(
+                engine,
+                info,
+                lock_timeout,
+                tx,
+                Problem::HandlerFailed.into_response(),
+                LetGo::Fail,
+            )
+            .await;
+        }
+    };
+    let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
+    if class == Classification::Reject {
+        return let_go(engine, info, lock_timeout, tx, response, LetGo::Reject).await;
+    }
+    if class == Classification::Release {
+        return let_go(engine, info, lock_timeout, tx, response, LetGo::Fail).await;
+    }
+    let (parts, body) = response.into_parts();
+    let stream = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.as_bytes().get(..EVENT_STREAM.len()))
+        .is_some_and(|v| v.eq_ignore_ascii_case(EVENT_STREAM));
+    let collected = match AssertUnwindSafe(collect(body, engine.max_stored_body, stream))
+        .catch_unwind()
+        .await
+    {
+        Ok(collected) => collected,
+        Err(panic) => {
+            tracing::error!(panic = %panic_message(&*panic), "the response body panicked; releasing the key");
+            return let_go(
+                engine,
+                info,
+                lock_timeout,
+                tx,
+                Problem::HandlerFailed.into_response(),
+                LetGo::Fail,
+            )
+            .await;
+        }
+    };
+    let mut stored = StoredResponse {
+        status: parts.status.as_u16(),
+        headers: engine
+            .replay_headers
+            .iter()
+            .flat_map(|name| parts.headers.get_all(name).iter().map(move |v| (name, v)))
+            .map(|(name, v)| (name.as_str().to_owned(), v.as_bytes().to_vec()))
+            .collect(),
+        body: None,
+    };
+    let answer = match collected {
+        Collected::Whole(bytes) => {
+            stored.body = Some(bytes.to_vec());
+            Body::from(bytes)
+        }
+        Collected::Streamed { head, rest } if stream => {
+            // An event stream may never end: it is completed at its
+            // headers, and then streams.
+            let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
+            Body::from_stream(head.chain(rest))
+        }
+        Collected::Streamed { head, rest } => {
+            tracing::warn!(
+                limit = engine.max_stored_body,
+                "response body larger than the stored limit: a replay gets status and headers only"
+            );
+            let (to_client, from_task) = tokio::sync::mpsc::channel(1);
+            let streamer = stream_then_complete(StreamedAnswer {
+                engine: engine.clone(),
+                info: info.clone(),
+                lock_timeout,
+                stored,
+                tx,
+                beat,
+                head,
+                rest,
+                client: Some(to_client),
+            });
+            tokio::spawn(streamer.in_current_span());
+            // The body ends only on `End`: a streamer that stops without it
+            // breaks the client's connection instead.
+            let body = futures_util::stream::unfold(Some(from_task), |rx| async move {
+                let mut rx = rx?;
+                match rx.recv().await {
+                    Some(Frame::Data(bytes)) => Some((Ok(bytes), Some(rx))),
+                    Some(Frame::End) => None,
+                    Some(Frame::Fail(e)) => Some((Err(e), None)),
+                    None => Some((Err(axum::Error::new(std::io::Error::other(ABANDONED))), None)),
+                }
+            });
+            return Response::from_parts(parts, Body::from_stream(body));
+        }
+        Collected::Failed(e) => {
+            // Without idem the connection would break: so it does here, and
+            // nothing is stored.
+            tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
+            let broken = futures_util::stream::once(async move { Err::<axum::body::Bytes, _>(e) });
+            return let_go(
+                engine,
+                info,
+                lock_timeout,
+                tx,
+                Response::from_parts(parts, Body::from_stream(broken)),
+                LetGo::Fail,
+            )
+            .await;
+        }
+    };
+    if let Err(refusal) = record_completion(engine, info, lock_timeout, &stored, tx).await {
+        return refusal;
+    }
+    drop(beat);
+    record(if info.lease.is_takeover() {
+        "takeover"
+    } else {
+        "executed"
+    });
+    Response::from_parts(parts, answer)
+}
+
+/// The media type of server-sent events, compared without regard to case.
+pub(crate) const EVENT_STREAM: &[u8] = b"text/event-stream";
+
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default()
+}

@@ -1,0 +1,217 @@
+//! What a request contributes to its fingerprint: the attribute's [`Spec`],
+//! and the body extractors that let the fingerprint see the bytes the
+//! handler's extractor read.
+
+use crate::layer::Context;
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What one annotated handler declared in its attribute. Built by the macro.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Spec {
+    pub scope: &'static str,
+    /// Lowercase header name.
+    pub header: &'static str,
+    pub optional: bool,
+    pub ttl: Option<Duration>,
+    pub lock_timeout: Option<Duration>,
+    pub wait: Option<Duration>,
+    /// The declared fields' wire paths; `None` for the whole body.
+    pub fields: Option<&'static [&'static str]>,
+    /// Path parameters and query names that do not count.
+    pub ignore: &'static [&'static str],
+}
+
+/// The fingerprint of the request: the scope, the path parameters, the
+/// query and `body`, as the handler's attribute says.
+#[doc(hidden)]
+pub fn fingerprint_request(
+    ctx: &Context,
+    spec: &Spec,
+    body: crate::fingerprint::BodyPrint<'_>,
+    read: &[Option<Vec<u8>>],
+) -> Result<String, crate::fingerprint::FingerprintError> {
+    let path: Vec<(&str, &str)> = ctx.path.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let body = match body {
+        crate::fingerprint::BodyPrint::Json { text, .. } => crate::fingerprint::BodyPrint::Json {
+            text,
+            fields: spec.fields,
+            read: Some(read),
+        },
+        other => other,
+    };
+    crate::fingerprint::fingerprint(&crate::fingerprint::RequestPrint {
+        scope: spec.scope,
+        path: &path,
+        query: ctx.query.as_deref(),
+        body,
+        ignore: spec.ignore,
+    })
+}
+
+/// A raw body (`String`, `Bytes`) as the fingerprint sees it.
+#[doc(hidden)]
+pub fn raw<T: AsRef<[u8]>>(body: &T) -> crate::fingerprint::BodyPrint<'_> {
+    crate::fingerprint::BodyPrint::Raw(body.as_ref())
+}
+
+/// A body extractor (`Json<T>`, `Form<T>`) and the bytes it was read from:
+/// the handler gets the typed value, the fingerprint what the client sent.
+/// Rejections are the extractor's own.
+#[doc(hidden)]
+pub struct Raw<E> {
+    pub value: E,
+    pub bytes: axum::body::Bytes,
+}
+
+impl<S, E> axum::extract::FromRequest<S> for Raw<E>
+where
+    S: Send + Sync,
+    E: axum::extract::FromRequest<S>,
+{
+    type Rejection = Response;
+
+    /// Extracts `E` from the request, keeping a copy of every body byte it
+    /// reads: `E` sees the request as it came (its own checks, its own body
+    /// limit, its own rejections, in its own order).
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+        let seen: Arc<std::sync::Mutex<Vec<axum::body::Bytes>>> = Arc::default();
+        let tap = seen.clone();
+        let req = req.map(|body| {
+            Body::from_stream(body.into_data_stream().map(move |chunk| {
+                if let Ok(bytes) = &chunk {
+                    tap.lock().unwrap_or_else(|e| e.into_inner()).push(bytes.clone());
+                }
+                chunk
+            }))
+        });
+        let value = E::from_request(req, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let chunks = std::mem::take(&mut *seen.lock().unwrap_or_else(|e| e.into_inner()));
+        let bytes = match chunks.len() {
+            1 => chunks.into_iter().next().unwrap_or_default(),
+            _ => chunks.concat().into(),
+        };
+        Ok(Raw { value, bytes })
+    }
+}
+
+/// The body of `raw` as the fingerprint sees it, as `E` says.
+#[doc(hidden)]
+pub fn print_body<E: FingerprintBody>(raw: &Raw<E>) -> crate::fingerprint::BodyPrint<'_> {
+    match E::FORMAT {
+        BodyFormat::Json => crate::fingerprint::BodyPrint::Json {
+            text: &raw.bytes,
+            fields: None,
+            read: None,
+        },
+        BodyFormat::Form => crate::fingerprint::BodyPrint::Form(&raw.bytes),
+        BodyFormat::Raw => crate::fingerprint::BodyPrint::Raw(&raw.bytes),
+    }
+}
+
+/// What a body extractor reads, for the fingerprint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyFormat {
+    /// JSON: fingerprinted in its canonical form; `fields(...)` may name
+    /// its members.
+    Json,
+    /// `application/x-www-form-urlencoded`: fingerprinted by its pairs.
+    Form,
+    /// Anything else: fingerprinted by its bytes.
+    Raw,
+}
+
+/// Says how `#[idempotent]` fingerprints the body a body extractor reads.
+/// idem implements it for axum's `Json<T>` and `Form<T>`; implement it for
+/// an extractor of your own (such as a `Json<T>` with your own rejections).
+///
+/// ```
+/// use axum::extract::{FromRequest, Request};
+/// use idem::{BodyFormat, FingerprintBody};
+///
+/// /// axum's JSON with the application's own error answers.
+/// struct AppJson<T>(T);
+///
+/// impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for AppJson<T> {
+///     type Rejection = (axum::http::StatusCode, String);
+///     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+///         axum::Json::<T>::from_request(req, state)
+///             .await
+///             .map(|axum::Json(v)| AppJson(v))
+///             .map_err(|e| (e.status(), format!("bad JSON: {e}")))
+///     }
+/// }
+///
+/// impl<T> FingerprintBody for AppJson<T> {
+///     const FORMAT: BodyFormat = BodyFormat::Json;
+/// }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent]` cannot tell what the body extractor `{Self}` reads, so it cannot fingerprint it",
+    label = "idem must see this request body",
+    note = "implement `idem::FingerprintBody` for `{Self}` (JSON, a form or raw bytes), take the body as axum's \
+            `Json<T>`, `Form<T>`, `String` or `Bytes`, or add `body = \"none\"` to the attribute if this parameter \
+            reads only the request head"
+)]
+pub trait FingerprintBody {
+    /// What the extractor reads.
+    const FORMAT: BodyFormat;
+}
+
+impl<T> FingerprintBody for axum::Json<T> {
+    const FORMAT: BodyFormat = BodyFormat::Json;
+}
+
+impl<T> FingerprintBody for axum::Form<T> {
+    const FORMAT: BodyFormat = BodyFormat::Form;
+}
+
+/// A `String` body (also behind a type alias) counts by its bytes.
+impl FingerprintBody for String {
+    const FORMAT: BodyFormat = BodyFormat::Raw;
+}
+
+/// A `Bytes` body (also behind a type alias) counts by its bytes.
+impl FingerprintBody for axum::body::Bytes {
+    const FORMAT: BodyFormat = BodyFormat::Raw;
+}
+
+/// Whether `E` reads JSON, for the macro's check that `fields(...)` names
+/// members of a JSON body.
+#[doc(hidden)]
+pub const fn is_json<E: FingerprintBody>() -> bool {
+    matches!(E::FORMAT, BodyFormat::Json)
+}
+
+/// The autoref probe the generated code uses to read a declared field as
+/// JSON when its type is `Serialize`, else nothing.
+#[doc(hidden)]
+pub struct FieldProbe<'a, T>(pub &'a T);
+
+#[doc(hidden)]
+pub trait ViaSerialize {
+    fn __idem_json(&self) -> Option<Vec<u8>>;
+}
+
+impl<T: serde::Serialize> ViaSerialize for &FieldProbe<'_, T> {
+    fn __idem_json(&self) -> Option<Vec<u8>> {
+        serde_json::to_vec(self.0).ok()
+    }
+}
+
+#[doc(hidden)]
+pub trait ViaNothing {
+    fn __idem_json(&self) -> Option<Vec<u8>>;
+}
+
+impl<T> ViaNothing for FieldProbe<'_, T> {
+    fn __idem_json(&self) -> Option<Vec<u8>> {
+        None
+    }
+}

@@ -1,0 +1,277 @@
+//! The in-memory store, for unit tests and demos. Its reservation rules are
+//! the state table of [`crate::store`], written in Rust.
+
+use crate::store::{
+    random_token, BoxFuture, Decision, IdempotencyStore, Lease, RecordId, RecordState, Reservation,
+    ReserveRequest, StoreError, StoredResponse,
+};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone)]
+struct MemoryRecord {
+    fingerprint: String,
+    token: Option<String>,
+    attempt: u32,
+    operation_id: String,
+    recovery_point: Option<String>,
+    lock_deadline: Instant,
+    expires_at: Instant,
+    /// The retention it was reserved with.
+    ttl: Duration,
+    response: Option<StoredResponse>,
+}
+
+impl MemoryRecord {
+    fn lock_live(&self, now: Instant) -> bool {
+        self.response.is_none() && self.lock_deadline > now
+    }
+
+    /// As if absent, and purgeable: a completed record past its TTL; one in
+    /// progress only once also a whole TTL past its lock deadline.
+    fn gone(&self, now: Instant) -> bool {
+        self.expires_at <= now && (self.response.is_some() || self.lock_deadline + self.ttl <= now)
+    }
+
+    /// Its row of the state table.
+    fn state(&self, now: Instant) -> RecordState {
+        if self.gone(now) && !self.lock_live(now) {
+            RecordState::Gone
+        } else if self.response.is_some() {
+            RecordState::Completed
+        } else if self.lock_deadline > now {
+            RecordState::Locked
+        } else if self.token.is_none() {
+            RecordState::Released
+        } else {
+            RecordState::Stale
+        }
+    }
+}
+
+/// An in-process store for unit tests and demos.
+///
+/// Records live in one process's memory: they vanish on restart and are not
+/// shared between servers, so it protects nothing across processes. Use
+/// [`crate::SqliteStore`] or [`crate::PgStore`] for anything real.
+///
+/// ```
+/// use idem::MemoryStore;
+/// let store = MemoryStore::new();
+/// assert_eq!(store.len(), 0);
+/// ```
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    records: Mutex<HashMap<RecordId, MemoryRecord>>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many records it holds, expired ones included.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether it holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RecordId, MemoryRecord>> {
+        // A panic while holding the lock cannot leave a record half-written:
+        // every change below is a single assignment.
+        self.records.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn fenced<T>(
+        &self,
+        id: &RecordId,
+        token: &str,
+        change: impl FnOnce(&mut HashMap<RecordId, MemoryRecord>, Instant) -> T,
+    ) -> Result<T, StoreError> {
+        let mut records = self.lock();
+        let now = Instant::now();
+        match records.get(id) {
+            Some(r) if r.response.is_none() && r.token.as_deref() == Some(token) => {
+                Ok(change(&mut records, now))
+            }
+            _ => Err(StoreError::LockLost),
+        }
+    }
+
+    fn reserve_now(&self, req: ReserveRequest<'_>) -> Reservation {
+        let mut records = self.lock();
+        let now = Instant::now();
+        let token = req.token.to_owned();
+        let existing = records.get(req.id).cloned();
+        let fresh = |operation_id: String| MemoryRecord {
+            fingerprint: req.fingerprint.to_owned(),
+            token: Some(token.clone()),
+            attempt: 1,
+            operation_id,
+            recovery_point: None,
+            lock_deadline: now + req.lock_timeout,
+            expires_at: now + req.ttl,
+            ttl: req.ttl,
+            response: None,
+        };
+        let state = existing.as_ref().map_or(RecordState::Absent, |r| r.state(now));
+        let same = existing
+            .as_ref()
+            .is_some_and(|r| r.fingerprint == req.fingerprint);
+        let (record, taken_over) = match (state.decide(same), existing) {
+            (Decision::Fresh, _) | (_, None) => (fresh(random_token()), false),
+            (Decision::Continue, Some(r)) => {
+                let taken_over = state == RecordState::Stale;
+                let record = MemoryRecord {
+                    token: Some(token.clone()),
+                    attempt: r.attempt + 1,
+                    lock_deadline: now + req.lock_timeout,
+                    ..r
+                };
+                (record, taken_over)
+            }
+            (Decision::Replay, Some(r)) => {
+                return Reservation::Completed(
+                    r.response.unwrap_or_else(|| unreachable!("a completed record")),
+                )
+            }
+            (Decision::InProgress, Some(r)) => {
+                return Reservation::InProgress {
+                    retry_after: r.lock_deadline.saturating_duration_since(now),
+                }
+            }
+            (Decision::Mismatch, Some(_)) => return Reservation::Mismatch,
+        };
+        let lease = Lease {
+            token,
+            attempt: record.attempt,
+            takeover: taken_over,
+            recovery_point: record.recovery_point.clone(),
+            operation_id: record.operation_id.clone(),
+        };
+        records.insert(req.id.clone(), record);
+        Reservation::Reserved(lease)
+    }
+}
+
+impl IdempotencyStore for MemoryStore {
+    fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+        Box::pin(async move {
+            let answer = self.reserve_now(req);
+            pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+            Ok(answer)
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, now| {
+                if let Some(r) = records.get_mut(id) {
+                    r.response = Some(response.clone());
+                    r.token = None;
+                    // The answer is kept a whole TTL from its completion.
+                    r.expires_at = now + r.ttl;
+                }
+            })?;
+            pause_point!(crate::pause::COMPLETE_AFTER, &id.key);
+            Ok(())
+        })
+    }
+
+    fn release<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, now| {
+                if let Some(r) = records.get_mut(id) {
+                    r.token = None;
+                    r.lock_deadline = now;
+                }
+            })?;
+            pause_point!(crate::pause::RELEASE_AFTER, &id.key);
+            Ok(())
+        })
+    }
+
+    fn reject<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, now| {
+                let first = records
+                    .get(id)
+                    .is_some_and(|r| r.attempt == 1 && r.recovery_point.is_none());
+                if first {
+                    records.remove(id);
+                } else if let Some(r) = records.get_mut(id) {
+                    r.token = None;
+                    r.lock_deadline = now;
+                }
+            })?;
+            pause_point!(crate::pause::REJECT_AFTER, &id.key);
+            Ok(())
+        })
+    }
+
+    fn checkpoint<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        recovery_point: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, _| {
+                if let Some(r) = records.get_mut(id) {
+                    r.recovery_point = Some(recovery_point.to_owned());
+                }
+            })?;
+            pause_point!(crate::pause::CHECKPOINT_AFTER, &id.key);
+            Ok(())
+        })
+    }
+
+    fn extend_lock<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        lock_timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, now| {
+                if let Some(r) = records.get_mut(id) {
+                    r.lock_deadline = now + lock_timeout;
+                }
+            })?;
+            pause_point!(crate::pause::EXTEND_AFTER, &id.key);
+            Ok(())
+        })
+    }
+
+    fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let removed = {
+                let mut records = self.lock();
+                let now = Instant::now();
+                let doomed: Vec<RecordId> = records
+                    .iter()
+                    .filter(|(_, r)| r.gone(now) && !r.lock_live(now))
+                    .map(|(id, _)| id.clone())
+                    .take(batch as usize)
+                    .collect();
+                for id in &doomed {
+                    records.remove(id);
+                }
+                doomed.len() as u64
+            };
+            pause_point!(crate::pause::PURGE_AFTER, "");
+            Ok(removed)
+        })
+    }
+}

@@ -1,0 +1,459 @@
+//! The store's side of the protocol: the [`IdempotencyStore`] trait, the
+//! types it speaks, and the record's states.
+//!
+//! # The record's states
+//!
+//! A record is keyed by (tenant, scope, key). When a request with its key
+//! arrives, the record is in one of the states of [`RecordState`], and the
+//! reservation answers as this table says (docs/PROTOCOL.md, "States", draws
+//! it as a diagram):
+//!
+//! | state | what the record holds | same fingerprint | other fingerprint |
+//! | --- | --- | --- | --- |
+//! | [`Absent`](RecordState::Absent) | no row | taken: attempt 1 | taken: attempt 1 |
+//! | [`Locked`](RecordState::Locked) | in progress, a token, lock deadline ahead | 409 in progress | 422 mismatch |
+//! | [`Stale`](RecordState::Stale) | in progress, a token, lock deadline passed | taken over: attempt + 1 | 422 mismatch |
+//! | [`Released`](RecordState::Released) | in progress, no token (given back as failed) | taken: attempt + 1 | 422 mismatch |
+//! | [`Completed`](RecordState::Completed) | completed, the stored answer | replayed | 422 mismatch |
+//! | [`Gone`](RecordState::Gone) | past its retention, no live lock | taken afresh: attempt 1 | taken afresh: attempt 1 |
+//!
+//! "Gone" is: `expires_at <= now`, and completed, or a whole TTL past its lock
+//! deadline (an execution that crashed after an effect can still be
+//! continued by its retry until then). A taken record keeps its operation id
+//! and recovery point unless it was absent or gone.
+//!
+//! Each store encodes this table once:
+//! - [`MemoryStore`]: `RecordState::of` and [`RecordState::decide`], in Rust;
+//! - the SQL stores: the `live_lock`, `expired` and `takeable` conditions that
+//!   `Statements::new` builds for both dialects (the PostgreSQL store runs
+//!   them in one statement, the SQLite store in one write transaction).
+
+mod memory;
+
+pub use crate::janitor::{purge_expired, Janitor};
+pub use memory::MemoryStore;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+/// Where a record stands when a request with its key arrives: the rows of
+/// the state table in [the module docs](self).
+///
+/// ```
+/// use idem::store::{Decision, RecordState};
+/// assert_eq!(RecordState::Released.decide(true), Decision::Continue);
+/// assert_eq!(RecordState::Released.decide(false), Decision::Mismatch);
+/// assert_eq!(RecordState::Gone.decide(false), Decision::Fresh);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordState {
+    /// No record.
+    Absent,
+    /// In progress, and its lock deadline is ahead.
+    Locked,
+    /// In progress with a lock token whose deadline passed: its execution
+    /// died, or runs without extending its lease.
+    Stale,
+    /// In progress without a lock token: an execution gave the key back as
+    /// failed, so that its retry really retries.
+    Released,
+    /// Completed, with the stored answer.
+    Completed,
+    /// Past its retention and without a live lock: as if absent.
+    Gone,
+}
+
+/// What a reservation does with a record, by [`RecordState::decide`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Take the key for a new operation: attempt 1, a new operation id.
+    Fresh,
+    /// Take the key for the next attempt of the same operation (a takeover
+    /// of a stale lock, or the retry of a released one).
+    Continue,
+    /// Answer with the stored response.
+    Replay,
+    /// Answer 409: another execution holds the lock.
+    InProgress,
+    /// Answer 422: the key belongs to another request.
+    Mismatch,
+}
+
+impl RecordState {
+    /// The `state` column of a SQL row in progress (locked, stale or released).
+    pub(crate) const IN_PROGRESS_COLUMN: &'static str = "in_progress";
+    /// The `state` column of a completed SQL row.
+    pub(crate) const COMPLETED_COLUMN: &'static str = "completed";
+
+    /// What a reservation with the same (`true`) or another fingerprint does
+    /// with a record in this state.
+    ///
+    /// ```
+    /// use idem::store::{Decision, RecordState};
+    /// assert_eq!(RecordState::Completed.decide(true), Decision::Replay);
+    /// assert_eq!(RecordState::Locked.decide(true), Decision::InProgress);
+    /// ```
+    pub fn decide(self, same_fingerprint: bool) -> Decision {
+        match (self, same_fingerprint) {
+            (RecordState::Absent | RecordState::Gone, _) => Decision::Fresh,
+            (_, false) => Decision::Mismatch,
+            (RecordState::Stale | RecordState::Released, true) => Decision::Continue,
+            (RecordState::Completed, true) => Decision::Replay,
+            (RecordState::Locked, true) => Decision::InProgress,
+        }
+    }
+}
+
+/// A boxed, sendable future: what the store trait's methods return, so that
+/// `Arc<dyn IdempotencyStore>` works.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What identifies a record: (tenant, scope, key), never the key alone.
+///
+/// ```
+/// use idem::store::RecordId;
+/// let id = RecordId::new("acct_1", "payment.create", "k-1");
+/// assert_eq!(id.scope, "payment.create");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RecordId {
+    /// The authenticated principal.
+    pub tenant: String,
+    /// The operation name of the attribute.
+    pub scope: String,
+    /// The client's idempotency key.
+    pub key: String,
+}
+
+impl RecordId {
+    /// Builds an id from its three parts.
+    ///
+    /// ```
+    /// # use idem::store::RecordId;
+    /// let id = RecordId::new("t", "s", "k");
+    /// assert_eq!((id.tenant.as_str(), id.key.as_str()), ("t", "k"));
+    /// ```
+    pub fn new(tenant: impl Into<String>, scope: impl Into<String>, key: impl Into<String>) -> Self {
+        RecordId {
+            tenant: tenant.into(),
+            scope: scope.into(),
+            key: key.into(),
+        }
+    }
+}
+
+/// One request to take a key.
+///
+/// ```
+/// use idem::store::{RecordId, ReserveRequest};
+/// use std::time::Duration;
+///
+/// let id = RecordId::new("t", "s", "k");
+/// let req = ReserveRequest {
+///     id: &id,
+///     fingerprint: "ab12",
+///     token: "5f0c0ffee",
+///     ttl: Duration::from_secs(86_400),
+///     lock_timeout: Duration::from_secs(60),
+/// };
+/// assert_eq!(req.id.key, "k");
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct ReserveRequest<'a> {
+    /// Which record.
+    pub id: &'a RecordId,
+    /// The request's fingerprint (see [`crate::fingerprint::fingerprint()`]).
+    pub fingerprint: &'a str,
+    /// The lock token this execution will hold if it takes the key (128
+    /// random bits, chosen by the caller): a reservation whose answer never
+    /// arrives (a timeout, a cancellation) is undone by releasing it.
+    pub token: &'a str,
+    /// How long the record is kept, counted from its first reservation.
+    pub ttl: Duration,
+    /// How long the lock holds before another request may take over.
+    pub lock_timeout: Duration,
+}
+
+/// The answer of [`IdempotencyStore::reserve`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reservation {
+    /// The caller owns the record now and must run the operation, then
+    /// complete or release it with the lease's token.
+    Reserved(Lease),
+    /// The operation completed before; here is its stored answer.
+    Completed(StoredResponse),
+    /// Another execution holds a valid lock; it expires in `retry_after`.
+    InProgress {
+        /// Time left until the lock deadline.
+        retry_after: Duration,
+    },
+    /// The key was used with a different fingerprint.
+    Mismatch,
+}
+
+/// Ownership of a record, proven by its lock token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// The lock token that every later write must carry.
+    pub token: String,
+    /// 1 for the first execution of the operation, then + 1 for every later
+    /// one (a takeover, or the retry of a released outcome).
+    pub attempt: u32,
+    /// Whether this execution took over a lock whose deadline had passed
+    /// (the previous execution may still be running, or died).
+    pub takeover: bool,
+    /// The last checkpoint a previous attempt stored.
+    pub recovery_point: Option<String>,
+    /// An id the record got when first reserved; kept through takeovers.
+    pub operation_id: String,
+}
+
+impl Lease {
+    /// Whether this execution took over a lock whose deadline had passed.
+    ///
+    /// ```
+    /// # use idem::store::Lease;
+    /// let lease = Lease { token: "t".into(), attempt: 2, takeover: true, recovery_point: None, operation_id: "o".into() };
+    /// assert!(lease.is_takeover());
+    /// ```
+    pub fn is_takeover(&self) -> bool {
+        self.takeover
+    }
+}
+
+/// A stored answer: status, the headers worth replaying, and the body.
+///
+/// ```
+/// use idem::store::StoredResponse;
+/// let r = StoredResponse { status: 201, headers: vec![("location".into(), "/v1/p/1".into())], body: Some(b"{}".to_vec()) };
+/// assert_eq!(r.status, 201);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The HTTP status code.
+    pub status: u16,
+    /// Header names (lowercase) and values as bytes (HTTP allows bytes
+    /// beyond ASCII in a value), in the order they are replayed.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The body bytes; `None` when the body was larger than the configured
+    /// limit and only status and headers were kept.
+    pub body: Option<Vec<u8>>,
+}
+
+/// The error a store passes on as the cause of a [`StoreError`].
+pub type Source = std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Why a store operation failed. The driver's error, when there is one, is
+/// kept as its [`source`](std::error::Error::source).
+///
+/// ```
+/// use idem::StoreError;
+/// let e = StoreError::unavailable("no answer within 2000 ms");
+/// assert!(e.is_unavailable());
+/// assert_eq!(e.to_string(), "idempotency store unavailable: no answer within 2000 ms");
+/// ```
+#[derive(Clone, Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The store could not be reached, or did not answer in time.
+    #[error("idempotency store unavailable: {reason}")]
+    Unavailable {
+        /// What happened.
+        reason: String,
+        /// The driver's error.
+        #[source]
+        source: Option<Source>,
+    },
+    /// The lock token no longer owns the record: it was taken over, or the
+    /// record is gone.
+    #[error("the lock on this idempotency record was lost")]
+    LockLost,
+    /// The store answered with an error.
+    #[error("idempotency store error: {reason}")]
+    Backend {
+        /// What happened.
+        reason: String,
+        /// The driver's error.
+        #[source]
+        source: Option<Source>,
+    },
+}
+
+impl StoreError {
+    /// [`StoreError::Unavailable`] without a source.
+    ///
+    /// ```
+    /// assert!(idem::StoreError::unavailable("down").is_unavailable());
+    /// ```
+    pub fn unavailable(reason: impl Into<String>) -> Self {
+        StoreError::Unavailable {
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// [`StoreError::Backend`] without a source.
+    ///
+    /// ```
+    /// assert!(!idem::StoreError::backend("constraint violated").is_unavailable());
+    /// ```
+    pub fn backend(reason: impl Into<String>) -> Self {
+        StoreError::Backend {
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// The same error with `source` as its cause.
+    ///
+    /// ```
+    /// use std::error::Error as _;
+    /// let io = std::io::Error::other("connection reset");
+    /// let e = idem::StoreError::unavailable("connection reset").with_source(io);
+    /// assert!(e.source().is_some());
+    /// ```
+    pub fn with_source(self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        let source: Option<Source> = Some(std::sync::Arc::new(source));
+        match self {
+            StoreError::Unavailable { reason, .. } => StoreError::Unavailable { reason, source },
+            StoreError::Backend { reason, .. } => StoreError::Backend { reason, source },
+            other => other,
+        }
+    }
+
+    /// Whether the store could not be reached in time.
+    ///
+    /// ```
+    /// # use idem::StoreError;
+    /// assert!(!StoreError::LockLost.is_unavailable());
+    /// ```
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Unavailable { .. })
+    }
+
+    /// Whether the lock token no longer owns the record.
+    ///
+    /// ```
+    /// assert!(idem::StoreError::LockLost.is_lock_lost());
+    /// ```
+    pub fn is_lock_lost(&self) -> bool {
+        matches!(self, StoreError::LockLost)
+    }
+}
+
+/// Equal when of the same kind with the same reason; sources are not compared.
+impl PartialEq for StoreError {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (StoreError::Unavailable { reason: a, .. }, StoreError::Unavailable { reason: b, .. })
+            | (StoreError::Backend { reason: a, .. }, StoreError::Backend { reason: b, .. }) => a == b,
+            (StoreError::LockLost, StoreError::LockLost) => true,
+            _ => false,
+        }
+    }
+}
+
+impl Eq for StoreError {}
+
+/// A place where idempotency records live.
+///
+/// Every method is one atomic operation of the store. `complete`,
+/// `release`, `checkpoint` and `extend_lock` are fenced by the lock token:
+/// a token whose lock was taken over gets [`StoreError::LockLost`] and
+/// changes nothing. Expiry and lock deadlines are judged by the store's own
+/// clock.
+///
+/// ```
+/// use idem::{IdempotencyStore, MemoryStore};
+/// use idem::store::{RecordId, Reservation, ReserveRequest};
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = MemoryStore::new();
+/// let id = RecordId::new("t", "s", "k");
+/// let req = ReserveRequest { id: &id, fingerprint: "f", token: "t1", ttl: Duration::from_secs(60), lock_timeout: Duration::from_secs(5) };
+/// let Reservation::Reserved(lease) = store.reserve(req).await.unwrap() else { panic!() };
+/// store.release(&id, &lease.token).await.unwrap();
+/// # }
+/// ```
+pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
+    /// Takes the key in one atomic step, or says why not. The record, if
+    /// taken, holds `req.token`. An error means the key may or may not have
+    /// been taken: the caller gives it back with [`IdempotencyStore::release`]
+    /// and that token, and a store whose statements may still commit after
+    /// it answered with a timeout gives the key back itself when they do.
+    fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>>;
+
+    /// Marks the record completed with `response`.
+    fn complete<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Releases the record as *failed*, so that a retry really retries: the
+    /// same request (the same fingerprint) continues the same operation
+    /// (attempt + 1, same operation id and recovery point); another request
+    /// with this key is a mismatch until the record expires.
+    fn release<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Releases the record as *rejected*: on the operation's first attempt
+    /// with no recovery point (nothing can have happened) the record is
+    /// removed and the key is free; otherwise it is released as failed
+    /// ([`IdempotencyStore::release`]). The default is the safe half:
+    /// always release as failed.
+    fn reject<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.release(id, token)
+    }
+
+    /// Stores `recovery_point` as the operation's progress.
+    fn checkpoint<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        recovery_point: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Moves the lock deadline to `lock_timeout` from now (a lease heartbeat).
+    fn extend_lock<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        lock_timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Deletes at most `batch` records past their TTL, never one whose lock
+    /// is still valid, and says how many it deleted.
+    fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>>;
+}
+
+/// A fresh random token: 128 bits as 32 hex digits.
+pub(crate) fn random_token() -> String {
+    let mut bytes = [0u8; 16];
+    // getrandom only fails when the OS has no entropy source at all.
+    if getrandom::fill(&mut bytes).is_err() {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        bytes = nanos.to_le_bytes();
+    }
+    crate::fingerprint::hex(&bytes)
+}
+
+/// How an existing record that the caller did not take is answered.
+pub(crate) fn judge_existing(
+    fingerprint_matches: bool,
+    completed: Option<StoredResponse>,
+    lock_left: Duration,
+) -> Reservation {
+    match (fingerprint_matches, completed) {
+        (false, _) => Reservation::Mismatch,
+        (true, Some(response)) => Reservation::Completed(response),
+        (true, None) => Reservation::InProgress {
+            retry_after: lock_left,
+        },
+    }
+}
