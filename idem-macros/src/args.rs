@@ -1,5 +1,6 @@
 //! The arguments of `#[idempotent(...)]`.
 
+use crate::errors::Errors;
 use proc_macro2::Span;
 use syn::ext::IdentExt as _;
 use syn::parse::{Parse, ParseStream};
@@ -115,24 +116,7 @@ pub(crate) struct IdempotentArgs {
     pub(crate) no_body: Option<kw::body>,
     pub(crate) krate: Option<(Token![crate], syn::Path)>,
     /// Semantic errors found while parsing; parsing goes on after them.
-    pub(crate) errors: Option<syn::Error>,
-}
-
-fn push(errors: &mut Option<syn::Error>, err: syn::Error) {
-    match errors {
-        Some(all) => all.combine(err),
-        None => *errors = Some(err),
-    }
-}
-
-/// Stores `value` in `slot`, or reports the keyword given twice at its
-/// second occurrence.
-fn set_once<T>(errors: &mut Option<syn::Error>, slot: &mut Option<T>, value: T, span: Span, name: &str) {
-    if slot.is_some() {
-        push(errors, syn::Error::new(span, format!("`{name}` is given twice")));
-    } else {
-        *slot = Some(value);
-    }
+    pub(crate) errors: Errors,
 }
 
 fn value<T: Parse>(input: ParseStream<'_>) -> syn::Result<T> {
@@ -149,7 +133,7 @@ pub(crate) const WAIT_MS: (u64, u64, &str) = (1, 3_600_000, "1ms to 1h");
 
 fn duration(
     input: ParseStream<'_>,
-    errors: &mut Option<syn::Error>,
+    errors: &mut Errors,
     name: &str,
     (min, max, allowed): (u64, u64, &str),
 ) -> syn::Result<Option<DurationLit>> {
@@ -157,14 +141,14 @@ fn duration(
     match DurationLit::parse_lit(&lit) {
         Ok(d) if (min..=max).contains(&d.millis) => Ok(Some(d)),
         Ok(_) => {
-            push(
-                errors,
-                syn::Error::new(lit.span(), format!("`{name}` is out of range: allowed {allowed}")),
-            );
+            errors.push(syn::Error::new(
+                lit.span(),
+                format!("`{name}` is out of range: allowed {allowed}"),
+            ));
             Ok(None)
         }
         Err(e) => {
-            push(errors, e);
+            errors.push(e);
             Ok(None)
         }
     }
@@ -188,22 +172,19 @@ fn valid_header(name: &str) -> bool {
 impl Parse for IdempotentArgs {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
         let mut args = IdempotentArgs::default();
-        let mut errors = None;
+        let mut errors = Errors::default();
         while !input.is_empty() {
             let lookahead = input.lookahead1();
             if lookahead.peek(kw::scope) {
                 let k: kw::scope = input.parse()?;
                 let lit: LitStr = value(input)?;
                 if !valid_scope(&lit.value()) {
-                    push(
-                        &mut errors,
-                        syn::Error::new(
-                            lit.span(),
-                            "`scope` must be a lowercase dotted name such as `\"payment.create\"`",
-                        ),
-                    );
+                    errors.push(syn::Error::new(
+                        lit.span(),
+                        "`scope` must be a lowercase dotted name such as `\"payment.create\"`",
+                    ));
                 }
-                set_once(&mut errors, &mut args.scope, (k, lit), k.span, "scope");
+                errors.set_once(&mut args.scope, (k, lit), k.span, "scope");
             } else if lookahead.peek(kw::fields) {
                 let k: kw::fields = input.parse()?;
                 let content;
@@ -214,41 +195,35 @@ impl Parse for IdempotentArgs {
                 for field in &list {
                     let name = field.name();
                     if seen.contains(&name) {
-                        push(
-                            &mut errors,
-                            syn::Error::new(field.span(), format!("field `{name}` is listed twice")),
-                        );
+                        errors.push(syn::Error::new(
+                            field.span(),
+                            format!("field `{name}` is listed twice"),
+                        ));
                     } else if let Some(lit) = &field.wire {
                         let wire = lit.value();
                         if wire.is_empty() || wire.split('.').any(str::is_empty) {
-                            push(
-                                &mut errors,
-                                syn::Error::new(
-                                    lit.span(),
-                                    "a wire path is the dotted JSON member names, such as `\"recipient.acct\"`",
-                                ),
-                            );
+                            errors.push(syn::Error::new(
+                                lit.span(),
+                                "a wire path is the dotted JSON member names, such as `\"recipient.acct\"`",
+                            ));
                         } else if wires.contains(&wire) {
-                            push(
-                                &mut errors,
-                                syn::Error::new(lit.span(), format!("wire path `{wire}` is listed twice")),
-                            );
+                            errors.push(syn::Error::new(
+                                lit.span(),
+                                format!("wire path `{wire}` is listed twice"),
+                            ));
                         }
                     }
                     seen.push(name);
                     wires.push(field.wire());
                 }
                 if list.is_empty() {
-                    push(
-                        &mut errors,
-                        syn::Error::new(
+                    errors.push(syn::Error::new(
                             k.span,
                             "`fields()` is empty: name at least one body field, or leave `fields` out to fingerprint the whole body",
                         ),
                     );
                 }
-                set_once(
-                    &mut errors,
+                errors.set_once(
                     &mut args.fields,
                     (k, list.into_iter().collect()),
                     k.span,
@@ -258,38 +233,29 @@ impl Parse for IdempotentArgs {
                 let k: kw::header = input.parse()?;
                 let lit: LitStr = value(input)?;
                 if !valid_header(&lit.value()) {
-                    push(
-                        &mut errors,
-                        syn::Error::new(
-                            lit.span(),
-                            "`header` must be a valid HTTP header name, such as `\"Idempotency-Key\"`",
-                        ),
-                    );
+                    errors.push(syn::Error::new(
+                        lit.span(),
+                        "`header` must be a valid HTTP header name, such as `\"Idempotency-Key\"`",
+                    ));
                 }
-                set_once(&mut errors, &mut args.header, (k, lit), k.span, "header");
+                errors.set_once(&mut args.header, (k, lit), k.span, "header");
             } else if lookahead.peek(kw::optional) {
                 let k: kw::optional = input.parse()?;
-                set_once(&mut errors, &mut args.optional, k, k.span, "optional");
+                errors.set_once(&mut args.optional, k, k.span, "optional");
             } else if lookahead.peek(kw::ttl) {
                 let k: kw::ttl = input.parse()?;
                 if let Some(d) = duration(input, &mut errors, "ttl", TTL_MS)? {
-                    set_once(&mut errors, &mut args.ttl, (k, d), k.span, "ttl");
+                    errors.set_once(&mut args.ttl, (k, d), k.span, "ttl");
                 }
             } else if lookahead.peek(kw::lock_timeout) {
                 let k: kw::lock_timeout = input.parse()?;
                 if let Some(d) = duration(input, &mut errors, "lock_timeout", LOCK_TIMEOUT_MS)? {
-                    set_once(
-                        &mut errors,
-                        &mut args.lock_timeout,
-                        (k, d),
-                        k.span,
-                        "lock_timeout",
-                    );
+                    errors.set_once(&mut args.lock_timeout, (k, d), k.span, "lock_timeout");
                 }
             } else if lookahead.peek(kw::wait) {
                 let k: kw::wait = input.parse()?;
                 if let Some(d) = duration(input, &mut errors, "wait", WAIT_MS)? {
-                    set_once(&mut errors, &mut args.wait, (k, d), k.span, "wait");
+                    errors.set_once(&mut args.wait, (k, d), k.span, "wait");
                 }
             } else if lookahead.peek(kw::ignore) {
                 let k: kw::ignore = input.parse()?;
@@ -298,17 +264,13 @@ impl Parse for IdempotentArgs {
                 let list: Punctuated<LitStr, Token![,]> = Punctuated::parse_terminated(&content)?;
                 for lit in &list {
                     if lit.value().is_empty() {
-                        push(
-                            &mut errors,
-                            syn::Error::new(
-                                lit.span(),
-                                "`ignore` names path parameters or query names; this one is empty",
-                            ),
-                        );
+                        errors.push(syn::Error::new(
+                            lit.span(),
+                            "`ignore` names path parameters or query names; this one is empty",
+                        ));
                     }
                 }
-                set_once(
-                    &mut errors,
+                errors.set_once(
                     &mut args.ignore,
                     (k, list.into_iter().collect()),
                     k.span,
@@ -318,24 +280,21 @@ impl Parse for IdempotentArgs {
                 let k: kw::body = input.parse()?;
                 let lit: LitStr = value(input)?;
                 if lit.value() != "none" {
-                    push(
-                        &mut errors,
-                        syn::Error::new(
-                            lit.span(),
-                            "`body` takes `\"none\"`: it says that the handler reads no request body",
-                        ),
-                    );
+                    errors.push(syn::Error::new(
+                        lit.span(),
+                        "`body` takes `\"none\"`: it says that the handler reads no request body",
+                    ));
                 }
-                set_once(&mut errors, &mut args.no_body, k, k.span, "body");
+                errors.set_once(&mut args.no_body, k, k.span, "body");
             } else if lookahead.peek(Token![crate]) {
                 let k: Token![crate] = input.parse()?;
                 let lit: LitStr = value(input)?;
                 match lit.parse::<syn::Path>() {
-                    Ok(path) => set_once(&mut errors, &mut args.krate, (k, path), k.span, "crate"),
-                    Err(_) => push(
-                        &mut errors,
-                        syn::Error::new(lit.span(), "`crate` must be a path such as `\"::idem\"`"),
-                    ),
+                    Ok(path) => errors.set_once(&mut args.krate, (k, path), k.span, "crate"),
+                    Err(_) => errors.push(syn::Error::new(
+                        lit.span(),
+                        "`crate` must be a path such as `\"::idem\"`",
+                    )),
                 }
             } else {
                 return Err(lookahead.error());
@@ -346,13 +305,10 @@ impl Parse for IdempotentArgs {
             input.parse::<Token![,]>()?;
         }
         if args.scope.is_none() {
-            push(
-                &mut errors,
-                syn::Error::new(
-                    Span::call_site(),
-                    "`#[idempotent]` requires `scope = \"...\"`, such as `scope = \"payment.create\"`",
-                ),
-            );
+            errors.push(syn::Error::new(
+                Span::call_site(),
+                "`#[idempotent]` requires `scope = \"...\"`, such as `scope = \"payment.create\"`",
+            ));
         }
         args.errors = errors;
         Ok(args)
@@ -380,7 +336,7 @@ mod tests {
             crate = "::idem"
         ))
         .unwrap();
-        assert!(args.errors.is_none());
+        assert!(args.errors.finish().is_ok());
         assert_eq!(args.scope.unwrap().1.value(), "payment.create");
         let fields: Vec<String> = args.fields.unwrap().1.iter().map(FieldPath::name).collect();
         assert_eq!(fields, ["amount", "recipient.account"]);
@@ -393,7 +349,13 @@ mod tests {
     #[test]
     fn collects_every_semantic_error() {
         let args = parse(quote::quote!(scope = "Payment", ttl = "5x", fields(a, a))).unwrap();
-        let messages: Vec<String> = args.errors.unwrap().into_iter().map(|e| e.to_string()).collect();
+        let messages: Vec<String> = args
+            .errors
+            .finish()
+            .unwrap_err()
+            .into_iter()
+            .map(|e| e.to_string())
+            .collect();
         assert_eq!(messages.len(), 3, "{messages:?}");
     }
 

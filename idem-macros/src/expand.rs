@@ -7,13 +7,6 @@ use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{FnArg, LitStr, ReturnType, Type};
 
-fn combine(errors: &mut Option<syn::Error>, err: syn::Error) {
-    match errors {
-        Some(all) => all.combine(err),
-        None => *errors = Some(err),
-    }
-}
-
 /// The handler as written, followed by `err`: the handler still exists, so
 /// the only errors shown are ours.
 fn with_error(item: TokenStream, err: syn::Error) -> TokenStream {
@@ -27,7 +20,7 @@ fn with_error(item: TokenStream, err: syn::Error) -> TokenStream {
 // Output: the generated handler (see `generate`), or the handler as written
 //         plus every error found.
 pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
-    let args: IdempotentArgs = match syn::parse2(args) {
+    let mut args: IdempotentArgs = match syn::parse2(args) {
         Ok(args) => args,
         Err(e) => return with_error(item, e),
     };
@@ -35,30 +28,25 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         Ok(f) => f,
         Err(e) => return with_error(item, e),
     };
-    let mut errors = args.errors.clone();
-    let handler = match Handler::analyze(func, args.optional.is_some(), args.no_body.is_some()) {
-        Ok(h) => Some(h),
-        Err(e) => {
-            combine(&mut errors, e);
-            None
-        }
-    };
+    let mut errors = std::mem::take(&mut args.errors);
+    let handler = errors.ok(Handler::analyze(
+        func,
+        args.optional.is_some(),
+        args.no_body.is_some(),
+    ));
     if let (Some((fields_kw, _)), Some(h)) = (&args.fields, &handler) {
         if !matches!(h.body, Some((_, BodyKind::Extracted))) {
-            combine(
-                &mut errors,
-                syn::Error::new(
-                    fields_kw.span,
-                    "`fields(...)` names fields of the request body, but this handler has no `Json<T>` parameter",
-                ),
-            );
+            errors.push(syn::Error::new(
+                fields_kw.span,
+                "`fields(...)` names fields of the request body, but this handler has no `Json<T>` parameter",
+            ));
         }
     }
-    match (errors, handler) {
-        (None, Some(handler)) => generate(&args, handler),
-        (Some(e), _) => with_error(item, e),
+    match (errors.finish(), handler) {
+        (Ok(()), Some(handler)) => generate(&args, handler),
+        (Err(e), _) => with_error(item, e),
         // `analyze` fails only with an error, so this arm is never taken.
-        (None, None) => item,
+        (Ok(()), None) => item,
     }
 }
 

@@ -1,5 +1,6 @@
 //! What the attribute needs to know of the handler it wraps.
 
+use crate::errors::Errors;
 use syn::spanned::Spanned;
 use syn::{FnArg, GenericArgument, ItemFn, PathArguments, Type};
 
@@ -125,13 +126,9 @@ fn is_option_of_operation(ty: &Type) -> bool {
 impl Handler {
     /// Checks the handler's shape; every problem is reported, combined.
     pub(crate) fn analyze(item: ItemFn, optional: bool, no_body: bool) -> Result<Self, syn::Error> {
-        let mut errors: Option<syn::Error> = None;
-        let mut push = |e: syn::Error| match &mut errors {
-            Some(all) => all.combine(e),
-            None => errors = Some(e),
-        };
+        let mut errors = Errors::default();
         if item.sig.asyncness.is_none() {
-            push(syn::Error::new(
+            errors.push(syn::Error::new(
                 item.sig.fn_token.span,
                 "`#[idempotent]` handlers must be `async fn`",
             ));
@@ -140,14 +137,14 @@ impl Handler {
         let mut operation = None;
         for (i, input) in item.sig.inputs.iter().enumerate() {
             match input {
-                FnArg::Receiver(r) => push(syn::Error::new(
+                FnArg::Receiver(r) => errors.push(syn::Error::new(
                     r.self_token.span,
                     "`#[idempotent]` works on free `async fn` handlers, not on methods with `self`",
                 )),
                 FnArg::Typed(pt) => {
                     let kind = if is_named(&pt.ty, "Operation") {
                         if optional {
-                            push(syn::Error::new(
+                            errors.push(syn::Error::new(
                                 pt.ty.span(),
                                 "an `optional` handler may run without a key: ask for `Option<Operation>`",
                             ));
@@ -160,7 +157,7 @@ impl Handler {
                     };
                     if let Some(kind) = kind {
                         if operation.is_some() {
-                            push(syn::Error::new(pt.ty.span(), "`Operation` is asked for twice"));
+                            errors.push(syn::Error::new(pt.ty.span(), "`Operation` is asked for twice"));
                         }
                         operation = Some((i, kind));
                     }
@@ -182,19 +179,19 @@ impl Handler {
         for (n, (i, pt)) in extracted.iter().enumerate() {
             let last = n + 1 == extracted.len();
             if wrapped_body(&pt.ty) {
-                push(syn::Error::new(
+                errors.push(syn::Error::new(
                     pt.ty.span(),
                     "`#[idempotent]` fingerprints the request body, so it must see it: take the body as \
                      `Json<T>`, `Form<T>`, `String` or `Bytes` itself, not wrapped in `Option` or `Result`",
                 ));
             } else if let Some(kind) = body_kind(&pt.ty) {
                 if !last {
-                    push(syn::Error::new(
+                    errors.push(syn::Error::new(
                         pt.ty.span(),
                         "the request body must be the last parameter: axum extracts the body last, so move it after the others",
                     ));
                 } else if no_body {
-                    push(syn::Error::new(
+                    errors.push(syn::Error::new(
                         pt.ty.span(),
                         "this handler reads the request body, yet the attribute says `body = \"none\"`: remove `body = \"none\"`",
                     ));
@@ -208,13 +205,11 @@ impl Handler {
                 body = Some((*i, BodyKind::Extracted));
             }
         }
-        match errors {
-            Some(e) => Err(e),
-            None => Ok(Handler {
-                item,
-                body,
-                operation,
-            }),
-        }
+        errors.finish()?;
+        Ok(Handler {
+            item,
+            body,
+            operation,
+        })
     }
 }

@@ -2,6 +2,7 @@
 //! whose documentation describes it: `idem::idempotent`.
 
 mod args;
+mod errors;
 mod expand;
 mod handler;
 
