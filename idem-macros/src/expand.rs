@@ -1,7 +1,7 @@
 //! The expansion of `#[idempotent(...)]`.
 
 use crate::args::IdempotentArgs;
-use crate::handler::{BodyKind, Handler, OperationParam};
+use crate::handler::{BodyKind, Handler, Keying, RequiredOperation};
 use proc_macro2::{Span, TokenStream};
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
@@ -157,11 +157,7 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
     let class_ident = mixed("__idem_class");
     let spec_ident = mixed("__idem_spec");
 
-    let Handler {
-        item,
-        body,
-        operation,
-    } = handler;
+    let Handler { item, body, keying } = handler;
     let syn::ItemFn {
         attrs,
         vis,
@@ -177,7 +173,7 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
     let mut body_type: Option<Type> = None;
     for (i, input) in sig.inputs.iter().enumerate() {
         let FnArg::Typed(pt) = input else { continue };
-        if operation.as_ref().is_some_and(|(at, _)| *at == i) {
+        if keying.operation_at() == Some(i) {
             continue;
         }
         match body {
@@ -203,21 +199,20 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
             _ => params.push(quote!(#input)),
         }
     }
-    let optional = args.optional.is_some();
     // The `Operation` is handed over by the runtime after the reservation;
     // the binding keeps the user's pattern and type.
-    match &operation {
-        Some((_, OperationParam::Required(pt))) => {
-            let (pat, ty) = (&pt.pat, &pt.ty);
-            bindings.insert(0, quote!(let #pat: #ty = #op_ident;));
+    let operation = match &keying {
+        Keying::Required(Some(RequiredOperation::Bare(p))) | Keying::Optional(Some(p)) => {
+            Some((p, quote!(#op_ident)))
         }
-        Some((_, OperationParam::Optional(pt))) => {
-            let (pat, ty) = (&pt.pat, &pt.ty);
-            let value = if optional {
-                quote!(#op_ident)
-            } else {
-                quote!(::core::option::Option::Some(#op_ident))
-            };
+        Keying::Required(Some(RequiredOperation::InSome(p))) => {
+            Some((p, quote!(::core::option::Option::Some(#op_ident))))
+        }
+        Keying::Required(None) | Keying::Optional(None) => None,
+    };
+    match operation {
+        Some((p, value)) => {
+            let (pat, ty) = (&p.param.pat, &p.param.ty);
             bindings.insert(0, quote!(let #pat: #ty = #value;));
         }
         None => bindings.insert(0, quote!(let _ = #op_ident;)),
@@ -323,10 +318,9 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
             }
         }
     };
-    let run = if optional {
-        quote!(run_optional)
-    } else {
-        quote!(run)
+    let (run, optional) = match &keying {
+        Keying::Required(_) => (quote!(run), false),
+        Keying::Optional(_) => (quote!(run_optional), true),
     };
     let syn::Signature {
         constness,
@@ -438,6 +432,53 @@ mod tests {
             ),
         );
         assert!(out.contains("run_optional"), "{out}");
+    }
+
+    #[test]
+    fn a_required_key_fills_an_option_of_operation_with_some() {
+        let out = expand(
+            quote!(scope = "a"),
+            quote!(
+                async fn f(op: Option<Operation>) {}
+            ),
+        );
+        assert!(
+            out.contains("let op : Option < Operation > = :: core :: option :: Option :: Some (__idem_op) ;"),
+            "{out}"
+        );
+        assert!(out.contains("optional : false"), "{out}");
+        assert!(out.contains(":: idem :: __private :: run (__idem_ctx"), "{out}");
+    }
+
+    #[test]
+    fn an_optional_key_hands_the_option_of_operation_over_as_is() {
+        let out = expand(
+            quote!(scope = "a", optional),
+            quote!(
+                async fn f(op: Option<Operation>) {}
+            ),
+        );
+        assert!(
+            out.contains("let op : Option < Operation > = __idem_op ;"),
+            "{out}"
+        );
+        assert!(out.contains("optional : true"), "{out}");
+        assert!(
+            out.contains(":: idem :: __private :: run_optional (__idem_ctx"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn an_optional_key_refuses_a_bare_operation() {
+        let out = expand(
+            quote!(scope = "a", optional),
+            quote!(
+                async fn f(op: Operation) {}
+            ),
+        );
+        assert!(out.starts_with("async fn f (op : Operation) { }"), "{out}");
+        assert!(out.contains("ask for `Option<Operation>`"), "{out}");
     }
 
     #[test]

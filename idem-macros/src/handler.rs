@@ -4,12 +4,52 @@ use crate::errors::Errors;
 use syn::spanned::Spanned;
 use syn::{FnArg, GenericArgument, ItemFn, PathArguments, Type};
 
-/// How the handler asks for its `Operation`.
-pub(crate) enum OperationParam {
+/// Whether a request must carry the key, chosen once from `optional`, with
+/// the `Operation` parameter each choice allows.
+pub(crate) enum Keying {
+    /// A request without the key is refused, so the runner (`run`) always
+    /// hands over an `Operation`.
+    Required(Option<RequiredOperation>),
+    /// `optional`: a request without the key runs unprotected, so the runner
+    /// (`run_optional`) hands over an `Option<Operation>`, and that is all
+    /// the handler may ask for.
+    Optional(Option<OperationParam>),
+}
+
+/// How a handler whose key is required asks for its `Operation`.
+pub(crate) enum RequiredOperation {
     /// `op: Operation`
-    Required(syn::PatType),
-    /// `op: Option<Operation>`
-    Optional(syn::PatType),
+    Bare(OperationParam),
+    /// `op: Option<Operation>`: always `Some`.
+    InSome(OperationParam),
+}
+
+/// The parameter that asks for the `Operation`.
+pub(crate) struct OperationParam {
+    /// Its index in `item.sig.inputs`.
+    pub(crate) at: usize,
+    /// The parameter as written: the runtime hands the value over, so its
+    /// pattern and type are kept for a binding.
+    pub(crate) param: syn::PatType,
+}
+
+impl Keying {
+    /// The index of the `Operation` parameter, if the handler has one.
+    pub(crate) fn operation_at(&self) -> Option<usize> {
+        match self {
+            Keying::Required(Some(RequiredOperation::Bare(p) | RequiredOperation::InSome(p)))
+            | Keying::Optional(Some(p)) => Some(p.at),
+            Keying::Required(None) | Keying::Optional(None) => None,
+        }
+    }
+}
+
+/// How a parameter's type asks for the `Operation`.
+enum AsksFor {
+    /// `Operation`
+    Operation,
+    /// `Option<Operation>`
+    OptionOfOperation,
 }
 
 /// How the handler reads the request body, which the fingerprint must see.
@@ -94,8 +134,8 @@ pub(crate) struct Handler {
     pub(crate) item: ItemFn,
     /// The index in `item.sig.inputs` of the body parameter, and its kind.
     pub(crate) body: Option<(usize, BodyKind)>,
-    /// The index and kind of the `Operation` parameter.
-    pub(crate) operation: Option<(usize, OperationParam)>,
+    /// Whether the key is required, and the `Operation` parameter.
+    pub(crate) keying: Keying,
 }
 
 fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
@@ -111,16 +151,21 @@ fn is_named(ty: &Type, name: &str) -> bool {
     last_segment(ty).is_some_and(|s| s.ident == name)
 }
 
-/// `Option<Operation>`: the inner type is `Operation`.
-fn is_option_of_operation(ty: &Type) -> bool {
-    let Some(seg) = last_segment(ty) else { return false };
-    if seg.ident != "Option" {
-        return false;
+/// `Operation` or `Option<Operation>`, the parameters the runtime fills.
+fn asks_for(ty: &Type) -> Option<AsksFor> {
+    let seg = last_segment(ty)?;
+    if seg.ident == "Operation" {
+        return Some(AsksFor::Operation);
     }
     let PathArguments::AngleBracketed(args) = &seg.arguments else {
-        return false;
+        return None;
     };
-    matches!(args.args.first(), Some(GenericArgument::Type(inner)) if is_named(inner, "Operation"))
+    match args.args.first() {
+        Some(GenericArgument::Type(inner)) if seg.ident == "Option" && is_named(inner, "Operation") => {
+            Some(AsksFor::OptionOfOperation)
+        }
+        _ => None,
+    }
 }
 
 impl Handler {
@@ -134,35 +179,46 @@ impl Handler {
             ));
         }
         let mut body = None;
-        let mut operation = None;
+        let mut keying = if optional {
+            Keying::Optional(None)
+        } else {
+            Keying::Required(None)
+        };
+        // The last parameter that asks for the `Operation`, even one the
+        // keying refuses: the runtime hands it over, so axum must not
+        // extract it.
+        let mut operation_at = None;
         for (i, input) in item.sig.inputs.iter().enumerate() {
-            match input {
-                FnArg::Receiver(r) => errors.push(syn::Error::new(
-                    r.self_token.span,
-                    "`#[idempotent]` works on free `async fn` handlers, not on methods with `self`",
-                )),
-                FnArg::Typed(pt) => {
-                    let kind = if is_named(&pt.ty, "Operation") {
-                        if optional {
-                            errors.push(syn::Error::new(
-                                pt.ty.span(),
-                                "an `optional` handler may run without a key: ask for `Option<Operation>`",
-                            ));
-                        }
-                        Some(OperationParam::Required(pt.clone()))
-                    } else if is_option_of_operation(&pt.ty) {
-                        Some(OperationParam::Optional(pt.clone()))
-                    } else {
-                        None
-                    };
-                    if let Some(kind) = kind {
-                        if operation.is_some() {
-                            errors.push(syn::Error::new(pt.ty.span(), "`Operation` is asked for twice"));
-                        }
-                        operation = Some((i, kind));
-                    }
+            let pt = match input {
+                FnArg::Receiver(r) => {
+                    errors.push(syn::Error::new(
+                        r.self_token.span,
+                        "`#[idempotent]` works on free `async fn` handlers, not on methods with `self`",
+                    ));
+                    continue;
                 }
+                FnArg::Typed(pt) => pt,
+            };
+            let Some(asks) = asks_for(&pt.ty) else { continue };
+            let param = OperationParam {
+                at: i,
+                param: pt.clone(),
+            };
+            match (&mut keying, asks) {
+                (Keying::Required(slot), AsksFor::Operation) => *slot = Some(RequiredOperation::Bare(param)),
+                (Keying::Required(slot), AsksFor::OptionOfOperation) => {
+                    *slot = Some(RequiredOperation::InSome(param));
+                }
+                (Keying::Optional(slot), AsksFor::OptionOfOperation) => *slot = Some(param),
+                (Keying::Optional(_), AsksFor::Operation) => errors.push(syn::Error::new(
+                    pt.ty.span(),
+                    "an `optional` handler may run without a key: ask for `Option<Operation>`",
+                )),
             }
+            if operation_at.is_some() {
+                errors.push(syn::Error::new(pt.ty.span(), "`Operation` is asked for twice"));
+            }
+            operation_at = Some(i);
         }
         // The body: axum extracts it last, so it is the last parameter
         // (the `Operation` is not extracted and may stand anywhere).
@@ -172,7 +228,7 @@ impl Handler {
             .iter()
             .enumerate()
             .filter_map(|(i, input)| match input {
-                FnArg::Typed(pt) if operation.as_ref().is_none_or(|(at, _)| *at != i) => Some((i, pt)),
+                FnArg::Typed(pt) if operation_at != Some(i) => Some((i, pt)),
                 _ => None,
             })
             .collect();
@@ -206,10 +262,6 @@ impl Handler {
             }
         }
         errors.finish()?;
-        Ok(Handler {
-            item,
-            body,
-            operation,
-        })
+        Ok(Handler { item, body, keying })
     }
 }
