@@ -1,11 +1,11 @@
 //! The expansion of `#[idempotent(...)]`.
 
-use crate::args::IdempotentArgs;
+use crate::args::{DurationLit, FieldPath, IdempotentArgs};
 use crate::handler::{BodyKind, Handler, Keying, RequiredOperation};
 use proc_macro2::{Span, TokenStream};
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::{FnArg, LitStr, ReturnType, Type};
+use syn::{FnArg, Generics, Ident, LitStr, ReturnType, Type};
 
 /// The handler as written, followed by `err`: the handler still exists, so
 /// the only errors shown are ours.
@@ -43,15 +43,15 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         }
     }
     match (errors.finish(), handler) {
-        (Ok(()), Some(handler)) => generate(&args, handler),
+        (Ok(()), Some(handler)) => generate(&args, &handler),
         (Err(e), _) => with_error(item, e),
         // `analyze` fails only with an error, so this arm is never taken.
         (Ok(()), None) => item,
     }
 }
 
-fn mixed(name: &str) -> syn::Ident {
-    syn::Ident::new(name, Span::mixed_site())
+fn mixed(name: &str) -> Ident {
+    Ident::new(name, Span::mixed_site())
 }
 
 /// Calls `f` on `ty` and, where `f` says to go on, on every type nested in
@@ -121,67 +121,91 @@ fn split_return_type(ty: &Type) -> (Type, Type, Vec<(syn::Ident, TokenStream)>, 
     (inferred, generic, params, declared)
 }
 
+/// The path every emitted item goes through, and the names of the
+/// generated bindings: `__idem_*` at the mixed site, so that the handler's
+/// own code can neither name nor shadow them.
+struct Names {
+    /// `::idem::__private`, or `<crate>::__private` with `crate = ".."`.
+    private: TokenStream,
+    ctx: Ident,
+    body: Ident,
+    op: Ident,
+    spec: Ident,
+    read: Ident,
+    fp: Ident,
+    out: Ident,
+    ret: Ident,
+    class: Ident,
+}
+
+impl Names {
+    // Input:  `crate = "my::idem"`, or no `crate`.
+    // Output: `my::idem::__private` (`::idem::__private`), and `__idem_ctx`,
+    //         `__idem_body`, .. for the bindings.
+    fn new(args: &IdempotentArgs) -> Self {
+        let krate = match &args.krate {
+            Some((_, path)) => quote!(#path),
+            None => quote!(::idem),
+        };
+        Names {
+            private: quote!(#krate::__private),
+            ctx: mixed("__idem_ctx"),
+            body: mixed("__idem_body"),
+            op: mixed("__idem_op"),
+            spec: mixed("__idem_spec"),
+            read: mixed("__idem_read"),
+            fp: mixed("__idem_fp"),
+            out: mixed("__idem_out"),
+            ret: mixed("__idem_ret"),
+            class: mixed("__idem_class"),
+        }
+    }
+}
+
 /// `Json<T>` as `Raw<Json<T>>` (or `Form<T>` as `Raw<Form<T>>`): the body
 /// extractor under idem's, which keeps the bytes.
 fn raw_extractor(private: &TokenStream, ty: &Type) -> TokenStream {
     quote_spanned!(ty.span()=> #private::Raw<#ty>)
 }
 
-// Input:  a checked handler and its arguments.
-// Output:
-//     #[attrs] vis async fn create(__idem_ctx: ::idem::__private::Context,
-//             State(s): State<App>, __idem_body: ::idem::__private::Raw<Json<In>>)
-//             -> ::idem::__private::Response {
-//         let __idem_spec: &'static Spec = { static SPEC: Spec = Spec { scope: "payment.create", .. }; &SPEC };
-//         let _ = &__idem_body.value.0.amount; // each declared field exists
-//         let __idem_fp = fingerprint_request(&__idem_ctx, __idem_spec, print_body::<Json<In>>(&__idem_body));
-//         run(__idem_ctx, __idem_spec, __idem_fp, move |__idem_op| async move {
-//             let Json(p) = __idem_body.value;
-//             let __idem_out = async move { let __idem_ret: R = { .. }; __idem_ret }.await;
-//             let __idem_class = (&&&Probe(&__idem_out)).__idem_classify();
-//             (IntoResponse::into_response(__idem_out), __idem_class)
-//         }).await
-//     }
-fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
-    let krate = match &args.krate {
-        Some((_, path)) => quote!(#path),
-        None => quote!(::idem),
-    };
-    let private = quote!(#krate::__private);
-    let ctx = mixed("__idem_ctx");
-    let body_ident = mixed("__idem_body");
-    let op_ident = mixed("__idem_op");
-    let fp_ident = mixed("__idem_fp");
-    let out_ident = mixed("__idem_out");
-    let ret_ident = mixed("__idem_ret");
-    let class_ident = mixed("__idem_class");
-    let spec_ident = mixed("__idem_spec");
+/// The body parameter once it is read through idem's extractor.
+struct BodyParam {
+    /// Recreates the handler's pattern inside the handler future.
+    binding: TokenStream,
+    /// What the fingerprint reads of the body.
+    print: TokenStream,
+    /// The type as declared.
+    ty: Type,
+}
 
-    let Handler { item, body, keying } = handler;
-    let syn::ItemFn {
-        attrs,
-        vis,
-        sig,
-        block,
-    } = item;
-
-    // The parameters the generated fn keeps (axum extracts them), and the
-    // bindings that recreate the user's patterns inside the handler future.
+// Input:  `State(s): State<App>, op: Operation, Json(p): Json<In>`
+// Output: the parameters axum extracts, the context first and the body
+//         through idem's extractor (the runtime hands over the `Operation`):
+//             __idem_ctx: ::idem::__private::Context, State(s): State<App>,
+//             __idem_body: ::idem::__private::Raw<Json<In>>
+//         and, for the body, its binding `let Json(p) = __idem_body.value;`,
+//         its print `::idem::__private::print_body::<Json<In>>(&__idem_body)`
+//         and its type `Json<In>`.
+fn parameters(names: &Names, handler: &Handler) -> (Vec<TokenStream>, Option<BodyParam>) {
+    let Names {
+        private,
+        ctx,
+        body: body_ident,
+        ..
+    } = names;
     let mut params: Vec<TokenStream> = vec![quote!(#ctx: #private::Context)];
-    let mut bindings: Vec<TokenStream> = Vec::new();
-    let mut print = quote!(#private::BodyPrint::None);
-    let mut body_type: Option<Type> = None;
-    for (i, input) in sig.inputs.iter().enumerate() {
+    let mut body = None;
+    for (i, input) in handler.item.sig.inputs.iter().enumerate() {
         let FnArg::Typed(pt) = input else { continue };
-        if keying.operation_at() == Some(i) {
+        if handler.keying.operation_at() == Some(i) {
             continue;
         }
-        match body {
+        match handler.body {
             Some((at, kind)) if at == i => {
                 let (pat, ty, attrs) = (&pt.pat, &pt.ty, &pt.attrs);
-                let (param_ty, value, body_print) = match kind {
+                let (param_ty, value, print) = match kind {
                     BodyKind::Extracted => (
-                        raw_extractor(&private, ty),
+                        raw_extractor(private, ty),
                         quote!(#body_ident.value),
                         quote_spanned!(ty.span()=> #private::print_body::<#ty>(&#body_ident)),
                     ),
@@ -192,85 +216,50 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
                     ),
                 };
                 params.push(quote!(#(#attrs)* #body_ident: #param_ty));
-                body_type = Some((**ty).clone());
-                bindings.push(quote!(let #pat = #value;));
-                print = body_print;
+                body = Some(BodyParam {
+                    binding: quote!(let #pat = #value;),
+                    print,
+                    ty: (**ty).clone(),
+                });
             }
             _ => params.push(quote!(#input)),
         }
     }
-    // The `Operation` is handed over by the runtime after the reservation;
-    // the binding keeps the user's pattern and type.
-    let operation = match &keying {
-        Keying::Required(Some(RequiredOperation::Bare(p))) | Keying::Optional(Some(p)) => {
-            Some((p, quote!(#op_ident)))
-        }
+    (params, body)
+}
+
+// Input:  the keying and its `Operation` parameter, such as
+//         `op: Option<Operation>` with a required key.
+// Output: the binding that gives the parameter the runtime's value, with
+//         the user's pattern and type:
+//             let op: Option<Operation> = ::core::option::Option::Some(__idem_op);
+//         or `let _ = __idem_op;` when the handler asks for none.
+fn operation_binding(names: &Names, keying: &Keying) -> TokenStream {
+    let op = &names.op;
+    let (param, value) = match keying {
+        Keying::Required(Some(RequiredOperation::Bare(p))) | Keying::Optional(Some(p)) => (p, quote!(#op)),
         Keying::Required(Some(RequiredOperation::InSome(p))) => {
-            Some((p, quote!(::core::option::Option::Some(#op_ident))))
+            (p, quote!(::core::option::Option::Some(#op)))
         }
-        Keying::Required(None) | Keying::Optional(None) => None,
+        Keying::Required(None) | Keying::Optional(None) => return quote!(let _ = #op;),
     };
-    match operation {
-        Some((p, value)) => {
-            let (pat, ty) = (&p.param.pat, &p.param.ty);
-            bindings.insert(0, quote!(let #pat: #ty = #value;));
-        }
-        None => bindings.insert(0, quote!(let _ = #op_ident;)),
-    }
+    let (pat, ty) = (&param.param.pat, &param.param.ty);
+    quote!(let #pat: #ty = #value;)
+}
 
-    // Each declared field must exist on the body type: an access spanned at
-    // its name in the attribute, so that rustc reports a missing one there.
-    // What the handler reads of each: the fingerprint counts a field by its
-    // wire path only where the JSON there is that value.
-    let (reads, wires): (Vec<TokenStream>, Vec<String>) = match &args.fields {
-        Some((_, list)) => list
-            .iter()
-            .map(|field| {
-                let segments = field.segments.iter();
-                let body = syn::Ident::new("__idem_body", Span::mixed_site().located_at(field.span()));
-                (
-                    quote_spanned!(field.span()=>
-                        (&&#private::FieldProbe(&#body.value.0 #(.#segments)*)).__idem_json()
-                    ),
-                    field.wire(),
-                )
-            })
-            .unzip(),
-        None => (Vec::new(), Vec::new()),
-    };
-    let read_ident = mixed("__idem_read");
-    // `fields(...)` names JSON members: the body must read JSON.
-    let json_check = match (&args.fields, &body_type) {
-        // An item is checked at once, but cannot name the handler's generic
-        // parameters; a generic handler gets an inline const, checked when
-        // it is instantiated.
-        (Some((kw, _)), Some(ty)) if sig.generics.params.is_empty() => quote_spanned!(kw.span=>
-            const _: () = ::core::assert!(
-                #private::is_json::<#ty>(),
-                "`fields(...)` names members of a JSON body, but this body extractor does not read JSON"
-            );
-        ),
-        (Some((kw, _)), Some(ty)) => quote_spanned!(kw.span=>
-            const {
-                ::core::assert!(
-                    #private::is_json::<#ty>(),
-                    "`fields(...)` names members of a JSON body, but this body extractor does not read JSON"
-                )
-            };
-        ),
-        _ => quote!(),
-    };
-    let fields = if args.fields.is_some() {
-        quote!(::core::option::Option::Some(&[#(#wires),*]))
-    } else {
-        quote!(::core::option::Option::None)
-    };
-    let ignore: Vec<String> = args
-        .ignore
-        .as_ref()
-        .map(|(_, list)| list.iter().map(LitStr::value).collect())
-        .unwrap_or_default();
-
+// Input:  the arguments and the keying.
+// Output: the handler's settings, in a block of its own so that no item of
+//         the user's can meet it:
+//             let __idem_spec: &'static ::idem::__private::Spec = {
+//                 static SPEC: ::idem::__private::Spec = ::idem::__private::Spec {
+//                     scope: "payment.create", header: "idempotency-key", optional: false,
+//                     ttl: ::core::option::Option::None, .., fields: ::core::option::Option::Some(&["amount"]),
+//                     ignore: &[],
+//                 };
+//                 &SPEC
+//             };
+fn spec_block(names: &Names, args: &IdempotentArgs, keying: &Keying) -> TokenStream {
+    let Names { private, spec, .. } = names;
     let scope = args
         .scope
         .as_ref()
@@ -281,7 +270,8 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
         .as_ref()
         .map(|(_, lit)| lit.value().to_ascii_lowercase())
         .unwrap_or_else(|| "idempotency-key".to_owned());
-    let millis = |d: Option<&crate::args::DurationLit>| match d {
+    let optional = matches!(keying, Keying::Optional(_));
+    let millis = |d: Option<&DurationLit>| match d {
         Some(d) => {
             let ms = d.millis;
             quote!(::core::option::Option::Some(#private::Duration::from_millis(#ms)))
@@ -291,25 +281,129 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
     let ttl = millis(args.ttl.as_ref().map(|(_, d)| d));
     let lock_timeout = millis(args.lock_timeout.as_ref().map(|(_, d)| d));
     let wait = millis(args.wait.as_ref().map(|(_, d)| d));
+    let fields = match &args.fields {
+        Some((_, list)) => {
+            let wires = list.iter().map(FieldPath::wire);
+            quote!(::core::option::Option::Some(&[#(#wires),*]))
+        }
+        None => quote!(::core::option::Option::None),
+    };
+    let ignore: Vec<String> = args
+        .ignore
+        .as_ref()
+        .map(|(_, list)| list.iter().map(LitStr::value).collect())
+        .unwrap_or_default();
+    quote! {
+        let #spec: &'static #private::Spec = {
+            static SPEC: #private::Spec = #private::Spec {
+                scope: #scope,
+                header: #header,
+                optional: #optional,
+                ttl: #ttl,
+                lock_timeout: #lock_timeout,
+                wait: #wait,
+                fields: #fields,
+                ignore: &[#(#ignore),*],
+            };
+            &SPEC
+        };
+    }
+}
 
-    // The body's value is typed as declared, so that `?` and an early
-    // `return` infer; each `impl Trait` in it is a generic parameter of a
-    // checking fn whose return type is the declared one, so that its bounds
-    // hold (and the names it uses count as used).
-    let (ret, check) = match &sig.output {
+// Input:  `fields(...)` and the body type, such as `Form<In>`.
+// Output: a check, spanned at `fields`, that the body reads JSON, whose
+//         members the fields name:
+//             const _: () = ::core::assert!(::idem::__private::is_json::<Form<In>>(), "..");
+//         In a generic handler an inline `const { .. };`: an item is checked
+//         at once but cannot name the handler's generic parameters, an
+//         inline const is checked when the handler is instantiated.
+//         Nothing without `fields(...)`.
+fn json_check(
+    names: &Names,
+    args: &IdempotentArgs,
+    body: Option<&BodyParam>,
+    generics: &Generics,
+) -> TokenStream {
+    let private = &names.private;
+    match (&args.fields, body) {
+        (Some((kw, _)), Some(BodyParam { ty, .. })) if generics.params.is_empty() => quote_spanned!(kw.span=>
+            const _: () = ::core::assert!(
+                #private::is_json::<#ty>(),
+                "`fields(...)` names members of a JSON body, but this body extractor does not read JSON"
+            );
+        ),
+        (Some((kw, _)), Some(BodyParam { ty, .. })) => quote_spanned!(kw.span=>
+            const {
+                ::core::assert!(
+                    #private::is_json::<#ty>(),
+                    "`fields(...)` names members of a JSON body, but this body extractor does not read JSON"
+                )
+            };
+        ),
+        _ => quote!(),
+    }
+}
+
+// Input:  `fields(amount, recipient.account)`.
+// Output: what the body holds at each field, for the fingerprint, which
+//         counts a field by its wire path only where the JSON there is that
+//         value:
+//             let __idem_read: &[::core::option::Option<::std::vec::Vec<u8>>] = {
+//                 use ::idem::__private::{ViaNothing as _, ViaSerialize as _};
+//                 &[(&&::idem::__private::FieldProbe(&__idem_body.value.0.amount)).__idem_json(), ..]
+//             };
+//         Each access is spanned at the field's name in the attribute, so
+//         that rustc reports a field the body type lacks there.
+fn field_reads(names: &Names, args: &IdempotentArgs) -> TokenStream {
+    let Names { private, read, .. } = names;
+    let reads = args.fields.iter().flat_map(|(_, list)| list).map(|field| {
+        let segments = field.segments.iter();
+        let body = Ident::new("__idem_body", Span::mixed_site().located_at(field.span()));
+        quote_spanned!(field.span()=>
+            (&&#private::FieldProbe(&#body.value.0 #(.#segments)*)).__idem_json()
+        )
+    });
+    quote! {
+        let #read: &[::core::option::Option<::std::vec::Vec<u8>>] = {
+            #[allow(unused_imports)]
+            use #private::{ViaNothing as _, ViaSerialize as _};
+            &[#(#reads),*]
+        };
+    }
+}
+
+// Input:  `-> Result<impl IntoResponse, E>` and the handler's block `{ .. }`.
+// Output: the block as a future whose value is typed as declared, so that
+//         `?` and an early `return` infer:
+//             async move {
+//                 let __idem_ret: Result<_, E> = { .. };
+//                 {
+//                     fn __idem_check<__IdemImpl0: IntoResponse>(value: Result<__IdemImpl0, E>)
+//                         -> Result<impl IntoResponse, E> { value }
+//                     __idem_check::<_>(__idem_ret)
+//                 }
+//             }
+//         Each `impl Trait` is left to inference in the binding and is a
+//         generic parameter of the checking fn, whose return type is the
+//         declared one, so that its bounds hold (and the names they use
+//         count as used). Without an `impl Trait` the value is just
+//         `__idem_ret`.
+fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> TokenStream {
+    let ret_ident = &names.ret;
+    let (ret, check) = match output {
         ReturnType::Default => (quote!(()), quote!(#ret_ident)),
         ReturnType::Type(_, ty) => {
             let (inferred, generic, params, declared) = split_return_type(ty);
             if params.is_empty() {
                 (quote!(#ty), quote!(#ret_ident))
             } else {
-                let (names, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
-                let placeholders = names.iter().map(|_| quote!(_));
+                let (impl_params, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
+                let placeholders = impl_params.iter().map(|_| quote!(_));
                 let check_fn = mixed("__idem_check");
                 (
                     quote!(#inferred),
                     quote!({
-                        fn #check_fn<#(#names: #bounds),*>(value: #generic) -> #declared {
+                        fn #check_fn<#(#impl_params: #bounds),*>(value: #generic) -> #declared {
                             value
                         }
                         #check_fn::<#(#placeholders),*>(#ret_ident)
@@ -318,10 +412,108 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
             }
         }
     };
-    let (run, optional) = match &keying {
-        Keying::Required(_) => (quote!(run), false),
-        Keying::Optional(_) => (quote!(run_optional), true),
+    quote! {
+        async move {
+            let #ret_ident: #ret = #block;
+            #check
+        }
+    }
+}
+
+// Input:  the keying, the body's binding and the pinned block.
+// Output: the one runtime call, `run_optional` for an optional key:
+//             ::idem::__private::run(__idem_ctx, __idem_spec, __idem_fp, move |__idem_op| async move {
+//                 let op: Operation = __idem_op;
+//                 let Json(p) = __idem_body.value;
+//                 let __idem_out = async move { .. }.await;
+//                 let __idem_class = {
+//                     use ::idem::__private::{ViaErr as _, ViaSelf as _, ViaStatus as _};
+//                     (&&&::idem::__private::Probe(&__idem_out)).__idem_classify()
+//                 };
+//                 (::idem::__private::IntoResponse::into_response(__idem_out), __idem_class)
+//             })
+//             .await
+fn run_call(
+    names: &Names,
+    keying: &Keying,
+    body_binding: Option<&TokenStream>,
+    block: TokenStream,
+) -> TokenStream {
+    let Names {
+        private,
+        ctx,
+        op,
+        spec,
+        fp,
+        out,
+        class,
+        ..
+    } = names;
+    let run = match keying {
+        Keying::Required(_) => quote!(run),
+        Keying::Optional(_) => quote!(run_optional),
     };
+    let operation_binding = operation_binding(names, keying);
+    quote! {
+        #private::#run(#ctx, #spec, #fp, move |#op| async move {
+            #operation_binding
+            #body_binding
+            let #out = #block.await;
+            let #class = {
+                #[allow(unused_imports)]
+                use #private::{ViaErr as _, ViaSelf as _, ViaStatus as _};
+                (&&&#private::Probe(&#out)).__idem_classify()
+            };
+            (#private::IntoResponse::into_response(#out), #class)
+        })
+        .await
+    }
+}
+
+// Input:  the checked arguments and handler.
+// Output: the handler as axum sees it, with the same attributes, visibility
+//         and generics, whose body is one runtime call:
+//             #[attrs] vis async fn create(__idem_ctx: ::idem::__private::Context,
+//                     State(s): State<App>, __idem_body: ::idem::__private::Raw<Json<In>>)
+//                     -> ::idem::__private::Response {
+//                 let __idem_spec = ..;   // `spec_block`
+//                 const _: () = ..;       // `json_check`
+//                 let __idem_read = ..;   // `field_reads`
+//                 let __idem_fp = ::idem::__private::fingerprint_request(&__idem_ctx, __idem_spec,
+//                     ::idem::__private::print_body::<Json<In>>(&__idem_body), __idem_read);
+//                 ::idem::__private::run(__idem_ctx, __idem_spec, __idem_fp, ..).await // `run_call`
+//             }
+fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
+    let names = Names::new(args);
+    let Names {
+        private,
+        ctx,
+        spec,
+        read,
+        fp,
+        ..
+    } = &names;
+    let (params, body) = parameters(&names, handler);
+    let syn::ItemFn {
+        attrs,
+        vis,
+        sig,
+        block,
+        ..
+    } = &handler.item;
+    let spec_block = spec_block(&names, args, &handler.keying);
+    let json_check = json_check(&names, args, body.as_ref(), &sig.generics);
+    let reads = field_reads(&names, args);
+    let print = match &body {
+        Some(body) => body.print.clone(),
+        None => quote!(#private::BodyPrint::None),
+    };
+    let run = run_call(
+        &names,
+        &handler.keying,
+        body.as_ref().map(|body| &body.binding),
+        pinned_block(&names, &sig.output, block),
+    );
     let syn::Signature {
         constness,
         unsafety,
@@ -330,50 +522,18 @@ fn generate(args: &IdempotentArgs, handler: Handler) -> TokenStream {
         ident,
         generics,
         ..
-    } = &sig;
+    } = sig;
     let where_clause = &generics.where_clause;
-
     quote! {
         #(#attrs)*
         #vis #constness async #unsafety #abi #fn_token #ident #generics (#(#params),*) -> #private::Response
         #where_clause
         {
-            // In a block of its own: no item of the user's can meet it.
-            let #spec_ident: &'static #private::Spec = {
-                static SPEC: #private::Spec = #private::Spec {
-                    scope: #scope,
-                    header: #header,
-                    optional: #optional,
-                    ttl: #ttl,
-                    lock_timeout: #lock_timeout,
-                    wait: #wait,
-                    fields: #fields,
-                    ignore: &[#(#ignore),*],
-                };
-                &SPEC
-            };
+            #spec_block
             #json_check
-            let #read_ident: &[::core::option::Option<::std::vec::Vec<u8>>] = {
-                #[allow(unused_imports)]
-                use #private::{ViaNothing as _, ViaSerialize as _};
-                &[#(#reads),*]
-            };
-            let #fp_ident = #private::fingerprint_request(&#ctx, #spec_ident, #print, #read_ident);
-            #private::#run(#ctx, #spec_ident, #fp_ident, move |#op_ident| async move {
-                #(#bindings)*
-                let #out_ident = async move {
-                    let #ret_ident: #ret = #block;
-                    #check
-                }
-                .await;
-                let #class_ident = {
-                    #[allow(unused_imports)]
-                    use #private::{ViaErr as _, ViaSelf as _, ViaStatus as _};
-                    (&&&#private::Probe(&#out_ident)).__idem_classify()
-                };
-                (#private::IntoResponse::into_response(#out_ident), #class_ident)
-            })
-            .await
+            #reads
+            let #fp = #private::fingerprint_request(&#ctx, #spec, #print, #read);
+            #run
         }
     }
 }
