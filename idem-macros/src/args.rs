@@ -1,4 +1,5 @@
-//! The arguments of `#[idempotent(...)]`.
+//! Parses the arguments of `#[idempotent(...)]` and checks each on its own:
+//! the values and keywords the expansion reads, and every mistake found.
 
 use crate::errors::Errors;
 use proc_macro2::Span;

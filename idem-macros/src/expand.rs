@@ -1,4 +1,5 @@
-//! The expansion of `#[idempotent(...)]`.
+//! Expands `#[idempotent(...)]`: the handler rewritten around one runtime
+//! call, or the handler as written with every error found.
 
 use crate::args::{DurationLit, FieldPath, IdempotentArgs};
 use crate::handler::{BodyKind, Handler, Keying, RequiredOperation};
@@ -7,8 +8,10 @@ use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{FnArg, Generics, Ident, LitStr, ReturnType, Type};
 
-/// The handler as written, followed by `err`: the handler still exists, so
-/// the only errors shown are ours.
+// Input:  the item as written and the errors found.
+// Output: the same item followed by one `::core::compile_error! { ".." }`
+//         per error: the handler still exists, so the only errors shown
+//         are ours.
 fn with_error(item: TokenStream, err: syn::Error) -> TokenStream {
     let mut out = item;
     out.extend(err.into_compile_error());
@@ -54,73 +57,6 @@ fn mixed(name: &str) -> Ident {
     Ident::new(name, Span::mixed_site())
 }
 
-/// Calls `f` on `ty` and, where `f` says to go on, on every type nested in
-/// it (generic arguments, tuples, references, arrays).
-fn visit_types(ty: &mut Type, f: &mut dyn FnMut(&mut Type) -> bool) {
-    if !f(ty) {
-        return;
-    }
-    match ty {
-        Type::Path(p) => {
-            for seg in p.path.segments.iter_mut() {
-                if let syn::PathArguments::AngleBracketed(args) = &mut seg.arguments {
-                    for arg in args.args.iter_mut() {
-                        if let syn::GenericArgument::Type(t) = arg {
-                            visit_types(t, f);
-                        }
-                    }
-                }
-            }
-        }
-        Type::Tuple(t) => t.elems.iter_mut().for_each(|t| visit_types(t, f)),
-        Type::Paren(syn::TypeParen { elem, .. })
-        | Type::Group(syn::TypeGroup { elem, .. })
-        | Type::Array(syn::TypeArray { elem, .. })
-        | Type::Slice(syn::TypeSlice { elem, .. })
-        | Type::Reference(syn::TypeReference { elem, .. }) => visit_types(elem, f),
-        _ => {}
-    }
-}
-
-fn not_precise_capture(b: &syn::TypeParamBound) -> bool {
-    !matches!(b, syn::TypeParamBound::PreciseCapture(_))
-}
-
-/// The return type `ty` taken apart for the handler's body: the type of the
-/// binding (each `impl Trait` left to inference), a checking fn's parameter
-/// type (each `impl Trait` a generic parameter), those parameters with their
-/// bounds, and the checking fn's return type (`ty` without `use<..>`, which
-/// only the handler's own signature may carry).
-fn split_return_type(ty: &Type) -> (Type, Type, Vec<(syn::Ident, TokenStream)>, Type) {
-    let (mut inferred, mut generic, mut declared) = (ty.clone(), ty.clone(), ty.clone());
-    visit_types(&mut inferred, &mut |t| {
-        if matches!(t, Type::ImplTrait(_)) {
-            *t = syn::parse_quote!(_);
-            return false;
-        }
-        true
-    });
-    let mut params = Vec::new();
-    visit_types(&mut generic, &mut |t| {
-        let Type::ImplTrait(it) = t else { return true };
-        let name = syn::Ident::new(&format!("__IdemImpl{}", params.len()), Span::mixed_site());
-        let bounds = it.bounds.iter().filter(|b| not_precise_capture(b));
-        params.push((name.clone(), quote!(#(#bounds)+*)));
-        *t = syn::parse_quote!(#name);
-        false
-    });
-    visit_types(&mut declared, &mut |t| {
-        if let Type::ImplTrait(it) = t {
-            it.bounds = std::mem::take(&mut it.bounds)
-                .into_iter()
-                .filter(not_precise_capture)
-                .collect();
-        }
-        true
-    });
-    (inferred, generic, params, declared)
-}
-
 /// The path every emitted item goes through, and the names of the
 /// generated bindings: `__idem_*` at the mixed site, so that the handler's
 /// own code can neither name nor shadow them.
@@ -162,8 +98,10 @@ impl Names {
     }
 }
 
-/// `Json<T>` as `Raw<Json<T>>` (or `Form<T>` as `Raw<Form<T>>`): the body
-/// extractor under idem's, which keeps the bytes.
+// Input:  the body extractor's type, `Json<In>` (or `Form<In>`, or the
+//         application's own).
+// Output: `::idem::__private::Raw<Json<In>>`, spanned at the type: the
+//         extractor under idem's, which keeps the bytes.
 fn raw_extractor(private: &TokenStream, ty: &Type) -> TokenStream {
     quote_spanned!(ty.span()=> #private::Raw<#ty>)
 }
@@ -253,8 +191,8 @@ fn operation_binding(names: &Names, keying: &Keying) -> TokenStream {
 //             let __idem_spec: &'static ::idem::__private::Spec = {
 //                 static SPEC: ::idem::__private::Spec = ::idem::__private::Spec {
 //                     scope: "payment.create", header: "idempotency-key", optional: false,
-//                     ttl: ::core::option::Option::None, .., fields: ::core::option::Option::Some(&["amount"]),
-//                     ignore: &[],
+//                     ttl: ::core::option::Option::None, ..,
+//                     fields: ::core::option::Option::Some(&["amount"]), ignore: &[],
 //                 };
 //                 &SPEC
 //             };
@@ -418,6 +356,78 @@ fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> Token
             #check
         }
     }
+}
+
+/// Calls `f` on `ty` and, where `f` says to go on, on every type nested in
+/// it (generic arguments, tuples, references, arrays).
+fn visit_types(ty: &mut Type, f: &mut dyn FnMut(&mut Type) -> bool) {
+    if !f(ty) {
+        return;
+    }
+    match ty {
+        Type::Path(p) => {
+            for seg in p.path.segments.iter_mut() {
+                if let syn::PathArguments::AngleBracketed(args) = &mut seg.arguments {
+                    for arg in args.args.iter_mut() {
+                        if let syn::GenericArgument::Type(t) = arg {
+                            visit_types(t, f);
+                        }
+                    }
+                }
+            }
+        }
+        Type::Tuple(t) => t.elems.iter_mut().for_each(|t| visit_types(t, f)),
+        Type::Paren(syn::TypeParen { elem, .. })
+        | Type::Group(syn::TypeGroup { elem, .. })
+        | Type::Array(syn::TypeArray { elem, .. })
+        | Type::Slice(syn::TypeSlice { elem, .. })
+        | Type::Reference(syn::TypeReference { elem, .. }) => visit_types(elem, f),
+        _ => {}
+    }
+}
+
+fn not_precise_capture(b: &syn::TypeParamBound) -> bool {
+    !matches!(b, syn::TypeParamBound::PreciseCapture(_))
+}
+
+// Input:  a declared return type, `Result<impl IntoResponse + use<>, E>`.
+// Output: that type taken apart for `pinned_block`:
+//         - the binding's type, each `impl Trait` left to inference:
+//           `Result<_, E>`;
+//         - a checking fn's parameter type, each `impl Trait` a generic
+//           parameter: `Result<__IdemImpl0, E>`;
+//         - those parameters with their bounds: `[(__IdemImpl0, IntoResponse)]`;
+//         - the checking fn's return type, the declared one without
+//           `use<..>`, which only the handler's own signature may carry:
+//           `Result<impl IntoResponse, E>`.
+fn split_return_type(ty: &Type) -> (Type, Type, Vec<(syn::Ident, TokenStream)>, Type) {
+    let (mut inferred, mut generic, mut declared) = (ty.clone(), ty.clone(), ty.clone());
+    visit_types(&mut inferred, &mut |t| {
+        if matches!(t, Type::ImplTrait(_)) {
+            *t = syn::parse_quote!(_);
+            return false;
+        }
+        true
+    });
+    let mut params = Vec::new();
+    visit_types(&mut generic, &mut |t| {
+        let Type::ImplTrait(it) = t else { return true };
+        let name = syn::Ident::new(&format!("__IdemImpl{}", params.len()), Span::mixed_site());
+        let bounds = it.bounds.iter().filter(|b| not_precise_capture(b));
+        params.push((name.clone(), quote!(#(#bounds)+*)));
+        *t = syn::parse_quote!(#name);
+        false
+    });
+    visit_types(&mut declared, &mut |t| {
+        if let Type::ImplTrait(it) = t {
+            it.bounds = std::mem::take(&mut it.bounds)
+                .into_iter()
+                .filter(not_precise_capture)
+                .collect();
+        }
+        true
+    });
+    (inferred, generic, params, declared)
 }
 
 // Input:  the keying, the body's binding and the pinned block.

@@ -1,4 +1,5 @@
-//! What the attribute needs to know of the handler it wraps.
+//! Takes apart the handler `#[idempotent]` wraps: checks its shape and finds
+//! its body and `Operation` parameters.
 
 use crate::errors::Errors;
 use syn::spanned::Spanned;

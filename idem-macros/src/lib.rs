@@ -1,5 +1,6 @@
-//! The `#[idempotent]` attribute of idem. Use it through the `idem` crate,
-//! whose documentation describes it: `idem::idempotent`.
+//! The entry point of the `#[idempotent]` attribute of idem, which
+//! `expand::idempotent` expands. Use it through the `idem` crate, whose
+//! documentation describes it: `idem::idempotent`.
 
 mod args;
 mod errors;
