@@ -5,9 +5,10 @@
 // them). What a store implementer needs is under `idem::store`.
 #[cfg(feature = "axum")]
 pub use idem_runtime::{
-    problem, BodyFormat, Classification, Classify, ConfigError, FingerprintBody, Idem, Operation, Problem,
-    Tenant, Unavailable, BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL,
-    LOCK_TIMEOUT_RANGE, MAX_STORED_BODY_LIMIT, PROBLEM_TYPE_PREFIX, REPLAYED_HEADER, TTL_RANGE,
+    parse_duration, problem, BodyFormat, Classification, Classify, ConfigError, FingerprintBody, Idem,
+    Operation, Problem, Tenant, Unavailable, BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT,
+    DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, LOCK_TIMEOUT_RANGE, MAX_STORED_BODY_LIMIT, PROBLEM_TYPE_PREFIX,
+    REPLAYED_HEADER, TTL_RANGE,
 };
 pub use idem_runtime::{purge_expired, IdempotencyStore, Janitor, MemoryStore, StoreError};
 

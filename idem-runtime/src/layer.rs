@@ -32,6 +32,47 @@ impl ConfigError {
     }
 }
 
+/// Parses a duration as the attribute writes it: a positive whole number
+/// followed by `ms`, `s`, `m`, `h` or `d`, such as `30s` or `24h`. For
+/// settings read at run time (an environment variable, a file); the
+/// attribute's own arguments are checked at compile time with the same
+/// grammar.
+///
+/// # Errors
+///
+/// Anything else, zero, or a duration past `u64` milliseconds.
+///
+/// ```
+/// use std::time::Duration;
+/// assert_eq!(idem::parse_duration("24h").unwrap(), Duration::from_secs(86_400));
+/// assert_eq!(idem::parse_duration("250ms").unwrap(), Duration::from_millis(250));
+/// assert!(idem::parse_duration("1.5s").is_err());
+/// assert!(idem::parse_duration("99999999999999999d").is_err());
+/// ```
+pub fn parse_duration(text: &str) -> Result<Duration, ConfigError> {
+    let bad = || {
+        ConfigError(format!(
+            "invalid duration `{text}`: use a positive whole number followed by `ms`, `s`, `m`, `h` or `d`, \
+             such as `30s`"
+        ))
+    };
+    let digits_end = text.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+    let (number, unit) = text.split_at(digits_end);
+    let number: u64 = number.parse().map_err(|_| bad())?;
+    let factor: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(bad()),
+    };
+    match number.checked_mul(factor) {
+        Some(millis) if millis > 0 => Ok(Duration::from_millis(millis)),
+        _ => Err(bad()),
+    }
+}
+
 /// `100ms`, `1s`, `365d`: how the attribute writes durations.
 fn human(d: Duration) -> String {
     let ms = d.as_millis();

@@ -60,8 +60,9 @@ pub use store::{IdempotencyStore, MemoryStore, StoreError};
 pub use classify::{Classification, Classify};
 #[cfg(feature = "axum")]
 pub use layer::{
-    ConfigError, Idem, Tenant, BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_STORED_BODY,
-    DEFAULT_TTL, LOCK_TIMEOUT_RANGE, MAX_STORED_BODY_LIMIT, REPLAYED_HEADER, TTL_RANGE,
+    parse_duration, ConfigError, Idem, Tenant, BODY_OMITTED_HEADER, DEFAULT_LOCK_TIMEOUT,
+    DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, LOCK_TIMEOUT_RANGE, MAX_STORED_BODY_LIMIT, REPLAYED_HEADER,
+    TTL_RANGE,
 };
 #[cfg(feature = "axum")]
 pub use operation::Operation;
