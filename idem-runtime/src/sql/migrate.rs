@@ -1,0 +1,178 @@
+//! The records table's schema versions: the list of migrations, applying
+//! those not yet applied, and checking a table against the latest version.
+
+use super::map_err;
+use crate::store::StoreError;
+
+/// One schema change: a new file for every change, never an edited one.
+/// `{table}` and `{index}` stand for the configured, quoted names.
+#[derive(Clone, Copy, Debug)]
+pub struct Migration {
+    /// Applied in this order; recorded in `<table>_migrations`.
+    pub version: i64,
+    /// What it does.
+    pub name: &'static str,
+    /// Its SQL.
+    pub sql: &'static str,
+}
+
+/// The migrations of the records table, in order, for the dialect whose
+/// files are in `migrations/<dir>/`: the one list of versions and names.
+macro_rules! migrations {
+    ($dir:literal) => {
+        &[
+            $crate::sql::Migration {
+                version: 1,
+                name: "create idempotency keys",
+                sql: include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0001_create_idempotency_keys.sql"
+                )),
+            },
+            $crate::sql::Migration {
+                version: 2,
+                name: "add taken_over",
+                sql: include_str!(concat!("../../migrations/", $dir, "/0002_add_taken_over.sql")),
+            },
+            $crate::sql::Migration {
+                version: 3,
+                name: "ensure expiry index",
+                sql: include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0003_ensure_expiry_index.sql"
+                )),
+            },
+        ]
+    };
+}
+pub(crate) use migrations;
+
+/// Applies the migrations not yet applied, in a transaction `$tx` that
+/// holds the store's migration lock, then checks the table. A table made
+/// by a build from before the migrations table existed is recognised by its
+/// columns. Probes that may fail run in a savepoint (PostgreSQL aborts a
+/// transaction on an error otherwise).
+macro_rules! migrate_in {
+    ($self:ident, $tx:ident) => {{
+        use sqlx::Acquire as _;
+        let sql = &$self.sql;
+        let run = |statement: &str| sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned()));
+        run(&sql.create_versions)
+            .execute(&mut *$tx)
+            .await
+            .map_err($crate::sql::map_err)?;
+        let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
+            .fetch_all(&mut *$tx)
+            .await
+            .map_err($crate::sql::map_err)?;
+        let mut current = applied.last().copied().unwrap_or(0);
+        let mut exists = $tx.begin().await.map_err($crate::sql::map_err)?;
+        let table_exists = run(&sql.table_exists).execute(&mut *exists).await.is_ok();
+        exists.rollback().await.map_err($crate::sql::map_err)?;
+        if !table_exists {
+            // Never made, or dropped since: every migration runs (again).
+            current = 0;
+        } else if current == 0 {
+            // Made before versions were recorded: what is there already?
+            for (version, probe) in [(1, &sql.table_exists), (2, &sql.has_taken_over)] {
+                let mut savepoint = $tx.begin().await.map_err($crate::sql::map_err)?;
+                let found = run(probe).execute(&mut *savepoint).await.is_ok();
+                savepoint.rollback().await.map_err($crate::sql::map_err)?;
+                if !found {
+                    break;
+                }
+                current = version;
+            }
+        }
+        let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
+        if current > latest {
+            return Err($crate::StoreError::backend(format!(
+                "the table {} is at schema version {current}, newer than this build of idem knows \
+                 ({latest}): upgrade idem",
+                sql.table
+            )));
+        }
+        for (migration, text) in &sql.migrations {
+            if migration.version > current {
+                run(text).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
+            }
+            if !applied.contains(&migration.version) {
+                sqlx::query(sqlx::AssertSqlSafe(sql.record_version.as_str()))
+                    .bind(migration.version)
+                    .bind(migration.name)
+                    .execute(&mut *$tx)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+            }
+        }
+        $tx.commit().await.map_err($crate::sql::map_err)?;
+        $self.check_schema().await
+    }};
+}
+pub(crate) use migrate_in;
+
+/// Checks that the table has every column this build needs, at the latest
+/// schema version.
+macro_rules! check_schema {
+    () => {
+        /// Checks that the table matches what this build of idem needs (every
+        /// migration applied): a service should refuse to start otherwise.
+        /// [`migrate`](Self::migrate) ends with it.
+        ///
+        /// # Errors
+        ///
+        /// [`StoreError::Backend`](crate::StoreError::Backend) naming the table and what
+        /// is missing, or [`StoreError::Unavailable`](crate::StoreError::Unavailable).
+        pub async fn check_schema(&self) -> Result<(), $crate::StoreError> {
+            let sql = &self.sql;
+            let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
+            let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
+            let current = applied.last().copied().unwrap_or(0);
+            if current != latest {
+                return Err($crate::StoreError::backend(format!(
+                    "the table {} is at schema version {current}, this build of idem needs {latest}: \
+                     run migrate()",
+                    sql.table
+                )));
+            }
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql.has_columns.clone()))
+                .execute(&self.pool)
+                .await
+                .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
+            // A column of someone else's that every row must fill would make
+            // every reservation fail.
+            let unknown: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.unknown_required.as_str()))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
+            if !unknown.is_empty() {
+                return Err($crate::StoreError::backend(format!(
+                    "the table {} has columns idem does not fill and that have no default: {}; give them a \
+                     default or drop them",
+                    sql.table,
+                    unknown.join(", ")
+                )));
+            }
+            Ok(())
+        }
+    };
+}
+pub(crate) use check_schema;
+
+/// A schema check that failed: unreachable, or a table that does not match.
+pub(crate) fn schema_error(table: &str, latest: i64, e: sqlx::Error) -> StoreError {
+    match map_err(e) {
+        StoreError::Backend { reason, source } => StoreError::Backend {
+            reason: format!(
+                "the table {table} does not match schema version {latest} of idem ({reason}): run migrate()"
+            ),
+            source,
+        },
+        other => other,
+    }
+}

@@ -1,0 +1,406 @@
+//! Running the statements: a reservation that may outlive its caller, the
+//! fenced writes shared by both SQL stores, row and error mapping, and the
+//! bound on each store operation.
+
+use crate::store::{RecordState, StoreError, StoredResponse};
+use std::future::Future;
+use std::time::Duration;
+
+/// A reservation request that owns its parts, for a reservation that may
+/// outlive its caller.
+pub(crate) struct OwnedReserve {
+    id: crate::store::RecordId,
+    fingerprint: String,
+    token: String,
+    ttl: std::time::Duration,
+    lock_timeout: std::time::Duration,
+}
+
+impl OwnedReserve {
+    pub(crate) fn request(&self) -> crate::store::ReserveRequest<'_> {
+        crate::store::ReserveRequest {
+            id: &self.id,
+            fingerprint: &self.fingerprint,
+            token: &self.token,
+            ttl: self.ttl,
+            lock_timeout: self.lock_timeout,
+        }
+    }
+}
+
+/// Runs a reservation so that a timeout never leaves it half-done. Past
+/// `limit` the caller gets [`StoreError::Unavailable`], but the statements
+/// are not cancelled (a cancelled statement may still commit on the server,
+/// after anything the caller does to undo it): they run on in the
+/// background, and if they took the key after all, it is given back at once
+/// by a release fenced by the reservation's token. Statements still running
+/// a lock timeout later are abandoned.
+pub(crate) async fn reserve_detached<S>(
+    store: &S,
+    limit: std::time::Duration,
+    req: crate::store::ReserveRequest<'_>,
+    run: impl FnOnce(
+        S,
+        OwnedReserve,
+    ) -> crate::store::BoxFuture<'static, Result<crate::store::Reservation, StoreError>>,
+) -> Result<crate::store::Reservation, StoreError>
+where
+    S: crate::IdempotencyStore + Clone,
+{
+    use crate::store::Reservation;
+    let owned = OwnedReserve {
+        id: req.id.clone(),
+        fingerprint: req.fingerprint.to_owned(),
+        token: req.token.to_owned(),
+        ttl: req.ttl,
+        lock_timeout: req.lock_timeout,
+    };
+    let mut running = run(store.clone(), owned);
+    match tokio::time::timeout(limit, &mut running).await {
+        Ok(answer) => answer,
+        Err(_) => {
+            let (store, id, token) = (store.clone(), req.id.clone(), req.token.to_owned());
+            let hold = req.lock_timeout.max(limit);
+            let undo = async move {
+                let until = tokio::time::Instant::now() + hold;
+                let late = tokio::time::timeout(hold, running).await;
+                let took = !matches!(
+                    late,
+                    Ok(Ok(Reservation::Completed(_)
+                        | Reservation::InProgress { .. }
+                        | Reservation::Mismatch))
+                );
+                let mut pause = std::time::Duration::from_millis(100);
+                while took && tokio::time::Instant::now() < until {
+                    match store.release(&id, &token).await {
+                        Ok(()) => {
+                            tracing::warn!("a reservation answered after its timeout; gave the key back");
+                            return;
+                        }
+                        Err(StoreError::LockLost) => return,
+                        Err(_) => {
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(std::time::Duration::from_secs(2));
+                        }
+                    }
+                }
+            };
+            tokio::spawn(tracing::Instrument::in_current_span(undo));
+            Err(StoreError::unavailable(format!(
+                "no answer within {} ms",
+                limit.as_millis()
+            )))
+        }
+    }
+}
+
+/// Maps a sqlx error: connection-level failures are [`StoreError::Unavailable`]
+/// (the request is refused with 503 and may be retried), the rest
+/// [`StoreError::Backend`].
+pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
+    use sqlx::Error as E;
+    let unavailable = match &e {
+        E::Io(_) | E::Tls(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed => true,
+        E::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            // PostgreSQL: 08 connection, 53 resources, 57P0x shutdown/crash;
+            // SQLite: 5 busy, 6 locked (the busy timeout ran out).
+            code.starts_with("08")
+                || code.starts_with("53")
+                || code.starts_with("57P0")
+                || code == "5"
+                || code == "6"
+                || code.starts_with("5/")
+                || code.starts_with("6/")
+        }
+        _ => false,
+    };
+    let reason = e.to_string();
+    if unavailable {
+        StoreError::unavailable(reason).with_source(e)
+    } else {
+        StoreError::backend(reason).with_source(e)
+    }
+}
+
+/// The fenced writes and the purge, the same text for both SQL stores.
+/// Expects `self.pool`, `self.sql: Statements` and `self.timeout`.
+macro_rules! fenced_ops {
+    () => {
+        fn complete<'a>(
+            &'a self,
+            id: &'a $crate::store::RecordId,
+            token: &'a str,
+            response: &'a $crate::store::StoredResponse,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
+                self.complete_with(&self.pool, id, token, response).await?;
+                pause_point!($crate::pause::COMPLETE_AFTER, &id.key);
+                Ok(())
+            }))
+        }
+
+        fn release<'a>(
+            &'a self,
+            id: &'a $crate::store::RecordId,
+            token: &'a str,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
+                $crate::sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
+                pause_point!($crate::pause::RELEASE_AFTER, &id.key);
+                Ok(())
+            }))
+        }
+
+        fn reject<'a>(
+            &'a self,
+            id: &'a $crate::store::RecordId,
+            token: &'a str,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
+                if self.owned_write(&self.sql.reject, id, token).await? == 0 {
+                    // A later attempt (or a lost lock): released as failed.
+                    $crate::sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
+                }
+                pause_point!($crate::pause::REJECT_AFTER, &id.key);
+                Ok(())
+            }))
+        }
+
+        fn checkpoint<'a>(
+            &'a self,
+            id: &'a $crate::store::RecordId,
+            token: &'a str,
+            recovery_point: &'a str,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.checkpoint.as_str()))
+                    .bind(&id.tenant)
+                    .bind(&id.scope)
+                    .bind(&id.key)
+                    .bind(token)
+                    .bind(recovery_point)
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                $crate::sql::fenced(done.rows_affected())?;
+                pause_point!($crate::pause::CHECKPOINT_AFTER, &id.key);
+                Ok(())
+            }))
+        }
+
+        fn extend_lock<'a>(
+            &'a self,
+            id: &'a $crate::store::RecordId,
+            token: &'a str,
+            lock_timeout: std::time::Duration,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
+                    .bind(&id.tenant)
+                    .bind(&id.scope)
+                    .bind(&id.key)
+                    .bind(token)
+                    .bind($crate::sql::millis(lock_timeout))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                $crate::sql::fenced(done.rows_affected())?;
+                pause_point!($crate::pause::EXTEND_AFTER, &id.key);
+                Ok(())
+            }))
+        }
+
+        fn purge_expired(&self, batch: u32) -> $crate::store::BoxFuture<'_, Result<u64, $crate::StoreError>> {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
+                    .bind(i64::from(batch))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                pause_point!($crate::pause::PURGE_AFTER, &self.sql.table);
+                Ok(done.rows_affected())
+            }))
+        }
+    };
+}
+pub(crate) use fenced_ops;
+
+/// The completion statement on any executor of the store's database: the
+/// pool, or the handler's open transaction.
+macro_rules! complete_with {
+    ($db:ty) => {
+        /// Runs `statement` (binds: tenant, scope, key, token) on the pool
+        /// and says how many rows it changed.
+        async fn owned_write(
+            &self,
+            statement: &str,
+            id: &$crate::store::RecordId,
+            token: &str,
+        ) -> Result<u64, $crate::StoreError> {
+            let done = sqlx::query(sqlx::AssertSqlSafe(statement))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .bind(token)
+                .execute(&self.pool)
+                .await
+                .map_err($crate::sql::map_err)?;
+            Ok(done.rows_affected())
+        }
+
+        pub(crate) async fn complete_with<'e, E>(
+            &self,
+            executor: E,
+            id: &$crate::store::RecordId,
+            token: &str,
+            response: &$crate::store::StoredResponse,
+        ) -> Result<(), $crate::StoreError>
+        where
+            E: sqlx::Executor<'e, Database = $db>,
+        {
+            let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .bind(token)
+                .bind(i32::from(response.status))
+                .bind(response.headers_to_json())
+                .bind(response.body.as_deref())
+                .execute(executor)
+                .await
+                .map_err($crate::sql::map_err)?;
+            $crate::sql::fenced(done.rows_affected())
+        }
+    };
+}
+pub(crate) use complete_with;
+
+/// A fenced write that touched no row lost its lock.
+pub(crate) fn fenced(rows: u64) -> Result<(), StoreError> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::LockLost)
+    }
+}
+
+/// Reads the row of an existing record that was not taken.
+pub(crate) fn judge_row<R>(row: &R, fingerprint: &str) -> Result<crate::store::Reservation, StoreError>
+where
+    R: sqlx::Row,
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<i64>: sqlx::Decode<'r, R::Database>,
+    for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database>,
+    for<'r> Vec<u8>: sqlx::Type<R::Database>,
+{
+    let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
+    let stored_fp: String = row.try_get("fingerprint").map_err(get_err)?;
+    let state: String = row.try_get("state").map_err(get_err)?;
+    let lock_left: i64 = row.try_get("lock_left_ms").map_err(get_err)?;
+    let completed = if state == RecordState::COMPLETED_COLUMN {
+        Some(crate::store::StoredResponse::from_columns(
+            row.try_get("response_status").map_err(get_err)?,
+            row.try_get("response_headers").map_err(get_err)?,
+            row.try_get("response_body").map_err(get_err)?,
+        )?)
+    } else {
+        None
+    };
+    Ok(crate::store::judge_existing(
+        stored_fp == fingerprint,
+        completed,
+        std::time::Duration::from_millis(u64::try_from(lock_left).unwrap_or(0)),
+    ))
+}
+
+/// Reads the row of a record the caller just took.
+pub(crate) fn lease_from_row<R>(row: &R, token: String) -> Result<crate::store::Lease, StoreError>
+where
+    R: sqlx::Row,
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
+    let attempt: i32 = row.try_get("attempt").map_err(get_err)?;
+    let taken_over: i32 = row.try_get("taken_over").map_err(get_err)?;
+    Ok(crate::store::Lease {
+        token,
+        attempt: u32::try_from(attempt).unwrap_or(1),
+        takeover: taken_over != 0,
+        recovery_point: row.try_get("recovery_point").map_err(get_err)?,
+        operation_id: row.try_get("operation_id").map_err(get_err)?,
+    })
+}
+
+// The SQL stores' column mapping.
+impl StoredResponse {
+    /// The headers as a JSON array of `[name, value]` strings, each value
+    /// byte one character of the same number (U+0000 to U+00FF): ASCII
+    /// values read as they are, and every byte comes back.
+    pub(crate) fn headers_to_json(&self) -> String {
+        let latin1: Vec<(&str, String)> = self
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.iter().map(|&b| char::from(b)).collect()))
+            .collect();
+        serde_json::to_string(&latin1).unwrap_or_else(|_| "[]".to_owned())
+    }
+
+    pub(crate) fn from_columns(
+        status: Option<i64>,
+        headers: Option<String>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Self, StoreError> {
+        let status = status
+            .and_then(|s| u16::try_from(s).ok())
+            .ok_or_else(|| StoreError::backend("completed record without a status"))?;
+        let unreadable = |why: String| StoreError::backend(format!("stored headers unreadable: {why}"));
+        let headers = match headers {
+            Some(json) => {
+                let latin1: Vec<(String, String)> =
+                    serde_json::from_str(&json).map_err(|e| unreadable(e.to_string()))?;
+                latin1
+                    .into_iter()
+                    .map(|(n, v)| {
+                        let bytes: Option<Vec<u8>> =
+                            v.chars().map(|c| u8::try_from(u32::from(c)).ok()).collect();
+                        bytes
+                            .map(|b| (n, b))
+                            .ok_or_else(|| unreadable("a value beyond one byte a character".into()))
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            None => Vec::new(),
+        };
+        Ok(StoredResponse {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
+/// Bounds a store operation by `limit`: past it, [`StoreError::Unavailable`].
+pub(crate) async fn bounded<T>(
+    limit: Duration,
+    fut: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(result) => result,
+        Err(_) => Err(StoreError::unavailable(format!(
+            "no answer within {} ms",
+            limit.as_millis()
+        ))),
+    }
+}
+
+/// Milliseconds as the stores bind them.
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
