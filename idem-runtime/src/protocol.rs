@@ -281,16 +281,15 @@ pub(crate) async fn finish(
     let (response, declared) = match outcome {
         Ok(pair) => pair,
         Err(panic) => {
-            tracing::error!(panic = %panic_message(&*panic), "handler panicked; releasing the key");
-            return let_go(
+            return panicked(
                 engine,
                 info,
                 lock_timeout,
                 tx,
-                Problem::HandlerFailed.into_response(),
-                LetGo::Fail,
+                "the handler",
+                panic_message(&*panic),
             )
-            .await;
+            .await
         }
     };
     let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
@@ -312,16 +311,15 @@ pub(crate) async fn finish(
     {
         Ok(collected) => collected,
         Err(panic) => {
-            tracing::error!(panic = %panic_message(&*panic), "the response body panicked; releasing the key");
-            return let_go(
+            return panicked(
                 engine,
                 info,
                 lock_timeout,
                 tx,
-                Problem::HandlerFailed.into_response(),
-                LetGo::Fail,
+                "the response body",
+                panic_message(&*panic),
             )
-            .await;
+            .await
         }
     };
     let mut stored = StoredResponse {
@@ -413,4 +411,26 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_default()
+}
+
+/// A handler or response body that panicked: the key is released as failed
+/// and the client gets 500 `handler-failed`.
+async fn panicked(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    tx: Option<PendingTx>,
+    what: &str,
+    panic: String,
+) -> Response {
+    tracing::error!(panic = %panic, "{what} panicked; releasing the key");
+    let_go(
+        engine,
+        info,
+        lock_timeout,
+        tx,
+        Problem::HandlerFailed.into_response(),
+        LetGo::Fail,
+    )
+    .await
 }
