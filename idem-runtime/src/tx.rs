@@ -9,7 +9,6 @@ use crate::IdempotencyStore;
 
 /// A handler's open transaction, held until the runtime knows the outcome.
 pub(crate) enum PendingTx {
-    /// With the store's bound on one operation.
     /// With the store it was opened on, which also completes the record.
     #[cfg(feature = "postgres")]
     Pg(sqlx::Transaction<'static, sqlx::Postgres>, crate::PgStore),
