@@ -145,12 +145,27 @@ pub(crate) fn write_string(out: &mut String, s: &str) {
 }
 
 /// The canonical text of a JSON number as written: the ECMAScript text of
-/// its double (Rust's parser rounds correctly), or, for an integer no double
-/// holds exactly, its exact digits followed by `.0`.
+/// its double (Rust's parser rounds correctly), except for an integer (in
+/// digits, or digits and `.0`) whose digits that text would change: it keeps
+/// its exact digits followed by `.0`, so that two integers never share a
+/// text. Integers a double holds exactly whose text has an exponent (`1e21`
+/// and up) take that text. Every canonical text is its own canonical text.
 fn number(lexeme: &str) -> Result<String, String> {
     let v: f64 = lexeme.parse().map_err(|_| format!("invalid number {lexeme}"))?;
-    if !lexeme.contains(['.', 'e', 'E']) && !holds_exactly(v, lexeme) {
-        return Ok(format!("{lexeme}.0"));
+    let digits = lexeme.strip_suffix(".0").unwrap_or(lexeme);
+    if !digits.contains(['.', 'e', 'E']) {
+        if v == 0.0 {
+            return Ok("0".into());
+        }
+        let text = v.is_finite().then(|| ecmascript(v));
+        let keeps = match &text {
+            Some(t) => t == digits || (t.contains('e') && holds_exactly(v, digits)),
+            None => false,
+        };
+        return Ok(match text {
+            Some(t) if keeps => t,
+            _ => format!("{digits}.0"),
+        });
     }
     if !v.is_finite() {
         return Err(format!("the number {lexeme} is beyond the range of a double"));
@@ -158,13 +173,11 @@ fn number(lexeme: &str) -> Result<String, String> {
     Ok(ecmascript(v))
 }
 
-/// Whether the double `v` is exactly the integer `lexeme` (JSON digits,
-/// perhaps with a minus): Rust writes a double's exact decimal value.
-fn holds_exactly(v: f64, lexeme: &str) -> bool {
-    if v == 0.0 {
-        return lexeme.trim_start_matches('-') == "0";
-    }
-    v.is_finite() && format!("{v:.0}") == lexeme
+/// Whether the finite, non-zero double `v` is exactly the integer `digits`
+/// (JSON digits, perhaps with a minus): Rust writes a double's exact
+/// decimal value.
+fn holds_exactly(v: f64, digits: &str) -> bool {
+    format!("{v:.0}") == digits
 }
 
 /// ECMAScript's `Number.prototype.toString` of a finite double.
@@ -406,9 +419,12 @@ mod tests {
             ("123.456e-10", "1.23456e-8"),
             ("9007199254740992", "9007199254740992"),
             ("9007199254740993", "9007199254740993.0"),
-            ("1152921504606846976", "1152921504606847000"),
-            ("1152921504606846976.0", "1152921504606847000"),
-            ("1152921504606847000", "1152921504606847000.0"),
+            ("1152921504606846976", "1152921504606846976.0"),
+            ("1152921504606846976.0", "1152921504606846976.0"),
+            ("1152921504606846976.00", "1152921504606847000"),
+            ("1152921504606847000", "1152921504606847000"),
+            ("-146880264381457820", "-146880264381457820"),
+            ("-146880264381457824", "-146880264381457824.0"),
             ("1000000000000000000000", "1e+21"),
             (
                 "170141183460469212842221372237303250944",

@@ -1,0 +1,264 @@
+//! Property tests of what parses untrusted input: the key grammar, the
+//! canonical JSON encoder, the duration grammar, and the problem bodies.
+//! `PROPTEST_CASES` sets the number of cases (256 by default); the script
+//! `scripts/fuzz.sh` runs them for a fixed time with many more.
+
+use axum::response::IntoResponse as _;
+use idem::fingerprint::canonical_json;
+use idem::key::{IdempotencyKey, KeyError};
+use idem::{parse_duration, Problem};
+use proptest::prelude::*;
+use serde_json::Value;
+
+/// The key grammar, written again from the README: a bare token of 1 to 255
+/// visible ASCII characters without `,`, `"` or `\`, or the same token as an
+/// RFC 8941 string.
+fn key_oracle(raw: &[u8]) -> Option<String> {
+    let content: Vec<u8> = if raw.first() == Some(&b'"') {
+        let inner = raw.strip_prefix(b"\"")?.strip_suffix(b"\"")?;
+        let mut out = Vec::new();
+        let mut it = inner.iter();
+        while let Some(&c) = it.next() {
+            match c {
+                b'\\' => match it.next() {
+                    Some(&e @ (b'"' | b'\\')) => out.push(e),
+                    _ => return None,
+                },
+                b'"' => return None,
+                0x20..=0x7e => out.push(c),
+                _ => return None,
+            }
+        }
+        out
+    } else {
+        raw.to_vec()
+    };
+    let ok = !content.is_empty()
+        && content.len() <= 255
+        && content
+            .iter()
+            .all(|&b| (0x21..=0x7e).contains(&b) && !matches!(b, b',' | b'"' | b'\\'));
+    ok.then(|| String::from_utf8(content).unwrap())
+}
+
+/// Header values near the grammar's edges: mostly visible ASCII, with
+/// quotes, backslashes, commas, spaces and any byte mixed in.
+fn key_bytes() -> impl Strategy<Value = Vec<u8>> {
+    let byte = prop_oneof![
+        8 => 0x21u8..=0x7e,
+        1 => Just(b'"'),
+        1 => Just(b'\\'),
+        1 => Just(b','),
+        1 => Just(b' '),
+        1 => any::<u8>(),
+    ];
+    (proptest::collection::vec(byte, 0..300), any::<bool>()).prop_map(|(mut v, quote)| {
+        if quote {
+            v.insert(0, b'"');
+            v.push(b'"');
+        }
+        v
+    })
+}
+
+/// Any JSON value whose numbers a double holds exactly.
+fn json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        (-(1i64 << 53)..(1i64 << 53)).prop_map(|n| Value::from(n)),
+        any::<f64>()
+            .prop_filter("finite", |f| f.is_finite())
+            .prop_map(|f| Value::from(f)),
+        "\\PC{0,12}".prop_map(Value::String),
+    ];
+    leaf.prop_recursive(4, 64, 6, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            proptest::collection::btree_map("\\PC{0,8}", inner, 0..6)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+/// The same value written another way: members in reverse order, spaces
+/// and newlines between tokens, every non-ASCII character escaped, and
+/// whole numbers as `n.0`.
+fn rewrite(v: &Value, out: &mut String) {
+    match v {
+        Value::Null | Value::Bool(_) => out.push_str(&v.to_string()),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => out.push_str(&format!("{i}.0")),
+            None => out.push_str(&format!("{:e}", n.as_f64().unwrap())),
+        },
+        Value::String(s) => escaped(s, out),
+        Value::Array(items) => {
+            out.push_str("[ ");
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(" ,\n");
+                }
+                rewrite(item, out);
+            }
+            out.push_str(" ]");
+        }
+        Value::Object(members) => {
+            out.push_str("{\t");
+            for (i, (k, item)) in members.iter().rev().enumerate() {
+                if i > 0 {
+                    out.push_str(",\r\n ");
+                }
+                escaped(k, out);
+                out.push_str(" : ");
+                rewrite(item, out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+fn escaped(s: &str, out: &mut String) {
+    out.push('"');
+    for unit in s.encode_utf16() {
+        match unit {
+            0x22 => out.push_str("\\\""),
+            0x5c => out.push_str("\\\\"),
+            0x20..=0x7e => out.push(char::from(unit as u8)),
+            _ => out.push_str(&format!("\\u{unit:04x}")),
+        }
+    }
+    out.push('"');
+}
+
+/// The duration grammar, written again: digits, then one unit, positive,
+/// within `u64` milliseconds.
+fn duration_oracle(text: &str) -> Option<u64> {
+    let split = text.find(|c: char| !c.is_ascii_digit())?;
+    let (digits, unit) = text.split_at(split);
+    let factor = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return None,
+    };
+    let n: u64 = digits.parse().ok()?;
+    n.checked_mul(factor).filter(|&ms| ms > 0)
+}
+
+/// Equal as JSON values, any number equal to any number.
+fn same_shape(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(_), Value::Number(_)) => true,
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_shape(x, y))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_shape(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
+fn problem_body(p: Problem) -> Value {
+    let response = p.into_response();
+    let bytes = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap()
+        .block_on(axum::body::to_bytes(response.into_body(), usize::MAX))
+        .unwrap();
+    serde_json::from_slice(&bytes).expect("a problem body is JSON")
+}
+
+proptest! {
+    #[test]
+    fn the_key_parser_accepts_exactly_the_grammar(raw in key_bytes()) {
+        let parsed = IdempotencyKey::parse(&raw).ok().map(|k| k.as_str().to_owned());
+        prop_assert_eq!(parsed, key_oracle(&raw));
+    }
+
+    #[test]
+    fn a_refused_key_says_why(raw in key_bytes()) {
+        if let Err(e) = IdempotencyKey::parse(&raw) {
+            prop_assert!(e != KeyError::Missing && e != KeyError::Repeated);
+            prop_assert!(!e.to_string().is_empty());
+        }
+    }
+
+    #[test]
+    fn canonical_json_is_idempotent(v in json()) {
+        let once = canonical_json(v.to_string().as_bytes()).unwrap();
+        prop_assert_eq!(canonical_json(once.as_bytes()).unwrap(), once.clone());
+        // The same members and items (numbers are compared by the
+        // equal-values property below: serde_json's parser may round a
+        // double's last digit differently).
+        let back: Value = serde_json::from_str(&once).unwrap();
+        prop_assert!(same_shape(&back, &v), "{} is not {}", back, v);
+    }
+
+    #[test]
+    fn equal_values_written_differently_are_one_canonical_text(v in json()) {
+        let mut other = String::new();
+        rewrite(&v, &mut other);
+        prop_assert_eq!(
+            canonical_json(other.as_bytes()).unwrap(),
+            canonical_json(v.to_string().as_bytes()).unwrap(),
+            "{}", other
+        );
+    }
+
+    #[test]
+    fn the_canonical_encoder_never_panics(raw in proptest::collection::vec(any::<u8>(), 0..400)) {
+        let _ = canonical_json(&raw);
+    }
+
+    #[test]
+    fn the_duration_parser_accepts_exactly_the_grammar(
+        text in prop_oneof![
+            "[0-9]{0,22}(ms|s|m|h|d|)",
+            "[0-9]{1,3}[a-z ]{0,3}",
+            "\\PC{0,8}",
+        ]
+    ) {
+        let parsed = parse_duration(&text).ok().map(|d| d.as_millis() as u64);
+        prop_assert_eq!(parsed, duration_oracle(&text), "{:?}", text);
+    }
+
+    #[test]
+    fn problem_bodies_are_json_whatever_their_detail(why in "\\PC{0,200}", bytes in proptest::collection::vec(any::<u8>(), 0..50)) {
+        let body = problem_body(Problem::BodyInvalid(why.clone()));
+        prop_assert_eq!(body["status"].as_u64(), Some(400));
+        prop_assert!(body["detail"].as_str().unwrap().starts_with(&why));
+        let lossy = String::from_utf8_lossy(&bytes).into_owned();
+        let r = idem::problem(axum::http::StatusCode::BAD_REQUEST, &lossy, &lossy, &lossy);
+        let bytes = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(axum::body::to_bytes(r.into_body(), usize::MAX))
+            .unwrap();
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        prop_assert_eq!(v["title"].as_str(), Some(lossy.as_str()));
+    }
+}
+
+#[test]
+fn every_problem_body_is_json_with_its_status() {
+    for p in Problem::catalog() {
+        let status = p.status().as_u16();
+        let body = problem_body(p);
+        assert_eq!(body["status"].as_u64(), Some(u64::from(status)));
+        assert!(body["type"]
+            .as_str()
+            .unwrap()
+            .starts_with(idem::PROBLEM_TYPE_PREFIX));
+    }
+}
+
+#[test]
+fn nesting_a_hundred_thousand_deep_is_refused_without_overflowing_the_stack() {
+    for open in ["[", "{\"a\":"] {
+        let deep = open.repeat(100_000);
+        assert!(canonical_json(deep.as_bytes()).is_err());
+    }
+}
