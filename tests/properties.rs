@@ -66,10 +66,10 @@ fn json() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
         Just(Value::Null),
         any::<bool>().prop_map(Value::Bool),
-        (-(1i64 << 53)..(1i64 << 53)).prop_map(|n| Value::from(n)),
+        (-(1i64 << 53)..(1i64 << 53)).prop_map(Value::from),
         any::<f64>()
             .prop_filter("finite", |f| f.is_finite())
-            .prop_map(|f| Value::from(f)),
+            .prop_map(Value::from),
         "\\PC{0,12}".prop_map(Value::String),
     ];
     leaf.prop_recursive(4, 64, 6, |inner| {
