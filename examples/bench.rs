@@ -11,12 +11,10 @@
 //! work. The HTTP figures compare a protected handler with the same handler
 //! unprotected, over loopback.
 
-#[path = "support/client.rs"]
-mod client;
-
 use axum::{routing::post, Json, Router};
 use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::{idempotent, Idem, IdempotencyStore};
+use idem_testkit::http;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -190,12 +188,12 @@ async fn http_overhead(store: Arc<dyn IdempotencyStore>) {
             .as_nanos()
     );
     let baseline =
-        mean(|_| async { assert_eq!(client::post("/plain", body).send(addr).await.status, 201) }).await;
+        mean(|_| async { assert_eq!(http::post("/plain", body).send(addr).await.status, 201) }).await;
     let first = mean(|i| {
         let key = format!("{run}-{i}");
         async move {
             assert_eq!(
-                client::post("/protected", body).key(&key).send(addr).await.status,
+                http::post("/protected", body).key(&key).send(addr).await.status,
                 201
             )
         }
@@ -204,7 +202,7 @@ async fn http_overhead(store: Arc<dyn IdempotencyStore>) {
     let replay = mean(|i| {
         let key = format!("{run}-{i}");
         async move {
-            let r = client::post("/protected", body).key(&key).send(addr).await;
+            let r = http::post("/protected", body).key(&key).send(addr).await;
             assert_eq!(r.header("idempotent-replayed"), Some("true"));
         }
     })

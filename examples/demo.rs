@@ -7,12 +7,10 @@
 //! DATABASE_URL=postgres://postgres@127.0.0.1/test cargo run --example demo
 //! ```
 
-#[path = "support/client.rs"]
-mod client;
 #[path = "support/service.rs"]
 mod service;
 
-use client::{get, post, Reply};
+use idem_testkit::http::{get, post, Reply};
 use std::net::SocketAddr;
 use std::time::Duration;
 

@@ -1,5 +1,5 @@
 //! Shared set-up for the integration tests: real stores only.
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use idem::{PgStore, SqliteStore};
 use std::time::Duration;
@@ -105,5 +105,4 @@ pub async fn sqlite_store() -> (SqliteStore, tempfile::TempDir) {
 }
 
 /// The raw HTTP/1.1 client, shared with the demo.
-#[path = "../../examples/support/client.rs"]
-pub mod http;
+pub use idem_testkit::http;

@@ -1,22 +1,25 @@
 //! One HTTP/1.1 exchange over a fresh TCP connection, written by hand so
 //! that tests can send what a well-behaved client library refuses to (a
 //! header twice, raw bytes) and can hang up mid-request. Shared by the
-//! demo and the tests.
-#![allow(dead_code, unreachable_pub, missing_docs)]
+//! demo, the bench and the tests.
 
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// A whole answer, as read off the connection.
 #[derive(Debug, Clone)]
 pub struct Reply {
+    /// The status code.
     pub status: u16,
     /// Lowercase names, in the order received.
     pub headers: Vec<(String, String)>,
+    /// The body, de-chunked if it was sent chunked.
     pub body: Vec<u8>,
 }
 
 impl Reply {
+    /// The value of the first header named `name` (lowercase).
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
@@ -24,6 +27,7 @@ impl Reply {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The body as JSON, or `Null` if it is not JSON.
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
     }
@@ -36,18 +40,25 @@ impl Reply {
             "{self:?}"
         );
         let t = self.json()["type"].as_str().unwrap_or_default().to_owned();
-        t.strip_prefix(idem::PROBLEM_TYPE_PREFIX).unwrap_or(&t).to_owned()
+        t.strip_prefix(idem_runtime::PROBLEM_TYPE_PREFIX)
+            .unwrap_or(&t)
+            .to_owned()
     }
 }
 
 /// A request under construction.
 pub struct Request {
+    /// `GET` or `POST`.
     method: &'static str,
+    /// The path and query, as sent.
     path: String,
+    /// Names and raw values, in the order they are sent.
     headers: Vec<(String, Vec<u8>)>,
+    /// The body, sent with its `content-length`.
     body: Vec<u8>,
 }
 
+/// A POST of a JSON `body` to `path`.
 pub fn post(path: &str, body: &str) -> Request {
     Request {
         method: "POST",
@@ -57,6 +68,7 @@ pub fn post(path: &str, body: &str) -> Request {
     }
 }
 
+/// A GET of `path`, without a body.
 pub fn get(path: &str) -> Request {
     Request {
         method: "GET",
@@ -67,6 +79,7 @@ pub fn get(path: &str) -> Request {
 }
 
 impl Request {
+    /// Adds a header; a name given twice is sent twice.
     pub fn header(mut self, name: &str, value: impl AsRef<[u8]>) -> Self {
         self.headers.push((name.to_owned(), value.as_ref().to_vec()));
         self
@@ -78,14 +91,17 @@ impl Request {
         self.header("content-type", value)
     }
 
+    /// Sets the `Idempotency-Key` header.
     pub fn key(self, key: &str) -> Self {
         self.header("Idempotency-Key", key)
     }
 
+    /// Sets `Authorization: Bearer <token>`.
     pub fn bearer(self, token: &str) -> Self {
         self.header("Authorization", format!("Bearer {token}"))
     }
 
+    /// The request on the wire, with `connection: close` and its length.
     fn bytes(&self, addr: std::net::SocketAddr) -> Vec<u8> {
         let mut out = format!(
             "{} {} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n",
@@ -157,6 +173,7 @@ impl Request {
     }
 }
 
+/// Splits a whole answer into status, headers and (de-chunked) body.
 fn parse(raw: &[u8]) -> Reply {
     let split = raw
         .windows(4)
@@ -183,6 +200,7 @@ fn parse(raw: &[u8]) -> Reply {
     }
 }
 
+/// The payload of a chunked body.
 fn dechunk(mut data: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     loop {
