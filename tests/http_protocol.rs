@@ -2,16 +2,14 @@
 //! loopback port, a client on a raw socket), on SQLite and PostgreSQL: every
 //! row of contract sections 2, 5 and 6.
 
-mod common;
-
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use common::http::{post as post_req, serve, Reply};
 use idem::{idempotent, Classification, Classify, Idem, IdempotencyStore, Operation, Tenant};
+use idem_testkit::http::{post as post_req, serve, Reply};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -581,7 +579,7 @@ async fn a_stale_lock_is_taken_over_with_the_next_attempt(h: Harness) {
     let req = idem::store::ReserveRequest {
         id: &id,
         fingerprint: &fp,
-        token: common::token(),
+        token: idem_testkit::token(),
         ttl: Duration::from_secs(3600),
         lock_timeout: Duration::from_millis(300),
     };
@@ -741,7 +739,7 @@ macro_rules! protocol {
 }
 
 protocol!(sqlite, {
-    let (store, dir) = common::sqlite_store().await;
+    let (store, dir) = idem_testkit::sqlite_store().await;
     Some((
         Arc::new(store) as Arc<dyn IdempotencyStore>,
         Box::new(dir) as Box<dyn std::any::Any + Send>,
@@ -750,7 +748,7 @@ protocol!(sqlite, {
 
 protocol!(
     postgres,
-    common::pg_store().await.map(|s| {
+    idem_testkit::pg_store().await.map(|s| {
         (
             Arc::new(s) as Arc<dyn IdempotencyStore>,
             Box::new(()) as Box<dyn std::any::Any + Send>,

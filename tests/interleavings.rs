@@ -2,8 +2,6 @@
 //! (PostgreSQL) pin the races of the record protocol that timing alone
 //! rarely produces.
 
-mod common;
-
 use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::IdempotencyStore;
 use sqlx::Connection as _;
@@ -15,7 +13,7 @@ fn req<'a>(id: &'a RecordId, fp: &'a str, ttl: Duration) -> ReserveRequest<'a> {
     ReserveRequest {
         id,
         fingerprint: fp,
-        token: common::token(),
+        token: idem_testkit::token(),
         ttl,
         lock_timeout: LONG,
     }
@@ -74,9 +72,9 @@ async fn expired_record(store: &dyn IdempotencyStore, id: &RecordId) {
 /// record when it resumes.
 #[tokio::test]
 async fn postgres_the_janitor_never_deletes_a_record_reserved_afresh_while_it_waited() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
-    let store = std::sync::Arc::new(common::pg_store_in(&url, &schema, 8).await);
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = std::sync::Arc::new(idem_testkit::pg_store_in(&url, &schema, 8).await);
     let id = RecordId::new("t", "s", "janitor-race");
     expired_record(&*store, &id).await;
 
@@ -117,9 +115,9 @@ async fn postgres_the_janitor_never_deletes_a_record_reserved_afresh_while_it_wa
 /// the expired row its statement first saw.
 #[tokio::test]
 async fn postgres_the_loser_of_a_race_for_an_expired_record_is_judged_on_the_winners_row() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
-    let store = std::sync::Arc::new(common::pg_store_in(&url, &schema, 8).await);
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = std::sync::Arc::new(idem_testkit::pg_store_in(&url, &schema, 8).await);
     for (case, loser_fp, expected) in [
         ("same-body", "fp-b", "in progress"),
         ("old-body", "fp-a", "mismatch"),
@@ -720,9 +718,9 @@ async fn every_schedule(s: &Subject) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_every_pair_of_steps_at_every_pause_point_is_linearizable() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
-    let store = common::pg_store_in(&url, &schema, 8).await;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 8).await;
     let s = Subject {
         pool: SubjectPool::Pg(store.pool().clone()),
         store: std::sync::Arc::new(store),
@@ -735,7 +733,7 @@ async fn postgres_every_pair_of_steps_at_every_pause_point_is_linearizable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_every_pair_of_steps_at_every_pause_point_is_linearizable() {
-    let (store, _dir) = common::sqlite_store().await;
+    let (store, _dir) = idem_testkit::sqlite_store().await;
     let s = Subject {
         pool: SubjectPool::Sqlite(store.pool().clone()),
         store: std::sync::Arc::new(store),

@@ -4,8 +4,6 @@
 //! will not be replayed. Races are pinned with pause points and row locks,
 //! never with sleeps that hope for an ordering.
 
-mod common;
-
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
@@ -13,11 +11,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
-use common::http::post as post_req;
 use futures_util::StreamExt as _;
 use idem::store::{RecordId, StoredResponse};
 use idem::{idempotent, Idem, IdempotencyStore, Operation, StoreError};
 use idem_runtime::pause;
+use idem_testkit::http::post as post_req;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -378,7 +376,7 @@ impl Harness {
         use sqlx::Connection as _;
         match &self.db {
             Db::Pg(_, schema) => {
-                let mut c = sqlx::PgConnection::connect(&common::pg_url().unwrap())
+                let mut c = sqlx::PgConnection::connect(&idem_testkit::pg_url().unwrap())
                     .await
                     .unwrap();
                 sqlx::query("BEGIN").execute(&mut c).await.unwrap();
@@ -444,9 +442,9 @@ impl Holder {
 async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
     let (store, db, dir): (Arc<dyn IdempotencyStore>, Db, _) = match kind {
         "postgres" => {
-            let url = common::pg_url()?;
-            let schema = common::pg_schema(&url).await;
-            let store = common::pg_store_in(&url, &schema, 8)
+            let url = idem_testkit::pg_url()?;
+            let schema = idem_testkit::pg_schema(&url).await;
+            let store = idem_testkit::pg_store_in(&url, &schema, 8)
                 .await
                 .with_timeout(store_timeout);
             let pool = store.pool().clone();
@@ -459,7 +457,7 @@ async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
             (Arc::new(store), Db::Pg(pool, schema), None)
         }
         "sqlite" => {
-            let (store, dir) = common::sqlite_store().await;
+            let (store, dir) = idem_testkit::sqlite_store().await;
             let store = store.with_timeout(store_timeout);
             let pool = store.pool().clone();
             (Arc::new(store), Db::Sqlite(pool), Some(dir))
@@ -505,7 +503,7 @@ async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
         .layer(idem.layer())
         .layer(middleware::from_fn_with_state(app.clone(), watch_drops))
         .with_state(app.clone());
-    let addr = common::http::serve(router).await;
+    let addr = idem_testkit::http::serve(router).await;
     Some(Harness {
         addr,
         app,
@@ -848,7 +846,7 @@ async fn problem_types_can_point_to_the_applications_documentation() {
     let router = Router::new()
         .route("/plain", post(plain_for_problems))
         .layer(idem.layer());
-    let addr = common::http::serve(router).await;
+    let addr = idem_testkit::http::serve(router).await;
     let missing = post_req("/plain", "").send(addr).await;
     assert_eq!(missing.status, 400);
     assert_eq!(
@@ -990,7 +988,7 @@ async fn postgres_a_blocked_transactional_completion_answers_503_in_time() {
         tokio::spawn(async move { post_req("/tx", "").key("k-tx").send(addr).await })
     };
     h.told("in_tx").await;
-    let mut locker = sqlx::PgConnection::connect(&common::pg_url().unwrap())
+    let mut locker = sqlx::PgConnection::connect(&idem_testkit::pg_url().unwrap())
         .await
         .unwrap();
     sqlx::query("BEGIN").execute(&mut locker).await.unwrap();

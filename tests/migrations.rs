@@ -2,8 +2,6 @@
 //! table that does not match refuses to serve with a clear error, and names
 //! derived from the table's never truncate.
 
-mod common;
-
 use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::{IdempotencyStore, PgStore, SqliteStore};
 use sqlx::Executor as _;
@@ -33,7 +31,7 @@ fn req<'a>(id: &'a RecordId, fp: &'a str) -> ReserveRequest<'a> {
     ReserveRequest {
         id,
         fingerprint: fp,
-        token: common::token(),
+        token: idem_testkit::token(),
         ttl: LONG,
         lock_timeout: LONG,
     }
@@ -68,8 +66,8 @@ async fn serves_after_the_upgrade(store: &dyn IdempotencyStore) {
 
 #[tokio::test]
 async fn postgres_the_first_released_schema_upgrades_and_serves() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let t = format!("\"{schema}\".\"idempotency_keys\"");
     pool.execute(sqlx::AssertSqlSafe(V1_POSTGRES.replace("{t}", &t)))
@@ -132,8 +130,8 @@ async fn sqlite_a_table_from_before_versions_were_recorded_is_recognised() {
 /// serve, and says what to do.
 #[tokio::test]
 async fn postgres_a_table_that_does_not_match_refuses_to_start() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let store = PgStore::new(pool.clone())
         .with_table(Some(&schema), "idempotency_keys")
@@ -156,8 +154,8 @@ async fn postgres_a_table_that_does_not_match_refuses_to_start() {
 /// Two processes (pools) migrating at once: one applies, both serve.
 #[tokio::test]
 async fn postgres_concurrent_migrations_apply_once() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
     let stores: Vec<PgStore> = futures_util::future::join_all((0..4).map(|_| {
         let (url, schema) = (url.clone(), schema.clone());
         async move {
@@ -177,8 +175,8 @@ async fn postgres_concurrent_migrations_apply_once() {
 /// whose names fit, and a long table of an earlier build upgrades.
 #[tokio::test]
 async fn postgres_long_table_names_get_their_index_and_upgrade() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let too_long = "t".repeat(idem::migrations::MAX_TABLE_NAME + 1);
     let err = PgStore::new(pool.clone())
@@ -227,7 +225,7 @@ async fn postgres_long_table_names_get_their_index_and_upgrade() {
 /// A table dropped after it was migrated is made again by `migrate()`.
 #[tokio::test]
 async fn sqlite_a_dropped_table_is_made_again() {
-    let (store, _dir) = common::sqlite_store().await;
+    let (store, _dir) = idem_testkit::sqlite_store().await;
     store.pool().execute("DROP TABLE idempotency_keys").await.unwrap();
     assert!(store.check_schema().await.is_err());
     store.migrate().await.unwrap();
@@ -242,8 +240,8 @@ async fn sqlite_a_dropped_table_is_made_again() {
 /// check, not at the first request.
 #[tokio::test]
 async fn postgres_an_extra_required_column_refuses_to_start() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let store = PgStore::new(pool.clone())
         .with_table(Some(&schema), "idempotency_keys")

@@ -3,15 +3,13 @@
 //! keys and recovery points survive a takeover, and the janitor purges in
 //! batches without touching a live lock.
 
-mod common;
-
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
-use common::http::{post as post_req, serve};
 use idem::store::{RecordId, Reservation, ReserveRequest};
 use idem::{idempotent, Idem, IdempotencyStore, Operation};
+use idem_testkit::http::{post as post_req, serve};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -125,15 +123,15 @@ async fn harness(store: Arc<dyn IdempotencyStore>, db: Db) -> std::net::SocketAd
 }
 
 async fn sqlite() -> (Arc<dyn IdempotencyStore>, Db, tempfile::TempDir) {
-    let (store, dir) = common::sqlite_store().await;
+    let (store, dir) = idem_testkit::sqlite_store().await;
     let db = Db::Sqlite(store.pool().clone());
     (Arc::new(store), db, dir)
 }
 
 async fn postgres() -> Option<(Arc<dyn IdempotencyStore>, Db, ())> {
-    let url = common::pg_url()?;
-    let schema = common::pg_schema(&url).await;
-    let store = common::pg_store_in(&url, &schema, 10).await;
+    let url = idem_testkit::pg_url()?;
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 10).await;
     let db = Db::Pg(store.pool().clone(), schema);
     Some((Arc::new(store), db, ()))
 }
@@ -218,7 +216,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
         let req = ReserveRequest {
             id: &id,
             fingerprint: "f",
-            token: common::token(),
+            token: idem_testkit::token(),
             ttl: short,
             lock_timeout: short,
         };
@@ -238,7 +236,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
     let req = ReserveRequest {
         id: &live,
         fingerprint: "f",
-        token: common::token(),
+        token: idem_testkit::token(),
         ttl: short,
         lock_timeout: long,
     };
@@ -250,7 +248,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
     let req = ReserveRequest {
         id: &kept,
         fingerprint: "f",
-        token: common::token(),
+        token: idem_testkit::token(),
         ttl: long,
         lock_timeout: short,
     };
@@ -276,7 +274,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
     let req = ReserveRequest {
         id: &live,
         fingerprint: "f",
-        token: common::token(),
+        token: idem_testkit::token(),
         ttl: long,
         lock_timeout: long,
     };
@@ -288,7 +286,7 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
     let req = ReserveRequest {
         id: &kept,
         fingerprint: "f",
-        token: common::token(),
+        token: idem_testkit::token(),
         ttl: long,
         lock_timeout: long,
     };

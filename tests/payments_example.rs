@@ -2,9 +2,7 @@
 //! separate processes on SQLite and PostgreSQL, driven over HTTP, killed
 //! with SIGKILL mid-payment and restarted.
 
-mod common;
-
-use common::http::{get, post, Reply};
+use idem_testkit::http::{get, post, Reply};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -111,8 +109,8 @@ impl Store {
     /// The test database, in a schema of its own (through `search_path`),
     /// so that tests run in parallel and never meet an older run's tables.
     async fn postgres() -> Option<Store> {
-        let url = common::pg_url()?;
-        let schema = common::pg_schema(&url).await;
+        let url = idem_testkit::pg_url()?;
+        let schema = idem_testkit::pg_schema(&url).await;
         let sep = if url.contains('?') { '&' } else { '?' };
         Some(Store::Postgres(format!(
             "{url}{sep}options=-c%20search_path%3D{schema}"
@@ -192,7 +190,7 @@ async fn storm(addrs: &[SocketAddr], tenant: &str, n: usize) -> (usize, usize, u
 
 async fn twenty_concurrent_requests_make_one_charge(store: Store) {
     let svc = Service::start(&store.url(), &[("PAYMENTS_GATEWAY_DELAY_MS", "800")]).await;
-    let tenant = common::unique("storm");
+    let tenant = idem_testkit::unique("storm");
     let (executed, replayed, conflicts, others) = storm(&[svc.addr], &tenant, 20).await;
     assert_eq!((executed, replayed, conflicts, others), (1, 0, 19, vec![]));
     let (charges, calls, balance) = ledger(svc.addr, &tenant).await;
@@ -204,7 +202,7 @@ async fn twenty_concurrent_requests_make_one_charge(store: Store) {
 /// same request continues the operation, and the ledger shows one charge.
 async fn a_failed_payment_retried_with_another_amount_gets_422_and_one_charge(store: Store) {
     let svc = Service::start(&store.url(), &[("PAYMENTS_FAULT_LEDGER_ONCE", "1")]).await;
-    let tenant = common::unique("bound");
+    let tenant = idem_testkit::unique("bound");
     let failed = pay(svc.addr, &tenant, "k-bound", 4990).await;
     assert_eq!(failed.status, 503, "{failed:?}");
     let other = pay(svc.addr, &tenant, "k-bound", 9990).await;
@@ -220,7 +218,7 @@ async fn a_failed_payment_retried_with_another_amount_gets_422_and_one_charge(st
 /// another payment's refund is another request (422), never a replay.
 async fn a_refund_key_reused_on_another_payment_gets_422(store: Store) {
     let svc = Service::start(&store.url(), &[]).await;
-    let tenant = common::unique("refund");
+    let tenant = idem_testkit::unique("refund");
     let a = pay(svc.addr, &tenant, "pay-a", 1000).await.json()["id"]
         .as_str()
         .unwrap()
@@ -247,7 +245,7 @@ async fn a_refund_key_reused_on_another_payment_gets_422(store: Store) {
 /// never goes below zero.
 async fn payments_near_the_balance_never_charge_without_a_payment(store: Store) {
     let svc = Service::start(&store.url(), &[]).await;
-    let tenant = common::unique("near");
+    let tenant = idem_testkit::unique("near");
     let replies = futures_util::future::join_all((0..15).map(|i| {
         let (addr, tenant) = (svc.addr, tenant.clone());
         async move { pay(addr, &tenant, &format!("near-{i}"), 100_000).await }
@@ -277,7 +275,7 @@ async fn payments_near_the_balance_never_charge_without_a_payment(store: Store) 
 /// the balance is given back, and the retry replays without calling it.
 async fn a_declined_retry_never_calls_the_gateway_again(store: Store) {
     let svc = Service::start(&store.url(), &[]).await;
-    let tenant = common::unique("declined");
+    let tenant = idem_testkit::unique("declined");
     let body = r#"{"amount": 500, "currency": "EUR", "recipient": "acct_declined"}"#;
     let first = post("/v1/payments", body)
         .bearer(&tenant)
@@ -302,7 +300,7 @@ async fn a_declined_retry_never_calls_the_gateway_again(store: Store) {
 /// case-insensitive, and `GET /health` answers without credentials.
 async fn the_example_answers_input_errors_and_outages_alike_on_every_store(store: Store) {
     let svc = Service::start(&store.url(), &[]).await;
-    let tenant = common::unique("edges");
+    let tenant = idem_testkit::unique("edges");
     let paid = post("/v1/payments", &payment(1000))
         .header("authorization", format!("bearer {tenant}"))
         .key("k-lower")
@@ -384,7 +382,7 @@ async fn postgres_two_instances_split_forty_requests_and_make_one_charge() {
     let env = [("PAYMENTS_GATEWAY_DELAY_MS", "800")];
     let url = store.url();
     let (a, b) = tokio::join!(Service::start(&url, &env), Service::start(&url, &env));
-    let tenant = common::unique("two_instances");
+    let tenant = idem_testkit::unique("two_instances");
     let (executed, replayed, conflicts, others) = storm(&[a.addr, b.addr], &tenant, 40).await;
     assert_eq!(executed, 1);
     assert_eq!(replayed + conflicts, 39, "others: {others:?}");
@@ -398,7 +396,7 @@ async fn sqlite_two_processes_on_one_file_share_their_records() {
     let store = Store::sqlite();
     let url = store.url();
     let (a, b) = tokio::join!(Service::start(&url, &[]), Service::start(&url, &[]));
-    let tenant = common::unique("two_files");
+    let tenant = idem_testkit::unique("two_files");
     let first = pay(a.addr, &tenant, "k", 100).await;
     let again = pay(b.addr, &tenant, "k", 100).await;
     assert_eq!((first.status, again.status), (201, 201));
@@ -423,7 +421,7 @@ async fn wait_for_charge(addr: SocketAddr, tenant: &str) {
 /// from the recovery point, reuses the derived key, and completes.
 async fn a_crash_after_the_charge_is_taken_over_without_a_second_charge(store: Store) {
     let url = store.url();
-    let tenant = common::unique("crash_charge");
+    let tenant = idem_testkit::unique("crash_charge");
     let lock = [("IDEM_LOCK_TIMEOUT", "2s")];
     let svc = Service::start(&url, &[lock[0], ("PAYMENTS_FAULT_AFTER_CHARGE_MS", "60000")]).await;
     let addr = svc.addr;
@@ -465,7 +463,7 @@ async fn a_crash_after_the_charge_is_taken_over_without_a_second_charge(store: S
 /// the row nor the completion exists; the retry executes once.
 async fn a_crash_before_the_commit_leaves_nothing_behind(store: Store) {
     let url = store.url();
-    let tenant = common::unique("crash_commit");
+    let tenant = idem_testkit::unique("crash_commit");
     let lock = ("IDEM_LOCK_TIMEOUT", "2s");
     let svc = Service::start(&url, &[lock, ("PAYMENTS_FAULT_BEFORE_COMMIT_MS", "60000")]).await;
     let addr = svc.addr;
@@ -503,7 +501,7 @@ async fn sqlite_the_example_answers_as_its_readme_says() {
     let store = Store::sqlite();
     let svc = Service::start(&store.url(), &[]).await;
     let addr = svc.addr;
-    let t = common::unique("contract");
+    let t = idem_testkit::unique("contract");
 
     let anon = post("/v1/payments", &payment(1)).key("k").send(addr).await;
     assert_eq!(anon.status, 401);

@@ -3,19 +3,17 @@
 //! and fingerprints that survive deploys that do not change a request's
 //! meaning.
 
-mod common;
-
 use axum::extract::Path;
 use axum::routing::post;
 use axum::{Form, Json, Router};
-use common::http::{post as post_req, Reply};
 use idem::{idempotent, Idem, IdempotencyStore, MemoryStore};
+use idem_testkit::http::{post as post_req, Reply};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 /// Serves `router` with idem over `store` (single tenant).
 async fn serve(store: &Arc<dyn IdempotencyStore>, router: Router) -> SocketAddr {
-    common::http::serve(router.layer(Idem::from_arc(store.clone()).single_tenant().layer())).await
+    idem_testkit::http::serve(router.layer(Idem::from_arc(store.clone()).single_tenant().layer())).await
 }
 
 fn memory() -> Arc<dyn IdempotencyStore> {

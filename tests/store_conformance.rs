@@ -1,8 +1,6 @@
 //! One conformance suite for the record protocol, run against every store:
 //! memory, SQLite (a temp file) and PostgreSQL (`DATABASE_URL`, own schema).
 
-mod common;
-
 use idem::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::{IdempotencyStore, StoreError};
 use std::sync::Arc;
@@ -14,7 +12,7 @@ fn req<'a>(id: &'a RecordId, fp: &'a str, ttl: Duration, lock: Duration) -> Rese
     ReserveRequest {
         id,
         fingerprint: fp,
-        token: common::token(),
+        token: idem_testkit::token(),
         ttl,
         lock_timeout: lock,
     }
@@ -458,7 +456,7 @@ conformance!(sqlite, {
 
 conformance!(
     postgres,
-    common::pg_store()
+    idem_testkit::pg_store()
         .await
         .map(|s| (Arc::new(s) as Arc<dyn IdempotencyStore>, ()))
 );
@@ -466,11 +464,11 @@ conformance!(
 /// 200 reservers over 4 separate pools, as 4 server processes would be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_two_hundred_reservers_over_four_pools_get_exactly_one() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
     let mut stores: Vec<Arc<dyn IdempotencyStore>> = Vec::new();
     for _ in 0..4 {
-        stores.push(Arc::new(common::pg_store_in(&url, &schema, 10).await));
+        stores.push(Arc::new(idem_testkit::pg_store_in(&url, &schema, 10).await));
     }
     concurrent_reservers_get_exactly_one(stores, 200).await;
 }
@@ -610,9 +608,9 @@ async fn sqlite_reserver_process() {
 /// all it takes, while this process's clock has not moved.
 #[tokio::test]
 async fn postgres_the_database_clock_decides_expiry() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
-    let store = common::pg_store_in(&url, &schema, 2).await;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
     let id = RecordId::new("t", "clock", "k");
     let first = take(&store, &id, "fp", LONG, LONG).await;
     store.complete(&id, &first.token, &response("old")).await.unwrap();
@@ -635,7 +633,7 @@ async fn postgres_the_database_clock_decides_expiry() {
 
 #[tokio::test]
 async fn sqlite_the_database_clock_decides_expiry() {
-    let (store, _dir) = common::sqlite_store().await;
+    let (store, _dir) = idem_testkit::sqlite_store().await;
     let id = RecordId::new("t", "clock", "k");
     let first = take(&store, &id, "fp", LONG, LONG).await;
     store.complete(&id, &first.token, &response("old")).await.unwrap();
@@ -651,8 +649,8 @@ async fn sqlite_the_database_clock_decides_expiry() {
 /// a change of daylight saving).
 #[tokio::test]
 async fn postgres_retention_is_exact_in_a_time_zone_with_daylight_saving() {
-    let Some(url) = common::pg_url() else { return };
-    let schema = common::pg_schema(&url).await;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .after_connect(|conn, _| {
             Box::pin(async move {

@@ -3,5 +3,14 @@
 //!
 //! - [`http`]: a raw HTTP/1.1 client, for requests a client library refuses
 //!   to send.
+//! - Fresh stores on real databases: [`sqlite_store`] on a temporary file,
+//!   [`pg_store`] in a schema of its own in `DATABASE_URL` (skipped without
+//!   it, unless `IDEM_REQUIRE_POSTGRES=1`: see [`pg_url`]).
+//! - Names that no concurrent test shares: [`unique`], [`token`].
 
 pub mod http;
+mod names;
+mod stores;
+
+pub use names::{token, unique};
+pub use stores::{pg_schema, pg_store, pg_store_in, pg_url, sqlite_store};

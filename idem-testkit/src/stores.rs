@@ -1,7 +1,8 @@
-//! Shared set-up for the integration tests: real stores only.
-#![allow(dead_code, unreachable_pub, unused_imports)]
+//! Fresh stores for tests, on real databases only: SQLite on a temporary
+//! file, PostgreSQL in a schema of its own in `DATABASE_URL`.
 
-use idem::{PgStore, SqliteStore};
+use crate::unique;
+use idem_runtime::{PgStore, SqliteStore};
 use std::time::Duration;
 
 /// `DATABASE_URL`, or `None` after one loud line. With
@@ -17,27 +18,6 @@ pub fn pg_url() -> Option<String> {
             None
         }
     }
-}
-
-/// A unique name for a schema, table or file.
-pub fn unique(prefix: &str) -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!(
-        "{prefix}_{}_{}_{}",
-        std::process::id(),
-        nanos % 1_000_000_000,
-        N.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
-/// A fresh lock token for one reservation (leaked: tests are short-lived).
-pub fn token() -> &'static str {
-    Box::leak(unique("token").into_boxed_str())
 }
 
 /// A fresh schema in the test database, so tests run in parallel. Its name
@@ -90,6 +70,8 @@ pub async fn pg_store_in(url: &str, schema: &str, connections: u32) -> PgStore {
     store
 }
 
+/// A PostgreSQL store in a fresh schema, on a pool of 25; `None` without
+/// `DATABASE_URL` (see [`pg_url`]).
 pub async fn pg_store() -> Option<PgStore> {
     let url = pg_url()?;
     let schema = pg_schema(&url).await;
@@ -103,6 +85,3 @@ pub async fn sqlite_store() -> (SqliteStore, tempfile::TempDir) {
     store.migrate().await.unwrap();
     (store, dir)
 }
-
-/// The raw HTTP/1.1 client, shared with the demo.
-pub use idem_testkit::http;
