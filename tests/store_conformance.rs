@@ -3,6 +3,7 @@
 
 use idem::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::{IdempotencyStore, StoreError};
+use idem_testkit::{Fixture, StoreKind};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -47,7 +48,8 @@ fn response(tag: &str) -> StoredResponse {
 }
 
 /// Absent, then in_progress, then completed with the stored answer.
-async fn moves_through_absent_in_progress_and_completed(s: &dyn IdempotencyStore) {
+async fn moves_through_absent_in_progress_and_completed(f: Fixture) {
+    let s = &*f.store;
     let id = RecordId::new("t1", "payment.create", "k1");
     let lease = take(s, &id, "fp", LONG, Duration::from_secs(30)).await;
     assert_eq!(lease.attempt, 1);
@@ -81,7 +83,8 @@ async fn moves_through_absent_in_progress_and_completed(s: &dyn IdempotencyStore
 
 /// The stored answer comes back byte for byte, even bytes that are not UTF-8,
 /// and a body that was too large to keep comes back as `None`.
-async fn replays_every_body_byte_and_header(s: &dyn IdempotencyStore) {
+async fn replays_every_body_byte_and_header(f: Fixture) {
+    let s = &*f.store;
     let id = RecordId::new("t1", "s", "bytes");
     let lease = take(s, &id, "fp", LONG, LONG).await;
     let stored = StoredResponse {
@@ -116,7 +119,8 @@ async fn replays_every_body_byte_and_header(s: &dyn IdempotencyStore) {
 }
 
 /// A different fingerprint is a mismatch in any state.
-async fn refuses_a_different_fingerprint_in_every_state(s: &dyn IdempotencyStore) {
+async fn refuses_a_different_fingerprint_in_every_state(f: Fixture) {
+    let s = &*f.store;
     let id = RecordId::new("t1", "payment.create", "k2");
     let lease = take(s, &id, "fp-a", LONG, LONG).await;
     assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
@@ -134,7 +138,8 @@ async fn refuses_a_different_fingerprint_in_every_state(s: &dyn IdempotencyStore
 /// continues the same operation (its derived keys stay the same: a release
 /// after an external effect cannot cause a second one), while another
 /// request with the key is a mismatch. A rejection frees the key.
-async fn release_lets_the_next_request_run(s: &dyn IdempotencyStore) {
+async fn release_lets_the_next_request_run(f: Fixture) {
+    let s = &*f.store;
     let id = RecordId::new("t1", "s", "k4");
     let first = take(s, &id, "fp-a", LONG, LONG).await;
     s.checkpoint(&id, &first.token, "charged").await.unwrap();
@@ -182,7 +187,8 @@ async fn release_lets_the_next_request_run(s: &dyn IdempotencyStore) {
 }
 
 /// A record past its TTL counts as absent: a new operation with a new id.
-async fn treats_a_record_past_its_ttl_as_absent(s: &dyn IdempotencyStore) {
+async fn treats_a_record_past_its_ttl_as_absent(f: Fixture) {
+    let s = &*f.store;
     let id = RecordId::new("t1", "s", "k5");
     let ttl = Duration::from_millis(300);
     let first = take(s, &id, "fp-a", ttl, LONG).await;
@@ -201,7 +207,8 @@ async fn treats_a_record_past_its_ttl_as_absent(s: &dyn IdempotencyStore) {
 
 /// An answer is kept a whole TTL from its completion, not from its first
 /// reservation: a slow execution's answer is still replayed right after.
-async fn an_answer_is_kept_a_whole_ttl_from_its_completion(s: &dyn IdempotencyStore) {
+async fn an_answer_is_kept_a_whole_ttl_from_its_completion(f: Fixture) {
+    let s = &*f.store;
     let id = RecordId::new("t1", "s", "k-ttl-completion");
     let ttl = Duration::from_millis(400);
     let lease = take(s, &id, "fp", ttl, LONG).await;
@@ -218,7 +225,8 @@ async fn an_answer_is_kept_a_whole_ttl_from_its_completion(s: &dyn IdempotencySt
 /// An execution that crashed after an effect is kept a whole TTL past its
 /// lock deadline: its retry continues the same operation (same id and
 /// recovery point), even past the record's TTL, and the janitor keeps it.
-async fn a_crashed_operation_outlives_its_ttl_for_its_retry(s: &dyn IdempotencyStore) {
+async fn a_crashed_operation_outlives_its_ttl_for_its_retry(f: Fixture) {
+    let s = &*f.store;
     let id = RecordId::new("t1", "crash", "k-ttl-crash");
     let (ttl, lock) = (Duration::from_millis(300), Duration::from_millis(200));
     let dead = take(s, &id, "fp", ttl, lock).await;
@@ -244,7 +252,8 @@ async fn a_crashed_operation_outlives_its_ttl_for_its_retry(s: &dyn IdempotencyS
 
 /// A lock past its deadline is taken over: new token, attempt + 1, recovery
 /// point and operation id kept; the old token can then do nothing.
-async fn takes_over_a_stale_lock_and_fences_the_old_owner(s: &dyn IdempotencyStore) {
+async fn takes_over_a_stale_lock_and_fences_the_old_owner(f: Fixture) {
+    let s = &*f.store;
     let id = RecordId::new("t1", "s", "k6");
     let lock = Duration::from_millis(200);
     let old = take(s, &id, "fp", LONG, lock).await;
@@ -289,7 +298,8 @@ async fn takes_over_a_stale_lock_and_fences_the_old_owner(s: &dyn IdempotencySto
 }
 
 /// Extending the lock keeps a slow but living owner from being taken over.
-async fn an_extended_lock_is_not_taken_over(s: &dyn IdempotencyStore) {
+async fn an_extended_lock_is_not_taken_over(f: Fixture) {
+    let s = &*f.store;
     let id = RecordId::new("t1", "s", "k7");
     let lease = take(s, &id, "fp", LONG, Duration::from_millis(300)).await;
     tokio::time::sleep(Duration::from_millis(150)).await;
@@ -304,7 +314,8 @@ async fn an_extended_lock_is_not_taken_over(s: &dyn IdempotencyStore) {
 }
 
 /// The same key under another tenant or scope is another operation.
-async fn isolates_tenants_and_scopes(s: &dyn IdempotencyStore) {
+async fn isolates_tenants_and_scopes(f: Fixture) {
+    let s = &*f.store;
     let a = RecordId::new("tenant-a", "payment.create", "same-key");
     let b = RecordId::new("tenant-b", "payment.create", "same-key");
     let c = RecordId::new("tenant-a", "refund.create", "same-key");
@@ -336,7 +347,8 @@ async fn isolates_tenants_and_scopes(s: &dyn IdempotencyStore) {
 }
 
 /// Purge removes expired records in bounded batches and never a live lock.
-async fn purges_in_batches_and_never_a_live_lock(s: &dyn IdempotencyStore) {
+async fn purges_in_batches_and_never_a_live_lock(f: Fixture) {
+    let s = &*f.store;
     let short = Duration::from_millis(100);
     for i in 0..3 {
         let id = RecordId::new("t1", "purge", format!("done-{i}"));
@@ -390,53 +402,16 @@ async fn concurrent_reservers_get_exactly_one(stores: Vec<Arc<dyn IdempotencySto
     assert_eq!((reserved, in_progress), (1, n - 1));
 }
 
-macro_rules! conformance {
-    ($store:ident, $make:expr) => {
-        conformance!(@cases $store, $make;
-            moves_through_absent_in_progress_and_completed,
-            replays_every_body_byte_and_header,
-            refuses_a_different_fingerprint_in_every_state,
-            release_lets_the_next_request_run,
-            treats_a_record_past_its_ttl_as_absent,
-            takes_over_a_stale_lock_and_fences_the_old_owner,
-            an_answer_is_kept_a_whole_ttl_from_its_completion,
-            a_crashed_operation_outlives_its_ttl_for_its_retry,
-            an_extended_lock_is_not_taken_over,
-            isolates_tenants_and_scopes,
-            purges_in_batches_and_never_a_live_lock,
-        );
-    };
-    (@cases $store:ident, $make:expr; $($case:ident,)*) => {
-        mod $store {
-            use super::*;
-
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    let Some((store, _guard)) = ($make) else { return };
-                    super::$case(&*store).await;
-                }
-            )*
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn twenty_concurrent_reservers_get_exactly_one() {
-                let Some((store, _guard)) = ($make) else { return };
-                super::concurrent_reservers_get_exactly_one(vec![store], 20).await;
-            }
-        }
-    };
+async fn twenty_concurrent_reservers_get_exactly_one(f: Fixture) {
+    concurrent_reservers_get_exactly_one(vec![f.store], 20).await;
 }
 
-conformance!(
-    memory,
-    Some((
-        Arc::new(idem::MemoryStore::new()) as Arc<dyn IdempotencyStore>,
-        ()
-    ))
-);
-
-conformance!(sqlite, {
-    // A pool of 20, so every reserver of the race has its own connection.
+/// The store of `kind`; SQLite on a pool of 20, so every reserver of the
+/// race has its own connection.
+async fn fixture(kind: StoreKind) -> Option<Fixture> {
+    if kind != StoreKind::Sqlite {
+        return kind.fixture().await;
+    }
     let dir = tempfile::tempdir().unwrap();
     let options = sqlx::sqlite::SqliteConnectOptions::new()
         .filename(dir.path().join("idem.db"))
@@ -451,15 +426,31 @@ conformance!(sqlite, {
         .unwrap();
     let store = idem::SqliteStore::new(pool).with_timeout(Duration::from_secs(15));
     store.migrate().await.unwrap();
-    Some((Arc::new(store) as Arc<dyn IdempotencyStore>, dir))
-});
+    Some(Fixture {
+        store: Arc::new(store),
+        dir: Some(dir),
+    })
+}
 
-conformance!(
-    postgres,
-    idem_testkit::pg_store()
-        .await
-        .map(|s| (Arc::new(s) as Arc<dyn IdempotencyStore>, ()))
-);
+idem_testkit::for_each_store! {
+    stores: [memory, sqlite, postgres],
+    setup: |kind| fixture(kind).await,
+    worker_threads: 4,
+    cases: [
+        moves_through_absent_in_progress_and_completed,
+        replays_every_body_byte_and_header,
+        refuses_a_different_fingerprint_in_every_state,
+        release_lets_the_next_request_run,
+        treats_a_record_past_its_ttl_as_absent,
+        takes_over_a_stale_lock_and_fences_the_old_owner,
+        an_answer_is_kept_a_whole_ttl_from_its_completion,
+        a_crashed_operation_outlives_its_ttl_for_its_retry,
+        an_extended_lock_is_not_taken_over,
+        isolates_tenants_and_scopes,
+        purges_in_batches_and_never_a_live_lock,
+        twenty_concurrent_reservers_get_exactly_one,
+    ],
+}
 
 /// 200 reservers over 4 separate pools, as 4 server processes would be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -6,11 +6,14 @@
 //! - Fresh stores on real databases: [`sqlite_store`] on a temporary file,
 //!   [`pg_store`] in a schema of its own in `DATABASE_URL` (skipped without
 //!   it, unless `IDEM_REQUIRE_POSTGRES=1`: see [`pg_url`]).
+//! - One [`Fixture`] per [`StoreKind`], and [`for_each_store!`] to run a
+//!   suite's cases on each.
 //! - Names that no concurrent test shares: [`unique`], [`token`].
 
+mod each_store;
 pub mod http;
 mod names;
 mod stores;
 
 pub use names::{token, unique};
-pub use stores::{pg_schema, pg_store, pg_store_in, pg_url, sqlite_store};
+pub use stores::{pg_schema, pg_store, pg_store_in, pg_url, sqlite_store, Fixture, StoreKind};

@@ -1,9 +1,61 @@
-//! Fresh stores for tests, on real databases only: SQLite on a temporary
+//! Fresh stores for tests, one per kind: in memory, SQLite on a temporary
 //! file, PostgreSQL in a schema of its own in `DATABASE_URL`.
 
 use crate::unique;
-use idem_runtime::{PgStore, SqliteStore};
+use idem_runtime::{IdempotencyStore, MemoryStore, PgStore, SqliteStore};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// The kinds of store a suite runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreKind {
+    /// [`MemoryStore`], in the test process.
+    Memory,
+    /// [`SqliteStore`] on a temporary file ([`sqlite_store`]).
+    Sqlite,
+    /// [`PgStore`] in a fresh schema of `DATABASE_URL` ([`pg_store`]).
+    Postgres,
+}
+
+impl StoreKind {
+    /// A fresh store of this kind. `None` for PostgreSQL when
+    /// `DATABASE_URL` is not set, unless `IDEM_REQUIRE_POSTGRES=1`, which
+    /// panics instead (see [`pg_url`]).
+    pub async fn fixture(self) -> Option<Fixture> {
+        Some(match self {
+            StoreKind::Memory => Fixture::memory(),
+            StoreKind::Sqlite => {
+                let (store, dir) = sqlite_store().await;
+                Fixture {
+                    store: Arc::new(store),
+                    dir: Some(dir),
+                }
+            }
+            StoreKind::Postgres => Fixture {
+                store: Arc::new(pg_store().await?),
+                dir: None,
+            },
+        })
+    }
+}
+
+/// A store for one test, and the directory it lives in, if any.
+pub struct Fixture {
+    /// The store under test.
+    pub store: Arc<dyn IdempotencyStore>,
+    /// A SQLite store's temporary directory, removed when the fixture drops.
+    pub dir: Option<tempfile::TempDir>,
+}
+
+impl Fixture {
+    /// A fresh [`MemoryStore`].
+    pub fn memory() -> Fixture {
+        Fixture {
+            store: Arc::new(MemoryStore::new()),
+            dir: None,
+        }
+    }
+}
 
 /// `DATABASE_URL`, or `None` after one loud line. With
 /// `IDEM_REQUIRE_POSTGRES=1` (CI) a missing URL fails the test instead.
