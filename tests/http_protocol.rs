@@ -10,6 +10,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use idem::{idempotent, Classification, Classify, Idem, IdempotencyStore, Operation, Tenant};
 use idem_testkit::http::{post as post_req, serve, Reply};
+use idem_testkit::{Fixture, StoreKind};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -212,10 +213,10 @@ struct Harness {
     addr: SocketAddr,
     app: App,
     store: Arc<dyn IdempotencyStore>,
-    _guard: Box<dyn std::any::Any + Send>,
+    _dir: Option<tempfile::TempDir>,
 }
 
-async fn start(store: Arc<dyn IdempotencyStore>, guard: Box<dyn std::any::Any + Send>) -> Harness {
+async fn start(Fixture { store, dir }: Fixture) -> Harness {
     let app = App::default();
     // `set-cookie` is never stored: naming it is refused.
     assert!(Idem::from_arc(store.clone())
@@ -231,8 +232,13 @@ async fn start(store: Arc<dyn IdempotencyStore>, guard: Box<dyn std::any::Any + 
         addr,
         app,
         store,
-        _guard: guard,
+        _dir: dir,
     }
+}
+
+/// The harness on a fresh store of `kind`.
+async fn harness(kind: StoreKind) -> Option<Harness> {
+    Some(start(kind.fixture().await?).await)
 }
 
 fn body(amount: i64, recipient: &str) -> String {
@@ -695,66 +701,37 @@ async fn a_retry_after_a_release_keeps_the_derived_keys(h: Harness) {
     assert_ne!(h.app.charge_keys.lock().unwrap()[2], keys[0]);
 }
 
-macro_rules! protocol {
-    ($store:ident, $make:expr) => {
-        protocol!(@cases $store, $make;
-            missing_key_is_400_and_the_handler_does_not_run,
-            invalid_keys_are_400_and_the_handler_does_not_run,
-            a_quoted_key_is_the_same_key,
-            replays_the_stored_response_byte_for_byte,
-            rejects_a_reused_key_with_a_different_body,
-            an_undeclared_field_change_still_replays,
-            a_request_in_progress_is_409_with_retry_after,
-            wait_replays_the_first_execution_once_it_completes,
-            tenants_and_scopes_with_the_same_key_are_isolated,
-            a_business_rejection_is_stored,
-            the_error_type_can_override_the_classification,
-            a_server_error_is_released_so_the_retry_really_retries,
-            a_validation_error_is_released_and_the_fixed_request_may_use_the_key,
-            a_panic_is_released_and_the_server_keeps_serving,
-            a_client_disconnect_does_not_cancel_the_execution,
-            twenty_concurrent_requests_run_the_handler_once,
-            an_oversized_answer_is_never_run_twice,
-            an_optional_handler_runs_unprotected_without_a_key,
-            a_custom_key_header_is_used,
-            a_stale_lock_is_taken_over_with_the_next_attempt,
-            a_slow_handler_keeps_its_lock_while_it_runs,
-            a_new_key_with_the_same_body_is_a_new_operation,
-            a_retry_after_a_release_keeps_the_derived_keys,
-            a_failed_request_stays_bound_to_its_body,
-        );
-    };
-    (@cases $store:ident, $make:expr; $($case:ident,)*) => {
-        mod $store {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    let Some((store, guard)) = ($make) else { return };
-                    super::$case(start(store, guard).await).await;
-                }
-            )*
-        }
-    };
+idem_testkit::for_each_store! {
+    stores: [sqlite, postgres],
+    setup: |kind| harness(kind).await,
+    worker_threads: 4,
+    cases: [
+        missing_key_is_400_and_the_handler_does_not_run,
+        invalid_keys_are_400_and_the_handler_does_not_run,
+        a_quoted_key_is_the_same_key,
+        replays_the_stored_response_byte_for_byte,
+        rejects_a_reused_key_with_a_different_body,
+        an_undeclared_field_change_still_replays,
+        a_request_in_progress_is_409_with_retry_after,
+        wait_replays_the_first_execution_once_it_completes,
+        tenants_and_scopes_with_the_same_key_are_isolated,
+        a_business_rejection_is_stored,
+        the_error_type_can_override_the_classification,
+        a_server_error_is_released_so_the_retry_really_retries,
+        a_validation_error_is_released_and_the_fixed_request_may_use_the_key,
+        a_panic_is_released_and_the_server_keeps_serving,
+        a_client_disconnect_does_not_cancel_the_execution,
+        twenty_concurrent_requests_run_the_handler_once,
+        an_oversized_answer_is_never_run_twice,
+        an_optional_handler_runs_unprotected_without_a_key,
+        a_custom_key_header_is_used,
+        a_stale_lock_is_taken_over_with_the_next_attempt,
+        a_slow_handler_keeps_its_lock_while_it_runs,
+        a_new_key_with_the_same_body_is_a_new_operation,
+        a_retry_after_a_release_keeps_the_derived_keys,
+        a_failed_request_stays_bound_to_its_body,
+    ],
 }
-
-protocol!(sqlite, {
-    let (store, dir) = idem_testkit::sqlite_store().await;
-    Some((
-        Arc::new(store) as Arc<dyn IdempotencyStore>,
-        Box::new(dir) as Box<dyn std::any::Any + Send>,
-    ))
-});
-
-protocol!(
-    postgres,
-    idem_testkit::pg_store().await.map(|s| {
-        (
-            Arc::new(s) as Arc<dyn IdempotencyStore>,
-            Box::new(()) as Box<dyn std::any::Any + Send>,
-        )
-    })
-);
 
 #[tokio::test]
 async fn a_store_that_is_down_answers_503_and_the_handler_does_not_run() {
@@ -764,7 +741,11 @@ async fn a_store_that_is_down_answers_503_and_the_handler_does_not_run() {
     let store = idem::PgStore::connect(&format!("postgres://postgres@127.0.0.1:{port}/test"))
         .unwrap()
         .with_timeout(Duration::from_millis(300));
-    let h = start(Arc::new(store), Box::new(())).await;
+    let h = start(Fixture {
+        store: Arc::new(store),
+        dir: None,
+    })
+    .await;
     let r = pay_req(&h, "k-down", 100, "alice").await;
     assert_eq!(r.status, 503);
     assert_eq!(r.problem(), "idempotency-store-unavailable");
@@ -790,7 +771,7 @@ async fn a_router_without_the_layer_answers_500_and_never_runs_unprotected() {
 
 #[tokio::test]
 async fn a_request_without_a_tenant_is_refused_unless_single_tenant() {
-    let h = start(Arc::new(idem::MemoryStore::new()), Box::new(())).await;
+    let h = start(Fixture::memory()).await;
     let r = post_req("/payments", &body(100, "alice"))
         .key("k")
         .send(h.addr)
@@ -842,7 +823,7 @@ fn the_span_names_scope_outcome_and_a_key_hash_but_never_the_key() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let h = start(Arc::new(idem::MemoryStore::new()), Box::new(())).await;
+        let h = start(Fixture::memory()).await;
         let key = "jane.doe@example.com";
         assert_eq!(pay_req(&h, key, 100, "alice").await.status, 201);
         assert_eq!(pay_req(&h, key, 100, "alice").await.status, 201);
