@@ -16,6 +16,7 @@ use idem::store::{RecordId, StoredResponse};
 use idem::{idempotent, Idem, IdempotencyStore, Operation, StoreError};
 use idem_runtime::pause;
 use idem_testkit::http::post as post_req;
+use idem_testkit::StoreKind;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -439,9 +440,9 @@ impl Holder {
     }
 }
 
-async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
+async fn start(store_timeout: Duration, kind: StoreKind) -> Option<Harness> {
     let (store, db, dir): (Arc<dyn IdempotencyStore>, Db, _) = match kind {
-        "postgres" => {
+        StoreKind::Postgres => {
             let url = idem_testkit::pg_url()?;
             let schema = idem_testkit::pg_schema(&url).await;
             let store = idem_testkit::pg_store_in(&url, &schema, 8)
@@ -456,13 +457,13 @@ async fn start(store_timeout: Duration, kind: &str) -> Option<Harness> {
             .unwrap();
             (Arc::new(store), Db::Pg(pool, schema), None)
         }
-        "sqlite" => {
+        StoreKind::Sqlite => {
             let (store, dir) = idem_testkit::sqlite_store().await;
             let store = store.with_timeout(store_timeout);
             let pool = store.pool().clone();
             (Arc::new(store), Db::Sqlite(pool), Some(dir))
         }
-        _ => (Arc::new(idem::MemoryStore::new()), Db::Memory, None),
+        StoreKind::Memory => (Arc::new(idem::MemoryStore::new()), Db::Memory, None),
     };
     let (tx, events) = mpsc::unbounded_channel();
     let app = App {
@@ -916,58 +917,55 @@ async fn bodies_at_the_limit_are_stored_and_one_byte_more_is_not(h: Harness) {
     assert_eq!(h.app.runs("sized"), 3);
 }
 
-macro_rules! for_stores {
-    ($timeout:expr, $stores:tt; $($case:ident,)*) => {
-        $( for_stores!(@case $timeout, $stores, $case); )*
-    };
-    (@case $timeout:expr, [$($store:ident),*], $case:ident) => {
-        mod $case {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $store() {
-                    let Some(h) = start($timeout, stringify!($store)).await else { return };
-                    super::super::$case(h).await;
-                }
-            )*
-        }
-    };
-}
-
 mod every_store {
     use super::*;
-    for_stores!(Duration::from_secs(10), [memory, sqlite, postgres];
-        a_slow_body_is_produced_under_the_lease,
-        an_event_stream_completes_at_its_headers_and_streams,
-        a_body_that_fails_midway_is_released_never_stored,
-        a_body_that_panics_is_released,
-        a_client_that_leaves_during_the_reservation_leaves_no_lock,
-        a_handler_that_blocks_its_thread_keeps_its_lease,
-        a_large_body_that_fails_past_the_limit_is_released,
-        a_large_body_streams_and_completes_when_it_ends,
-        a_client_that_leaves_a_large_body_midway_cancels_nothing,
-        an_upper_case_event_stream_is_an_event_stream,
-        bodies_at_the_limit_are_stored_and_one_byte_more_is_not,
-        a_client_that_stops_reading_is_cut_off_and_the_answer_recorded,
-        a_replayed_header_keeps_every_byte,
-    );
+    idem_testkit::for_each_store! {
+        stores: [memory, sqlite, postgres],
+        setup: |kind| start(Duration::from_secs(10), kind).await,
+        worker_threads: 4,
+        cases: [
+            a_slow_body_is_produced_under_the_lease,
+            an_event_stream_completes_at_its_headers_and_streams,
+            a_body_that_fails_midway_is_released_never_stored,
+            a_body_that_panics_is_released,
+            a_client_that_leaves_during_the_reservation_leaves_no_lock,
+            a_handler_that_blocks_its_thread_keeps_its_lease,
+            a_large_body_that_fails_past_the_limit_is_released,
+            a_large_body_streams_and_completes_when_it_ends,
+            a_client_that_leaves_a_large_body_midway_cancels_nothing,
+            an_upper_case_event_stream_is_an_event_stream,
+            bodies_at_the_limit_are_stored_and_one_byte_more_is_not,
+            a_client_that_stops_reading_is_cut_off_and_the_answer_recorded,
+            a_replayed_header_keeps_every_byte,
+        ],
+    }
 }
 
 mod sql_stores {
     use super::*;
-    for_stores!(Duration::from_secs(10), [sqlite, postgres];
-        a_lost_lease_is_told_and_never_answered,
-        an_answer_given_after_the_lease_was_lost_is_never_stored,
-        a_whole_body_never_arrives_before_its_answer_is_recorded,
-    );
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| start(Duration::from_secs(10), kind).await,
+        worker_threads: 4,
+        cases: [
+            a_lost_lease_is_told_and_never_answered,
+            an_answer_given_after_the_lease_was_lost_is_never_stored,
+            a_whole_body_never_arrives_before_its_answer_is_recorded,
+        ],
+    }
 }
 
 mod short_timeout {
     use super::*;
-    for_stores!(Duration::from_millis(300), [sqlite, postgres];
-        a_reservation_that_times_out_after_committing_is_undone,
-        a_reservation_that_commits_after_its_timeout_is_given_back,
-    );
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| start(Duration::from_millis(300), kind).await,
+        worker_threads: 4,
+        cases: [
+            a_reservation_that_times_out_after_committing_is_undone,
+            a_reservation_that_commits_after_its_timeout_is_given_back,
+        ],
+    }
 }
 
 /// The completion in the handler's transaction is bounded by the store
@@ -976,7 +974,7 @@ mod short_timeout {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_a_blocked_transactional_completion_answers_503_in_time() {
     use sqlx::Connection as _;
-    let Some(mut h) = start(Duration::from_millis(500), "postgres").await else {
+    let Some(mut h) = start(Duration::from_millis(500), StoreKind::Postgres).await else {
         return;
     };
     let Db::Pg(pool, schema) = &h.db else {
@@ -1021,7 +1019,7 @@ async fn postgres_a_blocked_transactional_completion_answers_503_in_time() {
 /// completion, not from when the transaction opened.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_a_slow_transactional_answer_is_kept_a_ttl_from_its_completion() {
-    let Some(h) = start(Duration::from_secs(10), "postgres").await else {
+    let Some(h) = start(Duration::from_secs(10), StoreKind::Postgres).await else {
         return;
     };
     let first = post_req("/slow-tx", "").key("k-slow-tx").send(h.addr).await;
