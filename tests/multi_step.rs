@@ -10,6 +10,7 @@ use axum::{Json, Router};
 use idem::store::{RecordId, Reservation, ReserveRequest};
 use idem::{idempotent, Idem, IdempotencyStore, Operation};
 use idem_testkit::http::{post as post_req, serve};
+use idem_testkit::StoreKind;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -122,21 +123,42 @@ async fn harness(store: Arc<dyn IdempotencyStore>, db: Db) -> std::net::SocketAd
     serve(app).await
 }
 
-async fn sqlite() -> (Arc<dyn IdempotencyStore>, Db, tempfile::TempDir) {
-    let (store, dir) = idem_testkit::sqlite_store().await;
-    let db = Db::Sqlite(store.pool().clone());
-    (Arc::new(store), db, dir)
+/// A SQL store, the handle its handler writes its own rows through, and
+/// the SQLite file's directory.
+struct Sql {
+    store: Arc<dyn IdempotencyStore>,
+    db: Db,
+    _dir: Option<tempfile::TempDir>,
 }
 
-async fn postgres() -> Option<(Arc<dyn IdempotencyStore>, Db, ())> {
-    let url = idem_testkit::pg_url()?;
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 10).await;
-    let db = Db::Pg(store.pool().clone(), schema);
-    Some((Arc::new(store), db, ()))
+/// A fresh SQL store of `kind`; `None` for PostgreSQL without `DATABASE_URL`.
+async fn sql(kind: StoreKind) -> Option<Sql> {
+    match kind {
+        StoreKind::Sqlite => {
+            let (store, dir) = idem_testkit::sqlite_store().await;
+            let db = Db::Sqlite(store.pool().clone());
+            Some(Sql {
+                store: Arc::new(store),
+                db,
+                _dir: Some(dir),
+            })
+        }
+        StoreKind::Postgres => {
+            let url = idem_testkit::pg_url()?;
+            let schema = idem_testkit::pg_schema(&url).await;
+            let store = idem_testkit::pg_store_in(&url, &schema, 10).await;
+            let db = Db::Pg(store.pool().clone(), schema);
+            Some(Sql {
+                store: Arc::new(store),
+                db,
+                _dir: None,
+            })
+        }
+        StoreKind::Memory => unreachable!("the handler's rows are written in a SQL transaction"),
+    }
 }
 
-async fn the_handlers_writes_commit_with_the_completion(store: Arc<dyn IdempotencyStore>, db: Db) {
+async fn the_handlers_writes_commit_with_the_completion(Sql { store, db, _dir }: Sql) {
     let addr = harness(store, db.clone()).await;
     let first = post_req("/effects", r#"{"then":"ok"}"#)
         .key("k-ok")
@@ -153,7 +175,7 @@ async fn the_handlers_writes_commit_with_the_completion(store: Arc<dyn Idempoten
     assert_eq!(db.count().await, 1);
 }
 
-async fn a_released_outcome_rolls_the_writes_back(store: Arc<dyn IdempotencyStore>, db: Db) {
+async fn a_released_outcome_rolls_the_writes_back(Sql { store, db, _dir }: Sql) {
     let addr = harness(store, db.clone()).await;
     for key in ["k-fail", "k-fail"] {
         let r = post_req("/effects", r#"{"then":"fail"}"#)
@@ -174,7 +196,7 @@ async fn a_released_outcome_rolls_the_writes_back(store: Arc<dyn IdempotencyStor
     assert_eq!(db.count().await, 0);
 }
 
-async fn a_fenced_out_execution_commits_nothing(store: Arc<dyn IdempotencyStore>, db: Db) {
+async fn a_fenced_out_execution_commits_nothing(Sql { store, db, _dir }: Sql) {
     let addr = harness(store, db.clone()).await;
     let slow = tokio::spawn(async move {
         post_req("/effects", r#"{"then":"late"}"#)
@@ -208,7 +230,7 @@ async fn a_fenced_out_execution_commits_nothing(store: Arc<dyn IdempotencyStore>
     assert_eq!(db.count().await, 0, "its write must not commit");
 }
 
-async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn IdempotencyStore>, _db: Db) {
+async fn the_janitor_purges_in_batches_and_spares_live_locks(Sql { store, _dir, .. }: Sql) {
     let short = Duration::from_millis(50);
     let long = Duration::from_secs(3600);
     for i in 0..250 {
@@ -293,32 +315,14 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(store: Arc<dyn Idem
     assert!(matches!(store.reserve(req).await.unwrap(), Reservation::Reserved(l) if l.attempt == 2));
 }
 
-macro_rules! on_sql_stores {
-    ($($case:ident,)*) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    let (store, db, _dir) = super::sqlite().await;
-                    super::$case(store, db).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    let Some((store, db, _)) = super::postgres().await else { return };
-                    super::$case(store, db).await;
-                }
-            )*
-        }
-    };
+idem_testkit::for_each_store! {
+    stores: [sqlite, postgres],
+    setup: |kind| sql(kind).await,
+    worker_threads: 2,
+    cases: [
+        the_handlers_writes_commit_with_the_completion,
+        a_released_outcome_rolls_the_writes_back,
+        a_fenced_out_execution_commits_nothing,
+        the_janitor_purges_in_batches_and_spares_live_locks,
+    ],
 }
-
-on_sql_stores!(
-    the_handlers_writes_commit_with_the_completion,
-    a_released_outcome_rolls_the_writes_back,
-    a_fenced_out_execution_commits_nothing,
-    the_janitor_purges_in_batches_and_spares_live_locks,
-);
