@@ -3,6 +3,7 @@
 //! with SIGKILL mid-payment and restarted.
 
 use idem_testkit::http::{get, post, Reply};
+use idem_testkit::StoreKind;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -115,6 +116,15 @@ impl Store {
         Some(Store::Postgres(format!(
             "{url}{sep}options=-c%20search_path%3D{schema}"
         )))
+    }
+
+    /// A fresh store of `kind`; `None` for PostgreSQL without `DATABASE_URL`.
+    async fn of(kind: StoreKind) -> Option<Store> {
+        match kind {
+            StoreKind::Sqlite => Some(Store::sqlite()),
+            StoreKind::Postgres => Store::postgres().await,
+            StoreKind::Memory => unreachable!("the example keeps its data in a database"),
+        }
     }
 
     fn url(&self) -> String {
@@ -339,39 +349,22 @@ async fn the_example_answers_input_errors_and_outages_alike_on_every_store(store
     );
 }
 
-/// Runs each scenario on a temporary SQLite file and on PostgreSQL.
-macro_rules! on_both_stores {
-    ($($scenario:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $scenario() {
-                    super::$scenario(super::Store::sqlite()).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $scenario() {
-                    let Some(store) = super::Store::postgres().await else { return };
-                    super::$scenario(store).await;
-                }
-            )*
-        }
-    };
+// Each scenario on a temporary SQLite file and on PostgreSQL.
+idem_testkit::for_each_store! {
+    stores: [sqlite, postgres],
+    setup: |kind| Store::of(kind).await,
+    worker_threads: 4,
+    cases: [
+        twenty_concurrent_requests_make_one_charge,
+        a_failed_payment_retried_with_another_amount_gets_422_and_one_charge,
+        a_refund_key_reused_on_another_payment_gets_422,
+        payments_near_the_balance_never_charge_without_a_payment,
+        a_declined_retry_never_calls_the_gateway_again,
+        the_example_answers_input_errors_and_outages_alike_on_every_store,
+        a_crash_after_the_charge_is_taken_over_without_a_second_charge,
+        a_crash_before_the_commit_leaves_nothing_behind,
+    ],
 }
-
-on_both_stores!(
-    twenty_concurrent_requests_make_one_charge,
-    a_failed_payment_retried_with_another_amount_gets_422_and_one_charge,
-    a_refund_key_reused_on_another_payment_gets_422,
-    payments_near_the_balance_never_charge_without_a_payment,
-    a_declined_retry_never_calls_the_gateway_again,
-    the_example_answers_input_errors_and_outages_alike_on_every_store,
-    a_crash_after_the_charge_is_taken_over_without_a_second_charge,
-    a_crash_before_the_commit_leaves_nothing_behind,
-);
 
 /// Two service processes on one PostgreSQL behave as one service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
