@@ -6,16 +6,19 @@
 ///
 /// - `stores`: some of `memory`, `sqlite`, `postgres`; each names a module
 ///   and a [`StoreKind`](crate::StoreKind).
-/// - `setup`: an expression that builds the case's argument from `kind`,
-///   the store's `StoreKind`, and gives an `Option`: `None` skips the test
-///   (PostgreSQL without `DATABASE_URL`).
+/// - `setup: |kind| <expr>`: builds the case's argument, with `kind` bound
+///   to the store's `StoreKind` (not a closure: the expression is written
+///   into each test, and may `.await`). It gives an `Option`: `None` skips
+///   the test (PostgreSQL without `DATABASE_URL`).
 /// - `worker_threads`: the runtime's threads.
 /// - `cases`: async fns of the invoking module, each taking what `setup`
 ///   built.
 ///
 /// The modules import the invoking module (`use super::*`), so `setup` can
 /// call its fns. Two invocations in one module would write the same
-/// modules: put each in a module of its own.
+/// modules: put each in a module of its own. The tests are
+/// `#[tokio::test]`s: the invoking crate needs tokio with `macros` and
+/// `rt-multi-thread`.
 ///
 /// ```
 /// use idem_testkit::Fixture;
