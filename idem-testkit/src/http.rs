@@ -91,6 +91,12 @@ impl Request {
         self.header("content-type", value)
     }
 
+    /// Replaces the body with any bytes (invalid UTF-8 included).
+    pub fn body_bytes(mut self, body: Vec<u8>) -> Self {
+        self.body = body;
+        self
+    }
+
     /// Sets the `Idempotency-Key` header.
     pub fn key(self, key: &str) -> Self {
         self.header("Idempotency-Key", key)

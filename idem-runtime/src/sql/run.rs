@@ -2,7 +2,7 @@
 //! fenced writes shared by both SQL stores, row and error mapping, and the
 //! bound on each store operation.
 
-use crate::store::{RecordState, StoreError, StoredResponse};
+use crate::store::{RecordState, Reservation, StoreError, StoredResponse};
 use std::future::Future;
 use std::time::Duration;
 
@@ -310,7 +310,7 @@ where
     } else {
         None
     };
-    Ok(crate::store::judge_existing(
+    Ok(judge_existing(
         stored_fp == fingerprint,
         completed,
         std::time::Duration::from_millis(u64::try_from(lock_left).unwrap_or(0)),
@@ -403,4 +403,20 @@ pub(crate) async fn bounded<T>(
 /// Milliseconds as the stores bind them.
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// How an existing row that the caller did not take is answered: the
+/// state table's rows for a record that is neither taken nor gone.
+fn judge_existing(
+    fingerprint_matches: bool,
+    completed: Option<StoredResponse>,
+    lock_left: Duration,
+) -> Reservation {
+    match (fingerprint_matches, completed) {
+        (false, _) => Reservation::Mismatch,
+        (true, Some(response)) => Reservation::Completed(response),
+        (true, None) => Reservation::InProgress {
+            retry_after: lock_left,
+        },
+    }
 }

@@ -82,8 +82,10 @@ pub enum Decision {
 
 impl RecordState {
     /// The `state` column of a SQL row in progress (locked, stale or released).
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     pub(crate) const IN_PROGRESS_COLUMN: &'static str = "in_progress";
     /// The `state` column of a completed SQL row.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     pub(crate) const COMPLETED_COLUMN: &'static str = "completed";
 
     /// What a reservation with the same (`true`) or another fingerprint does
@@ -441,19 +443,4 @@ pub(crate) fn random_token() -> String {
         bytes = nanos.to_le_bytes();
     }
     crate::fingerprint::hex(&bytes)
-}
-
-/// How an existing record that the caller did not take is answered.
-pub(crate) fn judge_existing(
-    fingerprint_matches: bool,
-    completed: Option<StoredResponse>,
-    lock_left: Duration,
-) -> Reservation {
-    match (fingerprint_matches, completed) {
-        (false, _) => Reservation::Mismatch,
-        (true, Some(response)) => Reservation::Completed(response),
-        (true, None) => Reservation::InProgress {
-            retry_after: lock_left,
-        },
-    }
 }

@@ -1,0 +1,215 @@
+//! Security properties as tests: credentials are never stored or replayed,
+//! logs never carry a raw key or body, and every SQL value is bound (keys
+//! and tenants that look like SQL are data). Tenant isolation is
+//! tests/http_protocol.rs `tenants_and_scopes_with_the_same_key_are_isolated`
+//! and tests/store_conformance.rs `isolates_tenants_and_scopes`; the stored
+//! body limit is tests/lease.rs `bodies_at_the_limit_are_stored_and_one_byte_more_is_not`.
+
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::routing::post;
+use axum::{Json, Router};
+use idem::{idempotent, Idem, IdempotencyStore, Tenant};
+use idem_testkit::http::{post as req, serve};
+use std::sync::{Arc, Mutex};
+
+#[derive(serde::Deserialize, serde::Serialize)]
+struct In {
+    note: String,
+}
+
+#[idempotent(scope = "secure.create")]
+async fn create(Json(i): Json<In>) -> (StatusCode, HeaderMap, String) {
+    let mut h = HeaderMap::new();
+    h.insert(
+        header::SET_COOKIE,
+        HeaderValue::from_static("session=SECRET-COOKIE"),
+    );
+    h.insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Bearer realm=SECRET-REALM"),
+    );
+    h.insert(header::LOCATION, HeaderValue::from_static("/v1/things/1"));
+    (StatusCode::CREATED, h, format!("created {}", i.note.len()))
+}
+
+#[idempotent(scope = "secure.panic")]
+async fn explode(Json(i): Json<In>) -> String {
+    if !i.note.is_empty() {
+        panic!("a handler failure");
+    }
+    String::new()
+}
+
+/// Routes under a layer whose tenant comes from the `x-tenant` header.
+fn router(store: Arc<dyn IdempotencyStore>) -> Router {
+    Router::new()
+        .route("/things", post(create))
+        .route("/explode", post(explode))
+        .layer(axum::middleware::from_fn(
+            |mut r: axum::extract::Request, next: axum::middleware::Next| async move {
+                let t = r
+                    .headers()
+                    .get("x-tenant")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("t")
+                    .to_owned();
+                r.extensions_mut().insert(Tenant::new(t));
+                next.run(r).await
+            },
+        ))
+        .layer(Idem::from_arc(store).layer())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_records_hold_no_credentials_and_replays_set_no_cookie() {
+    let (store, _dir) = idem_testkit::sqlite_store().await;
+    let addr = serve(router(Arc::new(store.clone()))).await;
+    let send = || async move {
+        req("/things", r#"{"note":"hello"}"#)
+            .content_type("application/json")
+            .key("k-cred")
+            .header("authorization", "Bearer SECRET-TOKEN")
+            .header("cookie", "session=SECRET-REQUEST-COOKIE")
+            .send(addr)
+            .await
+    };
+    let first = send().await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("set-cookie"), Some("session=SECRET-COOKIE"));
+    let replay = send().await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("set-cookie"), None);
+    assert_eq!(replay.header("www-authenticate"), None);
+    assert_eq!(replay.header("location"), Some("/v1/things/1"));
+    let rows: Vec<(Option<String>, Option<Vec<u8>>, String)> =
+        sqlx::query_as("SELECT response_headers, response_body, fingerprint FROM idempotency_keys")
+            .fetch_all(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), 1);
+    let (headers, body, fingerprint) = &rows[0];
+    let stored = format!(
+        "{} {} {fingerprint}",
+        headers.as_deref().unwrap_or_default(),
+        String::from_utf8_lossy(body.as_deref().unwrap_or_default())
+    );
+    for secret in [
+        "SECRET",
+        "set-cookie",
+        "authorization",
+        "cookie",
+        "www-authenticate",
+    ] {
+        assert!(
+            !stored.to_ascii_lowercase().contains(&secret.to_ascii_lowercase()),
+            "{secret} in {stored}"
+        );
+    }
+}
+
+/// A log writer that keeps every line.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_never_carry_a_raw_key_or_body() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    // The protocol runs in tasks of its own, on any thread: the subscriber
+    // is the global one (the other tests of this file log no secrets).
+    tracing::subscriber::set_global_default(subscriber).unwrap();
+    async {
+        let (store, _dir) = idem_testkit::sqlite_store().await;
+        let addr = serve(router(Arc::new(store))).await;
+        let body = r#"{"note":"SECRET-BODY-TEXT"}"#;
+        let key = "SECRET-KEY-0451";
+        for (path, body) in [
+            ("/things", body),
+            ("/things", body),
+            ("/things", r#"{"note":"SECRET-BODY-OTHER"}"#),
+            ("/things", r#"{"note":"SECRET-BODY-DUP","note":"x"}"#),
+            ("/explode", body),
+        ] {
+            let r = req(path, body)
+                .content_type("application/json")
+                .key(key)
+                .send(addr)
+                .await;
+            assert!(r.status < 600);
+        }
+        // A store that is down logs its failure, not the request.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let down = idem::PgStore::connect(&format!("postgres://postgres@127.0.0.1:{port}/test"))
+            .unwrap()
+            .with_timeout(std::time::Duration::from_millis(200));
+        let addr = serve(router(Arc::new(down))).await;
+        let r = req("/things", body)
+            .content_type("application/json")
+            .key(key)
+            .send(addr)
+            .await;
+        assert_eq!(r.status, 503);
+    }
+    .await;
+    let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert!(logs.contains("panicked"), "the capture works: {logs}");
+    assert!(!logs.contains("SECRET-KEY"), "a raw key in the logs:\n{logs}");
+    assert!(!logs.contains("SECRET-BODY"), "a body in the logs:\n{logs}");
+}
+
+idem_testkit::for_each_store! {
+    stores: [memory, sqlite, postgres],
+    setup: |kind| kind.fixture().await,
+    worker_threads: 2,
+    cases: [keys_and_tenants_that_look_like_sql_are_data],
+}
+
+async fn keys_and_tenants_that_look_like_sql_are_data(f: idem_testkit::Fixture) {
+    let addr = serve(router(f.store.clone())).await;
+    let key = "';DROP/**/TABLE/**/idempotency_keys;--";
+    let tenant = "t'); DELETE FROM idempotency_keys; --";
+    let send = |note: &'static str| async move {
+        req("/things", note)
+            .content_type("application/json")
+            .key(key)
+            .header("x-tenant", tenant)
+            .send(addr)
+            .await
+    };
+    let first = send(r#"{"note":"a"}"#).await;
+    assert_eq!(first.status, 201);
+    let replay = send(r#"{"note":"a"}"#).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    let other = send(r#"{"note":"b"}"#).await;
+    assert_eq!(other.status, 422);
+    // The table is intact and holds the record under that tenant and key.
+    let id = idem::store::RecordId::new(tenant, "secure.create", key);
+    let req = idem::store::ReserveRequest {
+        id: &id,
+        fingerprint: "another",
+        token: idem_testkit::token(),
+        ttl: std::time::Duration::from_secs(60),
+        lock_timeout: std::time::Duration::from_secs(5),
+    };
+    assert_eq!(
+        f.store.reserve(req).await.unwrap(),
+        idem::store::Reservation::Mismatch
+    );
+}
