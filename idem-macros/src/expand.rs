@@ -324,16 +324,21 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> TokenStream {
 //         Each `impl Trait` is left to inference in the binding and is a
 //         generic parameter of the checking fn, whose return type is the
 //         declared one, so that its bounds hold (and the names they use
-//         count as used). Without an `impl Trait` the value is just
-//         `__idem_ret`.
+//         count as used). Without an `impl Trait` it is
+//         `__private::returning::<R, _>(async move { .. })`: the block is
+//         the async block's own body, so a body that never returns leaves no
+//         generated code unreachable (no warning on a `todo!()` stub).
 fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> TokenStream {
     let ret_ident = &names.ret;
+    let private = &names.private;
     let (ret, check) = match output {
-        ReturnType::Default => (quote!(()), quote!(#ret_ident)),
+        // The block is the async block's own body, with nothing after it:
+        // a body that never returns (`todo!()`) leaves no code unreachable.
+        ReturnType::Default => return quote!(#private::returning::<(), _>(async move #block)),
         ReturnType::Type(_, ty) => {
             let (inferred, generic, params, declared) = split_return_type(ty);
             if params.is_empty() {
-                (quote!(#ty), quote!(#ret_ident))
+                return quote!(#private::returning::<#ty, _>(async move #block));
             } else {
                 let (impl_params, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
                 let placeholders = impl_params.iter().map(|_| quote!(_));

@@ -32,6 +32,13 @@ pub(crate) type HandlerFuture = Pin<Box<dyn Future<Output = (Response, Option<Cl
 
 pub(crate) type Handler = Box<dyn FnOnce(Option<Operation>) -> HandlerFuture + Send>;
 
+/// The handler's body as an async block whose output is `T`, the declared
+/// return type: `?` and `return` in the body infer from it.
+#[doc(hidden)]
+pub fn returning<T, F: Future<Output = T>>(body: F) -> F {
+    body
+}
+
 /// Runs an annotated handler under the protocol. The generated code calls
 /// this once; `handler` builds the handler's future once the key is reserved.
 #[doc(hidden)]
