@@ -11,7 +11,7 @@
 //! Options: `--store sqlite|postgres` (PostgreSQL from `DATABASE_URL`),
 //! `--ops N`, `--clients N`, `--tenants N`, `--seconds N` (the load stops
 //! starting operations after that), `--seed N`, and `--fault none|
-//! kill-connections|restart-postgres|kill-process|stall`.
+//! kill-connections|restart-postgres|kill-process|stall|clock`.
 
 mod client;
 mod faults;
@@ -72,6 +72,7 @@ fn args() -> Result<Args, String> {
         "restart-postgres",
         "kill-process",
         "stall",
+        "clock",
     ];
     if !faults.contains(&a.fault.as_str()) {
         return Err(format!("--fault {}: one of {}", a.fault, faults.join(", ")));
@@ -86,12 +87,15 @@ fn args() -> Result<Args, String> {
 pub(crate) struct Services {
     binary: std::path::PathBuf,
     database_url: String,
+    /// With `--fault clock`: each process's wall clock is shifted (by
+    /// libfaketime), the first 1 h behind, the second 2 h ahead.
+    skewed: bool,
     pub(crate) addrs: Vec<SocketAddr>,
     children: Vec<Option<tokio::process::Child>>,
 }
 
 impl Services {
-    async fn start(database_url: String) -> Result<Self, String> {
+    async fn start(database_url: String, skewed: bool) -> Result<Self, String> {
         let binary = std::env::current_exe()
             .map_err(|e| e.to_string())?
             .with_file_name("payments");
@@ -101,9 +105,15 @@ impl Services {
                 binary.display()
             ));
         }
+        if skewed && !std::path::Path::new(FAKETIME).exists() {
+            return Err(format!(
+                "--fault clock needs libfaketime ({FAKETIME}): apt-get install faketime"
+            ));
+        }
         let mut s = Services {
             binary,
             database_url,
+            skewed,
             addrs: Vec::new(),
             children: Vec::new(),
         };
@@ -125,7 +135,15 @@ impl Services {
     }
 
     fn spawn(&mut self, i: usize) -> Result<(), String> {
-        let child = tokio::process::Command::new(&self.binary)
+        let mut cmd = tokio::process::Command::new(&self.binary);
+        if self.skewed {
+            cmd.env("LD_PRELOAD", FAKETIME)
+                .env("FAKETIME", if i == 0 { "-1h" } else { "+2h" })
+                // Timers and timeouts run on the monotonic clock, as in
+                // production; only the wall clock disagrees.
+                .env("DONT_FAKE_MONOTONIC", "1");
+        }
+        let child = cmd
             .env("PAYMENTS_ADDR", self.addrs[i].to_string())
             .env("DATABASE_URL", &self.database_url)
             .env("IDEM_LOCK_TIMEOUT", "2s")
@@ -164,6 +182,9 @@ impl Services {
         self.wait_healthy(i, Duration::from_secs(30)).await
     }
 }
+
+/// libfaketime, for `--fault clock`.
+const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 /// Where the run's data lives, and how the soak reads it afterwards.
 pub(crate) enum Db {
@@ -252,7 +273,16 @@ async fn run(args: Args) -> Result<bool, String> {
         }
     };
     let (service_url, dir) = service_url;
-    let mut services = Services::start(service_url.clone()).await?;
+    let mut services = Services::start(service_url.clone(), args.fault == "clock").await?;
+    if args.fault == "clock" {
+        // Proof that the clocks differ: each process's `date` header.
+        for (i, addr) in services.addrs.iter().enumerate() {
+            let date = client::get(*addr, "/health")
+                .await
+                .and_then(|a| a.header("date").map(str::to_owned));
+            println!("service {i} says the time is {}", date.unwrap_or_default());
+        }
+    }
     let db = match db {
         Some(db) => db,
         None => {
