@@ -42,33 +42,12 @@ pub struct Config {
     pub ledger_down_once: bool,
 }
 
-/// Parses `500ms`, `30s`, `5m`, `24h`, `1d`.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
-    let (n, unit) = text.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("invalid duration `{text}`: use e.g. 30s, 5m, 24h"))?;
-    let factor: u64 = match unit {
-        "ms" => 1,
-        "s" => 1000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => return Err(format!("invalid duration `{text}`: use e.g. 30s, 5m, 24h")),
-    };
-    let ms = n
-        .checked_mul(factor)
-        .ok_or_else(|| format!("invalid duration `{text}`: too long"))?;
-    Ok(Duration::from_millis(ms))
-}
-
 impl Config {
     /// Reads the environment; a bad value is an error that names the variable.
     pub fn from_env() -> Result<Config, String> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let duration = |name: &str, default: Duration| match var(name) {
-            Some(v) => parse_duration(&v).map_err(|e| format!("{name}: {e}")),
+            Some(v) => idem::parse_duration(&v).map_err(|e| format!("{name}: {e}")),
             None => Ok(default),
         };
         let millis = |name: &str| match var(name) {
