@@ -7,8 +7,15 @@
 //! DATABASE_URL=postgres://postgres@127.0.0.1/test cargo run --example demo
 //! ```
 
-#[path = "support/service.rs"]
-mod service;
+/// The payments service, from the files of the `payments` example
+/// (`examples/payments/`), started in this process.
+#[allow(dead_code, unreachable_pub)]
+mod payments {
+    pub mod api;
+    pub mod config;
+    pub mod db;
+    pub mod service;
+}
 
 use idem_testkit::http::{get, post, Reply};
 use std::net::SocketAddr;
@@ -302,7 +309,7 @@ async fn main() {
     } else {
         "SQLite (temporary file)"
     };
-    let config = service::Config {
+    let config = payments::config::Config {
         addr: "127.0.0.1:0".parse().expect("an address"),
         database_url,
         ttl: idem::DEFAULT_TTL,
@@ -313,8 +320,8 @@ async fn main() {
         pause_before_commit: Duration::ZERO,
         ledger_down_once: false,
     };
-    let router = match service::build(config).await {
-        Ok(r) => r,
+    let service = match payments::service::start(config).await {
+        Ok(s) => s,
         Err(e) => {
             eprintln!("demo: {e}");
             std::process::exit(1);
@@ -324,7 +331,9 @@ async fn main() {
         .await
         .expect("a free port");
     let addr = listener.local_addr().expect("an address");
-    tokio::spawn(service::serve(listener, router));
+    // The janitor stays in `service` until the demo ends.
+    let router = service.router;
+    tokio::spawn(async move { axum::serve(listener, router).await });
     let run = format!(
         "{}",
         std::time::SystemTime::now()

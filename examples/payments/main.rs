@@ -1,4 +1,6 @@
-//! A payments API protected by `#[idempotent]`.
+//! The payments service: a small API that charges a fake card gateway,
+//! protected by `#[idempotent]`. This file runs it: settings from the
+//! environment, logs to stderr, served until the process ends.
 //!
 //! ```text
 //! cargo run --release --example payments
@@ -8,13 +10,22 @@
 //!   -d '{"amount": 4990, "currency": "EUR", "recipient": "acct_bob"}'
 //! ```
 //!
-//! Environment: `PAYMENTS_ADDR` (default `127.0.0.1:8080`), `DATABASE_URL`
-//! (`postgres://...` or `sqlite://...`, default `sqlite://payments.db`),
-//! `IDEM_TTL` (default `24h`), `IDEM_LOCK_TIMEOUT` (default `60s`),
-//! `PAYMENTS_GATEWAY_DELAY_MS` (default 0). Several processes on one
-//! `DATABASE_URL` behave as one service.
+//! Environment (`config.rs`): `PAYMENTS_ADDR` (default `127.0.0.1:8080`),
+//! `DATABASE_URL` (`postgres://...` or `sqlite://...`, default
+//! `sqlite://payments.db`), `IDEM_TTL` (default `24h`), `IDEM_LOCK_TIMEOUT`
+//! (default `60s`), `PAYMENTS_GATEWAY_DELAY_MS` (default 0). Several
+//! processes on one `DATABASE_URL` behave as one service.
+//!
+//! The handlers are in `api.rs`, the database of either kind in `db.rs`;
+//! `service.rs` puts them together.
 
-#[path = "support/service.rs"]
+// In this binary (and the demo, which shares the modules), `pub` means
+// "used by the other modules".
+#![allow(unreachable_pub)]
+
+mod api;
+mod config;
+mod db;
 mod service;
 
 #[tokio::main]
@@ -28,7 +39,7 @@ async fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let config = match service::Config::from_env() {
+    let config = match config::Config::from_env() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("payments: {e}");
@@ -36,9 +47,9 @@ async fn main() {
         }
     };
     let addr = config.addr;
-    let store = config.database_url.clone();
-    let router = match service::build(config).await {
-        Ok(r) => r,
+    let store = db::describe(&config.database_url);
+    let service = match service::start(config).await {
+        Ok(s) => s,
         Err(e) => {
             eprintln!("payments: {e}");
             std::process::exit(1);
@@ -51,9 +62,12 @@ async fn main() {
             std::process::exit(1);
         }
     };
-    tracing::info!(%addr, store = %service::describe(&store), "payments service listening");
-    if let Err(e) = service::serve(listener, router).await {
+    tracing::info!(%addr, %store, "payments service listening");
+    // The janitor runs for as long as it is held: while the service serves.
+    let service::Service { router, janitor } = service;
+    if let Err(e) = axum::serve(listener, router).await {
         eprintln!("payments: {e}");
         std::process::exit(1);
     }
+    drop(janitor);
 }

@@ -1,0 +1,77 @@
+//! The service's settings, read from the environment: their names, their
+//! defaults, and a start refused on a bad value.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// The service's settings, read from the environment.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// `PAYMENTS_ADDR`, default `127.0.0.1:8080`.
+    pub addr: SocketAddr,
+    /// `DATABASE_URL`: `postgres://...` or `sqlite://...`; default `sqlite://payments.db`.
+    pub database_url: String,
+    /// `IDEM_TTL`, default 24h.
+    pub ttl: Duration,
+    /// `IDEM_LOCK_TIMEOUT`, default 60s.
+    pub lock_timeout: Duration,
+    /// `PAYMENTS_GATEWAY_DELAY_MS`: how long the fake gateway takes, default 0.
+    pub gateway_delay: Duration,
+    /// `PAYMENTS_FAULT_AFTER_CHARGE_MS` (fault injection for crash tests): a
+    /// pause after the gateway charged and before the payment is written.
+    pub pause_after_charge: Duration,
+    /// `PAYMENTS_FAULT_BEFORE_COMMIT_MS` (fault injection for crash tests): a
+    /// pause after the payment is written and before it commits.
+    pub pause_before_commit: Duration,
+    /// `PAYMENTS_FAULT_LEDGER_ONCE=1` (fault injection): the first attempt of
+    /// every payment finds the ledger down after the gateway charged (503).
+    pub ledger_down_once: bool,
+}
+
+impl Config {
+    /// Reads the environment; a bad value is an error that names the variable.
+    pub fn from_env() -> Result<Config, String> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let duration = |name: &str, default: Duration| match var(name) {
+            Some(v) => idem::parse_duration(&v).map_err(|e| format!("{name}: {e}")),
+            None => Ok(default),
+        };
+        let millis = |name: &str| match var(name) {
+            Some(v) => v
+                .parse::<u64>()
+                .map(Duration::from_millis)
+                .map_err(|_| format!("{name}: expected milliseconds, got `{v}`")),
+            None => Ok(Duration::ZERO),
+        };
+        let in_range = |name: &str, d: Duration, range: std::ops::RangeInclusive<Duration>, words: &str| {
+            if range.contains(&d) {
+                Ok(d)
+            } else {
+                Err(format!("{name}: {d:?} is out of range; allowed {words}"))
+            }
+        };
+        Ok(Config {
+            addr: var("PAYMENTS_ADDR")
+                .unwrap_or_else(|| "127.0.0.1:8080".into())
+                .parse()
+                .map_err(|e| format!("PAYMENTS_ADDR: {e}"))?,
+            database_url: var("DATABASE_URL").unwrap_or_else(|| "sqlite://payments.db".into()),
+            ttl: in_range(
+                "IDEM_TTL",
+                duration("IDEM_TTL", idem::DEFAULT_TTL)?,
+                idem::TTL_RANGE,
+                "1s to 365d",
+            )?,
+            lock_timeout: in_range(
+                "IDEM_LOCK_TIMEOUT",
+                duration("IDEM_LOCK_TIMEOUT", idem::DEFAULT_LOCK_TIMEOUT)?,
+                idem::LOCK_TIMEOUT_RANGE,
+                "100ms to 1d",
+            )?,
+            gateway_delay: millis("PAYMENTS_GATEWAY_DELAY_MS")?,
+            pause_after_charge: millis("PAYMENTS_FAULT_AFTER_CHARGE_MS")?,
+            pause_before_commit: millis("PAYMENTS_FAULT_BEFORE_COMMIT_MS")?,
+            ledger_down_once: var("PAYMENTS_FAULT_LEDGER_ONCE").as_deref() == Some("1"),
+        })
+    }
+}
