@@ -1,6 +1,6 @@
-//! The payments service: a small API that charges a fake card gateway,
-//! protected by `#[idempotent]`. This file runs it: settings from the
-//! environment, logs to stderr, served until the process ends.
+//! Runs the payments service, a small API that charges a fake card gateway
+//! and is protected by `#[idempotent]`: settings from the environment, logs
+//! to stderr, served until the process ends.
 //!
 //! ```text
 //! cargo run --release --example payments
