@@ -640,15 +640,18 @@ async fn a_lost_lease_is_told_and_never_answered(mut h: Harness) {
 /// the reservation runs to its end, the execution too, and the retry gets
 /// its answer instead of a lock that nobody holds.
 async fn a_client_that_leaves_during_the_reservation_leaves_no_lock(h: Harness) {
-    let mut paused = pause::arm(pause::RESERVE_AFTER, "k-leave");
-    let conn = post_req("/plain", "").key("k-leave").start(h.addr).await;
+    // Pause points are process-wide and this case runs on every store at
+    // once: the key is this run's own.
+    let key = idem_testkit::unique("k-leave");
+    let mut paused = pause::arm(pause::RESERVE_AFTER, &key);
+    let conn = post_req("/plain", "").key(&key).start(h.addr).await;
     paused.reached().await;
     let dropped = h.app.dropped.notified();
     drop(conn);
     dropped.await; // the server dropped the request
     paused.resume();
 
-    let retry = post_req("/plain", "").key("k-leave").send(h.addr).await;
+    let retry = post_req("/plain", "").key(&key).send(h.addr).await;
     assert_eq!((retry.status, retry.body.as_slice()), (201, &b"run 1"[..]));
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));
     assert_eq!(h.app.runs("plain"), 1);
@@ -657,15 +660,17 @@ async fn a_client_that_leaves_during_the_reservation_leaves_no_lock(h: Harness) 
 /// A reservation that committed but whose answer came after the store
 /// timeout is undone before the 503: the retry runs at once.
 async fn a_reservation_that_times_out_after_committing_is_undone(h: Harness) {
-    let paused = pause::arm(pause::RESERVE_AFTER, "k-timeout");
-    let first = post_req("/plain", "").key("k-timeout").send(h.addr).await;
+    // The key is this run's own (see above).
+    let key = idem_testkit::unique("k-timeout");
+    let paused = pause::arm(pause::RESERVE_AFTER, &key);
+    let first = post_req("/plain", "").key(&key).send(h.addr).await;
     assert_eq!(first.status, 503, "{first:?}");
     assert_eq!(first.problem(), "idempotency-store-unavailable");
     assert!(first.json()["detail"].as_str().unwrap().contains("not processed"));
     drop(paused);
     assert_eq!(h.app.runs("plain"), 0);
 
-    let retry = post_req("/plain", "").key("k-timeout").send(h.addr).await;
+    let retry = post_req("/plain", "").key(&key).send(h.addr).await;
     assert_eq!((retry.status, retry.body.as_slice()), (201, &b"run 1"[..]));
     assert_eq!(retry.header("idempotent-replayed"), None);
 }
