@@ -81,6 +81,7 @@ impl Server {
 
     /// Refused, not run, nothing stored, and the next request is served.
     async fn refused_cleanly(&self, status: u16, what: &str) {
+        eprintln!("{what}: {status}");
         assert!((400..500).contains(&status), "{what}: {status}");
         assert_eq!(self.runs(), 0, "{what}: the handler ran");
         assert_eq!(self.records().await, 0, "{what}: a record was stored");
