@@ -5,7 +5,7 @@ use crate::layer::{Engine, BODY_OMITTED_HEADER, REPLAYED_HEADER};
 use crate::lease::Heartbeat;
 use crate::operation::OperationInfo;
 use crate::outcome::{let_go, record_completion, LetGo};
-use crate::protocol::{panic_message, record};
+use crate::protocol::{panic_message, record, Outcome};
 use crate::store::StoredResponse;
 use crate::tx::PendingTx;
 use axum::body::Body;
@@ -130,11 +130,7 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
         }
         None => match record_completion(&engine, &info, lock_timeout, &stored, tx).await {
             Ok(()) => {
-                record(if info.lease.is_takeover() {
-                    "takeover"
-                } else {
-                    "executed"
-                });
+                record(Outcome::executed(info.lease.is_takeover()));
                 held.into_iter().map(Frame::Data).chain([Frame::End]).collect()
             }
             Err(_) => vec![Frame::Fail(axum::Error::new(std::io::Error::other(

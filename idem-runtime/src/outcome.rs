@@ -6,7 +6,7 @@
 use crate::layer::Engine;
 use crate::operation::OperationInfo;
 use crate::problem::{Problem, Unavailable};
-use crate::protocol::record;
+use crate::protocol::{record, Outcome};
 use crate::store::{RecordId, StoreError, StoredResponse};
 use crate::tx::{PendingTx, TxFailure};
 use axum::response::{IntoResponse as _, Response};
@@ -28,7 +28,7 @@ pub(crate) async fn record_completion(
         // The handler was told its lease is lost: whatever it answered then
         // is not the operation's answer. Give the key back; the retry
         // continues the operation.
-        record("lock_lost");
+        record(Outcome::LockLost);
         if let Some(tx) = tx {
             tx.rollback().await;
         }
@@ -41,7 +41,7 @@ pub(crate) async fn record_completion(
     match tx.complete(&info.id, &info.lease.token, stored).await {
         Ok(()) => Ok(()),
         Err(TxFailure::NotCommitted(StoreError::LockLost)) => {
-            record("lock_lost");
+            record(Outcome::LockLost);
             tracing::error!(
                 "cannot complete: another execution took this operation over; this execution's writes \
                  were rolled back"
@@ -50,7 +50,7 @@ pub(crate) async fn record_completion(
         }
         Err(TxFailure::NotCommitted(e)) => {
             // Nothing of this execution committed: the retry runs it again.
-            record("released");
+            record(Outcome::Released);
             tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back");
             if give_back(engine, &info.id, &info.lease.token, lock_timeout).await == Err(StoreError::LockLost)
             {
@@ -61,7 +61,7 @@ pub(crate) async fn record_completion(
         Err(TxFailure::Unknown(e)) => {
             // Committed or not, nobody knows. Giving the key back is fenced:
             // if the commit took effect, the record is completed and stays so.
-            record("commit_unknown");
+            record(Outcome::CommitUnknown);
             tracing::error!(error = %e, "the commit of the handler's transaction failed");
             let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
             Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
@@ -83,7 +83,7 @@ pub(crate) async fn complete(
         match engine.store.complete(&info.id, &info.lease.token, stored).await {
             Ok(()) => return Ok(()),
             Err(StoreError::LockLost) => {
-                record("lock_lost");
+                record(Outcome::LockLost);
                 tracing::error!("cannot complete: another execution took this operation over");
                 return Err(Problem::LeaseLost.into_response());
             }
@@ -98,7 +98,7 @@ pub(crate) async fn complete(
             }
         }
     }
-    record("not_recorded");
+    record(Outcome::NotRecorded);
     let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
     Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
 }
@@ -125,9 +125,9 @@ pub(crate) async fn let_go(
     how: LetGo,
 ) -> Response {
     record(if how == LetGo::Reject {
-        "rejected"
+        Outcome::Rejected
     } else {
-        "released"
+        Outcome::Released
     });
     if let Some(tx) = tx {
         tx.rollback().await;
@@ -142,7 +142,7 @@ pub(crate) async fn let_go(
         LetGo::Fail => give_back(engine, id, token, lock_timeout).await,
     };
     if outcome == Err(StoreError::LockLost) {
-        record("lock_lost");
+        record(Outcome::LockLost);
         tracing::error!("cannot release: another execution took this operation over");
         return Problem::LeaseLost.into_response();
     }

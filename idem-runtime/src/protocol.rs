@@ -118,7 +118,11 @@ pub(crate) async fn run_keyed(
     let key = match IdempotencyKey::from_header_values(values) {
         Ok(key) => key,
         Err(KeyError::Missing) if spec.optional => {
-            let span = tracing::info_span!("idem", scope = spec.scope, outcome = "unprotected");
+            let span = tracing::info_span!(
+                "idem",
+                scope = spec.scope,
+                outcome = Outcome::Unprotected.as_str()
+            );
             return handler(None).instrument(span).await.0;
         }
         Err(e) => {
@@ -170,7 +174,7 @@ pub(crate) async fn protect(
     let fingerprint = match fingerprint {
         Ok(fp) => fp,
         Err(e) => {
-            record("body_invalid");
+            record(Outcome::BodyInvalid);
             return Problem::BodyInvalid(e.to_string()).into_response();
         }
     };
@@ -190,7 +194,7 @@ pub(crate) async fn protect(
         let reservation = match engine.store.reserve(request).await {
             Ok(r) => r,
             Err(e) => {
-                record("store_unavailable");
+                record(Outcome::StoreUnavailable);
                 tracing::error!(error = %e, "idempotency store failed; refusing the request");
                 // The reservation may have committed although its answer
                 // never came: give the key back, fenced by our token.
@@ -210,11 +214,11 @@ pub(crate) async fn protect(
                 return execute(engine, id, lease, clock, handler).await;
             }
             Reservation::Completed(stored) => {
-                record("replayed");
+                record(Outcome::Replayed);
                 return replay(stored);
             }
             Reservation::Mismatch => {
-                record("mismatch");
+                record(Outcome::Mismatch);
                 return Problem::KeyReused.into_response();
             }
             Reservation::InProgress { retry_after } => {
@@ -225,7 +229,7 @@ pub(crate) async fn protect(
                         pause = (pause * 2).min(Duration::from_millis(250));
                     }
                     _ => {
-                        record("in_progress");
+                        record(Outcome::InProgress);
                         return Problem::InProgress { retry_after }.into_response();
                     }
                 }
@@ -234,8 +238,70 @@ pub(crate) async fn protect(
     }
 }
 
-pub(crate) fn record(outcome: &'static str) {
-    tracing::Span::current().record("outcome", outcome);
+/// How a keyed request ended, as its `idem` span's `outcome` field says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Without a key, on an `optional` handler.
+    Unprotected,
+    /// A body that cannot be fingerprinted: 400.
+    BodyInvalid,
+    /// The store failed before the handler ran: 503.
+    StoreUnavailable,
+    /// A stored answer was replayed.
+    Replayed,
+    /// The key belongs to another request: 422.
+    Mismatch,
+    /// Another execution holds the lock: 409.
+    InProgress,
+    /// The handler ran and its answer was recorded.
+    Executed,
+    /// The handler ran after taking over a stale lock, and its answer was
+    /// recorded.
+    Takeover,
+    /// Released as failed.
+    Released,
+    /// Released as rejected.
+    Rejected,
+    /// Fenced out: another execution owns the record.
+    LockLost,
+    /// The answer could not be recorded: 503.
+    NotRecorded,
+    /// The commit of the handler's transaction failed: its fate is unknown.
+    CommitUnknown,
+}
+
+impl Outcome {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Unprotected => "unprotected",
+            Outcome::BodyInvalid => "body_invalid",
+            Outcome::StoreUnavailable => "store_unavailable",
+            Outcome::Replayed => "replayed",
+            Outcome::Mismatch => "mismatch",
+            Outcome::InProgress => "in_progress",
+            Outcome::Executed => "executed",
+            Outcome::Takeover => "takeover",
+            Outcome::Released => "released",
+            Outcome::Rejected => "rejected",
+            Outcome::LockLost => "lock_lost",
+            Outcome::NotRecorded => "not_recorded",
+            Outcome::CommitUnknown => "commit_unknown",
+        }
+    }
+
+    /// An execution's recorded answer: a takeover's, or a plain one.
+    pub(crate) fn executed(takeover: bool) -> Self {
+        if takeover {
+            Outcome::Takeover
+        } else {
+            Outcome::Executed
+        }
+    }
+}
+
+/// Records how this request ended on its span.
+pub(crate) fn record(outcome: Outcome) {
+    tracing::Span::current().record("outcome", outcome.as_str());
 }
 
 /// Runs the handler, produces its answer and records the outcome, all under
@@ -401,11 +467,7 @@ pub(crate) async fn finish(
         return refusal;
     }
     drop(beat);
-    record(if info.lease.is_takeover() {
-        "takeover"
-    } else {
-        "executed"
-    });
+    record(Outcome::executed(info.lease.is_takeover()));
     Response::from_parts(parts, answer)
 }
 
