@@ -9,7 +9,9 @@
 //! Store paths are compared with `SELECT 1` on the same pool (one round
 //! trip), so on PostgreSQL the ratio reads as round trips plus the server's
 //! work. The HTTP figures compare a protected handler with the same handler
-//! unprotected, over loopback.
+//! unprotected, over loopback. `IDEM_BENCH_GROWTH=1200000` measures only the
+//! memory store growing past a million records (the slowest reservation
+//! while its maps grow).
 
 use axum::{routing::post, Json, Router};
 use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
@@ -246,8 +248,101 @@ macro_rules! select_one {
     }};
 }
 
+/// The memory store growing to `records` records from 8 concurrent writers:
+/// the slowest reservation and the 99th percentile, against the same writes
+/// into one `HashMap` behind one lock (how the store kept its records
+/// before it was sharded), measured back to back in this run.
+async fn memory_growth(records: usize) {
+    const WRITERS: usize = 8;
+    async fn grow<F, Fut>(records: usize, write: F) -> (Duration, Duration, Duration)
+    where
+        F: Fn(usize) -> Fut + Clone + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let write = write.clone();
+                tokio::spawn(async move {
+                    let mut times = Vec::with_capacity(records / WRITERS);
+                    for i in (w..records).step_by(WRITERS) {
+                        let t = Instant::now();
+                        write(i).await;
+                        times.push(t.elapsed());
+                    }
+                    times
+                })
+            })
+            .collect();
+        let mut times = Vec::with_capacity(records);
+        for t in tasks {
+            times.extend(t.await.expect("writer"));
+        }
+        times.sort();
+        let p99 = times[times.len() * 99 / 100];
+        (started.elapsed(), p99, *times.last().expect("a time"))
+    }
+    let body = vec![b'x'; 200];
+    let store = Arc::new(idem::MemoryStore::new());
+    let sharded = {
+        let (store, body) = (store.clone(), body.clone());
+        grow(records, move |i| {
+            let (store, body) = (store.clone(), body.clone());
+            async move {
+                let id = RecordId::new("bench", "bench.grow", format!("k-{i}"));
+                let Reservation::Reserved(l) = reserve(&*store, &id, "fp", LONG).await else {
+                    panic!("not reserved")
+                };
+                let answer = StoredResponse {
+                    status: 201,
+                    headers: vec![],
+                    body: Some(body),
+                };
+                store.complete(&id, &l.token, &answer).await.expect("complete");
+            }
+        })
+        .await
+    };
+    drop(store);
+    let one_lock: Arc<std::sync::Mutex<std::collections::HashMap<RecordId, Vec<u8>>>> = Arc::default();
+    let single = grow(records, move |i| {
+        let (map, body) = (one_lock.clone(), body.clone());
+        async move {
+            let id = RecordId::new("bench", "bench.grow", format!("k-{i}"));
+            map.lock().expect("lock").insert(id, body);
+        }
+    })
+    .await;
+    println!(
+        "\n{:<44} {:>10} {:>10} {:>10}",
+        format!("growing to {records} records, {WRITERS} writers"),
+        "total",
+        "p99",
+        "max"
+    );
+    for (name, (total, p99, max)) in [
+        ("MemoryStore (64 shards): reserve + complete", sharded),
+        ("baseline: insert into one locked HashMap", single),
+    ] {
+        println!(
+            "{name:<44} {:>9.2}s {:>8.1}us {:>8.2}ms",
+            total.as_secs_f64(),
+            us(p99),
+            max.as_secs_f64() * 1000.0
+        );
+    }
+}
+
 #[tokio::main]
 async fn main() {
+    // `IDEM_BENCH_GROWTH=<records>`: only the memory store's growth.
+    if let Some(records) = std::env::var("IDEM_BENCH_GROWTH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        memory_growth(records).await;
+        return;
+    }
     let url = std::env::var("DATABASE_URL")
         .ok()
         .filter(|u| u.starts_with("postgres"));

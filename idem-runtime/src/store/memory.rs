@@ -56,14 +56,35 @@ impl MemoryRecord {
 /// shared between servers, so it protects nothing across processes. Use
 /// [`crate::SqliteStore`] or [`crate::PgStore`] for anything real.
 ///
+/// Records are spread over 64 shards, each behind its own lock: a request
+/// locks one shard for one step, and a shard that grows rehashes only its
+/// own records (a sixty-fourth), so a growing store never stalls the
+/// others. Memory is bounded by the records within their retention: expired
+/// ones stay until [`purge_expired`](crate::purge_expired) (or a
+/// [`Janitor`](crate::Janitor)) removes them, about 1 kB each plus the
+/// stored body.
+///
 /// ```
 /// use idem::MemoryStore;
 /// let store = MemoryStore::new();
 /// assert_eq!(store.len(), 0);
 /// ```
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemoryStore {
-    records: Mutex<HashMap<RecordId, MemoryRecord>>,
+    shards: Box<[Mutex<HashMap<RecordId, MemoryRecord>>]>,
+    hasher: std::hash::RandomState,
+}
+
+/// How many locks the records are spread over.
+const SHARDS: usize = 64;
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore {
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: std::hash::RandomState::new(),
+        }
+    }
 }
 
 impl MemoryStore {
@@ -74,7 +95,7 @@ impl MemoryStore {
 
     /// How many records it holds, expired ones included.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        (0..SHARDS).map(|i| lock(&self.shards[i]).len()).sum()
     }
 
     /// Whether it holds no record.
@@ -82,10 +103,10 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RecordId, MemoryRecord>> {
-        // A panic while holding the lock cannot leave a record half-written:
-        // every change below is a single assignment.
-        self.records.lock().unwrap_or_else(|e| e.into_inner())
+    /// The shard that holds `id`, locked.
+    fn shard(&self, id: &RecordId) -> std::sync::MutexGuard<'_, HashMap<RecordId, MemoryRecord>> {
+        use std::hash::BuildHasher as _;
+        lock(&self.shards[self.hasher.hash_one(id) as usize % SHARDS])
     }
 
     fn fenced<T>(
@@ -94,7 +115,7 @@ impl MemoryStore {
         token: &str,
         change: impl FnOnce(&mut HashMap<RecordId, MemoryRecord>, Instant) -> T,
     ) -> Result<T, StoreError> {
-        let mut records = self.lock();
+        let mut records = self.shard(id);
         let now = Instant::now();
         match records.get(id) {
             Some(r) if r.response.is_none() && r.token.as_deref() == Some(token) => {
@@ -105,7 +126,7 @@ impl MemoryStore {
     }
 
     fn reserve_now(&self, req: ReserveRequest<'_>) -> Reservation {
-        let mut records = self.lock();
+        let mut records = self.shard(req.id);
         let now = Instant::now();
         let token = req.token.to_owned();
         let existing = records.get(req.id).cloned();
@@ -256,22 +277,36 @@ impl IdempotencyStore for MemoryStore {
 
     fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>> {
         Box::pin(async move {
-            let removed = {
-                let mut records = self.lock();
+            // One shard locked at a time.
+            let mut removed = 0u64;
+            for shard in self.shards.iter() {
+                let left = u64::from(batch).saturating_sub(removed);
+                if left == 0 {
+                    break;
+                }
+                let mut records = lock(shard);
                 let now = Instant::now();
                 let doomed: Vec<RecordId> = records
                     .iter()
                     .filter(|(_, r)| r.gone(now) && !r.lock_live(now))
                     .map(|(id, _)| id.clone())
-                    .take(batch as usize)
+                    .take(usize::try_from(left).unwrap_or(usize::MAX))
                     .collect();
                 for id in &doomed {
                     records.remove(id);
                 }
-                doomed.len() as u64
-            };
+                removed += doomed.len() as u64;
+            }
             pause_point!(crate::pause::PURGE_AFTER, "");
             Ok(removed)
         })
     }
+}
+
+/// Locks a shard. A panic while holding the lock cannot leave a record
+/// half-written: every change is a single assignment.
+fn lock(
+    shard: &Mutex<HashMap<RecordId, MemoryRecord>>,
+) -> std::sync::MutexGuard<'_, HashMap<RecordId, MemoryRecord>> {
+    shard.lock().unwrap_or_else(|e| e.into_inner())
 }
