@@ -319,6 +319,8 @@ async fn main() {
         pause_after_charge: Duration::ZERO,
         pause_before_commit: Duration::ZERO,
         ledger_down_once: false,
+        header_timeout: Duration::from_secs(10),
+        body_timeout: Duration::from_secs(10),
     };
     let service = match payments::service::start(config).await {
         Ok(s) => s,

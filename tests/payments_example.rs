@@ -363,7 +363,51 @@ idem_testkit::for_each_store! {
         the_example_answers_input_errors_and_outages_alike_on_every_store,
         a_crash_after_the_charge_is_taken_over_without_a_second_charge,
         a_crash_before_the_commit_leaves_nothing_behind,
+        slow_headers_are_cut_off_and_a_slow_body_takes_no_key,
     ],
+}
+
+/// Slowloris: a client that never finishes its request head is
+/// disconnected after `PAYMENTS_HEADER_TIMEOUT`; one whose body trickles
+/// gets 408 after `PAYMENTS_BODY_TIMEOUT`, and its key was never taken (the
+/// same request, whole, runs at once). The service serves throughout.
+async fn slow_headers_are_cut_off_and_a_slow_body_takes_no_key(store: Store) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let env = [("PAYMENTS_HEADER_TIMEOUT", "1s"), ("PAYMENTS_BODY_TIMEOUT", "1s")];
+    let svc = Service::start(&store.url(), &env).await;
+    let mut slow_head = tokio::net::TcpStream::connect(svc.addr).await.unwrap();
+    slow_head
+        .write_all(b"POST /v1/payments HTTP/1.1\r\nhost: x\r\nauthorization: Bearer acct_slow\r\n")
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), slow_head.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "a head that never ends holds its connection");
+
+    let body = payment(700);
+    let mut slow_body = tokio::net::TcpStream::connect(svc.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/payments HTTP/1.1\r\nhost: x\r\nconnection: close\r\nauthorization: Bearer acct_slow\r\n\
+         idempotency-key: k-slow-body\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    slow_body.write_all(head.as_bytes()).await.unwrap();
+    slow_body.write_all(&body.as_bytes()[..10]).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), slow_body.read_to_end(&mut answer))
+        .await
+        .expect("a trickling body is answered")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer.contains("retry-after") || answer.contains("body-timeout"),
+        "{answer}"
+    );
+
+    let whole = pay(svc.addr, "acct_slow", "k-slow-body", 700).await;
+    assert_eq!(whole.status, 201, "the key was never taken: {whole:?}");
+    assert_eq!(ledger(svc.addr, "acct_slow").await.0, 1);
 }
 
 /// Two service processes on one PostgreSQL behave as one service.

@@ -285,6 +285,34 @@ pub fn router(idem: Idem, db: Db, config: Config) -> Router {
         })
 }
 
+/// The largest request body: axum's default limit.
+const BODY_LIMIT: usize = 2 * 1024 * 1024;
+
+/// Reads the request body whole within `within`, before any handler (or
+/// idem's reservation) sees the request: a body that trickles is answered
+/// 408 and takes no key; one past the limit, 413.
+pub async fn body_within(within: std::time::Duration, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    match tokio::time::timeout(within, axum::body::to_bytes(body, BODY_LIMIT)).await {
+        Ok(Ok(bytes)) => {
+            next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+                .await
+        }
+        Ok(Err(_)) => ApiError::problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body-too-large",
+            "the request body is larger than 2 MiB, or broke off",
+        )
+        .into_response(),
+        Err(_) => ApiError::problem(
+            StatusCode::REQUEST_TIMEOUT,
+            "body-timeout",
+            "the request body did not arrive in time; send it again",
+        )
+        .into_response(),
+    }
+}
+
 /// Demo authentication, not for production: the bearer token is the tenant
 /// id (1 to 64 of `[A-Za-z0-9_-]`).
 async fn auth(mut req: Request, next: Next) -> Response {

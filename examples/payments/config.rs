@@ -26,6 +26,13 @@ pub struct Config {
     /// `PAYMENTS_FAULT_LEDGER_ONCE=1` (fault injection): the first attempt of
     /// every payment finds the ledger down after the gateway charged (503).
     pub ledger_down_once: bool,
+    /// `PAYMENTS_HEADER_TIMEOUT`, default 10s: a client that has not sent a
+    /// whole request head by then is disconnected (slow headers).
+    pub header_timeout: Duration,
+    /// `PAYMENTS_BODY_TIMEOUT`, default 10s: a request body not received
+    /// whole by then is answered 408 (slow bodies); no key is taken before
+    /// the body is whole.
+    pub body_timeout: Duration,
 }
 
 impl Config {
@@ -72,6 +79,8 @@ impl Config {
             pause_after_charge: millis("PAYMENTS_FAULT_AFTER_CHARGE_MS")?,
             pause_before_commit: millis("PAYMENTS_FAULT_BEFORE_COMMIT_MS")?,
             ledger_down_once: var("PAYMENTS_FAULT_LEDGER_ONCE").as_deref() == Some("1"),
+            header_timeout: duration("PAYMENTS_HEADER_TIMEOUT", Duration::from_secs(10))?,
+            body_timeout: duration("PAYMENTS_BODY_TIMEOUT", Duration::from_secs(10))?,
         })
     }
 }

@@ -13,7 +13,9 @@
 //! Environment (`config.rs`): `PAYMENTS_ADDR` (default `127.0.0.1:8080`),
 //! `DATABASE_URL` (`postgres://...` or `sqlite://...`, default
 //! `sqlite://payments.db`), `IDEM_TTL` (default `24h`), `IDEM_LOCK_TIMEOUT`
-//! (default `60s`), `PAYMENTS_GATEWAY_DELAY_MS` (default 0). Several
+//! (default `60s`), `PAYMENTS_GATEWAY_DELAY_MS` (default 0),
+//! `PAYMENTS_HEADER_TIMEOUT` and `PAYMENTS_BODY_TIMEOUT` (default `10s`
+//! each: slow headers are cut off, slow bodies answered 408). Several
 //! processes on one `DATABASE_URL` behave as one service.
 //!
 //! The handlers are in `api.rs`, the database of either kind in `db.rs`;
@@ -46,7 +48,7 @@ async fn main() {
             std::process::exit(2);
         }
     };
-    let addr = config.addr;
+    let (addr, header_timeout) = (config.addr, config.header_timeout);
     let store = db::describe(&config.database_url);
     let service = match service::start(config).await {
         Ok(s) => s,
@@ -65,9 +67,34 @@ async fn main() {
     tracing::info!(%addr, %store, "payments service listening");
     // The janitor runs for as long as it is held: while the service serves.
     let service::Service { router, janitor } = service;
-    if let Err(e) = axum::serve(listener, router).await {
-        eprintln!("payments: {e}");
-        std::process::exit(1);
-    }
+    serve(listener, router, header_timeout).await;
     drop(janitor);
+}
+
+/// Serves HTTP/1.1 connections until the process ends. Unlike
+/// `axum::serve`, a client that has not sent its whole request head within
+/// `header_timeout` is disconnected (slow headers hold no connection).
+async fn serve(listener: tokio::net::TcpListener, router: axum::Router, header_timeout: std::time::Duration) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, for instance: wait, then go on.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        tokio::spawn(async move {
+            let served = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+            if let Err(e) = served {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
 }

@@ -29,8 +29,13 @@ pub async fn start(config: Config) -> Result<Service, String> {
     let janitor = idem
         .start_janitor(Duration::from_secs(300), 1000)
         .map_err(|e| e.to_string())?;
+    let body_timeout = config.body_timeout;
     Ok(Service {
-        router: api::router(idem, db, config),
+        router: api::router(idem, db, config).layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                api::body_within(body_timeout, req, next)
+            },
+        )),
         janitor,
     })
 }
