@@ -321,7 +321,7 @@ async fn memory_growth(records: usize) {
         "max"
     );
     for (name, (total, p99, max)) in [
-        ("MemoryStore (64 shards): reserve + complete", sharded),
+        ("MemoryStore (256 shards): reserve + complete", sharded),
         ("baseline: insert into one locked HashMap", single),
     ] {
         println!(
