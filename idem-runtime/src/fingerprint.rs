@@ -189,20 +189,49 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
 }
 
 /// `application/x-www-form-urlencoded` pairs as canonical JSON: an array of
-/// `[name, value]`, sorted by name, each name's values in their order.
+/// `[name, value]`, sorted by name, each name's values in their order. A
+/// name or value whose bytes are not UTF-8 once decoded is the array of its
+/// bytes, so that two different byte strings never read as one (a lossy
+/// decoding would make `%FF` and `%FE` the same character).
 fn pairs(encoded: &[u8], counts: &dyn Fn(&str) -> bool) -> String {
-    let mut pairs: Vec<(String, String)> = form_urlencoded::parse(encoded)
-        .filter(|(n, _)| counts(n))
-        .map(|(n, v)| (n.into_owned(), v.into_owned()))
+    let mut pairs: Vec<(String, Node, Node)> = encoded
+        .split(|&b| b == b'&')
+        .filter(|pair| !pair.is_empty())
+        .filter_map(|pair| {
+            let (name, value) = match pair.iter().position(|&b| b == b'=') {
+                Some(at) => (&pair[..at], &pair[at + 1..]),
+                None => (pair, &pair[pair.len()..]),
+            };
+            let (key, name) = component(name);
+            counts(&key).then(|| (key, name, component(value).1))
+        })
         .collect();
     pairs.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
     Node::Array(
         pairs
             .into_iter()
-            .map(|(n, v)| Node::Array(vec![Node::String(n), Node::String(v)]))
+            .map(|(_, n, v)| Node::Array(vec![n, v]))
             .collect(),
     )
     .canonical()
+}
+
+/// One decoded component: its text (lossy, for sorting and the ignore
+/// list) and its node: the string, or its bytes when they are not UTF-8.
+fn component(raw: &[u8]) -> (String, Node) {
+    let plus: Vec<u8> = raw.iter().map(|&b| if b == b'+' { b' ' } else { b }).collect();
+    let bytes: Vec<u8> = percent_encoding::percent_decode(&plus).collect();
+    match String::from_utf8(bytes) {
+        Ok(text) => (text.clone(), Node::String(text)),
+        Err(e) => {
+            let bytes = e.into_bytes();
+            let text = String::from_utf8_lossy(&bytes).into_owned();
+            (
+                text,
+                Node::Array(bytes.iter().map(|b| Node::Number(b.to_string())).collect()),
+            )
+        }
+    }
 }
 
 /// Lowercase hex of `bytes`.
@@ -218,6 +247,26 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn query_values_that_are_not_utf8_stay_distinct() {
+        let p = |q: &'static str| print(&[], Some(q), BodyPrint::None);
+        let all = [
+            p("ref=%FF"),
+            p("ref=%FE"),
+            p("ref=%EF%BF%BD"),
+            p("ref=%FF%FF"),
+            p("%FF=1"),
+        ];
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        // Valid text reads as before, however it is encoded.
+        assert_eq!(p("ref=caf%C3%A9"), p("ref=café"));
+        assert_eq!(p("a=1+2"), p("a=1%202"));
+    }
 
     fn print<'a>(path: &'a [(&'a str, &'a str)], query: Option<&'a str>, body: BodyPrint<'a>) -> String {
         fingerprint(&RequestPrint {
