@@ -159,6 +159,25 @@ impl Tenant {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The longest tenant id a record can be keyed by, in bytes.
+    pub const MAX_LEN: usize = 255;
+
+    /// Whether every store can key a record by `id`: 1 to [`Tenant::MAX_LEN`]
+    /// bytes, no control character (PostgreSQL refuses a NUL in text). A
+    /// request whose tenant is not is refused with 500
+    /// `idempotency-misconfigured` (the auth layer's bug, logged), on every
+    /// store alike.
+    ///
+    /// ```
+    /// use idem::Tenant;
+    /// assert!(Tenant::storable("acct_42"));
+    /// assert!(!Tenant::storable("acct\0x"));
+    /// assert!(!Tenant::storable(&"a".repeat(256)));
+    /// ```
+    pub fn storable(id: &str) -> bool {
+        (1..=Self::MAX_LEN).contains(&id.len()) && !id.chars().any(char::is_control)
+    }
 }
 
 /// The configured idempotency layer: a store plus the service-wide

@@ -161,6 +161,16 @@ pub(crate) async fn protect(
     handler: Handler,
 ) -> Response {
     let tenant = match (tenant, engine.single_tenant) {
+        (Some(t), _) if !Tenant::storable(t.as_str()) => {
+            // Every store must key a record by it: refused the same way on
+            // all of them, before any store call.
+            tracing::error!(
+                len = t.as_str().len(),
+                "the tenant id cannot key a record: it must be 1 to {} bytes without control characters",
+                Tenant::MAX_LEN
+            );
+            return Problem::Misconfigured.into_response();
+        }
         (Some(t), _) => t.as_str().to_owned(),
         (None, true) => String::new(),
         (None, false) => {
