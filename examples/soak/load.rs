@@ -32,25 +32,41 @@ pub(crate) struct Op {
     pub(crate) amount: i64,
     pub(crate) kind: Kind,
     pub(crate) attempts: u32,
-    /// After a final answer, the key is sent again with another amount.
+    /// After a final answer, the key is sent again with another amount,
+    /// recipient or currency (by the operation's number).
     pub(crate) reuse_key: bool,
+    /// The operation's number.
+    pub(crate) index: usize,
     pub(crate) seed: u64,
 }
 
 impl Op {
-    pub(crate) fn body(&self, amount: i64) -> String {
-        let recipient = match self.kind {
+    pub(crate) fn recipient(&self) -> &'static str {
+        match self.kind {
             Kind::Pays => "acct_shop",
             Kind::Declined => "acct_declined",
             Kind::GatewayDown => "acct_unavailable",
             Kind::Panics => "acct_panic",
-        };
+        }
+    }
+
+    pub(crate) fn body(&self) -> String {
+        let (amount, recipient) = (self.amount, self.recipient());
         format!(r#"{{"amount":{amount},"currency":"EUR","recipient":"{recipient}"}}"#)
     }
 
-    /// The amount a reused key is sent with: never another operation's.
-    pub(crate) fn other_amount(&self) -> i64 {
-        self.amount + 1_000_000
+    /// The body a reused key is sent with: another amount (never another
+    /// operation's), recipient or currency, in turn.
+    pub(crate) fn other_body(&self) -> String {
+        let (amount, recipient) = (self.amount, self.recipient());
+        match self.index % 3 {
+            0 => format!(
+                r#"{{"amount":{},"currency":"EUR","recipient":"{recipient}"}}"#,
+                amount + 1_000_000
+            ),
+            1 => format!(r#"{{"amount":{amount},"currency":"EUR","recipient":"acct_elsewhere"}}"#),
+            _ => format!(r#"{{"amount":{amount},"currency":"USD","recipient":"{recipient}"}}"#),
+        }
     }
 
     /// Whether `a` is this operation's final answer (as opposed to a 409, a
@@ -112,7 +128,10 @@ pub(crate) fn plan(args: &Args, run_id: &str) -> Arc<Vec<Op>> {
             };
             Op {
                 tenant: format!("{run_id}_t{}", i % args.tenants),
-                key: format!("{run_id}-op-{i}"),
+                // Two operations of two tenants share each key: one tenant
+                // must never get the other's answer nor be blocked by it.
+                key: format!("{run_id}-op-{}", i / 2),
+                index: i,
                 amount: (i / args.tenants) as i64 + 1,
                 kind,
                 attempts: 1 + rng.below(5) as u32,
@@ -172,7 +191,7 @@ async fn send(op: &Op, addrs: &[SocketAddr]) -> Log {
         started: true,
         ..Log::default()
     };
-    let body = op.body(op.amount);
+    let body = op.body();
     for _ in 0..op.attempts {
         if rng.chance(30) {
             tokio::time::sleep(Duration::from_millis(rng.below(200))).await;
@@ -204,7 +223,7 @@ async fn send(op: &Op, addrs: &[SocketAddr]) -> Log {
 /// The key again with another amount, until an answer that is not a retry
 /// signal (at most 5 tries).
 async fn reuse(op: &Op, addrs: &[SocketAddr], log: &mut Log) {
-    let body = op.body(op.other_amount());
+    let body = op.other_body();
     for i in 0..5 {
         match client::pay(addrs[i % addrs.len()], &op.tenant, &op.key, &body, None).await {
             Sent::Answered(a) => {
@@ -228,7 +247,7 @@ pub(crate) async fn settle(plan: &[Op], logs: &mut [Log], addrs: &[SocketAddr]) 
         if !log.started {
             continue;
         }
-        let body = op.body(op.amount);
+        let body = op.body();
         let mut tries = 0;
         while !log.answers.iter().any(|a| op.is_final(a)) && tries < 60 {
             tries += 1;

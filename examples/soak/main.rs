@@ -56,7 +56,7 @@ fn args() -> Result<Args, String> {
             "--store" => a.store = value.clone(),
             "--ops" => a.ops = number()? as usize,
             "--clients" => a.clients = number()?.max(1) as usize,
-            "--tenants" => a.tenants = number()?.max(1) as usize,
+            "--tenants" => a.tenants = number()?.max(2) as usize,
             "--seconds" => a.seconds = number()?,
             "--seed" => a.seed = number()?,
             "--fault" => a.fault = value.clone(),
@@ -142,6 +142,12 @@ impl Services {
                 // Timers and timeouts run on the monotonic clock, as in
                 // production; only the wall clock disagrees.
                 .env("DONT_FAKE_MONOTONIC", "1");
+        }
+        if i == 1 {
+            // The second process plays a ledger outage after the charge on
+            // every payment's first attempt: its retry must continue the
+            // same operation (one charge under its derived key).
+            cmd.env("PAYMENTS_FAULT_LEDGER_ONCE", "1");
         }
         let child = cmd
             .env("PAYMENTS_ADDR", self.addrs[i].to_string())

@@ -21,6 +21,25 @@ async fn count_by_op(db: &Db, table: &str) -> Result<HashMap<(String, i64), i64>
     Ok(rows.into_iter().map(|(t, a, n)| ((t, a), n)).collect())
 }
 
+/// The example's starting balance of every tenant.
+const STARTING_BALANCE: i64 = 1_000_000;
+
+/// Every account's balance.
+async fn balances(db: &Db) -> Result<Vec<(String, i64)>, String> {
+    let sql = "SELECT tenant, balance FROM accounts";
+    match db {
+        Db::Sqlite(pool, _) => sqlx::query_as(sql).fetch_all(pool).await,
+        Db::Postgres { pool, schema, .. } => {
+            sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT tenant, balance FROM \"{schema}\".accounts"
+            )))
+            .fetch_all(pool)
+            .await
+        }
+    }
+    .map_err(|e| format!("reading accounts: {e}"))
+}
+
 /// The statuses an operation may see on the way to its final answer.
 fn allowed(op: &Op, a: &Answer) -> bool {
     let retry = a.status == 409 || a.status == 503;
@@ -76,9 +95,19 @@ pub(crate) async fn report(
             if a.header("idempotent-replayed") == Some("true") {
                 replays += 1;
             }
-            if a.status == 503 && a.header("retry-after").is_none() {
+            if (a.status == 503 || a.status == 409) && a.header("retry-after").is_none() {
                 no_retry_after += 1;
-                problems.push(format!("{id}: 503 without Retry-After"));
+                problems.push(format!("{id}: {} without Retry-After", a.status));
+            }
+            if args.fault == "none"
+                && matches!(
+                    problem.as_str(),
+                    "idempotency-lease-lost" | "idempotency-store-unavailable"
+                )
+            {
+                problems.push(format!(
+                    "{id}: {problem} in a run without faults (a live lock taken over, or the store failing)"
+                ));
             }
             if a.status >= 500 && a.status != 503 && !(op.kind == Kind::Panics && a.status == 500) {
                 bad_5xx += 1;
@@ -102,16 +131,51 @@ pub(crate) async fn report(
                 log.answers.len()
             ));
         }
-        // A stored answer is the same on every retry, byte for byte.
+        // A stored answer is the same on every retry, byte for byte, and
+        // is this operation's own: its amount and recipient.
         if matches!(op.kind, Kind::Pays | Kind::Declined) {
             if let Some(first) = finals.first() {
-                for f in &finals[1..] {
-                    if f.body != first.body || f.header("location") != first.header("location") {
-                        unequal += 1;
-                        problems.push(format!("{id}: a retry's answer differs from the first"));
-                        break;
-                    }
+                let same = |f: &&Answer| {
+                    f.body == first.body
+                        && f.header("location") == first.header("location")
+                        && f.header("content-type") == first.header("content-type")
+                };
+                if !finals[1..].iter().all(same) {
+                    unequal += 1;
+                    problems.push(format!("{id}: a retry's answer differs from the first"));
                 }
+                let body: serde_json::Value = serde_json::from_slice(&first.body).unwrap_or_default();
+                let own = match op.kind {
+                    Kind::Pays => {
+                        body["amount"] == op.amount
+                            && body["recipient"] == op.recipient()
+                            && body["status"] == "succeeded"
+                    }
+                    _ => body == serde_json::json!({ "error": "card_declined" }),
+                };
+                if !own {
+                    problems.push(format!("{id}: answered with another operation's answer: {body}"));
+                }
+            }
+            // One execution answers; every other answer is a replay.
+            let executed = finals
+                .iter()
+                .filter(|f| f.header("idempotent-replayed") != Some("true"))
+                .count();
+            if executed > 1 {
+                double += 1;
+                problems.push(format!(
+                    "{id}: {executed} answers were not replays (executed more than once)"
+                ));
+            }
+            if finals.len() > 1
+                && finals
+                    .iter()
+                    .all(|f| f.header("idempotent-replayed") != Some("true"))
+            {
+                problems.push(format!(
+                    "{id}: retries of a finished operation not marked as replays"
+                ));
             }
         }
         let key = (op.tenant.clone(), op.amount);
@@ -164,6 +228,21 @@ pub(crate) async fn report(
                 "ledger row for tenant {} amount {} belongs to no operation",
                 key.0, key.1
             ));
+        }
+    }
+    // Every tenant's balance: the start, less what succeeded (holds of
+    // failed payments given back).
+    let balances = balances(db).await?;
+    let mut spent: HashMap<String, i64> = HashMap::new();
+    for (op, log) in plan.iter().zip(logs) {
+        if op.kind == Kind::Pays && log.answers.iter().any(|a| op.is_final(a)) {
+            *spent.entry(op.tenant.clone()).or_default() += op.amount;
+        }
+    }
+    for (tenant, balance) in &balances {
+        let expected = STARTING_BALANCE - spent.get(tenant).copied().unwrap_or(0);
+        if *balance != expected {
+            problems.push(format!("tenant {tenant}: balance {balance}, expected {expected}"));
         }
     }
     let total_charges: i64 = charges.values().sum();
