@@ -194,7 +194,7 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
 /// bytes, so that two different byte strings never read as one (a lossy
 /// decoding would make `%FF` and `%FE` the same character).
 fn pairs(encoded: &[u8], counts: &dyn Fn(&str) -> bool) -> String {
-    let mut pairs: Vec<(String, Node, Node)> = encoded
+    let mut pairs: Vec<(Component, Node)> = encoded
         .split(|&b| b == b'&')
         .filter(|pair| !pair.is_empty())
         .filter_map(|pair| {
@@ -202,34 +202,59 @@ fn pairs(encoded: &[u8], counts: &dyn Fn(&str) -> bool) -> String {
                 Some(at) => (&pair[..at], &pair[at + 1..]),
                 None => (pair, &pair[pair.len()..]),
             };
-            let (key, name) = component(name);
-            counts(&key).then(|| (key, name, component(value).1))
+            let name = Component::decode(name);
+            // A name that is not UTF-8 is never one the attribute lists.
+            let counted = name.text().is_none_or(counts);
+            counted.then(|| (name, Component::decode(value).node()))
         })
         .collect();
-    pairs.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+    // By name (UTF-16 code units, then bytes: names that are not UTF-8 have
+    // an order too); one name's values keep theirs.
+    pairs.sort_by(|(a, _), (b, _)| {
+        a.lossy
+            .encode_utf16()
+            .cmp(b.lossy.encode_utf16())
+            .then_with(|| a.bytes.cmp(&b.bytes))
+    });
     Node::Array(
         pairs
             .into_iter()
-            .map(|(_, n, v)| Node::Array(vec![n, v]))
+            .map(|(n, v)| Node::Array(vec![n.node(), v]))
             .collect(),
     )
     .canonical()
 }
 
-/// One decoded component: its text (lossy, for sorting and the ignore
-/// list) and its node: the string, or its bytes when they are not UTF-8.
-fn component(raw: &[u8]) -> (String, Node) {
-    let plus: Vec<u8> = raw.iter().map(|&b| if b == b'+' { b' ' } else { b }).collect();
-    let bytes: Vec<u8> = percent_encoding::percent_decode(&plus).collect();
-    match String::from_utf8(bytes) {
-        Ok(text) => (text.clone(), Node::String(text)),
-        Err(e) => {
-            let bytes = e.into_bytes();
-            let text = String::from_utf8_lossy(&bytes).into_owned();
-            (
-                text,
-                Node::Array(bytes.iter().map(|b| Node::Number(b.to_string())).collect()),
-            )
+/// One decoded name or value of a form.
+struct Component {
+    bytes: Vec<u8>,
+    /// The bytes as text, with U+FFFD where they are not UTF-8.
+    lossy: String,
+}
+
+impl Component {
+    fn decode(raw: &[u8]) -> Self {
+        let plus: Vec<u8> = raw.iter().map(|&b| if b == b'+' { b' ' } else { b }).collect();
+        let bytes: Vec<u8> = percent_encoding::percent_decode(&plus).collect();
+        let lossy = String::from_utf8_lossy(&bytes).into_owned();
+        Component { bytes, lossy }
+    }
+
+    /// The text, when the bytes are UTF-8.
+    fn text(&self) -> Option<&str> {
+        std::str::from_utf8(&self.bytes).ok()
+    }
+
+    /// The string, or, when the bytes are not UTF-8, the array of its bytes.
+    fn node(self) -> Node {
+        match String::from_utf8(self.bytes) {
+            Ok(text) => Node::String(text),
+            Err(e) => Node::Array(
+                e.into_bytes()
+                    .iter()
+                    .map(|b| Node::Number(b.to_string()))
+                    .collect(),
+            ),
         }
     }
 }
@@ -266,6 +291,10 @@ mod tests {
         // Valid text reads as before, however it is encoded.
         assert_eq!(p("ref=caf%C3%A9"), p("ref=café"));
         assert_eq!(p("a=1+2"), p("a=1%202"));
+        // Names that are not UTF-8 are ordered too: their order as sent
+        // does not count.
+        assert_eq!(p("%FF=1&%FE=1"), p("%FE=1&%FF=1"));
+        assert_eq!(p("%FF=1&%EF%BF%BD=2"), p("%EF%BF%BD=2&%FF=1"));
     }
 
     fn print<'a>(path: &'a [(&'a str, &'a str)], query: Option<&'a str>, body: BodyPrint<'a>) -> String {
