@@ -77,8 +77,8 @@ pub(crate) async fn report(
         }
         started += 1;
         let id = format!(
-            "{} {} (tenant {}, amount {}, {:?})",
-            op.key, "", op.tenant, op.amount, op.kind
+            "{} (tenant {}, amount {}, {:?})",
+            op.key, op.tenant, op.amount, op.kind
         );
         abandoned += log.abandoned as u64;
         broken += log.broken.len() as u64;
