@@ -68,6 +68,11 @@ impl Server {
         }
     }
 
+    /// A JSON POST of `body` to `path` with `key`, read whole.
+    async fn send(&self, path: &str, body: &str, key: &str) -> idem_testkit::http::Reply {
+        req(path, body).key(key).send(self.addr).await
+    }
+
     fn runs(&self) -> usize {
         self.app.runs.load(Ordering::SeqCst)
     }
@@ -86,7 +91,6 @@ impl Server {
         assert_eq!(self.runs(), 0, "{what}: the handler ran");
         assert_eq!(self.records().await, 0, "{what}: a record was stored");
         let ok = req("/pay", r#"{"amount":1}"#)
-            .content_type("application/json")
             .key(&format!("after-{}", idem_testkit::unique("k")))
             .send(self.addr)
             .await;
@@ -118,7 +122,6 @@ async fn a_one_mebibyte_header_is_refused() {
     let big = "a".repeat(1 << 20);
     for (name, value) in [("x-padding", big.as_str()), ("idempotency-key", big.as_str())] {
         let raw = req("/pay", r#"{"amount":1}"#)
-            .content_type("application/json")
             .key("k-big")
             .header(name, value)
             .send_raw(s.addr)
@@ -132,11 +135,7 @@ async fn a_body_past_the_limit_is_refused() {
     let s = Server::start().await;
     // axum's default body limit is 2 MiB.
     let body = format!(r#"{{"amount":1,"pad":"{}"}}"#, "x".repeat(3 << 20));
-    let r = req("/pay", &body)
-        .content_type("application/json")
-        .key("k-huge")
-        .send(s.addr)
-        .await;
+    let r = s.send("/pay", &body, "k-huge").await;
     assert_eq!(r.status, 413);
     s.refused_cleanly(r.status, "body past the limit").await;
 }
@@ -145,11 +144,7 @@ async fn a_body_past_the_limit_is_refused() {
 async fn deep_nesting_is_refused_without_overflowing_the_stack() {
     let s = Server::start().await;
     for open in ["[", "{\"a\":"] {
-        let r = req("/any", &open.repeat(100_000))
-            .content_type("application/json")
-            .key("k-deep")
-            .send(s.addr)
-            .await;
+        let r = s.send("/any", &open.repeat(100_000), "k-deep").await;
         s.refused_cleanly(r.status, open).await;
     }
 }
@@ -159,7 +154,6 @@ async fn invalid_utf8_is_refused() {
     let s = Server::start().await;
     for path in ["/any", "/text", "/pay"] {
         let r = req(path, "")
-            .content_type("application/json")
             .key("k-utf8")
             .body_bytes(b"{\"amount\":1,\"x\":\"\xff\xfe\"}".to_vec())
             .send(s.addr)
@@ -173,11 +167,7 @@ async fn duplicate_members_are_a_problem_not_a_guess() {
     let s = Server::start().await;
     // serde_json's `Value` keeps the last value; the fingerprint would have
     // to pick one: the request is refused instead.
-    let r = req("/any", r#"{"amount":1,"amount":2}"#)
-        .content_type("application/json")
-        .key("k-dup")
-        .send(s.addr)
-        .await;
+    let r = s.send("/any", r#"{"amount":1,"amount":2}"#, "k-dup").await;
     assert_eq!(
         (r.status, r.problem().as_str()),
         (400, "idempotency-body-invalid")
@@ -189,32 +179,16 @@ async fn duplicate_members_are_a_problem_not_a_guess() {
 async fn numbers_past_i64_and_f64_are_refused_or_kept_exact() {
     let s = Server::start().await;
     // Past i64 for a typed field: the extractor refuses it.
-    let r = req("/pay", r#"{"amount":9223372036854775808}"#)
-        .content_type("application/json")
-        .key("k-i64")
-        .send(s.addr)
-        .await;
+    let r = s.send("/pay", r#"{"amount":9223372036854775808}"#, "k-i64").await;
     s.refused_cleanly(r.status, "past i64").await;
     // Past f64: refused.
-    let r = req("/any", r#"{"n":1e400}"#)
-        .content_type("application/json")
-        .key("k-f64")
-        .send(s.addr)
-        .await;
+    let r = s.send("/any", r#"{"n":1e400}"#, "k-f64").await;
     s.refused_cleanly(r.status, "past f64").await;
     // Past u64 into a `Value`: the fingerprint keeps every digit, so two
     // numbers one apart are two requests.
-    let first = req("/any", r#"{"n":18446744073709551616}"#)
-        .content_type("application/json")
-        .key("k-u64")
-        .send(s.addr)
-        .await;
+    let first = s.send("/any", r#"{"n":18446744073709551616}"#, "k-u64").await;
     assert_eq!(first.status, 200);
-    let other = req("/any", r#"{"n":18446744073709551617}"#)
-        .content_type("application/json")
-        .key("k-u64")
-        .send(s.addr)
-        .await;
+    let other = s.send("/any", r#"{"n":18446744073709551617}"#, "k-u64").await;
     assert_eq!(
         (other.status, other.problem().as_str()),
         (422, "idempotency-key-reused")
@@ -237,11 +211,7 @@ async fn a_slow_body_holds_no_key_while_it_trickles() {
     slow.write_all(&body[..5]).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Meanwhile the same request, whole, runs: the key was never taken.
-    let fast = req("/pay", std::str::from_utf8(body).unwrap())
-        .content_type("application/json")
-        .key("k-slow")
-        .send(s.addr)
-        .await;
+    let fast = s.send("/pay", std::str::from_utf8(body).unwrap(), "k-slow").await;
     assert_eq!(fast.status, 201);
     // The slow one, once whole, is a replay.
     slow.write_all(&body[5..]).await.unwrap();

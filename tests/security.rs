@@ -72,7 +72,6 @@ async fn stored_records_hold_no_credentials_and_replays_set_no_cookie() {
     let addr = serve(router(Arc::new(store.clone()))).await;
     let send = || async move {
         req("/things", r#"{"note":"hello"}"#)
-            .content_type("application/json")
             .key("k-cred")
             .header("authorization", "Bearer SECRET-TOKEN")
             .header("cookie", "session=SECRET-REQUEST-COOKIE")
@@ -151,11 +150,7 @@ async fn logs_never_carry_a_raw_key_or_body() {
             ("/things", r#"{"note":"SECRET-BODY-DUP","note":"x"}"#),
             ("/explode", body),
         ] {
-            let r = req(path, body)
-                .content_type("application/json")
-                .key(key)
-                .send(addr)
-                .await;
+            let r = req(path, body).key(key).send(addr).await;
             assert!(r.status < 600);
         }
         // A store that is down logs its failure, not the request.
@@ -166,11 +161,7 @@ async fn logs_never_carry_a_raw_key_or_body() {
             .unwrap()
             .with_timeout(std::time::Duration::from_millis(200));
         let addr = serve(router(Arc::new(down))).await;
-        let r = req("/things", body)
-            .content_type("application/json")
-            .key(key)
-            .send(addr)
-            .await;
+        let r = req("/things", body).key(key).send(addr).await;
         assert_eq!(r.status, 503);
     }
     .await;
@@ -195,7 +186,6 @@ async fn tenants_no_store_can_key_are_refused_alike(f: idem_testkit::Fixture) {
     let addr = serve(router(f.store.clone())).await;
     for tenant in ["NUL", "LONG", "EMPTY"] {
         let r = req("/things", r#"{"note":"a"}"#)
-            .content_type("application/json")
             .key("k-tenant")
             .header("x-tenant", tenant)
             .send(addr)
@@ -208,7 +198,6 @@ async fn tenants_no_store_can_key_are_refused_alike(f: idem_testkit::Fixture) {
     }
     // Nothing was stored: the key is free for a valid tenant.
     let ok = req("/things", r#"{"note":"a"}"#)
-        .content_type("application/json")
         .key("k-tenant")
         .header("x-tenant", "acct_ok")
         .send(addr)
@@ -223,7 +212,6 @@ async fn keys_and_tenants_that_look_like_sql_are_data(f: idem_testkit::Fixture) 
     let tenant = "t'); DELETE FROM idempotency_keys; --";
     let send = |note: &'static str| async move {
         req("/things", note)
-            .content_type("application/json")
             .key(key)
             .header("x-tenant", tenant)
             .send(addr)
