@@ -8,7 +8,6 @@ pub use crate::jcs::{canonical_json, JsonError};
 
 use crate::jcs::{self, Node};
 use sha2::{Digest, Sha256};
-use std::fmt::Write as _;
 
 /// The version tag that starts every fingerprint input. Records written
 /// under another version never match a new request's fingerprint: a retry
@@ -109,22 +108,34 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
         hasher.update((bytes.len() as u64).to_be_bytes());
         hasher.update(bytes);
     };
+    // One buffer for each canonical text in turn.
+    let mut canonical = String::with_capacity(256);
     put(FINGERPRINT_VERSION.as_bytes());
     put(req.scope.as_bytes());
     let counts = |name: &str| !req.ignore.contains(&name);
 
-    let mut path: Vec<(String, Node)> = req
-        .path
-        .iter()
-        .filter(|(n, _)| counts(n))
-        .map(|(n, v)| ((*n).to_owned(), Node::String((*v).to_owned())))
-        .collect();
-    path.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+    let mut path: Vec<(&str, &str)> = req.path.iter().copied().filter(|(n, _)| counts(n)).collect();
+    path.sort_by(|a, b| jcs::utf16_cmp(a.0, b.0));
     put(b"path");
-    put(Node::Object(path).canonical().as_bytes());
+    // The canonical JSON object of the parameters, as `Node::Object` writes it.
+    canonical.push('{');
+    for (i, (name, value)) in path.iter().enumerate() {
+        if i > 0 {
+            canonical.push(',');
+        }
+        jcs::write_string(&mut canonical, name);
+        canonical.push(':');
+        jcs::write_string(&mut canonical, value);
+    }
+    canonical.push('}');
+    put(canonical.as_bytes());
 
     put(b"query");
-    put(pairs(req.query.unwrap_or_default().as_bytes(), &counts).as_bytes());
+    match req.query {
+        // What `pairs` makes of no pairs.
+        None | Some("") => put(b"[]"),
+        Some(query) => put(pairs(query.as_bytes(), &counts).as_bytes()),
+    }
 
     put(b"body");
     match req.body {
@@ -141,7 +152,9 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
             text, fields: None, ..
         } => {
             put(b"json");
-            put(jcs::parse(text)?.canonical().as_bytes());
+            canonical.clear();
+            jcs::parse(text)?.write(&mut canonical);
+            put(canonical.as_bytes());
         }
         BodyPrint::Json {
             text,
@@ -150,14 +163,15 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
         } => {
             let body = jcs::parse(text)?;
             // Where the handler read something else than the member at the
-            // wire path, that member does not identify the request.
+            // wire path, that member does not identify the request. Two
+            // values are equal exactly when their canonical forms are.
             let agrees = |i: usize, node: &Node| match read {
                 None => true,
                 Some(read) => read
                     .get(i)
                     .and_then(Option::as_deref)
                     .and_then(|json| jcs::parse(json).ok())
-                    .is_some_and(|typed| typed.canonical() == node.canonical()),
+                    .is_some_and(|typed| typed == *node),
             };
             // Every declared field where its wire path says; else (the
             // field left out, sent under an alias, in an array, behind a
@@ -175,12 +189,16 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
                     put(b"fields");
                     for (field, value) in values {
                         put(field.as_bytes());
-                        put(value.canonical().as_bytes());
+                        canonical.clear();
+                        value.write(&mut canonical);
+                        put(canonical.as_bytes());
                     }
                 }
                 None => {
                     put(b"json");
-                    put(body.canonical().as_bytes());
+                    canonical.clear();
+                    body.write(&mut canonical);
+                    put(canonical.as_bytes());
                 }
             }
         }
@@ -194,7 +212,7 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
 /// bytes, so that two different byte strings never read as one (a lossy
 /// decoding would make `%FF` and `%FE` the same character).
 fn pairs(encoded: &[u8], counts: &dyn Fn(&str) -> bool) -> String {
-    let mut pairs: Vec<(Component, Node)> = encoded
+    let mut pairs: Vec<(Component, Node<'static>)> = encoded
         .split(|&b| b == b'&')
         .filter(|pair| !pair.is_empty())
         .filter_map(|pair| {
@@ -210,12 +228,7 @@ fn pairs(encoded: &[u8], counts: &dyn Fn(&str) -> bool) -> String {
         .collect();
     // By name (UTF-16 code units, then bytes: names that are not UTF-8 have
     // an order too); one name's values keep theirs.
-    pairs.sort_by(|(a, _), (b, _)| {
-        a.lossy
-            .encode_utf16()
-            .cmp(b.lossy.encode_utf16())
-            .then_with(|| a.bytes.cmp(&b.bytes))
-    });
+    pairs.sort_by(|(a, _), (b, _)| jcs::utf16_cmp(&a.lossy, &b.lossy).then_with(|| a.bytes.cmp(&b.bytes)));
     Node::Array(
         pairs
             .into_iter()
@@ -246,13 +259,13 @@ impl Component {
     }
 
     /// The string, or, when the bytes are not UTF-8, the array of its bytes.
-    fn node(self) -> Node {
+    fn node(self) -> Node<'static> {
         match String::from_utf8(self.bytes) {
-            Ok(text) => Node::String(text),
+            Ok(text) => Node::String(text.into()),
             Err(e) => Node::Array(
                 e.into_bytes()
                     .iter()
-                    .map(|b| Node::Number(b.to_string()))
+                    .map(|b| Node::Number(b.to_string().into()))
                     .collect(),
             ),
         }
@@ -261,9 +274,11 @@ impl Component {
 
 /// Lowercase hex of `bytes`.
 pub(crate) fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(s, "{b:02x}");
+    for &b in bytes {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 0x0f)]));
     }
     s
 }

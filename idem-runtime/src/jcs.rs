@@ -3,6 +3,8 @@
 //! names as sent) and refuses what I-JSON (RFC 7493) forbids, and the
 //! canonical writer.
 
+use std::borrow::Cow;
+use std::cmp::Ordering;
 use std::fmt::Write as _;
 
 /// How deep arrays and objects may nest (as `serde_json` allows).
@@ -20,17 +22,18 @@ impl std::fmt::Display for JsonError {
 
 impl std::error::Error for JsonError {}
 
-/// A parsed JSON value, its numbers already in canonical form.
+/// A parsed JSON value, its numbers already in canonical form. Its text
+/// borrows from the JSON text where that text is already the value's.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Node {
+pub(crate) enum Node<'a> {
     Null,
     Bool(bool),
     /// The canonical text of the number.
-    Number(String),
-    String(String),
-    Array(Vec<Node>),
+    Number(Cow<'a, str>),
+    String(Cow<'a, str>),
+    Array(Vec<Node<'a>>),
     /// Members sorted by their names' UTF-16 code units.
-    Object(Vec<(String, Node)>),
+    Object(Vec<(Cow<'a, str>, Node<'a>)>),
 }
 
 /// The RFC 8785 canonical form of the JSON text `text`: object members
@@ -60,9 +63,10 @@ pub fn canonical_json(text: &[u8]) -> Result<String, JsonError> {
     Ok(parse(text)?.canonical())
 }
 
-pub(crate) fn parse(text: &[u8]) -> Result<Node, JsonError> {
+pub(crate) fn parse(text: &[u8]) -> Result<Node<'_>, JsonError> {
     let text = std::str::from_utf8(text).map_err(|_| JsonError("the body is not UTF-8".into()))?;
     let mut p = Parser {
+        text,
         s: text.as_bytes(),
         at: 0,
     };
@@ -75,14 +79,15 @@ pub(crate) fn parse(text: &[u8]) -> Result<Node, JsonError> {
     Ok(node)
 }
 
-impl Node {
+impl Node<'_> {
     pub(crate) fn canonical(&self) -> String {
-        let mut out = String::new();
+        let mut out = String::with_capacity(64);
         self.write(&mut out);
         out
     }
 
-    fn write(&self, out: &mut String) {
+    /// Appends the canonical form to `out`.
+    pub(crate) fn write(&self, out: &mut String) {
         match self {
             Node::Null => out.push_str("null"),
             Node::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
@@ -115,7 +120,7 @@ impl Node {
 
     /// The member at `path` (names, outermost first), if every step is an
     /// object that has it.
-    pub(crate) fn get(&self, path: &str) -> Option<&Node> {
+    pub(crate) fn get(&self, path: &str) -> Option<&Self> {
         path.split('.').try_fold(self, |node, name| match node {
             Node::Object(members) => members.iter().find(|(n, _)| n == name).map(|(_, v)| v),
             _ => None,
@@ -123,24 +128,43 @@ impl Node {
     }
 }
 
+/// The order of `a` and `b` by their UTF-16 code units, as RFC 8785 sorts
+/// member names.
+pub(crate) fn utf16_cmp(a: &str, b: &str) -> Ordering {
+    // Below U+E000, UTF-8 bytes (code point order) and UTF-16 code units
+    // sort alike; a byte from 0xEE up starts a code point from U+E000 up.
+    if a.bytes().chain(b.bytes()).all(|x| x < 0xEE) {
+        a.as_bytes().cmp(b.as_bytes())
+    } else {
+        a.encode_utf16().cmp(b.encode_utf16())
+    }
+}
+
 /// A JSON string, with RFC 8785's minimal escapes.
 pub(crate) fn write_string(out: &mut String, s: &str) {
     out.push('"');
-    for c in s.chars() {
+    let mut rest = s;
+    // Runs of characters written as they are, each up to an ASCII character
+    // that takes an escape.
+    while let Some(at) = rest.bytes().position(|b| b == b'"' || b == b'\\' || b < 0x20) {
+        let (run, escaped) = rest.split_at(at);
+        out.push_str(run);
+        let c = escaped.as_bytes()[0];
         match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
+            b'"' => out.push_str("\\\""),
+            b'\\' => out.push_str("\\\\"),
+            0x08 => out.push_str("\\b"),
+            0x0c => out.push_str("\\f"),
+            b'\n' => out.push_str("\\n"),
+            b'\r' => out.push_str("\\r"),
+            b'\t' => out.push_str("\\t"),
+            c => {
+                let _ = write!(out, "\\u{c:04x}");
             }
-            c => out.push(c),
         }
+        rest = &escaped[1..];
     }
+    out.push_str(rest);
     out.push('"');
 }
 
@@ -150,9 +174,19 @@ pub(crate) fn write_string(out: &mut String, s: &str) {
 /// its exact digits followed by `.0`, so that two integers never share a
 /// text. Integers a double holds exactly whose text has an exponent (`1e21`
 /// and up) take that text. Every canonical text is its own canonical text.
-fn number(lexeme: &str) -> Result<String, String> {
-    let v: f64 = lexeme.parse().map_err(|_| format!("invalid number {lexeme}"))?;
+fn number(lexeme: &str) -> Result<Cow<'_, str>, String> {
     let digits = lexeme.strip_suffix(".0").unwrap_or(lexeme);
+    // An integer of at most 15 digits other than zero (JSON has no leading
+    // zeros): a double holds it exactly, and ECMAScript writes it as its
+    // digits.
+    let magnitude = digits.strip_prefix('-').unwrap_or(digits);
+    if (1..=15).contains(&magnitude.len())
+        && magnitude.bytes().all(|b| b.is_ascii_digit())
+        && !magnitude.starts_with('0')
+    {
+        return Ok(Cow::Borrowed(digits));
+    }
+    let v: f64 = lexeme.parse().map_err(|_| format!("invalid number {lexeme}"))?;
     if !digits.contains(['.', 'e', 'E']) {
         if v == 0.0 {
             return Ok("0".into());
@@ -162,15 +196,15 @@ fn number(lexeme: &str) -> Result<String, String> {
             Some(t) => t == digits || (t.contains('e') && holds_exactly(v, digits)),
             None => false,
         };
-        return Ok(match text {
+        return Ok(Cow::Owned(match text {
             Some(t) if keeps => t,
             _ => format!("{digits}.0"),
-        });
+        }));
     }
     if !v.is_finite() {
         return Err(format!("the number {lexeme} is beyond the range of a double"));
     }
-    Ok(ecmascript(v))
+    Ok(Cow::Owned(ecmascript(v)))
 }
 
 /// Whether the finite, non-zero double `v` is exactly the integer `digits`
@@ -189,11 +223,13 @@ pub(crate) fn ecmascript(v: f64) -> String {
 }
 
 struct Parser<'a> {
+    /// The JSON text, and its bytes.
+    text: &'a str,
     s: &'a [u8],
     at: usize,
 }
 
-impl Parser<'_> {
+impl<'a> Parser<'a> {
     fn error(&self, what: &str) -> JsonError {
         JsonError(format!("{what} at byte {}", self.at))
     }
@@ -214,7 +250,7 @@ impl Parser<'_> {
     }
 
     /// A value inside `depth` arrays and objects.
-    fn value(&mut self, depth: usize) -> Result<Node, JsonError> {
+    fn value(&mut self, depth: usize) -> Result<Node<'a>, JsonError> {
         if depth >= MAX_DEPTH && matches!(self.s.get(self.at), Some(b'{' | b'[')) {
             return Err(self.error("nested deeper than 128"));
         }
@@ -230,9 +266,9 @@ impl Parser<'_> {
         }
     }
 
-    fn object(&mut self, depth: usize) -> Result<Node, JsonError> {
+    fn object(&mut self, depth: usize) -> Result<Node<'a>, JsonError> {
         self.at += 1;
-        let mut members: Vec<(String, Node)> = Vec::new();
+        let mut members: Vec<(Cow<'a, str>, Node<'a>)> = Vec::new();
         self.skip_ws();
         if self.eat(b"}") {
             return Ok(Node::Object(members));
@@ -259,7 +295,7 @@ impl Parser<'_> {
             }
             return Err(self.error("expected `,` or `}`"));
         }
-        members.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+        members.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
         if let Some(pair) = members.windows(2).find(|w| w[0].0 == w[1].0) {
             return Err(JsonError(format!(
                 "the member name {:?} appears twice",
@@ -269,7 +305,7 @@ impl Parser<'_> {
         Ok(Node::Object(members))
     }
 
-    fn array(&mut self, depth: usize) -> Result<Node, JsonError> {
+    fn array(&mut self, depth: usize) -> Result<Node<'a>, JsonError> {
         self.at += 1;
         let mut items = Vec::new();
         self.skip_ws();
@@ -290,7 +326,7 @@ impl Parser<'_> {
         }
     }
 
-    fn number(&mut self) -> Result<Node, JsonError> {
+    fn number(&mut self) -> Result<Node<'a>, JsonError> {
         let start = self.at;
         let digits = |p: &mut Self| {
             let from = p.at;
@@ -317,8 +353,10 @@ impl Parser<'_> {
             }
         }
         // The lexeme is ASCII, checked above.
-        let lexeme =
-            std::str::from_utf8(&self.s[start..self.at]).map_err(|_| self.error("invalid number"))?;
+        let lexeme = self
+            .text
+            .get(start..self.at)
+            .ok_or_else(|| self.error("invalid number"))?;
         number(lexeme).map(Node::Number).map_err(JsonError)
     }
 
@@ -333,7 +371,7 @@ impl Parser<'_> {
         Ok(v)
     }
 
-    fn string(&mut self) -> Result<String, JsonError> {
+    fn string(&mut self) -> Result<Cow<'a, str>, JsonError> {
         self.at += 1;
         let mut out = String::new();
         loop {
@@ -345,15 +383,23 @@ impl Parser<'_> {
                 self.at += 1;
             }
             // The text is UTF-8, and a run stops only at ASCII bytes.
-            out.push_str(
-                std::str::from_utf8(&self.s[start..self.at]).map_err(|_| self.error("invalid UTF-8"))?,
-            );
+            let run = self
+                .text
+                .get(start..self.at)
+                .ok_or_else(|| self.error("invalid UTF-8"))?;
             match self.s.get(self.at) {
+                // A string without escapes is its text.
+                Some(b'"') if out.is_empty() => {
+                    self.at += 1;
+                    return Ok(Cow::Borrowed(run));
+                }
                 Some(b'"') => {
                     self.at += 1;
-                    return Ok(out);
+                    out.push_str(run);
+                    return Ok(Cow::Owned(out));
                 }
                 Some(b'\\') => {
+                    out.push_str(run);
                     self.at += 1;
                     let escaped = *self
                         .s
