@@ -1,0 +1,582 @@
+//! The benchmark harness: in one run, the same handler bare, behind a
+//! hand-written sqlx flow, and behind `#[idempotent]` on PostgreSQL, SQLite
+//! and memory (first requests, replays and 409s), at 1, 16 and 64 clients
+//! over loopback HTTP/1.1. It prints throughput, p50, p99 and max latency,
+//! the ratios against the bare handler and the hand-written flow of the same
+//! run, and the peak RSS of each cell. See BENCHMARKS.md.
+//!
+//! ```text
+//! DATABASE_URL=postgres://postgres@127.0.0.1/test \
+//!     cargo run --release --example bench -- --seconds 2 --repeat 3 --csv bench.csv
+//! cargo run --release --example bench -- --growth 1200000   # the memory store growing
+//! ```
+//!
+//! Options: `--seconds S` per cell (default 2), `--max N` requests per cell
+//! (default 200000), `--repeat R` rounds of all cells run back to back
+//! (default 1; medians and ranges are reported), `--clients 1,16,64`,
+//! `--only bare,hand,postgres,sqlite,memory`, `--csv FILE`, `--prefill N`
+//! (records put in the PostgreSQL tables first), `--pool N` (PostgreSQL
+//! connections, shared by idem and the hand-written flow; default 16),
+//! `--server-threads N` (default 1), `--no-pin` (by default the server runs
+//! on CPU 0 and the client on CPU 1, when the machine has two).
+//! Without `DATABASE_URL` the PostgreSQL and hand-written cells are skipped.
+
+mod client;
+mod growth;
+mod routes;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Completed keys a replay cell cycles over, per store.
+const REPLAY_KEYS: usize = 2000;
+/// Keys held in progress a 409 cell cycles over, per store.
+const HELD_KEYS: usize = 64;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Path {
+    Bare,
+    First,
+    Replay,
+    Conflict,
+}
+
+#[derive(Clone, Debug)]
+struct Variant {
+    name: String,
+    /// `bare`, `hand`, `postgres`, `sqlite` or `memory`.
+    group: &'static str,
+    path: Path,
+    route: &'static str,
+}
+
+#[derive(Clone)]
+struct Args {
+    seconds: f64,
+    max: usize,
+    repeat: usize,
+    clients: Vec<usize>,
+    only: Option<Vec<String>>,
+    csv: Option<std::path::PathBuf>,
+    prefill: u64,
+    pool: u32,
+    server_threads: usize,
+    pin: bool,
+    growth: Option<usize>,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        seconds: 2.0,
+        max: 200_000,
+        repeat: 1,
+        clients: vec![1, 16, 64],
+        only: None,
+        csv: None,
+        prefill: 0,
+        pool: 16,
+        server_threads: 1,
+        pin: true,
+        growth: std::env::var("IDEM_BENCH_GROWTH")
+            .ok()
+            .and_then(|v| v.parse().ok()),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--seconds" => a.seconds = value().parse().expect("--seconds: a number"),
+            "--max" => a.max = value().parse().expect("--max: a count"),
+            "--repeat" => a.repeat = value().parse().expect("--repeat: a count"),
+            "--clients" => {
+                a.clients = value()
+                    .split(',')
+                    .map(|c| c.parse().expect("--clients: counts"))
+                    .collect()
+            }
+            "--only" => a.only = Some(value().split(',').map(str::to_owned).collect()),
+            "--csv" => a.csv = Some(value().into()),
+            "--prefill" => a.prefill = value().parse().expect("--prefill: a count"),
+            "--pool" => a.pool = value().parse().expect("--pool: a count"),
+            "--server-threads" => a.server_threads = value().parse().expect("--server-threads: a count"),
+            "--no-pin" => a.pin = false,
+            "--growth" => a.growth = Some(value().parse().expect("--growth: a count")),
+            other => panic!("unknown option {other}; see the header of examples/bench/main.rs"),
+        }
+    }
+    a
+}
+
+fn variants(postgres: bool, only: Option<&[String]>) -> Vec<Variant> {
+    let v = |group: &'static str, path: Path, name: &str, route: &'static str| Variant {
+        name: name.to_owned(),
+        group,
+        path,
+        route,
+    };
+    let mut all = vec![v("bare", Path::Bare, "bare handler", "/bare")];
+    if postgres {
+        all.push(v("hand", Path::First, "hand-written first", "/hand/first"));
+        all.push(v("hand", Path::Replay, "hand-written replay", "/hand/replay"));
+    }
+    for (group, prefix, pay, hold) in [
+        ("postgres", "idem postgres", "/postgres/pay", "/postgres/hold"),
+        ("sqlite", "idem sqlite", "/sqlite/pay", "/sqlite/hold"),
+        ("memory", "idem memory", "/memory/pay", "/memory/hold"),
+    ] {
+        if group == "postgres" && !postgres {
+            continue;
+        }
+        all.push(v(group, Path::First, &format!("{prefix} first"), pay));
+        all.push(v(group, Path::Replay, &format!("{prefix} replay"), pay));
+        all.push(v(group, Path::Conflict, &format!("{prefix} 409"), hold));
+    }
+    all.retain(|v| only.is_none_or(|o| o.iter().any(|g| g == v.group)));
+    all
+}
+
+/// Pins the calling thread to `cpu` (with `taskset`, which util-linux
+/// provides; without it the thread stays unpinned).
+fn pin_to(cpu: usize) {
+    let Some(tid) = std::fs::read_link("/proc/thread-self")
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+    else {
+        return;
+    };
+    let _ = std::process::Command::new("taskset")
+        .args(["-p", "-c", &cpu.to_string(), &tid])
+        .stdout(std::process::Stdio::null())
+        .status();
+}
+
+/// Resets the process's peak RSS (Linux: `clear_refs` 5).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// The process's peak RSS in kB since the last reset.
+fn peak_rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+struct Setup {
+    addr: SocketAddr,
+    gate: routes::Gate,
+    pg: Option<(sqlx::PgPool, String)>,
+    _dir: tempfile::TempDir,
+}
+
+async fn setup(a: &Args) -> Setup {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let sqlite = idem::SqliteStore::open(dir.path().join("bench.db"))
+        .await
+        .expect("open SQLite");
+    sqlite.migrate().await.expect("migrate SQLite");
+    let url = std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|u| u.starts_with("postgres"));
+    let mut pg = None;
+    let postgres = match url {
+        Some(url) => {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(a.pool)
+                .connect(&url)
+                .await
+                .expect("DATABASE_URL connects");
+            let schema = format!("idem_bench_{}", std::process::id());
+            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+                .execute(&pool)
+                .await
+                .expect("create schema");
+            let store = idem::PgStore::new(pool.clone())
+                .with_table(Some(&schema), "idempotency_keys")
+                .expect("names");
+            store.migrate().await.expect("migrate PostgreSQL");
+            sqlx::query(sqlx::AssertSqlSafe(
+                routes::HAND_TABLE.replace("{schema}", &schema),
+            ))
+            .execute(&pool)
+            .await
+            .expect("the hand-written table");
+            if a.prefill > 0 {
+                prefill(&pool, &schema, a.prefill).await;
+            }
+            let hand = routes::Hand::new(pool.clone(), &schema);
+            pg = Some((pool, schema));
+            Some((store, hand))
+        }
+        None => None,
+    };
+    let gate = routes::Gate::default();
+    let app = routes::app(
+        routes::Stores {
+            postgres,
+            sqlite,
+            memory: idem::MemoryStore::new(),
+        },
+        gate.clone(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a port");
+    let addr = listener.local_addr().expect("an address");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Setup {
+        addr,
+        gate,
+        pg,
+        _dir: dir,
+    }
+}
+
+/// Puts `n` completed records in idem's table and `n` answered keys in the
+/// hand-written one, under another scope, as a long-running service has.
+async fn prefill(pool: &sqlx::PgPool, schema: &str, n: u64) {
+    let started = std::time::Instant::now();
+    let n = i64::try_from(n).expect("a count");
+    let mut from = 1i64;
+    while from <= n {
+        let to = (from + 999_999).min(n);
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {schema}.idempotency_keys (tenant, scope, key, fingerprint, state, operation_id, \
+             attempt, lock_expires_at, response_status, response_headers, response_body, created_at, expires_at) \
+             SELECT '', 'bench.old', 'old-' || i, md5(i::text), 'completed', md5(i::text), 1, now(), 201, \
+             '[[\"content-type\",\"application/json\"]]', convert_to(repeat('x', 90), 'UTF8'), now(), \
+             now() + interval '1 day' FROM generate_series($1::bigint, $2::bigint) AS i"
+        )))
+        .bind(from)
+        .bind(to)
+        .execute(pool)
+        .await
+        .expect("prefill idem's table");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {schema}.hand_keys (tenant, scope, key, fingerprint, status, body) \
+             SELECT 'bench', 'bench.old', 'old-' || i, md5(i::text), 201, convert_to(repeat('x', 90), 'UTF8') \
+             FROM generate_series($1::bigint, $2::bigint) AS i"
+        )))
+        .bind(from)
+        .bind(to)
+        .execute(pool)
+        .await
+        .expect("prefill the hand-written table");
+        from = to + 1;
+    }
+    for table in ["idempotency_keys", "hand_keys"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("VACUUM ANALYZE {schema}.{table}")))
+            .execute(pool)
+            .await
+            .expect("vacuum");
+    }
+    println!(
+        "prefilled {n} records in each table in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+fn key(run: &str, what: &str, a: usize, b: usize) -> String {
+    format!("{run}-{what}-{a}-{b}")
+}
+
+/// Completed keys for the replay cells, and keys held in progress for the
+/// 409 cells, made before any cell runs.
+async fn prepare(
+    addr: SocketAddr,
+    run: &str,
+    variants: &[Variant],
+    gate: &routes::Gate,
+) -> Vec<client::Conn> {
+    let mut held = Vec::new();
+    let mut held_so_far = 0;
+    for v in variants {
+        match v.path {
+            Path::Replay => {
+                let first = match v.group {
+                    "hand" => "/hand/first",
+                    _ => v.route,
+                };
+                let mut conn = client::Conn::open(addr).await;
+                for j in 0..REPLAY_KEYS {
+                    let k = key(run, v.group, 0, j);
+                    let answer = conn.send(&client::post(first, Some(&k), routes::BODY)).await;
+                    assert_eq!(answer.status, 201, "{}: preparing replay key {j}", v.name);
+                }
+            }
+            Path::Conflict => {
+                for j in 0..HELD_KEYS {
+                    let hold = format!("{}-hold", v.group);
+                    let mut conn = client::Conn::open(addr).await;
+                    conn.start(&client::post(v.route, Some(&key(run, &hold, 0, j)), routes::BODY))
+                        .await;
+                    held.push(conn);
+                }
+                // Held once every one of them is in the handler.
+                held_so_far += HELD_KEYS;
+                gate.entered(held_so_far).await;
+            }
+            Path::Bare | Path::First => {}
+        }
+    }
+    held
+}
+
+/// Runs one cell.
+async fn cell(
+    addr: SocketAddr,
+    run: &str,
+    v: &Variant,
+    clients: usize,
+    round: usize,
+    a: &Args,
+) -> client::Sample {
+    let limit = Duration::from_secs_f64(a.seconds);
+    let (route, path) = (v.route, v.path);
+    let prefix = format!("{run}-{}-{clients}-{round}", v.name.replace(' ', "_"));
+    let group = v.group;
+    let run = run.to_owned();
+    let request = move |c: usize, i: usize| -> Vec<u8> {
+        match path {
+            Path::Bare => client::post(route, None, routes::BODY),
+            Path::First => client::post(route, Some(&format!("{prefix}-{c}-{i}")), routes::BODY),
+            Path::Replay => client::post(
+                route,
+                Some(&key(&run, group, 0, (c * 7919 + i) % REPLAY_KEYS)),
+                routes::BODY,
+            ),
+            Path::Conflict => client::post(
+                route,
+                Some(&key(&run, &format!("{group}-hold"), 0, (c + i) % HELD_KEYS)),
+                routes::BODY,
+            ),
+        }
+    };
+    let check = move |answer: client::Answer| match path {
+        Path::Bare => answer.status == 201,
+        Path::First => answer.status == 201 && !answer.replayed,
+        Path::Replay => answer.status == 201 && answer.replayed,
+        Path::Conflict => answer.status == 409,
+    };
+    client::load(addr, clients, limit, a.max, request, check).await
+}
+
+/// One measured cell.
+struct Measured {
+    throughput: f64,
+    requests: usize,
+    seconds: f64,
+    p50: u32,
+    p99: u32,
+    max: u32,
+    rss_kb: u64,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// The baseline a variant's throughput is compared with, besides the bare
+/// handler: the hand-written flow's cell for the same path.
+fn hand_baseline(v: &Variant) -> Option<&'static str> {
+    match (v.group, v.path) {
+        ("postgres", Path::First) => Some("hand-written first"),
+        ("postgres", Path::Replay | Path::Conflict) => Some("hand-written replay"),
+        _ => None,
+    }
+}
+
+fn main() {
+    let a = args();
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let pin = a.pin && cpus >= 2;
+    if let Some(records) = a.growth {
+        let rt = tokio::runtime::Runtime::new().expect("a runtime");
+        rt.block_on(growth::memory_growth(records));
+        return;
+    }
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(a.server_threads)
+        .enable_all()
+        .on_thread_start(move || {
+            if pin {
+                pin_to(0)
+            }
+        })
+        .build()
+        .expect("the server's runtime");
+    let s = server.block_on(setup(&a));
+    if pin {
+        pin_to(1);
+    }
+    let client_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("the client's runtime");
+    let run = format!(
+        "{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    );
+    let variants = variants(s.pg.is_some(), a.only.as_deref());
+    if s.pg.is_none() {
+        println!(
+            "# DATABASE_URL is not set to PostgreSQL: the PostgreSQL and hand-written cells are skipped"
+        );
+    }
+    println!(
+        "# {} s per cell (at most {} requests), {} round(s), server: {} worker thread(s){}, PostgreSQL pool {}",
+        a.seconds,
+        a.max,
+        a.repeat,
+        a.server_threads,
+        if pin { " on CPU 0, client on CPU 1" } else { "" },
+        a.pool
+    );
+    let held = client_rt.block_on(prepare(s.addr, &run, &variants, &s.gate));
+    // Warm-up: each variant once, unmeasured.
+    for v in &variants {
+        let quick = Args {
+            seconds: 0.3,
+            max: 500,
+            ..a.clone()
+        };
+        client_rt.block_on(cell(s.addr, &run, v, 4, usize::MAX, &quick));
+    }
+    let mut results: BTreeMap<(usize, String), Vec<Measured>> = BTreeMap::new();
+    let mut ratios: BTreeMap<(usize, String), (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    for &clients in &a.clients {
+        for round in 0..a.repeat {
+            let mut this_round: BTreeMap<String, f64> = BTreeMap::new();
+            for v in &variants {
+                reset_peak_rss();
+                let sample = client_rt.block_on(cell(s.addr, &run, v, clients, round, &a));
+                let m = Measured {
+                    throughput: sample.throughput(),
+                    requests: sample.latencies_us.len(),
+                    seconds: sample.elapsed.as_secs_f64(),
+                    p50: sample.quantile(0.5),
+                    p99: sample.quantile(0.99),
+                    max: sample.quantile(1.0),
+                    rss_kb: peak_rss_kb(),
+                };
+                this_round.insert(v.name.clone(), m.throughput);
+                results.entry((clients, v.name.clone())).or_default().push(m);
+            }
+            for v in &variants {
+                let tp = this_round[&v.name];
+                let r = ratios.entry((clients, v.name.clone())).or_default();
+                if let Some(bare) = this_round.get("bare handler") {
+                    r.0.push(tp / bare);
+                }
+                if let Some(hand) = hand_baseline(v).and_then(|h| this_round.get(h)) {
+                    r.1.push(tp / hand);
+                }
+            }
+        }
+    }
+    report(&a, &variants, &results, &ratios);
+    s.gate.open();
+    client_rt.block_on(async {
+        for mut conn in held {
+            assert_eq!(conn.answer().await.status, 201, "a held request, once let go");
+        }
+    });
+    if let Some((pool, schema)) = &s.pg {
+        server.block_on(async {
+            let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+                .execute(pool)
+                .await;
+        });
+    }
+}
+
+fn report(
+    a: &Args,
+    variants: &[Variant],
+    results: &BTreeMap<(usize, String), Vec<Measured>>,
+    ratios: &BTreeMap<(usize, String), (Vec<f64>, Vec<f64>)>,
+) {
+    let mut csv = String::from(
+        "variant,clients,requests,seconds,throughput,p50_us,p99_us,max_us,ratio_bare,ratio_hand,peak_rss_kb,throughput_min,throughput_max\n",
+    );
+    println!(
+        "\n{:<24} {:>3} {:>9} {:>15} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8}",
+        "variant", "c", "req/s", "range", "p50 us", "p99 us", "max us", "/bare", "/hand", "RSS MB"
+    );
+    for &clients in &a.clients {
+        for v in variants {
+            let Some(ms) = results.get(&(clients, v.name.clone())) else {
+                continue;
+            };
+            let tp = median(ms.iter().map(|m| m.throughput).collect());
+            let lo = ms.iter().map(|m| m.throughput).fold(f64::INFINITY, f64::min);
+            let hi = ms.iter().map(|m| m.throughput).fold(0.0, f64::max);
+            let p50 = median(ms.iter().map(|m| f64::from(m.p50)).collect());
+            let p99 = median(ms.iter().map(|m| f64::from(m.p99)).collect());
+            let max = ms.iter().map(|m| m.max).max().unwrap_or(0);
+            let rss = ms.iter().map(|m| m.rss_kb).max().unwrap_or(0);
+            let requests: usize = ms.iter().map(|m| m.requests).sum();
+            let seconds: f64 = ms.iter().map(|m| m.seconds).sum();
+            let (rb, rh) = ratios
+                .get(&(clients, v.name.clone()))
+                .cloned()
+                .unwrap_or_default();
+            let (rb, rh) = (median(rb), median(rh));
+            let show = |r: f64| {
+                if r.is_nan() {
+                    "-".to_owned()
+                } else {
+                    format!("{r:.2}")
+                }
+            };
+            println!(
+                "{:<24} {:>3} {:>9.0} {:>7.0}-{:<7.0} {:>8.0} {:>8.0} {:>8} {:>6} {:>6} {:>8.1}",
+                v.name,
+                clients,
+                tp,
+                lo,
+                hi,
+                p50,
+                p99,
+                max,
+                show(rb),
+                show(rh),
+                rss as f64 / 1024.0
+            );
+            let field = |r: f64| {
+                if r.is_nan() {
+                    String::new()
+                } else {
+                    format!("{r:.3}")
+                }
+            };
+            csv.push_str(&format!(
+                "{},{clients},{requests},{seconds:.2},{tp:.1},{p50:.0},{p99:.0},{max},{},{},{rss},{lo:.1},{hi:.1}\n",
+                v.name,
+                field(rb),
+                field(rh)
+            ));
+        }
+    }
+    if let Some(path) = &a.csv {
+        std::fs::write(path, csv).expect("the CSV is written");
+        println!("\nwrote {}", path.display());
+    }
+}
