@@ -88,7 +88,7 @@ async fn postgres_the_first_released_schema_upgrades_and_serves() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, [1, 2, 3]);
+    assert_eq!(versions, [1, 2, 3, 4]);
     serves_after_the_upgrade(&store).await;
 }
 
@@ -144,10 +144,49 @@ async fn postgres_a_table_that_does_not_match_refuses_to_start() {
     .unwrap();
     let err = store.migrate().await.unwrap_err().to_string();
     assert!(
-        err.contains("does not match schema version 3")
+        err.contains("does not match schema version 4")
             && err.contains("response_headers")
             && err.contains("run migrate()"),
         "{err}"
+    );
+}
+
+/// The reservation function gone (dropped by hand, or a restore that left
+/// functions out): the store refuses to start and says what to do, and
+/// `migrate()` brings it back.
+#[tokio::test]
+async fn postgres_a_missing_reservation_function_is_refused_then_restored() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "DROP FUNCTION \"{schema}\".idempotency_keys_reserve"
+    )))
+    .await
+    .unwrap();
+    let err = store.check_schema().await.unwrap_err().to_string();
+    assert!(
+        err.contains("reservation function") && err.contains("run migrate()"),
+        "{err}"
+    );
+    store.migrate().await.unwrap();
+    let id = RecordId::new("t", "s", "after-restore");
+    let Reservation::Reserved(lease) = store.reserve(req(&id, "fp")).await.unwrap() else {
+        panic!("a fresh key is taken")
+    };
+    let answer = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Some(b"ok".to_vec()),
+    };
+    store.complete(&id, &lease.token, &answer).await.unwrap();
+    assert_eq!(
+        store.reserve(req(&id, "fp")).await.unwrap(),
+        Reservation::Completed(answer)
     );
 }
 

@@ -44,6 +44,11 @@ macro_rules! migrations {
                     "/0003_ensure_expiry_index.sql"
                 )),
             },
+            $crate::sql::Migration {
+                version: 4,
+                name: "reserve function",
+                sql: include_str!(concat!("../../migrations/", $dir, "/0004_reserve_function.sql")),
+            },
         ]
     };
 }
@@ -107,6 +112,11 @@ macro_rules! migrate_in {
                     .map_err($crate::sql::map_err)?;
             }
         }
+        // Whatever the version, the reservation function is this build's
+        // (and back, if someone dropped it).
+        if let Some(ddl) = &sql.reserve_ddl {
+            run(ddl).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
+        }
         $tx.commit().await.map_err($crate::sql::map_err)?;
         $self.check_schema().await
     }};
@@ -144,6 +154,18 @@ macro_rules! check_schema {
                 .execute(&self.pool)
                 .await
                 .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
+            if let Some(query) = &sql.has_reserve_function {
+                let found: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(query.as_str()))
+                    .fetch_one(&self.pool)
+                    .await
+                    .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
+                if !found {
+                    return Err($crate::StoreError::backend(format!(
+                        "the reservation function of the table {} is missing (schema version 4): run migrate()",
+                        sql.table
+                    )));
+                }
+            }
             // A column of someone else's that every row must fill would make
             // every reservation fail.
             let unknown: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.unknown_required.as_str()))

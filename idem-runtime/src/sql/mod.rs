@@ -77,6 +77,9 @@ pub(crate) struct Dialect {
     /// default, not null) and that are not in `known` (a list of quoted
     /// names). The names are checked identifiers.
     required_columns: fn(Option<&str>, &str, &str) -> String,
+    /// Whether the reservation's write path is a server-side function
+    /// (PostgreSQL), created by migration 4.
+    reserve_function: bool,
 }
 
 #[cfg(feature = "postgres")]
@@ -97,6 +100,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
              AND column_name NOT IN ({known})"
         )
     },
+    reserve_function: true,
 };
 
 #[cfg(feature = "sqlite")]
@@ -116,6 +120,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
              AND name NOT IN ({known})"
         )
     },
+    reserve_function: false,
 };
 
 /// Every statement a store runs, for one table.
@@ -142,12 +147,6 @@ pub(crate) struct Statements {
     /// Binds: tenant, scope, key, fingerprint, token, operation id, ttl ms, lock ms.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) take: String,
-    /// Inserts a fresh record if there is none; the same binds.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) insert_new: String,
-    /// Takes an existing, takeable record; the same binds.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) take_over: String,
     /// Binds: tenant, scope, key. Columns: fingerprint, state, status,
     /// headers, body, lock_left_ms.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
@@ -168,6 +167,16 @@ pub(crate) struct Statements {
     pub(crate) extend: String,
     /// Binds: batch size.
     pub(crate) purge: String,
+    /// PostgreSQL: the function that takes the key (`insert_new`, else
+    /// `take_over`), quoted and qualified; the same binds, the columns of
+    /// `take`'s `RETURNING`.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) reserve_function: String,
+    /// Whether that function exists (true or false), where there is one.
+    pub(crate) has_reserve_function: Option<String>,
+    /// Creates or replaces that function: every migration run does, so
+    /// that the function is always this build's.
+    pub(crate) reserve_ddl: Option<String>,
 }
 
 /// Checks a SQL identifier: ASCII letters, digits and `_`, not starting with
@@ -209,6 +218,7 @@ impl Statements {
         let t = qualify(table);
         let versions_table = qualify(&derived_name(table, "migrations"));
         let index = format!("\"{}\"", derived_name(table, "expires_at_idx"));
+        let function = qualify(&derived_name(table, "reserve"));
         let now = d.now;
         let p = |n: u8| format!("{}{n}", d.param);
         let ms = |n: u8| (d.millis)(p(n));
@@ -269,11 +279,49 @@ impl Statements {
                 expires = new("expires_at"),
             )
         };
+        let insert_new = format!("{insert} ON CONFLICT (tenant, scope, key) DO NOTHING RETURNING {RETURNED}");
+        let take_over = format!(
+            "UPDATE {t} AS cur SET {set} WHERE cur.tenant = {p1} AND cur.scope = {p2} \
+             AND cur.key = {p3} AND {takeable} RETURNING {RETURNED}",
+            set = take_set(&|col| match col {
+                "fingerprint" => p(4),
+                "lock_token" => p(5),
+                "operation_id" => p(6),
+                "lock_expires_at" => format!("{now} + {}", ms(8)),
+                "created_at" => now.to_owned(),
+                _ => format!("{now} + {}", ms(7)), // expires_at
+            }),
+            p1 = p(1),
+            p2 = p(2),
+            p3 = p(3),
+        );
+        // PostgreSQL: the write path of a reservation, one statement as a
+        // function (its plan cached per connection). The columns it returns
+        // are named as the table's; `use_column` says they mean the table's.
+        let reserve_ddl = if d.reserve_function {
+            format!(
+                "CREATE OR REPLACE FUNCTION {function}(text, text, text, text, text, text, bigint, bigint) \
+                 RETURNS TABLE (attempt integer, taken_over integer, recovery_point text, operation_id text) \
+                 LANGUAGE plpgsql AS $idem$\n#variable_conflict use_column\nBEGIN\n\
+                 RETURN QUERY WITH inserted AS ({insert_new}), taken AS ({take_over}) \
+                 SELECT * FROM inserted UNION ALL SELECT * FROM taken;\nEND\n$idem$;"
+            )
+        } else {
+            String::new()
+        };
         Ok(Statements {
             table: t.clone(),
             migrations: migrations
                 .iter()
-                .map(|m| (*m, m.sql.replace("{table}", &t).replace("{index}", &index)))
+                .map(|m| {
+                    (
+                        *m,
+                        m.sql
+                            .replace("{table}", &t)
+                            .replace("{index}", &index)
+                            .replace("{reserve_function}", &reserve_ddl),
+                    )
+                })
                 .collect(),
             create_versions: format!(
                 "CREATE TABLE IF NOT EXISTS {versions_table} (version BIGINT PRIMARY KEY, name TEXT NOT NULL, \
@@ -303,22 +351,6 @@ impl Statements {
                 "{insert} ON CONFLICT (tenant, scope, key) DO UPDATE SET {set} \
                  WHERE {takeable} RETURNING {RETURNED}",
                 set = take_set(&|col| format!("excluded.{col}")),
-            ),
-            insert_new: format!("{insert} ON CONFLICT (tenant, scope, key) DO NOTHING RETURNING {RETURNED}"),
-            take_over: format!(
-                "UPDATE {t} AS cur SET {set} WHERE cur.tenant = {p1} AND cur.scope = {p2} \
-                 AND cur.key = {p3} AND {takeable} RETURNING {RETURNED}",
-                set = take_set(&|col| match col {
-                    "fingerprint" => p(4),
-                    "lock_token" => p(5),
-                    "operation_id" => p(6),
-                    "lock_expires_at" => format!("{now} + {}", ms(8)),
-                    "created_at" => now.to_owned(),
-                    _ => format!("{now} + {}", ms(7)), // expires_at
-                }),
-                p1 = p(1),
-                p2 = p(2),
-                p3 = p(3),
             ),
             existing: format!(
                 "SELECT fingerprint, state, CAST(response_status AS BIGINT) AS response_status, \
@@ -356,6 +388,14 @@ impl Statements {
             // The conditions stand twice: on the chosen rows and on the row
             // deleted, so a row that changed in between (reserved afresh)
             // is judged again and kept.
+            has_reserve_function: d.reserve_function.then(|| {
+                format!(
+                    "SELECT to_regprocedure('{function}(text, text, text, text, text, text, bigint, bigint)') \
+                     IS NOT NULL"
+                )
+            }),
+            reserve_ddl: d.reserve_function.then(|| reserve_ddl.clone()),
+            reserve_function: function,
             purge: format!(
                 "DELETE FROM {t} AS cur WHERE (cur.tenant, cur.scope, cur.key) IN (SELECT tenant, scope, key \
                  FROM {t} AS cur WHERE {expired} AND NOT {live_lock} LIMIT {}{lock}) \

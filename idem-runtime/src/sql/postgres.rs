@@ -18,11 +18,13 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 /// Idempotency records in PostgreSQL: the store for several servers.
 ///
 /// Taking a key is one statement under the primary key (tenant, scope,
-/// key): `INSERT ... ON CONFLICT DO NOTHING` for a fresh record and a
-/// conditional `UPDATE` of an expired or stale one, the database deciding
-/// between concurrent callers; a replay or a conflict writes and locks
-/// nothing. Every later write carries the lock token; expiry and lock
-/// deadlines use the database's `now()`.
+/// key) that reads first: when the record is there to answer from (a
+/// replay, a conflict, a mismatch), that primary-key lookup is all it does.
+/// Otherwise it calls the reservation function (created by
+/// [`PgStore::migrate`]): `INSERT ... ON CONFLICT DO NOTHING` for a fresh
+/// record and a conditional `UPDATE` of an expired or stale one, the
+/// database deciding between concurrent callers. Every later write carries
+/// the lock token; expiry and lock deadlines use the database's `now()`.
 ///
 /// Round trips per request path:
 ///
@@ -34,8 +36,8 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 /// | takeover after the lock deadline (reserve, then complete) | 2 |
 ///
 /// A request that races the very insert that created the row may need one
-/// more round trip for its reserve: the statement's snapshot predates that
-/// row, so it reads it again.
+/// more round trip for its reserve: its lookup predates that row, so it
+/// reads it again.
 ///
 /// ```no_run
 /// use idem::PgStore;
@@ -145,26 +147,25 @@ impl PgStore {
 
     fn build(pool: PgPool, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
         let sql = Statements::new(sql::POSTGRES, POSTGRES_MIGRATIONS, schema, table)?;
-        // One round trip: insert a fresh record, or take over a takeable one,
-        // or read the row that stops us. A replay or a conflict writes
-        // nothing and locks nothing. The read comes from the statement's
-        // snapshot: `takeable` says whether that row, as read, was one this
-        // request would have taken; if so, another request changed it
-        // meanwhile and the statement runs again, on a fresh snapshot.
+        // One round trip that reads first: a record to answer from (a
+        // replay, a conflict, a mismatch) is that primary-key lookup and
+        // nothing else; the write path (insert a fresh record, or take over
+        // a takeable one) runs, in the reservation function, only when the
+        // lookup found none. Each part has its own snapshot: a row that
+        // another request wrote in between makes the function take nothing,
+        // the statement returns no row, and it runs again.
         let reserve = format!(
-            "WITH inserted AS ({insert}), taken AS ({take_over}) \
-             SELECT TRUE AS taken, attempt, taken_over, recovery_point, operation_id, NULL::text AS fingerprint, \
-             NULL::text AS state, NULL::bigint AS response_status, NULL::text AS response_headers, \
-             NULL::bytea AS response_body, 0::bigint AS lock_left_ms, 0 AS takeable FROM inserted \
+            "WITH seen AS MATERIALIZED ({peek}) \
+             SELECT FALSE AS taken, NULL::integer AS attempt, NULL::integer AS taken_over, \
+             NULL::text AS recovery_point, NULL::text AS operation_id, s.fingerprint, s.state, \
+             s.response_status, s.response_headers, s.response_body, s.lock_left_ms \
+             FROM seen AS s WHERE s.takeable = 0 \
              UNION ALL \
-             SELECT TRUE, attempt, taken_over, recovery_point, operation_id, NULL, NULL, NULL, NULL, NULL, 0, 0 \
-             FROM taken \
-             UNION ALL \
-             SELECT FALSE, NULL::integer, NULL::integer, NULL::text, NULL::text, e.* FROM ({peek}) AS e \
-             WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM taken)",
-            insert = sql.insert_new,
-            take_over = sql.take_over,
+             SELECT TRUE, t.attempt, t.taken_over, t.recovery_point, t.operation_id, NULL, NULL, NULL, NULL, NULL, 0 \
+             FROM {function}($1, $2, $3, $4, $5, $6, $7, $8) AS t \
+             WHERE NOT EXISTS (SELECT 1 FROM seen WHERE seen.takeable = 0)",
             peek = sql.peek,
+            function = sql.reserve_function,
         );
         Ok(PgStore {
             pool,
@@ -250,21 +251,14 @@ impl PgStore {
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(sql::map_err)?;
-            // No row: the conflicting row was committed after this
-            // statement's snapshot was taken; read again.
+            // No row: another request wrote the record between the lookup
+            // and the write path; read again.
             let Some(row) = row else { continue };
-            let get =
-                |col| sqlx::Row::try_get::<i32, _>(&row, col).map_err(|e| StoreError::backend(e.to_string()));
             let taken: bool =
                 sqlx::Row::try_get(&row, "taken").map_err(|e| StoreError::backend(e.to_string()))?;
             if taken {
                 pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
                 return sql::lease_from_row(&row, req.token.to_owned()).map(Reservation::Reserved);
-            }
-            // The row as read would have been ours, yet it was not taken:
-            // another request won it meanwhile. Judge the winner's row.
-            if get("takeable")? != 0 {
-                continue;
             }
             pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
             return sql::judge_row(&row, req.fingerprint);
