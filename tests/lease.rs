@@ -1033,3 +1033,52 @@ async fn postgres_a_slow_transactional_answer_is_kept_a_ttl_from_its_completion(
     assert_eq!(retry.header("idempotent-replayed"), Some("true"), "{retry:?}");
     assert_eq!(h.app.runs("slow_tx"), 1);
 }
+
+/// Held by `held_forever` until the test lets it go.
+static HELD: std::sync::LazyLock<(tokio::sync::Semaphore, Notify)> =
+    std::sync::LazyLock::new(|| (tokio::sync::Semaphore::new(0), Notify::new()));
+
+#[idempotent(scope = "lease.held")]
+async fn held_forever() -> StatusCode {
+    HELD.0.add_permits(1);
+    HELD.1.notified().await;
+    StatusCode::CREATED
+}
+
+/// Starting an execution's lease spawns no task of its own: ten executions
+/// under way are ten protocol tasks and one keeper for all their leases
+/// (one heartbeat task each before), and their tasks are gone once they end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_executions_share_one_lease_keeper() {
+    use tower::ServiceExt as _;
+    let app = Router::new()
+        .route("/held", post(held_forever))
+        .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let before = metrics.num_alive_tasks();
+    let requests: Vec<_> = (0..10)
+        .map(|i| {
+            let request = axum::http::Request::post("/held")
+                .header("idempotency-key", format!("held-{i}"))
+                .body(Body::empty())
+                .unwrap();
+            tokio::spawn(app.clone().oneshot(request))
+        })
+        .collect();
+    let _all_in = HELD.0.acquire_many(10).await.unwrap();
+    // The default lock timeout (60 s): no extension is due yet.
+    assert_eq!(
+        metrics.num_alive_tasks() - before,
+        10 + 10 + 1,
+        "the ten requests, their ten protocol tasks and one keeper"
+    );
+    HELD.1.notify_waiters();
+    for r in requests {
+        assert_eq!(r.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    }
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while metrics.num_alive_tasks() > before + 1 && tokio::time::Instant::now() < until {
+        tokio::task::yield_now().await;
+    }
+    assert!(metrics.num_alive_tasks() <= before + 1, "only the keeper is left");
+}

@@ -341,7 +341,7 @@ pub(crate) async fn execute(
             "taking over an operation whose lock ran out"
         );
     }
-    let beat = Heartbeat::start(&info, clock);
+    let beat = engine.keeper.start(&info, clock);
     let outcome = AssertUnwindSafe(handler).catch_unwind().await;
     pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
     // The handler is done: its transaction, if any, is ours now.
@@ -415,16 +415,18 @@ pub(crate) async fn finish(
             .collect(),
         body: None,
     };
+    // `None`: the answer is the stored body, handed over once it is recorded.
     let answer = match collected {
         Collected::Whole(bytes) => {
-            stored.body = Some(bytes.to_vec());
-            Body::from(bytes)
+            // No copy when the body is one buffer that nothing else holds.
+            stored.body = Some(Vec::from(bytes));
+            None
         }
         Collected::Streamed { head, rest } if stream => {
             // An event stream may never end: it is completed at its
             // headers, and then streams.
             let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
-            Body::from_stream(head.chain(rest))
+            Some(Body::from_stream(head.chain(rest)))
         }
         Collected::Streamed { head, rest } => {
             tracing::warn!(
@@ -478,6 +480,7 @@ pub(crate) async fn finish(
     }
     drop(beat);
     record(Outcome::executed(info.lease.is_takeover()));
+    let answer = answer.unwrap_or_else(|| Body::from(stored.body.take().unwrap_or_default()));
     Response::from_parts(parts, answer)
 }
 

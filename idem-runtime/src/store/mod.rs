@@ -433,14 +433,44 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
 
 /// A fresh random token: 128 bits as 32 hex digits.
 pub(crate) fn random_token() -> String {
-    let mut bytes = [0u8; 16];
-    // getrandom only fails when the OS has no entropy source at all.
-    if getrandom::fill(&mut bytes).is_err() {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default();
-        bytes = nanos.to_le_bytes();
+    crate::fingerprint::hex(&random_bytes())
+}
+
+/// 16 bytes from the OS's generator, drawn 4 KiB at a time per thread (one
+/// system call for 256 tokens). A forked child draws afresh: the buffer
+/// remembers the process it was filled in.
+fn random_bytes() -> [u8; 16] {
+    use std::cell::RefCell;
+    const BUF: usize = 4096;
+    struct Pool {
+        bytes: Box<[u8; BUF]>,
+        used: usize,
+        pid: u32,
     }
-    crate::fingerprint::hex(&bytes)
+    thread_local! {
+        static POOL: RefCell<Pool> = RefCell::new(Pool { bytes: Box::new([0; BUF]), used: BUF, pid: 0 });
+    }
+    POOL.with(|pool| {
+        let mut pool = pool.borrow_mut();
+        let pid = std::process::id();
+        if pool.used == BUF || pool.pid != pid {
+            // getrandom only fails when the OS has no entropy source at all.
+            if getrandom::fill(&mut pool.bytes[..]).is_err() {
+                let nanos = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or_default();
+                return nanos.to_le_bytes();
+            }
+            pool.used = 0;
+            pool.pid = pid;
+        }
+        let at = pool.used;
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&pool.bytes[at..at + 16]);
+        // Handed out once: wiped from the buffer.
+        pool.bytes[at..at + 16].fill(0);
+        pool.used = at + 16;
+        out
+    })
 }
