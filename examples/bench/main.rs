@@ -64,6 +64,7 @@ struct Args {
     server_threads: usize,
     pin: bool,
     growth: Option<usize>,
+    cpu: Option<usize>,
 }
 
 fn args() -> Args {
@@ -81,6 +82,7 @@ fn args() -> Args {
         growth: std::env::var("IDEM_BENCH_GROWTH")
             .ok()
             .and_then(|v| v.parse().ok()),
+        cpu: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -102,6 +104,7 @@ fn args() -> Args {
             "--server-threads" => a.server_threads = value().parse().expect("--server-threads: a count"),
             "--no-pin" => a.pin = false,
             "--growth" => a.growth = Some(value().parse().expect("--growth: a count")),
+            "--cpu" => a.cpu = Some(value().parse().expect("--cpu: a count")),
             other => panic!("unknown option {other}; see the header of examples/bench/main.rs"),
         }
     }
@@ -410,6 +413,10 @@ fn main() {
         rt.block_on(growth::memory_growth(records));
         return;
     }
+    if let Some(n) = a.cpu {
+        cpu_cost(n);
+        return;
+    }
     let server = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(a.server_threads)
         .enable_all()
@@ -579,4 +586,70 @@ fn report(
         std::fs::write(path, csv).expect("the CSV is written");
         println!("\nwrote {}", path.display());
     }
+}
+
+/// The server's CPU per request without the network: the router called in
+/// process, one request at a time on one thread, bare and behind
+/// `#[idempotent]` on the memory store (first request, replay), `n` each.
+fn cpu_cost(n: usize) {
+    use tower::ServiceExt as _;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    rt.block_on(async {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let sqlite = idem::SqliteStore::open(dir.path().join("cpu.db"))
+            .await
+            .expect("open");
+        sqlite.migrate().await.expect("migrate");
+        let app = routes::app(
+            routes::Stores {
+                postgres: None,
+                sqlite,
+                memory: idem::MemoryStore::new(),
+            },
+            routes::Gate::default(),
+        );
+        let request = |path: &str, key: Option<String>| {
+            let mut r = axum::http::Request::post(path).header("content-type", "application/json");
+            if let Some(k) = key {
+                r = r.header("idempotency-key", k);
+            }
+            r.body(axum::body::Body::from(routes::BODY)).expect("a request")
+        };
+        let time = |name: &'static str, path: &'static str, keyed: Option<&'static str>| {
+            let app = app.clone();
+            async move {
+                let mut times = Vec::new();
+                for round in 0..5 {
+                    let started = std::time::Instant::now();
+                    for i in 0..n {
+                        let key = keyed.map(|k| match k {
+                            "first" => format!("cpu-{round}-{i}"),
+                            _ => format!("cpu-0-{}", i % 100),
+                        });
+                        let answer = app.clone().oneshot(request(path, key)).await.expect("an answer");
+                        assert_eq!(answer.status(), 201);
+                        let _ = axum::body::to_bytes(answer.into_body(), usize::MAX).await;
+                    }
+                    times.push(started.elapsed().as_secs_f64() * 1e6 / n as f64);
+                }
+                times.sort_by(f64::total_cmp);
+                println!(
+                    "{name:<28} {:>7.2} us per request (median of 5; {:.2} to {:.2})",
+                    times[2], times[0], times[4]
+                );
+                times[2]
+            }
+        };
+        let bare = time("bare handler", "/bare", None).await;
+        let first = time("idem memory first", "/memory/pay", Some("first")).await;
+        let replay = time("idem memory replay", "/memory/pay", Some("replay")).await;
+        println!(
+            "idem's own CPU: first {:.2} us, replay {:.2} us",
+            first - bare,
+            replay - bare
+        );
+    });
 }
