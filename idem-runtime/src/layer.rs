@@ -5,7 +5,7 @@ use crate::store::IdempotencyStore;
 use axum::extract::FromRequestParts;
 use axum::http::header::{HeaderName, CONTENT_TYPE};
 use axum::http::request::Parts;
-use axum::http::HeaderMap;
+use axum::http::HeaderValue;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -446,26 +446,60 @@ impl Idem {
     }
 }
 
-/// What the injected first parameter of an annotated handler extracts: the
-/// configuration, the tenant, the request headers and what identifies the
-/// request besides its body.
+/// The name of the header an annotated handler reads its key from: the
+/// default, or a type the attribute generates for its `header = ".."`.
 #[doc(hidden)]
-pub struct Context {
+pub trait KeyHeader: 'static {
+    /// The lowercase header name.
+    const NAME: &'static str;
+}
+
+/// `Idempotency-Key`.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct DefaultKeyHeader;
+
+impl KeyHeader for DefaultKeyHeader {
+    const NAME: &'static str = "idempotency-key";
+}
+
+/// What the injected first parameter of an annotated handler extracts: the
+/// configuration, the tenant, the values of the key header `K` (only those:
+/// the header map is not copied) and what identifies the request besides
+/// its body.
+#[doc(hidden)]
+pub struct Context<K = DefaultKeyHeader> {
     pub(crate) idem: Option<Idem>,
     pub(crate) tenant: Option<Tenant>,
-    pub(crate) headers: HeaderMap,
+    /// Every value of the key header, in order.
+    pub(crate) key: Vec<HeaderValue>,
     /// The route's path parameters.
     pub(crate) path: Vec<(String, String)>,
     pub(crate) query: Option<String>,
+    header: std::marker::PhantomData<fn() -> K>,
 }
 
-impl std::fmt::Debug for Context {
+impl<K> Context<K> {
+    /// The same context, its header name no longer in its type.
+    pub(crate) fn erase(self) -> Context {
+        Context {
+            idem: self.idem,
+            tenant: self.tenant,
+            key: self.key,
+            path: self.path,
+            query: self.query,
+            header: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<K> std::fmt::Debug for Context<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Context").finish_non_exhaustive()
     }
 }
 
-impl<S: Send + Sync> FromRequestParts<S> for Context {
+impl<S: Send + Sync, K: KeyHeader> FromRequestParts<S> for Context<K> {
     type Rejection = std::convert::Infallible;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
@@ -479,9 +513,10 @@ impl<S: Send + Sync> FromRequestParts<S> for Context {
         Ok(Context {
             idem: parts.extensions.get::<Idem>().cloned(),
             tenant: parts.extensions.get::<Tenant>().cloned(),
-            headers: parts.headers.clone(),
+            key: parts.headers.get_all(K::NAME).iter().cloned().collect(),
             path,
             query: parts.uri.query().map(str::to_owned),
+            header: std::marker::PhantomData,
         })
     }
 }

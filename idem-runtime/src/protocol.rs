@@ -42,8 +42,8 @@ pub fn returning<T, F: Future<Output = T>>(body: F) -> F {
 /// Runs an annotated handler under the protocol. The generated code calls
 /// this once; `handler` builds the handler's future once the key is reserved.
 #[doc(hidden)]
-pub fn run<H, F>(
-    ctx: Context,
+pub fn run<K, H, F>(
+    ctx: Context<K>,
     spec: &'static Spec,
     fingerprint: Result<String, crate::fingerprint::FingerprintError>,
     handler: H,
@@ -64,14 +64,14 @@ where
             }),
         }
     });
-    run_boxed(ctx, spec, fingerprint, handler)
+    run_boxed(ctx.erase(), spec, fingerprint, handler)
 }
 
 /// [`run`] for an `optional` handler: without a key it runs unprotected and
 /// gets `None`.
 #[doc(hidden)]
-pub fn run_optional<H, F>(
-    ctx: Context,
+pub fn run_optional<K, H, F>(
+    ctx: Context<K>,
     spec: &'static Spec,
     fingerprint: Result<String, crate::fingerprint::FingerprintError>,
     handler: H,
@@ -81,7 +81,7 @@ where
     F: Future<Output = (Response, Option<Classification>)> + Send + 'static,
 {
     let handler: Handler = Box::new(move |op: Option<Operation>| -> HandlerFuture { Box::pin(handler(op)) });
-    run_boxed(ctx, spec, fingerprint, handler)
+    run_boxed(ctx.erase(), spec, fingerprint, handler)
 }
 
 pub(crate) async fn run_boxed(
@@ -114,7 +114,7 @@ pub(crate) async fn run_keyed(
     fingerprint: Result<String, crate::fingerprint::FingerprintError>,
     handler: Handler,
 ) -> Response {
-    let values = ctx.headers.get_all(spec.header).iter().map(HeaderValue::as_bytes);
+    let values = ctx.key.iter().map(HeaderValue::as_bytes);
     let key = match IdempotencyKey::from_header_values(values) {
         Ok(key) => key,
         Err(KeyError::Missing) if spec.optional => {

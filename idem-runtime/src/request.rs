@@ -29,8 +29,8 @@ pub struct Spec {
 /// The fingerprint of the request: the scope, the path parameters, the
 /// query and `body`, as the handler's attribute says.
 #[doc(hidden)]
-pub fn fingerprint_request(
-    ctx: &Context,
+pub fn fingerprint_request<K>(
+    ctx: &Context<K>,
     spec: &Spec,
     body: crate::fingerprint::BodyPrint<'_>,
     read: &[Option<Vec<u8>>],
