@@ -437,23 +437,23 @@ pub(crate) fn random_token() -> String {
 }
 
 /// 16 bytes from the OS's generator, drawn 4 KiB at a time per thread (one
-/// system call for 256 tokens). A forked child draws afresh: the buffer
-/// remembers the process it was filled in.
+/// system call for 256 tokens; bytes handed out are wiped from the buffer).
+/// A process that forks after serving requests shares the undrawn rest of
+/// the forking thread's buffer with its child: fork before serving, as
+/// Tokio's runtime needs anyway.
 fn random_bytes() -> [u8; 16] {
     use std::cell::RefCell;
     const BUF: usize = 4096;
     struct Pool {
         bytes: Box<[u8; BUF]>,
         used: usize,
-        pid: u32,
     }
     thread_local! {
-        static POOL: RefCell<Pool> = RefCell::new(Pool { bytes: Box::new([0; BUF]), used: BUF, pid: 0 });
+        static POOL: RefCell<Pool> = RefCell::new(Pool { bytes: Box::new([0; BUF]), used: BUF });
     }
     POOL.with(|pool| {
         let mut pool = pool.borrow_mut();
-        let pid = std::process::id();
-        if pool.used == BUF || pool.pid != pid {
+        if pool.used == BUF {
             // getrandom only fails when the OS has no entropy source at all.
             if getrandom::fill(&mut pool.bytes[..]).is_err() {
                 let nanos = std::time::SystemTime::now()
@@ -463,7 +463,6 @@ fn random_bytes() -> [u8; 16] {
                 return nanos.to_le_bytes();
             }
             pool.used = 0;
-            pool.pid = pid;
         }
         let at = pool.used;
         let mut out = [0u8; 16];
