@@ -4,7 +4,7 @@
 use crate::args::{DurationLit, FieldPath, IdempotentArgs};
 use crate::handler::{BodyKind, Handler, Keying, RequiredOperation};
 use proc_macro2::{Span, TokenStream};
-use quote::{format_ident, quote, quote_spanned};
+use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{FnArg, Generics, Ident, LitStr, ReturnType, Type};
 
@@ -539,23 +539,13 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
         ..
     } = sig;
     let where_clause = &generics.where_clause;
-    // A header of its own: a type that names it, so that the context reads
-    // that header's values alone.
-    let header_type = args.header.as_ref().map(|(_, lit)| {
-        let marker = format_ident!("__idem_key_header_{}", ident);
-        let name = lit.value().to_ascii_lowercase();
-        params[0] = quote!(#ctx: #private::Context<#marker>);
-        quote! {
-            #[doc(hidden)]
-            #[allow(non_camel_case_types)]
-            #vis struct #marker;
-            impl #private::KeyHeader for #marker {
-                const NAME: &'static str = #name;
-            }
-        }
-    });
+    // A header of its own: the context keeps the header map to read it
+    // (the default header's values alone are kept otherwise). No item is
+    // emitted, so a handler in an `impl` block works the same.
+    if args.header.is_some() {
+        params[0] = quote!(#ctx: #private::Context<#private::CustomKeyHeader>);
+    }
     quote! {
-        #header_type
         #(#attrs)*
         #vis #constness async #unsafety #abi #fn_token #ident #generics (#(#params),*) -> #private::Response
         #where_clause

@@ -5,7 +5,7 @@ use crate::store::IdempotencyStore;
 use axum::extract::FromRequestParts;
 use axum::http::header::{HeaderName, CONTENT_TYPE};
 use axum::http::request::Parts;
-use axum::http::HeaderValue;
+use axum::http::{HeaderMap, HeaderValue};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -446,33 +446,45 @@ impl Idem {
     }
 }
 
-/// The name of the header an annotated handler reads its key from: the
-/// default, or a type the attribute generates for its `header = ".."`.
+/// Which header an annotated handler reads its key from: the default, or
+/// the one its attribute's `header = ".."` names.
 #[doc(hidden)]
 pub trait KeyHeader: 'static {
-    /// The lowercase header name.
-    const NAME: &'static str;
+    /// The lowercase name of the header whose values the context keeps, or
+    /// `None` to keep the header map (the handler's spec names the header).
+    const NAME: Option<&'static str>;
 }
 
-/// `Idempotency-Key`.
+/// `Idempotency-Key`: only its values are kept.
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct DefaultKeyHeader;
 
 impl KeyHeader for DefaultKeyHeader {
-    const NAME: &'static str = "idempotency-key";
+    const NAME: Option<&'static str> = Some("idempotency-key");
+}
+
+/// A header of the handler's own: the header map is kept.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct CustomKeyHeader;
+
+impl KeyHeader for CustomKeyHeader {
+    const NAME: Option<&'static str> = None;
 }
 
 /// What the injected first parameter of an annotated handler extracts: the
-/// configuration, the tenant, the values of the key header `K` (only those:
-/// the header map is not copied) and what identifies the request besides
-/// its body.
+/// configuration, the tenant, the values of the key header (for the default
+/// header, only those: the header map is not copied) and what identifies
+/// the request besides its body.
 #[doc(hidden)]
 pub struct Context<K = DefaultKeyHeader> {
     pub(crate) idem: Option<Idem>,
     pub(crate) tenant: Option<Tenant>,
-    /// Every value of the key header, in order.
+    /// Every value of the default key header, in order.
     pub(crate) key: Vec<HeaderValue>,
+    /// The header map, for a handler with a header of its own.
+    pub(crate) headers: Option<HeaderMap>,
     /// The route's path parameters.
     pub(crate) path: Vec<(String, String)>,
     pub(crate) query: Option<String>,
@@ -486,6 +498,7 @@ impl<K> Context<K> {
             idem: self.idem,
             tenant: self.tenant,
             key: self.key,
+            headers: self.headers,
             path: self.path,
             query: self.query,
             header: std::marker::PhantomData,
@@ -513,7 +526,10 @@ impl<S: Send + Sync, K: KeyHeader> FromRequestParts<S> for Context<K> {
         Ok(Context {
             idem: parts.extensions.get::<Idem>().cloned(),
             tenant: parts.extensions.get::<Tenant>().cloned(),
-            key: parts.headers.get_all(K::NAME).iter().cloned().collect(),
+            key: K::NAME.map_or_else(Vec::new, |name| {
+                parts.headers.get_all(name).iter().cloned().collect()
+            }),
+            headers: K::NAME.is_none().then(|| parts.headers.clone()),
             path,
             query: parts.uri.query().map(str::to_owned),
             header: std::marker::PhantomData,

@@ -105,7 +105,7 @@ pub mod __private {
     pub use crate::classify::{Probe, ViaErr, ViaSelf, ViaStatus};
     pub use crate::fingerprint::BodyPrint;
     pub use crate::fingerprint::FingerprintError;
-    pub use crate::layer::{Context, DefaultKeyHeader, KeyHeader};
+    pub use crate::layer::{Context, CustomKeyHeader, DefaultKeyHeader, KeyHeader};
     pub use crate::protocol::{returning, run, run_optional};
     pub use crate::request::{
         fingerprint_request, is_json, print_body, raw, FieldProbe, Raw, Spec, ViaNothing, ViaSerialize,

@@ -114,8 +114,13 @@ pub(crate) async fn run_keyed(
     fingerprint: Result<String, crate::fingerprint::FingerprintError>,
     handler: Handler,
 ) -> Response {
-    let values = ctx.key.iter().map(HeaderValue::as_bytes);
-    let key = match IdempotencyKey::from_header_values(values) {
+    let key = match &ctx.headers {
+        Some(headers) => {
+            IdempotencyKey::from_header_values(headers.get_all(spec.header).iter().map(HeaderValue::as_bytes))
+        }
+        None => IdempotencyKey::from_header_values(ctx.key.iter().map(HeaderValue::as_bytes)),
+    };
+    let key = match key {
         Ok(key) => key,
         Err(KeyError::Missing) if spec.optional => {
             let span = tracing::info_span!(
