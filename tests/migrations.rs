@@ -321,3 +321,101 @@ async fn sqlite_an_extra_required_column_refuses_to_start() {
     let err = store.migrate().await.unwrap_err().to_string();
     assert!(err.contains("region") && err.contains("no default"), "{err}");
 }
+
+/// A fresh key is taken, completed and replayed.
+async fn takes_completes_replays(store: &dyn IdempotencyStore, key: &str) {
+    let id = RecordId::new("t", "s", key);
+    let Reservation::Reserved(lease) = store.reserve(req(&id, "fp")).await.unwrap() else {
+        panic!("a fresh key is taken")
+    };
+    let answer = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Some(b"ok".to_vec()),
+    };
+    store.complete(&id, &lease.token, &answer).await.unwrap();
+    assert_eq!(
+        store.reserve(req(&id, "fp")).await.unwrap(),
+        Reservation::Completed(answer)
+    );
+}
+
+/// A team that applies the migrations with its own tool takes them from
+/// `migrations_sql()` (names and the generated function filled in): they
+/// apply, `check_schema` agrees and the store serves.
+#[tokio::test]
+async fn postgres_migrations_applied_with_an_own_tool_serve() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE \"{schema}\".idempotency_keys_migrations (version BIGINT PRIMARY KEY, \
+         name TEXT NOT NULL, applied_at BIGINT NOT NULL)"
+    )))
+    .await
+    .unwrap();
+    for (migration, sql) in store.migrations_sql() {
+        pool.execute(sqlx::AssertSqlSafe(sql.to_owned()))
+            .await
+            .unwrap_or_else(|e| panic!("migration {}: {e}", migration.version));
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO \"{schema}\".idempotency_keys_migrations VALUES ($1, $2, 0)"
+        )))
+        .bind(migration.version)
+        .bind(migration.name)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    store.check_schema().await.unwrap();
+    takes_completes_replays(&store, "own-tool").await;
+}
+
+/// A service role that may use the table but does not own the reservation
+/// function runs `migrate()` at start on an up-to-date table: it succeeds
+/// (the function is this build's, so it is left alone) and the role serves.
+#[tokio::test]
+async fn postgres_a_role_that_does_not_own_the_function_migrates_an_up_to_date_table() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    PgStore::new(admin.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let role = format!("idem_svc_{}", &schema[schema.len() - 12..]).to_lowercase();
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN; \
+             GRANT USAGE, CREATE ON SCHEMA \"{schema}\" TO {role}; \
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{schema}\" TO {role}"
+        )))
+        .await
+        .unwrap();
+    let service_url = url.replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    assert_ne!(service_url, url, "DATABASE_URL names the postgres user");
+    let service = sqlx::PgPool::connect(&service_url).await.unwrap();
+    let store = PgStore::new(service.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    let migrated = store.migrate().await;
+    let served = async {
+        takes_completes_replays(&store, "service-role").await;
+    };
+    if migrated.is_ok() {
+        served.await;
+    }
+    service.close().await;
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA \"{schema}\" CASCADE; DROP ROLE {role}"
+        )))
+        .await
+        .unwrap();
+    migrated.unwrap();
+}

@@ -112,10 +112,17 @@ macro_rules! migrate_in {
                     .map_err($crate::sql::map_err)?;
             }
         }
-        // Whatever the version, the reservation function is this build's
-        // (and back, if someone dropped it).
-        if let Some(ddl) = &sql.reserve_ddl {
-            run(ddl).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
+        // Whatever the version, the reservation function is this build's:
+        // made again if someone dropped it or another build changed it, and
+        // left alone otherwise (a role that does not own it can migrate).
+        if let (Some(ddl), Some((body, source))) = (&sql.reserve_ddl, &sql.reserve_source) {
+            let found: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(source.as_str()))
+                .fetch_optional(&mut *$tx)
+                .await
+                .map_err($crate::sql::map_err)?;
+            if found.as_ref() != Some(body) {
+                run(ddl).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
+            }
         }
         $tx.commit().await.map_err($crate::sql::map_err)?;
         $self.check_schema().await

@@ -174,9 +174,12 @@ pub(crate) struct Statements {
     pub(crate) reserve_function: String,
     /// Whether that function exists (true or false), where there is one.
     pub(crate) has_reserve_function: Option<String>,
-    /// Creates or replaces that function: every migration run does, so
-    /// that the function is always this build's.
+    /// Creates or replaces that function: a migration run does when the
+    /// function is missing or is not this build's.
     pub(crate) reserve_ddl: Option<String>,
+    /// The function's body as this build defines it, and the query that
+    /// reads the body in the database (no row when there is no function).
+    pub(crate) reserve_source: Option<(String, String)>,
 }
 
 /// Checks a SQL identifier: ASCII letters, digits and `_`, not starting with
@@ -298,13 +301,16 @@ impl Statements {
         // PostgreSQL: the write path of a reservation, one statement as a
         // function (its plan cached per connection). The columns it returns
         // are named as the table's; `use_column` says they mean the table's.
+        let reserve_body = format!(
+            "\n#variable_conflict use_column\nBEGIN\n\
+             RETURN QUERY WITH inserted AS ({insert_new}), taken AS ({take_over}) \
+             SELECT * FROM inserted UNION ALL SELECT * FROM taken;\nEND\n"
+        );
         let reserve_ddl = if d.reserve_function {
             format!(
                 "CREATE OR REPLACE FUNCTION {function}(text, text, text, text, text, text, bigint, bigint) \
                  RETURNS TABLE (attempt integer, taken_over integer, recovery_point text, operation_id text) \
-                 LANGUAGE plpgsql AS $idem$\n#variable_conflict use_column\nBEGIN\n\
-                 RETURN QUERY WITH inserted AS ({insert_new}), taken AS ({take_over}) \
-                 SELECT * FROM inserted UNION ALL SELECT * FROM taken;\nEND\n$idem$;"
+                 LANGUAGE plpgsql AS $idem${reserve_body}$idem$;"
             )
         } else {
             String::new()
@@ -395,6 +401,15 @@ impl Statements {
                 )
             }),
             reserve_ddl: d.reserve_function.then(|| reserve_ddl.clone()),
+            reserve_source: d.reserve_function.then(|| {
+                (
+                    reserve_body.clone(),
+                    format!(
+                        "SELECT prosrc FROM pg_proc WHERE oid = \
+                         to_regprocedure('{function}(text, text, text, text, text, text, bigint, bigint)')"
+                    ),
+                )
+            }),
             reserve_function: function,
             purge: format!(
                 "DELETE FROM {t} AS cur WHERE (cur.tenant, cur.scope, cur.key) IN (SELECT tenant, scope, key \

@@ -7,9 +7,10 @@ use crate::store::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use std::time::Duration;
 
-/// The migrations of the records table, in order, with `{table}` and
-/// `{index}` standing for the configured names. [`PgStore::migrate`] applies
-/// those not yet applied.
+/// The migrations of the records table, in order, with `{table}`,
+/// `{index}` and `{reserve_function}` standing for the configured names and
+/// the generated function; [`PgStore::migrations_sql`] gives them filled in.
+/// [`PgStore::migrate`] applies those not yet applied.
 pub const POSTGRES_MIGRATIONS: &[sql::Migration] = sql::migrations!("postgres");
 
 /// The default bound on one store operation, connection included.
@@ -143,6 +144,25 @@ impl PgStore {
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// The migrations as this store applies them, every name filled in (the
+    /// table, its index, and the reservation function that migration 4
+    /// defines), for teams that apply migrations with their own tool; record
+    /// each version in `<table>_migrations` so that
+    /// [`check_schema`](PgStore::check_schema) agrees.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store = idem::PgStore::connect("postgres://127.0.0.1/app").unwrap();
+    /// for (migration, sql) in store.migrations_sql() {
+    ///     assert!(!sql.contains("{table}") && !sql.contains("{reserve_function}"));
+    ///     println!("-- {} {}\n{sql}", migration.version, migration.name);
+    /// }
+    /// # }
+    /// ```
+    pub fn migrations_sql(&self) -> impl Iterator<Item = (&sql::Migration, &str)> {
+        self.sql.migrations.iter().map(|(m, text)| (m, text.as_str()))
     }
 
     fn build(pool: PgPool, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
