@@ -211,8 +211,6 @@ pub(crate) struct Engine {
     pub(crate) replay_headers: Vec<HeaderName>,
     /// What problem `type`s start with, when not [`PROBLEM_TYPE_PREFIX`].
     pub(crate) problem_base: Option<Arc<str>>,
-    /// Extends the locks of this engine's running executions.
-    pub(crate) keeper: Arc<crate::lease::Keeper>,
 }
 
 impl std::fmt::Debug for Idem {
@@ -254,7 +252,6 @@ impl Idem {
                 max_stored_body: DEFAULT_MAX_STORED_BODY,
                 replay_headers: vec![CONTENT_TYPE, axum::http::header::LOCATION],
                 problem_base: None,
-                keeper: Arc::default(),
             }),
         }
     }

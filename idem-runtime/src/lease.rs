@@ -4,9 +4,9 @@
 use crate::operation::OperationInfo;
 use crate::store::StoreError;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Condvar, LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
-use tokio::sync::Notify;
+use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::Instrument as _;
@@ -20,57 +20,62 @@ pub(crate) struct LeaseClock {
 }
 
 /// How long the keeper sleeps with nothing due: a lease registered
-/// meanwhile wakes it if its first beat is due sooner.
+/// meanwhile wakes it if it is due sooner.
 const IDLE: Duration = Duration::from_secs(1);
 
-/// The heartbeats of one engine's running executions, driven by one task
-/// of their own: each lock is extended every third of its lock timeout
-/// until its [`Heartbeat`] is dropped. Starting an execution's heartbeat
-/// spawns nothing; an extension runs in a task only when it is due (an
-/// execution that lasts past a third of its lock timeout). The keeper runs
-/// apart from the handlers' tasks, so that a handler that blocks its thread
-/// (`block_in_place`, heavy work) still keeps its lease. When a lock is
-/// taken over, or cannot be extended before its deadline, its lease counts
-/// as lost and the handler is told (see [`Operation::lease_lost`]).
-///
-/// [`Operation::lease_lost`]: crate::Operation::lease_lost
+/// The process's lease keeper: one thread that knows every running
+/// execution's lease and, when one is due, spawns its extension on the
+/// runtime that execution runs on (its store's connections belong there).
+/// Starting an execution's heartbeat is a registration (a lock and a map
+/// insert), not a task. Being a thread of its own, the keeper is never
+/// held up by a handler that blocks its thread (`block_in_place`, heavy
+/// work), nor tied to one runtime: executions on several runtimes, one
+/// after the other or at once, are all kept.
+static KEEPER: LazyLock<Keeper> = LazyLock::new(Keeper::default);
+
 #[derive(Default)]
-pub(crate) struct Keeper {
+struct Keeper {
     state: Mutex<State>,
-    wake: Notify,
+    wake: Condvar,
 }
 
 #[derive(Default)]
 struct State {
     next_id: u64,
     leases: HashMap<u64, Entry>,
-    /// When the keeper task wakes next, if it runs.
+    /// When the keeper thread wakes next, once it runs.
     wake_at: Option<Instant>,
-    task: Option<JoinHandle<()>>,
+    running: bool,
 }
 
 struct Entry {
     info: OperationInfo,
     clock: LeaseClock,
+    /// When the next extension is due; the deadline while one is under way.
     next_beat: Instant,
     /// The request's span, for what the keeper logs about it.
     span: tracing::Span,
+    /// The runtime the execution runs on.
+    runtime: Handle,
     /// The extension under way, if any.
     beating: Option<JoinHandle<()>>,
 }
 
-/// An execution's registration with the keeper: its lock is extended until
-/// this is dropped.
+/// An execution's lease, kept (its lock extended every third of its lock
+/// timeout) until this is dropped. When the lock is taken over, or cannot
+/// be extended before its deadline, the lease counts as lost and the
+/// handler is told (see [`Operation::lease_lost`]).
+///
+/// [`Operation::lease_lost`]: crate::Operation::lease_lost
 pub(crate) struct Heartbeat {
-    keeper: Arc<Keeper>,
     id: u64,
 }
 
-impl Keeper {
-    /// Starts extending `info`'s lock.
-    pub(crate) fn start(self: &Arc<Self>, info: &OperationInfo, clock: LeaseClock) -> Heartbeat {
+impl Heartbeat {
+    /// Starts keeping `info`'s lease. Must be called within a Tokio runtime.
+    pub(crate) fn start(info: &OperationInfo, clock: LeaseClock) -> Heartbeat {
         let next_beat = Instant::now() + period(clock.lock_timeout);
-        let mut state = self.lock();
+        let mut state = KEEPER.lock();
         let id = state.next_id;
         state.next_id += 1;
         state.leases.insert(
@@ -80,39 +85,29 @@ impl Keeper {
                 clock,
                 next_beat,
                 span: tracing::Span::current(),
+                runtime: Handle::current(),
                 beating: None,
             },
         );
-        if state.task.as_ref().is_none_or(JoinHandle::is_finished) {
-            // The first lease, or the keeper's runtime is gone.
-            let keeper = Arc::downgrade(self);
-            state.task = Some(tokio::spawn(keep(keeper)));
-            state.wake_at = Some(next_beat);
-        } else {
-            self.wake_by(&mut state, next_beat);
+        if !state.running {
+            match std::thread::Builder::new()
+                .name("idem-lease-keeper".into())
+                .spawn(|| KEEPER.run())
+            {
+                Ok(_) => state.running = true,
+                // Tried again at the next start; meanwhile the lease runs
+                // out and counts as lost: nothing runs twice.
+                Err(e) => tracing::error!(error = %e, "could not start the lease keeper thread"),
+            }
         }
-        Heartbeat {
-            keeper: self.clone(),
-            id,
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Makes the keeper wake by `due`.
-    fn wake_by(&self, state: &mut State, due: Instant) {
-        if state.wake_at.is_none_or(|w| due < w) {
-            state.wake_at = Some(due);
-            self.wake.notify_one();
-        }
+        KEEPER.wake_by(&mut state, next_beat);
+        Heartbeat { id }
     }
 }
 
 impl Drop for Heartbeat {
     fn drop(&mut self) {
-        let entry = self.keeper.lock().leases.remove(&self.id);
+        let entry = KEEPER.lock().leases.remove(&self.id);
         if let Some(beating) = entry.and_then(|e| e.beating) {
             beating.abort();
         }
@@ -123,19 +118,27 @@ fn period(lock_timeout: Duration) -> Duration {
     (lock_timeout / 3).max(Duration::from_millis(10))
 }
 
-/// The keeper's task: starts each due extension, counts a lease whose
-/// deadline passed without one as lost, then sleeps until the next is due.
-async fn keep(keeper: Weak<Keeper>) {
-    let Some(k) = keeper.upgrade() else { return };
-    loop {
-        if Arc::strong_count(&k) == 1 {
-            // The engine and every heartbeat are gone.
-            return;
+impl Keeper {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Makes the keeper wake by `due`.
+    fn wake_by(&self, state: &mut State, due: Instant) {
+        if state.wake_at.is_none_or(|w| due < w) {
+            state.wake_at = Some(due);
+            self.wake.notify_one();
         }
-        let now = Instant::now();
-        let mut next = now + IDLE;
-        {
-            let mut state = k.lock();
+    }
+
+    /// The keeper thread: starts each due extension, counts a lease whose
+    /// deadline passed without one as lost, then sleeps until the next is
+    /// due or a sooner one is registered.
+    fn run(&self) {
+        let mut state = self.lock();
+        loop {
+            let now = Instant::now();
+            let mut next = now + IDLE;
             let mut lost = Vec::new();
             for (&id, entry) in &mut state.leases {
                 if entry.beating.as_ref().is_some_and(|b| !b.is_finished()) {
@@ -144,12 +147,14 @@ async fn keep(keeper: Weak<Keeper>) {
                 if now >= entry.clock.deadline {
                     lost.push(id);
                 } else if now >= entry.next_beat {
-                    entry.beating = Some(tokio::spawn(
-                        beat(Arc::downgrade(&k), id, entry.info.clone(), entry.clock)
-                            .instrument(entry.span.clone()),
-                    ));
+                    // Until the extension says otherwise, nothing is due
+                    // before the deadline.
+                    entry.next_beat = entry.clock.deadline;
+                    let beat = beat(id, entry.info.clone(), entry.clock).instrument(entry.span.clone());
+                    entry.beating = Some(entry.runtime.spawn(beat));
+                    next = next.min(entry.clock.deadline);
                 } else {
-                    next = next.min(entry.next_beat.min(entry.clock.deadline));
+                    next = next.min(entry.next_beat);
                 }
             }
             for id in lost {
@@ -159,17 +164,17 @@ async fn keep(keeper: Weak<Keeper>) {
                 }
             }
             state.wake_at = Some(next);
-        }
-        let wake = k.wake.notified();
-        tokio::select! {
-            () = tokio::time::sleep_until(next) => {}
-            () = wake => {}
+            let sleep = next.saturating_duration_since(Instant::now());
+            state = self
+                .wake
+                .wait_timeout(state, sleep)
+                .map_or_else(|e| e.into_inner().0, |(guard, _)| guard);
         }
     }
 }
 
 /// One extension of the lock of lease `id`, bounded by its deadline.
-async fn beat(keeper: Weak<Keeper>, id: u64, info: OperationInfo, clock: LeaseClock) {
+async fn beat(id: u64, info: OperationInfo, clock: LeaseClock) {
     let asked = Instant::now();
     let extended = tokio::time::timeout_at(
         clock.deadline,
@@ -177,39 +182,37 @@ async fn beat(keeper: Weak<Keeper>, id: u64, info: OperationInfo, clock: LeaseCl
             .extend_lock(&info.id, &info.lease.token, clock.lock_timeout),
     )
     .await;
-    let Some(k) = keeper.upgrade() else { return };
-    let mut state = k.lock();
-    let retry = match extended {
-        Ok(Ok(())) => None,
+    let mut state = KEEPER.lock();
+    let extended = match extended {
+        Ok(Ok(())) => true,
         Ok(Err(StoreError::LockLost)) => {
             tracing::error!("lock lost while the handler runs: another execution took over");
-            Some(false)
-        }
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "could not extend the lock; trying again");
-            Some(true)
-        }
-        Err(_) => Some(false),
-    };
-    match retry {
-        Some(false) => {
             if state.leases.remove(&id).is_some() {
                 lease_lost(&info);
             }
+            return;
         }
-        again => {
-            let Some(entry) = state.leases.get_mut(&id) else {
-                return;
-            };
-            if again.is_none() {
-                entry.clock.deadline = asked + clock.lock_timeout;
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "could not extend the lock; trying again");
+            false
+        }
+        Err(_) => {
+            if state.leases.remove(&id).is_some() {
+                lease_lost(&info);
             }
-            entry.next_beat = Instant::now() + period(clock.lock_timeout);
-            entry.beating = None;
-            let due = entry.next_beat.min(entry.clock.deadline);
-            k.wake_by(&mut state, due);
+            return;
         }
+    };
+    let Some(entry) = state.leases.get_mut(&id) else {
+        return;
+    };
+    if extended {
+        entry.clock.deadline = asked + clock.lock_timeout;
     }
+    entry.next_beat = (Instant::now() + period(clock.lock_timeout)).min(entry.clock.deadline);
+    entry.beating = None;
+    let due = entry.next_beat;
+    KEEPER.wake_by(&mut state, due);
 }
 
 fn lease_lost(info: &OperationInfo) {

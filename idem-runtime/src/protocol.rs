@@ -346,7 +346,7 @@ pub(crate) async fn execute(
             "taking over an operation whose lock ran out"
         );
     }
-    let beat = engine.keeper.start(&info, clock);
+    let beat = Heartbeat::start(&info, clock);
     let outcome = AssertUnwindSafe(handler).catch_unwind().await;
     pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
     // The handler is done: its transaction, if any, is ours now.

@@ -1,0 +1,163 @@
+//! One `Idem` used from two Tokio runtimes, one after the other: a lease
+//! started on the second is kept (its lock extended) whether the first
+//! runtime has ended or idles undriven. The lease keeper is a thread of the
+//! process that spawns each extension on the execution's own runtime; a
+//! keeper task on the first runtime (as once) left the second's leases
+//! unextended: a retry ran the handler a second time.
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::routing::post;
+use axum::Router;
+use idem::{idempotent, Idem, Operation};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+use tower::ServiceExt as _;
+
+static RUNS: AtomicU32 = AtomicU32::new(0);
+static LOST_SEEN: AtomicU32 = AtomicU32::new(0);
+
+#[idempotent(scope = "probe.quick", lock_timeout = "300ms")]
+async fn quick() -> StatusCode {
+    StatusCode::CREATED
+}
+
+/// Lasts four lock timeouts: its lease must be extended all along.
+#[idempotent(scope = "probe.slow", lock_timeout = "300ms")]
+async fn slow(op: Operation) -> (StatusCode, String) {
+    let n = RUNS.fetch_add(1, Ordering::SeqCst) + 1;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    if op.is_lease_lost() {
+        LOST_SEEN.fetch_add(1, Ordering::SeqCst);
+    }
+    (StatusCode::CREATED, format!("run {n}"))
+}
+
+fn app() -> Router {
+    static IDEM: OnceLock<Idem> = OnceLock::new();
+    let idem = IDEM
+        .get_or_init(|| Idem::new(idem::MemoryStore::new()).single_tenant())
+        .clone();
+    Router::new()
+        .route("/quick", post(quick))
+        .route("/slow", post(slow))
+        .layer(idem.layer())
+}
+
+fn req(path: &str, key: &str) -> Request<Body> {
+    Request::post(path)
+        .header("idempotency-key", key)
+        .body(Body::empty())
+        .unwrap()
+}
+
+#[test]
+fn a_lease_of_a_second_runtime_is_kept_after_the_first_runtime_ends() {
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+    // "Test 1": its own runtime; its request starts the keeper there. The
+    // runtime lives on a little while (the test is still running), then ends.
+    let first = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let r = app().oneshot(req("/quick", "quick-1")).await.unwrap();
+            assert_eq!(r.status(), StatusCode::CREATED);
+            started_tx.send(()).unwrap();
+            // Test 1 is still doing something while test 2 starts.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        });
+        drop(rt); // test 1 ends
+    });
+    started_rx.recv().unwrap();
+    // "Test 2": another runtime, a long execution with a 300 ms lock.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let long = tokio::spawn(app().oneshot(req("/slow", "slow-1")));
+        // Well past the first runtime's end and two lock timeouts, while the
+        // first execution still runs: its lock must still be held.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let retry = app().oneshot(req("/slow", "slow-1")).await.unwrap();
+        let retry_status = retry.status();
+        let first = long.await.unwrap().unwrap();
+        let first_status = first.status();
+        first_thread_join(first_status, retry_status);
+    });
+    first.join().unwrap();
+}
+
+fn first_thread_join(first: StatusCode, retry: StatusCode) {
+    let runs = RUNS.load(Ordering::SeqCst);
+    let lost = LOST_SEEN.load(Ordering::SeqCst);
+    eprintln!("first execution: {first}; retry at 800 ms: {retry}; handler runs: {runs}; lease lost seen by handler: {lost}");
+    assert_eq!(
+        retry,
+        StatusCode::CONFLICT,
+        "the retry during the first execution must get 409"
+    );
+    assert_eq!(first, StatusCode::CREATED, "the first execution keeps its lease");
+    assert_eq!(runs, 1, "one execution");
+}
+
+/// The first runtime is not dropped but no longer driven (its block_on
+/// returned): a lease of a second runtime, started afterwards, is kept.
+#[test]
+fn a_lease_of_a_second_runtime_is_kept_while_the_first_runtime_idles() {
+    static IDEM2: OnceLock<Idem> = OnceLock::new();
+    let idem = || {
+        IDEM2
+            .get_or_init(|| Idem::new(idem::MemoryStore::new()).single_tenant())
+            .clone()
+    };
+    let app = move || {
+        Router::new()
+            .route("/quick", post(quick))
+            .route("/slow", post(slow2))
+            .layer(idem().layer())
+    };
+    let rt1 = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt1.block_on(async {
+        assert_eq!(
+            app().oneshot(req("/quick", "q")).await.unwrap().status(),
+            StatusCode::CREATED
+        );
+    });
+    // rt1 lives on, idle.
+    let rt2 = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let runs_before = RUNS2.load(Ordering::SeqCst);
+    rt2.block_on(async {
+        let long = tokio::spawn(app().oneshot(req("/slow", "slow-2")));
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let retry = app().oneshot(req("/slow", "slow-2")).await.unwrap().status();
+        let first = long.await.unwrap().unwrap().status();
+        let runs = RUNS2.load(Ordering::SeqCst) - runs_before;
+        eprintln!("idle first runtime: first {first}; retry at 800 ms {retry}; handler runs {runs}");
+        assert_eq!(
+            (first, retry, runs),
+            (StatusCode::CREATED, StatusCode::CONFLICT, 1)
+        );
+    });
+    drop(rt1);
+}
+
+static RUNS2: AtomicU32 = AtomicU32::new(0);
+
+#[idempotent(scope = "probe.slow_two", lock_timeout = "300ms")]
+async fn slow2() -> StatusCode {
+    RUNS2.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    StatusCode::CREATED
+}
