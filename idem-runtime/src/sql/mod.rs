@@ -15,8 +15,10 @@ pub(crate) mod sqlite;
 
 pub use migrate::Migration;
 pub(crate) use migrate::{check_schema, migrate_in, migrations, schema_error};
+#[cfg(feature = "postgres")]
+pub(crate) use run::fenced_ops;
 pub(crate) use run::{
-    bounded, complete_with, fenced, fenced_ops, judge_row, lease_from_row, map_err, millis, reserve_detached,
+    bounded, complete_with, fenced, judge_row, lease_from_row, map_err, millis, reserve_detached,
 };
 
 use crate::store::{RecordState, StoreError};

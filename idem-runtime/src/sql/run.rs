@@ -123,8 +123,10 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
     }
 }
 
-/// The fenced writes and the purge, the same text for both SQL stores.
-/// Expects `self.pool`, `self.sql: Statements` and `self.timeout`.
+/// The fenced writes and the purge of the PostgreSQL store (SQLite's queue
+/// them for its write permit). Expects `self.pool`, `self.sql: Statements`
+/// and `self.timeout`.
+#[cfg(feature = "postgres")]
 macro_rules! fenced_ops {
     () => {
         fn complete<'a>(
@@ -224,6 +226,7 @@ macro_rules! fenced_ops {
         }
     };
 }
+#[cfg(feature = "postgres")]
 pub(crate) use fenced_ops;
 
 /// The completion statement on any executor of the store's database: the

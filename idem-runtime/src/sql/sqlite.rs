@@ -26,6 +26,25 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// again) and the read of a blocking row one atomic step. Expiry and lock deadlines
 /// use SQLite's clock, which is the machine's.
 ///
+/// Writers queue. SQLite has one write lock per file, and a writer that
+/// finds it taken sleeps in SQLite's busy handler, which is unfair: under
+/// load a few writers wait far longer than the rest. So within the process
+/// this store's writes (a reservation's `BEGIN IMMEDIATE` transaction, from
+/// `BEGIN` to `COMMIT`; the completion, release, rejection, checkpoint, lock
+/// extension and purge; [`migrate`](Self::migrate)) first wait their turn,
+/// first come first served, for one write permit shared by all clones of
+/// the store (and kept by [`with_table`](Self::with_table)), and so rarely
+/// meet the lock taken. Reads never wait for it. The wait counts against
+/// the operation's timeout: past it the operation fails with
+/// [`StoreError::Unavailable`]. A handler's own transaction (which holds
+/// SQLite's lock while the handler runs) waits in the same line to *begin*
+/// and gives the permit back as soon as it has begun; the completion written
+/// inside it takes no permit. Writers of other processes on the file, the
+/// application's own writes on [`pool`](Self::pool), and a store made
+/// separately on the same file are not in the line: they and this store
+/// still wait for each other in SQLite's busy handler, up to the busy
+/// timeout.
+///
 /// ```
 /// use idem::SqliteStore;
 ///
@@ -41,6 +60,9 @@ pub struct SqliteStore {
     pool: SqlitePool,
     sql: std::sync::Arc<Statements>,
     timeout: Duration,
+    /// One permit, taken by each write of this store and its clones in turn
+    /// (tokio's semaphore queues its waiters first come first served).
+    writer: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -131,8 +153,8 @@ impl SqliteStore {
     /// # }
     /// ```
     pub fn with_table(self, table: &str) -> Result<Self, StoreError> {
-        let timeout = self.timeout;
-        Self::build(self.pool, table).map(|s| s.with_timeout(timeout))
+        let (timeout, writer) = (self.timeout, self.writer);
+        Self::build(self.pool, table).map(|s| SqliteStore { timeout, writer, ..s })
     }
 
     /// Bounds every operation by `timeout` (default: the busy timeout plus
@@ -160,7 +182,27 @@ impl SqliteStore {
             pool,
             sql: std::sync::Arc::new(Statements::new(sql::SQLITE, SQLITE_MIGRATIONS, None, table)?),
             timeout: DEFAULT_BUSY_TIMEOUT + Duration::from_secs(1),
+            writer: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
         })
+    }
+
+    /// Waits in line for this process's turn at SQLite's write lock. Every
+    /// caller bounds the wait by the store's timeout; a waiter given up on
+    /// leaves the line without taking the permit.
+    async fn write_turn(&self) -> Result<tokio::sync::SemaphorePermit<'_>, StoreError> {
+        self.writer
+            .acquire()
+            .await
+            .map_err(|_| StoreError::unavailable("the SQLite write queue is closed"))
+    }
+
+    /// Runs `write` in this process's turn at the write lock.
+    async fn queued<T>(
+        &self,
+        write: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let _turn = self.write_turn().await?;
+        write.await
     }
 
     /// Brings the table to the schema this build needs: applies, under the
@@ -181,6 +223,7 @@ impl SqliteStore {
     /// # }
     /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        let _turn = sql::bounded(self.timeout, self.write_turn()).await?;
         let mut tx = self
             .pool
             .begin_with("BEGIN IMMEDIATE")
@@ -203,14 +246,26 @@ impl SqliteStore {
 
     /// Opens a transaction for a handler's own writes, committed together
     /// with the completion.
+    ///
+    /// `BEGIN IMMEDIATE` takes SQLite's write lock, kept until the runtime
+    /// commits or rolls back. It is taken in turn with this process's other
+    /// writers (so it does not race them in the busy handler), but the
+    /// permit is given back as soon as the transaction has begun: the
+    /// handler runs holding SQLite's lock only, never the permit, so nothing
+    /// of the request (the handler's code, the completion written inside
+    /// this transaction, which takes no permit) waits on a permit its own
+    /// request holds, and a cancelled request cannot keep it.
     #[cfg(feature = "axum")]
     pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
-        crate::sql::bounded(self.timeout, async {
-            self.pool
-                .begin_with("BEGIN IMMEDIATE")
-                .await
-                .map_err(sql::map_err)
-        })
+        crate::sql::bounded(
+            self.timeout,
+            self.queued(async {
+                self.pool
+                    .begin_with("BEGIN IMMEDIATE")
+                    .await
+                    .map_err(sql::map_err)
+            }),
+        )
         .await
     }
 }
@@ -222,7 +277,110 @@ impl IdempotencyStore for SqliteStore {
         }))
     }
 
-    sql::fenced_ops!();
+    // `sql::fenced_ops!` (as on PostgreSQL), but each write in this
+    // process's turn at the write lock, which is given back before the
+    // pause point that follows the commit.
+
+    fn complete<'a>(
+        &'a self,
+        id: &'a crate::store::RecordId,
+        token: &'a str,
+        response: &'a crate::store::StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(sql::bounded(self.timeout, async move {
+            self.queued(self.complete_with(&self.pool, id, token, response))
+                .await?;
+            pause_point!(crate::pause::COMPLETE_AFTER, &id.key);
+            Ok(())
+        }))
+    }
+
+    fn release<'a>(
+        &'a self,
+        id: &'a crate::store::RecordId,
+        token: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(sql::bounded(self.timeout, async move {
+            sql::fenced(
+                self.queued(self.owned_write(&self.sql.release, id, token))
+                    .await?,
+            )?;
+            pause_point!(crate::pause::RELEASE_AFTER, &id.key);
+            Ok(())
+        }))
+    }
+
+    fn reject<'a>(
+        &'a self,
+        id: &'a crate::store::RecordId,
+        token: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(sql::bounded(self.timeout, async move {
+            self.queued(async {
+                if self.owned_write(&self.sql.reject, id, token).await? == 0 {
+                    // A later attempt (or a lost lock): released as failed.
+                    sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
+                }
+                Ok(())
+            })
+            .await?;
+            pause_point!(crate::pause::REJECT_AFTER, &id.key);
+            Ok(())
+        }))
+    }
+
+    fn checkpoint<'a>(
+        &'a self,
+        id: &'a crate::store::RecordId,
+        token: &'a str,
+        recovery_point: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(sql::bounded(self.timeout, async move {
+            let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.checkpoint.as_str()))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .bind(token)
+                .bind(recovery_point)
+                .execute(&self.pool);
+            let done = self.queued(async { write.await.map_err(sql::map_err) }).await?;
+            sql::fenced(done.rows_affected())?;
+            pause_point!(crate::pause::CHECKPOINT_AFTER, &id.key);
+            Ok(())
+        }))
+    }
+
+    fn extend_lock<'a>(
+        &'a self,
+        id: &'a crate::store::RecordId,
+        token: &'a str,
+        lock_timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(sql::bounded(self.timeout, async move {
+            let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .bind(token)
+                .bind(millis(lock_timeout))
+                .execute(&self.pool);
+            let done = self.queued(async { write.await.map_err(sql::map_err) }).await?;
+            sql::fenced(done.rows_affected())?;
+            pause_point!(crate::pause::EXTEND_AFTER, &id.key);
+            Ok(())
+        }))
+    }
+
+    fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(sql::bounded(self.timeout, async move {
+            let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
+                .bind(i64::from(batch))
+                .execute(&self.pool);
+            let done = self.queued(async { write.await.map_err(sql::map_err) }).await?;
+            pause_point!(crate::pause::PURGE_AFTER, &self.sql.table);
+            Ok(done.rows_affected())
+        }))
+    }
 }
 
 impl SqliteStore {
@@ -249,7 +407,12 @@ impl SqliteStore {
         }
         pause_point!(crate::pause::SQLITE_RESERVE_AFTER_PEEK, &req.id.key);
         // Absent, expired, stale or released: take it under the write
-        // lock, where the upsert decides again on the row as it is now.
+        // lock, where the upsert decides again on the row as it is now. The
+        // turn at the lock is held from BEGIN to COMMIT. The wait for it is
+        // bounded here too: a reservation its caller gave up on (see
+        // `reserve_detached`) leaves the line as it used to leave SQLite's
+        // busy handler, instead of waiting to take a key only to give it back.
+        let turn = sql::bounded(self.timeout, self.write_turn()).await?;
         let mut tx = self
             .pool
             .begin_with("BEGIN IMMEDIATE")
@@ -282,6 +445,7 @@ impl SqliteStore {
         };
         pause_point!(crate::pause::SQLITE_RESERVE_BEFORE_COMMIT, &req.id.key);
         tx.commit().await.map_err(sql::map_err)?;
+        drop(turn);
         pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
         Ok(answer)
     }

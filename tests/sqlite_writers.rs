@@ -1,0 +1,237 @@
+//! SQLite writers of one process queue for one write permit, first come
+//! first served, instead of racing into SQLite's busy handler; writers of
+//! other processes are still waited for by the busy timeout.
+
+use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
+use idem::{IdempotencyStore, SqliteStore};
+use idem_runtime::pause;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::Connection as _;
+use std::time::{Duration, Instant};
+
+const LONG: Duration = Duration::from_secs(3600);
+
+fn id(key: &str) -> RecordId {
+    RecordId::new("t", "writers", key)
+}
+
+fn req<'a>(id: &'a RecordId, token: &'a str) -> ReserveRequest<'a> {
+    ReserveRequest {
+        id,
+        fingerprint: "F",
+        token,
+        ttl: LONG,
+        lock_timeout: LONG,
+    }
+}
+
+fn answer(tag: &str) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Some(tag.as_bytes().to_vec()),
+    }
+}
+
+/// Takes a fresh key and says its lock token.
+async fn reserved(store: &SqliteStore, key: &str) -> &'static str {
+    let token = idem_testkit::token();
+    match store.reserve(req(&id(key), token)).await.unwrap() {
+        Reservation::Reserved(_) => token,
+        other => panic!("{key} not taken: {other:?}"),
+    }
+}
+
+/// A reservation of a fresh key stopped with the write permit (and SQLite's
+/// write lock) held, before its commit.
+async fn hold_the_permit(store: &SqliteStore) -> (pause::Pause, tokio::task::JoinHandle<()>) {
+    let key = idem_testkit::unique("holder");
+    let mut paused = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &key);
+    let holder = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let _ = store.reserve(req(&id(&key), idem_testkit::token())).await;
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(20), paused.reached())
+        .await
+        .expect("the holder reaches its commit");
+    (paused, holder)
+}
+
+/// With no busy timeout at all, a writer of this process that met SQLite's
+/// write lock taken would fail at once (`SQLITE_BUSY`, a 503): 32 concurrent
+/// first requests only pass if this process's writers never meet it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_first_requests_queue_instead_of_meeting_the_write_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = SqliteConnectOptions::new()
+        .filename(dir.path().join("idem.db"))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::ZERO);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(8)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = SqliteStore::new(pool);
+    store.migrate().await.unwrap();
+
+    for round in 0..3 {
+        let tasks: Vec<_> = (0..32)
+            .map(|i| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let key = idem_testkit::unique(&format!("k{round}_{i}"));
+                    let (id, token) = (id(&key), idem_testkit::token());
+                    match store.reserve(req(&id, token)).await? {
+                        Reservation::Reserved(_) => {}
+                        other => panic!("a fresh key not taken: {other:?}"),
+                    };
+                    store.complete(&id, token, &answer(&key)).await?;
+                    match store.reserve(req(&id, idem_testkit::token())).await? {
+                        Reservation::Completed(r) => assert_eq!(r.body.as_deref(), Some(key.as_bytes())),
+                        other => panic!("not replayed: {other:?}"),
+                    }
+                    Ok::<_, idem::StoreError>(())
+                })
+            })
+            .collect();
+        for task in tasks {
+            let result = task.await.unwrap();
+            assert!(result.is_ok(), "round {round}: a writer failed: {result:?}");
+        }
+    }
+}
+
+/// Writers take the permit in the order they asked for it: with the permit
+/// held, A asks, then B; once it is free, A's write commits before B's
+/// (SQLite's busy handler would favour B, which sleeps in shorter steps).
+#[tokio::test]
+async fn writers_take_the_write_lock_first_come_first_served() {
+    let (store, _dir) = idem_testkit::sqlite_store().await;
+    // Every update of a record, in commit order.
+    sqlx::raw_sql(
+        "CREATE TABLE write_log (n INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL); \
+         CREATE TRIGGER log_writes AFTER UPDATE ON idempotency_keys \
+         BEGIN INSERT INTO write_log (key) VALUES (NEW.key); END;",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let (ka, kb) = (idem_testkit::unique("a"), idem_testkit::unique("b"));
+    let (ta, tb) = (reserved(&store, &ka).await, reserved(&store, &kb).await);
+
+    let (paused, holder) = hold_the_permit(&store).await;
+    let write = |key: String, token: &'static str| {
+        let store = store.clone();
+        tokio::spawn(async move { store.complete(&id(&key), token, &answer(&key)).await })
+    };
+    let a = write(ka.clone(), ta);
+    // This runtime has one thread: A has run up to its wait while this
+    // task sleeps, and is in line before B asks.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!a.is_finished(), "A wrote while the permit was held");
+    let b = write(kb.clone(), tb);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!b.is_finished(), "B wrote while the permit was held");
+
+    paused.resume();
+    holder.await.unwrap();
+    a.await.unwrap().unwrap();
+    b.await.unwrap().unwrap();
+    let order: Vec<String> = sqlx::query_scalar("SELECT key FROM write_log WHERE key IN (?, ?) ORDER BY n")
+        .bind(&ka)
+        .bind(&kb)
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(order, [ka, kb], "B's write committed before A's");
+}
+
+/// A writer given up on while in line (the operation's timeout) fails with
+/// `Unavailable`, a 503, and does not keep the permit.
+#[tokio::test]
+async fn a_writer_in_line_past_its_timeout_is_unavailable_and_the_line_moves_on() {
+    let (store, _dir) = idem_testkit::sqlite_store().await;
+    let key = idem_testkit::unique("late");
+    let token = reserved(&store, &key).await;
+    let impatient = store.clone().with_timeout(Duration::from_millis(300));
+
+    let (paused, holder) = hold_the_permit(&store).await;
+    let started = Instant::now();
+    let err = impatient
+        .complete(&id(&key), token, &answer("late"))
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "waited {:?}",
+        started.elapsed()
+    );
+
+    paused.resume();
+    holder.await.unwrap();
+    impatient
+        .complete(&id(&key), token, &answer("late"))
+        .await
+        .unwrap();
+    match store
+        .reserve(req(&id(&key), idem_testkit::token()))
+        .await
+        .unwrap()
+    {
+        Reservation::Completed(r) => assert_eq!(r.body.as_deref(), Some(&b"late"[..])),
+        other => panic!("not completed: {other:?}"),
+    }
+}
+
+/// Another process's writer (here another pool on the same file, outside
+/// this store's line) is not failed against but waited for, by SQLite's
+/// busy timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_of_another_process_is_waited_for() {
+    let (store, dir) = idem_testkit::sqlite_store().await;
+    let options = SqliteConnectOptions::new()
+        .filename(dir.path().join("idem.db"))
+        .journal_mode(SqliteJournalMode::Wal);
+    let mut other = sqlx::SqliteConnection::connect_with(&options).await.unwrap();
+    sqlx::raw_sql("BEGIN IMMEDIATE")
+        .execute(&mut other)
+        .await
+        .unwrap();
+
+    let key = idem_testkit::unique("waits");
+    let first = {
+        let store = store.clone();
+        let key = key.clone();
+        tokio::spawn(async move {
+            let (id, token) = (id(&key), idem_testkit::token());
+            let started = Instant::now();
+            let taken = store.reserve(req(&id, token)).await;
+            let waited = started.elapsed();
+            assert!(matches!(taken, Ok(Reservation::Reserved(_))), "{taken:?}");
+            store.complete(&id, token, &answer(&key)).await.unwrap();
+            waited
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !first.is_finished(),
+        "took the key while another process held the write lock"
+    );
+    sqlx::raw_sql("COMMIT").execute(&mut other).await.unwrap();
+
+    let waited = first.await.unwrap();
+    assert!(waited >= Duration::from_millis(250), "waited only {waited:?}");
+    match store
+        .reserve(req(&id(&key), idem_testkit::token()))
+        .await
+        .unwrap()
+    {
+        Reservation::Completed(r) => assert_eq!(r.body.as_deref(), Some(key.as_bytes())),
+        other => panic!("not completed: {other:?}"),
+    }
+}
