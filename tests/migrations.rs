@@ -48,20 +48,7 @@ async fn serves_after_the_upgrade(store: &dyn IdempotencyStore) {
             body: Some(b"before the upgrade".to_vec()),
         })
     );
-    let new = RecordId::new("t", "s", "new");
-    let Reservation::Reserved(lease) = store.reserve(req(&new, "fp")).await.unwrap() else {
-        panic!("a new key is reserved")
-    };
-    let answer = StoredResponse {
-        status: 201,
-        headers: vec![],
-        body: Some(b"after".to_vec()),
-    };
-    store.complete(&new, &lease.token, &answer).await.unwrap();
-    assert_eq!(
-        store.reserve(req(&new, "fp")).await.unwrap(),
-        Reservation::Completed(answer)
-    );
+    takes_completes_replays(store, "new").await;
 }
 
 #[tokio::test]
@@ -174,20 +161,7 @@ async fn postgres_a_missing_reservation_function_is_refused_then_restored() {
         "{err}"
     );
     store.migrate().await.unwrap();
-    let id = RecordId::new("t", "s", "after-restore");
-    let Reservation::Reserved(lease) = store.reserve(req(&id, "fp")).await.unwrap() else {
-        panic!("a fresh key is taken")
-    };
-    let answer = StoredResponse {
-        status: 201,
-        headers: vec![],
-        body: Some(b"ok".to_vec()),
-    };
-    store.complete(&id, &lease.token, &answer).await.unwrap();
-    assert_eq!(
-        store.reserve(req(&id, "fp")).await.unwrap(),
-        Reservation::Completed(answer)
-    );
+    takes_completes_replays(&store, "after-restore").await;
 }
 
 /// Two processes (pools) migrating at once: one applies, both serve.
