@@ -371,6 +371,12 @@ async fn cell(
     client::load(addr, clients, limit, a.max, request, check).await
 }
 
+/// Each cell's rounds, by clients and variant.
+type Results = BTreeMap<(usize, String), Vec<Measured>>;
+/// Each cell's ratios per round, against the bare handler and the
+/// hand-written flow, by clients and variant.
+type Ratios = BTreeMap<(usize, String), (Vec<f64>, Vec<f64>)>;
+
 /// One measured cell.
 struct Measured {
     throughput: f64,
@@ -466,8 +472,8 @@ fn main() {
         };
         client_rt.block_on(cell(s.addr, &run, v, 4, usize::MAX, &quick));
     }
-    let mut results: BTreeMap<(usize, String), Vec<Measured>> = BTreeMap::new();
-    let mut ratios: BTreeMap<(usize, String), (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    let mut results = Results::new();
+    let mut ratios = Ratios::new();
     for &clients in &a.clients {
         for round in 0..a.repeat {
             let mut this_round: BTreeMap<String, f64> = BTreeMap::new();
@@ -514,12 +520,7 @@ fn main() {
     }
 }
 
-fn report(
-    a: &Args,
-    variants: &[Variant],
-    results: &BTreeMap<(usize, String), Vec<Measured>>,
-    ratios: &BTreeMap<(usize, String), (Vec<f64>, Vec<f64>)>,
-) {
+fn report(a: &Args, variants: &[Variant], results: &Results, ratios: &Ratios) {
     let mut csv = String::from(
         "variant,clients,requests,seconds,throughput,p50_us,p99_us,max_us,ratio_bare,ratio_hand,peak_rss_kb,throughput_min,throughput_max\n",
     );
