@@ -51,6 +51,17 @@ async fn serves_after_the_upgrade(store: &dyn IdempotencyStore) {
     takes_completes_replays(store, "new").await;
 }
 
+/// A pool on `url`, a fresh schema, and a store on its table, migrated.
+async fn migrated_pg_store(url: &str) -> (sqlx::PgPool, String, PgStore) {
+    let schema = idem_testkit::pg_schema(url).await;
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    (pool, schema, store)
+}
+
 #[tokio::test]
 async fn postgres_the_first_released_schema_upgrades_and_serves() {
     let Some(url) = idem_testkit::pg_url() else { return };
@@ -118,12 +129,7 @@ async fn sqlite_a_table_from_before_versions_were_recorded_is_recognised() {
 #[tokio::test]
 async fn postgres_a_table_that_does_not_match_refuses_to_start() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    let store = PgStore::new(pool.clone())
-        .with_table(Some(&schema), "idempotency_keys")
-        .unwrap();
-    store.migrate().await.unwrap();
+    let (pool, schema, store) = migrated_pg_store(&url).await;
     pool.execute(sqlx::AssertSqlSafe(format!(
         "ALTER TABLE \"{schema}\".idempotency_keys DROP COLUMN response_headers"
     )))
@@ -144,12 +150,7 @@ async fn postgres_a_table_that_does_not_match_refuses_to_start() {
 #[tokio::test]
 async fn postgres_a_missing_reservation_function_is_refused_then_restored() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    let store = PgStore::new(pool.clone())
-        .with_table(Some(&schema), "idempotency_keys")
-        .unwrap();
-    store.migrate().await.unwrap();
+    let (pool, schema, store) = migrated_pg_store(&url).await;
     pool.execute(sqlx::AssertSqlSafe(format!(
         "DROP FUNCTION \"{schema}\".idempotency_keys_reserve"
     )))
@@ -254,12 +255,7 @@ async fn sqlite_a_dropped_table_is_made_again() {
 #[tokio::test]
 async fn postgres_an_extra_required_column_refuses_to_start() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    let store = PgStore::new(pool.clone())
-        .with_table(Some(&schema), "idempotency_keys")
-        .unwrap();
-    store.migrate().await.unwrap();
+    let (pool, schema, store) = migrated_pg_store(&url).await;
     pool.execute(sqlx::AssertSqlSafe(format!(
         "ALTER TABLE \"{schema}\".idempotency_keys ADD COLUMN region TEXT NOT NULL"
     )))
@@ -354,14 +350,7 @@ async fn postgres_migrations_applied_with_an_own_tool_serve() {
 #[tokio::test]
 async fn postgres_a_role_that_does_not_own_the_function_migrates_an_up_to_date_table() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let admin = sqlx::PgPool::connect(&url).await.unwrap();
-    PgStore::new(admin.clone())
-        .with_table(Some(&schema), "idempotency_keys")
-        .unwrap()
-        .migrate()
-        .await
-        .unwrap();
+    let (admin, schema, _) = migrated_pg_store(&url).await;
     let role = format!("idem_svc_{}", &schema[schema.len() - 12..]).to_lowercase();
     admin
         .execute(sqlx::AssertSqlSafe(format!(
