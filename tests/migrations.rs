@@ -86,7 +86,7 @@ async fn postgres_the_first_released_schema_upgrades_and_serves() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, [1, 2, 3, 4]);
+    assert_eq!(versions, [1, 2, 3, 4, 5]);
     serves_after_the_upgrade(&store).await;
 }
 
@@ -137,7 +137,7 @@ async fn postgres_a_table_that_does_not_match_refuses_to_start() {
     .unwrap();
     let err = store.migrate().await.unwrap_err().to_string();
     assert!(
-        err.contains("does not match schema version 4")
+        err.contains("does not match schema version 5")
             && err.contains("response_headers")
             && err.contains("run migrate()"),
         "{err}"
@@ -185,7 +185,7 @@ async fn postgres_concurrent_migrations_apply_once() {
 }
 
 /// Names derived from the table's never truncate: a table name past 63
-/// bytes is refused; a long one gets an expiry index and a migrations table
+/// bytes is refused; a long one gets a purge index and a migrations table
 /// whose names fit, and a long table of an earlier build upgrades.
 #[tokio::test]
 async fn postgres_long_table_names_get_their_index_and_upgrade() {
@@ -203,7 +203,7 @@ async fn postgres_long_table_names_get_their_index_and_upgrade() {
         async move {
             let names: Vec<String> = sqlx::query_scalar(
                 "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 \
-                 AND indexdef LIKE '%(expires_at)%'",
+                 AND indexdef LIKE '%(purge_at)%'",
             )
             .bind(&schema)
             .bind(&table)
@@ -220,7 +220,7 @@ async fn postgres_long_table_names_get_their_index_and_upgrade() {
     store.migrate().await.unwrap();
     let names = indexes(longest.clone()).await;
     assert_eq!(names.len(), 1, "{names:?}");
-    assert!(names[0].starts_with("idem_expires_at_idx_"), "{names:?}");
+    assert!(names[0].starts_with("idem_purge_at_idx_"), "{names:?}");
 
     // A 50-byte table of the first released build: upgraded in place.
     let earlier = "k".repeat(50);
@@ -381,4 +381,69 @@ async fn postgres_a_role_that_does_not_own_the_function_migrates_an_up_to_date_t
         .await
         .unwrap();
     migrated.unwrap();
+}
+
+/// The columns the completion writes (`state`, `lock_token`, the answer,
+/// `created_at`, `expires_at`): none may be indexed, so that PostgreSQL
+/// stores an answer in place (a HOT update: no new index entries, less WAL),
+/// as a hand-written flow does. The janitor's index is on `purge_at`, which
+/// the completion leaves alone.
+#[tokio::test]
+async fn postgres_storing_an_answer_changes_no_indexed_column() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, _) = migrated_pg_store(&url).await;
+    let indexed: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT a.attname::text FROM pg_index i \
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
+         WHERE i.indrelid = format('%I.%I', $1::text, 'idempotency_keys')::regclass ORDER BY 1",
+    )
+    .bind(&schema)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(indexed, ["key", "purge_at", "scope", "tenant"]);
+}
+
+/// The janitor finds records by `purge_at`: those already there at the
+/// upgrade (by their expiry), and those an earlier build writes while a
+/// rolling upgrade is under way (which leave `purge_at` to its default).
+/// Expired ones go; live ones stay.
+#[tokio::test]
+async fn postgres_records_of_an_earlier_build_are_purged_once_expired() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let t = format!("\"{schema}\".\"idempotency_keys\"");
+    // The first released schema with its one live record, and one expired.
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "{}; INSERT INTO {t} VALUES ('t', 's', 'gone', 'fp', 'completed', 'op', NULL, 1, now(), NULL, 201, \
+         '[]', 'x', now() - interval '2 hours', now() - interval '1 hour')",
+        V1_POSTGRES.replace("{t}", &t)
+    )))
+    .await
+    .unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    // What an earlier build inserts after the upgrade: no `purge_at`.
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {t} (tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, \
+         lock_expires_at, recovery_point, response_status, response_headers, response_body, created_at, \
+         expires_at) VALUES \
+         ('t', 's', 'gone-later', 'fp', 'completed', 'op', NULL, 1, now(), NULL, 201, '[]', 'x', \
+          now() - interval '2 hours', now() - interval '1 hour'), \
+         ('t', 's', 'live-later', 'fp', 'completed', 'op', NULL, 1, now(), NULL, 201, '[]', 'x', \
+          now(), now() + interval '1 hour')"
+    )))
+    .await
+    .unwrap();
+    assert_eq!(idem::purge_expired(&store, 1).await.unwrap(), 2);
+    let left: Vec<String> =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT key FROM {t} ORDER BY key")))
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(left, ["live-later", "old"]);
+    serves_after_the_upgrade(&store).await;
 }

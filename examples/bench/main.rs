@@ -252,10 +252,10 @@ async fn prefill(pool: &sqlx::PgPool, schema: &str, n: u64) {
         let to = (from + 999_999).min(n);
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO {schema}.idempotency_keys (tenant, scope, key, fingerprint, state, operation_id, \
-             attempt, lock_expires_at, response_status, response_headers, response_body, created_at, expires_at) \
+             attempt, lock_expires_at, response_status, response_headers, response_body, created_at, expires_at, purge_at) \
              SELECT '', 'bench.old', 'old-' || i, md5(i::text), 'completed', md5(i::text), 1, now(), 201, \
              '[[\"content-type\",\"application/json\"]]', convert_to(repeat('x', 90), 'UTF8'), now(), \
-             now() + interval '1 day' FROM generate_series($1::bigint, $2::bigint) AS i"
+             now() + interval '1 day', now() + interval '1 day' FROM generate_series($1::bigint, $2::bigint) AS i"
         )))
         .bind(from)
         .bind(to)

@@ -5,7 +5,8 @@ use super::map_err;
 use crate::store::StoreError;
 
 /// One schema change: a new file for every change, never an edited one.
-/// `{table}` and `{index}` stand for the configured, quoted names.
+/// `{table}`, `{index}`, `{purge_index}` and `{expiry_index}` stand for the
+/// configured, quoted names (the last one qualified).
 #[derive(Clone, Copy, Debug)]
 pub struct Migration {
     /// Applied in this order; recorded in `<table>_migrations`.
@@ -48,6 +49,11 @@ macro_rules! migrations {
                 version: 4,
                 name: "reserve function",
                 sql: include_str!(concat!("../../migrations/", $dir, "/0004_reserve_function.sql")),
+            },
+            $crate::sql::Migration {
+                version: 5,
+                name: "purge index",
+                sql: include_str!(concat!("../../migrations/", $dir, "/0005_purge_index.sql")),
             },
         ]
     };

@@ -30,7 +30,7 @@ const RETURNED: &str = "attempt, taken_over, recovery_point, operation_id";
 pub const DEFAULT_TABLE: &str = "idempotency_keys";
 
 /// The longest table name: PostgreSQL's 63 bytes. The names derived from it
-/// (`<table>_expires_at_idx`, `<table>_migrations`) that would not fit are
+/// (`<table>_purge_at_idx`, `<table>_migrations`) that would not fit are
 /// `idem_<what>_` and a hash of the table's name instead, so that they never
 /// truncate or collide.
 pub const MAX_TABLE_NAME: usize = 63;
@@ -50,7 +50,7 @@ fn derived_name(table: &str, suffix: &str) -> String {
 const COLUMNS: &str =
     "tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, taken_over, \
                        lock_expires_at, recovery_point, response_status, response_headers, response_body, \
-                       created_at, expires_at";
+                       created_at, expires_at, purge_at";
 
 /// The two SQL dialects.
 #[derive(Clone, Copy)]
@@ -223,6 +223,8 @@ impl Statements {
         let t = qualify(table);
         let versions_table = qualify(&derived_name(table, "migrations"));
         let index = format!("\"{}\"", derived_name(table, "expires_at_idx"));
+        let expiry_index = qualify(&derived_name(table, "expires_at_idx"));
+        let purge_index = format!("\"{}\"", derived_name(table, "purge_at_idx"));
         let function = qualify(&derived_name(table, "reserve"));
         let now = d.now;
         let p = |n: u8| format!("{}{n}", d.param);
@@ -241,10 +243,16 @@ impl Statements {
         let id = format!("tenant = {} AND scope = {} AND key = {}", p(1), p(2), p(3));
         let owned = format!("{id} AND state = '{in_progress}' AND lock_token = {}", p(4));
         // A fresh record: absent before, or replacing an expired one.
+        // When the janitor first looks at a fresh record: its first expiry,
+        // which no record's expiry precedes (the completion counts the TTL
+        // from later). It decides when the janitor looks, never what it
+        // deletes (`expired` does). The completion leaves it alone, so that
+        // storing an answer changes no indexed column.
+        let purge_at = || format!("{now} + {}", ms(7));
         let insert = format!(
             "INSERT INTO {t} AS cur (tenant, scope, key, fingerprint, state, operation_id, lock_token, \
-             attempt, lock_expires_at, recovery_point, created_at, expires_at) \
-             VALUES ({}, {}, {}, {}, '{in_progress}', {}, {}, 1, {now} + {}, NULL, {now}, {now} + {})",
+             attempt, lock_expires_at, recovery_point, created_at, expires_at, purge_at) \
+             VALUES ({}, {}, {}, {}, '{in_progress}', {}, {}, 1, {now} + {}, NULL, {now}, {now} + {}, {purge})",
             p(1),
             p(2),
             p(3),
@@ -253,6 +261,7 @@ impl Statements {
             p(5),
             ms(8),
             ms(7),
+            purge = purge_at(),
         );
         // What may be taken: an expired record without a live lock (a new
         // operation), a stale lock (a takeover) or a record released as
@@ -275,6 +284,7 @@ impl Statements {
                  operation_id = CASE WHEN {fresh} THEN {op} ELSE cur.operation_id END, \
                  created_at = CASE WHEN {fresh} THEN {created} ELSE cur.created_at END, \
                  expires_at = CASE WHEN {fresh} THEN {expires} ELSE cur.expires_at END, \
+                 purge_at = CASE WHEN {fresh} THEN {purge} ELSE cur.purge_at END, \
                  response_status = NULL, response_headers = NULL, response_body = NULL",
                 fp = new("fingerprint"),
                 token = new("lock_token"),
@@ -282,6 +292,7 @@ impl Statements {
                 op = new("operation_id"),
                 created = new("created_at"),
                 expires = new("expires_at"),
+                purge = new("purge_at"),
             )
         };
         let insert_new = format!("{insert} ON CONFLICT (tenant, scope, key) DO NOTHING RETURNING {RETURNED}");
@@ -294,6 +305,7 @@ impl Statements {
                 "operation_id" => p(6),
                 "lock_expires_at" => format!("{now} + {}", ms(8)),
                 "created_at" => now.to_owned(),
+                "purge_at" => purge_at(),
                 _ => format!("{now} + {}", ms(7)), // expires_at
             }),
             p1 = p(1),
@@ -327,6 +339,8 @@ impl Statements {
                         m.sql
                             .replace("{table}", &t)
                             .replace("{index}", &index)
+                            .replace("{purge_index}", &purge_index)
+                            .replace("{expiry_index}", &expiry_index)
                             .replace("{reserve_function}", &reserve_ddl),
                     )
                 })
@@ -393,9 +407,6 @@ impl Statements {
             reject: format!("DELETE FROM {t} WHERE {owned} AND attempt = 1 AND recovery_point IS NULL"),
             checkpoint: format!("UPDATE {t} SET recovery_point = {} WHERE {owned}", p(5)),
             extend: format!("UPDATE {t} SET lock_expires_at = {now} + {} WHERE {owned}", ms(5)),
-            // The conditions stand twice: on the chosen rows and on the row
-            // deleted, so a row that changed in between (reserved afresh)
-            // is judged again and kept.
             has_reserve_function: d.reserve_function.then(|| {
                 format!(
                     "SELECT to_regprocedure('{function}(text, text, text, text, text, text, bigint, bigint)') \
@@ -413,9 +424,12 @@ impl Statements {
                 )
             }),
             reserve_function: function,
+            // Candidates come from the `purge_at` index. The conditions stand
+            // twice: on the chosen rows and on the row deleted, so a row that
+            // changed in between (reserved afresh) is judged again and kept.
             purge: format!(
                 "DELETE FROM {t} AS cur WHERE (cur.tenant, cur.scope, cur.key) IN (SELECT tenant, scope, key \
-                 FROM {t} AS cur WHERE {expired} AND NOT {live_lock} LIMIT {}{lock}) \
+                 FROM {t} AS cur WHERE cur.purge_at <= {now} AND {expired} AND NOT {live_lock} LIMIT {}{lock}) \
                  AND {expired} AND NOT {live_lock}",
                 p(1),
                 lock = d.purge_lock,
