@@ -1086,3 +1086,49 @@ async fn running_executions_share_one_lease_keeper() {
     }
     assert!(metrics.num_alive_tasks() <= before + 1, "only the keeper is left");
 }
+
+static SLOW_RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// One second of work under a 1.5 s lock.
+#[idempotent(scope = "lease.slow_reservation", lock_timeout = "1500ms")]
+async fn one_second(op: Operation) -> (StatusCode, String) {
+    SLOW_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let lost = op.is_lease_lost();
+    (StatusCode::CREATED, format!("lost: {lost}"))
+}
+
+/// A reservation that took most of the lock timeout (a queue, a slow
+/// database): the lease's deadline is counted from before it, so its first
+/// extension must come before that deadline, not a third of the lock
+/// timeout after the handler starts. Otherwise the lease counts as lost
+/// without a single try, the answer is thrown away and a retry runs the
+/// handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reservation_keeps_its_lease() {
+    use tower::ServiceExt as _;
+    let app = Router::new()
+        .route("/slow", post(one_second))
+        .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
+    let key = idem_testkit::unique("slow-reservation");
+    let request = || {
+        axum::http::Request::post("/slow")
+            .header("idempotency-key", key.as_str())
+            .body(Body::empty())
+            .unwrap()
+    };
+    // Reserved, but held 1.1 s before the answer reaches the protocol: the
+    // first request has 0.4 s of its lease left when the handler starts.
+    let mut reserved = pause::arm(pause::RESERVE_AFTER, &key);
+    let first = tokio::spawn(app.clone().oneshot(request()));
+    reserved.reached().await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    reserved.resume();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let body = axum::body::to_bytes(first.into_body(), 1 << 10).await.unwrap();
+    assert_eq!(&body[..], b"lost: false");
+    let retry = app.oneshot(request()).await.unwrap();
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(SLOW_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

@@ -74,7 +74,7 @@ pub(crate) struct Heartbeat {
 impl Heartbeat {
     /// Starts keeping `info`'s lease. Must be called within a Tokio runtime.
     pub(crate) fn start(info: &OperationInfo, clock: LeaseClock) -> Heartbeat {
-        let next_beat = Instant::now() + period(clock.lock_timeout);
+        let next_beat = next_beat(Instant::now(), &clock);
         let mut state = KEEPER.lock();
         let id = state.next_id;
         state.next_id += 1;
@@ -116,6 +116,18 @@ impl Drop for Heartbeat {
 
 fn period(lock_timeout: Duration) -> Duration {
     (lock_timeout / 3).max(Duration::from_millis(10))
+}
+
+/// When the next extension is due: a period from now, but never later than
+/// halfway to the deadline, so that a lease with little time left (its
+/// reservation was slow, or an extension failed or took long) is extended
+/// while it still can be, not counted as lost without a try. At least 10 ms
+/// apart, so that a store that fails at once is not called in a loop.
+fn next_beat(now: Instant, clock: &LeaseClock) -> Instant {
+    let halfway = clock.deadline.saturating_duration_since(now) / 2;
+    now + period(clock.lock_timeout)
+        .min(halfway)
+        .max(Duration::from_millis(10))
 }
 
 impl Keeper {
@@ -209,7 +221,7 @@ async fn beat(id: u64, info: OperationInfo, clock: LeaseClock) {
     if extended {
         entry.clock.deadline = asked + clock.lock_timeout;
     }
-    entry.next_beat = (Instant::now() + period(clock.lock_timeout)).min(entry.clock.deadline);
+    entry.next_beat = next_beat(Instant::now(), &entry.clock);
     entry.beating = None;
     let due = entry.next_beat;
     KEEPER.wake_by(&mut state, due);
