@@ -70,10 +70,17 @@ macro_rules! migrate_in {
         use sqlx::Acquire as _;
         let sql = &$self.sql;
         let run = |statement: &str| sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned()));
-        run(&sql.create_versions)
-            .execute(&mut *$tx)
-            .await
-            .map_err($crate::sql::map_err)?;
+        // Created only when missing: a role that may create nothing in the
+        // schema can still run `migrate()` on an up-to-date table.
+        let mut probe = $tx.begin().await.map_err($crate::sql::map_err)?;
+        let versions_exist = run(&sql.versions).execute(&mut *probe).await.is_ok();
+        probe.rollback().await.map_err($crate::sql::map_err)?;
+        if !versions_exist {
+            run(&sql.create_versions)
+                .execute(&mut *$tx)
+                .await
+                .map_err($crate::sql::map_err)?;
+        }
         let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
             .fetch_all(&mut *$tx)
             .await
