@@ -157,6 +157,67 @@ async fn postgres_the_loser_of_a_race_for_an_expired_record_is_judged_on_the_win
     }
 }
 
+/// Two requests race for a fresh key: the winner's insert is not committed
+/// yet when the loser's statement starts, so the loser's insert waits for
+/// it. The loser is judged on the winner's row as committed: 409 while the
+/// winner runs, the winner's answer once it is stored, and when the winner
+/// released the key as failed, the loser continues its operation (attempt 2,
+/// the same operation id), as a retry of the same request does.
+#[tokio::test]
+async fn postgres_the_loser_of_a_race_for_a_fresh_key_is_judged_on_the_winners_row() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = std::sync::Arc::new(idem_testkit::pg_store_in(&url, &schema, 8).await);
+    for (case, state, token, lock, status) in [
+        (
+            "running",
+            "in_progress",
+            "'winner'",
+            "now() + interval '1 hour'",
+            "NULL",
+        ),
+        ("released", "in_progress", "NULL", "now()", "NULL"),
+        (
+            "completed",
+            "completed",
+            "NULL",
+            "now() + interval '1 hour'",
+            "201",
+        ),
+    ] {
+        let key = format!("fresh-race-{case}");
+        let id = RecordId::new("t", "s", &key);
+        let mut winner = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut winner).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO \"{schema}\".idempotency_keys (tenant, scope, key, fingerprint, state, \
+             operation_id, lock_token, attempt, lock_expires_at, response_status, response_headers, \
+             response_body, created_at, expires_at) VALUES ('t', 's', $1, 'fp-a', '{state}', 'op-winner', \
+             {token}, 1, {lock}, {status}, '[]', 'won', now(), now() + interval '1 hour')"
+        )))
+        .bind(&key)
+        .execute(&mut winner)
+        .await
+        .unwrap();
+
+        let loser = {
+            let (store, id) = (store.clone(), id.clone());
+            tokio::spawn(async move { store.reserve(req(&id, "fp-a", LONG)).await })
+        };
+        until_blocked_or_done(&url, &schema, "WITH", || loser.is_finished()).await;
+        sqlx::query("COMMIT").execute(&mut winner).await.unwrap();
+        let got = loser.await.unwrap().unwrap();
+        match (case, got) {
+            ("running", Reservation::InProgress { .. }) => {}
+            ("released", Reservation::Reserved(lease))
+                if lease.attempt == 2 && lease.operation_id == "op-winner" && !lease.takeover => {}
+            ("completed", Reservation::Completed(stored))
+                if stored.status == 201 && stored.body.as_deref() == Some(&b"won"[..]) => {}
+            (case, got) => panic!("{case}: judged on the wrong row: {got:?}"),
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // The interleaving harness.
 //

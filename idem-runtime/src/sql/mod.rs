@@ -312,13 +312,16 @@ impl Statements {
             p2 = p(2),
             p3 = p(3),
         );
-        // PostgreSQL: the write path of a reservation, one statement as a
-        // function (its plan cached per connection). The columns it returns
-        // are named as the table's; `use_column` says they mean the table's.
+        // PostgreSQL: the write path of a reservation as a function (its
+        // plans cached per connection): the insert, and only when it took
+        // nothing, the takeover, which judges the row as committed by then
+        // (the winner's, when another request inserted it meanwhile). The
+        // columns it returns are named as the table's; `use_column` says
+        // they mean the table's.
         let reserve_body = format!(
             "\n#variable_conflict use_column\nBEGIN\n\
-             RETURN QUERY WITH inserted AS ({insert_new}), taken AS ({take_over}) \
-             SELECT * FROM inserted UNION ALL SELECT * FROM taken;\nEND\n"
+             RETURN QUERY {insert_new};\nIF FOUND THEN RETURN; END IF;\n\
+             RETURN QUERY {take_over};\nEND\n"
         );
         let reserve_ddl = if d.reserve_function {
             format!(
