@@ -448,3 +448,53 @@ async fn postgres_records_of_an_earlier_build_are_purged_once_expired() {
     assert_eq!(left, ["live-later", "old"]);
     serves_after_the_upgrade(&store).await;
 }
+
+/// A store configured without a schema uses what `search_path` resolves.
+/// When its table (or migrations table, or function) resolves to another
+/// schema than the one new objects go to, it is someone else's (another
+/// service's records, whose answers it would replay): `migrate()` and
+/// `check_schema()` refuse, name the schema, and change nothing.
+#[tokio::test]
+async fn postgres_a_table_found_in_another_schema_through_search_path_is_refused() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let a = idem_testkit::pg_schema(&url).await;
+    let b = idem_testkit::pg_schema(&url).await;
+    let on_path = |path: &str| {
+        let o: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        o.options([("search_path", path)])
+    };
+    let pool_a = sqlx::PgPool::connect_with(on_path(&a)).await.unwrap();
+    PgStore::new(pool_a.clone()).migrate().await.unwrap();
+    let pool_b = sqlx::PgPool::connect_with(on_path(&format!("{b},{a}")))
+        .await
+        .unwrap();
+    let store_b = PgStore::new(pool_b.clone());
+    for err in [
+        store_b.migrate().await.unwrap_err(),
+        store_b.check_schema().await.unwrap_err(),
+    ] {
+        let err = err.to_string();
+        assert!(err.contains(&a) && err.contains("with_table"), "{err}");
+    }
+    let in_b: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1",
+    )
+    .bind(&b)
+    .fetch_one(&pool_a)
+    .await
+    .unwrap();
+    assert_eq!(in_b, 0, "nothing made in {b}");
+    // Named, the schema is used as asked: b gets a table of its own.
+    let own = PgStore::new(pool_b.clone())
+        .with_table(Some(&b), "idempotency_keys")
+        .unwrap();
+    own.migrate().await.unwrap();
+    takes_completes_replays(&own, "b-key").await;
+    let in_a: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{a}\".idempotency_keys WHERE key = 'b-key'"
+    )))
+    .fetch_one(&pool_a)
+    .await
+    .unwrap();
+    assert_eq!(in_a, 0);
+}

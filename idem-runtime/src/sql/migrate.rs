@@ -70,6 +70,7 @@ macro_rules! migrate_in {
         use sqlx::Acquire as _;
         let sql = &$self.sql;
         let run = |statement: &str| sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned()));
+        $crate::sql::refuse_found_elsewhere(&mut *$tx, sql).await?;
         // Created only when missing: a role that may create nothing in the
         // schema can still run `migrate()` on an up-to-date table.
         let mut probe = $tx.begin().await.map_err($crate::sql::map_err)?;
@@ -158,6 +159,9 @@ macro_rules! check_schema {
         pub async fn check_schema(&self) -> Result<(), $crate::StoreError> {
             let sql = &self.sql;
             let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
+            let mut conn = self.pool.acquire().await.map_err($crate::sql::map_err)?;
+            $crate::sql::refuse_found_elsewhere(&mut *conn, sql).await?;
+            drop(conn);
             let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
                 .fetch_all(&self.pool)
                 .await
@@ -205,6 +209,42 @@ macro_rules! check_schema {
     };
 }
 pub(crate) use check_schema;
+
+/// Refuses a table that `search_path` finds in another schema than the
+/// one new objects go to: it is someone else's (another service's records,
+/// whose answers this store would replay as its own). PostgreSQL, no schema
+/// named; nothing to check otherwise.
+pub(crate) async fn refuse_found_elsewhere<'c, E, DB>(
+    conn: E,
+    sql: &super::Statements,
+) -> Result<(), StoreError>
+where
+    DB: sqlx::Database,
+    E: sqlx::Executor<'c, Database = DB>,
+    for<'r> (String, Option<String>): sqlx::FromRow<'r, DB::Row>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    let Some(query) = &sql.found_elsewhere else {
+        return Ok(());
+    };
+    let found: Option<(String, Option<String>)> = sqlx::query_as(sqlx::AssertSqlSafe(query.as_str()))
+        .fetch_optional(conn)
+        .await
+        .map_err(map_err)?;
+    match found {
+        None => Ok(()),
+        Some((elsewhere, here)) => Err(StoreError::backend(format!(
+            "the table {} (or its migrations table or reservation function) is found through \
+             search_path in schema `{elsewhere}`, but this connection makes new objects in `{}`: \
+             another service's table would be shared. Name the schema: \
+             with_table(Some(\"{elsewhere}\"), ...) to use that table, or with_table(Some(\"{}\"), ...) \
+             for one of this store's own",
+            sql.table,
+            here.as_deref().unwrap_or("(none)"),
+            here.as_deref().unwrap_or("<schema>"),
+        ))),
+    }
+}
 
 /// A schema check that failed: unreachable, or a table that does not match.
 pub(crate) fn schema_error(table: &str, latest: i64, e: sqlx::Error) -> StoreError {

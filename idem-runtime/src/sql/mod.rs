@@ -14,7 +14,7 @@ pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
 pub use migrate::Migration;
-pub(crate) use migrate::{check_schema, migrate_in, migrations, schema_error};
+pub(crate) use migrate::{check_schema, migrate_in, migrations, refuse_found_elsewhere, schema_error};
 #[cfg(feature = "postgres")]
 pub(crate) use run::fenced_ops;
 pub(crate) use run::{
@@ -182,6 +182,11 @@ pub(crate) struct Statements {
     /// The function's body as this build defines it, and the query that
     /// reads the body in the database (no row when there is no function).
     pub(crate) reserve_source: Option<(String, String)>,
+    /// PostgreSQL, no schema named: the schemas other than the one new
+    /// objects go to (`current_schema()`) where `search_path` finds the
+    /// table, its migrations table or its function. Columns: the schema,
+    /// where new objects go.
+    pub(crate) found_elsewhere: Option<String>,
 }
 
 /// Checks a SQL identifier: ASCII letters, digits and `_`, not starting with
@@ -424,6 +429,16 @@ impl Statements {
                         "SELECT prosrc FROM pg_proc WHERE oid = \
                          to_regprocedure('{function}(text, text, text, text, text, text, bigint, bigint)')"
                     ),
+                )
+            }),
+            found_elsewhere: (d.reserve_function && schema.is_none()).then(|| {
+                format!(
+                    "SELECT n.nspname::text, current_schema()::text FROM pg_namespace n \
+                     WHERE n.nspname <> current_schema() AND n.oid IN ( \
+                     SELECT relnamespace FROM pg_class WHERE oid IN (to_regclass('{t}'), \
+                     to_regclass('{versions_table}')) \
+                     UNION ALL SELECT pronamespace FROM pg_proc WHERE oid = \
+                     to_regprocedure('{function}(text, text, text, text, text, text, bigint, bigint)'))"
                 )
             }),
             reserve_function: function,

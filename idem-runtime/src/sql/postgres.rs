@@ -109,7 +109,10 @@ impl PgStore {
         Ok(Self::new(pool))
     }
 
-    /// Uses `table` in `schema` (or in the search path with `None`).
+    /// Uses `table` in `schema` (or in the search path with `None`). With
+    /// `None`, `migrate` and `check_schema` refuse a table, migrations table
+    /// or function that the search path finds in another schema than the
+    /// one new objects go to: it would be another service's.
     ///
     /// # Errors
     ///
