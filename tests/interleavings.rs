@@ -67,6 +67,34 @@ async fn expired_record(store: &dyn IdempotencyStore, id: &RecordId) {
     tokio::time::sleep(Duration::from_millis(150)).await;
 }
 
+/// The winner's `statement` (on the record of `id`, bound to its key) runs
+/// in a transaction of a test connection and stays uncommitted while the
+/// loser's reservation of `id` with `fp` starts and waits for it; then the
+/// winner commits. What the loser was answered.
+async fn reserve_behind(
+    url: &str,
+    schema: &str,
+    store: &std::sync::Arc<idem::PgStore>,
+    statement: String,
+    id: &RecordId,
+    fp: &str,
+) -> Reservation {
+    let mut winner = sqlx::PgConnection::connect(url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut winner).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(statement))
+        .bind(&id.key)
+        .execute(&mut winner)
+        .await
+        .unwrap();
+    let loser = {
+        let (store, id, fp) = (store.clone(), id.clone(), fp.to_owned());
+        tokio::spawn(async move { store.reserve(req(&id, &fp, LONG)).await })
+    };
+    until_blocked_or_done(url, schema, "WITH", || loser.is_finished()).await;
+    sqlx::query("COMMIT").execute(&mut winner).await.unwrap();
+    loser.await.unwrap().unwrap()
+}
+
 /// The janitor picks an expired record, then waits on a row lock while a
 /// new operation reserves that key afresh: it must not delete the new, live
 /// record when it resumes.
@@ -126,29 +154,14 @@ async fn postgres_the_loser_of_a_race_for_an_expired_record_is_judged_on_the_win
         let id = RecordId::new("t", "s", &key);
         expired_record(&*store, &id).await;
 
-        // The winner: a takeover of the expired record with body fp-b, held
-        // uncommitted by a test connection.
-        let mut winner = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::query("BEGIN").execute(&mut winner).await.unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(format!(
+        // The winner: a takeover of the expired record with body fp-b.
+        let takeover = format!(
             "UPDATE \"{schema}\".idempotency_keys SET fingerprint = 'fp-b', state = 'in_progress', \
              lock_token = 'winner', lock_expires_at = now() + interval '1 hour', attempt = 1, \
              operation_id = 'op-winner', created_at = now(), expires_at = now() + interval '1 hour', \
              response_status = NULL, response_headers = NULL, response_body = NULL WHERE key = $1"
-        )))
-        .bind(&key)
-        .execute(&mut winner)
-        .await
-        .unwrap();
-
-        let loser = {
-            let (store, id) = (store.clone(), id.clone());
-            let fp = loser_fp.to_owned();
-            tokio::spawn(async move { store.reserve(req(&id, &fp, LONG)).await })
-        };
-        until_blocked_or_done(&url, &schema, "WITH", || loser.is_finished()).await;
-        sqlx::query("COMMIT").execute(&mut winner).await.unwrap();
-        let got = loser.await.unwrap().unwrap();
+        );
+        let got = reserve_behind(&url, &schema, &store, takeover, &id, loser_fp).await;
         let ok = match expected {
             "in progress" => matches!(got, Reservation::InProgress { .. }),
             _ => got == Reservation::Mismatch,
@@ -187,26 +200,13 @@ async fn postgres_the_loser_of_a_race_for_a_fresh_key_is_judged_on_the_winners_r
     ] {
         let key = format!("fresh-race-{case}");
         let id = RecordId::new("t", "s", &key);
-        let mut winner = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::query("BEGIN").execute(&mut winner).await.unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(format!(
+        let insert = format!(
             "INSERT INTO \"{schema}\".idempotency_keys (tenant, scope, key, fingerprint, state, \
              operation_id, lock_token, attempt, lock_expires_at, response_status, response_headers, \
              response_body, created_at, expires_at) VALUES ('t', 's', $1, 'fp-a', '{state}', 'op-winner', \
              {token}, 1, {lock}, {status}, '[]', 'won', now(), now() + interval '1 hour')"
-        )))
-        .bind(&key)
-        .execute(&mut winner)
-        .await
-        .unwrap();
-
-        let loser = {
-            let (store, id) = (store.clone(), id.clone());
-            tokio::spawn(async move { store.reserve(req(&id, "fp-a", LONG)).await })
-        };
-        until_blocked_or_done(&url, &schema, "WITH", || loser.is_finished()).await;
-        sqlx::query("COMMIT").execute(&mut winner).await.unwrap();
-        let got = loser.await.unwrap().unwrap();
+        );
+        let got = reserve_behind(&url, &schema, &store, insert, &id, "fp-a").await;
         match (case, got) {
             ("running", Reservation::InProgress { .. }) => {}
             ("released", Reservation::Reserved(lease))
