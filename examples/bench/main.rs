@@ -105,6 +105,15 @@ fn args() -> Args {
             "--no-pin" => a.pin = false,
             "--growth" => a.growth = Some(value().parse().expect("--growth: a count")),
             "--cpu" => a.cpu = Some(value().parse().expect("--cpu: a count")),
+            "--help" | "-h" => {
+                println!(
+                    "bench [--seconds S] [--max N] [--repeat R] [--clients 1,16,64] \
+                     [--only bare,hand,postgres,sqlite,memory] [--csv FILE] [--prefill N] [--pool N] \
+                     [--server-threads N] [--no-pin] [--growth N] [--cpu N]\n\
+                     (DATABASE_URL for the PostgreSQL cells; see BENCHMARKS.md)"
+                );
+                std::process::exit(0);
+            }
             other => panic!("unknown option {other}; see the header of examples/bench/main.rs"),
         }
     }
