@@ -405,10 +405,12 @@ async fn postgres_storing_an_answer_changes_no_indexed_column() {
     assert_eq!(indexed, ["key", "purge_at", "scope", "tenant"]);
 }
 
-/// The janitor finds records by `purge_at`: those already there at the
-/// upgrade (by their expiry), and those an earlier build writes while a
-/// rolling upgrade is under way (which leave `purge_at` to its default).
-/// Expired ones go; live ones stay.
+/// Migration 5 rewrites no row (a rewrite would hold the table's lock, and
+/// stop every request, for as long as it takes). The janitor then finds
+/// records by `purge_at`: it sets it from the expiry on the rows already
+/// there at the upgrade and on those an earlier build writes while a
+/// rolling upgrade is under way (which leave it to its default). Expired
+/// ones go; live ones stay.
 #[tokio::test]
 async fn postgres_records_of_an_earlier_build_are_purged_once_expired() {
     let Some(url) = idem_testkit::pg_url() else { return };
@@ -423,10 +425,25 @@ async fn postgres_records_of_an_earlier_build_are_purged_once_expired() {
     )))
     .await
     .unwrap();
+    let versions = || {
+        let pool = pool.clone();
+        let t = t.clone();
+        async move {
+            let rows: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT key, xmin::text FROM {t} ORDER BY key"
+            )))
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            rows
+        }
+    };
+    let before = versions().await;
     let store = PgStore::new(pool.clone())
         .with_table(Some(&schema), "idempotency_keys")
         .unwrap();
     store.migrate().await.unwrap();
+    assert_eq!(versions().await, before, "the migrations rewrote rows");
     // What an earlier build inserts after the upgrade: no `purge_at`.
     pool.execute(sqlx::AssertSqlSafe(format!(
         "INSERT INTO {t} (tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, \
@@ -446,6 +463,13 @@ async fn postgres_records_of_an_earlier_build_are_purged_once_expired() {
             .await
             .unwrap();
     assert_eq!(left, ["live-later", "old"]);
+    let unset: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {t} WHERE purge_at <> expires_at"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(unset, 0, "the janitor set purge_at on the rows it kept");
     serves_after_the_upgrade(&store).await;
 }
 
@@ -497,4 +521,28 @@ async fn postgres_a_table_found_in_another_schema_through_search_path_is_refused
     .await
     .unwrap();
     assert_eq!(in_a, 0);
+
+    // Its own table in the schema new objects go to, without its function
+    // (dropped, as before migration 4), and another service's function on
+    // the path: migrate() makes its own function there, never adopts the
+    // other one.
+    pool_b
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP FUNCTION \"{b}\".idempotency_keys_reserve"
+        )))
+        .await
+        .unwrap();
+    let unnamed = PgStore::new(pool_b.clone());
+    unnamed.migrate().await.unwrap();
+    let home: String = sqlx::query_scalar(
+        "SELECT n.nspname::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+         WHERE p.proname = 'idempotency_keys_reserve' AND n.nspname IN ($1, $2) ORDER BY n.nspname = $1 LIMIT 1",
+    )
+    .bind(&a)
+    .bind(&b)
+    .fetch_one(&pool_a)
+    .await
+    .unwrap();
+    assert_eq!(home, b, "the function is made in {b}");
+    takes_completes_replays(&unnamed, "b-key-2").await;
 }

@@ -234,14 +234,13 @@ where
     match found {
         None => Ok(()),
         Some((elsewhere, here)) => Err(StoreError::backend(format!(
-            "the table {} (or its migrations table or reservation function) is found through \
-             search_path in schema `{elsewhere}`, but this connection makes new objects in `{}`: \
-             another service's table would be shared. Name the schema: \
-             with_table(Some(\"{elsewhere}\"), ...) to use that table, or with_table(Some(\"{}\"), ...) \
-             for one of this store's own",
+            "the table {} (or its migrations table) is found through search_path in schema \
+             `{elsewhere}`, but this connection makes new objects in `{}`: it may be another \
+             service's, whose records this store would share. Name the schema of this store's own \
+             table with with_table(Some(\"<schema>\"), ...) (`{elsewhere}` only if that table is \
+             this service's)",
             sql.table,
             here.as_deref().unwrap_or("(none)"),
-            here.as_deref().unwrap_or("<schema>"),
         ))),
     }
 }

@@ -66,6 +66,9 @@ pub(crate) struct Dialect {
     /// What the purge adds to its choice of rows: on PostgreSQL it locks
     /// them and skips those another transaction holds.
     purge_lock: &'static str,
+    /// The `purge_at` of a row written before migration 5 or by an earlier
+    /// build: not set yet (the column's default).
+    purge_unset: &'static str,
     /// The store's clock in milliseconds since the Unix epoch.
     epoch_millis: &'static str,
     /// The time now, even inside a transaction (PostgreSQL's `now()` is the
@@ -91,6 +94,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     millis: |p| format!("({p}::bigint * interval '1 millisecond')"),
     left: |col, now| format!("GREATEST(0, CEIL(EXTRACT(EPOCH FROM ({col} - {now})) * 1000))::bigint"),
     purge_lock: " FOR UPDATE SKIP LOCKED",
+    purge_unset: "'-infinity'::timestamptz",
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
     clock: "statement_timestamp()",
     span: |a, b| format!("(EXTRACT(EPOCH FROM ({a} - {b})) * interval '1 second')"),
@@ -113,6 +117,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
     left: |col, now| format!("MAX(0, {col} - {now})"),
     // One statement under SQLite's write lock: nothing changes meanwhile.
     purge_lock: "",
+    purge_unset: "0",
     epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     clock: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     span: |a, b| format!("({a} - {b})"),
@@ -169,6 +174,9 @@ pub(crate) struct Statements {
     pub(crate) extend: String,
     /// Binds: batch size.
     pub(crate) purge: String,
+    /// Sets `purge_at` from the expiry where it is not set yet (rows from
+    /// before migration 5, or of an earlier build). Binds: batch size.
+    pub(crate) purge_set: String,
     /// PostgreSQL: the function that takes the key (`insert_new`, else
     /// `take_over`), quoted and qualified; the same binds, the columns of
     /// `take`'s `RETURNING`.
@@ -184,8 +192,8 @@ pub(crate) struct Statements {
     pub(crate) reserve_source: Option<(String, String)>,
     /// PostgreSQL, no schema named: the schemas other than the one new
     /// objects go to (`current_schema()`) where `search_path` finds the
-    /// table, its migrations table or its function. Columns: the schema,
-    /// where new objects go.
+    /// table or its migrations table. Columns: the schema, where new
+    /// objects go.
     pub(crate) found_elsewhere: Option<String>,
 }
 
@@ -231,6 +239,16 @@ impl Statements {
         let expiry_index = qualify(&derived_name(table, "expires_at_idx"));
         let purge_index = format!("\"{}\"", derived_name(table, "purge_at_idx"));
         let function = qualify(&derived_name(table, "reserve"));
+        // The function as the checks look it up: in the table's schema, or,
+        // with none named, in the one new objects go to (where `migrate`
+        // makes it, and where the search path finds it first), never one
+        // of another schema on the path.
+        let function_ref = match schema {
+            Some(_) => format!("'{function}(text, text, text, text, text, text, bigint, bigint)'"),
+            None => format!(
+                "quote_ident(current_schema()) || '.{function}(text, text, text, text, text, text, bigint, bigint)'"
+            ),
+        };
         let now = d.now;
         let p = |n: u8| format!("{}{n}", d.param);
         let ms = |n: u8| (d.millis)(p(n));
@@ -417,7 +435,7 @@ impl Statements {
             extend: format!("UPDATE {t} SET lock_expires_at = {now} + {} WHERE {owned}", ms(5)),
             has_reserve_function: d.reserve_function.then(|| {
                 format!(
-                    "SELECT to_regprocedure('{function}(text, text, text, text, text, text, bigint, bigint)') \
+                    "SELECT to_regprocedure({function_ref}) \
                      IS NOT NULL"
                 )
             }),
@@ -427,7 +445,7 @@ impl Statements {
                     reserve_body.clone(),
                     format!(
                         "SELECT prosrc FROM pg_proc WHERE oid = \
-                         to_regprocedure('{function}(text, text, text, text, text, text, bigint, bigint)')"
+                         to_regprocedure({function_ref})"
                     ),
                 )
             }),
@@ -436,9 +454,7 @@ impl Statements {
                     "SELECT n.nspname::text, current_schema()::text FROM pg_namespace n \
                      WHERE n.nspname <> current_schema() AND n.oid IN ( \
                      SELECT relnamespace FROM pg_class WHERE oid IN (to_regclass('{t}'), \
-                     to_regclass('{versions_table}')) \
-                     UNION ALL SELECT pronamespace FROM pg_proc WHERE oid = \
-                     to_regprocedure('{function}(text, text, text, text, text, text, bigint, bigint)'))"
+                     to_regclass('{versions_table}')))"
                 )
             }),
             reserve_function: function,
@@ -447,10 +463,19 @@ impl Statements {
             // changed in between (reserved afresh) is judged again and kept.
             purge: format!(
                 "DELETE FROM {t} AS cur WHERE (cur.tenant, cur.scope, cur.key) IN (SELECT tenant, scope, key \
-                 FROM {t} AS cur WHERE cur.purge_at <= {now} AND {expired} AND NOT {live_lock} LIMIT {}{lock}) \
+                 FROM {t} AS cur WHERE cur.purge_at > {unset} AND cur.purge_at <= {now} AND {expired} \
+                 AND NOT {live_lock} LIMIT {}{lock}) \
                  AND {expired} AND NOT {live_lock}",
                 p(1),
                 lock = d.purge_lock,
+                unset = d.purge_unset,
+            ),
+            purge_set: format!(
+                "UPDATE {t} SET purge_at = expires_at WHERE (tenant, scope, key) IN (SELECT tenant, scope, key \
+                 FROM {t} WHERE purge_at = {unset} LIMIT {}{lock})",
+                p(1),
+                lock = d.purge_lock,
+                unset = d.purge_unset,
             ),
         })
     }

@@ -214,15 +214,34 @@ macro_rules! fenced_ops {
         }
 
         fn purge_expired(&self, batch: u32) -> $crate::store::BoxFuture<'_, Result<u64, $crate::StoreError>> {
-            Box::pin($crate::sql::bounded(self.timeout, async move {
-                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
-                    .bind(i64::from(batch))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::sql::map_err)?;
-                pause_point!($crate::pause::PURGE_AFTER, &self.sql.table);
-                Ok(done.rows_affected())
-            }))
+            Box::pin(async move {
+                // Rows whose `purge_at` is not set yet (from before
+                // migration 5, or an earlier build's): set from their expiry,
+                // a batch at a time, each batch a short statement of its own.
+                loop {
+                    let set = $crate::sql::bounded(self.timeout, async {
+                        sqlx::query(sqlx::AssertSqlSafe(self.sql.purge_set.as_str()))
+                            .bind(i64::from(batch))
+                            .execute(&self.pool)
+                            .await
+                            .map_err($crate::sql::map_err)
+                    })
+                    .await?;
+                    if set.rows_affected() < u64::from(batch) {
+                        break;
+                    }
+                }
+                $crate::sql::bounded(self.timeout, async move {
+                    let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
+                        .bind(i64::from(batch))
+                        .execute(&self.pool)
+                        .await
+                        .map_err($crate::sql::map_err)?;
+                    pause_point!($crate::pause::PURGE_AFTER, &self.sql.table);
+                    Ok(done.rows_affected())
+                })
+                .await
+            })
         }
     };
 }
