@@ -546,3 +546,83 @@ async fn postgres_a_table_found_in_another_schema_through_search_path_is_refused
     assert_eq!(home, b, "the function is made in {b}");
     takes_completes_replays(&unnamed, "b-key-2").await;
 }
+
+/// Rows without a `purge_at` (from before migration 5, or an earlier
+/// build's) that keep coming, and one whose expiry someone set by hand to
+/// the "not set" value itself: a purge call still ends (each call sets
+/// `purge_at` for at most one store timeout), and the expired row goes.
+macro_rules! purge_ends_despite_unset_rows {
+    ($store:expr, $pool:expr, $table:expr, $unset_expiry:expr, $live_expiry:expr, $many:expr) => {{
+        let (store, pool, table) = ($store, $pool, $table);
+        let row = |key: &str, expiry: &str| {
+            format!(
+                "INSERT INTO {table} (tenant, scope, key, fingerprint, state, operation_id, attempt, \
+                 lock_expires_at, created_at, expires_at) \
+                 VALUES ('t', 's', '{key}', 'fp', 'completed', 'op', 1, {expiry}, {expiry}, {expiry})"
+            )
+        };
+        pool.execute(sqlx::AssertSqlSafe(row("by-hand", $unset_expiry)))
+            .await
+            .unwrap();
+        // 30,000 live rows without `purge_at`: one store statement each
+        // (batch 1) would take far longer than a call may.
+        pool.execute(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (tenant, scope, key, fingerprint, state, operation_id, attempt, \
+             lock_expires_at, created_at, expires_at) \
+             SELECT 't', 's', 'live-' || n, 'fp', 'completed', 'op', 1, {e}, {e}, {e} FROM {many}",
+            e = $live_expiry,
+            many = $many,
+        )))
+        .await
+        .unwrap();
+        let mut gone = false;
+        for _ in 0..200 {
+            tokio::time::timeout(Duration::from_secs(5), store.purge_expired(1))
+                .await
+                .expect("a purge call ends")
+                .unwrap();
+            let left: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM {table} WHERE key = 'by-hand'"
+            )))
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            if left == 0 {
+                gone = true;
+                break;
+            }
+        }
+        assert!(gone, "the expired row was never purged");
+    }};
+}
+
+#[tokio::test]
+async fn postgres_a_purge_ends_despite_unset_rows() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    let store = store.with_timeout(Duration::from_millis(300));
+    let t = format!("\"{schema}\".idempotency_keys");
+    purge_ends_despite_unset_rows!(
+        &store,
+        &pool,
+        &t,
+        "'-infinity'",
+        "now() + interval '1 hour'",
+        "generate_series(1, 30000) AS n"
+    );
+}
+
+#[tokio::test]
+async fn sqlite_a_purge_ends_despite_unset_rows() {
+    let (store, _dir) = idem_testkit::sqlite_store().await;
+    let store = store.with_timeout(Duration::from_millis(300));
+    let pool = store.pool().clone();
+    purge_ends_despite_unset_rows!(
+        &store,
+        &pool,
+        "idempotency_keys",
+        "0",
+        "CAST(unixepoch('subsec') * 1000 AS INTEGER) + 3600000",
+        "(WITH RECURSIVE c(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM c WHERE n < 30000) SELECT n FROM c)"
+    );
+}

@@ -69,6 +69,10 @@ pub(crate) struct Dialect {
     /// The `purge_at` of a row written before migration 5 or by an earlier
     /// build: not set yet (the column's default).
     purge_unset: &'static str,
+    /// A set `purge_at` earlier than every real time: what a row whose
+    /// expiry is no later than "not set" gets (an expiry nobody writes but
+    /// someone could, by hand).
+    purge_floor: &'static str,
     /// The store's clock in milliseconds since the Unix epoch.
     epoch_millis: &'static str,
     /// The time now, even inside a transaction (PostgreSQL's `now()` is the
@@ -95,6 +99,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     left: |col, now| format!("GREATEST(0, CEIL(EXTRACT(EPOCH FROM ({col} - {now})) * 1000))::bigint"),
     purge_lock: " FOR UPDATE SKIP LOCKED",
     purge_unset: "'-infinity'::timestamptz",
+    purge_floor: "'epoch'::timestamptz",
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
     clock: "statement_timestamp()",
     span: |a, b| format!("(EXTRACT(EPOCH FROM ({a} - {b})) * interval '1 second')"),
@@ -118,6 +123,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
     // One statement under SQLite's write lock: nothing changes meanwhile.
     purge_lock: "",
     purge_unset: "0",
+    purge_floor: "1",
     epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     clock: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     span: |a, b| format!("({a} - {b})"),
@@ -471,11 +477,13 @@ impl Statements {
                 unset = d.purge_unset,
             ),
             purge_set: format!(
-                "UPDATE {t} SET purge_at = expires_at WHERE (tenant, scope, key) IN (SELECT tenant, scope, key \
-                 FROM {t} WHERE purge_at = {unset} LIMIT {}{lock})",
+                "UPDATE {t} SET purge_at = CASE WHEN expires_at > {unset} THEN expires_at ELSE {floor} END \
+                 WHERE (tenant, scope, key) IN (SELECT tenant, scope, key FROM {t} WHERE purge_at = {unset} \
+                 LIMIT {}{lock})",
                 p(1),
                 lock = d.purge_lock,
                 unset = d.purge_unset,
+                floor = d.purge_floor,
             ),
         })
     }

@@ -217,7 +217,10 @@ macro_rules! fenced_ops {
             Box::pin(async move {
                 // Rows whose `purge_at` is not set yet (from before
                 // migration 5, or an earlier build's): set from their expiry,
-                // a batch at a time, each batch a short statement of its own.
+                // a batch at a time, each batch a short statement of its own,
+                // for at most one store timeout per call (an earlier build
+                // may still be writing such rows).
+                let started = std::time::Instant::now();
                 loop {
                     let set = $crate::sql::bounded(self.timeout, async {
                         sqlx::query(sqlx::AssertSqlSafe(self.sql.purge_set.as_str()))
@@ -227,7 +230,7 @@ macro_rules! fenced_ops {
                             .map_err($crate::sql::map_err)
                     })
                     .await?;
-                    if set.rows_affected() < u64::from(batch) {
+                    if set.rows_affected() < u64::from(batch) || started.elapsed() >= self.timeout {
                         break;
                     }
                 }

@@ -375,7 +375,9 @@ impl IdempotencyStore for SqliteStore {
         Box::pin(async move {
             // Rows whose `purge_at` is not set yet (from before migration 5,
             // or an earlier build's): set from their expiry, a batch at a
-            // time, each batch a short write of its own in the queue.
+            // time, each batch a short write of its own in the queue, for at
+            // most one store timeout per call.
+            let started = std::time::Instant::now();
             loop {
                 let set = sql::bounded(self.timeout, async {
                     let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge_set.as_str()))
@@ -384,7 +386,7 @@ impl IdempotencyStore for SqliteStore {
                     self.queued(async { write.await.map_err(sql::map_err) }).await
                 })
                 .await?;
-                if set.rows_affected() < u64::from(batch) {
+                if set.rows_affected() < u64::from(batch) || started.elapsed() >= self.timeout {
                     break;
                 }
             }
