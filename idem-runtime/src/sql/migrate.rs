@@ -159,9 +159,7 @@ macro_rules! check_schema {
         pub async fn check_schema(&self) -> Result<(), $crate::StoreError> {
             let sql = &self.sql;
             let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
-            let mut conn = self.pool.acquire().await.map_err($crate::sql::map_err)?;
-            $crate::sql::refuse_found_elsewhere(&mut *conn, sql).await?;
-            drop(conn);
+            $crate::sql::refuse_found_elsewhere(&self.pool, sql).await?;
             let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
                 .fetch_all(&self.pool)
                 .await

@@ -19,6 +19,7 @@ pub(crate) use migrate::{check_schema, migrate_in, migrations, refuse_found_else
 pub(crate) use run::fenced_ops;
 pub(crate) use run::{
     bounded, complete_with, fenced, judge_row, lease_from_row, map_err, millis, reserve_detached,
+    set_purge_at,
 };
 
 use crate::store::{RecordState, StoreError};
@@ -271,13 +272,13 @@ impl Statements {
         );
         let id = format!("tenant = {} AND scope = {} AND key = {}", p(1), p(2), p(3));
         let owned = format!("{id} AND state = '{in_progress}' AND lock_token = {}", p(4));
-        // A fresh record: absent before, or replacing an expired one.
         // When the janitor first looks at a fresh record: its first expiry,
         // which no record's expiry precedes (the completion counts the TTL
         // from later). It decides when the janitor looks, never what it
         // deletes (`expired` does). The completion leaves it alone, so that
         // storing an answer changes no indexed column.
-        let purge_at = || format!("{now} + {}", ms(7));
+        let purge_at = format!("{now} + {}", ms(7));
+        // A fresh record: absent before, or replacing an expired one.
         let insert = format!(
             "INSERT INTO {t} AS cur (tenant, scope, key, fingerprint, state, operation_id, lock_token, \
              attempt, lock_expires_at, recovery_point, created_at, expires_at, purge_at) \
@@ -290,7 +291,7 @@ impl Statements {
             p(5),
             ms(8),
             ms(7),
-            purge = purge_at(),
+            purge = purge_at,
         );
         // What may be taken: an expired record without a live lock (a new
         // operation), a stale lock (a takeover) or a record released as
@@ -334,7 +335,7 @@ impl Statements {
                 "operation_id" => p(6),
                 "lock_expires_at" => format!("{now} + {}", ms(8)),
                 "created_at" => now.to_owned(),
-                "purge_at" => purge_at(),
+                "purge_at" => purge_at.clone(),
                 _ => format!("{now} + {}", ms(7)), // expires_at
             }),
             p1 = p(1),

@@ -215,25 +215,15 @@ macro_rules! fenced_ops {
 
         fn purge_expired(&self, batch: u32) -> $crate::store::BoxFuture<'_, Result<u64, $crate::StoreError>> {
             Box::pin(async move {
-                // Rows whose `purge_at` is not set yet (from before
-                // migration 5, or an earlier build's): set from their expiry,
-                // a batch at a time, each batch a short statement of its own,
-                // for at most one store timeout per call (an earlier build
-                // may still be writing such rows).
-                let started = std::time::Instant::now();
-                loop {
-                    let set = $crate::sql::bounded(self.timeout, async {
-                        sqlx::query(sqlx::AssertSqlSafe(self.sql.purge_set.as_str()))
-                            .bind(i64::from(batch))
-                            .execute(&self.pool)
-                            .await
-                            .map_err($crate::sql::map_err)
-                    })
-                    .await?;
-                    if set.rows_affected() < u64::from(batch) || started.elapsed() >= self.timeout {
-                        break;
-                    }
-                }
+                $crate::sql::set_purge_at(self.timeout, batch, || async {
+                    let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge_set.as_str()))
+                        .bind(i64::from(batch))
+                        .execute(&self.pool)
+                        .await
+                        .map_err($crate::sql::map_err)?;
+                    Ok(done.rows_affected())
+                })
+                .await?;
                 $crate::sql::bounded(self.timeout, async move {
                     let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
                         .bind(i64::from(batch))
@@ -408,6 +398,29 @@ impl StoredResponse {
             headers,
             body,
         })
+    }
+}
+
+/// Sets `purge_at` on rows that have none yet (from before migration 5, or
+/// an earlier build's): `statement` sets it on up to `batch` rows and says
+/// how many; it runs, each run bounded by `timeout`, until one sets fewer or
+/// `timeout` has passed in all (an earlier build may still be writing such
+/// rows), so that a purge call always ends.
+pub(crate) async fn set_purge_at<F, Fut>(
+    timeout: Duration,
+    batch: u32,
+    mut statement: F,
+) -> Result<(), StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<u64, StoreError>>,
+{
+    let started = std::time::Instant::now();
+    loop {
+        let set = bounded(timeout, statement()).await?;
+        if set < u64::from(batch) || started.elapsed() >= timeout {
+            return Ok(());
+        }
     }
 }
 

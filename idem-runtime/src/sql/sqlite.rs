@@ -373,23 +373,15 @@ impl IdempotencyStore for SqliteStore {
 
     fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>> {
         Box::pin(async move {
-            // Rows whose `purge_at` is not set yet (from before migration 5,
-            // or an earlier build's): set from their expiry, a batch at a
-            // time, each batch a short write of its own in the queue, for at
-            // most one store timeout per call.
-            let started = std::time::Instant::now();
-            loop {
-                let set = sql::bounded(self.timeout, async {
-                    let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge_set.as_str()))
-                        .bind(i64::from(batch))
-                        .execute(&self.pool);
-                    self.queued(async { write.await.map_err(sql::map_err) }).await
-                })
-                .await?;
-                if set.rows_affected() < u64::from(batch) || started.elapsed() >= self.timeout {
-                    break;
-                }
-            }
+            // Each batch a short write of its own in the queue.
+            sql::set_purge_at(self.timeout, batch, || async {
+                let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge_set.as_str()))
+                    .bind(i64::from(batch))
+                    .execute(&self.pool);
+                let done = self.queued(async { write.await.map_err(sql::map_err) }).await?;
+                Ok(done.rows_affected())
+            })
+            .await?;
             sql::bounded(self.timeout, async move {
                 let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
                     .bind(i64::from(batch))
