@@ -90,7 +90,7 @@ async fn reserve_behind(
         let (store, id, fp) = (store.clone(), id.clone(), fp.to_owned());
         tokio::spawn(async move { store.reserve(req(&id, &fp, LONG)).await })
     };
-    until_blocked_or_done(url, schema, "WITH", || loser.is_finished()).await;
+    until_blocked_or_done(url, schema, "SELECT p.fingerprint", || loser.is_finished()).await;
     sqlx::query("COMMIT").execute(&mut winner).await.unwrap();
     loser.await.unwrap().unwrap()
 }

@@ -86,7 +86,7 @@ async fn postgres_the_first_released_schema_upgrades_and_serves() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, [1, 2, 3, 4, 5]);
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
     serves_after_the_upgrade(&store).await;
 }
 
@@ -137,7 +137,7 @@ async fn postgres_a_table_that_does_not_match_refuses_to_start() {
     .unwrap();
     let err = store.migrate().await.unwrap_err().to_string();
     assert!(
-        err.contains("does not match schema version 5")
+        err.contains("does not match schema version 6")
             && err.contains("response_headers")
             && err.contains("run migrate()"),
         "{err}"
@@ -152,7 +152,7 @@ async fn postgres_a_missing_reservation_function_is_refused_then_restored() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let (pool, schema, store) = migrated_pg_store(&url).await;
     pool.execute(sqlx::AssertSqlSafe(format!(
-        "DROP FUNCTION \"{schema}\".idempotency_keys_reserve"
+        "DROP FUNCTION \"{schema}\".idempotency_keys_take"
     )))
     .await
     .unwrap();
@@ -163,6 +163,51 @@ async fn postgres_a_missing_reservation_function_is_refused_then_restored() {
     );
     store.migrate().await.unwrap();
     takes_completes_replays(&store, "after-restore").await;
+}
+
+/// A build from before migration 6 that still serves during a rolling
+/// upgrade calls version 4's set-returning function: it is still there
+/// after the upgrade, takes a fresh key (attempt 1), takes nothing while
+/// that key is held, and this build sees that holder's record in progress.
+#[tokio::test]
+async fn postgres_the_function_of_builds_before_version_6_still_serves() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    let old_build = format!(
+        "SELECT attempt, taken_over, operation_id FROM \"{schema}\".idempotency_keys_reserve(\
+         't', 's', 'rolling', 'fp', 'old-token', 'old-op', 3600000, 3600000)"
+    );
+    let taken: Vec<(i32, i32, String)> = sqlx::query_as(sqlx::AssertSqlSafe(old_build.clone()))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(taken, [(1, 0, "old-op".to_owned())]);
+    let again: Vec<(i32, i32, String)> = sqlx::query_as(sqlx::AssertSqlSafe(old_build))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert!(again.is_empty(), "a held key is not taken twice: {again:?}");
+    let id = RecordId::new("t", "s", "rolling");
+    assert!(matches!(
+        store.reserve(req(&id, "fp")).await.unwrap(),
+        Reservation::InProgress { .. }
+    ));
+    assert!(store
+        .complete(
+            &id,
+            "old-token",
+            &StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: Some(b"old".to_vec()),
+            }
+        )
+        .await
+        .is_ok());
+    assert!(matches!(
+        store.reserve(req(&id, "fp")).await.unwrap(),
+        Reservation::Completed(_)
+    ));
 }
 
 /// Two processes (pools) migrating at once: one applies, both serve.
@@ -528,7 +573,7 @@ async fn postgres_a_table_found_in_another_schema_through_search_path_is_refused
     // other one.
     pool_b
         .execute(sqlx::AssertSqlSafe(format!(
-            "DROP FUNCTION \"{b}\".idempotency_keys_reserve"
+            "DROP FUNCTION \"{b}\".idempotency_keys_take"
         )))
         .await
         .unwrap();
@@ -536,7 +581,7 @@ async fn postgres_a_table_found_in_another_schema_through_search_path_is_refused
     unnamed.migrate().await.unwrap();
     let home: String = sqlx::query_scalar(
         "SELECT n.nspname::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
-         WHERE p.proname = 'idempotency_keys_reserve' AND n.nspname IN ($1, $2) ORDER BY n.nspname = $1 LIMIT 1",
+         WHERE p.proname = 'idempotency_keys_take' AND n.nspname IN ($1, $2) ORDER BY n.nspname = $1 LIMIT 1",
     )
     .bind(&a)
     .bind(&b)

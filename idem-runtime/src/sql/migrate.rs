@@ -6,7 +6,8 @@ use crate::store::StoreError;
 
 /// One schema change: a new file for every change, never an edited one.
 /// `{table}`, `{index}`, `{purge_index}` and `{expiry_index}` stand for the
-/// configured, quoted names (the last one qualified).
+/// configured, quoted names (the last one qualified); `{reserve_function}`
+/// and `{take_function}` for the generated functions' definitions.
 #[derive(Clone, Copy, Debug)]
 pub struct Migration {
     /// Applied in this order; recorded in `<table>_migrations`.
@@ -54,6 +55,11 @@ macro_rules! migrations {
                 version: 5,
                 name: "purge index",
                 sql: include_str!(concat!("../../migrations/", $dir, "/0005_purge_index.sql")),
+            },
+            $crate::sql::Migration {
+                version: 6,
+                name: "take function",
+                sql: include_str!(concat!("../../migrations/", $dir, "/0006_take_function.sql")),
             },
         ]
     };
@@ -183,7 +189,7 @@ macro_rules! check_schema {
                     .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
                 if !found {
                     return Err($crate::StoreError::backend(format!(
-                        "the reservation function of the table {} is missing (schema version 4): run migrate()",
+                        "the reservation function of the table {} is missing (schema version 6): run migrate()",
                         sql.table
                     )));
                 }

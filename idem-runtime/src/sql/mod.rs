@@ -184,9 +184,10 @@ pub(crate) struct Statements {
     /// Sets `purge_at` from the expiry where it is not set yet (rows from
     /// before migration 5, or of an earlier build). Binds: batch size.
     pub(crate) purge_set: String,
-    /// PostgreSQL: the function that takes the key (`insert_new`, else
-    /// `take_over`), quoted and qualified; the same binds, the columns of
-    /// `take`'s `RETURNING`.
+    /// PostgreSQL: the function that takes the key (insert a fresh record,
+    /// else take over a takeable one), quoted and qualified; the same
+    /// binds as `take`. It returns `take`'s `RETURNING` columns as one
+    /// `text[]`, or NULL when it took nothing.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) reserve_function: String,
     /// Whether that function exists (true or false), where there is one.
@@ -245,7 +246,7 @@ impl Statements {
         let index = format!("\"{}\"", derived_name(table, "expires_at_idx"));
         let expiry_index = qualify(&derived_name(table, "expires_at_idx"));
         let purge_index = format!("\"{}\"", derived_name(table, "purge_at_idx"));
-        let function = qualify(&derived_name(table, "reserve"));
+        let function = qualify(&derived_name(table, "take"));
         // The function as the checks look it up: in the table's schema, or,
         // with none named, in the one new objects go to (where `migrate`
         // makes it, and where the search path finds it first), never one
@@ -342,22 +343,45 @@ impl Statements {
             p2 = p(2),
             p3 = p(3),
         );
-        // PostgreSQL: the write path of a reservation as a function (its
-        // plans cached per connection): the insert, and only when it took
-        // nothing, the takeover, which judges the row as committed by then
-        // (the winner's, when another request inserted it meanwhile). The
-        // columns it returns are named as the table's; `use_column` says
-        // they mean the table's.
+        // PostgreSQL, migration 4: the write path of a reservation as a
+        // set-returning function (the insert, and only when it took
+        // nothing, the takeover). This build no longer calls it; it stays
+        // for the builds before migration 6 that still serve during a
+        // rolling upgrade, and a fresh table gets it as version 4 did.
+        let reserve_v4_ddl = if d.reserve_function {
+            format!(
+                "CREATE OR REPLACE FUNCTION {function_v4}(text, text, text, text, text, text, bigint, bigint) \
+                 RETURNS TABLE (attempt integer, taken_over integer, recovery_point text, operation_id text) \
+                 LANGUAGE plpgsql AS $idem$\n#variable_conflict use_column\nBEGIN\n\
+                 RETURN QUERY {insert_new};\nIF FOUND THEN RETURN; END IF;\n\
+                 RETURN QUERY {take_over};\nEND\n$idem$;",
+                function_v4 = qualify(&derived_name(table, "reserve")),
+            )
+        } else {
+            String::new()
+        };
+        // PostgreSQL, migration 6: the same write path as a function that
+        // returns one value (its plans cached per connection): the insert,
+        // and only when it took nothing, the takeover, which judges the row
+        // as committed by then (the winner's, when another request inserted
+        // it meanwhile). It returns the lease's columns as text (attempt,
+        // taken_over, recovery_point, operation_id), or NULL when it took
+        // nothing. A scalar function is what lets the reserving statement
+        // call it from a `CASE` that PostgreSQL evaluates only when the
+        // lookup found nothing to answer from, at no cost otherwise.
+        let taken = "ARRAY[attempt::text, taken_over::text, recovery_point, operation_id]";
         let reserve_body = format!(
-            "\n#variable_conflict use_column\nBEGIN\n\
-             RETURN QUERY {insert_new};\nIF FOUND THEN RETURN; END IF;\n\
-             RETURN QUERY {take_over};\nEND\n"
+            "\n#variable_conflict use_column\nDECLARE taken text[];\nBEGIN\n\
+             {insert} ON CONFLICT (tenant, scope, key) DO NOTHING RETURNING {taken} INTO taken;\n\
+             IF FOUND THEN RETURN taken; END IF;\n\
+             {take_over_into} INTO taken;\nRETURN taken;\nEND\n",
+            take_over_into =
+                take_over.replace(&format!("RETURNING {RETURNED}"), &format!("RETURNING {taken}")),
         );
         let reserve_ddl = if d.reserve_function {
             format!(
                 "CREATE OR REPLACE FUNCTION {function}(text, text, text, text, text, text, bigint, bigint) \
-                 RETURNS TABLE (attempt integer, taken_over integer, recovery_point text, operation_id text) \
-                 LANGUAGE plpgsql AS $idem${reserve_body}$idem$;"
+                 RETURNS text[] LANGUAGE plpgsql AS $idem${reserve_body}$idem$;"
             )
         } else {
             String::new()
@@ -374,7 +398,8 @@ impl Statements {
                             .replace("{index}", &index)
                             .replace("{purge_index}", &purge_index)
                             .replace("{expiry_index}", &expiry_index)
-                            .replace("{reserve_function}", &reserve_ddl),
+                            .replace("{reserve_function}", &reserve_v4_ddl)
+                            .replace("{take_function}", &reserve_ddl),
                     )
                 })
                 .collect(),

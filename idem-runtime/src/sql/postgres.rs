@@ -159,7 +159,7 @@ impl PgStore {
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// let store = idem::PgStore::connect("postgres://127.0.0.1/app").unwrap();
     /// for (migration, sql) in store.migrations_sql() {
-    ///     assert!(!sql.contains("{table}") && !sql.contains("{reserve_function}"));
+    ///     assert!(!sql.contains("{table}") && !sql.contains("{reserve_function}") && !sql.contains("{take_function}"));
     ///     println!("-- {} {}\n{sql}", migration.version, migration.name);
     /// }
     /// # }
@@ -172,21 +172,17 @@ impl PgStore {
         let sql = Statements::new(sql::POSTGRES, POSTGRES_MIGRATIONS, schema, table)?;
         // One round trip that reads first: a record to answer from (a
         // replay, a conflict, a mismatch) is that primary-key lookup and
-        // nothing else; the write path (insert a fresh record, or take over
-        // a takeable one) runs, in the reservation function, only when the
-        // lookup found none. Each part has its own snapshot: a row that
-        // another request wrote in between makes the function take nothing,
-        // the statement returns no row, and it runs again.
+        // nothing else, because PostgreSQL evaluates a `CASE` branch only
+        // when it is taken; the write path (insert a fresh record, or take
+        // over a takeable one) runs, in the reservation function, only when
+        // the lookup found none. Each part has its own snapshot: a row that
+        // another request wrote in between makes the function take nothing
+        // (NULL), and the statement runs again.
         let reserve = format!(
-            "WITH seen AS MATERIALIZED ({peek}) \
-             SELECT FALSE AS taken, NULL::integer AS attempt, NULL::integer AS taken_over, \
-             NULL::text AS recovery_point, NULL::text AS operation_id, s.fingerprint, s.state, \
-             s.response_status, s.response_headers, s.response_body, s.lock_left_ms \
-             FROM seen AS s WHERE s.takeable = 0 \
-             UNION ALL \
-             SELECT TRUE, t.attempt, t.taken_over, t.recovery_point, t.operation_id, NULL, NULL, NULL, NULL, NULL, 0 \
-             FROM {function}($1, $2, $3, $4, $5, $6, $7, $8) AS t \
-             WHERE NOT EXISTS (SELECT 1 FROM seen WHERE seen.takeable = 0)",
+            "SELECT p.fingerprint, p.state, p.response_status, p.response_headers, p.response_body, \
+             p.lock_left_ms, p.takeable, CASE WHEN p.takeable IS DISTINCT FROM 0 \
+             THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END AS taken \
+             FROM (VALUES (1)) AS one (x) LEFT JOIN ({peek}) AS p ON TRUE",
             peek = sql.peek,
             function = sql.reserve_function,
         );
@@ -271,20 +267,40 @@ impl PgStore {
                 .bind(&operation_id)
                 .bind(millis(req.ttl))
                 .bind(millis(req.lock_timeout))
-                .fetch_optional(&self.pool)
+                .fetch_one(&self.pool)
                 .await
                 .map_err(sql::map_err)?;
-            // No row: another request wrote the record between the lookup
-            // and the write path; read again.
-            let Some(row) = row else { continue };
-            let taken: bool =
-                sqlx::Row::try_get(&row, "taken").map_err(|e| StoreError::backend(e.to_string()))?;
-            if taken {
+            let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
+            let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, "taken").map_err(get_err)?;
+            if let Some(taken) = taken {
                 pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
-                return sql::lease_from_row(&row, req.token.to_owned()).map(Reservation::Reserved);
+                return lease_from_taken(&taken, req.token.to_owned()).map(Reservation::Reserved);
+            }
+            // Nothing to answer from, and nothing taken: another request
+            // wrote the record between the lookup and the write path; read
+            // again.
+            let takeable: Option<i32> = sqlx::Row::try_get(&row, "takeable").map_err(get_err)?;
+            if takeable != Some(0) {
+                continue;
             }
             pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
             return sql::judge_row(&row, req.fingerprint);
         }
     }
+}
+
+/// The lease in the reservation function's answer: attempt, taken_over,
+/// recovery_point and operation_id, as text.
+fn lease_from_taken(taken: &[Option<String>], token: String) -> Result<crate::store::Lease, StoreError> {
+    let malformed = || StoreError::backend(format!("the reservation function returned {taken:?}"));
+    let [Some(attempt), Some(taken_over), recovery_point, Some(operation_id)] = taken else {
+        return Err(malformed());
+    };
+    Ok(crate::store::Lease {
+        token,
+        attempt: attempt.parse().map_err(|_| malformed())?,
+        takeover: taken_over.as_str() != "0",
+        recovery_point: recovery_point.clone(),
+        operation_id: operation_id.clone(),
+    })
 }

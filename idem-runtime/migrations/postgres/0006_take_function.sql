@@ -1,0 +1,11 @@
+-- idem: the reservation's write path as a function that returns one value
+-- (the lease's columns as text[], or NULL when it took nothing). The
+-- statement that reserves a key calls it from a CASE, which PostgreSQL
+-- evaluates only when its primary-key lookup found nothing to answer from:
+-- a replay or a conflict then costs that lookup and no more (with the
+-- set-returning function of version 4, the statement paid for a CTE, an
+-- Append and a function scan even when it did not call it). Version 4's
+-- function stays, for the builds before this one that still serve during a
+-- rolling upgrade. The line below is replaced by the function's
+-- definition, generated with the statements of this build.
+{take_function}
