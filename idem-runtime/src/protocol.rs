@@ -226,7 +226,10 @@ pub(crate) async fn protect(
                     // it errs on the safe side.
                     deadline: asked + request.lock_timeout,
                 };
-                return execute(engine, id, lease, clock, handler).await;
+                // Boxed: the execution's state is large, and a replay or a
+                // conflict (most of what a retry storm sends) should neither
+                // build nor move it.
+                return Box::pin(execute(engine, id, lease, clock, handler)).await;
             }
             Reservation::Completed(stored) => {
                 record(Outcome::Replayed);
