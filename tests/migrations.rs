@@ -210,6 +210,111 @@ async fn postgres_the_function_of_builds_before_version_6_still_serves() {
     ));
 }
 
+/// A released record whose `attempt` someone set out of range by hand is
+/// taken and read as attempt 1, as before migration 6; nothing is left
+/// locked under a token that no execution holds.
+#[tokio::test]
+async fn postgres_an_attempt_out_of_range_is_taken_as_attempt_1() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".idempotency_keys (tenant, scope, key, fingerprint, state, operation_id, \
+         lock_token, attempt, lock_expires_at, created_at, expires_at) VALUES ('t', 's', 'negative', 'fp', \
+         'in_progress', 'op', NULL, -5, now(), now(), now() + interval '1 hour')"
+    )))
+    .await
+    .unwrap();
+    let id = RecordId::new("t", "s", "negative");
+    let Reservation::Reserved(lease) = store.reserve(req(&id, "fp")).await.unwrap() else {
+        panic!("the released record is taken")
+    };
+    assert_eq!((lease.attempt, lease.operation_id.as_str()), (1, "op"));
+    store
+        .complete(
+            &id,
+            &lease.token,
+            &StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: Some(b"ok".to_vec()),
+            },
+        )
+        .await
+        .unwrap();
+}
+
+/// Replays, conflicts and mismatches are the lookup alone: the reservation
+/// function runs only for the two fresh keys (PostgreSQL's own count of its
+/// calls, `track_functions`).
+#[tokio::test]
+async fn postgres_replays_and_conflicts_never_call_the_reservation_function() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (_, schema, _) = migrated_pg_store(&url).await;
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&format!("{url}{sep}options=-c%20track_functions%3Dall"))
+        .await
+        .unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    let (done, held) = (RecordId::new("t", "s", "done"), RecordId::new("t", "s", "held"));
+    let Reservation::Reserved(lease) = store.reserve(req(&done, "fp")).await.unwrap() else {
+        panic!("a fresh key is taken")
+    };
+    assert!(matches!(
+        store.reserve(req(&held, "fp")).await.unwrap(),
+        Reservation::Reserved(_)
+    ));
+    let answer = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Some(b"ok".to_vec()),
+    };
+    store.complete(&done, &lease.token, &answer).await.unwrap();
+    for _ in 0..10 {
+        assert_eq!(
+            store.reserve(req(&done, "fp")).await.unwrap(),
+            Reservation::Completed(answer.clone())
+        );
+        assert_eq!(
+            store.reserve(req(&done, "other")).await.unwrap(),
+            Reservation::Mismatch
+        );
+        assert!(matches!(
+            store.reserve(req(&held, "fp")).await.unwrap(),
+            Reservation::InProgress { .. }
+        ));
+    }
+    // The counts reach the statistics when the session ends.
+    pool.close().await;
+    let reader = sqlx::PgPool::connect(&url).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let calls: Option<i64> = sqlx::query_scalar(
+            "SELECT calls FROM pg_stat_user_functions WHERE schemaname = $1 AND funcname = 'idempotency_keys_take'",
+        )
+        .bind(&schema)
+        .fetch_optional(&reader)
+        .await
+        .unwrap();
+        if let Some(calls) = calls {
+            assert_eq!(calls, 2, "only the fresh keys call the function");
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no function statistics reported"
+        );
+        sqlx::query("SELECT pg_stat_clear_snapshot()")
+            .execute(&reader)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Two processes (pools) migrating at once: one applies, both serve.
 #[tokio::test]
 async fn postgres_concurrent_migrations_apply_once() {

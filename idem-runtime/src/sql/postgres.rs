@@ -273,8 +273,16 @@ impl PgStore {
             let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
             let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, "taken").map_err(get_err)?;
             if let Some(taken) = taken {
+                let Some(lease) = lease_from_taken(&taken, req.token) else {
+                    // Taken, but unreadable: give the key back (fenced by
+                    // our token) rather than leave a lock nobody holds.
+                    let _ = self.release(&req.id, req.token).await;
+                    return Err(StoreError::backend(format!(
+                        "the reservation function returned {taken:?}, not a lease"
+                    )));
+                };
                 pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
-                return lease_from_taken(&taken, req.token.to_owned()).map(Reservation::Reserved);
+                return Ok(Reservation::Reserved(lease));
             }
             // Nothing to answer from, and nothing taken: another request
             // wrote the record between the lookup and the write path; read
@@ -290,15 +298,16 @@ impl PgStore {
 }
 
 /// The lease in the reservation function's answer: attempt, taken_over,
-/// recovery_point and operation_id, as text.
-fn lease_from_taken(taken: &[Option<String>], token: String) -> Result<crate::store::Lease, StoreError> {
-    let malformed = || StoreError::backend(format!("the reservation function returned {taken:?}"));
+/// recovery_point and operation_id, as text. An attempt out of range (a
+/// row edited by hand) reads as 1, as the SQL stores read it before.
+fn lease_from_taken(taken: &[Option<String>], token: &str) -> Option<crate::store::Lease> {
     let [Some(attempt), Some(taken_over), recovery_point, Some(operation_id)] = taken else {
-        return Err(malformed());
+        return None;
     };
-    Ok(crate::store::Lease {
-        token,
-        attempt: attempt.parse().map_err(|_| malformed())?,
+    let attempt: i64 = attempt.parse().ok()?;
+    Some(crate::store::Lease {
+        token: token.to_owned(),
+        attempt: u32::try_from(attempt).unwrap_or(1),
         takeover: taken_over.as_str() != "0",
         recovery_point: recovery_point.clone(),
         operation_id: operation_id.clone(),
