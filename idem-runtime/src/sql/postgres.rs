@@ -276,7 +276,7 @@ impl PgStore {
                 let Some(lease) = lease_from_taken(&taken, req.token) else {
                     // Taken, but unreadable: give the key back (fenced by
                     // our token) rather than leave a lock nobody holds.
-                    let _ = self.release(&req.id, req.token).await;
+                    let _ = self.release(req.id, req.token).await;
                     return Err(StoreError::backend(format!(
                         "the reservation function returned {taken:?}, not a lease"
                     )));
