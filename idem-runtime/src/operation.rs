@@ -10,16 +10,37 @@ use crate::tx::TxConnection;
 use std::future::Future;
 use std::sync::Arc;
 
+/// What an execution runs under, shared (one allocation per execution) by
+/// its handler's [`Operation`], the lease keeper and the answer.
 #[derive(Clone)]
-pub(crate) struct OperationInfo {
+pub(crate) struct OperationInfo(Arc<Shared>);
+
+pub(crate) struct Shared {
     pub(crate) store: Arc<dyn IdempotencyStore>,
     pub(crate) id: RecordId,
     pub(crate) lease: Lease,
     /// Set once the lease is lost: taken over, or not extended in time.
-    pub(crate) lost: Arc<tokio::sync::watch::Sender<bool>>,
+    pub(crate) lost: tokio::sync::watch::Sender<bool>,
+}
+
+impl std::ops::Deref for OperationInfo {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
 }
 
 impl OperationInfo {
+    pub(crate) fn new(store: Arc<dyn IdempotencyStore>, id: RecordId, lease: Lease) -> Self {
+        OperationInfo(Arc::new(Shared {
+            store,
+            id,
+            lease,
+            lost: tokio::sync::watch::Sender::new(false),
+        }))
+    }
+
     pub(crate) fn is_lost(&self) -> bool {
         *self.lost.borrow()
     }

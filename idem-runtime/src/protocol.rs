@@ -331,12 +331,7 @@ pub(crate) async fn execute(
     clock: LeaseClock,
     handler: Handler,
 ) -> Response {
-    let info = OperationInfo {
-        store: engine.store.clone(),
-        id,
-        lease,
-        lost: Arc::new(tokio::sync::watch::Sender::new(false)),
-    };
+    let info = OperationInfo::new(engine.store.clone(), id, lease);
     let tx: Arc<tokio::sync::Mutex<Option<PendingTx>>> = Arc::default();
     let handler = handler(Some(Operation {
         info: info.clone(),

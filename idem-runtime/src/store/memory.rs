@@ -130,38 +130,40 @@ impl MemoryStore {
     fn reserve_now(&self, req: ReserveRequest<'_>) -> Reservation {
         let mut records = self.shard(req.id);
         let now = Instant::now();
-        let token = req.token.to_owned();
-        let existing = records.get(req.id).cloned();
-        let fresh = |operation_id: String| MemoryRecord {
-            fingerprint: req.fingerprint.to_owned(),
-            token: Some(token.clone()),
-            attempt: 1,
-            operation_id,
-            recovery_point: None,
-            lock_deadline: now + req.lock_timeout,
-            expires_at: now + req.ttl,
-            ttl: req.ttl,
-            response: None,
-        };
-        let state = existing.as_ref().map_or(RecordState::Absent, |r| r.state(now));
-        let same = existing
-            .as_ref()
-            .is_some_and(|r| r.fingerprint == req.fingerprint);
+        // Judged in place: a replay copies the stored answer and nothing
+        // else, a conflict copies nothing.
+        let existing = records.get(req.id);
+        let state = existing.map_or(RecordState::Absent, |r| r.state(now));
+        let same = existing.is_some_and(|r| r.fingerprint == req.fingerprint);
         let (record, taken_over) = match (state.decide(same), existing) {
-            (Decision::Fresh, _) | (_, None) => (fresh(random_token()), false),
-            (Decision::Continue, Some(r)) => {
-                let taken_over = state == RecordState::Stale;
-                let record = MemoryRecord {
-                    token: Some(token.clone()),
+            (Decision::Fresh, _) | (_, None) => (
+                MemoryRecord {
+                    fingerprint: req.fingerprint.to_owned(),
+                    token: Some(req.token.to_owned()),
+                    attempt: 1,
+                    operation_id: random_token(),
+                    recovery_point: None,
+                    lock_deadline: now + req.lock_timeout,
+                    expires_at: now + req.ttl,
+                    ttl: req.ttl,
+                    response: None,
+                },
+                false,
+            ),
+            (Decision::Continue, Some(r)) => (
+                MemoryRecord {
+                    token: Some(req.token.to_owned()),
                     attempt: r.attempt + 1,
                     lock_deadline: now + req.lock_timeout,
-                    ..r
-                };
-                (record, taken_over)
-            }
+                    ..r.clone()
+                },
+                state == RecordState::Stale,
+            ),
             (Decision::Replay, Some(r)) => {
                 return Reservation::Completed(
-                    r.response.unwrap_or_else(|| unreachable!("a completed record")),
+                    r.response
+                        .clone()
+                        .unwrap_or_else(|| unreachable!("a completed record")),
                 )
             }
             (Decision::InProgress, Some(r)) => {
@@ -172,7 +174,7 @@ impl MemoryStore {
             (Decision::Mismatch, Some(_)) => return Reservation::Mismatch,
         };
         let lease = Lease {
-            token,
+            token: req.token.to_owned(),
             attempt: record.attempt,
             takeover: taken_over,
             recovery_point: record.recovery_point.clone(),
