@@ -37,6 +37,15 @@ fn req<'a>(id: &'a RecordId, fp: &'a str) -> ReserveRequest<'a> {
     }
 }
 
+/// A stored 201 with `body`.
+fn created(body: &[u8]) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Some(body.to_vec()),
+    }
+}
+
 /// The old record replays, a new key is served end to end.
 async fn serves_after_the_upgrade(store: &dyn IdempotencyStore) {
     let old = RecordId::new("t", "s", "old");
@@ -192,18 +201,7 @@ async fn postgres_the_function_of_builds_before_version_6_still_serves() {
         store.reserve(req(&id, "fp")).await.unwrap(),
         Reservation::InProgress { .. }
     ));
-    assert!(store
-        .complete(
-            &id,
-            "old-token",
-            &StoredResponse {
-                status: 201,
-                headers: vec![],
-                body: Some(b"old".to_vec()),
-            }
-        )
-        .await
-        .is_ok());
+    assert!(store.complete(&id, "old-token", &created(b"old")).await.is_ok());
     assert!(matches!(
         store.reserve(req(&id, "fp")).await.unwrap(),
         Reservation::Completed(_)
@@ -229,18 +227,7 @@ async fn postgres_an_attempt_out_of_range_is_taken_as_attempt_1() {
         panic!("the released record is taken")
     };
     assert_eq!((lease.attempt, lease.operation_id.as_str()), (1, "op"));
-    store
-        .complete(
-            &id,
-            &lease.token,
-            &StoredResponse {
-                status: 201,
-                headers: vec![],
-                body: Some(b"ok".to_vec()),
-            },
-        )
-        .await
-        .unwrap();
+    store.complete(&id, &lease.token, &created(b"ok")).await.unwrap();
 }
 
 /// Replays, conflicts and mismatches are the lookup alone: the reservation
@@ -267,11 +254,7 @@ async fn postgres_replays_and_conflicts_never_call_the_reservation_function() {
         store.reserve(req(&held, "fp")).await.unwrap(),
         Reservation::Reserved(_)
     ));
-    let answer = StoredResponse {
-        status: 201,
-        headers: vec![],
-        body: Some(b"ok".to_vec()),
-    };
+    let answer = created(b"ok");
     store.complete(&done, &lease.token, &answer).await.unwrap();
     for _ in 0..10 {
         assert_eq!(
@@ -448,11 +431,7 @@ async fn takes_completes_replays(store: &dyn IdempotencyStore, key: &str) {
     let Reservation::Reserved(lease) = store.reserve(req(&id, "fp")).await.unwrap() else {
         panic!("a fresh key is taken")
     };
-    let answer = StoredResponse {
-        status: 201,
-        headers: vec![],
-        body: Some(b"ok".to_vec()),
-    };
+    let answer = created(b"ok");
     store.complete(&id, &lease.token, &answer).await.unwrap();
     assert_eq!(
         store.reserve(req(&id, "fp")).await.unwrap(),
