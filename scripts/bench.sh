@@ -2,8 +2,9 @@
 # The figures of BENCHMARKS.md, in one run: the harness (every variant at
 # 1, 16 and 64 clients, 3 rounds back to back), its plot, the server's CPU
 # per request without the network, the memory store growing past a million
-# records, a 10-million-record PostgreSQL table against an empty one, and
-# the criterion micro-benchmarks.
+# records, a 10-million-record PostgreSQL table against an empty one, the
+# statements on the database alone (pgbench), and the criterion
+# micro-benchmarks.
 #
 #   bash scripts/bench.sh            # everything (about 15 minutes)
 #   bash scripts/bench.sh quick      # the harness alone, 1 round
@@ -39,6 +40,9 @@ echo "== the memory store growing past a million records"
 echo "== table size: PostgreSQL cells on empty tables, then on 10 million records"
 "$bench" --only bare,hand,postgres --clients 16 --seconds 2 --repeat 3 | tee "$out/table-empty.txt"
 "$bench" --only bare,hand,postgres --clients 16 --seconds 2 --repeat 3 --prefill 10000000 | tee "$out/table-10m.txt"
+
+echo "== the statements on the database alone (pgbench)"
+"$bench" --pgbench --repeat 3 --seconds 4 | tee "$out/pgbench.txt"
 
 echo "== micro-benchmarks"
 cargo bench -p idem-runtime --bench micro -- --warm-up-time 1 --measurement-time 3 | tee "$out/micro.txt"

@@ -9,6 +9,7 @@
 //! DATABASE_URL=postgres://postgres@127.0.0.1/test \
 //!     cargo run --release --example bench -- --seconds 2 --repeat 3 --csv bench.csv
 //! cargo run --release --example bench -- --growth 1200000   # the memory store growing
+//! cargo run --release --example bench -- --pgbench --repeat 3 # the statements alone (pgbench)
 //! ```
 //!
 //! Options: `--seconds S` per cell (default 2), `--max N` requests per cell
@@ -19,10 +20,14 @@
 //! connections, shared by idem and the hand-written flow; default 16),
 //! `--server-threads N` (default 1), `--no-pin` (by default the server runs
 //! on CPU 0 and the client on CPU 1, when the machine has two).
+//! `--pgbench` runs idem's statements and the hand-written flow's on the
+//! database alone instead (`pgbench`, `--seconds` per cell, `--repeat`
+//! rounds).
 //! Without `DATABASE_URL` the PostgreSQL and hand-written cells are skipped.
 
 mod client;
 mod growth;
+mod pgbench;
 mod routes;
 
 use std::collections::BTreeMap;
@@ -65,6 +70,7 @@ struct Args {
     pin: bool,
     growth: Option<usize>,
     cpu: Option<usize>,
+    pgbench: bool,
 }
 
 fn args() -> Args {
@@ -83,6 +89,7 @@ fn args() -> Args {
             .ok()
             .and_then(|v| v.parse().ok()),
         cpu: None,
+        pgbench: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -105,11 +112,12 @@ fn args() -> Args {
             "--no-pin" => a.pin = false,
             "--growth" => a.growth = Some(value().parse().expect("--growth: a count")),
             "--cpu" => a.cpu = Some(value().parse().expect("--cpu: a count")),
+            "--pgbench" => a.pgbench = true,
             "--help" | "-h" => {
                 println!(
                     "bench [--seconds S] [--max N] [--repeat R] [--clients 1,16,64] \
                      [--only bare,hand,postgres,sqlite,memory] [--csv FILE] [--prefill N] [--pool N] \
-                     [--server-threads N] [--no-pin] [--growth N] [--cpu N]\n\
+                     [--server-threads N] [--no-pin] [--growth N] [--cpu N] [--pgbench]\n\
                      (DATABASE_URL for the PostgreSQL cells; see BENCHMARKS.md)"
                 );
                 std::process::exit(0);
@@ -430,6 +438,13 @@ fn main() {
     }
     if let Some(n) = a.cpu {
         cpu_cost(n);
+        return;
+    }
+    if a.pgbench {
+        let url = std::env::var("DATABASE_URL").expect("--pgbench needs DATABASE_URL (PostgreSQL)");
+        let seconds = (a.seconds.ceil() as u32).max(1);
+        let rt = tokio::runtime::Runtime::new().expect("a runtime");
+        rt.block_on(pgbench::pgbench(&url, a.repeat, seconds));
         return;
     }
     let server = tokio::runtime::Builder::new_multi_thread()

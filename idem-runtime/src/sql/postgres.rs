@@ -144,6 +144,22 @@ impl PgStore {
         self
     }
 
+    /// The statement that reserves a key and the one that stores an answer,
+    /// as this store runs them (binds `$1`..: see docs/PROTOCOL.md), for
+    /// measuring them on the database alone (`bench --pgbench`).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store = idem::PgStore::connect("postgres://127.0.0.1/app").unwrap();
+    /// let (reserve, complete) = store.request_statements();
+    /// assert!(reserve.contains("_take(") && complete.starts_with("UPDATE"));
+    /// # }
+    /// ```
+    #[doc(hidden)]
+    pub fn request_statements(&self) -> (&str, &str) {
+        (&self.reserve, &self.sql.complete)
+    }
+
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &PgPool {
         &self.pool
