@@ -214,20 +214,7 @@ async fn setup(a: &Args) -> Setup {
                 .await
                 .expect("DATABASE_URL connects");
             let schema = format!("idem_bench_{}", std::process::id());
-            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-                .execute(&pool)
-                .await
-                .expect("create schema");
-            let store = idem::PgStore::new(pool.clone())
-                .with_table(Some(&schema), "idempotency_keys")
-                .expect("names");
-            store.migrate().await.expect("migrate PostgreSQL");
-            sqlx::query(sqlx::AssertSqlSafe(
-                routes::HAND_TABLE.replace("{schema}", &schema),
-            ))
-            .execute(&pool)
-            .await
-            .expect("the hand-written table");
+            let store = pg_tables(&pool, &schema).await;
             if a.prefill > 0 {
                 prefill(&pool, &schema, a.prefill).await;
             }
@@ -257,6 +244,26 @@ async fn setup(a: &Args) -> Setup {
         pg,
         _dir: dir,
     }
+}
+
+/// A new schema `schema` with idem's table (migrated) and the hand-written
+/// flow's; the store on it.
+async fn pg_tables(pool: &sqlx::PgPool, schema: &str) -> idem::PgStore {
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(pool)
+        .await
+        .expect("create schema");
+    let store = idem::PgStore::new(pool.clone())
+        .with_table(Some(schema), "idempotency_keys")
+        .expect("names");
+    store.migrate().await.expect("migrate PostgreSQL");
+    sqlx::query(sqlx::AssertSqlSafe(
+        routes::HAND_TABLE.replace("{schema}", schema),
+    ))
+    .execute(pool)
+    .await
+    .expect("the hand-written table");
+    store
 }
 
 /// Puts `n` completed records in idem's table and `n` answered keys in the

@@ -119,20 +119,7 @@ fn run(url: &str, script: &std::path::Path, seconds: u32) -> f64 {
 pub(crate) async fn pgbench(url: &str, rounds: usize, seconds: u32) {
     let pool = sqlx::PgPool::connect(url).await.expect("DATABASE_URL connects");
     let schema = format!("idem_pgbench_{}", std::process::id());
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&pool)
-        .await
-        .expect("create schema");
-    let store = idem::PgStore::new(pool.clone())
-        .with_table(Some(&schema), "idempotency_keys")
-        .expect("names");
-    store.migrate().await.expect("migrate");
-    sqlx::query(sqlx::AssertSqlSafe(
-        crate::routes::HAND_TABLE.replace("{schema}", &schema),
-    ))
-    .execute(&pool)
-    .await
-    .expect("the hand-written table");
+    let store = crate::pg_tables(&pool, &schema).await;
     crate::prefill(&pool, &schema, RECORDS).await;
     let dir = tempfile::tempdir().expect("a temporary directory");
     let cells = cells(&schema, &store);

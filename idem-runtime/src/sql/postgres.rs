@@ -152,7 +152,7 @@ impl PgStore {
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// let store = idem::PgStore::connect("postgres://127.0.0.1/app").unwrap();
     /// let (reserve, complete) = store.request_statements();
-    /// assert!(reserve.contains("_take(") && complete.starts_with("UPDATE"));
+    /// assert!(reserve.contains("idempotency_keys_take") && complete.starts_with("UPDATE"));
     /// # }
     /// ```
     #[doc(hidden)]
