@@ -326,10 +326,12 @@ impl Statements {
                 purge = new("purge_at"),
             )
         };
-        let insert_new = format!("{insert} ON CONFLICT (tenant, scope, key) DO NOTHING RETURNING {RETURNED}");
+        // The two writes of the reservation functions, each ending in
+        // `RETURNING `: what they return is the function's to say.
+        let insert_new = format!("{insert} ON CONFLICT (tenant, scope, key) DO NOTHING RETURNING ");
         let take_over = format!(
             "UPDATE {t} AS cur SET {set} WHERE cur.tenant = {p1} AND cur.scope = {p2} \
-             AND cur.key = {p3} AND {takeable} RETURNING {RETURNED}",
+             AND cur.key = {p3} AND {takeable} RETURNING ",
             set = take_set(&|col| match col {
                 "fingerprint" => p(4),
                 "lock_token" => p(5),
@@ -353,8 +355,8 @@ impl Statements {
                 "CREATE OR REPLACE FUNCTION {function_v4}(text, text, text, text, text, text, bigint, bigint) \
                  RETURNS TABLE (attempt integer, taken_over integer, recovery_point text, operation_id text) \
                  LANGUAGE plpgsql AS $idem$\n#variable_conflict use_column\nBEGIN\n\
-                 RETURN QUERY {insert_new};\nIF FOUND THEN RETURN; END IF;\n\
-                 RETURN QUERY {take_over};\nEND\n$idem$;",
+                 RETURN QUERY {insert_new}{RETURNED};\nIF FOUND THEN RETURN; END IF;\n\
+                 RETURN QUERY {take_over}{RETURNED};\nEND\n$idem$;",
                 function_v4 = qualify(&derived_name(table, "reserve")),
             )
         } else {
@@ -372,11 +374,8 @@ impl Statements {
         let taken = "ARRAY[attempt::text, taken_over::text, recovery_point, operation_id]";
         let reserve_body = format!(
             "\n#variable_conflict use_column\nDECLARE taken text[];\nBEGIN\n\
-             {insert} ON CONFLICT (tenant, scope, key) DO NOTHING RETURNING {taken} INTO taken;\n\
-             IF FOUND THEN RETURN taken; END IF;\n\
-             {take_over_into} INTO taken;\nRETURN taken;\nEND\n",
-            take_over_into =
-                take_over.replace(&format!("RETURNING {RETURNED}"), &format!("RETURNING {taken}")),
+             {insert_new}{taken} INTO taken;\nIF FOUND THEN RETURN taken; END IF;\n\
+             {take_over}{taken} INTO taken;\nRETURN taken;\nEND\n"
         );
         let reserve_ddl = if d.reserve_function {
             format!(
