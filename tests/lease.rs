@@ -657,6 +657,26 @@ async fn a_client_that_leaves_during_the_reservation_leaves_no_lock(h: Harness) 
     assert_eq!(h.app.runs("plain"), 1);
 }
 
+/// A client that leaves while its handler runs cancels nothing: the
+/// execution goes on from where it was, records its answer, and the retry
+/// gets that answer.
+async fn a_client_that_leaves_while_the_handler_runs_cancels_nothing(h: Harness) {
+    // The key is this run's own (see above).
+    let key = idem_testkit::unique("k-leave-handler");
+    let mut paused = pause::arm(pause::HANDLER_RETURNED, &key);
+    let conn = post_req("/plain", "").key(&key).start(h.addr).await;
+    paused.reached().await;
+    let dropped = h.app.dropped.notified();
+    drop(conn);
+    dropped.await;
+    paused.resume();
+
+    let retry = post_req("/plain", "").key(&key).send(h.addr).await;
+    assert_eq!((retry.status, retry.body.as_slice()), (201, &b"run 1"[..]));
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(h.app.runs("plain"), 1);
+}
+
 /// A reservation that committed but whose answer came after the store
 /// timeout is undone before the 503: the retry runs at once.
 async fn a_reservation_that_times_out_after_committing_is_undone(h: Harness) {
@@ -934,6 +954,7 @@ mod every_store {
             a_body_that_fails_midway_is_released_never_stored,
             a_body_that_panics_is_released,
             a_client_that_leaves_during_the_reservation_leaves_no_lock,
+            a_client_that_leaves_while_the_handler_runs_cancels_nothing,
             a_handler_that_blocks_its_thread_keeps_its_lease,
             a_large_body_that_fails_past_the_limit_is_released,
             a_large_body_streams_and_completes_when_it_ends,
@@ -1049,9 +1070,11 @@ async fn held_forever() -> StatusCode {
     StatusCode::CREATED
 }
 
-/// Starting an execution's lease spawns no task of its own: ten executions
-/// under way are ten protocol tasks (one heartbeat task each before; the
-/// keeper is a thread), and their tasks are gone once they end.
+/// Neither an execution nor its lease spawns a task: ten executions under
+/// way are their ten requests' tasks alone (there were a heartbeat task and
+/// a protocol task per execution before; the lease keeper is a thread, and
+/// a request runs its protocol itself until its client leaves), and nothing
+/// is left once they end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn running_executions_share_one_lease_keeper() {
     use tower::ServiceExt as _;
@@ -1073,8 +1096,8 @@ async fn running_executions_share_one_lease_keeper() {
     // The default lock timeout (60 s): no extension is due yet.
     assert_eq!(
         metrics.num_alive_tasks() - before,
-        10 + 10,
-        "the ten requests and their ten protocol tasks"
+        10,
+        "the ten requests, and no task of the protocol's"
     );
     HELD.1.notify_waiters();
     for r in requests {
@@ -1131,4 +1154,73 @@ async fn a_slow_reservation_keeps_its_lease() {
     let retry = app.oneshot(request()).await.unwrap();
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     assert_eq!(SLOW_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// A memory store that panics when it reserves the key `boom`: a panic
+/// outside the handler, where no guard of the handler's catches it.
+struct PanicsOnBoom(idem::MemoryStore);
+
+impl IdempotencyStore for PanicsOnBoom {
+    fn reserve<'a>(
+        &'a self,
+        req: idem::store::ReserveRequest<'a>,
+    ) -> futures_util::future::BoxFuture<'a, Result<idem::store::Reservation, StoreError>> {
+        assert_ne!(req.id.key, "boom", "the store panicked");
+        self.0.reserve(req)
+    }
+    fn complete<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        response: &'a StoredResponse,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        self.0.complete(id, token, response)
+    }
+    fn release<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        self.0.release(id, token)
+    }
+    fn checkpoint<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        recovery_point: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        self.0.checkpoint(id, token, recovery_point)
+    }
+    fn extend_lock<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        lock_timeout: Duration,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        self.0.extend_lock(id, token, lock_timeout)
+    }
+    fn purge_expired(&self, batch: u32) -> futures_util::future::BoxFuture<'_, Result<u64, StoreError>> {
+        self.0.purge_expired(batch)
+    }
+}
+
+/// A panic in the protocol outside the handler (here, the store's) is that
+/// request's 500 `handler-failed`, on a connection that goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_outside_the_handler_is_the_requests_500() {
+    #[idempotent(scope = "lease.boom")]
+    async fn boom() -> StatusCode {
+        StatusCode::CREATED
+    }
+    let app = Router::new().route("/boom", post(boom)).layer(
+        Idem::new(PanicsOnBoom(idem::MemoryStore::new()))
+            .single_tenant()
+            .layer(),
+    );
+    let addr = idem_testkit::http::serve(app).await;
+    let r = post_req("/boom", "").key("boom").send(addr).await;
+    assert_eq!(r.status, 500, "{r:?}");
+    assert_eq!(r.problem(), "handler-failed");
+    let r = post_req("/boom", "").key("fine").send(addr).await;
+    assert_eq!(r.status, 201, "{r:?}");
 }

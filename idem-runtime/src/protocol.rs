@@ -106,7 +106,7 @@ pub(crate) async fn run_boxed(
     }
 }
 
-/// Reads the key, then runs the protocol detached from the connection.
+/// Reads the key, then runs the protocol so that no client can cancel it.
 pub(crate) async fn run_keyed(
     engine: Arc<Engine>,
     ctx: Context,
@@ -145,13 +145,72 @@ pub(crate) async fn run_keyed(
         outcome = tracing::field::Empty,
         attempt = tracing::field::Empty,
     );
-    // From here on the protocol runs detached from the connection: a client
-    // that goes away cancels neither the reservation nor the execution.
-    let task = tokio::spawn(protect(engine, ctx.tenant, spec, fingerprint, key, handler).instrument(span));
-    match task.await {
-        Ok(response) => response,
-        // The task itself never panics: the handler's panic is caught inside.
-        Err(_) => Problem::HandlerFailed.into_response(),
+    // From here on the protocol cannot be cancelled: a client that goes
+    // away cancels neither the reservation nor the execution.
+    Detachable::new(protect(engine, ctx.tenant, spec, fingerprint, key, handler).instrument(span)).await
+}
+
+/// The protocol of one request, run in the request's own task while its
+/// client waits, and finished in a task of its own when the request is
+/// dropped before it is done (the client went away): exactly where it
+/// stopped, never run again from the start, never cancelled.
+///
+/// Spawning the protocol up front would give the same guarantee, at the
+/// price of a task, a hand-over and a wake-up on every request, which the
+/// request pays even when its client stays.
+pub(crate) struct Detachable<F: Future<Output = Response> + Send + 'static> {
+    /// `None` once it answered.
+    rest: Option<Pin<Box<F>>>,
+}
+
+impl<F: Future<Output = Response> + Send + 'static> Detachable<F> {
+    pub(crate) fn new(protocol: F) -> Self {
+        Detachable {
+            rest: Some(Box::pin(protocol)),
+        }
+    }
+}
+
+impl<F: Future<Output = Response> + Send + 'static> Future for Detachable<F> {
+    type Output = Response;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Response> {
+        let Some(rest) = self.rest.as_mut() else {
+            // Polled after it answered: a caller's bug, answered as an
+            // error rather than a panic in the server.
+            return std::task::Poll::Ready(Problem::HandlerFailed.into_response());
+        };
+        // The handler's and the body's panics are caught inside; one that
+        // escapes anyway (a store's) is this request's 500, not the
+        // connection's.
+        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| rest.as_mut().poll(cx)));
+        match polled {
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Ok(std::task::Poll::Ready(response)) => {
+                self.rest = None;
+                std::task::Poll::Ready(response)
+            }
+            Err(panic) => {
+                self.rest = None;
+                tracing::error!(panic = %panic_message(&*panic), "the idempotency protocol panicked");
+                std::task::Poll::Ready(Problem::HandlerFailed.into_response())
+            }
+        }
+    }
+}
+
+impl<F: Future<Output = Response> + Send + 'static> Drop for Detachable<F> {
+    fn drop(&mut self) {
+        if let Some(rest) = self.rest.take() {
+            // Its next poll, in the new task, registers that task's waker
+            // with whatever it waits on.
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(rest)),
+                // No runtime to finish it on: the process is shutting
+                // down, where a spawned task would be dropped too.
+                Err(_) => drop(rest),
+            }
+        }
     }
 }
 
