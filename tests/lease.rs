@@ -1224,3 +1224,50 @@ async fn a_panic_outside_the_handler_is_the_requests_500() {
     let r = post_req("/boom", "").key("fine").send(addr).await;
     assert_eq!(r.status, 201, "{r:?}");
 }
+
+static OFF_RUNTIME_RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// A request dropped on a thread of no runtime's (a service that moves its
+/// futures around) still finishes its protocol, on the runtime it started
+/// on: its retry replays the one execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_dropped_off_the_runtime_finishes_on_its_runtime() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.off_runtime")]
+    async fn counted() -> (StatusCode, String) {
+        let n = OFF_RUNTIME_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        (StatusCode::CREATED, format!("run {n}"))
+    }
+    let app = Router::new()
+        .route("/counted", post(counted))
+        .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
+    let key = idem_testkit::unique("k-off-runtime");
+    let request = || {
+        axum::http::Request::post("/counted")
+            .header("idempotency-key", &key)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let mut paused = pause::arm(pause::HANDLER_RETURNED, &key);
+    let mut first = Box::pin(app.clone().oneshot(request()));
+    tokio::select! {
+        _ = &mut first => panic!("answered while paused"),
+        () = paused.reached() => {}
+    }
+    std::thread::spawn(move || drop(first)).join().unwrap();
+    paused.resume();
+
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    let retry = loop {
+        let r = app.clone().oneshot(request()).await.unwrap();
+        if r.status() != StatusCode::CONFLICT || tokio::time::Instant::now() > until {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    let body = axum::body::to_bytes(retry.into_body(), usize::MAX).await.unwrap();
+    assert_eq!(&body[..], b"run 1");
+    assert_eq!(OFF_RUNTIME_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

@@ -161,12 +161,16 @@ pub(crate) async fn run_keyed(
 pub(crate) struct Detachable<F: Future<Output = Response> + Send + 'static> {
     /// `None` once it answered.
     rest: Option<Pin<Box<F>>>,
+    /// The runtime it started on, where it finishes even when the request is
+    /// dropped on a thread of no runtime's.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl<F: Future<Output = Response> + Send + 'static> Detachable<F> {
     pub(crate) fn new(protocol: F) -> Self {
         Detachable {
             rest: Some(Box::pin(protocol)),
+            runtime: tokio::runtime::Handle::try_current().ok(),
         }
     }
 }
@@ -204,11 +208,17 @@ impl<F: Future<Output = Response> + Send + 'static> Drop for Detachable<F> {
         if let Some(rest) = self.rest.take() {
             // Its next poll, in the new task, registers that task's waker
             // with whatever it waits on.
-            match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => drop(runtime.spawn(rest)),
-                // No runtime to finish it on: the process is shutting
-                // down, where a spawned task would be dropped too.
-                Err(_) => drop(rest),
+            match self
+                .runtime
+                .take()
+                .or_else(|| tokio::runtime::Handle::try_current().ok())
+            {
+                // A runtime that is shutting down drops it, as it drops
+                // every task.
+                Some(runtime) => drop(runtime.spawn(rest)),
+                // Built outside any runtime and dropped outside one too:
+                // nowhere to finish it.
+                None => drop(rest),
             }
         }
     }
