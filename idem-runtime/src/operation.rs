@@ -11,7 +11,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 /// What an execution runs under, shared (one allocation per execution) by
-/// its handler's [`Operation`], the lease keeper and the answer.
+/// its handler's [`Operation`], the lease keeper and the answer: the record,
+/// the lease, and what the handler leaves for the completion.
 #[derive(Clone)]
 pub(crate) struct OperationInfo(Arc<Shared>);
 
@@ -21,6 +22,12 @@ pub(crate) struct Shared {
     pub(crate) lease: Lease,
     /// Set once the lease is lost: taken over, or not extended in time.
     pub(crate) lost: tokio::sync::watch::Sender<bool>,
+    /// The recovery point as this execution last set it.
+    pub(crate) recovery_point: std::sync::Mutex<Option<String>>,
+    /// The handler's transaction, once it asked for one; the completion
+    /// takes it.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    pub(crate) tx: tokio::sync::Mutex<Option<PendingTx>>,
 }
 
 impl std::ops::Deref for OperationInfo {
@@ -38,6 +45,8 @@ impl OperationInfo {
             id,
             lease,
             lost: tokio::sync::watch::Sender::new(false),
+            recovery_point: std::sync::Mutex::new(None),
+            tx: tokio::sync::Mutex::new(None),
         }))
     }
 
@@ -72,11 +81,6 @@ impl OperationInfo {
 #[derive(Clone)]
 pub struct Operation {
     pub(crate) info: OperationInfo,
-    /// The recovery point as this execution last set it.
-    pub(crate) recovery_point: Arc<std::sync::Mutex<Option<String>>>,
-    /// The handler's transaction, once it asked for one.
-    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
-    pub(crate) tx: Arc<tokio::sync::Mutex<Option<PendingTx>>>,
 }
 
 impl std::fmt::Debug for Operation {
@@ -119,6 +123,7 @@ impl Operation {
     /// execution, or by an earlier attempt that was taken over.
     pub fn recovery_point(&self) -> Option<String> {
         let own = self
+            .info
             .recovery_point
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -190,7 +195,7 @@ impl Operation {
             return Err(StoreError::LockLost);
         }
         info.store.checkpoint(&info.id, &info.lease.token, name).await?;
-        *self.recovery_point.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.to_owned());
+        *self.info.recovery_point.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.to_owned());
         Ok(())
     }
 
@@ -264,7 +269,7 @@ impl Operation {
         if self.info.is_lost() {
             return Err(StoreError::LockLost);
         }
-        let mut slot = self.tx.lock().await;
+        let mut slot = self.info.tx.lock().await;
         if slot.is_none() {
             *slot = Some(begin.await?);
         }

@@ -401,12 +401,7 @@ pub(crate) async fn execute(
     handler: Handler,
 ) -> Response {
     let info = OperationInfo::new(engine.store.clone(), id, lease);
-    let tx: Arc<tokio::sync::Mutex<Option<PendingTx>>> = Arc::default();
-    let handler = handler(Some(Operation {
-        info: info.clone(),
-        recovery_point: Arc::default(),
-        tx: tx.clone(),
-    }));
+    let handler = handler(Some(Operation { info: info.clone() }));
     if info.lease.is_takeover() {
         tracing::warn!(
             attempt = info.lease.attempt,
@@ -417,7 +412,7 @@ pub(crate) async fn execute(
     let outcome = AssertUnwindSafe(handler).catch_unwind().await;
     pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
     // The handler is done: its transaction, if any, is ours now.
-    let tx = tx.lock().await.take();
+    let tx = info.tx.lock().await.take();
     finish(&engine, &info, clock.lock_timeout, outcome, tx, beat).await
 }
 
