@@ -167,11 +167,10 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
             // values are equal exactly when their canonical forms are.
             let agrees = |i: usize, node: &Node| match read {
                 None => true,
-                Some(read) => read
-                    .get(i)
-                    .and_then(Option::as_deref)
-                    .and_then(|json| jcs::parse(json).ok())
-                    .is_some_and(|typed| typed == *node),
+                Some(read) => read.get(i).and_then(Option::as_deref).is_some_and(|json| {
+                    plain_equals(json, node)
+                        .unwrap_or_else(|| jcs::parse(json).is_ok_and(|typed| typed == *node))
+                }),
             };
             // Every declared field where its wire path says; else (the
             // field left out, sent under an alias, in an array, behind a
@@ -204,6 +203,24 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
         }
     }
     Ok(hex(&hasher.finalize()))
+}
+
+/// Whether the JSON text `json` is the value `node`, without parsing it,
+/// when it is what most fields are: a string without escapes, or an integer
+/// of at most 15 digits (below 2^53, so a double holds it). Both are then
+/// their own canonical form. `None` for anything else: parse it.
+fn plain_equals(json: &[u8], node: &Node<'_>) -> Option<bool> {
+    match json {
+        [b'"', inner @ .., b'"'] if !inner.iter().any(|&b| b == b'\\' || b == b'"' || b < 0x20) => {
+            Some(matches!(node, Node::String(s) if s.as_bytes() == inner))
+        }
+        _ => {
+            let digits = json.strip_prefix(b"-").unwrap_or(json);
+            let plain = matches!(digits, [b'1'..=b'9', rest @ ..] if rest.len() < 15 && rest.iter().all(u8::is_ascii_digit))
+                || json == b"0";
+            plain.then(|| matches!(node, Node::Number(n) if n.as_bytes() == json))
+        }
+    }
 }
 
 /// `application/x-www-form-urlencoded` pairs as canonical JSON: an array of
@@ -420,5 +437,57 @@ mod tests {
             let spelled = format!("{ws}{{{ws}{},{ws}{},\"note\":\"{note}\"}}{ws}", members[0], members[1]);
             prop_assert_eq!(json_print(&spelled), base);
         }
+
+        /// Where a value is read without parsing it, it agrees with the
+        /// parser: on typed values as serde_json writes them, and on raw
+        /// texts that only look plain.
+        #[test]
+        fn plain_values_agree_with_the_parser(
+            a in plain_or_not(), b in plain_or_not(),
+        ) {
+            let (node_a, node_b) = (jcs::parse(&a).unwrap(), jcs::parse(&b).unwrap());
+            if let Some(equal) = plain_equals(&a, &node_b) {
+                prop_assert_eq!(equal, node_a == node_b, "{} against {}", String::from_utf8_lossy(&a), String::from_utf8_lossy(&b));
+            }
+            prop_assert_ne!(plain_equals(&a, &node_a), Some(false));
+        }
+    }
+
+    /// JSON texts of values a field holds, plain and not: strings with and
+    /// without escapes, integers around 15 digits and 2^53, other numbers,
+    /// and raw spellings of the same values.
+    fn plain_or_not() -> impl Strategy<Value = Vec<u8>> {
+        let typed = prop_oneof![
+            any::<String>().prop_map(serde_json::Value::from),
+            "[a-z\"\\\\/\u{0}-\u{1f}\u{e9}\u{1f600}]{0,6}".prop_map(serde_json::Value::from),
+            any::<i64>().prop_map(serde_json::Value::from),
+            (-1_000_000_000_000_000i64..1_000_000_000_000_000).prop_map(serde_json::Value::from),
+            (-10_000_000_000_000_000i64..10_000_000_000_000_000).prop_map(serde_json::Value::from),
+            (0i64..100).prop_map(serde_json::Value::from),
+            any::<u64>().prop_map(serde_json::Value::from),
+            any::<f64>().prop_map(serde_json::Value::from),
+            any::<bool>().prop_map(serde_json::Value::from),
+        ]
+        .prop_map(|v| serde_json::to_vec(&v).unwrap());
+        let raw = prop::sample::select(vec![
+            "-0",
+            "0",
+            "1.0",
+            "1e2",
+            "10",
+            "-10",
+            "999999999999999",
+            "1000000000000000",
+            "9007199254740993",
+            "\"\\u0041\"",
+            "\"A\"",
+            "\"\\/\"",
+            "\"/\"",
+            "\"\"",
+            "\"a\\\"b\"",
+            "null",
+        ])
+        .prop_map(|t| t.as_bytes().to_vec());
+        prop_oneof![3 => typed, 1 => raw]
     }
 }
