@@ -304,17 +304,18 @@ pub(crate) fn fenced(rows: u64) -> Result<(), StoreError> {
 pub(crate) fn judge_row<R>(row: &R, fingerprint: &str) -> Result<crate::store::Reservation, StoreError>
 where
     R: sqlx::Row,
-    for<'r> &'r str: sqlx::ColumnIndex<R>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> &'r str: sqlx::ColumnIndex<R> + sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<String>: sqlx::Decode<'r, R::Database>,
+    String: sqlx::Type<R::Database>,
     for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<i64>: sqlx::Decode<'r, R::Database>,
     for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database>,
     for<'r> Vec<u8>: sqlx::Type<R::Database>,
 {
     let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
-    let stored_fp: String = row.try_get("fingerprint").map_err(get_err)?;
-    let state: String = row.try_get("state").map_err(get_err)?;
+    // Borrowed from the row: a replay copies only the answer.
+    let stored_fp: &str = row.try_get("fingerprint").map_err(get_err)?;
+    let state: &str = row.try_get("state").map_err(get_err)?;
     let lock_left: i64 = row.try_get("lock_left_ms").map_err(get_err)?;
     let completed = if state == RecordState::COMPLETED_COLUMN {
         Some(crate::store::StoredResponse::from_columns(
