@@ -3,7 +3,11 @@
 //! server's CPU, against the hand-written flow's statements on the same
 //! database. Each cell is `pgbench -M prepared` (16 clients, 2 threads) on a
 //! table of 100,000 completed records; the cells run back to back, round
-//! after round, and the ratios are between cells of the same round.
+//! after round, and the ratios are between cells of the same round. The
+//! last three cells take the reservation apart: the lookup alone (what a
+//! replay costs beyond it is the `CASE` and the join), and a first request
+//! with its writes as one plain upsert (no lookup first, no function), on
+//! the table as it is and on the same table without the `purge_at` index.
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -28,15 +32,18 @@ fn bound(statement: &str, binds: &[&str]) -> String {
     s
 }
 
-fn cells(schema: &str, store: &idem::PgStore) -> Vec<Cell> {
-    let (reserve, complete) = store.request_statements();
+/// The cells, on idem's table in `schema` and the same table without its
+/// `purge_at` index in `unindexed`.
+fn cells(schema: &str, store: &idem::PgStore, unindexed: &idem::PgStore) -> Vec<Cell> {
+    let statements = store.request_statements();
+    let (reserve, complete) = (statements.reserve, statements.complete);
     let old = "\\set i random(1, 100000)\n";
     let new = "\\set i random(1000000, 1000000000000)\n";
     let body = "'\\x7b226964223a227061795f31227d'::bytea";
     // tenant, scope, key, fingerprint, token, operation id, ttl, lock.
-    let reserve_key = |key: &'static str| {
+    let reserve_with = |statement: &str, key: &'static str| {
         bound(
-            reserve,
+            statement,
             &[
                 "''",
                 "'bench.old'",
@@ -49,18 +56,23 @@ fn cells(schema: &str, store: &idem::PgStore) -> Vec<Cell> {
             ],
         )
     };
-    let completion = bound(
-        complete,
-        &[
-            "''",
-            "'bench.old'",
-            "('new-' || :i)",
-            "'tok'",
-            "201",
-            "'[[\"content-type\",\"application/json\"]]'",
-            body,
-        ],
-    );
+    let reserve_key = |key: &'static str| reserve_with(reserve, key);
+    let completion_of = |complete: &str| {
+        bound(
+            complete,
+            &[
+                "''",
+                "'bench.old'",
+                "('new-' || :i)",
+                "'tok'",
+                "201",
+                "'[[\"content-type\",\"application/json\"]]'",
+                body,
+            ],
+        )
+    };
+    let completion = completion_of(complete);
+    let bare = unindexed.request_statements();
     vec![
         Cell {
             name: "hand-written replay: one primary-key SELECT",
@@ -89,6 +101,32 @@ fn cells(schema: &str, store: &idem::PgStore) -> Vec<Cell> {
             name: "idem first: reserve, then complete",
             baseline: Some("hand-written first: INSERT, then UPDATE"),
             script: format!("{new}{};\n{completion};\n", reserve_key("('new-' || :i)")),
+        },
+        // Where the rest goes: the reservation's parts on their own.
+        Cell {
+            name: "idem replay, part: the lookup alone",
+            baseline: Some("hand-written replay: one primary-key SELECT"),
+            script: format!(
+                "{old}{};\n",
+                bound(statements.peek, &["''", "'bench.old'", "('old-' || :i)", "'fp'"])
+            ),
+        },
+        Cell {
+            name: "idem first, part: one upsert, no lookup, no function",
+            baseline: Some("hand-written first: INSERT, then UPDATE"),
+            script: format!(
+                "{new}{};\n{completion};\n",
+                reserve_with(statements.upsert, "('new-' || :i)")
+            ),
+        },
+        Cell {
+            name: "idem first, part: the same, no purge_at index",
+            baseline: Some("hand-written first: INSERT, then UPDATE"),
+            script: format!(
+                "{new}{};\n{};\n",
+                reserve_with(bare.upsert, "('new-' || :i)"),
+                completion_of(bare.complete)
+            ),
         },
     ]
 }
@@ -121,8 +159,26 @@ pub(crate) async fn pgbench(url: &str, rounds: usize, seconds: u32) {
     let schema = format!("idem_pgbench_{}", std::process::id());
     let store = crate::pg_tables(&pool, &schema).await;
     crate::prefill(&pool, &schema, RECORDS).await;
+    // The same table without the janitor's index, for the cell that says
+    // what the index costs.
+    let unindexed_schema = format!("{schema}_unindexed");
+    let unindexed = crate::pg_tables(&pool, &unindexed_schema).await;
+    let index: String = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 AND indexdef LIKE '%(purge_at)%'",
+    )
+    .bind(&unindexed_schema)
+    .fetch_one(&pool)
+    .await
+    .expect("the purge_at index");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP INDEX {unindexed_schema}.\"{index}\""
+    )))
+    .execute(&pool)
+    .await
+    .expect("drop the purge_at index");
+    crate::prefill(&pool, &unindexed_schema, RECORDS).await;
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let cells = cells(&schema, &store);
+    let cells = cells(&schema, &store, &unindexed);
     println!(
         "# pgbench -M prepared, 16 clients, {seconds} s per cell, {rounds} round(s), {RECORDS} records per table"
     );
@@ -151,7 +207,7 @@ pub(crate) async fn pgbench(url: &str, rounds: usize, seconds: u32) {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    println!("{:<46} {:>9} {:>17} {:>8}", "cell", "tps", "range", "ratio");
+    println!("{:<54} {:>9} {:>17} {:>8}", "cell", "tps", "range", "ratio");
     for cell in &cells {
         let t = &tps[cell.name];
         let (lo, hi) = t
@@ -161,15 +217,17 @@ pub(crate) async fn pgbench(url: &str, rounds: usize, seconds: u32) {
             .get(cell.name)
             .map_or_else(|| "-".to_owned(), |r| format!("{:.2}", median(r)));
         println!(
-            "{:<46} {:>9.0} {:>17} {:>8}",
+            "{:<54} {:>9.0} {:>17} {:>8}",
             cell.name,
             median(t),
             format!("{lo:.0}-{hi:.0}"),
             ratio
         );
     }
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .expect("drop schema");
+    for schema in [&schema, &unindexed_schema] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .execute(&pool)
+            .await
+            .expect("drop schema");
+    }
 }

@@ -159,7 +159,7 @@ pub(crate) struct Statements {
     pub(crate) unknown_required: String,
     /// Takes the key (insert, or update of a takeable row) in one upsert.
     /// Binds: tenant, scope, key, fingerprint, token, operation id, ttl ms, lock ms.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     pub(crate) take: String,
     /// Binds: tenant, scope, key. Columns: fingerprint, state, status,
     /// headers, body, lock_left_ms.

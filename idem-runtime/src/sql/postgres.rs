@@ -65,6 +65,25 @@ impl std::fmt::Debug for PgStore {
     }
 }
 
+/// What [`PgStore::request_statements`] returns.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub struct RequestStatements<'a> {
+    /// Reserves a key: the lookup, and the reservation function only when
+    /// the lookup found nothing to answer from. Binds: tenant, scope, key,
+    /// fingerprint, token, operation id, ttl ms, lock ms.
+    pub reserve: &'a str,
+    /// Stores an answer. Binds: tenant, scope, key, token, status, headers,
+    /// body.
+    pub complete: &'a str,
+    /// The lookup alone. Binds: tenant, scope, key, fingerprint.
+    pub peek: &'a str,
+    /// The writes of a reservation as one plain statement (an insert that
+    /// takes over a takeable row on conflict), without the lookup first:
+    /// what the SQLite store runs. The same binds as `reserve`.
+    pub upsert: &'a str,
+}
+
 impl PgStore {
     /// A store over an existing pool, on the table `idempotency_keys` in the
     /// pool's search path.
@@ -144,20 +163,26 @@ impl PgStore {
         self
     }
 
-    /// The statement that reserves a key and the one that stores an answer,
-    /// as this store runs them (binds `$1`..: see docs/PROTOCOL.md), for
-    /// measuring them on the database alone (`bench --pgbench`).
+    /// The statements of a keyed request as this store runs them (binds
+    /// `$1`..: see docs/PROTOCOL.md), and the parts the reservation is made
+    /// of, for measuring them on the database alone (`bench --pgbench`).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// let store = idem::PgStore::connect("postgres://127.0.0.1/app").unwrap();
-    /// let (reserve, complete) = store.request_statements();
-    /// assert!(reserve.contains("idempotency_keys_take") && complete.starts_with("UPDATE"));
+    /// let s = store.request_statements();
+    /// assert!(s.reserve.contains("idempotency_keys_take") && s.complete.starts_with("UPDATE"));
+    /// assert!(s.reserve.contains(s.peek) && s.upsert.starts_with("INSERT"));
     /// # }
     /// ```
     #[doc(hidden)]
-    pub fn request_statements(&self) -> (&str, &str) {
-        (&self.reserve, &self.sql.complete)
+    pub fn request_statements(&self) -> RequestStatements<'_> {
+        RequestStatements {
+            reserve: &self.reserve,
+            complete: &self.sql.complete,
+            peek: &self.sql.peek,
+            upsert: &self.sql.take,
+        }
     }
 
     /// The pool, for the application's own queries.
