@@ -1070,11 +1070,10 @@ async fn held_forever() -> StatusCode {
     StatusCode::CREATED
 }
 
-/// Neither an execution nor its lease spawns a task: ten executions under
-/// way are their ten requests' tasks alone (there were a heartbeat task and
-/// a protocol task per execution before; the lease keeper is a thread, and
-/// a request runs its protocol itself until its client leaves), and nothing
-/// is left once they end.
+/// An execution's lease spawns no task of its own: ten executions under way
+/// are their ten requests' tasks and the ten executions' (there was a
+/// heartbeat task per execution too before; the lease keeper is a thread),
+/// and nothing is left once they end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn running_executions_share_one_lease_keeper() {
     use tower::ServiceExt as _;
@@ -1096,8 +1095,8 @@ async fn running_executions_share_one_lease_keeper() {
     // The default lock timeout (60 s): no extension is due yet.
     assert_eq!(
         metrics.num_alive_tasks() - before,
-        10,
-        "the ten requests, and no task of the protocol's"
+        10 + 10,
+        "the ten requests and their ten executions"
     );
     HELD.1.notify_waiters();
     for r in requests {
@@ -1270,4 +1269,109 @@ async fn a_request_dropped_off_the_runtime_finishes_on_its_runtime() {
     let body = axum::body::to_bytes(retry.into_body(), usize::MAX).await.unwrap();
     assert_eq!(&body[..], b"run 1");
     assert_eq!(OFF_RUNTIME_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+tokio::task_local! {
+    /// Scoped over each request by an application's middleware.
+    static REQUEST_ID: u64;
+}
+
+/// What `reads_request_id` saw, in the order it ran.
+static SEEN_IDS: Mutex<Vec<Option<u64>>> = Mutex::new(Vec::new());
+
+/// Reads its middleware's task-local once its client may have left.
+#[idempotent(scope = "lease.task_local")]
+async fn reads_request_id(State(app): State<App>) -> StatusCode {
+    let let_go = app.gate.notified();
+    app.events.send("reading").unwrap();
+    let_go.await;
+    SEEN_IDS.lock().unwrap().push(REQUEST_ID.try_with(|id| *id).ok());
+    StatusCode::CREATED
+}
+
+/// A handler runs the same way whether its client stays or leaves: in a
+/// task of its own, where the request task's task-locals are not set. (Were
+/// it run in the request's task while the client stays, it would see them,
+/// and the same handler would fail only after a disconnect, when its retry
+/// would run it again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_runs_the_same_way_whether_its_client_stays_or_leaves() {
+    async fn with_request_id(req: Request, next: Next) -> Response {
+        REQUEST_ID.scope(7, next.run(req)).await
+    }
+    let mut h = start(Duration::from_secs(10), StoreKind::Memory)
+        .await
+        .expect("the memory store needs nothing");
+    let app = Router::new()
+        .route("/request-id", post(reads_request_id))
+        .layer(Idem::from_arc(h.store.clone()).single_tenant().layer())
+        .layer(middleware::from_fn(with_request_id))
+        .layer(middleware::from_fn_with_state(h.app.clone(), watch_drops))
+        .with_state(h.app.clone());
+    let addr = idem_testkit::http::serve(app).await;
+
+    let stays = tokio::spawn(async move { post_req("/request-id", "").key("k-stays").send(addr).await });
+    h.told("reading").await;
+    h.app.gate.notify_one();
+    assert_eq!(stays.await.unwrap().status, 201);
+
+    let leaves = post_req("/request-id", "").key("k-leaves").start(addr).await;
+    h.told("reading").await;
+    let dropped = h.app.dropped.notified();
+    drop(leaves);
+    dropped.await;
+    h.app.gate.notify_one();
+    let retry = post_req("/request-id", "")
+        .key("k-leaves")
+        .wait_for_replay(addr)
+        .await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert_eq!(*SEEN_IDS.lock().unwrap(), [None, None]);
+}
+
+static KEPT_RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// A request whose future is polled until its handler runs, then kept but
+/// no longer polled (its caller went on to other work), does not hold its
+/// key: the execution runs to its end by itself, and the retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execution_whose_request_is_no_longer_polled_still_ends() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.kept", lock_timeout = "300ms")]
+    async fn kept() -> (StatusCode, String) {
+        let n = KEPT_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        (StatusCode::CREATED, format!("run {n}"))
+    }
+    let app = Router::new()
+        .route("/kept", post(kept))
+        .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
+    let key = idem_testkit::unique("k-kept");
+    let request = || {
+        axum::http::Request::post("/kept")
+            .header("idempotency-key", &key)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let mut paused = pause::arm(pause::HANDLER_RETURNED, &key);
+    let mut first = Box::pin(app.clone().oneshot(request()));
+    tokio::select! {
+        _ = &mut first => panic!("answered while paused"),
+        () = paused.reached() => {}
+    }
+    paused.resume();
+    // `first` is kept, not polled. Without an execution of its own, its key
+    // stays in progress for as long as it is kept (the lease keeper extends
+    // the lock): the loop runs out.
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    let retry = loop {
+        let r = app.clone().oneshot(request()).await.unwrap();
+        if r.status() != StatusCode::CONFLICT || tokio::time::Instant::now() > until {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    drop(first);
+    assert_eq!(KEPT_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
 }

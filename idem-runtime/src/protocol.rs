@@ -153,11 +153,12 @@ pub(crate) async fn run_keyed(
 /// The protocol of one request, run in the request's own task while its
 /// client waits, and finished in a task of its own when the request is
 /// dropped before it is done (the client went away): exactly where it
-/// stopped, never run again from the start, never cancelled.
+/// stopped, never run again from the start, never cancelled. (An execution
+/// always runs in a task of its own: see `protect`.)
 ///
-/// Spawning the protocol up front would give the same guarantee, at the
-/// price of a task, a hand-over and a wake-up on every request, which the
-/// request pays even when its client stays.
+/// Spawning the whole protocol up front would give the same guarantee, at
+/// the price of a task, a hand-over and a wake-up on every request, which
+/// replays and conflicts would pay too.
 pub(crate) struct Detachable<F: Future<Output = Response> + Send + 'static> {
     /// `None` once it answered.
     rest: Option<Pin<Box<F>>>,
@@ -295,10 +296,20 @@ pub(crate) async fn protect(
                     // it errs on the safe side.
                     deadline: asked + request.lock_timeout,
                 };
-                // Boxed: the execution's state is large, and a replay or a
-                // conflict (most of what a retry storm sends) should neither
-                // build nor move it.
-                return Box::pin(execute(engine, id, lease, clock, handler)).await;
+                // The execution runs in a task of its own: the handler runs
+                // the same way whether its client stays or leaves (it never
+                // sees the request task's task-locals), and it goes on
+                // while the request's future is not polled (the lease
+                // keeper extends its lock meanwhile). A replay or a
+                // conflict (most of what a retry storm sends) spawns
+                // nothing.
+                let execution = tokio::spawn(execute(engine, id, lease, clock, handler).in_current_span());
+                return match execution.await {
+                    Ok(response) => response,
+                    // The handler's and its body's panics are caught inside;
+                    // this is a store's.
+                    Err(_) => Problem::HandlerFailed.into_response(),
+                };
             }
             Reservation::Completed(stored) => {
                 record(Outcome::Replayed);
