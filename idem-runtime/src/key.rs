@@ -159,6 +159,18 @@ impl IdempotencyKey {
         let digest = Sha256::digest(self.0.as_bytes());
         crate::fingerprint::hex(&digest[..6])
     }
+
+    /// [`IdempotencyKey::log_hash`], computed only when it is written: a
+    /// span that no subscriber records costs no digest.
+    pub(crate) fn log_hash_display(&self) -> impl fmt::Display + '_ {
+        struct Lazy<'a>(&'a IdempotencyKey);
+        impl fmt::Display for Lazy<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0.log_hash())
+            }
+        }
+        Lazy(self)
+    }
 }
 
 impl fmt::Debug for IdempotencyKey {

@@ -141,7 +141,7 @@ pub(crate) async fn run_keyed(
     let span = tracing::info_span!(
         "idem",
         scope = spec.scope,
-        key = %key.log_hash(),
+        key = %key.log_hash_display(),
         outcome = tracing::field::Empty,
         attempt = tracing::field::Empty,
     );
