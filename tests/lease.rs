@@ -1224,41 +1224,57 @@ async fn a_panic_outside_the_handler_is_the_requests_500() {
     assert_eq!(r.status, 201, "{r:?}");
 }
 
-static OFF_RUNTIME_RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+/// Runs of `counted`, by key.
+static COUNTED_RUNS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
-/// A request dropped on a thread of no runtime's (a service that moves its
-/// futures around) still finishes its protocol, on the runtime it started
-/// on: its retry replays the one execution.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_dropped_off_the_runtime_finishes_on_its_runtime() {
-    use tower::ServiceExt as _;
-    #[idempotent(scope = "lease.off_runtime")]
-    async fn counted() -> (StatusCode, String) {
-        let n = OFF_RUNTIME_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-        (StatusCode::CREATED, format!("run {n}"))
-    }
-    let app = Router::new()
+/// Counts its runs by key, under a lock of 300 ms.
+#[idempotent(scope = "lease.counted", lock_timeout = "300ms")]
+async fn counted(op: Operation) -> (StatusCode, String) {
+    let mut runs = COUNTED_RUNS.lock().unwrap();
+    runs.push(op.key().to_owned());
+    let n = runs.iter().filter(|k| *k == op.key()).count();
+    (StatusCode::CREATED, format!("run {n}"))
+}
+
+fn counting_router() -> Router {
+    Router::new()
         .route("/counted", post(counted))
-        .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
-    let key = idem_testkit::unique("k-off-runtime");
-    let request = || {
-        axum::http::Request::post("/counted")
-            .header("idempotency-key", &key)
-            .body(Body::empty())
-            .unwrap()
-    };
-    let mut paused = pause::arm(pause::HANDLER_RETURNED, &key);
-    let mut first = Box::pin(app.clone().oneshot(request()));
+        .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer())
+}
+
+fn counted_request(key: &str) -> axum::http::Request<Body> {
+    axum::http::Request::post("/counted")
+        .header("idempotency-key", key)
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// Polls a request for `key` until its handler returned and its execution
+/// stopped at the pause point after it; hands the request's future back.
+async fn request_paused_after_its_handler(
+    app: &Router,
+    key: &str,
+) -> (
+    std::pin::Pin<Box<tower::util::Oneshot<Router, axum::http::Request<Body>>>>,
+    pause::Pause,
+) {
+    use tower::ServiceExt as _;
+    let mut paused = pause::arm(pause::HANDLER_RETURNED, key);
+    let mut first = Box::pin(app.clone().oneshot(counted_request(key)));
     tokio::select! {
         _ = &mut first => panic!("answered while paused"),
         () = paused.reached() => {}
     }
-    std::thread::spawn(move || drop(first)).join().unwrap();
-    paused.resume();
+    (first, paused)
+}
 
+/// Asks for `key` again until the answer is not 409 (for 5 s at most), and
+/// checks that it is the replay of the one run.
+async fn assert_replays_the_one_run(app: &Router, key: &str) {
+    use tower::ServiceExt as _;
     let until = tokio::time::Instant::now() + Duration::from_secs(5);
     let retry = loop {
-        let r = app.clone().oneshot(request()).await.unwrap();
+        let r = app.clone().oneshot(counted_request(key)).await.unwrap();
         if r.status() != StatusCode::CONFLICT || tokio::time::Instant::now() > until {
             break r;
         }
@@ -1268,7 +1284,23 @@ async fn a_request_dropped_off_the_runtime_finishes_on_its_runtime() {
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     let body = axum::body::to_bytes(retry.into_body(), usize::MAX).await.unwrap();
     assert_eq!(&body[..], b"run 1");
-    assert_eq!(OFF_RUNTIME_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        COUNTED_RUNS.lock().unwrap().iter().filter(|k| *k == key).count(),
+        1
+    );
+}
+
+/// A request dropped on a thread of no runtime's (a service that moves its
+/// futures around) still finishes its protocol, on the runtime it started
+/// on: its retry replays the one execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_dropped_off_the_runtime_finishes_on_its_runtime() {
+    let app = counting_router();
+    let key = idem_testkit::unique("k-off-runtime");
+    let (first, paused) = request_paused_after_its_handler(&app, &key).await;
+    std::thread::spawn(move || drop(first)).join().unwrap();
+    paused.resume();
+    assert_replays_the_one_run(&app, &key).await;
 }
 
 tokio::task_local! {
@@ -1329,49 +1361,18 @@ async fn a_handler_runs_the_same_way_whether_its_client_stays_or_leaves() {
     assert_eq!(*SEEN_IDS.lock().unwrap(), [None, None]);
 }
 
-static KEPT_RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-
 /// A request whose future is polled until its handler runs, then kept but
 /// no longer polled (its caller went on to other work), does not hold its
 /// key: the execution runs to its end by itself, and the retry replays it.
+/// (Without an execution of its own, the key would stay in progress for as
+/// long as the future is kept, the lease keeper extending its lock past the
+/// 300 ms lock timeout: the retries would run out.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_execution_whose_request_is_no_longer_polled_still_ends() {
-    use tower::ServiceExt as _;
-    #[idempotent(scope = "lease.kept", lock_timeout = "300ms")]
-    async fn kept() -> (StatusCode, String) {
-        let n = KEPT_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-        (StatusCode::CREATED, format!("run {n}"))
-    }
-    let app = Router::new()
-        .route("/kept", post(kept))
-        .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
+    let app = counting_router();
     let key = idem_testkit::unique("k-kept");
-    let request = || {
-        axum::http::Request::post("/kept")
-            .header("idempotency-key", &key)
-            .body(Body::empty())
-            .unwrap()
-    };
-    let mut paused = pause::arm(pause::HANDLER_RETURNED, &key);
-    let mut first = Box::pin(app.clone().oneshot(request()));
-    tokio::select! {
-        _ = &mut first => panic!("answered while paused"),
-        () = paused.reached() => {}
-    }
+    let (first, paused) = request_paused_after_its_handler(&app, &key).await;
     paused.resume();
-    // `first` is kept, not polled. Without an execution of its own, its key
-    // stays in progress for as long as it is kept (the lease keeper extends
-    // the lock): the loop runs out.
-    let until = tokio::time::Instant::now() + Duration::from_secs(5);
-    let retry = loop {
-        let r = app.clone().oneshot(request()).await.unwrap();
-        if r.status() != StatusCode::CONFLICT || tokio::time::Instant::now() > until {
-            break r;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
-    assert_eq!(retry.status(), StatusCode::CREATED);
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_replays_the_one_run(&app, &key).await;
     drop(first);
-    assert_eq!(KEPT_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
