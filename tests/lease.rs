@@ -1236,10 +1236,19 @@ async fn counted(op: Operation) -> (StatusCode, String) {
     (StatusCode::CREATED, format!("run {n}"))
 }
 
+/// Runs of `counted` by key so far.
+fn counted_runs(key: &str) -> usize {
+    COUNTED_RUNS.lock().unwrap().iter().filter(|k| *k == key).count()
+}
+
 fn counting_router() -> Router {
+    counting_router_on(idem::MemoryStore::new())
+}
+
+fn counting_router_on(store: impl IdempotencyStore) -> Router {
     Router::new()
         .route("/counted", post(counted))
-        .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer())
+        .layer(Idem::new(store).single_tenant().layer())
 }
 
 fn counted_request(key: &str) -> axum::http::Request<Body> {
@@ -1249,17 +1258,13 @@ fn counted_request(key: &str) -> axum::http::Request<Body> {
         .unwrap()
 }
 
-/// Polls a request for `key` until its handler returned and its execution
-/// stopped at the pause point after it; hands the request's future back.
-async fn request_paused_after_its_handler(
-    app: &Router,
-    key: &str,
-) -> (
-    std::pin::Pin<Box<tower::util::Oneshot<Router, axum::http::Request<Body>>>>,
-    pause::Pause,
-) {
+type RequestFuture = std::pin::Pin<Box<tower::util::Oneshot<Router, axum::http::Request<Body>>>>;
+
+/// Polls a request for `key` until it stops at `point`; hands the request's
+/// future back.
+async fn request_paused_at(app: &Router, key: &str, point: &'static str) -> (RequestFuture, pause::Pause) {
     use tower::ServiceExt as _;
-    let mut paused = pause::arm(pause::HANDLER_RETURNED, key);
+    let mut paused = pause::arm(point, key);
     let mut first = Box::pin(app.clone().oneshot(counted_request(key)));
     tokio::select! {
         _ = &mut first => panic!("answered while paused"),
@@ -1284,10 +1289,7 @@ async fn assert_replays_the_one_run(app: &Router, key: &str) {
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     let body = axum::body::to_bytes(retry.into_body(), usize::MAX).await.unwrap();
     assert_eq!(&body[..], b"run 1");
-    assert_eq!(
-        COUNTED_RUNS.lock().unwrap().iter().filter(|k| *k == key).count(),
-        1
-    );
+    assert_eq!(counted_runs(key), 1);
 }
 
 /// A request dropped on a thread of no runtime's (a service that moves its
@@ -1297,7 +1299,7 @@ async fn assert_replays_the_one_run(app: &Router, key: &str) {
 async fn a_request_dropped_off_the_runtime_finishes_on_its_runtime() {
     let app = counting_router();
     let key = idem_testkit::unique("k-off-runtime");
-    let (first, paused) = request_paused_after_its_handler(&app, &key).await;
+    let (first, paused) = request_paused_at(&app, &key, pause::HANDLER_RETURNED).await;
     std::thread::spawn(move || drop(first)).join().unwrap();
     paused.resume();
     assert_replays_the_one_run(&app, &key).await;
@@ -1371,8 +1373,147 @@ async fn a_handler_runs_the_same_way_whether_its_client_stays_or_leaves() {
 async fn an_execution_whose_request_is_no_longer_polled_still_ends() {
     let app = counting_router();
     let key = idem_testkit::unique("k-kept");
-    let (first, paused) = request_paused_after_its_handler(&app, &key).await;
+    let (first, paused) = request_paused_at(&app, &key, pause::HANDLER_RETURNED).await;
     paused.resume();
     assert_replays_the_one_run(&app, &key).await;
+    drop(first);
+}
+
+/// Polls `first` (whose reservation was answered and resumed, and which
+/// was then kept unpolled past its 300 ms lock) while a retry's takeover of
+/// the key runs: its own execution must not start on a lock that ran out,
+/// so the handler runs once, for the retry.
+async fn assert_a_late_reservation_does_not_run(app: &Router, key: &str, first: RequestFuture) {
+    use tower::ServiceExt as _;
+    let retry = tokio::spawn(app.clone().oneshot(counted_request(key)));
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while counted_runs(key) == 0 && tokio::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let first = first.await.unwrap();
+    let retry = retry.await.unwrap().unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = axum::body::to_bytes(first.into_body(), usize::MAX).await.unwrap();
+    assert!(
+        String::from_utf8_lossy(&body).contains("idempotency-store-unavailable"),
+        "{body:?}"
+    );
+    assert_eq!(
+        counted_runs(key),
+        1,
+        "the handler ran for the late reservation too"
+    );
+}
+
+/// A reservation answered after its lock could have run out (here its
+/// request was kept unpolled for twice the lock timeout) does not run its
+/// handler: another request may have taken the key over meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_answered_after_its_lock_ran_out_does_not_run() {
+    let app = counting_router();
+    let key = idem_testkit::unique("k-late");
+    let (first, paused) = request_paused_at(&app, &key, pause::RESERVE_AFTER).await;
+    paused.resume();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(counted_runs(&key), 0);
+    assert_a_late_reservation_does_not_run(&app, &key, first).await;
+}
+
+/// The same on PostgreSQL, without a pause point: a test connection holds
+/// the key's row uncommitted, the request is polled until its reservation
+/// waits on that row lock, then no more; the row is rolled back, the
+/// reservation takes the key on the server, and its answer waits, unread,
+/// for twice the lock timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_reservation_answered_after_its_lock_ran_out_does_not_run() {
+    use sqlx::Connection as _;
+    use std::future::Future as _;
+    use tower::ServiceExt as _;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 8).await;
+    let pool = store.pool().clone();
+    let app = counting_router_on(store);
+    let key = idem_testkit::unique("k-late-pg");
+    let table = format!("\"{schema}\".idempotency_keys");
+
+    let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {table} (tenant, scope, key, fingerprint, state, operation_id, attempt, \
+         lock_expires_at, created_at, expires_at) \
+         VALUES ('', 'lease.counted', $1, 'held', 'in_progress', 'op', 1, now(), now(), now())"
+    )))
+    .bind(&key)
+    .execute(&mut holder)
+    .await
+    .unwrap();
+    let mut first = Box::pin(app.clone().oneshot(counted_request(&key)));
+    let waker = futures_util::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut watcher = sqlx::PgConnection::connect(&url).await.unwrap();
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        // Polled only while its statement cannot finish.
+        assert!(first.as_mut().poll(&mut cx).is_pending());
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE 'SELECT p.fingerprint%' AND query LIKE $1",
+        )
+        .bind(format!("%{schema}%"))
+        .fetch_one(&mut watcher)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the reservation never waited on the row"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let taken: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {table} WHERE key = $1 AND lock_token IS NOT NULL"
+        )))
+        .bind(&key)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if taken == 1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the reservation never took the key"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(counted_runs(&key), 0);
+    assert_a_late_reservation_does_not_run(&app, &key, first).await;
+}
+
+/// A SQLite reservation whose request is kept unpolled inside its write
+/// transaction does not hold the process's turn at the write lock: the
+/// write runs to its commit by itself, and a request on another key is
+/// served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_unpolled_reservation_holds_no_other_key_back() {
+    use tower::ServiceExt as _;
+    let (store, _dir) = idem_testkit::sqlite_store().await;
+    let app = counting_router_on(store.with_timeout(Duration::from_secs(1)));
+    let (a, b) = (
+        idem_testkit::unique("k-unpolled-a"),
+        idem_testkit::unique("k-unpolled-b"),
+    );
+    let (first, paused) = request_paused_at(&app, &a, pause::SQLITE_RESERVE_BEFORE_COMMIT).await;
+    paused.resume();
+    let other = app.clone().oneshot(counted_request(&b)).await.unwrap();
+    assert_eq!(other.status(), StatusCode::CREATED);
     drop(first);
 }

@@ -283,7 +283,7 @@ pub(crate) async fn protect(
                 tracing::error!(error = %e, "idempotency store failed; refusing the request");
                 // The reservation may have committed although its answer
                 // never came: give the key back, fenced by our token.
-                let _ = give_back(&engine, &id, &token, request.lock_timeout).await;
+                give_back_in_own_task(&engine, &id, &token, request.lock_timeout).await;
                 return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
             }
         };
@@ -296,6 +296,21 @@ pub(crate) async fn protect(
                     // it errs on the safe side.
                     deadline: asked + request.lock_timeout,
                 };
+                if Instant::now() >= clock.deadline {
+                    // Answered after its lock could have run out (the
+                    // request was not polled meanwhile, or its thread was
+                    // starved), with nothing extending it: another
+                    // execution may have taken the key over since, so this
+                    // one must not start. The key is given back (fenced by
+                    // the token: nothing happens if it was taken over) and
+                    // the retry really retries.
+                    record(Outcome::StoreUnavailable);
+                    tracing::warn!(
+                        "the reservation was answered after its lock could have run out; giving the key back"
+                    );
+                    give_back_in_own_task(&engine, &id, &token, request.lock_timeout).await;
+                    return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
+                }
                 // The execution runs in a task of its own: the handler runs
                 // the same way whether its client stays or leaves (it never
                 // sees the request task's task-locals), and it goes on
@@ -334,6 +349,17 @@ pub(crate) async fn protect(
             }
         }
     }
+}
+
+/// [`give_back`] in a task of its own, awaited: it runs to its end even while
+/// the request's future is not polled (a SQLite release waits for, then
+/// holds, the process's turn at the write lock).
+async fn give_back_in_own_task(engine: &Arc<Engine>, id: &RecordId, token: &str, lock_timeout: Duration) {
+    let (engine, id, token) = (engine.clone(), id.clone(), token.to_owned());
+    let giving_back = async move {
+        let _ = give_back(&engine, &id, &token, lock_timeout).await;
+    };
+    let _ = tokio::spawn(giving_back.in_current_span()).await;
 }
 
 /// How a keyed request ended, as its `idem` span's `outcome` field says.

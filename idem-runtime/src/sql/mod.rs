@@ -18,9 +18,10 @@ pub(crate) use migrate::{check_schema, migrate_in, migrations, refuse_found_else
 #[cfg(feature = "postgres")]
 pub(crate) use run::fenced_ops;
 pub(crate) use run::{
-    bounded, complete_with, fenced, judge_row, lease_from_row, map_err, millis, reserve_detached,
-    set_purge_at,
+    bounded, complete_with, fenced, judge_row, map_err, millis, reserve_detached, set_purge_at,
 };
+#[cfg(feature = "sqlite")]
+pub(crate) use run::{lease_from_row, OwnedReserve};
 
 use crate::store::{RecordState, StoreError};
 

@@ -334,6 +334,7 @@ where
 }
 
 /// Reads the row of a record the caller just took.
+#[cfg(feature = "sqlite")]
 pub(crate) fn lease_from_row<R>(row: &R, token: String) -> Result<crate::store::Lease, StoreError>
 where
     R: sqlx::Row,

@@ -273,7 +273,7 @@ impl SqliteStore {
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
         Box::pin(sql::reserve_detached(self, self.timeout, req, |store, req| {
-            Box::pin(async move { store.reserve_once(req.request()).await })
+            Box::pin(store.reserve_once(req))
         }))
     }
 
@@ -397,7 +397,8 @@ impl IdempotencyStore for SqliteStore {
 
 impl SqliteStore {
     /// One reservation, as long as it takes: [`sql::reserve_detached`] bounds it.
-    async fn reserve_once(&self, req: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+    async fn reserve_once(self, owned: sql::OwnedReserve) -> Result<Reservation, StoreError> {
+        let req = owned.request();
         // A read first: a replay, a mismatch or a live lock is answered
         // without the write lock (WAL readers never wait for a writer).
         let seen = sqlx::query(sqlx::AssertSqlSafe(self.sql.peek.as_str()))
@@ -418,6 +419,18 @@ impl SqliteStore {
             }
         }
         pause_point!(crate::pause::SQLITE_RESERVE_AFTER_PEEK, &req.id.key);
+        // The write runs in a task of its own: it holds the process's turn
+        // at the write lock from BEGIN to COMMIT, and must not stop midway
+        // because the request that asked for it is not being polled (every
+        // other writer of the process would wait behind it).
+        let write = tokio::spawn(async move { self.take(owned.request()).await });
+        write
+            .await
+            .map_err(|e| StoreError::backend(format!("the reservation's write did not finish: {e}")))?
+    }
+
+    /// Takes the key under the write lock.
+    async fn take(&self, req: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         // Absent, expired, stale or released: take it under the write
         // lock, where the upsert decides again on the row as it is now. The
         // turn at the lock is held from BEGIN to COMMIT. The wait for it is
