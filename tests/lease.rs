@@ -1517,3 +1517,71 @@ async fn sqlite_an_unpolled_reservation_holds_no_other_key_back() {
     assert_eq!(other.status(), StatusCode::CREATED);
     drop(first);
 }
+
+/// A reservation answered with less of its lock left than its first
+/// extension needs (here at most 20 ms of a 300 ms lock: the keeper extends
+/// a fresh lease halfway to its deadline, never sooner than 10 ms) does not
+/// run: started, its lease would be lost before any extension, and a retry
+/// would take the key over while its handler runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_answered_too_close_to_its_lock_deadline_does_not_run() {
+    use tower::ServiceExt as _;
+    let app = counting_router();
+    let key = idem_testkit::unique("k-close");
+    let mut reserved = pause::arm(pause::RESERVE_AFTER, &key);
+    let first = tokio::spawn(app.clone().oneshot(counted_request(&key)));
+    reserved.reached().await;
+    tokio::time::sleep(Duration::from_millis(280)).await;
+    reserved.resume();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(counted_runs(&key), 0);
+    // The key was given back: the retry runs at once.
+    let retry = app.oneshot(counted_request(&key)).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(counted_runs(&key), 1);
+}
+
+/// A SQLite reservation whose caller gave up on it (the store timed out,
+/// and the undo's own wait ran out too) while another connection held the
+/// database's write lock: when its write finally takes the key, it gives
+/// the key back itself, so no lock stays that nobody holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_reservation_that_takes_its_key_after_its_caller_gave_up_gives_it_back() {
+    use sqlx::Connection as _;
+    use tower::ServiceExt as _;
+    let (store, dir) = idem_testkit::sqlite_store().await;
+    let pool = store.pool().clone();
+    // Store timeout 100 ms; lock timeout 300 ms: the undo waits 300 ms.
+    let app = counting_router_on(store.with_timeout(Duration::from_millis(100)));
+    let key = idem_testkit::unique("k-gave-up");
+    let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let mut other = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap();
+    let first = app.clone().oneshot(counted_request(&key)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // Past the store timeout and the undo's wait; then the write goes on.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    // The write takes the key, then gives it back: a row without a lock.
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let row: Option<Option<String>> =
+            sqlx::query_scalar("SELECT lock_token FROM idempotency_keys WHERE key = ?")
+                .bind(&key)
+                .fetch_optional(&pool)
+                .await
+                .unwrap();
+        if row == Some(None) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "a lock that nobody holds: {row:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let retry = app.oneshot(counted_request(&key)).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(counted_runs(&key), 1);
+}

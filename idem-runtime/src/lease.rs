@@ -19,6 +19,23 @@ pub(crate) struct LeaseClock {
     pub(crate) deadline: Instant,
 }
 
+impl LeaseClock {
+    /// Whether an execution starting at `now` has too little of its lock
+    /// left for its first extension to land in time: under a tenth of the
+    /// lock timeout, or under three of the keeper's shortest beats (it
+    /// extends a fresh lease halfway to its deadline, never sooner than
+    /// one beat from now). A reservation that slow is refused rather than
+    /// started on a lease it would lose at once.
+    pub(crate) fn too_late_to_start(&self, now: Instant) -> bool {
+        let margin = (self.lock_timeout / 10).max(SHORTEST_BEAT * 3);
+        now + margin > self.deadline
+    }
+}
+
+/// The keeper's shortest interval between a lease's extensions, so that a
+/// store that fails at once is not called in a loop.
+const SHORTEST_BEAT: Duration = Duration::from_millis(10);
+
 /// How long the keeper sleeps with nothing due: a lease registered
 /// meanwhile wakes it if it is due sooner.
 const IDLE: Duration = Duration::from_secs(1);
@@ -115,7 +132,7 @@ impl Drop for Heartbeat {
 }
 
 fn period(lock_timeout: Duration) -> Duration {
-    (lock_timeout / 3).max(Duration::from_millis(10))
+    (lock_timeout / 3).max(SHORTEST_BEAT)
 }
 
 /// When the next extension is due: a period from now, but never later than
@@ -125,9 +142,7 @@ fn period(lock_timeout: Duration) -> Duration {
 /// apart, so that a store that fails at once is not called in a loop.
 fn next_beat(now: Instant, clock: &LeaseClock) -> Instant {
     let halfway = clock.deadline.saturating_duration_since(now) / 2;
-    now + period(clock.lock_timeout)
-        .min(halfway)
-        .max(Duration::from_millis(10))
+    now + period(clock.lock_timeout).min(halfway).max(SHORTEST_BEAT)
 }
 
 impl Keeper {

@@ -296,21 +296,6 @@ pub(crate) async fn protect(
                     // it errs on the safe side.
                     deadline: asked + request.lock_timeout,
                 };
-                if Instant::now() >= clock.deadline {
-                    // Answered after its lock could have run out (the
-                    // request was not polled meanwhile, or its thread was
-                    // starved), with nothing extending it: another
-                    // execution may have taken the key over since, so this
-                    // one must not start. The key is given back (fenced by
-                    // the token: nothing happens if it was taken over) and
-                    // the retry really retries.
-                    record(Outcome::StoreUnavailable);
-                    tracing::warn!(
-                        "the reservation was answered after its lock could have run out; giving the key back"
-                    );
-                    give_back_in_own_task(&engine, &id, &token, request.lock_timeout).await;
-                    return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
-                }
                 // The execution runs in a task of its own: the handler runs
                 // the same way whether its client stays or leaves (it never
                 // sees the request task's task-locals), and it goes on
@@ -437,6 +422,18 @@ pub(crate) async fn execute(
     clock: LeaseClock,
     handler: Handler,
 ) -> Response {
+    if clock.too_late_to_start(Instant::now()) {
+        // Answered so late (its request was not polled meanwhile, or its
+        // thread or this task was starved) that the lock may have run out
+        // before its first extension, with nothing extending it until now:
+        // another execution may hold the key by then, so this one must not
+        // start. The key is given back (fenced by the token: nothing
+        // happens if it was taken over) and the retry really retries.
+        record(Outcome::StoreUnavailable);
+        tracing::warn!("the reservation was answered too close to its lock deadline; giving the key back");
+        let _ = give_back(&engine, &id, &lease.token, clock.lock_timeout).await;
+        return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
+    }
     let info = OperationInfo::new(engine.store.clone(), id, lease);
     let handler = handler(Some(Operation { info: info.clone() }));
     if info.lease.is_takeover() {

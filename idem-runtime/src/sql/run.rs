@@ -17,6 +17,21 @@ pub(crate) struct OwnedReserve {
 }
 
 impl OwnedReserve {
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn id(&self) -> &crate::store::RecordId {
+        &self.id
+    }
+
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn token(&self) -> &str {
+        &self.token
+    }
+
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn lock_timeout(&self) -> std::time::Duration {
+        self.lock_timeout
+    }
+
     pub(crate) fn request(&self) -> crate::store::ReserveRequest<'_> {
         crate::store::ReserveRequest {
             id: &self.id,

@@ -422,11 +422,35 @@ impl SqliteStore {
         // The write runs in a task of its own: it holds the process's turn
         // at the write lock from BEGIN to COMMIT, and must not stop midway
         // because the request that asked for it is not being polled (every
-        // other writer of the process would wait behind it).
-        let write = tokio::spawn(async move { self.take(owned.request()).await });
-        write
+        // other writer of the process would wait behind it). Its answer
+        // comes back on a channel: a write that took the key after its
+        // caller stopped waiting for it (`reserve_detached` gave up) gives
+        // the key back itself, so that no lock stays that nobody holds.
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let taken = self.take(owned.request()).await;
+            if let Err(Ok(Reservation::Reserved(_))) = answer.send(taken) {
+                tracing::warn!("a reservation took its key after its caller gave up; giving the key back");
+                let until = tokio::time::Instant::now() + owned.lock_timeout();
+                let mut pause = Duration::from_millis(100);
+                loop {
+                    match self.release(owned.id(), owned.token()).await {
+                        Ok(()) | Err(StoreError::LockLost) => break,
+                        Err(_) if tokio::time::Instant::now() < until => {
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(Duration::from_secs(2));
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, "could not give back a key taken after its caller gave up");
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+        answered
             .await
-            .map_err(|e| StoreError::backend(format!("the reservation's write did not finish: {e}")))?
+            .map_err(|_| StoreError::backend("the reservation's write did not finish"))?
     }
 
     /// Takes the key under the write lock.
