@@ -1155,17 +1155,31 @@ async fn a_slow_reservation_keeps_its_lease() {
     assert_eq!(SLOW_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
-/// A memory store that panics when it reserves the key `boom`: a panic
-/// outside the handler, where no guard of the handler's catches it.
-struct PanicsOnBoom(idem::MemoryStore);
+/// A memory store with faults: it panics when it reserves the key `boom`
+/// (a panic outside the handler, where no guard of the handler's catches
+/// it), and, when told, fails every heartbeat (a lock extension by a lock
+/// timeout), as the store of a process that crashed: its locks run out.
+struct Faulty {
+    store: idem::MemoryStore,
+    heartbeats_fail: bool,
+}
 
-impl IdempotencyStore for PanicsOnBoom {
+impl Faulty {
+    fn new(heartbeats_fail: bool) -> Self {
+        Faulty {
+            store: idem::MemoryStore::new(),
+            heartbeats_fail,
+        }
+    }
+}
+
+impl IdempotencyStore for Faulty {
     fn reserve<'a>(
         &'a self,
         req: idem::store::ReserveRequest<'a>,
     ) -> futures_util::future::BoxFuture<'a, Result<idem::store::Reservation, StoreError>> {
         assert_ne!(req.id.key, "boom", "the store panicked");
-        self.0.reserve(req)
+        self.store.reserve(req)
     }
     fn complete<'a>(
         &'a self,
@@ -1173,14 +1187,21 @@ impl IdempotencyStore for PanicsOnBoom {
         token: &'a str,
         response: &'a StoredResponse,
     ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.0.complete(id, token, response)
+        self.store.complete(id, token, response)
     }
     fn release<'a>(
         &'a self,
         id: &'a RecordId,
         token: &'a str,
     ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.0.release(id, token)
+        self.store.release(id, token)
+    }
+    fn reject<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        self.store.reject(id, token)
     }
     fn checkpoint<'a>(
         &'a self,
@@ -1188,7 +1209,7 @@ impl IdempotencyStore for PanicsOnBoom {
         token: &'a str,
         recovery_point: &'a str,
     ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.0.checkpoint(id, token, recovery_point)
+        self.store.checkpoint(id, token, recovery_point)
     }
     fn extend_lock<'a>(
         &'a self,
@@ -1196,10 +1217,13 @@ impl IdempotencyStore for PanicsOnBoom {
         token: &'a str,
         lock_timeout: Duration,
     ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.0.extend_lock(id, token, lock_timeout)
+        if self.heartbeats_fail && !lock_timeout.is_zero() {
+            return Box::pin(async { Err(StoreError::unavailable("the crashed process's store")) });
+        }
+        self.store.extend_lock(id, token, lock_timeout)
     }
     fn purge_expired(&self, batch: u32) -> futures_util::future::BoxFuture<'_, Result<u64, StoreError>> {
-        self.0.purge_expired(batch)
+        self.store.purge_expired(batch)
     }
 }
 
@@ -1211,11 +1235,9 @@ async fn a_panic_outside_the_handler_is_the_requests_500() {
     async fn boom() -> StatusCode {
         StatusCode::CREATED
     }
-    let app = Router::new().route("/boom", post(boom)).layer(
-        Idem::new(PanicsOnBoom(idem::MemoryStore::new()))
-            .single_tenant()
-            .layer(),
-    );
+    let app = Router::new()
+        .route("/boom", post(boom))
+        .layer(Idem::new(Faulty::new(false)).single_tenant().layer());
     let addr = idem_testkit::http::serve(app).await;
     let r = post_req("/boom", "").key("boom").send(addr).await;
     assert_eq!(r.status, 500, "{r:?}");
@@ -1584,4 +1606,78 @@ async fn sqlite_a_reservation_that_takes_its_key_after_its_caller_gave_up_gives_
     let retry = app.oneshot(counted_request(&key)).await.unwrap();
     assert_eq!(retry.status(), StatusCode::CREATED);
     assert_eq!(counted_runs(&key), 1);
+}
+
+/// What a run of `charge` was told: attempt, takeover, recovery point.
+type Told = (u32, bool, Option<String>);
+
+/// Each run of `charge`: its key, and what it was told.
+static CHARGES: Mutex<Vec<(String, Told)>> = Mutex::new(Vec::new());
+
+/// Attempt 1 charges, checkpoints, then never ends (its process crashed).
+#[idempotent(scope = "lease.charge", lock_timeout = "300ms")]
+async fn charge(op: Operation) -> (StatusCode, String) {
+    if op.attempt() == 1 {
+        op.checkpoint("charged").await.unwrap();
+    }
+    CHARGES.lock().unwrap().push((
+        op.key().to_owned(),
+        (op.attempt(), op.is_takeover(), op.recovery_point()),
+    ));
+    if op.attempt() == 1 {
+        std::future::pending::<()>().await;
+    }
+    (StatusCode::CREATED, "charged".to_owned())
+}
+
+fn charges(key: &str) -> Vec<Told> {
+    CHARGES
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k == key)
+        .map(|(_, told)| told.clone())
+        .collect()
+}
+
+/// A takeover refused before it ran (answered too close to its deadline)
+/// hands the key back as it found it, a stale lock: the next request is
+/// told that it takes over from the execution that never ended, and sees
+/// its recovery point. (Released instead, the key would read as let go,
+/// and the next request would not be told.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_takeover_leaves_the_next_request_a_takeover() {
+    use tower::ServiceExt as _;
+    let app = Router::new()
+        .route("/charge", post(charge))
+        .layer(Idem::new(Faulty::new(true)).single_tenant().layer());
+    let key = idem_testkit::unique("k-refused-takeover");
+    let request = || {
+        axum::http::Request::post("/charge")
+            .header("idempotency-key", &key)
+            .body(Body::empty())
+            .unwrap()
+    };
+    // The first execution charges and hangs; its heartbeats fail, so its
+    // lock runs out (300 ms) as a crashed process's does.
+    drop(tokio::spawn(app.clone().oneshot(request())));
+    while charges(&key).is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // A takeover answered with at most 15 ms of its lock left: refused.
+    let mut reserved = pause::arm(pause::RESERVE_AFTER, &key);
+    let refused = tokio::spawn(app.clone().oneshot(request()));
+    reserved.reached().await;
+    tokio::time::sleep(Duration::from_millis(285)).await;
+    reserved.resume();
+    assert_eq!(
+        refused.await.unwrap().unwrap().status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(charges(&key).len(), 1, "the refused takeover ran nothing");
+    let retry = app.oneshot(request()).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    // Attempt 3: the refused takeover counted as one.
+    assert_eq!(charges(&key)[1], (3, true, Some("charged".to_owned())));
 }

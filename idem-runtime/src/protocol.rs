@@ -347,6 +347,23 @@ async fn give_back_in_own_task(engine: &Arc<Engine>, id: &RecordId, token: &str,
     let _ = tokio::spawn(giving_back.in_current_span()).await;
 }
 
+/// Hands back a key this reservation took but never ran, as it was found.
+/// A fresh or released key is released ([`give_back`]). A key taken over
+/// from a stale lock goes back to a stale lock (its deadline set to now,
+/// its token kept): a release would mark the operation as let go, and the
+/// next request would not be told that it takes over from an execution
+/// that never ended (and may have had effects).
+pub(crate) async fn unrun(engine: &Arc<Engine>, id: &RecordId, lease: &Lease, lock_timeout: Duration) {
+    if lease.is_takeover() {
+        if let Err(e) = engine.store.extend_lock(id, &lease.token, Duration::ZERO).await {
+            // Then it runs out by itself, a lock timeout at most.
+            tracing::warn!(error = %e, "could not hand back a taken-over key; its lock will run out");
+        }
+    } else {
+        let _ = give_back(engine, id, &lease.token, lock_timeout).await;
+    }
+}
+
 /// How a keyed request ended, as its `idem` span's `outcome` field says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
@@ -427,11 +444,12 @@ pub(crate) async fn execute(
         // thread or this task was starved) that the lock may have run out
         // before its first extension, with nothing extending it until now:
         // another execution may hold the key by then, so this one must not
-        // start. The key is given back (fenced by the token: nothing
-        // happens if it was taken over) and the retry really retries.
+        // start. Nothing ran: the key goes back as it was found (fenced by
+        // the token: nothing happens if it was taken over meanwhile), and
+        // the retry really retries.
         record(Outcome::StoreUnavailable);
         tracing::warn!("the reservation was answered too close to its lock deadline; giving the key back");
-        let _ = give_back(&engine, &id, &lease.token, clock.lock_timeout).await;
+        unrun(&engine, &id, &lease, clock.lock_timeout).await;
         return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
     }
     let info = OperationInfo::new(engine.store.clone(), id, lease);

@@ -429,12 +429,20 @@ impl SqliteStore {
         let (answer, answered) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
             let taken = self.take(owned.request()).await;
-            if let Err(Ok(Reservation::Reserved(_))) = answer.send(taken) {
+            if let Err(Ok(Reservation::Reserved(lease))) = answer.send(taken) {
                 tracing::warn!("a reservation took its key after its caller gave up; giving the key back");
                 let until = tokio::time::Instant::now() + owned.lock_timeout();
                 let mut pause = Duration::from_millis(100);
                 loop {
-                    match self.release(owned.id(), owned.token()).await {
+                    // As it was found: a key taken over from a stale lock
+                    // goes back to a stale lock, so that the next request
+                    // is told it takes over (see `protocol::unrun`).
+                    let handed_back = if lease.is_takeover() {
+                        self.extend_lock(owned.id(), owned.token(), Duration::ZERO).await
+                    } else {
+                        self.release(owned.id(), owned.token()).await
+                    };
+                    match handed_back {
                         Ok(()) | Err(StoreError::LockLost) => break,
                         Err(_) if tokio::time::Instant::now() < until => {
                             tokio::time::sleep(pause).await;
