@@ -1157,11 +1157,14 @@ async fn a_slow_reservation_keeps_its_lease() {
 
 /// A memory store with faults: it panics when it reserves the key `boom`
 /// (a panic outside the handler, where no guard of the handler's catches
-/// it), and, when told, fails every heartbeat (a lock extension by a lock
-/// timeout), as the store of a process that crashed: its locks run out.
+/// it); when told, it fails every heartbeat (a lock extension by a lock
+/// timeout), as the store of a process that crashed: its locks run out;
+/// and, while `answers_lost` is set, a reservation takes effect but its
+/// answer is an error (a timeout after the commit).
 struct Faulty {
     store: idem::MemoryStore,
     heartbeats_fail: bool,
+    answers_lost: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Faulty {
@@ -1169,6 +1172,7 @@ impl Faulty {
         Faulty {
             store: idem::MemoryStore::new(),
             heartbeats_fail,
+            answers_lost: Arc::default(),
         }
     }
 }
@@ -1179,7 +1183,14 @@ impl IdempotencyStore for Faulty {
         req: idem::store::ReserveRequest<'a>,
     ) -> futures_util::future::BoxFuture<'a, Result<idem::store::Reservation, StoreError>> {
         assert_ne!(req.id.key, "boom", "the store panicked");
-        self.store.reserve(req)
+        let lost = self.answers_lost.load(std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move {
+            let answer = self.store.reserve(req).await;
+            if lost {
+                return Err(StoreError::unavailable("the answer was lost after the commit"));
+            }
+            answer
+        })
     }
     fn complete<'a>(
         &'a self,
@@ -1640,6 +1651,49 @@ fn charges(key: &str) -> Vec<Told> {
         .collect()
 }
 
+/// The first execution of `key` on `app` charges and hangs; its
+/// heartbeats fail, so its lock runs out (300 ms) as a crashed process's
+/// does.
+async fn crash_the_first_execution(app: &Router, key: &str) {
+    use tower::ServiceExt as _;
+    drop(tokio::spawn(app.clone().oneshot(charge_request(key))));
+    while charges(key).is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+}
+
+fn charge_request(key: &str) -> axum::http::Request<Body> {
+    axum::http::Request::post("/charge")
+        .header("idempotency-key", key)
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// A takeover whose reservation took effect but whose answer was lost (a
+/// store timeout after the commit) is handed back as a stale lock, not
+/// released: the next request is told that it takes over from the
+/// execution that never ended, and sees its recovery point.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_whose_answer_was_lost_leaves_the_next_request_a_takeover() {
+    use tower::ServiceExt as _;
+    let store = Faulty::new(true);
+    let answers_lost = store.answers_lost.clone();
+    let app = Router::new()
+        .route("/charge", post(charge))
+        .layer(Idem::new(store).single_tenant().layer());
+    let key = idem_testkit::unique("k-lost-takeover");
+    crash_the_first_execution(&app, &key).await;
+    answers_lost.store(true, std::sync::atomic::Ordering::SeqCst);
+    let lost = app.clone().oneshot(charge_request(&key)).await.unwrap();
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    answers_lost.store(false, std::sync::atomic::Ordering::SeqCst);
+    let retry = app.oneshot(charge_request(&key)).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(charges(&key).len(), 2);
+    assert_eq!(charges(&key)[1], (3, true, Some("charged".to_owned())));
+}
+
 /// A takeover refused before it ran (answered too close to its deadline)
 /// hands the key back as it found it, a stale lock: the next request is
 /// told that it takes over from the execution that never ended, and sees
@@ -1652,19 +1706,8 @@ async fn a_refused_takeover_leaves_the_next_request_a_takeover() {
         .route("/charge", post(charge))
         .layer(Idem::new(Faulty::new(true)).single_tenant().layer());
     let key = idem_testkit::unique("k-refused-takeover");
-    let request = || {
-        axum::http::Request::post("/charge")
-            .header("idempotency-key", &key)
-            .body(Body::empty())
-            .unwrap()
-    };
-    // The first execution charges and hangs; its heartbeats fail, so its
-    // lock runs out (300 ms) as a crashed process's does.
-    drop(tokio::spawn(app.clone().oneshot(request())));
-    while charges(&key).is_empty() {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let request = || charge_request(&key);
+    crash_the_first_execution(&app, &key).await;
     // A takeover answered with at most 15 ms of its lock left: refused.
     let mut reserved = pause::arm(pause::RESERVE_AFTER, &key);
     let refused = tokio::spawn(app.clone().oneshot(request()));

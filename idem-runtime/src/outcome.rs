@@ -161,7 +161,19 @@ pub(crate) async fn give_back(
     token: &str,
     lock_timeout: Duration,
 ) -> Result<(), StoreError> {
-    let first = engine.store.release(id, token).await;
+    hand_back_key(engine, id, token, lock_timeout, false).await
+}
+
+/// [`give_back`] of a key that never ran, as it was found (see
+/// [`crate::store::hand_back`]).
+pub(crate) async fn hand_back_key(
+    engine: &Arc<Engine>,
+    id: &RecordId,
+    token: &str,
+    lock_timeout: Duration,
+    taken_over: bool,
+) -> Result<(), StoreError> {
+    let first = crate::store::hand_back(&*engine.store, id, token, taken_over).await;
     match &first {
         Ok(()) | Err(StoreError::LockLost) => {}
         Err(e) => {
@@ -174,7 +186,7 @@ pub(crate) async fn give_back(
                     while Instant::now() < until {
                         tokio::time::sleep(pause).await;
                         pause = (pause * 2).min(Duration::from_secs(2));
-                        match store.release(&id, &token).await {
+                        match crate::store::hand_back(&*store, &id, &token, taken_over).await {
                             Ok(()) | Err(StoreError::LockLost) => return,
                             Err(_) => {}
                         }

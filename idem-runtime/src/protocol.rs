@@ -9,7 +9,7 @@ use crate::key::{IdempotencyKey, KeyError};
 use crate::layer::{Context, Engine, Tenant};
 use crate::lease::{Heartbeat, LeaseClock};
 use crate::operation::{Operation, OperationInfo};
-use crate::outcome::{give_back, let_go, record_completion, LetGo};
+use crate::outcome::{hand_back_key, let_go, record_completion, LetGo};
 use crate::problem::{Problem, Unavailable};
 use crate::request::Spec;
 use crate::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
@@ -282,8 +282,11 @@ pub(crate) async fn protect(
                 record(Outcome::StoreUnavailable);
                 tracing::error!(error = %e, "idempotency store failed; refusing the request");
                 // The reservation may have committed although its answer
-                // never came: give the key back, fenced by our token.
-                give_back_in_own_task(&engine, &id, &token, request.lock_timeout).await;
+                // never came: hand the key back, fenced by our token. How it
+                // was found is not known (fresh, released, or a stale lock
+                // taken over): it goes back as a stale lock, so that the
+                // next request is told it takes over if it took one over.
+                hand_back_in_own_task(&engine, &id, &token, request.lock_timeout).await;
                 return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
             }
         };
@@ -339,29 +342,18 @@ pub(crate) async fn protect(
 /// [`give_back`] in a task of its own, awaited: it runs to its end even while
 /// the request's future is not polled (a SQLite release waits for, then
 /// holds, the process's turn at the write lock).
-async fn give_back_in_own_task(engine: &Arc<Engine>, id: &RecordId, token: &str, lock_timeout: Duration) {
+async fn hand_back_in_own_task(engine: &Arc<Engine>, id: &RecordId, token: &str, lock_timeout: Duration) {
     let (engine, id, token) = (engine.clone(), id.clone(), token.to_owned());
     let giving_back = async move {
-        let _ = give_back(&engine, &id, &token, lock_timeout).await;
+        let _ = hand_back_key(&engine, &id, &token, lock_timeout, true).await;
     };
     let _ = tokio::spawn(giving_back.in_current_span()).await;
 }
 
-/// Hands back a key this reservation took but never ran, as it was found.
-/// A fresh or released key is released ([`give_back`]). A key taken over
-/// from a stale lock goes back to a stale lock (its deadline set to now,
-/// its token kept): a release would mark the operation as let go, and the
-/// next request would not be told that it takes over from an execution
-/// that never ended (and may have had effects).
+/// Hands back a key this reservation took but never ran, as it was found
+/// (see [`crate::store::hand_back`]).
 pub(crate) async fn unrun(engine: &Arc<Engine>, id: &RecordId, lease: &Lease, lock_timeout: Duration) {
-    if lease.is_takeover() {
-        if let Err(e) = engine.store.extend_lock(id, &lease.token, Duration::ZERO).await {
-            // Then it runs out by itself, a lock timeout at most.
-            tracing::warn!(error = %e, "could not hand back a taken-over key; its lock will run out");
-        }
-    } else {
-        let _ = give_back(engine, id, &lease.token, lock_timeout).await;
-    }
+    let _ = hand_back_key(engine, id, &lease.token, lock_timeout, lease.is_takeover()).await;
 }
 
 /// How a keyed request ended, as its `idem` span's `outcome` field says.

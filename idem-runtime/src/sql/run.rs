@@ -85,9 +85,15 @@ where
                         | Reservation::InProgress { .. }
                         | Reservation::Mismatch))
                 );
+                // As it was found (see `store::hand_back`); not knowing
+                // how, as a stale lock.
+                let taken_over = match &late {
+                    Ok(Ok(Reservation::Reserved(lease))) => lease.is_takeover(),
+                    _ => true,
+                };
                 let mut pause = std::time::Duration::from_millis(100);
                 while took && tokio::time::Instant::now() < until {
-                    match store.release(&id, &token).await {
+                    match crate::store::hand_back(&store, &id, &token, taken_over).await {
                         Ok(()) => {
                             tracing::warn!("a reservation answered after its timeout; gave the key back");
                             return;

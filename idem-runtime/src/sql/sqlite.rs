@@ -434,15 +434,9 @@ impl SqliteStore {
                 let until = tokio::time::Instant::now() + owned.lock_timeout();
                 let mut pause = Duration::from_millis(100);
                 loop {
-                    // As it was found: a key taken over from a stale lock
-                    // goes back to a stale lock, so that the next request
-                    // is told it takes over (see `protocol::unrun`).
-                    let handed_back = if lease.is_takeover() {
-                        self.extend_lock(owned.id(), owned.token(), Duration::ZERO).await
-                    } else {
-                        self.release(owned.id(), owned.token()).await
-                    };
-                    match handed_back {
+                    // As it was found (see `store::hand_back`).
+                    match crate::store::hand_back(&self, owned.id(), owned.token(), lease.is_takeover()).await
+                    {
                         Ok(()) | Err(StoreError::LockLost) => break,
                         Err(_) if tokio::time::Instant::now() < until => {
                             tokio::time::sleep(pause).await;

@@ -432,6 +432,27 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
 }
 
 /// A fresh random token: 128 bits as 32 hex digits.
+/// Hands back a key that a reservation under `token` took but that never
+/// ran, as the key was found: released when it was fresh or released, a
+/// stale lock again (its deadline now, its token kept) when it was taken
+/// over from a stale lock, so that the next request is told it takes over
+/// from an execution that never ended (and may have had effects). Where it
+/// is not known how the key was found, `taken_over` is true: a stale lock
+/// is then the safe side (the next request is told it takes over when
+/// nothing ran, never the other way round).
+pub(crate) async fn hand_back(
+    store: &dyn IdempotencyStore,
+    id: &RecordId,
+    token: &str,
+    taken_over: bool,
+) -> Result<(), StoreError> {
+    if taken_over {
+        store.extend_lock(id, token, Duration::ZERO).await
+    } else {
+        store.release(id, token).await
+    }
+}
+
 pub(crate) fn random_token() -> String {
     crate::fingerprint::hex(&random_bytes())
 }
