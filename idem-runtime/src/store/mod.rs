@@ -431,7 +431,6 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
     fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>>;
 }
 
-/// A fresh random token: 128 bits as 32 hex digits.
 /// Hands back a key that a reservation under `token` took but that never
 /// ran, as the key was found: released when it was fresh or released, a
 /// stale lock again (its deadline now, its token kept) when it was taken
@@ -453,6 +452,7 @@ pub(crate) async fn hand_back(
     }
 }
 
+/// A fresh random token: 128 bits as 32 hex digits.
 pub(crate) fn random_token() -> String {
     crate::fingerprint::hex(&random_bytes())
 }
