@@ -339,7 +339,8 @@ pub(crate) async fn protect(
     }
 }
 
-/// [`give_back`] in a task of its own, awaited: it runs to its end even while
+/// [`hand_back_key`] of a key whose reservation failed, in a task of its
+/// own, awaited: it runs to its end even while
 /// the request's future is not polled (a SQLite release waits for, then
 /// holds, the process's turn at the write lock).
 async fn hand_back_in_own_task(engine: &Arc<Engine>, id: &RecordId, token: &str, lock_timeout: Duration) {
