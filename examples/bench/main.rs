@@ -15,7 +15,8 @@
 //! Options: `--seconds S` per cell (default 2), `--max N` requests per cell
 //! (default 200000), `--repeat R` rounds of all cells run back to back
 //! (default 1; medians and ranges are reported), `--clients 1,16,64`,
-//! `--only bare,hand,postgres,sqlite,memory`, `--csv FILE`, `--prefill N`
+//! `--only bare,hand,postgres,sqlite,memory` (groups, or whole variant
+//! names such as `"idem postgres replay"`), `--csv FILE`, `--prefill N`
 //! (records put in the PostgreSQL tables first), `--pool N` (PostgreSQL
 //! connections, shared by idem and the hand-written flow; default 16),
 //! `--server-threads N` (default 1), `--no-pin` (by default the server runs
@@ -152,7 +153,7 @@ fn variants(postgres: bool, only: Option<&[String]>) -> Vec<Variant> {
         all.push(v(group, Path::Replay, &format!("{prefix} replay"), pay));
         all.push(v(group, Path::Conflict, &format!("{prefix} 409"), hold));
     }
-    all.retain(|v| only.is_none_or(|o| o.iter().any(|g| g == v.group)));
+    all.retain(|v| only.is_none_or(|o| o.iter().any(|g| *g == v.group || *g == v.name)));
     all
 }
 
