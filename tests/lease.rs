@@ -501,6 +501,7 @@ async fn start(store_timeout: Duration, kind: StoreKind) -> Option<Harness> {
         .route("/huge", post(huge))
         .route("/obs-text", post(obs_text))
         .route("/slow-tx", post(slow_in_transaction))
+        .route("/validated", post(validated))
         .layer(idem.layer())
         .layer(middleware::from_fn_with_state(app.clone(), watch_drops))
         .with_state(app.clone());
@@ -693,6 +694,36 @@ async fn a_reservation_that_times_out_after_committing_is_undone(h: Harness) {
     let retry = post_req("/plain", "").key(&key).send(h.addr).await;
     assert_eq!((retry.status, retry.body.as_slice()), (201, &b"run 1"[..]));
     assert_eq!(retry.header("idempotent-replayed"), None);
+}
+
+/// A reservation of a fresh key that committed but whose answer came after
+/// the store timeout leaves the key as it was found, absent: nothing ran,
+/// so it counts as no attempt, and a validation failure of the retry frees
+/// the key for the corrected request.
+async fn a_fresh_reservation_undone_after_its_timeout_is_as_it_was_found(h: Harness) {
+    let key = idem_testkit::unique("k-timeout-fresh");
+    let paused = pause::arm(pause::RESERVE_AFTER, &key);
+    let first = post_req("/validated?amount=-1", "").key(&key).send(h.addr).await;
+    assert_eq!(first.status, 503, "{first:?}");
+    drop(paused);
+    let refused = post_req("/validated?amount=-1", "").key(&key).send(h.addr).await;
+    assert_eq!(
+        (
+            refused.status,
+            String::from_utf8_lossy(&refused.body).into_owned()
+        ),
+        (400, "attempt 1 takeover false".to_owned()),
+        "the reservation that never ran counted as an attempt"
+    );
+    let corrected = post_req("/validated?amount=5", "").key(&key).send(h.addr).await;
+    assert_eq!(
+        (
+            corrected.status,
+            String::from_utf8_lossy(&corrected.body).into_owned()
+        ),
+        (201, "attempt 1 takeover false".to_owned()),
+        "the validation failure did not free the key"
+    );
 }
 
 /// A handler that blocks its thread keeps its lease: a retry meanwhile gets
@@ -990,6 +1021,7 @@ mod short_timeout {
         cases: [
             a_reservation_that_times_out_after_committing_is_undone,
             a_reservation_that_commits_after_its_timeout_is_given_back,
+            a_fresh_reservation_undone_after_its_timeout_is_as_it_was_found,
         ],
     }
 }
@@ -1236,6 +1268,14 @@ impl IdempotencyStore for Faulty {
     fn purge_expired(&self, batch: u32) -> futures_util::future::BoxFuture<'_, Result<u64, StoreError>> {
         self.store.purge_expired(batch)
     }
+    fn hand_back<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        taken_over: bool,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        self.store.hand_back(id, token, taken_over)
+    }
 }
 
 /// A panic in the protocol outside the handler (here, the store's) is that
@@ -1269,6 +1309,55 @@ async fn counted(op: Operation) -> (StatusCode, String) {
     (StatusCode::CREATED, format!("run {n}"))
 }
 
+/// A validation: a negative `amount` in the query is refused with 400
+/// (released as rejected, so the corrected request may use the key). The
+/// answer tells the attempt and whether it took over. Lock 300 ms; a retry
+/// waits for an execution in progress.
+#[idempotent(scope = "lease.validated", lock_timeout = "300ms", wait = "10s")]
+async fn validated(
+    op: Operation,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, i64>>,
+) -> (StatusCode, String) {
+    let told = format!("attempt {} takeover {}", op.attempt(), op.is_takeover());
+    if q.get("amount").copied().unwrap_or(0) < 0 {
+        (StatusCode::BAD_REQUEST, told)
+    } else {
+        (StatusCode::CREATED, told)
+    }
+}
+
+fn validated_request(key: &str, amount: i64) -> axum::http::Request<Body> {
+    axum::http::Request::post(format!("/validated?amount={amount}"))
+        .header("idempotency-key", key)
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// After a reservation of `key` that took a fresh key and never ran: the
+/// key is as it was found. The next request is the operation's first
+/// attempt, not a takeover; its validation failure frees the key, and the
+/// corrected request runs (attempt 1 again: a new operation).
+async fn assert_the_fresh_key_is_as_it_was_found(app: &Router, key: &str) {
+    use tower::ServiceExt as _;
+    let answer = |r: Response| async move {
+        let status = r.status();
+        let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.unwrap();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    };
+    let refused = answer(app.clone().oneshot(validated_request(key, -1)).await.unwrap()).await;
+    assert_eq!(
+        refused,
+        (StatusCode::BAD_REQUEST, "attempt 1 takeover false".to_owned()),
+        "the reservation that never ran counted as an attempt"
+    );
+    let corrected = answer(app.clone().oneshot(validated_request(key, 5)).await.unwrap()).await;
+    assert_eq!(
+        corrected,
+        (StatusCode::CREATED, "attempt 1 takeover false".to_owned()),
+        "the validation failure did not free the key"
+    );
+}
+
 /// Runs of `counted` by key so far.
 fn counted_runs(key: &str) -> usize {
     COUNTED_RUNS.lock().unwrap().iter().filter(|k| *k == key).count()
@@ -1281,6 +1370,7 @@ fn counting_router() -> Router {
 fn counting_router_on(store: impl IdempotencyStore) -> Router {
     Router::new()
         .route("/counted", post(counted))
+        .route("/validated", post(validated))
         .layer(Idem::new(store).single_tenant().layer())
 }
 
@@ -1578,7 +1668,8 @@ async fn a_reservation_answered_too_close_to_its_lock_deadline_does_not_run() {
 /// A SQLite reservation whose caller gave up on it (the store timed out,
 /// and the undo's own wait ran out too) while another connection held the
 /// database's write lock: when its write finally takes the key, it gives
-/// the key back itself, so no lock stays that nobody holds.
+/// the key back itself, as it found it (here absent), so no lock stays that
+/// nobody holds and nothing counts as an attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_reservation_that_takes_its_key_after_its_caller_gave_up_gives_it_back() {
     use sqlx::Connection as _;
@@ -1590,33 +1681,39 @@ async fn sqlite_a_reservation_that_takes_its_key_after_its_caller_gave_up_gives_
     let key = idem_testkit::unique("k-gave-up");
     let url = format!("sqlite://{}", dir.path().join("idem.db").display());
     let mut other = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    // What becomes of the key's row, in the order it happens.
+    for statement in [
+        "CREATE TABLE seen (what TEXT NOT NULL)",
+        "CREATE TRIGGER seen_insert AFTER INSERT ON idempotency_keys BEGIN INSERT INTO seen VALUES ('inserted'); END",
+        "CREATE TRIGGER seen_delete AFTER DELETE ON idempotency_keys BEGIN INSERT INTO seen VALUES ('deleted'); END",
+        "CREATE TRIGGER seen_update AFTER UPDATE ON idempotency_keys BEGIN INSERT INTO seen VALUES ('updated'); END",
+    ] {
+        sqlx::query(statement).execute(&mut other).await.unwrap();
+    }
     sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap();
-    let first = app.clone().oneshot(counted_request(&key)).await.unwrap();
+    let first = app.clone().oneshot(validated_request(&key, 5)).await.unwrap();
     assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
     // Past the store timeout and the undo's wait; then the write goes on.
     tokio::time::sleep(Duration::from_millis(800)).await;
     sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
-    // The write takes the key, then gives it back: a row without a lock.
+    // The write takes the key, then gives it back as it found it: absent.
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let row: Option<Option<String>> =
-            sqlx::query_scalar("SELECT lock_token FROM idempotency_keys WHERE key = ?")
-                .bind(&key)
-                .fetch_optional(&pool)
-                .await
-                .unwrap();
-        if row == Some(None) {
+        let seen: Vec<String> = sqlx::query_scalar("SELECT what FROM seen ORDER BY rowid")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        if seen.len() >= 2 {
+            assert_eq!(seen, ["inserted", "deleted"]);
             break;
         }
         assert!(
             tokio::time::Instant::now() < until,
-            "a lock that nobody holds: {row:?}"
+            "a lock that nobody holds: {seen:?}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let retry = app.oneshot(counted_request(&key)).await.unwrap();
-    assert_eq!(retry.status(), StatusCode::CREATED);
-    assert_eq!(counted_runs(&key), 1);
+    assert_the_fresh_key_is_as_it_was_found(&app, &key).await;
 }
 
 /// What a run of `charge` was told: attempt, takeover, recovery point.
@@ -1692,6 +1789,43 @@ async fn a_takeover_whose_answer_was_lost_leaves_the_next_request_a_takeover() {
     assert_eq!(retry.status(), StatusCode::CREATED);
     assert_eq!(charges(&key).len(), 2);
     assert_eq!(charges(&key)[1], (3, true, Some("charged".to_owned())));
+}
+
+/// A reservation of a fresh key that took effect but whose answer was lost
+/// (a store timeout after the commit) leaves the key as it was found:
+/// absent. Nothing ran, so it is no attempt: the next request is attempt 1,
+/// not told it takes over, and a validation failure then frees the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_key_whose_answer_was_lost_is_as_it_was_found() {
+    use tower::ServiceExt as _;
+    let store = Faulty::new(false);
+    let answers_lost = store.answers_lost.clone();
+    let app = counting_router_on(store);
+    let key = idem_testkit::unique("k-lost-fresh");
+    answers_lost.store(true, std::sync::atomic::Ordering::SeqCst);
+    let lost = app.clone().oneshot(validated_request(&key, -1)).await.unwrap();
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    answers_lost.store(false, std::sync::atomic::Ordering::SeqCst);
+    assert_the_fresh_key_is_as_it_was_found(&app, &key).await;
+}
+
+/// A reservation of a fresh key refused before it ran (answered too close
+/// to its lock deadline) leaves the key as it was found: absent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_reservation_refused_before_it_ran_is_as_it_was_found() {
+    use tower::ServiceExt as _;
+    let app = counting_router();
+    let key = idem_testkit::unique("k-refused-fresh");
+    let mut reserved = pause::arm(pause::RESERVE_AFTER, &key);
+    let refused = tokio::spawn(app.clone().oneshot(validated_request(&key, -1)));
+    reserved.reached().await;
+    tokio::time::sleep(Duration::from_millis(285)).await;
+    reserved.resume();
+    assert_eq!(
+        refused.await.unwrap().unwrap().status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_the_fresh_key_is_as_it_was_found(&app, &key).await;
 }
 
 /// A takeover refused before it ran (answered too close to its deadline)

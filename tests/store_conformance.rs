@@ -297,6 +297,79 @@ async fn takes_over_a_stale_lock_and_fences_the_old_owner(f: Fixture) {
     );
 }
 
+/// A key handed back by a reservation that never ran goes back as it was
+/// found: a fresh key is absent again (however it is said to have been
+/// found), a taken-over stale lock is a stale lock again, a continued
+/// released record is released again. Fenced by the token.
+async fn hands_back_a_key_as_it_was_found(f: Fixture) {
+    let s = &*f.store;
+    // Fresh, and not known how it was found: removed.
+    for taken_over in [true, false] {
+        let id = RecordId::new("t1", "s", format!("k-fresh-{taken_over}"));
+        let lost = take(s, &id, "fp-a", LONG, LONG).await;
+        s.hand_back(&id, &lost.token, taken_over).await.unwrap();
+        assert_eq!(
+            s.hand_back(&id, &lost.token, taken_over).await,
+            Err(StoreError::LockLost)
+        );
+        // Absent: another body starts a new operation, attempt 1.
+        let next = take(s, &id, "fp-b", LONG, LONG).await;
+        assert_eq!((next.attempt, next.is_takeover()), (1, false));
+        assert_ne!(next.operation_id, lost.operation_id);
+    }
+
+    // A stale lock taken over, handed back: a stale lock again.
+    let id = RecordId::new("t1", "s", "k-stale");
+    let lock = Duration::from_millis(200);
+    let crashed = take(s, &id, "fp", LONG, lock).await;
+    s.checkpoint(&id, &crashed.token, "charged").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    let refused = take(s, &id, "fp", LONG, LONG).await;
+    assert_eq!((refused.attempt, refused.is_takeover()), (2, true));
+    assert_eq!(
+        s.hand_back(&id, &crashed.token, true).await,
+        Err(StoreError::LockLost)
+    );
+    s.hand_back(&id, &refused.token, true).await.unwrap();
+    assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
+    let next = take(s, &id, "fp", LONG, LONG).await;
+    assert_eq!((next.attempt, next.is_takeover()), (3, true));
+    assert_eq!(next.recovery_point.as_deref(), Some("charged"));
+    assert_eq!(next.operation_id, crashed.operation_id);
+
+    // A fresh key with a recovery point: something may have happened; kept
+    // (here a stale lock).
+    let id = RecordId::new("t1", "s", "k-checkpointed");
+    let first = take(s, &id, "fp", LONG, LONG).await;
+    s.checkpoint(&id, &first.token, "charged").await.unwrap();
+    s.hand_back(&id, &first.token, true).await.unwrap();
+    let next = take(s, &id, "fp", LONG, LONG).await;
+    assert_eq!((next.attempt, next.is_takeover()), (2, true));
+    assert_eq!(next.recovery_point.as_deref(), Some("charged"));
+
+    // The retry of a released record, handed back: released again.
+    let id = RecordId::new("t1", "s", "k-released");
+    let failed = take(s, &id, "fp", LONG, LONG).await;
+    s.release(&id, &failed.token).await.unwrap();
+    let refused = take(s, &id, "fp", LONG, LONG).await;
+    assert_eq!((refused.attempt, refused.is_takeover()), (2, false));
+    s.hand_back(&id, &refused.token, false).await.unwrap();
+    let next = take(s, &id, "fp", LONG, LONG).await;
+    assert_eq!((next.attempt, next.is_takeover()), (3, false));
+    assert_eq!(next.operation_id, failed.operation_id);
+
+    // A completed record is no reservation's to hand back.
+    s.complete(&id, &next.token, &response("done")).await.unwrap();
+    assert_eq!(
+        s.hand_back(&id, &next.token, true).await,
+        Err(StoreError::LockLost)
+    );
+    assert_eq!(
+        reserve(s, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("done"))
+    );
+}
+
 /// Extending the lock keeps a slow but living owner from being taken over.
 async fn an_extended_lock_is_not_taken_over(f: Fixture) {
     let s = &*f.store;
@@ -443,6 +516,7 @@ idem_testkit::for_each_store! {
         release_lets_the_next_request_run,
         treats_a_record_past_its_ttl_as_absent,
         takes_over_a_stale_lock_and_fences_the_old_owner,
+        hands_back_a_key_as_it_was_found,
         an_answer_is_kept_a_whole_ttl_from_its_completion,
         a_crashed_operation_outlives_its_ttl_for_its_retry,
         an_extended_lock_is_not_taken_over,

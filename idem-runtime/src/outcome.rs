@@ -151,21 +151,21 @@ pub(crate) async fn let_go(
 
 /// Gives the key back: a release fenced by `token`, which changes nothing
 /// if the token holds nothing. It serves executions that failed and
-/// reservations or completions whose answer never came (a timeout: they may
-/// have committed all the same). While the store is unreachable it keeps
-/// trying in the background, until the lock would have run out by itself,
-/// so no lock stays that nobody holds. Says how the first try went.
+/// completions whose answer never came (a timeout: they may have committed
+/// all the same). While the store is unreachable it keeps trying in the
+/// background, until the lock would have run out by itself, so no lock
+/// stays that nobody holds. Says how the first try went.
 pub(crate) async fn give_back(
     engine: &Arc<Engine>,
     id: &RecordId,
     token: &str,
     lock_timeout: Duration,
 ) -> Result<(), StoreError> {
-    hand_back_key(engine, id, token, lock_timeout, false).await
+    retried(engine, id, token, lock_timeout, Back::Ran).await
 }
 
 /// [`give_back`] of a key that never ran, as it was found (see
-/// [`crate::store::hand_back`]).
+/// [`crate::IdempotencyStore::hand_back`]).
 pub(crate) async fn hand_back_key(
     engine: &Arc<Engine>,
     id: &RecordId,
@@ -173,7 +173,42 @@ pub(crate) async fn hand_back_key(
     lock_timeout: Duration,
     taken_over: bool,
 ) -> Result<(), StoreError> {
-    let first = crate::store::hand_back(&*engine.store, id, token, taken_over).await;
+    retried(engine, id, token, lock_timeout, Back::NeverRan { taken_over }).await
+}
+
+/// How a key goes back.
+#[derive(Clone, Copy)]
+enum Back {
+    /// An execution ran and failed: released as failed.
+    Ran,
+    /// Nothing ran: as it was found.
+    NeverRan { taken_over: bool },
+}
+
+impl Back {
+    async fn to(
+        self,
+        store: &dyn crate::IdempotencyStore,
+        id: &RecordId,
+        token: &str,
+    ) -> Result<(), StoreError> {
+        match self {
+            Back::Ran => store.release(id, token).await,
+            Back::NeverRan { taken_over } => crate::store::hand_back(store, id, token, taken_over).await,
+        }
+    }
+}
+
+/// Gives the key back `how`, and while the store is unreachable keeps
+/// trying in the background (see [`give_back`]).
+async fn retried(
+    engine: &Arc<Engine>,
+    id: &RecordId,
+    token: &str,
+    lock_timeout: Duration,
+    how: Back,
+) -> Result<(), StoreError> {
+    let first = how.to(&*engine.store, id, token).await;
     match &first {
         Ok(()) | Err(StoreError::LockLost) => {}
         Err(e) => {
@@ -186,7 +221,7 @@ pub(crate) async fn hand_back_key(
                     while Instant::now() < until {
                         tokio::time::sleep(pause).await;
                         pause = (pause * 2).min(Duration::from_secs(2));
-                        match crate::store::hand_back(&*store, &id, &token, taken_over).await {
+                        match how.to(&*store, &id, &token).await {
                             Ok(()) | Err(StoreError::LockLost) => return,
                             Err(_) => {}
                         }

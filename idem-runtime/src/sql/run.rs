@@ -190,6 +190,28 @@ macro_rules! fenced_ops {
             }))
         }
 
+        fn hand_back<'a>(
+            &'a self,
+            id: &'a $crate::store::RecordId,
+            token: &'a str,
+            taken_over: bool,
+        ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            Box::pin(async move {
+                // Taken fresh (first attempt, no recovery point): removed,
+                // as `reject` removes it. Otherwise as it was found.
+                let removed =
+                    $crate::sql::bounded(self.timeout, self.owned_write(&self.sql.reject, id, token)).await?;
+                if removed > 0 {
+                    return Ok(());
+                }
+                if taken_over {
+                    self.extend_lock(id, token, std::time::Duration::ZERO).await
+                } else {
+                    self.release(id, token).await
+                }
+            })
+        }
+
         fn checkpoint<'a>(
             &'a self,
             id: &'a $crate::store::RecordId,

@@ -245,6 +245,29 @@ impl IdempotencyStore for MemoryStore {
         })
     }
 
+    fn hand_back<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        taken_over: bool,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.fenced(id, token, |records, now| {
+                let fresh = records
+                    .get(id)
+                    .is_some_and(|r| r.attempt == 1 && r.recovery_point.is_none());
+                if fresh {
+                    records.remove(id);
+                } else if let Some(r) = records.get_mut(id) {
+                    if !taken_over {
+                        r.token = None;
+                    }
+                    r.lock_deadline = now;
+                }
+            })
+        })
+    }
+
     fn checkpoint<'a>(
         &'a self,
         id: &'a RecordId,

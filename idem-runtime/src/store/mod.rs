@@ -429,27 +429,73 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
     /// Deletes at most `batch` records past their TTL, never one whose lock
     /// is still valid, and says how many it deleted.
     fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>>;
+
+    /// Hands back a key that a reservation under `token` took but that
+    /// never ran (its request was refused, or its answer was lost), as the
+    /// key was found, so that it counts as no attempt:
+    ///
+    /// - taken fresh (the operation's first attempt, no recovery point: the
+    ///   key was absent or expired): the record is removed;
+    /// - taken over from a stale lock (`taken_over`): a stale lock again,
+    ///   its deadline now and its token kept, so that the next request is
+    ///   told it takes over from an execution that never ended;
+    /// - the retry of a released record: released again.
+    ///
+    /// Where it is not known how the key was found, `taken_over` is true: a
+    /// record that was not taken fresh then becomes a stale lock (the next
+    /// request may be told it takes over when nothing ran, never the other
+    /// way round). Fenced by `token`: [`StoreError::LockLost`] when the key
+    /// is no longer this reservation's.
+    ///
+    /// The default is the safe half, for stores that cannot delete on a
+    /// condition: never removed, a stale lock or released as above (the
+    /// next request then counts one attempt more than ran).
+    ///
+    /// ```
+    /// use idem::store::{RecordId, Reservation, ReserveRequest};
+    /// use idem::{IdempotencyStore, MemoryStore};
+    /// use std::time::Duration;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store = MemoryStore::new();
+    /// let id = RecordId::new("acct_1", "payment.create", "k1");
+    /// let req = |token| ReserveRequest {
+    ///     id: &id,
+    ///     fingerprint: "fp",
+    ///     token,
+    ///     ttl: Duration::from_secs(3600),
+    ///     lock_timeout: Duration::from_secs(30),
+    /// };
+    /// let Ok(Reservation::Reserved(_)) = store.reserve(req("t1")).await else { panic!() };
+    /// // Refused before it ran: the fresh key goes back to absent.
+    /// store.hand_back(&id, "t1", true).await.unwrap();
+    /// let Ok(Reservation::Reserved(lease)) = store.reserve(req("t2")).await else { panic!() };
+    /// assert_eq!((lease.attempt, lease.is_takeover()), (1, false));
+    /// # }
+    /// ```
+    fn hand_back<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        taken_over: bool,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        if taken_over {
+            self.extend_lock(id, token, Duration::ZERO)
+        } else {
+            self.release(id, token)
+        }
+    }
 }
 
 /// Hands back a key that a reservation under `token` took but that never
-/// ran, as the key was found: released when it was fresh or released, a
-/// stale lock again (its deadline now, its token kept) when it was taken
-/// over from a stale lock, so that the next request is told it takes over
-/// from an execution that never ended (and may have had effects). Where it
-/// is not known how the key was found, `taken_over` is true: a stale lock
-/// is then the safe side (the next request is told it takes over when
-/// nothing ran, never the other way round).
+/// ran: [`IdempotencyStore::hand_back`].
 pub(crate) async fn hand_back(
     store: &dyn IdempotencyStore,
     id: &RecordId,
     token: &str,
     taken_over: bool,
 ) -> Result<(), StoreError> {
-    if taken_over {
-        store.extend_lock(id, token, Duration::ZERO).await
-    } else {
-        store.release(id, token).await
-    }
+    store.hand_back(id, token, taken_over).await
 }
 
 /// A fresh random token: 128 bits as 32 hex digits.
