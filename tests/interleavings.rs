@@ -804,3 +804,52 @@ async fn sqlite_every_pair_of_steps_at_every_pause_point_is_linearizable() {
     let runs = every_schedule(&s).await;
     eprintln!("sqlite: {runs} schedules");
 }
+
+/// A hand-back of a fresh reservation that never ran deletes its record
+/// only while it is the first attempt with no recovery point: a checkpoint
+/// committed while the hand-back's `DELETE` waits on the row (a test
+/// connection holds it) makes the `DELETE` judge the row again and keep
+/// it; it goes back released, its recovery point kept.
+#[tokio::test]
+async fn postgres_a_checkpoint_committed_while_a_hand_back_waits_keeps_the_record() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = std::sync::Arc::new(idem_testkit::pg_store_in(&url, &schema, 4).await);
+    let id = RecordId::new("t", "s", "hand-back-race");
+    let Reservation::Reserved(lease) = store.reserve(req(&id, "fp", LONG)).await.unwrap() else {
+        panic!("a fresh key is taken")
+    };
+    let mut checkpointer = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut checkpointer).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{schema}\".idempotency_keys SET recovery_point = 'charged' WHERE key = 'hand-back-race'"
+    )))
+    .execute(&mut checkpointer)
+    .await
+    .unwrap();
+    let handing_back = {
+        let (store, id, token) = (store.clone(), id.clone(), lease.token.clone());
+        tokio::spawn(async move { store.hand_back(&id, &token, false).await })
+    };
+    until_blocked_or_done(&url, &schema, "DELETE", || handing_back.is_finished()).await;
+    sqlx::query("COMMIT").execute(&mut checkpointer).await.unwrap();
+    handing_back.await.unwrap().unwrap();
+    let row: Option<(Option<String>, Option<String>, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT lock_token, recovery_point, attempt FROM \"{schema}\".idempotency_keys WHERE key = 'hand-back-race'"
+    )))
+    .fetch_optional(&mut checkpointer)
+    .await
+    .unwrap();
+    assert_eq!(
+        row,
+        Some((None, Some("charged".to_owned()), 1)),
+        "the checkpointed record is kept, released"
+    );
+    let Reservation::Reserved(next) = store.reserve(req(&id, "fp", LONG)).await.unwrap() else {
+        panic!("the released record is continued")
+    };
+    assert_eq!(
+        (next.attempt, next.recovery_point.as_deref()),
+        (2, Some("charged"))
+    );
+}

@@ -726,6 +726,31 @@ async fn a_fresh_reservation_undone_after_its_timeout_is_as_it_was_found(h: Harn
     );
 }
 
+/// A first run that failed (released as failed: it may have had effects),
+/// then a retry whose reservation committed but whose answer was lost: the
+/// hand-backs keep the record, so another body still gets 422 and the same
+/// body continues the operation.
+async fn a_lost_retry_of_a_failed_run_keeps_the_key_bound(h: Harness) {
+    let key = idem_testkit::unique("k-failed-then-lost");
+    let first = post_req("/flaky", "A").key(&key).send(h.addr).await;
+    assert_eq!(first.status, 503, "{first:?}");
+    assert_eq!(first.body, b"gateway down");
+    let paused = pause::arm(pause::RESERVE_AFTER, &key);
+    let lost = post_req("/flaky", "A").key(&key).send(h.addr).await;
+    assert_eq!(lost.problem(), "idempotency-store-unavailable");
+    drop(paused);
+    // Another request: the query counts in the fingerprint (the handler
+    // reads no body).
+    let other = post_req("/flaky?other=1", "A").key(&key).send(h.addr).await;
+    assert_eq!(
+        (other.status, other.problem()),
+        (422, "idempotency-key-reused".to_owned())
+    );
+    let retry = post_req("/flaky", "A").key(&key).send(h.addr).await;
+    assert_eq!((retry.status, retry.body.as_slice()), (201, &b"run 2"[..]));
+    assert_eq!(h.app.runs("flaky"), 2);
+}
+
 /// A handler that blocks its thread keeps its lease: a retry meanwhile gets
 /// 409, never a second execution.
 async fn a_handler_that_blocks_its_thread_keeps_its_lease(mut h: Harness) {
@@ -1022,6 +1047,7 @@ mod short_timeout {
             a_reservation_that_times_out_after_committing_is_undone,
             a_reservation_that_commits_after_its_timeout_is_given_back,
             a_fresh_reservation_undone_after_its_timeout_is_as_it_was_found,
+            a_lost_retry_of_a_failed_run_keeps_the_key_bound,
         ],
     }
 }

@@ -370,6 +370,62 @@ async fn hands_back_a_key_as_it_was_found(f: Fixture) {
     );
 }
 
+/// A hand-back never removes what ran or what another reservation holds:
+/// a crashed first attempt's record stays bound to its body after a
+/// takeover that never ran is handed back (either way it is said to have
+/// been found), and a late hand-back of an old token leaves the next
+/// owner's record alone.
+async fn a_hand_back_never_removes_what_ran_or_another_owns(f: Fixture) {
+    let s = &*f.store;
+    for taken_over in [false, true] {
+        // Attempt 1 ran (no checkpoint) and crashed; a takeover never ran.
+        let id = RecordId::new("t1", "s", format!("k-crashed-{taken_over}"));
+        let crashed = take(s, &id, "fp", LONG, Duration::from_millis(150)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let refused = take(s, &id, "fp", LONG, LONG).await;
+        assert_eq!((refused.attempt, refused.is_takeover()), (2, true));
+        s.hand_back(&id, &refused.token, taken_over).await.unwrap();
+        assert_eq!(reserve(s, &id, "fp-b", LONG, LONG).await, Reservation::Mismatch);
+        let next = take(s, &id, "fp", LONG, LONG).await;
+        assert_eq!(next.attempt, 3);
+        assert_eq!(next.operation_id, crashed.operation_id);
+
+        // A fresh reservation whose lock ran out was taken over: its late
+        // hand-back is fenced out.
+        let id = RecordId::new("t1", "s", format!("k-old-{taken_over}"));
+        let old = take(s, &id, "fp", LONG, Duration::from_millis(150)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let new = take(s, &id, "fp", LONG, LONG).await;
+        assert_eq!(
+            s.hand_back(&id, &old.token, taken_over).await,
+            Err(StoreError::LockLost)
+        );
+        // Handed back, then taken afresh by another: the old token again.
+        let id = RecordId::new("t1", "s", format!("k-twice-{taken_over}"));
+        let first = take(s, &id, "fp", LONG, LONG).await;
+        s.hand_back(&id, &first.token, taken_over).await.unwrap();
+        let owner = take(s, &id, "fp", LONG, LONG).await;
+        assert_eq!(
+            s.hand_back(&id, &first.token, taken_over).await,
+            Err(StoreError::LockLost)
+        );
+        for (id, owner) in [
+            (RecordId::new("t1", "s", format!("k-old-{taken_over}")), new),
+            (id, owner),
+        ] {
+            assert!(matches!(
+                reserve(s, &id, "fp", LONG, LONG).await,
+                Reservation::InProgress { .. }
+            ));
+            s.complete(&id, &owner.token, &response("done")).await.unwrap();
+            assert_eq!(
+                reserve(s, &id, "fp", LONG, LONG).await,
+                Reservation::Completed(response("done"))
+            );
+        }
+    }
+}
+
 /// Extending the lock keeps a slow but living owner from being taken over.
 async fn an_extended_lock_is_not_taken_over(f: Fixture) {
     let s = &*f.store;
@@ -517,6 +573,7 @@ idem_testkit::for_each_store! {
         treats_a_record_past_its_ttl_as_absent,
         takes_over_a_stale_lock_and_fences_the_old_owner,
         hands_back_a_key_as_it_was_found,
+        a_hand_back_never_removes_what_ran_or_another_owns,
         an_answer_is_kept_a_whole_ttl_from_its_completion,
         a_crashed_operation_outlives_its_ttl_for_its_retry,
         an_extended_lock_is_not_taken_over,

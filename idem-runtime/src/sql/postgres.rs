@@ -316,8 +316,9 @@ impl PgStore {
             if let Some(taken) = taken {
                 let Some(lease) = lease_from_taken(&taken, req.token) else {
                     // Taken, but unreadable: give the key back (fenced by
-                    // our token) rather than leave a lock nobody holds.
-                    let _ = self.release(req.id, req.token).await;
+                    // our token) rather than leave a lock nobody holds; how
+                    // it was found is not known.
+                    let _ = crate::store::hand_back(self, req.id, req.token, true).await;
                     return Err(StoreError::backend(format!(
                         "the reservation function returned {taken:?}, not a lease"
                     )));

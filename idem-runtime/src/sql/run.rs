@@ -196,20 +196,28 @@ macro_rules! fenced_ops {
             token: &'a str,
             taken_over: bool,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
-            Box::pin(async move {
+            Box::pin($crate::sql::bounded(self.timeout, async move {
                 // Taken fresh (first attempt, no recovery point): removed,
                 // as `reject` removes it. Otherwise as it was found.
-                let removed =
-                    $crate::sql::bounded(self.timeout, self.owned_write(&self.sql.reject, id, token)).await?;
-                if removed > 0 {
+                if self.owned_write(&self.sql.reject, id, token).await? > 0 {
                     return Ok(());
                 }
-                if taken_over {
-                    self.extend_lock(id, token, std::time::Duration::ZERO).await
+                let put_back = if taken_over {
+                    sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
+                        .bind(&id.tenant)
+                        .bind(&id.scope)
+                        .bind(&id.key)
+                        .bind(token)
+                        .bind($crate::sql::millis(std::time::Duration::ZERO))
+                        .execute(&self.pool)
+                        .await
+                        .map_err($crate::sql::map_err)?
+                        .rows_affected()
                 } else {
-                    self.release(id, token).await
-                }
-            })
+                    self.owned_write(&self.sql.release, id, token).await?
+                };
+                $crate::sql::fenced(put_back)
+            }))
         }
 
         fn checkpoint<'a>(
