@@ -162,6 +162,7 @@ impl IdempotencyKey {
 
     /// [`IdempotencyKey::log_hash`], computed only when it is written: a
     /// span that no subscriber records costs no digest.
+    #[cfg(feature = "axum")]
     pub(crate) fn log_hash_display(&self) -> impl fmt::Display + '_ {
         struct Lazy<'a>(&'a IdempotencyKey);
         impl fmt::Display for Lazy<'_> {

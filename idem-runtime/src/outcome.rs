@@ -208,24 +208,17 @@ async fn retried(
     lock_timeout: Duration,
     how: Back,
 ) -> Result<(), StoreError> {
+    let until = Instant::now() + lock_timeout;
     let first = how.to(&*engine.store, id, token).await;
     match &first {
         Ok(()) | Err(StoreError::LockLost) => {}
         Err(e) => {
             tracing::warn!(error = %e, "giving the key back failed; trying again in the background");
             let (store, id, token) = (engine.store.clone(), id.clone(), token.to_owned());
-            let until = Instant::now() + lock_timeout;
             tokio::spawn(
                 async move {
-                    let mut pause = Duration::from_millis(100);
-                    while Instant::now() < until {
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_secs(2));
-                        match how.to(&*store, &id, &token).await {
-                            Ok(()) | Err(StoreError::LockLost) => return,
-                            Err(_) => {}
-                        }
-                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let _ = crate::store::retry_until(until, || how.to(&*store, &id, &token)).await;
                 }
                 .in_current_span(),
             );

@@ -91,19 +91,15 @@ where
                     Ok(Ok(Reservation::Reserved(lease))) => lease.is_takeover(),
                     _ => true,
                 };
-                let mut pause = std::time::Duration::from_millis(100);
-                while took && tokio::time::Instant::now() < until {
-                    match crate::store::hand_back(&store, &id, &token, taken_over).await {
-                        Ok(()) => {
-                            tracing::warn!("a reservation answered after its timeout; gave the key back");
-                            return;
-                        }
-                        Err(StoreError::LockLost) => return,
-                        Err(_) => {
-                            tokio::time::sleep(pause).await;
-                            pause = (pause * 2).min(std::time::Duration::from_secs(2));
-                        }
-                    }
+                if !took || tokio::time::Instant::now() >= until {
+                    return;
+                }
+                let given = crate::store::retry_until(until, || {
+                    crate::store::hand_back(&store, &id, &token, taken_over)
+                })
+                .await;
+                if given.is_ok() {
+                    tracing::warn!("a reservation answered after its timeout; gave the key back");
                 }
             };
             tokio::spawn(tracing::Instrument::in_current_span(undo));

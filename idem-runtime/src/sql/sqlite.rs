@@ -465,20 +465,15 @@ impl SqliteStore {
             if let Err(Ok(Reservation::Reserved(lease))) = answer.send(taken) {
                 tracing::warn!("a reservation took its key after its caller gave up; giving the key back");
                 let until = tokio::time::Instant::now() + owned.lock_timeout();
-                let mut pause = Duration::from_millis(100);
-                loop {
-                    // As it was found (see `store::hand_back`).
-                    match crate::store::hand_back(&self, owned.id(), owned.token(), lease.is_takeover()).await
-                    {
-                        Ok(()) | Err(StoreError::LockLost) => break,
-                        Err(_) if tokio::time::Instant::now() < until => {
-                            tokio::time::sleep(pause).await;
-                            pause = (pause * 2).min(Duration::from_secs(2));
-                        }
-                        Err(e) => {
-                            tracing::error!(error = %e, "could not give back a key taken after its caller gave up");
-                            break;
-                        }
+                // As it was found (see `IdempotencyStore::hand_back`).
+                let given = crate::store::retry_until(until, || {
+                    crate::store::hand_back(&self, owned.id(), owned.token(), lease.is_takeover())
+                })
+                .await;
+                match given {
+                    Ok(()) | Err(StoreError::LockLost) => {}
+                    Err(e) => {
+                        tracing::error!(error = %e, "could not give back a key taken after its caller gave up");
                     }
                 }
             }

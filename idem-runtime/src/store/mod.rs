@@ -489,6 +489,7 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
 
 /// Hands back a key that a reservation under `token` took but that never
 /// ran: [`IdempotencyStore::hand_back`].
+#[cfg(any(feature = "axum", feature = "postgres", feature = "sqlite"))]
 pub(crate) async fn hand_back(
     store: &dyn IdempotencyStore,
     id: &RecordId,
@@ -496,6 +497,33 @@ pub(crate) async fn hand_back(
     taken_over: bool,
 ) -> Result<(), StoreError> {
     store.hand_back(id, token, taken_over).await
+}
+
+/// Tries `give_back` (a release or a hand-back, fenced by a token) until
+/// the store answers: at once, then, while the store fails, again every
+/// 100 ms doubling to 2 s, as long as `until` has not passed. It stops at
+/// the first answer that is not a store error: done, or
+/// [`StoreError::LockLost`] (the key is no longer the token's). Says how
+/// the last try went. Every give-back that must not leave a lock behind
+/// retries this way.
+#[cfg(any(feature = "axum", feature = "postgres", feature = "sqlite"))]
+pub(crate) async fn retry_until<F, Fut>(
+    until: tokio::time::Instant,
+    mut give_back: F,
+) -> Result<(), StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), StoreError>>,
+{
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let tried = give_back().await;
+        if matches!(tried, Ok(()) | Err(StoreError::LockLost)) || tokio::time::Instant::now() >= until {
+            return tried;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
 }
 
 /// A fresh random token: 128 bits as 32 hex digits.
