@@ -522,6 +522,9 @@ where
             return tried;
         }
         tokio::time::sleep(pause).await;
+        if tokio::time::Instant::now() >= until {
+            return tried;
+        }
         pause = (pause * 2).min(Duration::from_secs(2));
     }
 }
