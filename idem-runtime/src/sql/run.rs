@@ -192,28 +192,10 @@ macro_rules! fenced_ops {
             token: &'a str,
             taken_over: bool,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
-            Box::pin($crate::sql::bounded(self.timeout, async move {
-                // Taken fresh (first attempt, no recovery point): removed,
-                // as `reject` removes it. Otherwise as it was found.
-                if self.owned_write(&self.sql.reject, id, token).await? > 0 {
-                    return Ok(());
-                }
-                let put_back = if taken_over {
-                    sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
-                        .bind(&id.tenant)
-                        .bind(&id.scope)
-                        .bind(&id.key)
-                        .bind(token)
-                        .bind($crate::sql::millis(std::time::Duration::ZERO))
-                        .execute(&self.pool)
-                        .await
-                        .map_err($crate::sql::map_err)?
-                        .rows_affected()
-                } else {
-                    self.owned_write(&self.sql.release, id, token).await?
-                };
-                $crate::sql::fenced(put_back)
-            }))
+            Box::pin($crate::sql::bounded(
+                self.timeout,
+                self.hand_back_statements(id, token, taken_over),
+            ))
         }
 
         fn checkpoint<'a>(
@@ -309,6 +291,36 @@ macro_rules! complete_with {
                 .await
                 .map_err($crate::sql::map_err)?;
             Ok(done.rows_affected())
+        }
+
+        /// [`IdempotencyStore::hand_back`](crate::IdempotencyStore::hand_back)'s
+        /// statements: taken fresh (first attempt, no recovery point), the
+        /// record is removed, as `reject` removes it; otherwise it goes
+        /// back as it was found, a stale lock (`extend` to now) or released.
+        async fn hand_back_statements(
+            &self,
+            id: &$crate::store::RecordId,
+            token: &str,
+            taken_over: bool,
+        ) -> Result<(), $crate::StoreError> {
+            if self.owned_write(&self.sql.reject, id, token).await? > 0 {
+                return Ok(());
+            }
+            let put_back = if taken_over {
+                sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
+                    .bind(&id.tenant)
+                    .bind(&id.scope)
+                    .bind(&id.key)
+                    .bind(token)
+                    .bind($crate::sql::millis(std::time::Duration::ZERO))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?
+                    .rows_affected()
+            } else {
+                self.owned_write(&self.sql.release, id, token).await?
+            };
+            $crate::sql::fenced(put_back)
         }
 
         pub(crate) async fn complete_with<'e, E>(

@@ -335,31 +335,11 @@ impl IdempotencyStore for SqliteStore {
         token: &'a str,
         taken_over: bool,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(sql::bounded(self.timeout, async move {
-            self.queued(async {
-                // Taken fresh (first attempt, no recovery point): removed,
-                // as `reject` removes it. Otherwise as it was found.
-                if self.owned_write(&self.sql.reject, id, token).await? == 0 {
-                    let put_back = if taken_over {
-                        sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
-                            .bind(&id.tenant)
-                            .bind(&id.scope)
-                            .bind(&id.key)
-                            .bind(token)
-                            .bind(sql::millis(Duration::ZERO))
-                            .execute(&self.pool)
-                            .await
-                            .map_err(sql::map_err)?
-                            .rows_affected()
-                    } else {
-                        self.owned_write(&self.sql.release, id, token).await?
-                    };
-                    sql::fenced(put_back)?;
-                }
-                Ok(())
-            })
-            .await
-        }))
+        // In this process's turn at the write lock, both statements.
+        Box::pin(sql::bounded(
+            self.timeout,
+            self.queued(self.hand_back_statements(id, token, taken_over)),
+        ))
     }
 
     fn checkpoint<'a>(
