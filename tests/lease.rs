@@ -706,24 +706,14 @@ async fn a_fresh_reservation_undone_after_its_timeout_is_as_it_was_found(h: Harn
     let first = post_req("/validated?amount=-1", "").key(&key).send(h.addr).await;
     assert_eq!(first.status, 503, "{first:?}");
     drop(paused);
-    let refused = post_req("/validated?amount=-1", "").key(&key).send(h.addr).await;
-    assert_eq!(
-        (
-            refused.status,
-            String::from_utf8_lossy(&refused.body).into_owned()
-        ),
-        (400, "attempt 1 takeover false".to_owned()),
-        "the reservation that never ran counted as an attempt"
-    );
-    let corrected = post_req("/validated?amount=5", "").key(&key).send(h.addr).await;
-    assert_eq!(
-        (
-            corrected.status,
-            String::from_utf8_lossy(&corrected.body).into_owned()
-        ),
-        (201, "attempt 1 takeover false".to_owned()),
-        "the validation failure did not free the key"
-    );
+    assert_fresh_as_found(|amount| {
+        let request = post_req(&format!("/validated?amount={amount}"), "").key(&key);
+        async move {
+            let r = request.send(h.addr).await;
+            (r.status, String::from_utf8_lossy(&r.body).into_owned())
+        }
+    })
+    .await;
 }
 
 /// A first run that failed (released as failed: it may have had effects),
@@ -1365,21 +1355,30 @@ fn validated_request(key: &str, amount: i64) -> axum::http::Request<Body> {
 /// corrected request runs (attempt 1 again: a new operation).
 async fn assert_the_fresh_key_is_as_it_was_found(app: &Router, key: &str) {
     use tower::ServiceExt as _;
-    let answer = |r: Response| async move {
-        let status = r.status();
+    assert_fresh_as_found(|amount| async move {
+        let r = app.clone().oneshot(validated_request(key, amount)).await.unwrap();
+        let status = r.status().as_u16();
         let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.unwrap();
         (status, String::from_utf8_lossy(&body).into_owned())
-    };
-    let refused = answer(app.clone().oneshot(validated_request(key, -1)).await.unwrap()).await;
+    })
+    .await;
+}
+
+/// [`assert_the_fresh_key_is_as_it_was_found`], with `send(amount)` sending
+/// the `validated` request and saying its status and body.
+async fn assert_fresh_as_found<F, Fut>(send: F)
+where
+    F: Fn(i64) -> Fut,
+    Fut: std::future::Future<Output = (u16, String)>,
+{
     assert_eq!(
-        refused,
-        (StatusCode::BAD_REQUEST, "attempt 1 takeover false".to_owned()),
+        send(-1).await,
+        (400, "attempt 1 takeover false".to_owned()),
         "the reservation that never ran counted as an attempt"
     );
-    let corrected = answer(app.clone().oneshot(validated_request(key, 5)).await.unwrap()).await;
     assert_eq!(
-        corrected,
-        (StatusCode::CREATED, "attempt 1 takeover false".to_owned()),
+        send(5).await,
+        (201, "attempt 1 takeover false".to_owned()),
         "the validation failure did not free the key"
     );
 }
