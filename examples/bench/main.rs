@@ -623,7 +623,9 @@ fn report(a: &Args, variants: &[Variant], results: &Results, ratios: &Ratios) {
 
 /// The server's CPU per request without the network: the router called in
 /// process, one request at a time on one thread, bare and behind
-/// `#[idempotent]` on the memory store (first request, replay), `n` each.
+/// `#[idempotent]` on the memory store (first request, replay), `n` each;
+/// with `DATABASE_URL`, also a PostgreSQL replay against the hand-written
+/// one (by the thread's CPU time: the database answers meanwhile).
 fn cpu_cost(n: usize) {
     use tower::ServiceExt as _;
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -684,5 +686,105 @@ fn cpu_cost(n: usize) {
             first - bare,
             replay - bare
         );
+        pg_replay_cpu(n).await;
     });
+}
+
+/// This thread's CPU time so far (Linux's `schedstat`: user and system,
+/// in nanoseconds); `None` elsewhere.
+fn thread_cpu_ns() -> Option<u64> {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// With PostgreSQL (`DATABASE_URL`): the server's own CPU per replay, idem's
+/// against the hand-written one-`SELECT` replay, on one connection of a
+/// pool with sqlx's defaults. The runtime has one thread, and sqlx's
+/// PostgreSQL driver works on it, so its CPU time is the server's whole
+/// share, system calls included (the database's is not counted).
+async fn pg_replay_cpu(n: usize) {
+    use tower::ServiceExt as _;
+    let Some(url) = std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|u| u.starts_with("postgres"))
+    else {
+        println!("# DATABASE_URL is not set to PostgreSQL: no PostgreSQL replay figures");
+        return;
+    };
+    if thread_cpu_ns().is_none() {
+        println!("# no per-thread CPU time on this system: no PostgreSQL replay figures");
+        return;
+    }
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .expect("DATABASE_URL connects");
+    let schema = format!("idem_bench_cpu_{}", std::process::id());
+    let store = pg_tables(&pool, &schema).await;
+    let hand = routes::Hand::new(pool.clone(), &schema);
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let sqlite = idem::SqliteStore::open(dir.path().join("cpu-pg.db"))
+        .await
+        .expect("open");
+    let app = routes::app(
+        routes::Stores {
+            postgres: Some((store, hand)),
+            sqlite,
+            memory: idem::MemoryStore::new(),
+        },
+        routes::Gate::default(),
+    );
+    let send = |path: &'static str, key: String| {
+        let app = app.clone();
+        async move {
+            let request = axum::http::Request::post(path)
+                .header("content-type", "application/json")
+                .header("idempotency-key", key)
+                .body(axum::body::Body::from(routes::BODY))
+                .expect("a request");
+            let answer = app.oneshot(request).await.expect("an answer");
+            let status = answer.status();
+            let _ = axum::body::to_bytes(answer.into_body(), usize::MAX).await;
+            status
+        }
+    };
+    for i in 0..100 {
+        assert_eq!(send("/hand/first", format!("cpu-pg-{i}")).await, 201);
+        assert_eq!(send("/postgres/pay", format!("cpu-pg-{i}")).await, 201);
+    }
+    let mut medians = Vec::new();
+    for (name, path) in [
+        ("hand-written replay", "/hand/replay"),
+        ("idem postgres replay", "/postgres/pay"),
+    ] {
+        let mut cpu = Vec::new();
+        for _ in 0..5 {
+            let started = thread_cpu_ns().unwrap_or(0);
+            for i in 0..n {
+                let status = send(path, format!("cpu-pg-{}", i % 100)).await;
+                assert!(status == 201, "{name}: {status}");
+            }
+            let spent = thread_cpu_ns().unwrap_or(0).saturating_sub(started);
+            cpu.push(spent as f64 / 1e3 / n as f64);
+        }
+        cpu.sort_by(f64::total_cmp);
+        println!(
+            "{name:<28} {:>7.2} us of this thread's CPU per request (median of 5; {:.2} to {:.2})",
+            cpu[2], cpu[0], cpu[4]
+        );
+        medians.push(cpu[2]);
+    }
+    println!(
+        "idem's PostgreSQL replay costs the server {:.2} us of CPU more than the hand-written one ({:.2}x)",
+        medians[1] - medians[0],
+        medians[1] / medians[0]
+    );
+    let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await;
 }
