@@ -725,6 +725,74 @@ async fn sqlite_reserver_process() {
     println!("DONE");
 }
 
+/// `PgStore::connect`'s pool pings a connection before lending it only
+/// after a second idle, so that a busy pool's statements go out without a
+/// ping first. Connections the database terminated are replaced unseen all
+/// the same: after a second idle (the ping finds them) and right after use
+/// (the pool finds the closed socket).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_connect_replaces_terminated_connections_unseen() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let name = idem_testkit::unique("idem_ping");
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let store = idem::PgStore::connect(&format!("{url}{sep}application_name={name}"))
+        .unwrap()
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    // sqlx's default would ping before every statement.
+    assert!(!store.pool().options().get_test_before_acquire());
+    let id = RecordId::new("t", "s", "ping");
+    let lease = take(&store, &id, "fp", LONG, LONG).await;
+    store.complete(&id, &lease.token, &response("p")).await.unwrap();
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    let backends = || async {
+        let pids: Vec<i32> =
+            sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
+                .bind(&name)
+                .fetch_all(&watcher)
+                .await
+                .unwrap();
+        pids
+    };
+    // Terminates the store's connections and waits until they are gone.
+    let terminate = || async {
+        let before = backends().await;
+        assert!(!before.is_empty(), "the store has no connection");
+        sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1")
+            .bind(&name)
+            .execute(&watcher)
+            .await
+            .unwrap();
+        let until = Instant::now() + Duration::from_secs(10);
+        while !backends().await.is_empty() {
+            assert!(Instant::now() < until, "the connections did not end");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        before
+    };
+    // Idle for longer than a second (a duration, not an ordering).
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let dead = terminate().await;
+    assert_eq!(
+        reserve(&store, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("p"))
+    );
+    // Right after use: no ping, and still no error.
+    let dead_too = terminate().await;
+    assert_eq!(
+        reserve(&store, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("p"))
+    );
+    let now = backends().await;
+    assert!(
+        now.iter()
+            .all(|pid| !dead.contains(pid) && !dead_too.contains(pid)),
+        "a terminated connection answered: {now:?}"
+    );
+}
+
 /// Expiry is judged by the database's clock: moving the record's times
 /// back in the database (as if its clock ran ahead of this server's) is
 /// all it takes, while this process's clock has not moved.
