@@ -227,16 +227,7 @@ macro_rules! fenced_ops {
             lock_timeout: std::time::Duration,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
             Box::pin($crate::sql::bounded(self.timeout, async move {
-                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
-                    .bind(&id.tenant)
-                    .bind(&id.scope)
-                    .bind(&id.key)
-                    .bind(token)
-                    .bind($crate::sql::millis(lock_timeout))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::sql::map_err)?;
-                $crate::sql::fenced(done.rows_affected())?;
+                $crate::sql::fenced(self.extend_write(id, token, lock_timeout).await?)?;
                 pause_point!($crate::pause::EXTEND_AFTER, &id.key);
                 Ok(())
             }))
@@ -293,6 +284,27 @@ macro_rules! complete_with {
             Ok(done.rows_affected())
         }
 
+        /// Moves the lock deadline of the record `token` owns to
+        /// `lock_timeout` from now, on the pool; says how many rows it
+        /// changed.
+        async fn extend_write(
+            &self,
+            id: &$crate::store::RecordId,
+            token: &str,
+            lock_timeout: std::time::Duration,
+        ) -> Result<u64, $crate::StoreError> {
+            let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .bind(token)
+                .bind($crate::sql::millis(lock_timeout))
+                .execute(&self.pool)
+                .await
+                .map_err($crate::sql::map_err)?;
+            Ok(done.rows_affected())
+        }
+
         /// [`IdempotencyStore::hand_back`](crate::IdempotencyStore::hand_back)'s
         /// statements: taken fresh (first attempt, no recovery point), the
         /// record is removed, as `reject` removes it; otherwise it goes
@@ -307,16 +319,8 @@ macro_rules! complete_with {
                 return Ok(());
             }
             let put_back = if taken_over {
-                sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
-                    .bind(&id.tenant)
-                    .bind(&id.scope)
-                    .bind(&id.key)
-                    .bind(token)
-                    .bind($crate::sql::millis(std::time::Duration::ZERO))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::sql::map_err)?
-                    .rows_affected()
+                self.extend_write(id, token, std::time::Duration::ZERO)
+                    .await?
             } else {
                 self.owned_write(&self.sql.release, id, token).await?
             };

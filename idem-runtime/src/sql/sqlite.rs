@@ -370,15 +370,7 @@ impl IdempotencyStore for SqliteStore {
         lock_timeout: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(sql::bounded(self.timeout, async move {
-            let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
-                .bind(&id.tenant)
-                .bind(&id.scope)
-                .bind(&id.key)
-                .bind(token)
-                .bind(millis(lock_timeout))
-                .execute(&self.pool);
-            let done = self.queued(async { write.await.map_err(sql::map_err) }).await?;
-            sql::fenced(done.rows_affected())?;
+            sql::fenced(self.queued(self.extend_write(id, token, lock_timeout)).await?)?;
             pause_point!(crate::pause::EXTEND_AFTER, &id.key);
             Ok(())
         }))

@@ -28,6 +28,12 @@ impl MemoryRecord {
         self.response.is_none() && self.lock_deadline > now
     }
 
+    /// Its operation's first attempt, with no recovery point: nothing can
+    /// have happened under it yet, so it may be removed as if never taken.
+    fn untouched(&self) -> bool {
+        self.attempt == 1 && self.recovery_point.is_none()
+    }
+
     /// As if absent, and purgeable: a completed record past its TTL; one in
     /// progress only once also a whole TTL past its lock deadline.
     fn gone(&self, now: Instant) -> bool {
@@ -230,10 +236,7 @@ impl IdempotencyStore for MemoryStore {
     fn reject<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             self.fenced(id, token, |records, now| {
-                let first = records
-                    .get(id)
-                    .is_some_and(|r| r.attempt == 1 && r.recovery_point.is_none());
-                if first {
+                if records.get(id).is_some_and(MemoryRecord::untouched) {
                     records.remove(id);
                 } else if let Some(r) = records.get_mut(id) {
                     r.token = None;
@@ -253,10 +256,7 @@ impl IdempotencyStore for MemoryStore {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             self.fenced(id, token, |records, now| {
-                let fresh = records
-                    .get(id)
-                    .is_some_and(|r| r.attempt == 1 && r.recovery_point.is_none());
-                if fresh {
+                if records.get(id).is_some_and(MemoryRecord::untouched) {
                     records.remove(id);
                 } else if let Some(r) = records.get_mut(id) {
                     if !taken_over {
