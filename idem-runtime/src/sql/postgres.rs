@@ -16,11 +16,6 @@ pub const POSTGRES_MIGRATIONS: &[sql::Migration] = sql::migrations!("postgres");
 /// The default bound on one store operation, connection included.
 pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// [`PgStore::connect`]'s pool pings a connection before lending it when it
-/// has been idle this long: a busy pool's statements go out without a ping
-/// round trip first.
-const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
-
 /// Idempotency records in PostgreSQL: the store for several servers.
 ///
 /// Taking a key is one statement under the primary key (tenant, scope,
@@ -108,12 +103,6 @@ impl PgStore {
     /// connects, and an unreachable server is reported as
     /// [`StoreError::Unavailable`] within the operation timeout.
     ///
-    /// The pool pings a connection before lending it only when it has been
-    /// idle for a second or more (sqlx's default pings before every
-    /// statement: one more round trip each). A connection the database
-    /// terminated is still replaced unseen, idle or not; one that breaks
-    /// during a statement fails that statement, and its request gets 503.
-    ///
     /// # Errors
     ///
     /// [`StoreError::Backend`] when the URL does not parse, or when called
@@ -134,15 +123,6 @@ impl PgStore {
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(DEFAULT_OPERATION_TIMEOUT)
-            .test_before_acquire(false)
-            .before_acquire(|conn, meta| {
-                Box::pin(async move {
-                    if meta.idle_for >= PING_AFTER_IDLE {
-                        sqlx::Connection::ping(conn).await?;
-                    }
-                    Ok(true)
-                })
-            })
             .connect_lazy(url)
             .map_err(|e| StoreError::backend(format!("invalid PostgreSQL URL: {e}")))?;
         Ok(Self::new(pool))
