@@ -1294,6 +1294,119 @@ impl IdempotencyStore for Faulty {
     }
 }
 
+/// A store whose completions never get through, and whose first release
+/// takes 1.5 s and fails; later releases fail until 0.5 s after that, then
+/// get through. Counts the releases that got through.
+struct SlowToRelease {
+    store: Arc<idem::MemoryStore>,
+    releases: std::sync::atomic::AtomicUsize,
+    open_at: Mutex<Option<std::time::Instant>>,
+    released: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl IdempotencyStore for SlowToRelease {
+    fn reserve<'a>(
+        &'a self,
+        req: idem::store::ReserveRequest<'a>,
+    ) -> futures_util::future::BoxFuture<'a, Result<idem::store::Reservation, StoreError>> {
+        self.store.reserve(req)
+    }
+    fn complete<'a>(
+        &'a self,
+        _: &'a RecordId,
+        _: &'a str,
+        _: &'a StoredResponse,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async { Err(StoreError::unavailable("the completion's answer was lost")) })
+    }
+    fn release<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        Box::pin(async move {
+            if self.releases.fetch_add(1, SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                *self.open_at.lock().unwrap() = Some(std::time::Instant::now() + Duration::from_millis(500));
+                return Err(StoreError::unavailable("the first release timed out"));
+            }
+            if self
+                .open_at
+                .lock()
+                .unwrap()
+                .is_some_and(|at| std::time::Instant::now() < at)
+            {
+                return Err(StoreError::unavailable("still down"));
+            }
+            let released = self.store.release(id, token).await;
+            if released.is_ok() {
+                self.released.fetch_add(1, SeqCst);
+            }
+            released
+        })
+    }
+    fn checkpoint<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        recovery_point: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        self.store.checkpoint(id, token, recovery_point)
+    }
+    fn extend_lock<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        lock_timeout: Duration,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        self.store.extend_lock(id, token, lock_timeout)
+    }
+    fn purge_expired(&self, batch: u32) -> futures_util::future::BoxFuture<'_, Result<u64, StoreError>> {
+        self.store.purge_expired(batch)
+    }
+}
+
+/// A give-back that fails after a long first try goes on in the background
+/// for a lock timeout counted from that failure, not from before the try:
+/// the lease kept extending the lock meanwhile. Here the store recovers
+/// 0.5 s after the failed first try (the lock timeout is 1 s): the key is
+/// given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_give_back_whose_first_try_was_slow_goes_on_for_a_lock_timeout_after_it() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.slow_release", lock_timeout = "1s")]
+    async fn answered() -> StatusCode {
+        StatusCode::CREATED
+    }
+    let released = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let store = SlowToRelease {
+        store: Arc::new(idem::MemoryStore::new()),
+        releases: std::sync::atomic::AtomicUsize::new(0),
+        open_at: Mutex::new(None),
+        released: released.clone(),
+    };
+    let app = Router::new()
+        .route("/answered", post(answered))
+        .layer(Idem::new(store).single_tenant().layer());
+    let key = idem_testkit::unique("k-slow-release");
+    let request = axum::http::Request::post("/answered")
+        .header("idempotency-key", &key)
+        .body(Body::empty())
+        .unwrap();
+    let answer = app.oneshot(request).await.unwrap();
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // The background tries come 0.1, 0.3 and 0.7 s after the failed one.
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while released.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the give-back stopped while the lock it gives back was still live"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A panic in the protocol outside the handler (here, the store's) is that
 /// request's 500 `handler-failed`, on a connection that goes on serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

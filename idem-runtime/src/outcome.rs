@@ -208,12 +208,14 @@ async fn retried(
     lock_timeout: Duration,
     how: Back,
 ) -> Result<(), StoreError> {
-    let until = Instant::now() + lock_timeout;
     let first = how.to(&*engine.store, id, token).await;
     match &first {
         Ok(()) | Err(StoreError::LockLost) => {}
         Err(e) => {
             tracing::warn!(error = %e, "giving the key back failed; trying again in the background");
+            // Counted from the failed try, not from before it: the lease
+            // may have extended the lock while that try took its time.
+            let until = Instant::now() + lock_timeout;
             let (store, id, token) = (engine.store.clone(), id.clone(), token.to_owned());
             tokio::spawn(
                 async move {
