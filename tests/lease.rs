@@ -1203,6 +1203,83 @@ async fn a_slow_reservation_keeps_its_lease() {
     assert_eq!(SLOW_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
+/// In a test store's `impl IdempotencyStore`: the named methods, each
+/// handed unchanged to the `store` field.
+macro_rules! forward_to_store {
+    ($($method:ident),* $(,)?) => { $(forward_to_store!(@one $method);)* };
+    (@one reserve) => {
+        fn reserve<'a>(
+            &'a self,
+            req: idem::store::ReserveRequest<'a>,
+        ) -> futures_util::future::BoxFuture<'a, Result<idem::store::Reservation, StoreError>> {
+            self.store.reserve(req)
+        }
+    };
+    (@one complete) => {
+        fn complete<'a>(
+            &'a self,
+            id: &'a RecordId,
+            token: &'a str,
+            response: &'a StoredResponse,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+            self.store.complete(id, token, response)
+        }
+    };
+    (@one release) => {
+        fn release<'a>(
+            &'a self,
+            id: &'a RecordId,
+            token: &'a str,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+            self.store.release(id, token)
+        }
+    };
+    (@one reject) => {
+        fn reject<'a>(
+            &'a self,
+            id: &'a RecordId,
+            token: &'a str,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+            self.store.reject(id, token)
+        }
+    };
+    (@one checkpoint) => {
+        fn checkpoint<'a>(
+            &'a self,
+            id: &'a RecordId,
+            token: &'a str,
+            recovery_point: &'a str,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+            self.store.checkpoint(id, token, recovery_point)
+        }
+    };
+    (@one extend_lock) => {
+        fn extend_lock<'a>(
+            &'a self,
+            id: &'a RecordId,
+            token: &'a str,
+            lock_timeout: Duration,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+            self.store.extend_lock(id, token, lock_timeout)
+        }
+    };
+    (@one purge_expired) => {
+        fn purge_expired(&self, batch: u32) -> futures_util::future::BoxFuture<'_, Result<u64, StoreError>> {
+            self.store.purge_expired(batch)
+        }
+    };
+    (@one hand_back) => {
+        fn hand_back<'a>(
+            &'a self,
+            id: &'a RecordId,
+            token: &'a str,
+            taken_over: bool,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+            self.store.hand_back(id, token, taken_over)
+        }
+    };
+}
+
 /// A memory store with faults: it panics when it reserves the key `boom`
 /// (a panic outside the handler, where no guard of the handler's catches
 /// it); when told, it fails every heartbeat (a lock extension by a lock
@@ -1240,36 +1317,6 @@ impl IdempotencyStore for Faulty {
             answer
         })
     }
-    fn complete<'a>(
-        &'a self,
-        id: &'a RecordId,
-        token: &'a str,
-        response: &'a StoredResponse,
-    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.store.complete(id, token, response)
-    }
-    fn release<'a>(
-        &'a self,
-        id: &'a RecordId,
-        token: &'a str,
-    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.store.release(id, token)
-    }
-    fn reject<'a>(
-        &'a self,
-        id: &'a RecordId,
-        token: &'a str,
-    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.store.reject(id, token)
-    }
-    fn checkpoint<'a>(
-        &'a self,
-        id: &'a RecordId,
-        token: &'a str,
-        recovery_point: &'a str,
-    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.store.checkpoint(id, token, recovery_point)
-    }
     fn extend_lock<'a>(
         &'a self,
         id: &'a RecordId,
@@ -1281,17 +1328,7 @@ impl IdempotencyStore for Faulty {
         }
         self.store.extend_lock(id, token, lock_timeout)
     }
-    fn purge_expired(&self, batch: u32) -> futures_util::future::BoxFuture<'_, Result<u64, StoreError>> {
-        self.store.purge_expired(batch)
-    }
-    fn hand_back<'a>(
-        &'a self,
-        id: &'a RecordId,
-        token: &'a str,
-        taken_over: bool,
-    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.store.hand_back(id, token, taken_over)
-    }
+    forward_to_store!(complete, release, reject, checkpoint, purge_expired, hand_back);
 }
 
 /// A store whose completions never get through, and whose first release
@@ -1305,12 +1342,6 @@ struct SlowToRelease {
 }
 
 impl IdempotencyStore for SlowToRelease {
-    fn reserve<'a>(
-        &'a self,
-        req: idem::store::ReserveRequest<'a>,
-    ) -> futures_util::future::BoxFuture<'a, Result<idem::store::Reservation, StoreError>> {
-        self.store.reserve(req)
-    }
     fn complete<'a>(
         &'a self,
         _: &'a RecordId,
@@ -1346,25 +1377,7 @@ impl IdempotencyStore for SlowToRelease {
             released
         })
     }
-    fn checkpoint<'a>(
-        &'a self,
-        id: &'a RecordId,
-        token: &'a str,
-        recovery_point: &'a str,
-    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.store.checkpoint(id, token, recovery_point)
-    }
-    fn extend_lock<'a>(
-        &'a self,
-        id: &'a RecordId,
-        token: &'a str,
-        lock_timeout: Duration,
-    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        self.store.extend_lock(id, token, lock_timeout)
-    }
-    fn purge_expired(&self, batch: u32) -> futures_util::future::BoxFuture<'_, Result<u64, StoreError>> {
-        self.store.purge_expired(batch)
-    }
+    forward_to_store!(reserve, checkpoint, extend_lock, purge_expired);
 }
 
 /// A give-back that fails after a long first try goes on in the background
