@@ -194,7 +194,7 @@ impl Back {
     ) -> Result<(), StoreError> {
         match self {
             Back::Ran => store.release(id, token).await,
-            Back::NeverRan { taken_over } => crate::store::hand_back(store, id, token, taken_over).await,
+            Back::NeverRan { taken_over } => store.hand_back(id, token, taken_over).await,
         }
     }
 }

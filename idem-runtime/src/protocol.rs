@@ -352,7 +352,7 @@ async fn hand_back_in_own_task(engine: &Arc<Engine>, id: &RecordId, token: &str,
 }
 
 /// Hands back a key this reservation took but never ran, as it was found
-/// (see [`crate::store::hand_back`]).
+/// (see [`crate::IdempotencyStore::hand_back`]).
 pub(crate) async fn unrun(engine: &Arc<Engine>, id: &RecordId, lease: &Lease, lock_timeout: Duration) {
     let _ = hand_back_key(engine, id, &lease.token, lock_timeout, lease.is_takeover()).await;
 }

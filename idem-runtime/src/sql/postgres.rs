@@ -318,7 +318,7 @@ impl PgStore {
                     // Taken, but unreadable: give the key back (fenced by
                     // our token) rather than leave a lock nobody holds; how
                     // it was found is not known.
-                    let _ = crate::store::hand_back(self, req.id, req.token, true).await;
+                    let _ = self.hand_back(req.id, req.token, true).await;
                     return Err(StoreError::backend(format!(
                         "the reservation function returned {taken:?}, not a lease"
                     )));

@@ -85,7 +85,7 @@ where
                         | Reservation::InProgress { .. }
                         | Reservation::Mismatch))
                 );
-                // As it was found (see `store::hand_back`); not knowing
+                // As it was found (see `IdempotencyStore::hand_back`); not knowing
                 // how, as a stale lock.
                 let taken_over = match &late {
                     Ok(Ok(Reservation::Reserved(lease))) => lease.is_takeover(),
@@ -94,10 +94,8 @@ where
                 if !took || tokio::time::Instant::now() >= until {
                     return;
                 }
-                let given = crate::store::retry_until(until, || {
-                    crate::store::hand_back(&store, &id, &token, taken_over)
-                })
-                .await;
+                let given =
+                    crate::store::retry_until(until, || store.hand_back(&id, &token, taken_over)).await;
                 if given.is_ok() {
                     tracing::warn!("a reservation answered after its timeout; gave the key back");
                 }

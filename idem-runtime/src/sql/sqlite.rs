@@ -439,7 +439,7 @@ impl SqliteStore {
                 let until = tokio::time::Instant::now() + owned.lock_timeout();
                 // As it was found (see `IdempotencyStore::hand_back`).
                 let given = crate::store::retry_until(until, || {
-                    crate::store::hand_back(&self, owned.id(), owned.token(), lease.is_takeover())
+                    IdempotencyStore::hand_back(&self, owned.id(), owned.token(), lease.is_takeover())
                 })
                 .await;
                 match given {

@@ -487,18 +487,6 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
     }
 }
 
-/// Hands back a key that a reservation under `token` took but that never
-/// ran: [`IdempotencyStore::hand_back`].
-#[cfg(any(feature = "axum", feature = "postgres", feature = "sqlite"))]
-pub(crate) async fn hand_back(
-    store: &dyn IdempotencyStore,
-    id: &RecordId,
-    token: &str,
-    taken_over: bool,
-) -> Result<(), StoreError> {
-    store.hand_back(id, token, taken_over).await
-}
-
 /// Tries `give_back` (a release or a hand-back, fenced by a token) until
 /// the store answers: at once, then, while the store fails, again every
 /// 100 ms doubling to 2 s, as long as `until` has not passed. It stops at
