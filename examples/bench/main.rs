@@ -23,7 +23,11 @@
 //! on CPU 0 and the client on CPU 1, when the machine has two).
 //! `--pgbench` runs idem's statements and the hand-written flow's on the
 //! database alone instead (`pgbench`, `--seconds` per cell, `--repeat`
-//! rounds).
+//! rounds). `--cpu N` measures the CPU of one request in process, without
+//! the network: the bare handler, idem's first request and replay on the
+//! memory store, and (with `DATABASE_URL`) the server's CPU per PostgreSQL
+//! replay, 5 rounds of `N` requests each; `--only` picks its cells too, so
+//! that a profiler (`perf`, `valgrind --tool=callgrind`) sees one path.
 //! Without `DATABASE_URL` the PostgreSQL and hand-written cells are skipped.
 
 mod client;
@@ -153,8 +157,13 @@ fn variants(postgres: bool, only: Option<&[String]>) -> Vec<Variant> {
         all.push(v(group, Path::Replay, &format!("{prefix} replay"), pay));
         all.push(v(group, Path::Conflict, &format!("{prefix} 409"), hold));
     }
-    all.retain(|v| only.is_none_or(|o| o.iter().any(|g| *g == v.group || *g == v.name)));
+    all.retain(|v| chosen(only, v.group, &v.name));
     all
+}
+
+/// Whether `--only` names the variant, or its group.
+fn chosen(only: Option<&[String]>, group: &str, name: &str) -> bool {
+    only.is_none_or(|o| o.iter().any(|g| g == group || g == name))
 }
 
 /// Pins the calling thread to `cpu` (with `taskset`, which util-linux
@@ -445,7 +454,7 @@ fn main() {
         return;
     }
     if let Some(n) = a.cpu {
-        cpu_cost(n);
+        cpu_cost(n, a.only.as_deref());
         return;
     }
     if a.pgbench {
@@ -626,7 +635,7 @@ fn report(a: &Args, variants: &[Variant], results: &Results, ratios: &Ratios) {
 /// `#[idempotent]` on the memory store (first request, replay), `n` each;
 /// with `DATABASE_URL`, also a PostgreSQL replay against the hand-written
 /// one (by the thread's CPU time: the database answers meanwhile).
-fn cpu_cost(n: usize) {
+fn cpu_cost(n: usize, only: Option<&[String]>) {
     use tower::ServiceExt as _;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -662,7 +671,7 @@ fn cpu_cost(n: usize) {
                     for i in 0..n {
                         let key = keyed.map(|k| match k {
                             "first" => format!("cpu-{round}-{i}"),
-                            _ => format!("cpu-0-{}", i % 100),
+                            _ => format!("cpu-replay-{}", i % 100),
                         });
                         let answer = app.clone().oneshot(request(path, key)).await.expect("an answer");
                         assert_eq!(answer.status(), 201);
@@ -678,15 +687,41 @@ fn cpu_cost(n: usize) {
                 times[2]
             }
         };
-        let bare = time("bare handler", "/bare", None).await;
-        let first = time("idem memory first", "/memory/pay", Some("first")).await;
-        let replay = time("idem memory replay", "/memory/pay", Some("replay")).await;
-        println!(
-            "idem's own CPU: first {:.2} us, replay {:.2} us",
-            first - bare,
-            replay - bare
-        );
-        pg_replay_cpu(n).await;
+        // The keys the replays cycle over, completed first.
+        for i in 0..100 {
+            let key = Some(format!("cpu-replay-{i}"));
+            let answer = app
+                .clone()
+                .oneshot(request("/memory/pay", key))
+                .await
+                .expect("an answer");
+            assert_eq!(answer.status(), 201);
+        }
+        let cell = |group: &str, name: &'static str, path: &'static str, keyed: Option<&'static str>| {
+            chosen(only, group, name).then(|| time(name, path, keyed))
+        };
+        let cells = [
+            cell("bare", "bare handler", "/bare", None),
+            cell("memory", "idem memory first", "/memory/pay", Some("first")),
+            cell("memory", "idem memory replay", "/memory/pay", Some("replay")),
+        ];
+        let mut times = Vec::new();
+        for cell in cells {
+            times.push(match cell {
+                Some(timed) => Some(timed.await),
+                None => None,
+            });
+        }
+        if let [Some(bare), Some(first), Some(replay)] = times[..] {
+            println!(
+                "idem's own CPU: first {:.2} us, replay {:.2} us",
+                first - bare,
+                replay - bare
+            );
+        }
+        if chosen(only, "hand", "hand-written replay") || chosen(only, "postgres", "idem postgres replay") {
+            pg_replay_cpu(n).await;
+        }
     });
 }
 

@@ -197,25 +197,23 @@ pub(crate) struct Stores {
 }
 
 pub(crate) fn app(stores: Stores, gate: Gate) -> Router {
-    let protected = |idem: Idem| {
-        Router::new()
-            .route("/pay", post(pay))
-            .route("/hold", post(hold))
-            .with_state(gate.clone())
-            .layer(idem.single_tenant().layer())
+    // Every variant is one route of one router, so that routing costs each
+    // the same. The `Idem` layer of a store is on its routes, as
+    // `Router::layer` would put it on each route of a router of its own;
+    // nesting those routers would add a second routing step to idem's
+    // variants only.
+    let protected = |app: Router<Gate>, prefix: &str, idem: Idem| {
+        let layer = idem.single_tenant().layer();
+        app.route(&format!("{prefix}/pay"), post(pay).layer(layer.clone()))
+            .route(&format!("{prefix}/hold"), post(hold).layer(layer))
     };
-    let mut app = Router::new()
-        .route("/bare", post(bare))
-        .nest("/sqlite", protected(Idem::new(stores.sqlite)))
-        .nest("/memory", protected(Idem::new(stores.memory)));
+    let mut app = Router::new().route("/bare", post(bare));
+    app = protected(app, "/sqlite", Idem::new(stores.sqlite));
+    app = protected(app, "/memory", Idem::new(stores.memory));
     if let Some((pg, hand)) = stores.postgres {
-        app = app.nest("/postgres", protected(Idem::new(pg))).nest(
-            "/hand",
-            Router::new()
-                .route("/first", post(hand_first))
-                .route("/replay", post(hand_replay))
-                .with_state(hand),
-        );
+        app = protected(app, "/postgres", Idem::new(pg))
+            .route("/hand/first", post(hand_first).with_state(hand.clone()))
+            .route("/hand/replay", post(hand_replay).with_state(hand));
     }
-    app
+    app.with_state(gate)
 }
