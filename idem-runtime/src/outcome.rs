@@ -7,7 +7,7 @@ use crate::layer::Engine;
 use crate::operation::OperationInfo;
 use crate::problem::{Problem, Unavailable};
 use crate::protocol::{record, Outcome};
-use crate::store::{RecordId, StoreError, StoredResponse};
+use crate::store::{BoxFuture, RecordId, StoreError, StoredResponse};
 use crate::tx::{PendingTx, TxFailure};
 use axum::response::{IntoResponse as _, Response};
 use std::sync::Arc;
@@ -30,7 +30,7 @@ pub(crate) async fn record_completion(
         // continues the operation.
         record(Outcome::LockLost);
         if let Some(tx) = tx {
-            tx.rollback().await;
+            Box::pin(tx.rollback()).await;
         }
         let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
         return Err(Problem::LeaseLost.into_response());
@@ -38,7 +38,10 @@ pub(crate) async fn record_completion(
     let Some(tx) = tx else {
         return complete(engine, info, lock_timeout, stored).await;
     };
-    match tx.complete(&info.id, &info.lease.token, stored).await {
+    // Boxed, as is every step that only some executions take: an
+    // execution's state is as large as its largest step, so those steps
+    // would make every execution's allocation larger and its moves longer.
+    match Box::pin(tx.complete(&info.id, &info.lease.token, stored)).await {
         Ok(()) => Ok(()),
         Err(TxFailure::NotCommitted(StoreError::LockLost)) => {
             record(Outcome::LockLost);
@@ -89,7 +92,7 @@ pub(crate) async fn complete(
             }
             Err(e) if attempt < 4 && !info.is_lost() => {
                 tracing::warn!(error = %e, attempt, "completing the record failed; retrying");
-                tokio::time::sleep(pause).await;
+                Box::pin(tokio::time::sleep(pause)).await;
                 pause *= 2;
             }
             Err(e) => {
@@ -116,7 +119,19 @@ pub(crate) enum LetGo {
 /// the handler's transaction, lets the key go as `how` says, and answers
 /// `response`, unless another execution took the operation over, whose
 /// answer is the one that counts.
-pub(crate) async fn let_go(
+/// Boxed: see [`record_completion`].
+pub(crate) fn let_go<'a>(
+    engine: &'a Arc<Engine>,
+    info: &'a OperationInfo,
+    lock_timeout: Duration,
+    tx: Option<PendingTx>,
+    response: Response,
+    how: LetGo,
+) -> BoxFuture<'a, Response> {
+    Box::pin(letting_go(engine, info, lock_timeout, tx, response, how))
+}
+
+async fn letting_go(
     engine: &Arc<Engine>,
     info: &OperationInfo,
     lock_timeout: Duration,
@@ -154,26 +169,34 @@ pub(crate) async fn let_go(
 /// completions whose answer never came (a timeout: they may have committed
 /// all the same). While the store is unreachable it keeps trying in the
 /// background, until the lock would have run out by itself, so no lock
-/// stays that nobody holds. Says how the first try went.
-pub(crate) async fn give_back(
-    engine: &Arc<Engine>,
-    id: &RecordId,
-    token: &str,
+/// stays that nobody holds. Says how the first try went. Boxed: see
+/// [`record_completion`].
+pub(crate) fn give_back<'a>(
+    engine: &'a Arc<Engine>,
+    id: &'a RecordId,
+    token: &'a str,
     lock_timeout: Duration,
-) -> Result<(), StoreError> {
-    retried(engine, id, token, lock_timeout, Back::Ran).await
+) -> BoxFuture<'a, Result<(), StoreError>> {
+    Box::pin(retried(engine, id, token, lock_timeout, Back::Ran))
 }
 
 /// [`give_back`] of a key that never ran, as it was found (see
-/// [`crate::IdempotencyStore::hand_back`]).
-pub(crate) async fn hand_back_key(
-    engine: &Arc<Engine>,
-    id: &RecordId,
-    token: &str,
+/// [`crate::IdempotencyStore::hand_back`]). Boxed: see
+/// [`record_completion`].
+pub(crate) fn hand_back_key<'a>(
+    engine: &'a Arc<Engine>,
+    id: &'a RecordId,
+    token: &'a str,
     lock_timeout: Duration,
     taken_over: bool,
-) -> Result<(), StoreError> {
-    retried(engine, id, token, lock_timeout, Back::NeverRan { taken_over }).await
+) -> BoxFuture<'a, Result<(), StoreError>> {
+    Box::pin(retried(
+        engine,
+        id,
+        token,
+        lock_timeout,
+        Back::NeverRan { taken_over },
+    ))
 }
 
 /// How a key goes back.

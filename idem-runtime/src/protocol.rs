@@ -305,8 +305,11 @@ pub(crate) async fn protect(
                 // while the request's future is not polled (the lease
                 // keeper extends its lock meanwhile). A replay or a
                 // conflict (most of what a retry storm sends) spawns
-                // nothing.
-                let execution = tokio::spawn(execute(engine, id, lease, clock, handler).in_current_span());
+                // nothing. Boxed: the task then holds a pointer, and the
+                // runtime moves a pointer, not the execution's state, each
+                // time the task starts, finishes or hands over its answer.
+                let execution =
+                    tokio::spawn(Box::pin(execute(engine, id, lease, clock, handler)).in_current_span());
                 return match execution.await {
                     Ok(response) => response,
                     // The handler's and its body's panics are caught inside;
@@ -609,14 +612,14 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 
 /// A handler or response body that panicked: the key is released as failed
 /// and the client gets 500 `handler-failed`.
-async fn panicked(
-    engine: &Arc<Engine>,
-    info: &OperationInfo,
+fn panicked<'a>(
+    engine: &'a Arc<Engine>,
+    info: &'a OperationInfo,
     lock_timeout: Duration,
     tx: Option<PendingTx>,
     what: &str,
     panic: String,
-) -> Response {
+) -> crate::store::BoxFuture<'a, Response> {
     tracing::error!(panic = %panic, "{what} panicked; releasing the key");
     let_go(
         engine,
@@ -626,5 +629,4 @@ async fn panicked(
         Problem::HandlerFailed.into_response(),
         LetGo::Fail,
     )
-    .await
 }
