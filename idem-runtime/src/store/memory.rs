@@ -5,8 +5,8 @@ use crate::store::{
     random_token, BoxFuture, Decision, IdempotencyStore, Lease, RecordId, RecordState, Reservation,
     ReserveRequest, StoreError, StoredResponse,
 };
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::hash::BuildHasher as _;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
@@ -79,8 +79,73 @@ impl MemoryRecord {
 /// ```
 #[derive(Debug)]
 pub struct MemoryStore {
-    shards: Box<[Mutex<HashMap<RecordId, MemoryRecord>>]>,
+    shards: Box<[Mutex<Shard>]>,
+    /// Keyed at random per store: the keys are the clients'.
     hasher: std::hash::RandomState,
+}
+
+/// One shard's records, each with its id's hash: a store call hashes its
+/// id once, for the shard and the table both, and a table that grows moves
+/// its records without hashing them again.
+type Shard = hashbrown::HashTable<Slot>;
+
+#[derive(Debug)]
+struct Slot {
+    hash: u64,
+    id: RecordId,
+    record: MemoryRecord,
+}
+
+impl Slot {
+    /// Whether it holds `id`, whose hash is `hash`: the hashes are compared
+    /// first, so that another id's strings are never read.
+    fn is(&self, hash: u64, id: &RecordId) -> bool {
+        self.hash == hash && self.id == *id
+    }
+}
+
+/// One record's place in its shard, the shard locked: every store call is
+/// one step under one lock.
+struct Place<'a> {
+    shard: MutexGuard<'a, Shard>,
+    hash: u64,
+    id: &'a RecordId,
+}
+
+impl Place<'_> {
+    fn get(&self) -> Option<&MemoryRecord> {
+        let (hash, id) = (self.hash, self.id);
+        self.shard.find(hash, |s| s.is(hash, id)).map(|s| &s.record)
+    }
+
+    fn get_mut(&mut self) -> Option<&mut MemoryRecord> {
+        let (hash, id) = (self.hash, self.id);
+        self.shard
+            .find_mut(hash, |s| s.is(hash, id))
+            .map(|s| &mut s.record)
+    }
+
+    /// Puts `record` here, in place of the one here if any.
+    fn put(&mut self, record: MemoryRecord) {
+        match self.get_mut() {
+            Some(r) => *r = record,
+            None => {
+                let slot = Slot {
+                    hash: self.hash,
+                    id: self.id.clone(),
+                    record,
+                };
+                self.shard.insert_unique(self.hash, slot, |s| s.hash);
+            }
+        }
+    }
+
+    fn remove(&mut self) {
+        let (hash, id) = (self.hash, self.id);
+        if let Ok(slot) = self.shard.find_entry(hash, |s| s.is(hash, id)) {
+            slot.remove();
+        }
+    }
 }
 
 /// How many locks the records are spread over.
@@ -111,34 +176,42 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    /// The shard that holds `id`, locked.
-    fn shard(&self, id: &RecordId) -> std::sync::MutexGuard<'_, HashMap<RecordId, MemoryRecord>> {
-        use std::hash::BuildHasher as _;
-        lock(&self.shards[self.hasher.hash_one(id) as usize % SHARDS])
+    /// Where `id` lies, its shard locked.
+    fn place<'a>(&'a self, id: &'a RecordId) -> Place<'a> {
+        let hash = self.hasher.hash_one(id);
+        // The table places a record by the hash's low bits and tells
+        // records apart by its top seven: the shard is chosen by others.
+        let shard = (hash >> 32) as usize % SHARDS;
+        Place {
+            shard: lock(&self.shards[shard]),
+            hash,
+            id,
+        }
     }
 
+    /// Runs `change` on the record `token` holds locked, if it does.
     fn fenced<T>(
         &self,
         id: &RecordId,
         token: &str,
-        change: impl FnOnce(&mut HashMap<RecordId, MemoryRecord>, Instant) -> T,
+        change: impl FnOnce(&mut Place<'_>, Instant) -> T,
     ) -> Result<T, StoreError> {
-        let mut records = self.shard(id);
+        let mut place = self.place(id);
         let now = Instant::now();
-        match records.get(id) {
+        match place.get() {
             Some(r) if r.response.is_none() && r.token.as_deref() == Some(token) => {
-                Ok(change(&mut records, now))
+                Ok(change(&mut place, now))
             }
             _ => Err(StoreError::LockLost),
         }
     }
 
     fn reserve_now(&self, req: ReserveRequest<'_>) -> Reservation {
-        let mut records = self.shard(req.id);
+        let mut place = self.place(req.id);
         let now = Instant::now();
         // Judged in place: a replay copies the stored answer and nothing
         // else, a conflict copies nothing.
-        let existing = records.get(req.id);
+        let existing = place.get();
         let state = existing.map_or(RecordState::Absent, |r| r.state(now));
         let same = existing.is_some_and(|r| r.fingerprint == req.fingerprint);
         let (record, taken_over) = match (state.decide(same), existing) {
@@ -186,7 +259,7 @@ impl MemoryStore {
             recovery_point: record.recovery_point.clone(),
             operation_id: record.operation_id.clone(),
         };
-        records.insert(req.id.clone(), record);
+        place.put(record);
         Reservation::Reserved(lease)
     }
 }
@@ -207,8 +280,8 @@ impl IdempotencyStore for MemoryStore {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            self.fenced(id, token, |records, now| {
-                if let Some(r) = records.get_mut(id) {
+            self.fenced(id, token, |place, now| {
+                if let Some(r) = place.get_mut() {
                     r.response = Some(response.clone());
                     r.token = None;
                     // The answer is kept a whole TTL from its completion.
@@ -222,8 +295,8 @@ impl IdempotencyStore for MemoryStore {
 
     fn release<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            self.fenced(id, token, |records, now| {
-                if let Some(r) = records.get_mut(id) {
+            self.fenced(id, token, |place, now| {
+                if let Some(r) = place.get_mut() {
                     r.token = None;
                     r.lock_deadline = now;
                 }
@@ -235,10 +308,10 @@ impl IdempotencyStore for MemoryStore {
 
     fn reject<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            self.fenced(id, token, |records, now| {
-                if records.get(id).is_some_and(MemoryRecord::untouched) {
-                    records.remove(id);
-                } else if let Some(r) = records.get_mut(id) {
+            self.fenced(id, token, |place, now| {
+                if place.get().is_some_and(MemoryRecord::untouched) {
+                    place.remove();
+                } else if let Some(r) = place.get_mut() {
                     r.token = None;
                     r.lock_deadline = now;
                 }
@@ -255,10 +328,10 @@ impl IdempotencyStore for MemoryStore {
         taken_over: bool,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            self.fenced(id, token, |records, now| {
-                if records.get(id).is_some_and(MemoryRecord::untouched) {
-                    records.remove(id);
-                } else if let Some(r) = records.get_mut(id) {
+            self.fenced(id, token, |place, now| {
+                if place.get().is_some_and(MemoryRecord::untouched) {
+                    place.remove();
+                } else if let Some(r) = place.get_mut() {
                     if !taken_over {
                         r.token = None;
                     }
@@ -275,8 +348,8 @@ impl IdempotencyStore for MemoryStore {
         recovery_point: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            self.fenced(id, token, |records, _| {
-                if let Some(r) = records.get_mut(id) {
+            self.fenced(id, token, |place, _| {
+                if let Some(r) = place.get_mut() {
                     r.recovery_point = Some(recovery_point.to_owned());
                 }
             })?;
@@ -292,8 +365,8 @@ impl IdempotencyStore for MemoryStore {
         lock_timeout: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            self.fenced(id, token, |records, now| {
-                if let Some(r) = records.get_mut(id) {
+            self.fenced(id, token, |place, now| {
+                if let Some(r) = place.get_mut() {
                     r.lock_deadline = now + lock_timeout;
                 }
             })?;
@@ -311,18 +384,13 @@ impl IdempotencyStore for MemoryStore {
                 if left == 0 {
                     break;
                 }
-                let mut records = lock(shard);
                 let now = Instant::now();
-                let doomed: Vec<RecordId> = records
-                    .iter()
-                    .filter(|(_, r)| r.gone(now) && !r.lock_live(now))
-                    .map(|(id, _)| id.clone())
-                    .take(usize::try_from(left).unwrap_or(usize::MAX))
-                    .collect();
-                for id in &doomed {
-                    records.remove(id);
-                }
-                removed += doomed.len() as u64;
+                lock(shard).retain(|slot| {
+                    let doomed =
+                        removed < u64::from(batch) && slot.record.gone(now) && !slot.record.lock_live(now);
+                    removed += u64::from(doomed);
+                    !doomed
+                });
             }
             pause_point!(crate::pause::PURGE_AFTER, "");
             Ok(removed)
@@ -332,8 +400,86 @@ impl IdempotencyStore for MemoryStore {
 
 /// Locks a shard. A panic while holding the lock cannot leave a record
 /// half-written: every change is a single assignment.
-fn lock(
-    shard: &Mutex<HashMap<RecordId, MemoryRecord>>,
-) -> std::sync::MutexGuard<'_, HashMap<RecordId, MemoryRecord>> {
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     shard.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(fingerprint: &str) -> MemoryRecord {
+        let now = Instant::now();
+        MemoryRecord {
+            fingerprint: fingerprint.to_owned(),
+            token: Some("token".to_owned()),
+            attempt: 1,
+            operation_id: "op".to_owned(),
+            recovery_point: None,
+            lock_deadline: now,
+            expires_at: now,
+            ttl: Duration::ZERO,
+            response: None,
+        }
+    }
+
+    fn fingerprint_at(shard: &Mutex<Shard>, hash: u64, id: &RecordId) -> Option<String> {
+        let place = Place {
+            shard: lock(shard),
+            hash,
+            id,
+        };
+        place.get().map(|r| r.fingerprint.clone())
+    }
+
+    /// Two ids whose hashes are equal are two records: a slot is found by
+    /// its hash, then told apart by its whole id.
+    #[test]
+    fn ids_whose_hashes_collide_stay_apart() {
+        let shard = Mutex::new(Shard::default());
+        let (a, b) = (RecordId::new("t", "s", "a"), RecordId::new("t", "s", "b"));
+        let place = |id| Place {
+            shard: lock(&shard),
+            hash: 7,
+            id,
+        };
+        place(&a).put(record("fp-a"));
+        assert_eq!(fingerprint_at(&shard, 7, &b), None);
+        place(&b).put(record("fp-b"));
+        assert_eq!(fingerprint_at(&shard, 7, &a).as_deref(), Some("fp-a"));
+        assert_eq!(fingerprint_at(&shard, 7, &b).as_deref(), Some("fp-b"));
+        place(&a).put(record("fp-a2"));
+        assert_eq!(lock(&shard).len(), 2, "a record put again replaces itself");
+        place(&a).remove();
+        assert_eq!(fingerprint_at(&shard, 7, &a), None);
+        assert_eq!(fingerprint_at(&shard, 7, &b).as_deref(), Some("fp-b"));
+        assert_eq!(lock(&shard).len(), 1);
+    }
+
+    /// Tables that grow many times over keep every record where a lookup
+    /// finds it.
+    #[test]
+    fn every_record_is_found_after_the_tables_grow() {
+        let store = MemoryStore::new();
+        let ids: Vec<RecordId> = (0..20_000)
+            .map(|i| RecordId::new("t", "grow", format!("k{i}")))
+            .collect();
+        let request = |id| ReserveRequest {
+            id,
+            fingerprint: "fp",
+            token: "token",
+            ttl: Duration::from_secs(60),
+            lock_timeout: Duration::from_secs(60),
+        };
+        for id in &ids {
+            assert!(matches!(store.reserve_now(request(id)), Reservation::Reserved(_)));
+        }
+        assert_eq!(store.len(), ids.len());
+        for id in &ids {
+            assert!(matches!(
+                store.reserve_now(request(id)),
+                Reservation::InProgress { .. }
+            ));
+        }
+    }
 }
