@@ -4,6 +4,7 @@
 use crate::operation::OperationInfo;
 use crate::store::StoreError;
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Condvar, LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::runtime::Handle;
@@ -59,7 +60,7 @@ struct Keeper {
 #[derive(Default)]
 struct State {
     next_id: u64,
-    leases: HashMap<u64, Entry>,
+    leases: HashMap<u64, Entry, BuildHasherDefault<SequenceHasher>>,
     /// When the keeper thread wakes next, once it runs.
     wake_at: Option<Instant>,
     running: bool,
@@ -128,6 +129,28 @@ impl Drop for Heartbeat {
         if let Some(beating) = entry.and_then(|e| e.beating) {
             beating.abort();
         }
+    }
+}
+
+/// Hashes the keeper's lease ids, which it numbers itself in sequence:
+/// one multiplication spreads them over the table, where a keyed hash
+/// would defend against keys that nobody else chooses.
+#[derive(Default)]
+struct SequenceHasher(u64);
+
+impl Hasher for SequenceHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(self.0.rotate_left(8) ^ u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
 }
 
