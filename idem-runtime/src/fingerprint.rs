@@ -293,9 +293,15 @@ impl Component {
 pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
-    for &b in bytes {
-        s.push(char::from(DIGITS[usize::from(b >> 4)]));
-        s.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    // 32 bytes at a time through a buffer on the stack: a digest in one go.
+    let mut buffer = [0u8; 64];
+    for chunk in bytes.chunks(32) {
+        let digits = &mut buffer[..chunk.len() * 2];
+        for (pair, &b) in digits.chunks_exact_mut(2).zip(chunk) {
+            pair[0] = DIGITS[usize::from(b >> 4)];
+            pair[1] = DIGITS[usize::from(b & 0x0f)];
+        }
+        s.push_str(std::str::from_utf8(digits).unwrap_or_else(|_| unreachable!("hex digits are ASCII")));
     }
     s
 }
