@@ -200,8 +200,8 @@ pub(crate) fn app(stores: Stores, gate: Gate) -> Router {
     // Every variant is one route of one router, so that routing costs each
     // the same. The `Idem` layer of a store is on its routes, as
     // `Router::layer` would put it on each route of a router of its own;
-    // nesting those routers would add a second routing step to idem's
-    // variants only.
+    // nesting those routers would add a second routing step that the bare
+    // handler does not take.
     let protected = |app: Router<Gate>, prefix: &str, idem: Idem| {
         let layer = idem.single_tenant().layer();
         app.route(&format!("{prefix}/pay"), post(pay).layer(layer.clone()))
