@@ -84,36 +84,63 @@ where
     run_boxed(ctx.erase(), spec, fingerprint, handler)
 }
 
-pub(crate) async fn run_boxed(
+/// Works out, before anything is awaited, how the request starts: the
+/// future it returns holds only what is left to await (the protocol is
+/// boxed inside [`Detachable`]), so the handler future that axum allocates
+/// for every request, with this one inside, stays small.
+pub(crate) fn run_boxed(
     ctx: Context,
     spec: &'static Spec,
     fingerprint: Result<String, crate::fingerprint::FingerprintError>,
     handler: Handler,
-) -> Response {
-    let Some(idem) = ctx.idem.clone() else {
+) -> impl Future<Output = Response> + Send {
+    let started = start(ctx, spec, fingerprint, handler);
+    async move {
+        let (response, base) = match started {
+            Started::Answered(response) => return response,
+            Started::Unprotected { handler, base } => (handler.await.0, base),
+            Started::Protected { protocol, base } => (protocol.await, base),
+        };
+        match base {
+            Some(base) => crate::problem::rebase(response, &base),
+            None => response,
+        }
+    }
+}
+
+/// How a request starts.
+enum Started<P: Future<Output = Response> + Send + 'static> {
+    /// Refused before any store call, its problem rebased.
+    Answered(Response),
+    /// Without a key, on an `optional` handler: the handler alone.
+    Unprotected {
+        handler: tracing::instrument::Instrumented<HandlerFuture>,
+        base: Option<Arc<str>>,
+    },
+    /// The protocol, which no client can cancel. `base`: where the answer's
+    /// problem `type`, if any, is rebased.
+    Protected {
+        protocol: Detachable<P>,
+        base: Option<Arc<str>>,
+    },
+}
+
+/// Reads the key, then starts the protocol so that no client can cancel it.
+fn start(
+    ctx: Context,
+    spec: &'static Spec,
+    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    handler: Handler,
+) -> Started<impl Future<Output = Response> + Send + 'static> {
+    let Some(engine) = ctx.idem.as_ref().map(|idem| idem.inner.clone()) else {
         tracing::error!(
             scope = spec.scope,
             "no idempotency store is configured for this route: add `.layer(idem::Idem::new(store).layer())` \
              to the router (below the routes it protects)"
         );
-        return Problem::Misconfigured.into_response();
+        return Started::Answered(Problem::Misconfigured.into_response());
     };
-    let base = idem.inner.problem_base.clone();
-    let response = run_keyed(idem.inner, ctx, spec, fingerprint, handler).await;
-    match base {
-        Some(base) => crate::problem::rebase(response, &base),
-        None => response,
-    }
-}
-
-/// Reads the key, then runs the protocol so that no client can cancel it.
-pub(crate) async fn run_keyed(
-    engine: Arc<Engine>,
-    ctx: Context,
-    spec: &'static Spec,
-    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
-    handler: Handler,
-) -> Response {
+    let base = engine.problem_base.clone();
     let key = match &ctx.headers {
         Some(headers) => {
             IdempotencyKey::from_header_values(headers.get_all(spec.header).iter().map(HeaderValue::as_bytes))
@@ -128,14 +155,21 @@ pub(crate) async fn run_keyed(
                 scope = spec.scope,
                 outcome = Outcome::Unprotected.as_str()
             );
-            return handler(None).instrument(span).await.0;
+            return Started::Unprotected {
+                handler: handler(None).instrument(span),
+                base,
+            };
         }
         Err(e) => {
-            return Problem::Key {
+            let refused = Problem::Key {
                 error: e,
                 header: spec.header,
             }
-            .into_response()
+            .into_response();
+            return Started::Answered(match base {
+                Some(base) => crate::problem::rebase(refused, &base),
+                None => refused,
+            });
         }
     };
     let span = tracing::info_span!(
@@ -147,7 +181,12 @@ pub(crate) async fn run_keyed(
     );
     // From here on the protocol cannot be cancelled: a client that goes
     // away cancels neither the reservation nor the execution.
-    Detachable::new(protect(engine, ctx.tenant, spec, fingerprint, key, handler).instrument(span)).await
+    Started::Protected {
+        protocol: Detachable::new(
+            protect(engine, ctx.tenant, spec, fingerprint, key, handler).instrument(span),
+        ),
+        base,
+    }
 }
 
 /// The protocol of one request, run in the request's own task while its
