@@ -308,9 +308,12 @@ impl PgStore {
                 .bind(&operation_id)
                 .bind(millis(req.ttl))
                 .bind(millis(req.lock_timeout))
-                .fetch_one(&self.pool)
+                // Not `fetch_one`: it wraps this future in another, and
+                // moves sqlx's (several kB) twice more on every call.
+                .fetch_optional(&self.pool)
                 .await
-                .map_err(sql::map_err)?;
+                .map_err(sql::map_err)?
+                .ok_or_else(|| StoreError::backend("the reserving statement returned no row"))?;
             let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
             let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, "taken").map_err(get_err)?;
             if let Some(taken) = taken {
