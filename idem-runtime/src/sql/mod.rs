@@ -16,6 +16,8 @@ pub(crate) mod sqlite;
 pub use migrate::Migration;
 pub(crate) use migrate::{check_schema, migrate_in, migrations, refuse_found_elsewhere, schema_error};
 #[cfg(feature = "postgres")]
+pub(crate) use run::columns_are;
+#[cfg(feature = "postgres")]
 pub(crate) use run::fenced_ops;
 pub(crate) use run::{
     bounded, complete_with, fenced, judge_row, map_err, millis, reserve_detached, set_purge_at,

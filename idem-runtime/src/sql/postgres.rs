@@ -314,8 +314,10 @@ impl PgStore {
                 .await
                 .map_err(sql::map_err)?
                 .ok_or_else(|| StoreError::backend("the reserving statement returned no row"))?;
+            // By position (see `sql::JUDGED_COLUMNS`): `takeable`, then `taken`.
+            debug_assert!(sql::columns_are(&row, 6, &["takeable", "taken"]));
             let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
-            let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, "taken").map_err(get_err)?;
+            let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, 7).map_err(get_err)?;
             if let Some(taken) = taken {
                 let Some(lease) = lease_from_taken(&taken, req.token) else {
                     // Taken, but unreadable: give the key back (fenced by
@@ -332,7 +334,7 @@ impl PgStore {
             // Nothing to answer from, and nothing taken: another request
             // wrote the record between the lookup and the write path; read
             // again.
-            let takeable: Option<i32> = sqlx::Row::try_get(&row, "takeable").map_err(get_err)?;
+            let takeable: Option<i32> = sqlx::Row::try_get(&row, 6).map_err(get_err)?;
             if takeable != Some(0) {
                 continue;
             }

@@ -361,11 +361,36 @@ pub(crate) fn fenced(rows: u64) -> Result<(), StoreError> {
     }
 }
 
+/// The columns that every row [`judge_row`] reads starts with, in this
+/// order: the PostgreSQL reserving statement's, `peek`'s and `existing`'s.
+/// Read by position, which costs a replay no lookup by name.
+pub(crate) const JUDGED_COLUMNS: [&str; 6] = [
+    "fingerprint",
+    "state",
+    "response_status",
+    "response_headers",
+    "response_body",
+    "lock_left_ms",
+];
+
+/// Whether `row`'s columns from `first` on are `names`: checked in debug
+/// builds (every test), where a statement whose columns moved would
+/// otherwise be read at the wrong positions.
+pub(crate) fn columns_are<R: sqlx::Row>(row: &R, first: usize, names: &[&str]) -> bool {
+    use sqlx::Column as _;
+    let columns = row.columns();
+    names
+        .iter()
+        .enumerate()
+        .all(|(i, name)| columns.get(first + i).is_some_and(|c| c.name() == *name))
+}
+
 /// Reads the row of an existing record that was not taken.
 pub(crate) fn judge_row<R>(row: &R, fingerprint: &str) -> Result<crate::store::Reservation, StoreError>
 where
     R: sqlx::Row,
-    for<'r> &'r str: sqlx::ColumnIndex<R> + sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    usize: sqlx::ColumnIndex<R>,
+    for<'r> &'r str: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<String>: sqlx::Decode<'r, R::Database>,
     String: sqlx::Type<R::Database>,
     for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
@@ -373,16 +398,20 @@ where
     for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database>,
     for<'r> Vec<u8>: sqlx::Type<R::Database>,
 {
+    debug_assert!(
+        columns_are(row, 0, &JUDGED_COLUMNS),
+        "a judged row starts with {JUDGED_COLUMNS:?}"
+    );
     let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
     // Borrowed from the row: a replay copies only the answer.
-    let stored_fp: &str = row.try_get("fingerprint").map_err(get_err)?;
-    let state: &str = row.try_get("state").map_err(get_err)?;
-    let lock_left: i64 = row.try_get("lock_left_ms").map_err(get_err)?;
+    let stored_fp: &str = row.try_get(0).map_err(get_err)?;
+    let state: &str = row.try_get(1).map_err(get_err)?;
+    let lock_left: i64 = row.try_get(5).map_err(get_err)?;
     let completed = if state == RecordState::COMPLETED_COLUMN {
         Some(crate::store::StoredResponse::from_columns(
-            row.try_get("response_status").map_err(get_err)?,
-            row.try_get("response_headers").map_err(get_err)?,
-            row.try_get("response_body").map_err(get_err)?,
+            row.try_get(2).map_err(get_err)?,
+            row.try_get(3).map_err(get_err)?,
+            row.try_get(4).map_err(get_err)?,
         )?)
     } else {
         None
