@@ -2009,3 +2009,51 @@ async fn a_refused_takeover_leaves_the_next_request_a_takeover() {
     // Attempt 3: the refused takeover counted as one.
     assert_eq!(charges(&key)[1], (3, true, Some("charged".to_owned())));
 }
+
+/// A request's protocol dropped before its first poll runs nothing: no
+/// task is left to finish it, no key is taken, the handler never runs.
+/// (Once polled, it goes on without its client; see the tests above.)
+#[tokio::test(flavor = "current_thread")]
+async fn a_protocol_dropped_before_its_first_poll_runs_nothing() {
+    use axum::extract::FromRequestParts as _;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static SPEC: idem::__private::Spec = idem::__private::Spec {
+        scope: "lease.unpolled",
+        header: "idempotency-key",
+        optional: false,
+        ttl: None,
+        lock_timeout: None,
+        wait: None,
+        fields: None,
+        ignore: &[],
+    };
+    static RAN: AtomicUsize = AtomicUsize::new(0);
+    let store = Arc::new(idem::MemoryStore::new());
+    let request = axum::http::Request::post("/unpolled")
+        .header("idempotency-key", "k-unpolled")
+        .body(())
+        .unwrap();
+    let (mut parts, ()) = request.into_parts();
+    parts
+        .extensions
+        .insert(Idem::from_arc(store.clone()).single_tenant());
+    let ctx: idem::__private::Context = idem::__private::Context::from_request_parts(&mut parts, &())
+        .await
+        .unwrap();
+    let alive = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    let protocol = idem::__private::run(ctx, &SPEC, Ok("fp".to_owned()), |_op| async {
+        RAN.fetch_add(1, Ordering::SeqCst);
+        (StatusCode::CREATED.into_response(), None)
+    });
+    drop(protocol);
+    assert_eq!(
+        tokio::runtime::Handle::current().metrics().num_alive_tasks(),
+        alive,
+        "nothing was left to run"
+    );
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(RAN.load(Ordering::SeqCst), 0);
+    assert_eq!(store.len(), 0, "no key was taken");
+}

@@ -85,9 +85,10 @@ where
 }
 
 /// Works out, before anything is awaited, how the request starts: the
-/// future it returns holds only what is left to await (the protocol is
-/// boxed inside [`Detachable`]), so the handler future that axum allocates
-/// for every request, with this one inside, stays small.
+/// future it returns holds only what is left to await (the protocol,
+/// boxed, which becomes [`Detachable`] at its first poll), so the handler
+/// future that axum allocates for every request, with this one inside,
+/// stays small.
 pub(crate) fn run_boxed(
     ctx: Context,
     spec: &'static Spec,
@@ -99,7 +100,9 @@ pub(crate) fn run_boxed(
         let (response, base) = match started {
             Started::Answered(response) => return response,
             Started::Unprotected { handler, base } => (handler.await.0, base),
-            Started::Protected { protocol, base } => (protocol.await, base),
+            // Detachable from its first poll: a request future dropped
+            // before it was ever polled runs nothing, as before it started.
+            Started::Protected { protocol, base } => (Detachable::boxed(protocol).await, base),
         };
         match base {
             Some(base) => crate::problem::rebase(response, &base),
@@ -117,10 +120,10 @@ enum Started<P: Future<Output = Response> + Send + 'static> {
         handler: tracing::instrument::Instrumented<HandlerFuture>,
         base: Option<Arc<str>>,
     },
-    /// The protocol, which no client can cancel. `base`: where the answer's
-    /// problem `type`, if any, is rebased.
+    /// The protocol, boxed, which no client can cancel once it is polled.
+    /// `base`: where the answer's problem `type`, if any, is rebased.
     Protected {
-        protocol: Detachable<P>,
+        protocol: Pin<Box<P>>,
         base: Option<Arc<str>>,
     },
 }
@@ -179,12 +182,10 @@ fn start(
         outcome = tracing::field::Empty,
         attempt = tracing::field::Empty,
     );
-    // From here on the protocol cannot be cancelled: a client that goes
-    // away cancels neither the reservation nor the execution.
+    // From its first poll on the protocol cannot be cancelled: a client
+    // that goes away cancels neither the reservation nor the execution.
     Started::Protected {
-        protocol: Detachable::new(
-            protect(engine, ctx.tenant, spec, fingerprint, key, handler).instrument(span),
-        ),
+        protocol: Box::pin(protect(engine, ctx.tenant, spec, fingerprint, key, handler).instrument(span)),
         base,
     }
 }
@@ -207,9 +208,10 @@ pub(crate) struct Detachable<F: Future<Output = Response> + Send + 'static> {
 }
 
 impl<F: Future<Output = Response> + Send + 'static> Detachable<F> {
-    pub(crate) fn new(protocol: F) -> Self {
+    /// `protocol`, already boxed, on the runtime this is called on.
+    pub(crate) fn boxed(protocol: Pin<Box<F>>) -> Self {
         Detachable {
-            rest: Some(Box::pin(protocol)),
+            rest: Some(protocol),
             runtime: tokio::runtime::Handle::try_current().ok(),
         }
     }
