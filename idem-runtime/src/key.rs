@@ -39,8 +39,10 @@ pub enum KeyError {
     Comma,
     /// A byte outside visible ASCII: a control character, a space, or non-ASCII.
     InvalidCharacter,
-    /// A `"` or `\` outside a well-formed RFC 8941 string, or a quoted string
-    /// with a bad escape or text after its closing quote.
+    /// A `"` or `\` in the key, quoted or not (a quoted key's escaped `\"`
+    /// and `\\` are refused too, once unescaped), or a quoted string that
+    /// is not well-formed: unclosed, a bad escape, or text after its
+    /// closing quote.
     BadQuoting,
     /// The header was sent more than once.
     Repeated,
@@ -59,7 +61,8 @@ impl fmt::Display for KeyError {
                 "the idempotency key may only contain visible ASCII characters (0x21 to 0x7E)"
             }
             KeyError::BadQuoting => {
-                "the idempotency key has a `\"` or `\\` outside a well-formed quoted string"
+                "the idempotency key contains a `\"` or `\\` (not allowed, quoted or escaped), \
+                 or is a quoted string that is not well-formed"
             }
             KeyError::Repeated => "the idempotency key header was sent more than once",
         })
@@ -229,6 +232,9 @@ mod tests {
         assert_eq!(parse(b"\"order-7\"").unwrap(), "order-7");
         assert_eq!(parse(b"\"a\\\\b\"").unwrap_err(), KeyError::BadQuoting);
         assert_eq!(parse(b"\"a\\\"b\"").unwrap_err(), KeyError::BadQuoting);
+        // Said as what it is: a quote the key may not hold, not a string
+        // that is not well-formed.
+        assert!(KeyError::BadQuoting.to_string().contains("quoted or escaped"));
         assert_eq!(parse(b"\"a b\"").unwrap_err(), KeyError::InvalidCharacter);
     }
 
