@@ -128,7 +128,8 @@ enum Started<P: Future<Output = Response> + Send + 'static> {
     },
 }
 
-/// Reads the key, then starts the protocol so that no client can cancel it.
+/// Reads the key, then builds the protocol, which no client can cancel
+/// once it is polled.
 fn start(
     ctx: Context,
     spec: &'static Spec,
