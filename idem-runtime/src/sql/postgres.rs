@@ -314,7 +314,7 @@ impl PgStore {
                 .await
                 .map_err(sql::map_err)?
                 .ok_or_else(|| StoreError::backend("the reserving statement returned no row"))?;
-            // By position (see `sql::JUDGED_COLUMNS`): `takeable`, then `taken`.
+            // By position (see `JUDGED_COLUMNS` in sql/run.rs): `takeable`, then `taken`.
             debug_assert!(sql::columns_are(&row, 6, &["takeable", "taken"]));
             let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
             let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, 7).map_err(get_err)?;

@@ -364,7 +364,7 @@ pub(crate) fn fenced(rows: u64) -> Result<(), StoreError> {
 /// The columns that every row [`judge_row`] reads starts with, in this
 /// order: the PostgreSQL reserving statement's, `peek`'s and `existing`'s.
 /// Read by position, which costs a replay no lookup by name.
-pub(crate) const JUDGED_COLUMNS: [&str; 6] = [
+const JUDGED_COLUMNS: [&str; 6] = [
     "fingerprint",
     "state",
     "response_status",
