@@ -67,6 +67,8 @@ struct Args {
     max: usize,
     repeat: usize,
     clients: Vec<usize>,
+    /// Whether `--clients` was given (`--pgbench` runs 16 otherwise).
+    clients_given: bool,
     only: Option<Vec<String>>,
     csv: Option<std::path::PathBuf>,
     prefill: u64,
@@ -84,6 +86,7 @@ fn args() -> Args {
         max: 200_000,
         repeat: 1,
         clients: vec![1, 16, 64],
+        clients_given: false,
         only: None,
         csv: None,
         prefill: 0,
@@ -104,6 +107,7 @@ fn args() -> Args {
             "--max" => a.max = value().parse().expect("--max: a count"),
             "--repeat" => a.repeat = value().parse().expect("--repeat: a count"),
             "--clients" => {
+                a.clients_given = true;
                 a.clients = value()
                     .split(',')
                     .map(|c| c.parse().expect("--clients: counts"))
@@ -461,7 +465,15 @@ fn main() {
         let url = std::env::var("DATABASE_URL").expect("--pgbench needs DATABASE_URL (PostgreSQL)");
         let seconds = (a.seconds.ceil() as u32).max(1);
         let rt = tokio::runtime::Runtime::new().expect("a runtime");
-        rt.block_on(pgbench::pgbench(&url, a.repeat, seconds));
+        // 16 clients unless `--clients` says otherwise.
+        let clients = if a.clients_given {
+            a.clients.clone()
+        } else {
+            vec![16]
+        };
+        for clients in clients {
+            rt.block_on(pgbench::pgbench(&url, a.repeat, seconds, clients));
+        }
         return;
     }
     let server = tokio::runtime::Builder::new_multi_thread()
@@ -803,20 +815,24 @@ async fn pg_replay_cpu(n: usize) {
         ("hand-written replay", "/hand/replay"),
         ("idem postgres replay", "/postgres/pay"),
     ] {
-        let mut cpu = Vec::new();
+        let (mut cpu, mut wall) = (Vec::new(), Vec::new());
         for _ in 0..5 {
             let started = thread_cpu_ns().unwrap_or(0);
+            let clock = std::time::Instant::now();
             for i in 0..n {
                 let status = send(path, format!("cpu-pg-{}", i % 100)).await;
                 assert!(status == 201, "{name}: {status}");
             }
             let spent = thread_cpu_ns().unwrap_or(0).saturating_sub(started);
             cpu.push(spent as f64 / 1e3 / n as f64);
+            wall.push(clock.elapsed().as_secs_f64() * 1e6 / n as f64);
         }
         cpu.sort_by(f64::total_cmp);
+        wall.sort_by(f64::total_cmp);
         println!(
-            "{name:<28} {:>7.2} us of this thread's CPU per request (median of 5; {:.2} to {:.2})",
-            cpu[2], cpu[0], cpu[4]
+            "{name:<28} {:>7.2} us of this thread's CPU per request (median of 5; {:.2} to {:.2}), \
+             {:.2} us of wall time ({:.2} to {:.2})",
+            cpu[2], cpu[0], cpu[4], wall[2], wall[0], wall[4]
         );
         medians.push(cpu[2]);
     }

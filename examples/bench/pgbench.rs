@@ -1,7 +1,8 @@
 //! The statements on the database alone (`bench --pgbench`): what idem's
 //! reservation and completion cost PostgreSQL, without HTTP and without the
 //! server's CPU, against the hand-written flow's statements on the same
-//! database. Each cell is `pgbench -M prepared` (16 clients, 2 threads) on a
+//! database. Each cell is `pgbench -M prepared` (16 clients unless `--clients`
+//! says otherwise, 2 threads) on a
 //! table of 100,000 completed records; the cells run back to back, round
 //! after round, and the ratios are between cells of the same round. The
 //! last three cells take the reservation apart: the lookup alone (what a
@@ -132,9 +133,13 @@ fn cells(schema: &str, store: &idem::PgStore, unindexed: &idem::PgStore) -> Vec<
 }
 
 /// One pgbench run of `script`: its throughput in transactions per second.
-fn run(url: &str, script: &std::path::Path, seconds: u32) -> f64 {
+fn run(url: &str, script: &std::path::Path, seconds: u32, clients: usize) -> f64 {
     let out = Command::new("pgbench")
-        .args(["-n", "-M", "prepared", "-c", "16", "-j", "2", "-T"])
+        .args(["-n", "-M", "prepared", "-j"])
+        .arg(clients.min(2).to_string())
+        .arg("-c")
+        .arg(clients.to_string())
+        .arg("-T")
         .arg(seconds.to_string())
         .arg("-f")
         .arg(script)
@@ -154,7 +159,7 @@ fn run(url: &str, script: &std::path::Path, seconds: u32) -> f64 {
         .unwrap_or_else(|| panic!("no tps in pgbench's output: {text}"))
 }
 
-pub(crate) async fn pgbench(url: &str, rounds: usize, seconds: u32) {
+pub(crate) async fn pgbench(url: &str, rounds: usize, seconds: u32, clients: usize) {
     let pool = sqlx::PgPool::connect(url).await.expect("DATABASE_URL connects");
     let schema = format!("idem_pgbench_{}", std::process::id());
     let store = crate::pg_tables(&pool, &schema).await;
@@ -180,7 +185,7 @@ pub(crate) async fn pgbench(url: &str, rounds: usize, seconds: u32) {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let cells = cells(&schema, &store, &unindexed);
     println!(
-        "# pgbench -M prepared, 16 clients, {seconds} s per cell, {rounds} round(s), {RECORDS} records per table"
+        "# pgbench -M prepared, {clients} client(s), {seconds} s per cell, {rounds} round(s), {RECORDS} records per table"
     );
     let mut tps: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut ratios: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -189,7 +194,7 @@ pub(crate) async fn pgbench(url: &str, rounds: usize, seconds: u32) {
         for (i, cell) in cells.iter().enumerate() {
             let path = dir.path().join(format!("{i}.sql"));
             std::fs::write(&path, &cell.script).expect("write the script");
-            let t = run(url, &path, seconds);
+            let t = run(url, &path, seconds, clients);
             this_round.insert(cell.name, t);
             tps.entry(cell.name).or_default().push(t);
         }
