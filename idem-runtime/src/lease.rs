@@ -269,5 +269,5 @@ fn lease_lost(info: &OperationInfo) {
     if !info.is_lost() {
         tracing::error!("the lock could not be extended before its deadline: the lease counts as lost");
     }
-    info.lost.send_replace(true);
+    info.set_lost();
 }

@@ -21,7 +21,12 @@ pub(crate) struct Shared {
     pub(crate) id: RecordId,
     pub(crate) lease: Lease,
     /// Set once the lease is lost: taken over, or not extended in time.
-    pub(crate) lost: tokio::sync::watch::Sender<bool>,
+    /// Never unset. A flag and a `Notify` (neither allocates) rather than a
+    /// watch channel, which allocated its state for every execution and
+    /// woke its (never present) watchers when dropped.
+    lost: std::sync::atomic::AtomicBool,
+    /// Wakes those waiting in [`Operation::lease_lost`] once `lost` is set.
+    lost_told: tokio::sync::Notify,
     /// The recovery point as this execution last set it.
     pub(crate) recovery_point: std::sync::Mutex<Option<String>>,
     /// The handler's transaction, once it asked for one; the completion
@@ -44,14 +49,36 @@ impl OperationInfo {
             store,
             id,
             lease,
-            lost: tokio::sync::watch::Sender::new(false),
+            lost: std::sync::atomic::AtomicBool::new(false),
+            lost_told: tokio::sync::Notify::new(),
             recovery_point: std::sync::Mutex::new(None),
             tx: tokio::sync::Mutex::new(None),
         }))
     }
 
     pub(crate) fn is_lost(&self) -> bool {
-        *self.lost.borrow()
+        self.lost.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Counts the lease as lost, and tells those waiting for it.
+    pub(crate) fn set_lost(&self) {
+        self.lost.store(true, std::sync::atomic::Ordering::Release);
+        self.lost_told.notify_waiters();
+    }
+
+    /// Resolves once the lease is lost (at once if it already is).
+    pub(crate) async fn until_lost(&self) {
+        loop {
+            let told = self.lost_told.notified();
+            let mut told = std::pin::pin!(told);
+            // Registered before the flag is read: a `set_lost` after the
+            // read wakes this waiter, one before it is seen by the read.
+            told.as_mut().enable();
+            if self.is_lost() {
+                return;
+            }
+            told.await;
+        }
     }
 }
 
@@ -173,11 +200,9 @@ impl Operation {
     /// }
     /// ```
     pub async fn lease_lost(&self) {
-        let mut lost = self.info.lost.subscribe();
-        if lost.wait_for(|lost| *lost).await.is_err() {
-            // The execution is over: the lease will never be lost now.
-            std::future::pending::<()>().await;
-        }
+        // Once the execution is over, the lease is never lost: this then
+        // never resolves.
+        self.info.until_lost().await;
     }
 
     /// Persists `name` as the operation's progress, under this execution's
@@ -318,5 +343,52 @@ mod tests {
         assert_ne!(a, derived_key(&id, "op-1", "notify"));
         assert!(!a.contains("acct_1") && !a.contains("key-1") && !a.contains("charge"));
         assert_eq!(a.len(), 45);
+    }
+
+    fn info() -> OperationInfo {
+        let lease = Lease {
+            token: "t".into(),
+            attempt: 1,
+            takeover: false,
+            recovery_point: None,
+            operation_id: "op".into(),
+        };
+        let store: Arc<dyn IdempotencyStore> = Arc::new(crate::MemoryStore::new());
+        OperationInfo::new(store, RecordId::new("", "s", "k"), lease)
+    }
+
+    /// `until_lost` resolves whether the lease was lost before it was
+    /// called or while it waits, and never while the lease holds.
+    #[tokio::test]
+    async fn until_lost_sees_a_loss_before_or_after_it_waits() {
+        use std::time::Duration;
+        let before = info();
+        before.set_lost();
+        tokio::time::timeout(Duration::from_secs(5), before.until_lost())
+            .await
+            .expect("a loss before the wait is seen");
+
+        let during = info();
+        assert!(!during.is_lost());
+        let waiting = tokio::spawn({
+            let during = during.clone();
+            async move { during.until_lost().await }
+        });
+        // It waits while the lease holds.
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        let mut waiting = std::pin::pin!(waiting);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), waiting.as_mut())
+                .await
+                .is_err(),
+            "until_lost resolved while the lease held"
+        );
+        during.set_lost();
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("a loss during the wait is seen")
+            .expect("the waiter ran");
+        assert!(during.is_lost());
     }
 }
