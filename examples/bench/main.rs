@@ -28,6 +28,9 @@
 //! memory store, and (with `DATABASE_URL`) the server's CPU per PostgreSQL
 //! replay, 5 rounds of `N` requests each; `--only` picks its cells too, so
 //! that a profiler (`perf`, `valgrind --tool=callgrind`) sees one path.
+//! `--pgexec` runs the same statements in one backend, in a PL/pgSQL
+//! loop (5,000 iterations per cell; 5 rounds, or more with `--repeat`): what each costs PostgreSQL's executor alone, without the
+//! network, a commit or the noise of concurrent clients.
 //! Without `DATABASE_URL` the PostgreSQL and hand-written cells are skipped.
 
 mod client;
@@ -78,6 +81,7 @@ struct Args {
     growth: Option<usize>,
     cpu: Option<usize>,
     pgbench: bool,
+    pgexec: bool,
 }
 
 fn args() -> Args {
@@ -98,6 +102,7 @@ fn args() -> Args {
             .and_then(|v| v.parse().ok()),
         cpu: None,
         pgbench: false,
+        pgexec: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -122,11 +127,12 @@ fn args() -> Args {
             "--growth" => a.growth = Some(value().parse().expect("--growth: a count")),
             "--cpu" => a.cpu = Some(value().parse().expect("--cpu: a count")),
             "--pgbench" => a.pgbench = true,
+            "--pgexec" => a.pgexec = true,
             "--help" | "-h" => {
                 println!(
                     "bench [--seconds S] [--max N] [--repeat R] [--clients 1,16,64] \
                      [--only bare,hand,postgres,sqlite,memory] [--csv FILE] [--prefill N] [--pool N] \
-                     [--server-threads N] [--no-pin] [--growth N] [--cpu N] [--pgbench]\n\
+                     [--server-threads N] [--no-pin] [--growth N] [--cpu N] [--pgbench] [--pgexec]\n\
                      (DATABASE_URL for the PostgreSQL cells; see BENCHMARKS.md)"
                 );
                 std::process::exit(0);
@@ -455,6 +461,12 @@ fn main() {
     if let Some(records) = a.growth {
         let rt = tokio::runtime::Runtime::new().expect("a runtime");
         rt.block_on(growth::memory_growth(records));
+        return;
+    }
+    if a.pgexec {
+        let url = std::env::var("DATABASE_URL").expect("--pgexec needs DATABASE_URL (PostgreSQL)");
+        let rt = tokio::runtime::Runtime::new().expect("a runtime");
+        rt.block_on(pgbench::pgexec(&url, a.repeat.max(5), 5000));
         return;
     }
     if let Some(n) = a.cpu {

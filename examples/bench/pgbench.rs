@@ -236,3 +236,201 @@ pub(crate) async fn pgbench(url: &str, rounds: usize, seconds: u32, clients: usi
             .expect("drop schema");
     }
 }
+
+/// One `--pgexec` cell: statements run in one PL/pgSQL loop, with the
+/// binds as PL/pgSQL variables (so, as with sqlx, the plans see parameters,
+/// not constants), and the key each iteration uses.
+struct ExecCell {
+    name: &'static str,
+    baseline: Option<&'static str>,
+    /// An expression of the loop's counter `i`, the round `r` and the cell's
+    /// number `c`.
+    key: &'static str,
+    statements: Vec<String>,
+}
+
+/// The variables that stand for the binds of idem's statements, in bind
+/// order: tenant, scope, key, fingerprint, token, operation id, ttl ms,
+/// lock ms (the reservation); tenant, scope, key, token, status, headers,
+/// body (the completion).
+const RESERVE_VARS: [&str; 8] = ["v_t", "v_s", "v_k", "v_fp", "v_tok", "v_op", "v_ttl", "v_lock"];
+const COMPLETE_VARS: [&str; 7] = ["v_t", "v_s", "v_k", "v_tok", "v_status", "v_headers", "v_body"];
+
+fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
+    let s = store.request_statements();
+    let old = "'old-' || (1 + (i * 7919) % 100000)";
+    // Fresh in every cell and round.
+    let new = "'exec-' || r || '-' || c || '-' || i";
+    let hand = |sql: &str| sql.replace("{schema}", schema);
+    let reserve = bound(s.reserve, &RESERVE_VARS);
+    let complete = bound(s.complete, &COMPLETE_VARS);
+    let function = reserve[reserve.find("CASE WHEN").expect("the reserving statement's CASE")..]
+        .split(" THEN ")
+        .nth(1)
+        .and_then(|rest| rest.split(" END AS taken").next())
+        .expect("the reservation function's call")
+        .to_owned();
+    vec![
+        ExecCell {
+            name: "hand-written replay: one primary-key SELECT",
+            baseline: None,
+            key: old,
+            statements: vec![hand(
+                "SELECT status, body FROM {schema}.hand_keys WHERE tenant = 'bench' AND scope = v_s AND key = v_k",
+            )],
+        },
+        ExecCell {
+            name: "idem replay: the reserving statement",
+            baseline: Some("hand-written replay: one primary-key SELECT"),
+            key: old,
+            statements: vec![reserve.clone()],
+        },
+        ExecCell {
+            name: "idem replay, part: the lookup alone",
+            baseline: Some("hand-written replay: one primary-key SELECT"),
+            key: old,
+            statements: vec![bound(s.peek, &RESERVE_VARS[..4])],
+        },
+        ExecCell {
+            name: "hand-written first: INSERT, then UPDATE",
+            baseline: None,
+            key: new,
+            statements: vec![
+                hand(
+                    "INSERT INTO {schema}.hand_keys (tenant, scope, key, fingerprint) \
+                     VALUES ('bench', v_s, v_k, v_fp) ON CONFLICT DO NOTHING RETURNING key",
+                ),
+                hand(
+                    "UPDATE {schema}.hand_keys SET status = v_status, body = v_body \
+                     WHERE tenant = 'bench' AND scope = v_s AND key = v_k",
+                ),
+            ],
+        },
+        ExecCell {
+            name: "idem first: reserve, then complete",
+            baseline: Some("hand-written first: INSERT, then UPDATE"),
+            key: new,
+            statements: vec![reserve.clone(), complete.clone()],
+        },
+        ExecCell {
+            name: "idem first, part: the reserving statement",
+            baseline: Some("hand-written first: INSERT, then UPDATE"),
+            key: new,
+            statements: vec![reserve],
+        },
+        ExecCell {
+            name: "idem first, part: the reservation function alone",
+            baseline: Some("hand-written first: INSERT, then UPDATE"),
+            key: new,
+            statements: vec![format!("SELECT {function}")],
+        },
+    ]
+}
+
+/// The loop of `cell`, `n` iterations, as one `DO` block. A statement
+/// that returns rows is run by `PERFORM`, an `INSERT ... RETURNING` into
+/// a variable, anything else as it is.
+fn exec_block(cell: &ExecCell, number: usize, round: usize, n: usize) -> String {
+    let body: String = cell
+        .statements
+        .iter()
+        .map(|sql| {
+            if sql.starts_with("SELECT") {
+                format!("PERFORM * FROM ({sql}) AS s;\n")
+            } else if sql.contains(" RETURNING ") {
+                format!("{sql} INTO v_out;\n")
+            } else {
+                format!("{sql};\n")
+            }
+        })
+        .collect();
+    format!(
+        "DO $exec$ DECLARE r int := {round}; c int := {number}; v_t text := ''; v_s text := 'bench.old'; v_k text; \
+         v_fp text := 'fp'; v_tok text := 'tok'; v_op text := 'op'; v_ttl bigint := 86400000; \
+         v_lock bigint := 30000; v_status int := 201; \
+         v_headers text := '[[\"content-type\",\"application/json\"]]'; \
+         v_body bytea := '\\x7b226964223a227061795f31227d'; v_out text; \
+         BEGIN FOR i IN 1..{n} LOOP v_k := {key};\n{body}END LOOP; END $exec$",
+        key = cell.key,
+    )
+}
+
+/// `bench --pgexec`: what each statement costs PostgreSQL's executor, in
+/// one backend, without the network, the protocol or a commit (each cell
+/// is one `DO` block of `n` iterations, in one transaction): the
+/// microseconds per iteration, the median of `rounds` rounds run back to
+/// back. Far steadier than throughput on a shared machine, it says where a
+/// statement's cost goes; it does not count the commit, the WAL written,
+/// or the round trips.
+pub(crate) async fn pgexec(url: &str, rounds: usize, n: usize) {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(url)
+        .await
+        .expect("DATABASE_URL connects");
+    let schema = format!("idem_pgexec_{}", std::process::id());
+    let store = crate::pg_tables(&pool, &schema).await;
+    crate::prefill(&pool, &schema, RECORDS).await;
+    let cells = exec_cells(&schema, &store);
+    println!(
+        "# PostgreSQL's executor alone: one backend, {n} iterations per cell in one DO block, \
+         {rounds} round(s), {RECORDS} records per table"
+    );
+    let mut us: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut ratios: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut conn = pool.acquire().await.expect("a connection");
+    for round in 0..rounds.max(1) {
+        let mut this_round = BTreeMap::new();
+        for (number, cell) in cells.iter().enumerate() {
+            let block = exec_block(cell, number, round, n);
+            let started = std::time::Instant::now();
+            sqlx::raw_sql(sqlx::AssertSqlSafe(block))
+                .execute(&mut *conn)
+                .await
+                .unwrap_or_else(|e| panic!("{}: {e}", cell.name));
+            let per = started.elapsed().as_secs_f64() * 1e6 / n as f64;
+            this_round.insert(cell.name, per);
+            us.entry(cell.name).or_default().push(per);
+        }
+        for cell in &cells {
+            if let Some(base) = cell.baseline {
+                // A cost: the baseline's over the cell's, so that, as with
+                // throughput, below 1 means idem costs more.
+                ratios
+                    .entry(cell.name)
+                    .or_default()
+                    .push(this_round[base] / this_round[cell.name]);
+            }
+        }
+    }
+    drop(conn);
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "{:<54} {:>9} {:>15} {:>13}",
+        "cell", "us/iter", "range", "hand / idem"
+    );
+    for cell in &cells {
+        let t = &us[cell.name];
+        let (lo, hi) = t
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+        let ratio = ratios
+            .get(cell.name)
+            .map_or_else(|| "-".to_owned(), |r| format!("{:.2}", median(r)));
+        println!(
+            "{:<54} {:>9.2} {:>15} {:>13}",
+            cell.name,
+            median(t),
+            format!("{lo:.2}-{hi:.2}"),
+            ratio
+        );
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .expect("drop schema");
+}
