@@ -86,6 +86,11 @@ pub(crate) struct Dialect {
     /// exact one (PostgreSQL's timestamp difference counts calendar days,
     /// which a time zone with daylight saving stretches).
     span: fn(&str, &str) -> String,
+    /// The same, for the completion alone. On PostgreSQL it is computed in
+    /// `float8` (within a microsecond for any TTL), not `numeric`:
+    /// `span` stays as it is because the reservation function's source,
+    /// which a migration wrote and `check_schema` compares, uses it.
+    kept_span: fn(&str, &str) -> String,
     /// Lists the columns of `table` (in `schema`) that a row must fill (no
     /// default, not null) and that are not in `known` (a list of quoted
     /// names). The names are checked identifiers.
@@ -111,6 +116,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
     clock: "statement_timestamp()",
     span: |a, b| format!("(EXTRACT(EPOCH FROM ({a} - {b})) * interval '1 second')"),
+    kept_span: |a, b| format!("(date_part('epoch', {a} - {b}) * interval '1 second')"),
     required_columns: |schema, table, known| {
         let schema = schema.map_or_else(|| "current_schema()".to_owned(), |s| format!("'{s}'"));
         format!(
@@ -135,6 +141,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
     epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     clock: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     span: |a, b| format!("({a} - {b})"),
+    kept_span: |a, b| format!("({a} - {b})"),
     required_columns: |_, table, known| {
         format!(
             "SELECT name FROM pragma_table_info('{table}') WHERE \"notnull\" = 1 AND dflt_value IS NULL \
@@ -463,7 +470,7 @@ impl Statements {
                 p(6),
                 p(7),
                 clock = d.clock,
-                ttl = (d.span)("expires_at", "created_at"),
+                ttl = (d.kept_span)("expires_at", "created_at"),
             ),
             // Released, not deleted: the retry of the same request continues
             // the same operation (same id, so the same derived keys).
