@@ -2057,3 +2057,196 @@ async fn a_protocol_dropped_before_its_first_poll_runs_nothing() {
     assert_eq!(RAN.load(Ordering::SeqCst), 0);
     assert_eq!(store.len(), 0, "no key was taken");
 }
+
+/// A memory store that counts the lock extensions refused as `LockLost`
+/// (every one of an execution whose record was completed or let go).
+struct CountsRefusedExtensions {
+    store: idem::MemoryStore,
+    refused: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl IdempotencyStore for CountsRefusedExtensions {
+    fn extend_lock<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        lock_timeout: Duration,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let extended = self.store.extend_lock(id, token, lock_timeout).await;
+            if extended == Err(StoreError::LockLost) {
+                self.refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            extended
+        })
+    }
+    forward_to_store!(
+        reserve,
+        complete,
+        release,
+        reject,
+        checkpoint,
+        purge_expired,
+        hand_back
+    );
+}
+
+/// Where `settles` leaves its `Operation`, for the test to ask afterwards.
+static SETTLED_OPS: Mutex<Vec<(String, Operation)>> = Mutex::new(Vec::new());
+
+#[idempotent(scope = "lease.settles", lock_timeout = "150ms")]
+async fn settles(op: Operation, body: String) -> StatusCode {
+    SETTLED_OPS
+        .lock()
+        .unwrap()
+        .push((op.key().to_owned(), op.clone()));
+    if body == "fail" {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::CREATED
+    }
+}
+
+/// An execution whose answer is recorded (or whose key is let go) is never
+/// told its lease is lost, though its lease keeper still beats until the
+/// execution ends and finds the lock gone: the execution's own completion
+/// cleared it. Held right after the completion (and the release) committed,
+/// while a lock extension is refused; on a one-thread runtime the keeper's
+/// handling of the refusal is done by the time the test sees it counted.
+#[tokio::test]
+async fn a_settled_execution_is_not_told_its_lease_is_lost() {
+    use tower::ServiceExt as _;
+    let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let store = CountsRefusedExtensions {
+        store: idem::MemoryStore::new(),
+        refused: refused.clone(),
+    };
+    let app = Router::new()
+        .route("/settles", post(settles))
+        .layer(Idem::new(store).single_tenant().layer());
+    for (body, point, status) in [
+        ("ok", pause::COMPLETE_AFTER, StatusCode::CREATED),
+        ("fail", pause::RELEASE_AFTER, StatusCode::SERVICE_UNAVAILABLE),
+    ] {
+        let key = idem_testkit::unique("settles");
+        let request = || {
+            axum::http::Request::post("/settles")
+                .header("idempotency-key", &key)
+                .body(Body::from(body))
+                .unwrap()
+        };
+        let mut settled = pause::arm(point, &key);
+        let first = tokio::spawn(app.clone().oneshot(request()));
+        settled.reached().await;
+        let before = refused.load(std::sync::atomic::Ordering::SeqCst);
+        let waited = tokio::time::timeout(Duration::from_secs(10), async {
+            while refused.load(std::sync::atomic::Ordering::SeqCst) == before {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        assert!(
+            waited.is_ok(),
+            "{body}: no lock extension was refused after the execution settled"
+        );
+        let op = SETTLED_OPS
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, op)| op.clone())
+            .unwrap();
+        assert!(
+            !op.is_lease_lost(),
+            "{body}: told its lease is lost once its own outcome was recorded"
+        );
+        settled.resume();
+        assert_eq!(first.await.unwrap().unwrap().status(), status, "{body}");
+        assert!(
+            !op.is_lease_lost(),
+            "{body}: told its lease is lost after it ended"
+        );
+        let lost = tokio::time::timeout(Duration::from_millis(100), op.lease_lost()).await;
+        assert!(
+            lost.is_err(),
+            "{body}: lease_lost resolved for a settled execution"
+        );
+    }
+}
+
+/// A memory store on which every completion and release is refused as
+/// `LockLost`: another execution took the operation over just before.
+struct TakenOverAtTheEnd {
+    store: idem::MemoryStore,
+}
+
+impl IdempotencyStore for TakenOverAtTheEnd {
+    fn complete<'a>(
+        &'a self,
+        _: &'a RecordId,
+        _: &'a str,
+        _: &'a StoredResponse,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async { Err(StoreError::LockLost) })
+    }
+    fn release<'a>(
+        &'a self,
+        _: &'a RecordId,
+        _: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async { Err(StoreError::LockLost) })
+    }
+    forward_to_store!(reserve, reject, checkpoint, extend_lock, purge_expired, hand_back);
+}
+
+/// An execution whose completion (or release) finds the operation taken
+/// over is told its lease is lost, whether or not a lock extension saw it
+/// first (here none runs: the lock timeout is long), and its client gets
+/// 503 `idempotency-lease-lost`.
+#[tokio::test]
+async fn an_execution_whose_outcome_finds_a_takeover_is_told_its_lease_is_lost() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.overtaken", lock_timeout = "1h")]
+    async fn overtaken(op: Operation, body: String) -> StatusCode {
+        SETTLED_OPS
+            .lock()
+            .unwrap()
+            .push((op.key().to_owned(), op.clone()));
+        if body == "fail" {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::CREATED
+        }
+    }
+    let store = TakenOverAtTheEnd {
+        store: idem::MemoryStore::new(),
+    };
+    let app = Router::new()
+        .route("/overtaken", post(overtaken))
+        .layer(Idem::new(store).single_tenant().layer());
+    for body in ["ok", "fail"] {
+        let key = idem_testkit::unique("overtaken");
+        let request = axum::http::Request::post("/overtaken")
+            .header("idempotency-key", &key)
+            .body(Body::from(body))
+            .unwrap();
+        let answer = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert_eq!(
+            answer.headers()[header::CONTENT_TYPE],
+            "application/problem+json",
+            "{body}"
+        );
+        let op = SETTLED_OPS
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, op)| op.clone())
+            .unwrap();
+        assert!(op.is_lease_lost(), "{body}: not told of the takeover");
+        tokio::time::timeout(Duration::from_secs(5), op.lease_lost())
+            .await
+            .unwrap_or_else(|_| panic!("{body}: lease_lost did not resolve"));
+    }
+}

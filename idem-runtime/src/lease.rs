@@ -236,8 +236,15 @@ async fn beat(id: u64, info: OperationInfo, clock: LeaseClock) {
     let extended = match extended {
         Ok(Ok(())) => true,
         Ok(Err(StoreError::LockLost)) => {
+            let kept = state.leases.remove(&id).is_some();
+            if info.is_settling() {
+                // The execution's own completion (or release) may have
+                // cleared the lock: its write tells a takeover apart.
+                tracing::debug!("the lock is gone while the execution records its outcome");
+                return;
+            }
             tracing::error!("lock lost while the handler runs: another execution took over");
-            if state.leases.remove(&id).is_some() {
+            if kept {
                 lease_lost(&info);
             }
             return;

@@ -27,6 +27,11 @@ pub(crate) struct Shared {
     lost: std::sync::atomic::AtomicBool,
     /// Wakes those waiting in [`Operation::lease_lost`] once `lost` is set.
     lost_told: tokio::sync::Notify,
+    /// Set when the execution records its outcome (completes its record, or
+    /// lets its key go): from then on the execution's own write clears the
+    /// lock, so a lock extension refused meanwhile is not a loss by itself;
+    /// the outcome's write says whether another execution took over.
+    settling: std::sync::atomic::AtomicBool,
     /// The recovery point as this execution last set it.
     pub(crate) recovery_point: std::sync::Mutex<Option<String>>,
     /// The handler's transaction, once it asked for one; the completion
@@ -51,6 +56,7 @@ impl OperationInfo {
             lease,
             lost: std::sync::atomic::AtomicBool::new(false),
             lost_told: tokio::sync::Notify::new(),
+            settling: std::sync::atomic::AtomicBool::new(false),
             recovery_point: std::sync::Mutex::new(None),
             tx: tokio::sync::Mutex::new(None),
         }))
@@ -58,6 +64,15 @@ impl OperationInfo {
 
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Marks the execution as recording its outcome (see `settling`).
+    pub(crate) fn settle(&self) {
+        self.settling.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    pub(crate) fn is_settling(&self) -> bool {
+        self.settling.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Counts the lease as lost, and tells those waiting for it.
@@ -185,8 +200,9 @@ impl Operation {
     }
 
     /// Resolves when this execution's lease is lost (see
-    /// [`Operation::is_lease_lost`]); never while the lease holds. Race it
-    /// against long work to stop early.
+    /// [`Operation::is_lease_lost`]); never while the lease holds, nor once
+    /// the execution recorded its outcome (unless that write found the
+    /// operation taken over). Race it against long work to stop early.
     ///
     /// ```
     /// # use idem::{idempotent, Operation};

@@ -35,6 +35,7 @@ pub(crate) async fn record_completion(
         let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
         return Err(Problem::LeaseLost.into_response());
     }
+    info.settle();
     let Some(tx) = tx else {
         return complete(engine, info, lock_timeout, stored).await;
     };
@@ -45,6 +46,7 @@ pub(crate) async fn record_completion(
         Ok(()) => Ok(()),
         Err(TxFailure::NotCommitted(StoreError::LockLost)) => {
             record(Outcome::LockLost);
+            info.set_lost();
             tracing::error!(
                 "cannot complete: another execution took this operation over; this execution's writes \
                  were rolled back"
@@ -57,6 +59,7 @@ pub(crate) async fn record_completion(
             tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back");
             if give_back(engine, &info.id, &info.lease.token, lock_timeout).await == Err(StoreError::LockLost)
             {
+                info.set_lost();
                 return Err(Problem::LeaseLost.into_response());
             }
             Err(Problem::StoreUnavailable(Unavailable::RolledBack).into_response())
@@ -87,6 +90,7 @@ pub(crate) async fn complete(
             Ok(()) => return Ok(()),
             Err(StoreError::LockLost) => {
                 record(Outcome::LockLost);
+                info.set_lost();
                 tracing::error!("cannot complete: another execution took this operation over");
                 return Err(Problem::LeaseLost.into_response());
             }
@@ -148,6 +152,7 @@ async fn letting_go(
         tx.rollback().await;
     }
     let (id, token) = (&info.id, &info.lease.token);
+    info.settle();
     let outcome = match how {
         LetGo::Reject => match engine.store.reject(id, token).await {
             // Not freed: at least never left locked.
@@ -158,6 +163,7 @@ async fn letting_go(
     };
     if outcome == Err(StoreError::LockLost) {
         record(Outcome::LockLost);
+        info.set_lost();
         tracing::error!("cannot release: another execution took this operation over");
         return Problem::LeaseLost.into_response();
     }
