@@ -2250,3 +2250,330 @@ async fn an_execution_whose_outcome_finds_a_takeover_is_told_its_lease_is_lost()
             .unwrap_or_else(|_| panic!("{body}: lease_lost did not resolve"));
     }
 }
+
+/// The lease while an execution records its outcome, on PostgreSQL, with
+/// row locks held by a test connection: a takeover met by a completion or
+/// a release that fails is told; a completion that waits past the lease's
+/// deadline and then commits is answered and not told a loss.
+mod settling {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use tower::ServiceExt as _;
+
+    /// Where the handlers leave their `Operation`, for the tests to ask.
+    static OPS: Mutex<Vec<(String, Operation)>> = Mutex::new(Vec::new());
+
+    fn op_of(key: &str) -> Operation {
+        let ops = OPS.lock().unwrap();
+        ops.iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, op)| op.clone())
+            .unwrap()
+    }
+
+    #[idempotent(scope = "lease.settle_completes", lock_timeout = "6s")]
+    async fn completes(op: Operation) -> StatusCode {
+        OPS.lock().unwrap().push((op.key().to_owned(), op.clone()));
+        StatusCode::CREATED
+    }
+
+    #[idempotent(scope = "lease.settle_fails", lock_timeout = "6s")]
+    async fn fails(op: Operation) -> StatusCode {
+        OPS.lock().unwrap().push((op.key().to_owned(), op.clone()));
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+
+    #[idempotent(scope = "lease.settle_short", lock_timeout = "300ms")]
+    async fn short(op: Operation) -> StatusCode {
+        OPS.lock().unwrap().push((op.key().to_owned(), op.clone()));
+        StatusCode::CREATED
+    }
+
+    /// A PostgreSQL store that counts the lock extensions refused as
+    /// `LockLost`, and the extensions dropped before they answered (the
+    /// keeper's deadline); and, at its first release, tells the test,
+    /// waits for its go-ahead and then for a refused extension, before
+    /// (or, `release_first`, after) handing the release to PostgreSQL.
+    struct Pinned {
+        store: idem::PgStore,
+        refused: Arc<AtomicUsize>,
+        abandoned: Arc<AtomicUsize>,
+        release_first: bool,
+        at_release: Mutex<
+            Option<(
+                tokio::sync::oneshot::Sender<()>,
+                tokio::sync::oneshot::Receiver<()>,
+            )>,
+        >,
+    }
+
+    /// Counts its extension as abandoned unless it answered.
+    struct Unanswered(Arc<AtomicUsize>, bool);
+
+    impl Drop for Unanswered {
+        fn drop(&mut self) {
+            if !self.1 {
+                self.0.fetch_add(1, SeqCst);
+            }
+        }
+    }
+
+    impl IdempotencyStore for Pinned {
+        fn extend_lock<'a>(
+            &'a self,
+            id: &'a RecordId,
+            token: &'a str,
+            lock_timeout: Duration,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+            Box::pin(async move {
+                let mut unanswered = Unanswered(self.abandoned.clone(), false);
+                let extended = self.store.extend_lock(id, token, lock_timeout).await;
+                unanswered.1 = true;
+                if extended == Err(StoreError::LockLost) {
+                    self.refused.fetch_add(1, SeqCst);
+                }
+                extended
+            })
+        }
+        fn release<'a>(
+            &'a self,
+            id: &'a RecordId,
+            token: &'a str,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+            Box::pin(async move {
+                let hook = self.at_release.lock().unwrap().take();
+                let Some((reached, go)) = hook else {
+                    return self.store.release(id, token).await;
+                };
+                let first = if self.release_first {
+                    Some(self.store.release(id, token).await)
+                } else {
+                    None
+                };
+                let _ = reached.send(());
+                let _ = go.await;
+                until(&self.refused, "an extension is refused").await;
+                match first {
+                    Some(first) => first,
+                    None => self.store.release(id, token).await,
+                }
+            })
+        }
+        forward_to_store!(reserve, complete, reject, checkpoint, purge_expired, hand_back);
+    }
+
+    /// Waits (bounded) until `count` is above 0.
+    async fn until(count: &AtomicUsize, what: &str) {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while count.load(SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{what} within 20 s"));
+    }
+
+    struct Db {
+        url: String,
+        schema: String,
+        pool: sqlx::PgPool,
+    }
+
+    /// A pinned store in a fresh schema, bounded by `timeout`, its
+    /// release hook's ends, and the database.
+    #[allow(clippy::type_complexity)]
+    async fn pinned(
+        timeout: Duration,
+        release_first: bool,
+    ) -> Option<(
+        Pinned,
+        tokio::sync::oneshot::Receiver<()>,
+        tokio::sync::oneshot::Sender<()>,
+        Db,
+    )> {
+        let url = idem_testkit::pg_url()?;
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 8)
+            .await
+            .with_timeout(timeout);
+        let pool = store.pool().clone();
+        let (reached_tx, reached_rx) = tokio::sync::oneshot::channel();
+        let (go_tx, go_rx) = tokio::sync::oneshot::channel();
+        let pinned = Pinned {
+            store,
+            refused: Arc::default(),
+            abandoned: Arc::default(),
+            release_first,
+            at_release: Mutex::new(Some((reached_tx, go_rx))),
+        };
+        Some((pinned, reached_rx, go_tx, Db { url, schema, pool }))
+    }
+
+    impl Db {
+        /// A test connection in an open transaction.
+        async fn begin(&self) -> sqlx::PgConnection {
+            use sqlx::Connection as _;
+            let mut c = sqlx::PgConnection::connect(&self.url).await.unwrap();
+            sqlx::query("BEGIN").execute(&mut c).await.unwrap();
+            c
+        }
+
+        /// Another execution takes the record over in `c`'s transaction,
+        /// whose row lock stays until `c` commits.
+        async fn take_over_in(&self, c: &mut sqlx::PgConnection, key: &str) {
+            let sql = format!(
+                "UPDATE \"{}\".idempotency_keys SET lock_token = 'intruder', attempt = attempt + 1, \
+                 taken_over = 1 WHERE key = $1 AND state = 'in_progress'",
+                self.schema
+            );
+            let done = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(key)
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            assert_eq!(done.rows_affected(), 1);
+        }
+
+        async fn hold_row(&self, c: &mut sqlx::PgConnection, key: &str) {
+            let sql = format!(
+                "SELECT 1 FROM \"{}\".idempotency_keys WHERE key = $1 FOR UPDATE",
+                self.schema
+            );
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(key)
+                .execute(&mut *c)
+                .await
+                .unwrap();
+        }
+
+        /// The record's state and lock token.
+        async fn row(&self, key: &str) -> (String, Option<String>) {
+            let sql = format!(
+                "SELECT state, lock_token FROM \"{}\".idempotency_keys WHERE key = $1",
+                self.schema
+            );
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(key)
+                .fetch_one(&self.pool)
+                .await
+                .unwrap()
+        }
+    }
+
+    async fn commit(mut c: sqlx::PgConnection) {
+        sqlx::query("COMMIT").execute(&mut c).await.unwrap();
+    }
+
+    fn request(path: &str, key: &str) -> axum::http::Request<Body> {
+        axum::http::Request::post(path)
+            .header("idempotency-key", key)
+            .body(Body::empty())
+            .unwrap()
+    }
+
+    /// Right after the handler returned, another execution takes the
+    /// record over in a transaction that holds the row: every completion
+    /// attempt times out on it, then the takeover commits; the keeper's
+    /// next extension is refused while the execution settles, and its
+    /// give-back finds the key taken. Its answer is not given, and it is
+    /// told its lease is lost.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_takeover_met_by_a_failing_completion_is_told() {
+        let Some((store, reached, go, db)) = pinned(Duration::from_millis(200), false).await else {
+            return;
+        };
+        let refused = store.refused.clone();
+        let app = Router::new()
+            .route("/completes", post(completes))
+            .layer(Idem::new(store).single_tenant().layer());
+        let key = idem_testkit::unique("settle-complete");
+        let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
+        let first = tokio::spawn(app.clone().oneshot(request("/completes", &key)));
+        returned.reached().await;
+        let mut intruder = db.begin().await;
+        db.take_over_in(&mut intruder, &key).await;
+        returned.resume();
+        // Every completion attempt timed out; the give-back began.
+        tokio::time::timeout(Duration::from_secs(20), reached)
+            .await
+            .expect("the completion gave up within 20 s")
+            .unwrap();
+        commit(intruder).await;
+        go.send(()).unwrap();
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(
+            first.status(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "its answer is not given"
+        );
+        assert_eq!(db.row(&key).await.1.as_deref(), Some("intruder"));
+        assert!(refused.load(SeqCst) >= 1);
+        assert!(op_of(&key).is_lease_lost(), "taken over, and not told");
+    }
+
+    /// The same for a handler that failed (503, released as failed): its
+    /// release times out on the row the intruder holds; the keeper's
+    /// extension is refused while it settles. It is told.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_takeover_met_by_a_failing_release_is_told() {
+        let Some((store, reached, go, db)) = pinned(Duration::from_millis(200), true).await else {
+            return;
+        };
+        let app = Router::new()
+            .route("/fails", post(fails))
+            .layer(Idem::new(store).single_tenant().layer());
+        let key = idem_testkit::unique("settle-release");
+        let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
+        let first = tokio::spawn(app.clone().oneshot(request("/fails", &key)));
+        returned.reached().await;
+        let mut intruder = db.begin().await;
+        db.take_over_in(&mut intruder, &key).await;
+        returned.resume();
+        tokio::time::timeout(Duration::from_secs(20), reached)
+            .await
+            .expect("the release was tried within 20 s")
+            .unwrap();
+        commit(intruder).await;
+        go.send(()).unwrap();
+        first.await.unwrap().unwrap();
+        assert_eq!(db.row(&key).await.1.as_deref(), Some("intruder"));
+        assert!(op_of(&key).is_lease_lost(), "taken over, and not told");
+    }
+
+    /// A completion that waits on a row lock past the lease's deadline
+    /// (the keeper's extension, waiting on the same row, is abandoned at
+    /// the deadline) and then commits: nobody took over, the answer is
+    /// given and replayed, and the execution is never told a loss. On a
+    /// one-thread runtime the keeper has handled the abandoned extension
+    /// by the time the test sees it counted.
+    #[tokio::test]
+    async fn postgres_a_completion_that_commits_after_the_deadline_is_not_a_loss() {
+        let Some((store, _reached, _go, db)) = pinned(Duration::from_secs(20), false).await else {
+            return;
+        };
+        let abandoned = store.abandoned.clone();
+        let app = Router::new()
+            .route("/short", post(short))
+            .layer(Idem::new(store).single_tenant().layer());
+        let key = idem_testkit::unique("settle-deadline");
+        let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
+        let first = tokio::spawn(app.clone().oneshot(request("/short", &key)));
+        returned.reached().await;
+        let mut holder = db.begin().await;
+        db.hold_row(&mut holder, &key).await;
+        returned.resume();
+        until(&abandoned, "the lease's deadline passes").await;
+        let op = op_of(&key);
+        assert!(!op.is_lease_lost(), "told a loss while its completion waits");
+        commit(holder).await;
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(first.status(), StatusCode::CREATED);
+        assert_eq!(db.row(&key).await, ("completed".to_owned(), None));
+        let retry = app.oneshot(request("/short", &key)).await.unwrap();
+        assert_eq!(retry.headers()["idempotent-replayed"], "true");
+        assert!(
+            !op.is_lease_lost(),
+            "told a loss for an answer given and replayed"
+        );
+    }
+}

@@ -236,16 +236,14 @@ async fn beat(id: u64, info: OperationInfo, clock: LeaseClock) {
     let extended = match extended {
         Ok(Ok(())) => true,
         Ok(Err(StoreError::LockLost)) => {
-            let kept = state.leases.remove(&id).is_some();
-            if info.is_settling() {
-                // The execution's own completion (or release) may have
-                // cleared the lock: its write tells a takeover apart.
-                tracing::debug!("the lock is gone while the execution records its outcome");
-                return;
-            }
-            tracing::error!("lock lost while the handler runs: another execution took over");
-            if kept {
-                lease_lost(&info);
+            if state.leases.remove(&id).is_some() {
+                if info.lease_ended() {
+                    tracing::error!("lock lost while the handler runs: another execution took over");
+                } else {
+                    // The execution's own completion (or release) may have
+                    // cleared the lock: its write tells a takeover apart.
+                    tracing::debug!("the lock is gone while the execution records its outcome");
+                }
             }
             return;
         }
@@ -272,9 +270,10 @@ async fn beat(id: u64, info: OperationInfo, clock: LeaseClock) {
     KEEPER.wake_by(&mut state, due);
 }
 
+/// The lease's deadline passed without an extension.
 fn lease_lost(info: &OperationInfo) {
-    if !info.is_lost() {
+    let told = info.is_lost();
+    if info.lease_ended() && !told {
         tracing::error!("the lock could not be extended before its deadline: the lease counts as lost");
     }
-    info.set_lost();
 }

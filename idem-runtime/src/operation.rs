@@ -10,6 +10,17 @@ use crate::tx::TxConnection;
 use std::future::Future;
 use std::sync::Arc;
 
+use std::sync::atomic::Ordering::SeqCst;
+
+/// `OperationInfo::settling`: the handler (or its body) still runs.
+const RUNNING: u8 = 0;
+/// The outcome's write is under way.
+const SETTLING: u8 = 1;
+/// The store confirmed the outcome's write.
+const RECORDED: u8 = 2;
+/// The outcome's write failed, or found the operation taken over.
+const NOT_RECORDED: u8 = 3;
+
 /// What an execution runs under, shared (one allocation per execution) by
 /// its handler's [`Operation`], the lease keeper and the answer: the record,
 /// the lease, and what the handler leaves for the completion.
@@ -27,11 +38,15 @@ pub(crate) struct Shared {
     lost: std::sync::atomic::AtomicBool,
     /// Wakes those waiting in [`Operation::lease_lost`] once `lost` is set.
     lost_told: tokio::sync::Notify,
-    /// Set when the execution records its outcome (completes its record, or
-    /// lets its key go): from then on the execution's own write clears the
-    /// lock, so a lock extension refused meanwhile is not a loss by itself;
-    /// the outcome's write says whether another execution took over.
-    settling: std::sync::atomic::AtomicBool,
+    /// Where the execution is in recording its outcome (completing its
+    /// record, or letting its key go): `RUNNING`, `SETTLING`, `RECORDED` or
+    /// `NOT_RECORDED`. While it settles, its own write may clear the lock,
+    /// so the lease ending then (an extension refused, or its deadline
+    /// reached while the write waits) is not a loss by itself: the write
+    /// decides. Recorded, nobody took over; not recorded, another may have.
+    settling: std::sync::atomic::AtomicU8,
+    /// Whether the lease ended while the execution settled.
+    ended_while_settling: std::sync::atomic::AtomicBool,
     /// The recovery point as this execution last set it.
     pub(crate) recovery_point: std::sync::Mutex<Option<String>>,
     /// The handler's transaction, once it asked for one; the completion
@@ -56,7 +71,8 @@ impl OperationInfo {
             lease,
             lost: std::sync::atomic::AtomicBool::new(false),
             lost_told: tokio::sync::Notify::new(),
-            settling: std::sync::atomic::AtomicBool::new(false),
+            settling: std::sync::atomic::AtomicU8::new(RUNNING),
+            ended_while_settling: std::sync::atomic::AtomicBool::new(false),
             recovery_point: std::sync::Mutex::new(None),
             tx: tokio::sync::Mutex::new(None),
         }))
@@ -68,11 +84,42 @@ impl OperationInfo {
 
     /// Marks the execution as recording its outcome (see `settling`).
     pub(crate) fn settle(&self) {
-        self.settling.store(true, std::sync::atomic::Ordering::Release);
+        self.settling.store(SETTLING, SeqCst);
     }
 
-    pub(crate) fn is_settling(&self) -> bool {
-        self.settling.load(std::sync::atomic::Ordering::Acquire)
+    /// The outcome's write is over: `recorded` when the store confirmed it.
+    /// Not recorded after the lease ended meanwhile, the lease is lost.
+    pub(crate) fn settled(&self, recorded: bool) {
+        self.settling
+            .store(if recorded { RECORDED } else { NOT_RECORDED }, SeqCst);
+        if !recorded && self.ended_while_settling.load(SeqCst) {
+            self.set_lost();
+        }
+    }
+
+    /// The lease keeper ended the lease: an extension was refused, or its
+    /// deadline passed. Counts the lease as lost, unless the execution is
+    /// recording its outcome (then the outcome's write decides, see
+    /// [`OperationInfo::settled`]) or recorded it. Says whether it counted.
+    pub(crate) fn lease_ended(&self) -> bool {
+        match self.settling.load(SeqCst) {
+            RUNNING => {
+                self.set_lost();
+                true
+            }
+            RECORDED => false,
+            _ => {
+                // Both sides write, then read the other's: whichever comes
+                // second sees the first (sequentially consistent), so a
+                // write that fails is never missed.
+                self.ended_while_settling.store(true, SeqCst);
+                if self.settling.load(SeqCst) == NOT_RECORDED {
+                    self.set_lost();
+                    return true;
+                }
+                false
+            }
+        }
     }
 
     /// Counts the lease as lost, and tells those waiting for it.
@@ -200,9 +247,9 @@ impl Operation {
     }
 
     /// Resolves when this execution's lease is lost (see
-    /// [`Operation::is_lease_lost`]); never while the lease holds, nor once
-    /// the execution recorded its outcome (unless that write found the
-    /// operation taken over). Race it against long work to stop early.
+    /// [`Operation::is_lease_lost`]); never while the lease holds, nor for
+    /// an execution whose outcome the store confirmed. Race it against long
+    /// work to stop early.
     ///
     /// ```
     /// # use idem::{idempotent, Operation};

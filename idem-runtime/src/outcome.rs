@@ -36,6 +36,19 @@ pub(crate) async fn record_completion(
         return Err(Problem::LeaseLost.into_response());
     }
     info.settle();
+    let recorded = completing(engine, info, lock_timeout, stored, tx).await;
+    info.settled(recorded.is_ok());
+    recorded
+}
+
+/// [`record_completion`]'s write, once the execution settles.
+async fn completing(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    stored: &StoredResponse,
+    tx: Option<PendingTx>,
+) -> Result<(), Response> {
     let Some(tx) = tx else {
         return complete(engine, info, lock_timeout, stored).await;
     };
@@ -161,6 +174,7 @@ async fn letting_go(
         },
         LetGo::Fail => give_back(engine, id, token, lock_timeout).await,
     };
+    info.settled(outcome.is_ok());
     if outcome == Err(StoreError::LockLost) {
         record(Outcome::LockLost);
         info.set_lost();
