@@ -3,8 +3,8 @@
 # 1, 16 and 64 clients, 3 rounds back to back), its plot, the server's CPU
 # per request without the network, the memory store growing past a million
 # records, a 10-million-record PostgreSQL table against an empty one, the
-# statements on the database alone (pgbench), and the criterion
-# micro-benchmarks.
+# statements on the database alone (pgbench) and in its executor alone,
+# and the criterion micro-benchmarks.
 #
 #   bash scripts/bench.sh            # everything (about 15 minutes)
 #   bash scripts/bench.sh quick      # the harness alone, 1 round
@@ -43,6 +43,9 @@ echo "== table size: PostgreSQL cells on empty tables, then on 10 million record
 
 echo "== the statements on the database alone (pgbench)"
 "$bench" --pgbench --repeat 3 --seconds 4 | tee "$out/pgbench.txt"
+
+echo "== the statements in PostgreSQL's executor alone (one backend, a PL/pgSQL loop)"
+"$bench" --pgexec | tee "$out/pgexec.txt"
 
 echo "== micro-benchmarks"
 cargo bench -p idem-runtime --bench micro -- --warm-up-time 1 --measurement-time 3 | tee "$out/micro.txt"
