@@ -2058,6 +2058,21 @@ async fn a_protocol_dropped_before_its_first_poll_runs_nothing() {
     assert_eq!(store.len(), 0, "no key was taken");
 }
 
+/// Extends the lock in `store`, counting a refusal (`LockLost`) in `refused`.
+async fn extend_counting_refusals(
+    store: &dyn IdempotencyStore,
+    refused: &std::sync::atomic::AtomicUsize,
+    id: &RecordId,
+    token: &str,
+    lock_timeout: Duration,
+) -> Result<(), StoreError> {
+    let extended = store.extend_lock(id, token, lock_timeout).await;
+    if extended == Err(StoreError::LockLost) {
+        refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+    extended
+}
+
 /// A memory store that counts the lock extensions refused as `LockLost`
 /// (every one of an execution whose record was completed or let go).
 struct CountsRefusedExtensions {
@@ -2072,13 +2087,13 @@ impl IdempotencyStore for CountsRefusedExtensions {
         token: &'a str,
         lock_timeout: Duration,
     ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            let extended = self.store.extend_lock(id, token, lock_timeout).await;
-            if extended == Err(StoreError::LockLost) {
-                self.refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            }
-            extended
-        })
+        Box::pin(extend_counting_refusals(
+            &self.store,
+            &self.refused,
+            id,
+            token,
+            lock_timeout,
+        ))
     }
     forward_to_store!(
         reserve,
@@ -2091,20 +2106,33 @@ impl IdempotencyStore for CountsRefusedExtensions {
     );
 }
 
-/// Where `settles` leaves its `Operation`, for the test to ask afterwards.
-static SETTLED_OPS: Mutex<Vec<(String, Operation)>> = Mutex::new(Vec::new());
+/// The `Operation`s of the handlers below, by key, for the tests to ask
+/// after the execution ended.
+static KEPT_OPS: Mutex<Vec<(String, Operation)>> = Mutex::new(Vec::new());
 
-#[idempotent(scope = "lease.settles", lock_timeout = "150ms")]
-async fn settles(op: Operation, body: String) -> StatusCode {
-    SETTLED_OPS
-        .lock()
-        .unwrap()
-        .push((op.key().to_owned(), op.clone()));
+/// Keeps `op`, and answers 503 (released as failed) for the body `fail`,
+/// 201 otherwise.
+fn keep_and_answer(op: &Operation, body: &str) -> StatusCode {
+    KEPT_OPS.lock().unwrap().push((op.key().to_owned(), op.clone()));
     if body == "fail" {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::CREATED
     }
+}
+
+/// The `Operation` that `keep_and_answer` kept for `key`.
+fn kept_op(key: &str) -> Operation {
+    let ops = KEPT_OPS.lock().unwrap();
+    ops.iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, op)| op.clone())
+        .unwrap()
+}
+
+#[idempotent(scope = "lease.settles", lock_timeout = "150ms")]
+async fn settles(op: Operation, body: String) -> StatusCode {
+    keep_and_answer(&op, &body)
 }
 
 /// An execution whose answer is recorded (or whose key is let go) is never
@@ -2149,13 +2177,7 @@ async fn a_settled_execution_is_not_told_its_lease_is_lost() {
             waited.is_ok(),
             "{body}: no lock extension was refused after the execution settled"
         );
-        let op = SETTLED_OPS
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|(k, _)| *k == key)
-            .map(|(_, op)| op.clone())
-            .unwrap();
+        let op = kept_op(&key);
         assert!(
             !op.is_lease_lost(),
             "{body}: told its lease is lost once its own outcome was recorded"
@@ -2208,15 +2230,7 @@ async fn an_execution_whose_outcome_finds_a_takeover_is_told_its_lease_is_lost()
     use tower::ServiceExt as _;
     #[idempotent(scope = "lease.overtaken", lock_timeout = "1h")]
     async fn overtaken(op: Operation, body: String) -> StatusCode {
-        SETTLED_OPS
-            .lock()
-            .unwrap()
-            .push((op.key().to_owned(), op.clone()));
-        if body == "fail" {
-            StatusCode::SERVICE_UNAVAILABLE
-        } else {
-            StatusCode::CREATED
-        }
+        keep_and_answer(&op, &body)
     }
     let store = TakenOverAtTheEnd {
         store: idem::MemoryStore::new(),
@@ -2237,13 +2251,7 @@ async fn an_execution_whose_outcome_finds_a_takeover_is_told_its_lease_is_lost()
             "application/problem+json",
             "{body}"
         );
-        let op = SETTLED_OPS
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|(k, _)| *k == key)
-            .map(|(_, op)| op.clone())
-            .unwrap();
+        let op = kept_op(&key);
         assert!(op.is_lease_lost(), "{body}: not told of the takeover");
         tokio::time::timeout(Duration::from_secs(5), op.lease_lost())
             .await
@@ -2260,33 +2268,19 @@ mod settling {
     use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
     use tower::ServiceExt as _;
 
-    /// Where the handlers leave their `Operation`, for the tests to ask.
-    static OPS: Mutex<Vec<(String, Operation)>> = Mutex::new(Vec::new());
-
-    fn op_of(key: &str) -> Operation {
-        let ops = OPS.lock().unwrap();
-        ops.iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, op)| op.clone())
-            .unwrap()
-    }
-
     #[idempotent(scope = "lease.settle_completes", lock_timeout = "6s")]
     async fn completes(op: Operation) -> StatusCode {
-        OPS.lock().unwrap().push((op.key().to_owned(), op.clone()));
-        StatusCode::CREATED
+        keep_and_answer(&op, "ok")
     }
 
     #[idempotent(scope = "lease.settle_fails", lock_timeout = "6s")]
     async fn fails(op: Operation) -> StatusCode {
-        OPS.lock().unwrap().push((op.key().to_owned(), op.clone()));
-        StatusCode::SERVICE_UNAVAILABLE
+        keep_and_answer(&op, "fail")
     }
 
     #[idempotent(scope = "lease.settle_short", lock_timeout = "300ms")]
     async fn short(op: Operation) -> StatusCode {
-        OPS.lock().unwrap().push((op.key().to_owned(), op.clone()));
-        StatusCode::CREATED
+        keep_and_answer(&op, "ok")
     }
 
     /// A PostgreSQL store that counts the lock extensions refused as
@@ -2327,11 +2321,9 @@ mod settling {
         ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
             Box::pin(async move {
                 let mut unanswered = Unanswered(self.abandoned.clone(), false);
-                let extended = self.store.extend_lock(id, token, lock_timeout).await;
+                let extended =
+                    extend_counting_refusals(&self.store, &self.refused, id, token, lock_timeout).await;
                 unanswered.1 = true;
-                if extended == Err(StoreError::LockLost) {
-                    self.refused.fetch_add(1, SeqCst);
-                }
                 extended
             })
         }
@@ -2472,72 +2464,58 @@ mod settling {
     }
 
     /// Right after the handler returned, another execution takes the
-    /// record over in a transaction that holds the row: every completion
-    /// attempt times out on it, then the takeover commits; the keeper's
-    /// next extension is refused while the execution settles, and its
-    /// give-back finds the key taken. Its answer is not given, and it is
-    /// told its lease is lost.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_a_takeover_met_by_a_failing_completion_is_told() {
-        let Some((store, reached, go, db)) = pinned(Duration::from_millis(200), false).await else {
-            return;
-        };
+    /// record over in a transaction that holds the row, so that the
+    /// execution's outcome write (at `path`) times out on it; then the
+    /// takeover commits, and the keeper's next extension is refused while
+    /// the execution settles. Its answer is not given, and it is told its
+    /// lease is lost. Answers the client's status.
+    async fn takeover_met_by_a_failing_write(
+        path: &str,
+        handler: axum::routing::MethodRouter,
+        release_first: bool,
+    ) -> Option<StatusCode> {
+        let (store, reached, go, db) = pinned(Duration::from_millis(200), release_first).await?;
         let refused = store.refused.clone();
         let app = Router::new()
-            .route("/completes", post(completes))
+            .route(path, handler)
             .layer(Idem::new(store).single_tenant().layer());
-        let key = idem_testkit::unique("settle-complete");
+        let key = idem_testkit::unique("settle-takeover");
         let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
-        let first = tokio::spawn(app.clone().oneshot(request("/completes", &key)));
+        let first = tokio::spawn(app.clone().oneshot(request(path, &key)));
         returned.reached().await;
         let mut intruder = db.begin().await;
         db.take_over_in(&mut intruder, &key).await;
         returned.resume();
-        // Every completion attempt timed out; the give-back began.
+        // The write timed out (every completion attempt, or the release's
+        // first); the release hook holds it.
         tokio::time::timeout(Duration::from_secs(20), reached)
             .await
-            .expect("the completion gave up within 20 s")
+            .expect("the write was tried within 20 s")
             .unwrap();
         commit(intruder).await;
         go.send(()).unwrap();
-        let first = first.await.unwrap().unwrap();
-        assert_eq!(
-            first.status(),
-            StatusCode::SERVICE_UNAVAILABLE,
-            "its answer is not given"
-        );
-        assert_eq!(db.row(&key).await.1.as_deref(), Some("intruder"));
-        assert!(refused.load(SeqCst) >= 1);
-        assert!(op_of(&key).is_lease_lost(), "taken over, and not told");
+        let status = first.await.unwrap().unwrap().status();
+        assert_eq!(db.row(&key).await.1.as_deref(), Some("intruder"), "{path}");
+        assert!(refused.load(SeqCst) >= 1, "{path}");
+        assert!(kept_op(&key).is_lease_lost(), "{path}: taken over, and not told");
+        Some(status)
     }
 
-    /// The same for a handler that failed (503, released as failed): its
-    /// release times out on the row the intruder holds; the keeper's
-    /// extension is refused while it settles. It is told.
+    /// A completion that fails after a takeover: its client gets 503.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_takeover_met_by_a_failing_completion_is_told() {
+        let status = takeover_met_by_a_failing_write("/completes", post(completes), false).await;
+        assert!(
+            status.is_none_or(|s| s == StatusCode::SERVICE_UNAVAILABLE),
+            "{status:?}"
+        );
+    }
+
+    /// A handler that failed (503, released as failed) and whose release
+    /// fails after a takeover.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_a_takeover_met_by_a_failing_release_is_told() {
-        let Some((store, reached, go, db)) = pinned(Duration::from_millis(200), true).await else {
-            return;
-        };
-        let app = Router::new()
-            .route("/fails", post(fails))
-            .layer(Idem::new(store).single_tenant().layer());
-        let key = idem_testkit::unique("settle-release");
-        let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
-        let first = tokio::spawn(app.clone().oneshot(request("/fails", &key)));
-        returned.reached().await;
-        let mut intruder = db.begin().await;
-        db.take_over_in(&mut intruder, &key).await;
-        returned.resume();
-        tokio::time::timeout(Duration::from_secs(20), reached)
-            .await
-            .expect("the release was tried within 20 s")
-            .unwrap();
-        commit(intruder).await;
-        go.send(()).unwrap();
-        first.await.unwrap().unwrap();
-        assert_eq!(db.row(&key).await.1.as_deref(), Some("intruder"));
-        assert!(op_of(&key).is_lease_lost(), "taken over, and not told");
+        takeover_met_by_a_failing_write("/fails", post(fails), true).await;
     }
 
     /// A completion that waits on a row lock past the lease's deadline
@@ -2563,7 +2541,7 @@ mod settling {
         db.hold_row(&mut holder, &key).await;
         returned.resume();
         until(&abandoned, "the lease's deadline passes").await;
-        let op = op_of(&key);
+        let op = kept_op(&key);
         assert!(!op.is_lease_lost(), "told a loss while its completion waits");
         commit(holder).await;
         let first = first.await.unwrap().unwrap();

@@ -207,28 +207,7 @@ pub(crate) async fn pgbench(url: &str, rounds: usize, seconds: u32, clients: usi
             }
         }
     }
-    let median = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    println!("{:<54} {:>9} {:>17} {:>8}", "cell", "tps", "range", "ratio");
-    for cell in &cells {
-        let t = &tps[cell.name];
-        let (lo, hi) = t
-            .iter()
-            .fold((f64::MAX, 0f64), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
-        let ratio = ratios
-            .get(cell.name)
-            .map_or_else(|| "-".to_owned(), |r| format!("{:.2}", median(r)));
-        println!(
-            "{:<54} {:>9.0} {:>17} {:>8}",
-            cell.name,
-            median(t),
-            format!("{lo:.0}-{hi:.0}"),
-            ratio
-        );
-    }
+    print_table(cells.iter().map(|c| c.name), &tps, &ratios, ("tps", "ratio"), 0);
     for schema in [&schema, &unindexed_schema] {
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
             .execute(&pool)
@@ -404,33 +383,46 @@ pub(crate) async fn pgexec(url: &str, rounds: usize, n: usize) {
         }
     }
     drop(conn);
+    print_table(
+        cells.iter().map(|c| c.name),
+        &us,
+        &ratios,
+        ("us/iter", "hand / idem"),
+        2,
+    );
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .expect("drop schema");
+}
+
+/// Prints one line per cell: the median of its figures and their range
+/// (with `decimals`), and the median of its ratios to its baseline.
+fn print_table<'a>(
+    cells: impl Iterator<Item = &'a str>,
+    figures: &BTreeMap<&str, Vec<f64>>,
+    ratios: &BTreeMap<&str, Vec<f64>>,
+    (unit, ratio_name): (&str, &str),
+    decimals: usize,
+) {
     let median = |v: &[f64]| {
         let mut v = v.to_vec();
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    println!(
-        "{:<54} {:>9} {:>15} {:>13}",
-        "cell", "us/iter", "range", "hand / idem"
-    );
-    for cell in &cells {
-        let t = &us[cell.name];
+    println!("{:<54} {unit:>9} {:>17} {ratio_name:>13}", "cell", "range");
+    for name in cells {
+        let t = &figures[name];
         let (lo, hi) = t
             .iter()
             .fold((f64::MAX, 0f64), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
         let ratio = ratios
-            .get(cell.name)
+            .get(name)
             .map_or_else(|| "-".to_owned(), |r| format!("{:.2}", median(r)));
         println!(
-            "{:<54} {:>9.2} {:>15} {:>13}",
-            cell.name,
+            "{name:<54} {:>9.decimals$} {:>17} {ratio:>13}",
             median(t),
-            format!("{lo:.2}-{hi:.2}"),
-            ratio
+            format!("{lo:.decimals$}-{hi:.decimals$}"),
         );
     }
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .expect("drop schema");
 }
