@@ -2259,6 +2259,94 @@ async fn an_execution_whose_outcome_finds_a_takeover_is_told_its_lease_is_lost()
     }
 }
 
+/// A memory store whose completions are not confirmed: each answers that
+/// the store is unavailable; with `first_commits`, the first one takes
+/// effect before it answers so (an answer lost after its commit).
+struct UnconfirmedCompletions {
+    store: idem::MemoryStore,
+    first_commits: bool,
+    completions: std::sync::atomic::AtomicUsize,
+}
+
+impl IdempotencyStore for UnconfirmedCompletions {
+    fn complete<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        response: &'a StoredResponse,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        let first = self.completions.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        Box::pin(async move {
+            if first && self.first_commits {
+                self.store.complete(id, token, response).await?;
+            }
+            Err(StoreError::unavailable("no answer from the store"))
+        })
+    }
+    forward_to_store!(
+        reserve,
+        release,
+        reject,
+        checkpoint,
+        extend_lock,
+        purge_expired,
+        hand_back
+    );
+}
+
+/// An execution whose completion the store never confirms is told its
+/// lease is lost: another execution may take the operation over, and
+/// whether its own write took effect is not known. Its client gets 503.
+/// When nothing took effect, the key was given back and the retry runs
+/// the operation again (attempt 2); when the first write did take effect,
+/// the retry replays that answer. The execution is told either way, as
+/// the README says: only a confirmed outcome is never a loss.
+#[tokio::test]
+async fn an_execution_whose_outcome_is_not_confirmed_is_told_its_lease_is_lost() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.unconfirmed", lock_timeout = "1h")]
+    async fn unconfirmed(op: Operation) -> String {
+        keep_and_answer(&op, "ok");
+        format!("attempt {}", op.attempt())
+    }
+    for first_commits in [false, true] {
+        let store = UnconfirmedCompletions {
+            store: idem::MemoryStore::new(),
+            first_commits,
+            completions: std::sync::atomic::AtomicUsize::new(0),
+        };
+        let app = Router::new()
+            .route("/unconfirmed", post(unconfirmed))
+            .layer(Idem::new(store).single_tenant().layer());
+        let key = idem_testkit::unique("unconfirmed");
+        let request = || {
+            axum::http::Request::post("/unconfirmed")
+                .header("idempotency-key", &key)
+                .body(Body::empty())
+                .unwrap()
+        };
+        let first = app.clone().oneshot(request()).await.unwrap();
+        assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE, "{first_commits}");
+        assert!(kept_op(&key).is_lease_lost(), "{first_commits}: not told");
+        let retry = app.clone().oneshot(request()).await.unwrap();
+        let replayed = retry.headers().contains_key("idempotent-replayed");
+        let body = axum::body::to_bytes(retry.into_body(), 1 << 10).await.unwrap();
+        if first_commits {
+            assert!(replayed && &body[..] == b"attempt 1", "{body:?}");
+        } else {
+            // Run again (its completion unconfirmed too), as attempt 2.
+            assert!(!replayed, "{body:?}");
+            let ops = KEPT_OPS.lock().unwrap();
+            let attempts: Vec<u32> = ops
+                .iter()
+                .filter(|(k, _)| *k == key)
+                .map(|(_, op)| op.attempt())
+                .collect();
+            assert_eq!(attempts, [1, 2]);
+        }
+    }
+}
+
 /// The lease while an execution records its outcome, on PostgreSQL, with
 /// row locks held by a test connection: a takeover met by a completion or
 /// a release that fails is told; a completion that waits past the lease's

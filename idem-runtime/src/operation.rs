@@ -12,14 +12,14 @@ use std::sync::Arc;
 
 use std::sync::atomic::Ordering::SeqCst;
 
-/// `OperationInfo::settling`: the handler (or its body) still runs.
+/// `OperationInfo::phase`: the handler (or its body) still runs.
 const RUNNING: u8 = 0;
-/// The outcome's write is under way.
-const SETTLING: u8 = 1;
-/// The store confirmed the outcome's write.
-const RECORDED: u8 = 2;
-/// The outcome's write failed, or found the operation taken over.
-const NOT_RECORDED: u8 = 3;
+/// The lease keeper ended the lease while the execution ran: it is lost.
+const ENDED: u8 = 1;
+/// The execution records its outcome.
+const SETTLING: u8 = 2;
+/// The execution's outcome is over, confirmed or not.
+const SETTLED: u8 = 3;
 
 /// What an execution runs under, shared (one allocation per execution) by
 /// its handler's [`Operation`], the lease keeper and the answer: the record,
@@ -38,15 +38,16 @@ pub(crate) struct Shared {
     lost: std::sync::atomic::AtomicBool,
     /// Wakes those waiting in [`Operation::lease_lost`] once `lost` is set.
     lost_told: tokio::sync::Notify,
-    /// Where the execution is in recording its outcome (completing its
-    /// record, or letting its key go): `RUNNING`, `SETTLING`, `RECORDED` or
-    /// `NOT_RECORDED`. While it settles, its own write may clear the lock,
-    /// so the lease ending then (an extension refused, or its deadline
-    /// reached while the write waits) is not a loss by itself: the write
-    /// decides. Recorded, nobody took over; not recorded, another may have.
-    settling: std::sync::atomic::AtomicU8,
-    /// Whether the lease ended while the execution settled.
-    ended_while_settling: std::sync::atomic::AtomicBool,
+    /// `RUNNING`, then `ENDED` (the keeper ended the lease first) or
+    /// `SETTLING` and `SETTLED` (the execution records its outcome: it
+    /// completes its record or lets its key go). Once it settles, the
+    /// keeper no longer decides: the execution's own write may clear the
+    /// lock, or commit while an extension waits behind it, so a refused
+    /// extension or a passed deadline says nothing then. The write does:
+    /// confirmed by the store, the lease is not lost; not confirmed (it
+    /// failed, timed out, or found the operation taken over), another
+    /// execution may take the operation over, and the lease counts as lost.
+    phase: std::sync::atomic::AtomicU8,
     /// The recovery point as this execution last set it.
     pub(crate) recovery_point: std::sync::Mutex<Option<String>>,
     /// The handler's transaction, once it asked for one; the completion
@@ -71,8 +72,7 @@ impl OperationInfo {
             lease,
             lost: std::sync::atomic::AtomicBool::new(false),
             lost_told: tokio::sync::Notify::new(),
-            settling: std::sync::atomic::AtomicU8::new(RUNNING),
-            ended_while_settling: std::sync::atomic::AtomicBool::new(false),
+            phase: std::sync::atomic::AtomicU8::new(RUNNING),
             recovery_point: std::sync::Mutex::new(None),
             tx: tokio::sync::Mutex::new(None),
         }))
@@ -82,44 +82,37 @@ impl OperationInfo {
         self.lost.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// Marks the execution as recording its outcome (see `settling`).
-    pub(crate) fn settle(&self) {
-        self.settling.store(SETTLING, SeqCst);
+    /// The execution starts recording its outcome (see `phase`). False
+    /// when the keeper ended the lease first: it is lost.
+    pub(crate) fn settle(&self) -> bool {
+        self.phase
+            .compare_exchange(RUNNING, SETTLING, SeqCst, SeqCst)
+            .is_ok()
     }
 
-    /// The outcome's write is over: `recorded` when the store confirmed it.
-    /// Not recorded after the lease ended meanwhile, the lease is lost.
-    pub(crate) fn settled(&self, recorded: bool) {
-        self.settling
-            .store(if recorded { RECORDED } else { NOT_RECORDED }, SeqCst);
-        if !recorded && self.ended_while_settling.load(SeqCst) {
+    /// The outcome's write is over: `confirmed` when the store confirmed
+    /// it. Not confirmed, the lease counts as lost.
+    pub(crate) fn settled(&self, confirmed: bool) {
+        let _ = self.phase.compare_exchange(SETTLING, SETTLED, SeqCst, SeqCst);
+        if !confirmed {
             self.set_lost();
         }
     }
 
     /// The lease keeper ended the lease: an extension was refused, or its
-    /// deadline passed. Counts the lease as lost, unless the execution is
-    /// recording its outcome (then the outcome's write decides, see
-    /// [`OperationInfo::settled`]) or recorded it. Says whether it counted.
+    /// deadline passed. While the execution runs, the lease is lost; once
+    /// it settles, its outcome's write decides (see `phase`). Says whether
+    /// this counted the lease as lost.
     pub(crate) fn lease_ended(&self) -> bool {
-        match self.settling.load(SeqCst) {
-            RUNNING => {
-                self.set_lost();
-                true
-            }
-            RECORDED => false,
-            _ => {
-                // Both sides write, then read the other's: whichever comes
-                // second sees the first (sequentially consistent), so a
-                // write that fails is never missed.
-                self.ended_while_settling.store(true, SeqCst);
-                if self.settling.load(SeqCst) == NOT_RECORDED {
-                    self.set_lost();
-                    return true;
-                }
-                false
-            }
+        if self
+            .phase
+            .compare_exchange(RUNNING, ENDED, SeqCst, SeqCst)
+            .is_err()
+        {
+            return false;
         }
+        self.set_lost();
+        true
     }
 
     /// Counts the lease as lost, and tells those waiting for it.
@@ -227,7 +220,10 @@ impl Operation {
     /// now is neither given nor stored (its client gets 503
     /// `idempotency-lease-lost` with `Retry-After`, its transaction rolls
     /// back, and the key is given back so that a retry continues the
-    /// operation).
+    /// operation). Once the handler returned, the write of its outcome
+    /// decides: the lease is lost when the store did not confirm it (the
+    /// operation was taken over, or the write failed or timed out and may
+    /// or may not have taken effect), never when it did.
     ///
     /// ```
     /// # use idem::{idempotent, Operation};

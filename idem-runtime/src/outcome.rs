@@ -24,10 +24,10 @@ pub(crate) async fn record_completion(
     stored: &StoredResponse,
     tx: Option<PendingTx>,
 ) -> Result<(), Response> {
-    if info.is_lost() {
-        // The handler was told its lease is lost: whatever it answered then
-        // is not the operation's answer. Give the key back; the retry
-        // continues the operation.
+    if !info.settle() {
+        // The lease was lost first (the handler was told): whatever it
+        // answered then is not the operation's answer. Give the key back;
+        // the retry continues the operation.
         record(Outcome::LockLost);
         if let Some(tx) = tx {
             Box::pin(tx.rollback()).await;
@@ -35,7 +35,6 @@ pub(crate) async fn record_completion(
         let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
         return Err(Problem::LeaseLost.into_response());
     }
-    info.settle();
     let recorded = completing(engine, info, lock_timeout, stored, tx).await;
     info.settled(recorded.is_ok());
     recorded
@@ -59,7 +58,6 @@ async fn completing(
         Ok(()) => Ok(()),
         Err(TxFailure::NotCommitted(StoreError::LockLost)) => {
             record(Outcome::LockLost);
-            info.set_lost();
             tracing::error!(
                 "cannot complete: another execution took this operation over; this execution's writes \
                  were rolled back"
@@ -72,7 +70,6 @@ async fn completing(
             tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back");
             if give_back(engine, &info.id, &info.lease.token, lock_timeout).await == Err(StoreError::LockLost)
             {
-                info.set_lost();
                 return Err(Problem::LeaseLost.into_response());
             }
             Err(Problem::StoreUnavailable(Unavailable::RolledBack).into_response())
@@ -103,7 +100,6 @@ pub(crate) async fn complete(
             Ok(()) => return Ok(()),
             Err(StoreError::LockLost) => {
                 record(Outcome::LockLost);
-                info.set_lost();
                 tracing::error!("cannot complete: another execution took this operation over");
                 return Err(Problem::LeaseLost.into_response());
             }
@@ -165,7 +161,8 @@ async fn letting_go(
         tx.rollback().await;
     }
     let (id, token) = (&info.id, &info.lease.token);
-    info.settle();
+    // Let go even when the lease was lost first: the write is fenced.
+    let _ = info.settle();
     let outcome = match how {
         LetGo::Reject => match engine.store.reject(id, token).await {
             // Not freed: at least never left locked.
@@ -177,7 +174,6 @@ async fn letting_go(
     info.settled(outcome.is_ok());
     if outcome == Err(StoreError::LockLost) {
         record(Outcome::LockLost);
-        info.set_lost();
         tracing::error!("cannot release: another execution took this operation over");
         return Problem::LeaseLost.into_response();
     }
