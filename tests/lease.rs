@@ -2347,6 +2347,63 @@ async fn an_execution_whose_outcome_is_not_confirmed_is_told_its_lease_is_lost()
     }
 }
 
+/// An execution told its lease is lost before it answered never gives its
+/// answer, a large one included: one over the stored limit streams to its
+/// client while it completes, so its status and first bytes would go out
+/// before the completion refused it. Its client gets 503
+/// `idempotency-lease-lost`, and the retry runs the operation again. The
+/// lease ends at its deadline: every extension fails (a store that cannot
+/// be reached).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_answer_after_the_lease_was_lost_is_never_given() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.large_after_loss", lock_timeout = "300ms")]
+    async fn large_after_loss(op: Operation) -> Response {
+        keep_and_answer(&op, "ok");
+        if op.attempt() == 1 {
+            tokio::time::timeout(Duration::from_secs(20), op.lease_lost())
+                .await
+                .expect("the lease is lost within 20 s");
+        }
+        let chunk = || Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 800]));
+        let body = futures_util::stream::iter([chunk(), chunk()]);
+        (StatusCode::CREATED, Body::from_stream(body)).into_response()
+    }
+    let app = Router::new().route("/large", post(large_after_loss)).layer(
+        Idem::new(Faulty::new(true))
+            .single_tenant()
+            .max_stored_body(1024)
+            .unwrap()
+            .layer(),
+    );
+    let key = idem_testkit::unique("large-after-loss");
+    let request = || {
+        axum::http::Request::post("/large")
+            .header("idempotency-key", &key)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let first = app.clone().oneshot(request()).await.unwrap();
+    assert!(kept_op(&key).is_lease_lost());
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = axum::body::to_bytes(first.into_body(), 1 << 20).await.unwrap();
+    assert!(
+        String::from_utf8_lossy(&body).contains("idempotency-lease-lost"),
+        "{body:?}"
+    );
+    let retry = app.oneshot(request()).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert!(!retry.headers().contains_key("idempotent-replayed"));
+    let attempts: Vec<u32> = KEPT_OPS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k == key)
+        .map(|(_, op)| op.attempt())
+        .collect();
+    assert_eq!(attempts, [1, 2], "the operation ran again");
+}
+
 /// The lease while an execution records its outcome, on PostgreSQL, with
 /// row locks held by a test connection: a takeover met by a completion or
 /// a release that fails is told; a completion that waits past the lease's

@@ -25,19 +25,29 @@ pub(crate) async fn record_completion(
     tx: Option<PendingTx>,
 ) -> Result<(), Response> {
     if !info.settle() {
-        // The lease was lost first (the handler was told): whatever it
-        // answered then is not the operation's answer. Give the key back;
-        // the retry continues the operation.
-        record(Outcome::LockLost);
-        if let Some(tx) = tx {
-            Box::pin(tx.rollback()).await;
-        }
-        let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
-        return Err(Problem::LeaseLost.into_response());
+        return Err(refuse_lost(engine, info, lock_timeout, tx).await);
     }
     let recorded = completing(engine, info, lock_timeout, stored, tx).await;
     info.settled(recorded.is_ok());
     recorded
+}
+
+/// The answer of an execution whose lease was lost before its outcome was
+/// recorded (the handler was told): whatever it answered then is not the
+/// operation's answer. Rolls back its transaction, gives the key back (the
+/// retry continues the operation) and answers 503 `idempotency-lease-lost`.
+pub(crate) async fn refuse_lost(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    tx: Option<PendingTx>,
+) -> Response {
+    record(Outcome::LockLost);
+    if let Some(tx) = tx {
+        Box::pin(tx.rollback()).await;
+    }
+    let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+    Problem::LeaseLost.into_response()
 }
 
 /// [`record_completion`]'s write, once the execution settles.

@@ -9,7 +9,7 @@ use crate::key::{IdempotencyKey, KeyError};
 use crate::layer::{Context, Engine, Tenant};
 use crate::lease::{Heartbeat, LeaseClock};
 use crate::operation::{Operation, OperationInfo};
-use crate::outcome::{hand_back_key, let_go, record_completion, LetGo};
+use crate::outcome::{hand_back_key, let_go, record_completion, refuse_lost, LetGo};
 use crate::problem::{Problem, Unavailable};
 use crate::request::Spec;
 use crate::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
@@ -584,6 +584,12 @@ pub(crate) async fn finish(
             // headers, and then streams.
             let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
             Some(Body::from_stream(head.chain(rest)))
+        }
+        Collected::Streamed { .. } if info.is_lost() => {
+            // Lost before the answer went out: none of it is given (its
+            // status and first bytes would go out before the completion
+            // that refuses it). A loss from here on breaks the body.
+            return Box::pin(refuse_lost(engine, info, lock_timeout, tx)).await;
         }
         Collected::Streamed { head, rest } => {
             tracing::warn!(
