@@ -108,12 +108,25 @@ pub(crate) async fn complete(
     for attempt in 1..=4 {
         match engine.store.complete(&info.id, &info.lease.token, stored).await {
             Ok(()) => return Ok(()),
-            Err(StoreError::LockLost) => {
+            Err(StoreError::LockLost) if attempt == 1 => {
                 record(Outcome::LockLost);
                 tracing::error!("cannot complete: another execution took this operation over");
                 return Err(Problem::LeaseLost.into_response());
             }
-            Err(e) if attempt < 4 && !info.is_lost() => {
+            Err(StoreError::LockLost) => {
+                // An earlier attempt that failed may have completed the
+                // record after all (its answer lost): the retry is told
+                // which, a replay or the other execution's answer.
+                record(Outcome::LockLost);
+                tracing::error!(
+                    "cannot complete: an earlier attempt may have completed the record, or another \
+                     execution took this operation over"
+                );
+                return Err(Problem::LeaseLost.into_response());
+            }
+            // The keeper cannot end the lease while the execution settles:
+            // every try is fenced by the token.
+            Err(e) if attempt < 4 => {
                 tracing::warn!(error = %e, attempt, "completing the record failed; retrying");
                 Box::pin(tokio::time::sleep(pause)).await;
                 pause *= 2;
