@@ -272,8 +272,7 @@ async fn beat(id: u64, info: OperationInfo, clock: LeaseClock) {
 
 /// The lease's deadline passed without an extension.
 fn lease_lost(info: &OperationInfo) {
-    let told = info.is_lost();
-    if info.lease_ended() && !told {
+    if info.lease_ended() {
         tracing::error!("the lock could not be extended before its deadline: the lease counts as lost");
     }
 }

@@ -8,9 +8,8 @@ use crate::tx::PendingTx;
 use crate::tx::TxConnection;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 use std::future::Future;
-use std::sync::Arc;
-
 use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
 
 /// `OperationInfo::phase`: the handler (or its body) still runs.
 const RUNNING: u8 = 0;

@@ -124,8 +124,9 @@ pub(crate) async fn complete(
                 );
                 return Err(Problem::LeaseLost.into_response());
             }
-            // The keeper cannot end the lease while the execution settles:
-            // every try is fenced by the token.
+            // Retried even past the lock's deadline (the keeper no longer
+            // ends the lease while the execution settles): every try is
+            // fenced by the token.
             Err(e) if attempt < 4 => {
                 tracing::warn!(error = %e, attempt, "completing the record failed; retrying");
                 Box::pin(tokio::time::sleep(pause)).await;
