@@ -2404,6 +2404,61 @@ async fn a_large_answer_after_the_lease_was_lost_is_never_given() {
     assert_eq!(attempts, [1, 2], "the operation ran again");
 }
 
+/// An answer over the stored limit whose handler writes in its SQLite
+/// transaction is not held up before it goes out: the transaction holds
+/// the database's write lock until the completion, so the check of the
+/// record before a large answer (a lock extension) cannot run then and is
+/// left to the completion. Waiting for the write lock would hold the
+/// answer for SQLite's busy timeout (5 s), or the store's (20 s here).
+#[tokio::test]
+async fn a_large_answer_of_a_sqlite_transaction_is_not_held_up() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.large_tx", lock_timeout = "30s")]
+    async fn large_tx(op: Operation) -> Result<Response, StatusCode> {
+        let mut conn = op
+            .sqlite_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        sqlx::query("CREATE TABLE IF NOT EXISTS large_tx_effects (key TEXT)")
+            .execute(&mut *conn)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        drop(conn);
+        let chunk = || Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 800]));
+        let body = futures_util::stream::iter([chunk(), chunk()]);
+        Ok((StatusCode::CREATED, Body::from_stream(body)).into_response())
+    }
+    let (store, _dir) = idem_testkit::sqlite_store().await;
+    let store = store.with_timeout(Duration::from_secs(20));
+    let app = Router::new().route("/large-tx", post(large_tx)).layer(
+        Idem::new(store)
+            .single_tenant()
+            .max_stored_body(1024)
+            .unwrap()
+            .layer(),
+    );
+    let key = idem_testkit::unique("large-tx");
+    let request = || {
+        axum::http::Request::post("/large-tx")
+            .header("idempotency-key", &key)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let answered = tokio::time::timeout(Duration::from_secs(3), async {
+        let first = app.clone().oneshot(request()).await.unwrap();
+        let status = first.status();
+        (
+            status,
+            axum::body::to_bytes(first.into_body(), 1 << 20).await.unwrap(),
+        )
+    })
+    .await
+    .expect("answered well within the store's timeout");
+    assert_eq!((answered.0, answered.1.len()), (StatusCode::CREATED, 1600));
+    let replay = app.oneshot(request()).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+}
+
 /// The lease while an execution records its outcome, on PostgreSQL, with
 /// row locks held by a test connection: a takeover met by a completion or
 /// a release that fails is told; a completion that waits past the lease's

@@ -590,7 +590,10 @@ pub(crate) async fn finish(
             // first the lease is checked, and the record, by a lock
             // extension fenced by the token. Lost, or taken over, none of
             // the answer is given. A loss from here on breaks the body.
-            if info.is_lost() || lost_to_another(engine, info, lock_timeout).await {
+            // Not with a transaction of the handler's open: on SQLite it
+            // holds the write lock that the extension would wait for; its
+            // completion checks the record in the same transaction.
+            if info.is_lost() || (tx.is_none() && lost_to_another(engine, info, lock_timeout).await) {
                 return Box::pin(refuse_lost(engine, info, lock_timeout, tx)).await;
             }
             tracing::warn!(
