@@ -585,17 +585,14 @@ pub(crate) async fn finish(
             let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
             Some(Body::from_stream(head.chain(rest)))
         }
+        Collected::Streamed { .. } if info.is_lost() => {
+            // Already lost (the handler was told): none of it is given (its
+            // status and first bytes would go out before the completion
+            // that refuses it). A loss from here on, or a takeover the
+            // keeper has not seen, breaks the body (docs/PROTOCOL.md).
+            return Box::pin(refuse_lost(engine, info, lock_timeout, tx)).await;
+        }
         Collected::Streamed { head, rest } => {
-            // Its status and first bytes go out before its completion: so
-            // first the lease is checked, and the record, by a lock
-            // extension fenced by the token. Lost, or taken over, none of
-            // the answer is given. A loss from here on breaks the body.
-            // Not with a transaction of the handler's open: on SQLite it
-            // holds the write lock that the extension would wait for; its
-            // completion checks the record in the same transaction.
-            if info.is_lost() || (tx.is_none() && lost_to_another(engine, info, lock_timeout).await) {
-                return Box::pin(refuse_lost(engine, info, lock_timeout, tx)).await;
-            }
             tracing::warn!(
                 limit = engine.max_stored_body,
                 "response body larger than the stored limit: a replay gets status and headers only"
@@ -664,23 +661,6 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 
 /// A handler or response body that panicked: the key is released as failed
 /// and the client gets 500 `handler-failed`.
-/// Whether a lock extension, fenced by the execution's token, finds the
-/// record taken over: then the lease ends, and the handler is told (see
-/// [`OperationInfo::lease_ended`]). Another failure says nothing: the
-/// completion still decides.
-async fn lost_to_another(engine: &Arc<Engine>, info: &OperationInfo, lock_timeout: Duration) -> bool {
-    let extended = engine
-        .store
-        .extend_lock(&info.id, &info.lease.token, lock_timeout)
-        .await;
-    if extended != Err(crate::StoreError::LockLost) {
-        return false;
-    }
-    // Already ended by the keeper meanwhile: lost all the same.
-    let _ = info.lease_ended();
-    true
-}
-
 fn panicked<'a>(
     engine: &'a Arc<Engine>,
     info: &'a OperationInfo,
