@@ -2106,6 +2106,21 @@ impl IdempotencyStore for CountsRefusedExtensions {
     );
 }
 
+/// A POST of `body` to `path` under the idempotency key `key`.
+fn keyed_post(path: &str, key: &str, body: &'static str) -> axum::http::Request<Body> {
+    axum::http::Request::post(path)
+        .header("idempotency-key", key)
+        .body(Body::from(body))
+        .unwrap()
+}
+
+/// 201 with a 1,600-byte body in two chunks: over a stored limit of 1,024.
+fn large_answer() -> Response {
+    let chunk = || Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 800]));
+    let body = futures_util::stream::iter([chunk(), chunk()]);
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
 /// The `Operation`s of the handlers below, by key, for the tests to ask
 /// after the execution ended.
 static KEPT_OPS: Mutex<Vec<(String, Operation)>> = Mutex::new(Vec::new());
@@ -2157,12 +2172,7 @@ async fn a_settled_execution_is_not_told_its_lease_is_lost() {
         ("fail", pause::RELEASE_AFTER, StatusCode::SERVICE_UNAVAILABLE),
     ] {
         let key = idem_testkit::unique("settles");
-        let request = || {
-            axum::http::Request::post("/settles")
-                .header("idempotency-key", &key)
-                .body(Body::from(body))
-                .unwrap()
-        };
+        let request = || keyed_post("/settles", &key, body);
         let mut settled = pause::arm(point, &key);
         let first = tokio::spawn(app.clone().oneshot(request()));
         settled.reached().await;
@@ -2319,12 +2329,7 @@ async fn an_execution_whose_outcome_is_not_confirmed_is_told_its_lease_is_lost()
             .route("/unconfirmed", post(unconfirmed))
             .layer(Idem::new(store).single_tenant().layer());
         let key = idem_testkit::unique("unconfirmed");
-        let request = || {
-            axum::http::Request::post("/unconfirmed")
-                .header("idempotency-key", &key)
-                .body(Body::empty())
-                .unwrap()
-        };
+        let request = || keyed_post("/unconfirmed", &key, "");
         let first = app.clone().oneshot(request()).await.unwrap();
         assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE, "{first_commits}");
         assert!(kept_op(&key).is_lease_lost(), "{first_commits}: not told");
@@ -2365,9 +2370,7 @@ async fn a_large_answer_after_the_lease_was_lost_is_never_given() {
                 .await
                 .expect("the lease is lost within 20 s");
         }
-        let chunk = || Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 800]));
-        let body = futures_util::stream::iter([chunk(), chunk()]);
-        (StatusCode::CREATED, Body::from_stream(body)).into_response()
+        large_answer()
     }
     let app = Router::new().route("/large", post(large_after_loss)).layer(
         Idem::new(Faulty::new(true))
@@ -2377,12 +2380,7 @@ async fn a_large_answer_after_the_lease_was_lost_is_never_given() {
             .layer(),
     );
     let key = idem_testkit::unique("large-after-loss");
-    let request = || {
-        axum::http::Request::post("/large")
-            .header("idempotency-key", &key)
-            .body(Body::empty())
-            .unwrap()
-    };
+    let request = || keyed_post("/large", &key, "");
     let first = app.clone().oneshot(request()).await.unwrap();
     assert!(kept_op(&key).is_lease_lost());
     assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
@@ -2422,9 +2420,7 @@ async fn a_large_answer_of_a_sqlite_transaction_is_not_held_up() {
             .await
             .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
         drop(conn);
-        let chunk = || Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 800]));
-        let body = futures_util::stream::iter([chunk(), chunk()]);
-        Ok((StatusCode::CREATED, Body::from_stream(body)).into_response())
+        Ok(large_answer())
     }
     let (store, _dir) = idem_testkit::sqlite_store().await;
     let store = store.with_timeout(Duration::from_secs(20));
@@ -2436,12 +2432,7 @@ async fn a_large_answer_of_a_sqlite_transaction_is_not_held_up() {
             .layer(),
     );
     let key = idem_testkit::unique("large-tx");
-    let request = || {
-        axum::http::Request::post("/large-tx")
-            .header("idempotency-key", &key)
-            .body(Body::empty())
-            .unwrap()
-    };
+    let request = || keyed_post("/large-tx", &key, "");
     let answered = tokio::time::timeout(Duration::from_secs(3), async {
         let first = app.clone().oneshot(request()).await.unwrap();
         let status = first.status();
@@ -2654,13 +2645,6 @@ mod settling {
         sqlx::query("COMMIT").execute(&mut c).await.unwrap();
     }
 
-    fn request(path: &str, key: &str) -> axum::http::Request<Body> {
-        axum::http::Request::post(path)
-            .header("idempotency-key", key)
-            .body(Body::empty())
-            .unwrap()
-    }
-
     /// Right after the handler returned, another execution takes the
     /// record over in a transaction that holds the row, so that the
     /// execution's outcome write (at `path`) times out on it; then the
@@ -2679,7 +2663,7 @@ mod settling {
             .layer(Idem::new(store).single_tenant().layer());
         let key = idem_testkit::unique("settle-takeover");
         let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
-        let first = tokio::spawn(app.clone().oneshot(request(path, &key)));
+        let first = tokio::spawn(app.clone().oneshot(keyed_post(path, &key, "")));
         returned.reached().await;
         let mut intruder = db.begin().await;
         db.take_over_in(&mut intruder, &key).await;
@@ -2733,7 +2717,7 @@ mod settling {
             .layer(Idem::new(store).single_tenant().layer());
         let key = idem_testkit::unique("settle-deadline");
         let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
-        let first = tokio::spawn(app.clone().oneshot(request("/short", &key)));
+        let first = tokio::spawn(app.clone().oneshot(keyed_post("/short", &key, "")));
         returned.reached().await;
         let mut holder = db.begin().await;
         db.hold_row(&mut holder, &key).await;
@@ -2745,7 +2729,7 @@ mod settling {
         let first = first.await.unwrap().unwrap();
         assert_eq!(first.status(), StatusCode::CREATED);
         assert_eq!(db.row(&key).await, ("completed".to_owned(), None));
-        let retry = app.oneshot(request("/short", &key)).await.unwrap();
+        let retry = app.oneshot(keyed_post("/short", &key, "")).await.unwrap();
         assert_eq!(retry.headers()["idempotent-replayed"], "true");
         assert!(
             !op.is_lease_lost(),
