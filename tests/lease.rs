@@ -2472,6 +2472,18 @@ mod settling {
         keep_and_answer(&op, "ok")
     }
 
+    /// Fails (503: released as failed) with its transaction's connection
+    /// busy for 3 s: the statement whose future it drops runs on at the
+    /// server, so the rollback of its transaction waits for it.
+    #[idempotent(scope = "lease.settle_slow_rollback", lock_timeout = "300ms")]
+    async fn slow_rollback(op: Operation) -> StatusCode {
+        let mut conn = op.pg_transaction().await.unwrap();
+        let busy = sqlx::query("SELECT pg_sleep(3)").execute(&mut *conn);
+        let _ = tokio::time::timeout(Duration::from_millis(50), busy).await;
+        drop(conn);
+        keep_and_answer(&op, "fail")
+    }
+
     /// A PostgreSQL store that counts the lock extensions refused as
     /// `LockLost`, and the extensions dropped before they answered (the
     /// keeper's deadline); and, at its first release, tells the test,
@@ -2698,6 +2710,46 @@ mod settling {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_a_takeover_met_by_a_failing_release_is_told() {
         takeover_met_by_a_failing_write("/fails", post(fails), true).await;
+    }
+
+    /// A failed execution settles before its transaction's rollback, not
+    /// after it: the lease's deadline that passes while the rollback waits
+    /// is not a loss, when the release that follows is confirmed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_release_confirmed_after_a_slow_rollback_is_not_a_loss() {
+        // The handler's transaction needs the `PgStore` itself.
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 8)
+            .await
+            .with_timeout(Duration::from_secs(20));
+        let pool = store.pool().clone();
+        let db = Db { url, schema, pool };
+        let app = Router::new()
+            .route("/slow-rollback", post(slow_rollback))
+            .layer(Idem::new(store).single_tenant().layer());
+        let key = idem_testkit::unique("settle-rollback");
+        let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
+        let first = tokio::spawn(app.oneshot(keyed_post("/slow-rollback", &key, "")));
+        returned.reached().await;
+        let mut holder = db.begin().await;
+        db.hold_row(&mut holder, &key).await;
+        returned.resume();
+        // The keeper's extensions wait on the row: its deadline (300 ms)
+        // passes while the rollback still waits (3 s).
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let op = kept_op(&key);
+        assert!(!op.is_lease_lost(), "told a loss while its rollback waits");
+        commit(holder).await;
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body = axum::body::to_bytes(first.into_body(), 1 << 16).await.unwrap();
+        assert!(body.is_empty(), "the handler's own answer: {body:?}");
+        assert_eq!(db.row(&key).await, ("in_progress".to_owned(), None), "released");
+        assert!(
+            !op.is_lease_lost(),
+            "told a loss for a release the store confirmed"
+        );
     }
 
     /// A completion that waits on a row lock past the lease's deadline

@@ -181,12 +181,15 @@ async fn letting_go(
     } else {
         Outcome::Released
     });
+    // Settled from here, before the rollback, which may wait (on a
+    // statement the handler left running): a deadline that passes
+    // meanwhile is not a loss unless the release below is not confirmed.
+    // Let go even when the lease was lost first: the write is fenced.
+    let _ = info.settle();
     if let Some(tx) = tx {
         tx.rollback().await;
     }
     let (id, token) = (&info.id, &info.lease.token);
-    // Let go even when the lease was lost first: the write is fenced.
-    let _ = info.settle();
     let outcome = match how {
         LetGo::Reject => match engine.store.reject(id, token).await {
             // Not freed: at least never left locked.
