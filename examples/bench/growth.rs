@@ -28,7 +28,8 @@ fn us(d: Duration) -> f64 {
 /// The memory store growing to `records` records from 8 concurrent writers:
 /// the slowest reservation and the 99th percentile, against the same writes
 /// into one `HashMap` behind one lock (how the store kept its records
-/// before it was sharded), measured back to back in this run.
+/// before it was sharded), and the machine's floor (as much memory put in
+/// place with no map and no shared lock), measured back to back.
 pub(crate) async fn memory_growth(records: usize) {
     const WRITERS: usize = 8;
     async fn grow<F, Fut>(records: usize, write: F) -> (Duration, Duration, Duration)
@@ -90,6 +91,26 @@ pub(crate) async fn memory_growth(records: usize) {
         }
     })
     .await;
+    // The machine's floor: the same writers putting as much memory in
+    // place (the id, a 1 kB record), each into a list of its own made large
+    // enough up front, with no lock and no map. What stalls this (the
+    // memory's first touch, a writer descheduled) is the machine's.
+    let lists: Arc<Vec<std::sync::Mutex<Vec<(RecordId, Vec<u8>)>>>> = Arc::new(
+        (0..WRITERS)
+            .map(|_| std::sync::Mutex::new(Vec::with_capacity(records / WRITERS + 1)))
+            .collect(),
+    );
+    let floor = grow(records, move |i| {
+        let lists = lists.clone();
+        async move {
+            let id = RecordId::new("bench", "bench.grow", format!("k-{i}"));
+            lists[i % WRITERS]
+                .lock()
+                .expect("lock")
+                .push((id, vec![b'x'; 1024]));
+        }
+    })
+    .await;
     println!(
         "\n{:<44} {:>10} {:>10} {:>10}",
         format!("growing to {records} records, {WRITERS} writers"),
@@ -100,6 +121,7 @@ pub(crate) async fn memory_growth(records: usize) {
     for (name, (total, p99, max)) in [
         ("MemoryStore (256 shards): reserve + complete", sharded),
         ("baseline: insert into one locked HashMap", single),
+        ("floor: the same memory, no map, no shared lock", floor),
     ] {
         println!(
             "{name:<44} {:>9.2}s {:>8.1}us {:>8.2}ms",

@@ -271,6 +271,33 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
             statements: vec![bound(s.peek, &RESERVE_VARS[..4])],
         },
         ExecCell {
+            name: "idem replay, part: no function in the CASE",
+            baseline: Some("hand-written replay: one primary-key SELECT"),
+            key: old,
+            statements: vec![reserve.replace(&function, "NULL::text[]")],
+        },
+        ExecCell {
+            name: "idem replay, part: no expression in the lookup",
+            baseline: Some("hand-written replay: one primary-key SELECT"),
+            key: old,
+            statements: vec![without_expressions(&reserve)],
+        },
+        ExecCell {
+            name: "idem replay, part: neither",
+            baseline: Some("hand-written replay: one primary-key SELECT"),
+            key: old,
+            statements: vec![without_expressions(&reserve).replace(&function, "NULL::text[]")],
+        },
+        ExecCell {
+            name: "idem replay, part: its five columns, no join",
+            baseline: Some("hand-written replay: one primary-key SELECT"),
+            key: old,
+            statements: vec![format!(
+                "SELECT fingerprint, state, response_status, response_headers, response_body \
+                 FROM {schema}.idempotency_keys WHERE tenant = v_t AND scope = v_s AND key = v_k"
+            )],
+        },
+        ExecCell {
             name: "hand-written first: INSERT, then UPDATE",
             baseline: None,
             key: new,
@@ -304,6 +331,25 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
             statements: vec![format!("SELECT {function}")],
         },
     ]
+}
+
+/// The reserving statement with constants for the lookup's expressions
+/// (the lock left, and whether the record may be taken), for the cell
+/// that says what they cost.
+fn without_expressions(reserve: &str) -> String {
+    let cut = |sql: &str, from: &str, to: &str, with: &str, after: usize| {
+        let a = after
+            + sql[after..]
+                .find(from)
+                .unwrap_or_else(|| panic!("{from} in the statement"));
+        let b = a + sql[a..]
+            .find(to)
+            .unwrap_or_else(|| panic!("{to} in the statement"));
+        format!("{}{with}{}", &sql[..a], &sql[b..])
+    };
+    let sql = cut(reserve, "GREATEST(0,", " AS lock_left_ms", "0::bigint", 0);
+    let join = sql.find("LEFT JOIN (").expect("the lookup's join");
+    cut(&sql, "CASE WHEN", " AS takeable", "0", join)
 }
 
 /// The loop of `cell`, `n` iterations, as one `DO` block. A statement
