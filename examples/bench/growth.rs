@@ -95,7 +95,8 @@ pub(crate) async fn memory_growth(records: usize) {
     // place (the id, a 1 kB record), each into a list of its own made large
     // enough up front, with no lock and no map. What stalls this (the
     // memory's first touch, a writer descheduled) is the machine's.
-    let lists: Arc<Vec<std::sync::Mutex<Vec<(RecordId, Vec<u8>)>>>> = Arc::new(
+    type List = std::sync::Mutex<Vec<(RecordId, Vec<u8>)>>;
+    let lists: Arc<Vec<List>> = Arc::new(
         (0..WRITERS)
             .map(|_| std::sync::Mutex::new(Vec::with_capacity(records / WRITERS + 1)))
             .collect(),
