@@ -326,3 +326,183 @@ idem_testkit::for_each_store! {
         the_janitor_purges_in_batches_and_spares_live_locks,
     ],
 }
+
+/// SQLite ends a transaction by itself on some errors (here a trigger's
+/// `RAISE(ROLLBACK)`); every statement after that commits on its own.
+mod sqlite_ends_the_transaction {
+    use super::*;
+
+    /// What the handler does once the charge, which the trigger refuses
+    /// in the same transaction, has failed: `decline` (402, an answer that
+    /// is stored), `invalid` (422, which frees the key) or `fallback` (a
+    /// write to the ledger, then 503).
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct ChargeIn {
+        then: String,
+    }
+
+    #[idempotent(scope = "charge.sqlite", fields(then))]
+    async fn charge(op: Operation, Json(input): Json<ChargeIn>) -> StatusCode {
+        let mut conn = op.sqlite_transaction().await.unwrap();
+        sqlx::query("INSERT INTO audit (note) VALUES ('attempted')")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let charged = sqlx::query("INSERT INTO charges (amount) VALUES (1000)")
+            .execute(&mut *conn)
+            .await;
+        assert!(charged.is_err(), "the trigger refuses the charge");
+        match input.then.as_str() {
+            "decline" => StatusCode::PAYMENT_REQUIRED,
+            "invalid" => StatusCode::UNPROCESSABLE_ENTITY,
+            _ => {
+                sqlx::query("INSERT INTO ledger (amount) VALUES (1000)")
+                    .execute(&mut *conn)
+                    .await
+                    .unwrap();
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+        }
+    }
+
+    #[idempotent(scope = "plain.sqlite")]
+    async fn plain() -> StatusCode {
+        StatusCode::CREATED
+    }
+
+    async fn app() -> (std::net::SocketAddr, sqlx::SqlitePool, tempfile::TempDir) {
+        let (store, dir) = idem_testkit::sqlite_store().await;
+        sqlx::raw_sql(
+            "CREATE TABLE audit (note TEXT NOT NULL); CREATE TABLE ledger (amount INTEGER NOT NULL); \
+             CREATE TABLE charges (amount INTEGER NOT NULL); \
+             CREATE TRIGGER funds BEFORE INSERT ON charges WHEN NEW.amount > 500 \
+             BEGIN SELECT RAISE(ROLLBACK, 'insufficient funds'); END;",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        let pool = store.pool().clone();
+        let app = Router::new()
+            .route("/charge", post(charge))
+            .route("/plain", post(plain))
+            .layer(Idem::new(store).single_tenant().layer());
+        (serve(app).await, pool, dir)
+    }
+
+    async fn count(pool: &sqlx::SqlitePool, table: &str) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn record(pool: &sqlx::SqlitePool, key: &str) -> Option<(String, Option<String>, i64)> {
+        sqlx::query_as("SELECT state, lock_token, attempt FROM idempotency_keys WHERE key = ?1")
+            .bind(key)
+            .fetch_optional(pool)
+            .await
+            .unwrap()
+    }
+
+    fn outcome_unknown(answer: &idem_testkit::http::Reply) {
+        assert_eq!(answer.status, 503);
+        let problem = answer.json();
+        assert!(
+            problem["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("idempotency-store-unavailable")
+                && problem["detail"]
+                    .as_str()
+                    .unwrap()
+                    .contains("could not be recorded"),
+            "{problem}"
+        );
+    }
+
+    /// An answer to store, after SQLite rolled back the audit row: the
+    /// completion is not written alone, and the retry runs again.
+    #[tokio::test]
+    async fn an_answer_is_not_recorded_without_the_writes_sqlite_rolled_back() {
+        let (addr, pool, _dir) = app().await;
+        let body = r#"{"then":"decline"}"#;
+        let first = post_req("/charge", body).key("k-decline").send(addr).await;
+        outcome_unknown(&first);
+        assert_eq!(count(&pool, "audit").await, 0);
+        assert_eq!(
+            record(&pool, "k-decline").await,
+            Some(("in_progress".to_owned(), None, 1)),
+            "released as failed, nothing recorded"
+        );
+        let retry = post_req("/charge", body).key("k-decline").send(addr).await;
+        assert_eq!(retry.header("idempotent-replayed"), None);
+        outcome_unknown(&retry);
+        assert_eq!(
+            record(&pool, "k-decline").await.unwrap().2,
+            2,
+            "the same operation"
+        );
+    }
+
+    /// An answer that would free the key (422) does not, when what the
+    /// handler wrote could not all be undone; another request with the key
+    /// is refused.
+    #[tokio::test]
+    async fn a_key_is_not_freed_when_sqlite_ended_the_transaction() {
+        let (addr, pool, _dir) = app().await;
+        let first = post_req("/charge", r#"{"then":"invalid"}"#)
+            .key("k-invalid")
+            .send(addr)
+            .await;
+        outcome_unknown(&first);
+        assert_eq!(
+            record(&pool, "k-invalid").await,
+            Some(("in_progress".to_owned(), None, 1))
+        );
+        let other = post_req("/charge", r#"{"then":"decline"}"#)
+            .key("k-invalid")
+            .send(addr)
+            .await;
+        assert_eq!(other.status, 422, "the key is not free: {:?}", other.json());
+    }
+
+    /// A write made after SQLite ended the transaction committed on its
+    /// own: the failure's answer is not given as if nothing had changed.
+    #[tokio::test]
+    async fn a_failure_after_sqlite_ended_the_transaction_is_told_as_unknown() {
+        let (addr, pool, _dir) = app().await;
+        let first = post_req("/charge", r#"{"then":"fallback"}"#)
+            .key("k-fallback")
+            .send(addr)
+            .await;
+        outcome_unknown(&first);
+        assert_eq!(count(&pool, "ledger").await, 1, "committed on its own");
+        assert_eq!(
+            record(&pool, "k-fallback").await,
+            Some(("in_progress".to_owned(), None, 1))
+        );
+    }
+
+    /// The connection goes back to the pool as sqlx counts it: no other
+    /// request finds it still "in a transaction".
+    #[tokio::test]
+    async fn the_connection_is_fit_for_other_requests_afterwards() {
+        let (addr, _pool, _dir) = app().await;
+        post_req("/charge", r#"{"then":"decline"}"#)
+            .key("k-first")
+            .send(addr)
+            .await;
+        for i in 0..24 {
+            let r = post_req("/plain", "")
+                .key(&format!("k-plain-{i}"))
+                .send(addr)
+                .await;
+            assert_eq!(
+                r.status,
+                201,
+                "request {i}: {:?}",
+                String::from_utf8_lossy(&r.body)
+            );
+        }
+    }
+}

@@ -84,6 +84,19 @@ async fn completing(
             }
             Err(Problem::StoreUnavailable(Unavailable::RolledBack).into_response())
         }
+        Err(TxFailure::Lost) => {
+            // Some of the handler's writes are gone, some may have
+            // committed: the answer is not the operation's. The retry
+            // continues the operation (attempt + 1).
+            record(Outcome::TransactionLost);
+            tracing::error!(
+                "SQLite ended the handler's transaction by itself (a ROLLBACK from a trigger or a conflict \
+                 clause, a full disk, an I/O error): its writes before that were rolled back, any after it \
+                 committed on their own; nothing recorded"
+            );
+            let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+            Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
+        }
         Err(TxFailure::Unknown(e)) => {
             // Committed or not, nobody knows. Giving the key back is fenced:
             // if the commit took effect, the record is completed and stays so.
@@ -155,7 +168,9 @@ pub(crate) enum LetGo {
 /// A failed execution (`fail`) or a rejected request (`reject`): rolls back
 /// the handler's transaction, lets the key go as `how` says, and answers
 /// `response`, unless another execution took the operation over, whose
-/// answer is the one that counts.
+/// answer is the one that counts. When the rollback could not undo all the
+/// handler wrote (SQLite had ended the transaction by itself), the key goes
+/// back as failed and the client gets 503: the outcome is not known.
 /// Boxed: see [`record_completion`].
 pub(crate) fn let_go<'a>(
     engine: &'a Arc<Engine>,
@@ -173,22 +188,37 @@ async fn letting_go(
     info: &OperationInfo,
     lock_timeout: Duration,
     tx: Option<PendingTx>,
-    response: Response,
-    how: LetGo,
+    mut response: Response,
+    mut how: LetGo,
 ) -> Response {
-    record(if how == LetGo::Reject {
-        Outcome::Rejected
-    } else {
-        Outcome::Released
-    });
     // Settled from here, before the rollback, which may wait (on a
     // statement the handler left running): a deadline that passes
     // meanwhile is not a loss unless the release below is not confirmed.
     // Let go even when the lease was lost first: the write is fenced.
     let _ = info.settle();
+    let mut lost = false;
     if let Some(tx) = tx {
-        tx.rollback().await;
+        if !tx.rollback().await {
+            // Not everything it wrote was undone: the key is not free for
+            // a new operation, and the answer, which says nothing changed,
+            // is not given.
+            lost = true;
+            tracing::error!(
+                "SQLite ended the handler's transaction by itself (a ROLLBACK from a trigger or a \
+                 conflict clause, a full disk, an I/O error): any writes after that committed on their \
+                 own; released as failed"
+            );
+            how = LetGo::Fail;
+            response = Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response();
+        }
     }
+    record(if lost {
+        Outcome::TransactionLost
+    } else if how == LetGo::Reject {
+        Outcome::Rejected
+    } else {
+        Outcome::Released
+    });
     let (id, token) = (&info.id, &info.lease.token);
     let outcome = match how {
         LetGo::Reject => match engine.store.reject(id, token).await {

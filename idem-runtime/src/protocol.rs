@@ -432,6 +432,9 @@ pub(crate) enum Outcome {
     NotRecorded,
     /// The commit of the handler's transaction failed: its fate is unknown.
     CommitUnknown,
+    /// SQLite ended the handler's transaction by itself before its
+    /// outcome: nothing recorded, released as failed.
+    TransactionLost,
 }
 
 impl Outcome {
@@ -450,6 +453,7 @@ impl Outcome {
             Outcome::LockLost => "lock_lost",
             Outcome::NotRecorded => "not_recorded",
             Outcome::CommitUnknown => "commit_unknown",
+            Outcome::TransactionLost => "transaction_lost",
         }
     }
 

@@ -66,6 +66,28 @@ pub(crate) enum TxFailure {
     NotCommitted(StoreError),
     /// The commit itself failed: whether it took effect is unknown.
     Unknown(StoreError),
+    /// SQLite ended the handler's transaction by itself before the
+    /// outcome (see [`sqlite_transaction_lost`]): the completion was not
+    /// written, the handler's writes before that point were rolled back,
+    /// and any it made after committed on their own.
+    Lost,
+}
+
+/// Whether SQLite ended the handler's transaction by itself. It does so on
+/// some errors (a trigger's `RAISE(ROLLBACK)`, a constraint's `ON CONFLICT
+/// ROLLBACK`, a full disk, an I/O error), after which each statement on the
+/// connection commits on its own: the completion written there would commit
+/// without the handler's writes. Asked with a `BEGIN`, which fails inside a
+/// transaction; when it succeeds, the empty transaction it opened stands in
+/// for the lost one, so that the connection is as sqlx counts it (one
+/// transaction deep) and its rollback ends it cleanly.
+#[cfg(feature = "sqlite")]
+async fn sqlite_transaction_lost(conn: &mut sqlx::SqliteConnection) -> Result<bool, StoreError> {
+    match sqlx::raw_sql("BEGIN").execute(&mut *conn).await {
+        Ok(_) => Ok(true),
+        Err(sqlx::Error::Database(e)) if e.message().contains("within a transaction") => Ok(false),
+        Err(e) => Err(crate::sql::map_err(e)),
+    }
 }
 
 impl PendingTx {
@@ -96,6 +118,18 @@ impl PendingTx {
             }
             #[cfg(feature = "sqlite")]
             PendingTx::Sqlite(mut tx, lite) => {
+                let lost = bounded(lite.timeout(), sqlite_transaction_lost(&mut tx))
+                    .await
+                    .map_err(TxFailure::NotCommitted)?;
+                if lost {
+                    log_rollback(
+                        bounded(lite.timeout(), async {
+                            tx.rollback().await.map_err(crate::sql::map_err)
+                        })
+                        .await,
+                    );
+                    return Err(TxFailure::Lost);
+                }
                 bounded(lite.timeout(), lite.complete_with(&mut *tx, id, token, response))
                     .await
                     .map_err(TxFailure::NotCommitted)?;
@@ -109,23 +143,36 @@ impl PendingTx {
     }
 
     /// Rolls the handler's writes back, within the store's timeout (past
-    /// it the connection is dropped, which rolls back all the same).
-    pub(crate) async fn rollback(self) {
+    /// it the connection is dropped, which rolls back all the same). False
+    /// when they could not all be: SQLite had ended the transaction by
+    /// itself, and what the handler wrote after that committed on its own
+    /// (see [`sqlite_transaction_lost`]), or whether it had cannot be told.
+    pub(crate) async fn rollback(self) -> bool {
         match self {
             #[cfg(feature = "postgres")]
-            PendingTx::Pg(tx, pg) => log_rollback(
-                bounded(pg.timeout(), async {
-                    tx.rollback().await.map_err(crate::sql::map_err)
-                })
-                .await,
-            ),
+            PendingTx::Pg(tx, pg) => {
+                log_rollback(
+                    bounded(pg.timeout(), async {
+                        tx.rollback().await.map_err(crate::sql::map_err)
+                    })
+                    .await,
+                );
+                true
+            }
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(tx, lite) => log_rollback(
-                bounded(lite.timeout(), async {
-                    tx.rollback().await.map_err(crate::sql::map_err)
-                })
-                .await,
-            ),
+            PendingTx::Sqlite(mut tx, lite) => {
+                let lost = bounded(lite.timeout(), sqlite_transaction_lost(&mut tx)).await;
+                if let Err(e) = &lost {
+                    tracing::warn!(error = %e, "cannot tell whether SQLite ended the handler's transaction");
+                }
+                log_rollback(
+                    bounded(lite.timeout(), async {
+                        tx.rollback().await.map_err(crate::sql::map_err)
+                    })
+                    .await,
+                );
+                lost == Ok(false)
+            }
         }
     }
 }
@@ -133,7 +180,6 @@ impl PendingTx {
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 fn log_rollback(result: Result<(), StoreError>) {
     if let Err(e) = result {
-        // Dropping the connection rolls back all the same.
-        tracing::warn!(error = %e, "rollback failed; the connection is discarded");
+        tracing::warn!(error = %e, "the rollback of the handler's transaction failed");
     }
 }
