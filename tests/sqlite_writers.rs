@@ -235,3 +235,46 @@ async fn a_writer_of_another_process_is_waited_for() {
         other => panic!("not completed: {other:?}"),
     }
 }
+
+/// The in-memory database of `SqliteStore::new`'s documentation (a pool of
+/// one connection): 20 concurrent reservations of one key get one lock and
+/// 19 answers "in progress", never a store error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_in_memory_database_of_one_connection_serves_concurrent_reservations() {
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect("sqlite::memory:")
+        .await
+        .unwrap();
+    let store = SqliteStore::new(pool);
+    store.migrate().await.unwrap();
+    let store = std::sync::Arc::new(store);
+    for round in 0..5 {
+        let tasks: Vec<_> = (0..20)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let id = RecordId::new("t", "s", format!("k{round}"));
+                    store
+                        .reserve(ReserveRequest {
+                            id: &id,
+                            fingerprint: "F",
+                            token: idem_testkit::token(),
+                            ttl: Duration::from_secs(3600),
+                            lock_timeout: Duration::from_secs(3600),
+                        })
+                        .await
+                })
+            })
+            .collect();
+        let (mut reserved, mut in_progress, mut other) = (0, 0, Vec::new());
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(Reservation::Reserved(_)) => reserved += 1,
+                Ok(Reservation::InProgress { .. }) => in_progress += 1,
+                answer => other.push(format!("{answer:?}")),
+            }
+        }
+        assert_eq!((reserved, in_progress), (1, 19), "round {round}: {other:?}");
+    }
+}

@@ -118,18 +118,28 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
         E::Io(_) | E::Tls(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed => true,
         E::Database(db) => {
             let code = db.code().unwrap_or_default();
-            // PostgreSQL: 08 connection, 53 resources, 57P0x shutdown/crash;
-            // SQLite: 5 busy, 6 locked (the busy timeout ran out).
-            code.starts_with("08")
-                || code.starts_with("53")
-                || code.starts_with("57P0")
-                || code == "5"
-                || code == "6"
-                || code.starts_with("5/")
-                || code.starts_with("6/")
+            // SQLite: 5 busy, 6 locked (the busy timeout ran out, or a
+            // table of a shared-cache database is locked), as primary codes
+            // or extended ones (such as 262 or 517), whose low byte is the
+            // primary code.
+            #[cfg(feature = "sqlite")]
+            if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+                let primary = code
+                    .split('/')
+                    .next()
+                    .and_then(|c| c.parse::<i32>().ok())
+                    .map(|c| c & 0xff);
+                return store_error(e, matches!(primary, Some(5 | 6)));
+            }
+            // PostgreSQL: 08 connection, 53 resources, 57P0x shutdown/crash.
+            code.starts_with("08") || code.starts_with("53") || code.starts_with("57P0")
         }
         _ => false,
     };
+    store_error(e, unavailable)
+}
+
+fn store_error(e: sqlx::Error, unavailable: bool) -> StoreError {
     let reason = e.to_string();
     if unavailable {
         StoreError::unavailable(reason).with_source(e)
@@ -548,5 +558,40 @@ fn judge_existing(
         (true, None) => Reservation::InProgress {
             retry_after: lock_left,
         },
+    }
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use super::map_err;
+    use crate::StoreError;
+
+    /// A table of a shared-cache database that another connection writes:
+    /// SQLite's extended code 262 (locked, shared cache), which is a store
+    /// that cannot serve now, not a backend fault.
+    #[tokio::test]
+    async fn a_locked_table_is_unavailable_in_its_extended_code_too() {
+        use sqlx::Connection as _;
+        let url = "sqlite:file:idem_locked_probe?mode=memory&cache=shared";
+        let mut writer = sqlx::SqliteConnection::connect(url).await.unwrap();
+        let mut reader = sqlx::SqliteConnection::connect(url).await.unwrap();
+        sqlx::raw_sql("CREATE TABLE t (x INTEGER); BEGIN IMMEDIATE; INSERT INTO t VALUES (1);")
+            .execute(&mut writer)
+            .await
+            .unwrap();
+        let e = sqlx::query("SELECT x FROM t")
+            .fetch_all(&mut reader)
+            .await
+            .unwrap_err();
+        let code = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .unwrap_or_default()
+            .into_owned();
+        assert_ne!(code, "6", "an extended code, as SQLite reports it");
+        assert!(
+            matches!(map_err(e), StoreError::Unavailable { .. }),
+            "code {code}"
+        );
     }
 }

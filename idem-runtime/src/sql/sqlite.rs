@@ -130,9 +130,17 @@ impl SqliteStore {
     /// A store over an existing pool (which should use WAL mode and a busy
     /// timeout), on the table `idempotency_keys`.
     ///
+    /// An in-memory database must be a pool of one connection: connections
+    /// that share one lock whole tables and never wait, so concurrent
+    /// requests would get 503 where they should get 409.
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    /// let pool = sqlx::sqlite::SqlitePoolOptions::new()
+    ///     .max_connections(1)
+    ///     .connect("sqlite::memory:")
+    ///     .await
+    ///     .unwrap();
     /// let store = idem::SqliteStore::new(pool);
     /// # }
     /// ```
@@ -148,7 +156,7 @@ impl SqliteStore {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// # let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    /// # let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect("sqlite::memory:").await.unwrap();
     /// let store = idem::SqliteStore::new(pool).with_table("idem_records").unwrap();
     /// # }
     /// ```
@@ -163,7 +171,7 @@ impl SqliteStore {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// # let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    /// # let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect("sqlite::memory:").await.unwrap();
     /// let store = idem::SqliteStore::new(pool).with_timeout(std::time::Duration::from_secs(1));
     /// # }
     /// ```
@@ -217,7 +225,7 @@ impl SqliteStore {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// # let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    /// # let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect("sqlite::memory:").await.unwrap();
     /// let store = idem::SqliteStore::new(pool);
     /// store.migrate().await.unwrap();
     /// # }
