@@ -163,6 +163,10 @@ fn valid_scope(scope: &str) -> bool {
         })
 }
 
+/// Headers whose values are credentials: never a record's key (the key is
+/// stored, and the contract stores no credential).
+const CREDENTIAL_HEADERS: &[&str] = &["authorization", "proxy-authorization", "cookie", "set-cookie"];
+
 fn valid_header(name: &str) -> bool {
     !name.is_empty()
         && name
@@ -200,19 +204,24 @@ impl Parse for IdempotentArgs {
                             field.span(),
                             format!("field `{name}` is listed twice"),
                         ));
-                    } else if let Some(lit) = &field.wire {
-                        let wire = lit.value();
-                        if wire.is_empty() || wire.split('.').any(str::is_empty) {
-                            errors.push(syn::Error::new(
-                                lit.span(),
-                                "a wire path is the dotted JSON member names, such as `\"recipient.acct\"`",
-                            ));
-                        } else if wires.contains(&wire) {
-                            errors.push(syn::Error::new(
-                                lit.span(),
-                                format!("wire path `{wire}` is listed twice"),
-                            ));
-                        }
+                    } else if field
+                        .wire
+                        .as_ref()
+                        .is_some_and(|lit| lit.value().is_empty() || lit.value().split('.').any(str::is_empty))
+                    {
+                        let span = field.wire.as_ref().map_or_else(|| field.span(), LitStr::span);
+                        errors.push(syn::Error::new(
+                            span,
+                            "a wire path is the dotted JSON member names, such as `\"recipient.acct\"`",
+                        ));
+                    } else if wires.contains(&field.wire()) {
+                        // In either order: a field named by its wire path
+                        // after another that was given the same one.
+                        let span = field.wire.as_ref().map_or_else(|| field.span(), LitStr::span);
+                        errors.push(syn::Error::new(
+                            span,
+                            format!("wire path `{}` is listed twice", field.wire()),
+                        ));
                     }
                     seen.push(name);
                     wires.push(field.wire());
@@ -237,6 +246,12 @@ impl Parse for IdempotentArgs {
                     errors.push(syn::Error::new(
                         lit.span(),
                         "`header` must be a valid HTTP header name, such as `\"Idempotency-Key\"`",
+                    ));
+                } else if CREDENTIAL_HEADERS.contains(&lit.value().to_ascii_lowercase().as_str()) {
+                    errors.push(syn::Error::new(
+                        lit.span(),
+                        "`header` cannot be a credential header: the key is stored with the record, and \
+                         credentials are never stored; use a header of its own, such as `\"Idempotency-Key\"`",
                     ));
                 }
                 errors.set_once(&mut args.header, (k, lit), k.span, "header");
