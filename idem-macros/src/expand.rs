@@ -545,6 +545,11 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
     if args.header.is_some() {
         params[0] = quote!(#ctx: #private::Context<#private::CustomKeyHeader>);
     }
+    // `body = "none"`: every parameter stands before idem's last one, which
+    // reads nothing, so axum refuses one that reads the body.
+    if args.no_body.is_some() {
+        params.push(quote!(_: #private::NoBody));
+    }
     quote! {
         #(#attrs)*
         #vis #constness async #unsafety #abi #fn_token #ident #generics (#(#params),*) -> #private::Response

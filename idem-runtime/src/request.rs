@@ -101,6 +101,22 @@ where
     }
 }
 
+/// The last extractor of a `body = "none"` handler: it reads nothing, and
+/// puts every parameter of the handler before it, where axum accepts only
+/// extractors of the request's head (`FromRequestParts`). A parameter that
+/// reads the body (one idem cannot tell by its name, such as a type alias of
+/// `Json<T>`) is then a compile error, never an unseen body.
+#[doc(hidden)]
+pub struct NoBody;
+
+impl<S: Send + Sync> axum::extract::FromRequest<S> for NoBody {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request(_: axum::extract::Request, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(NoBody)
+    }
+}
+
 /// The body of `raw` as the fingerprint sees it, as `E` says.
 #[doc(hidden)]
 pub fn print_body<E: FingerprintBody>(raw: &Raw<E>) -> crate::fingerprint::BodyPrint<'_> {

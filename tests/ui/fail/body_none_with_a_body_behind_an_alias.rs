@@ -1,0 +1,14 @@
+// `body = "none"` on a handler whose last parameter reads the body under a
+// name idem cannot tell: axum refuses it, since idem's own extractor comes
+// last and leaves only the request's head to the handler's parameters.
+use axum::{routing::post, Json, Router};
+use idem::idempotent;
+
+type Body = Json<serde_json::Value>;
+
+#[idempotent(scope = "payment.create", body = "none")]
+async fn create(Json(_v): Body) {}
+
+fn main() {
+    let _app: Router = Router::new().route("/pay", post(create));
+}
