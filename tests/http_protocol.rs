@@ -844,3 +844,77 @@ fn the_span_names_scope_outcome_and_a_key_hash_but_never_the_key() {
         );
     }
 }
+
+/// A generic handler whose error type's `Classify` impl a bound names: it
+/// decides as it does in a concrete handler (a gateway timeout that may
+/// have charged is stored, so the retry is replayed, not charged again).
+mod generic_classification {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    pub struct Timeout;
+
+    impl IntoResponse for Timeout {
+        fn into_response(self) -> Response {
+            StatusCode::GATEWAY_TIMEOUT.into_response()
+        }
+    }
+
+    impl Classify for Timeout {
+        fn classify(&self) -> Classification {
+            Classification::Store
+        }
+    }
+
+    pub trait Gateway: Send + Sync + 'static {
+        type Error: IntoResponse + Send;
+        fn charge(&self) -> Result<String, Self::Error>;
+    }
+
+    pub struct TimesOut(AtomicUsize);
+
+    impl Gateway for TimesOut {
+        type Error = Timeout;
+        fn charge(&self) -> Result<String, Timeout> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Err(Timeout)
+        }
+    }
+
+    #[idempotent(scope = "payment.generic")]
+    async fn generic<G: Gateway>(State(g): State<Arc<G>>, _body: String) -> Result<String, G::Error>
+    where
+        G::Error: Classify,
+    {
+        g.charge()
+    }
+
+    #[idempotent(scope = "payment.concrete")]
+    async fn concrete(State(g): State<Arc<TimesOut>>, _body: String) -> Result<String, Timeout> {
+        g.charge()
+    }
+
+    #[tokio::test]
+    async fn a_bound_classify_impl_decides_in_a_generic_handler() {
+        for path in ["/concrete", "/generic"] {
+            let gateway = Arc::new(TimesOut(AtomicUsize::new(0)));
+            let app = Router::new()
+                .route("/generic", post(generic::<TimesOut>))
+                .route("/concrete", post(concrete))
+                .with_state(gateway.clone())
+                .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
+            let addr = serve(app).await;
+            let mut answers = Vec::new();
+            for _ in 0..2 {
+                let r = post_req(path, "pay").key("k").send(addr).await;
+                answers.push((r.status, r.header("idempotent-replayed") == Some("true")));
+            }
+            assert_eq!(
+                answers,
+                [(504, false), (504, true)],
+                "{path}: stored, then replayed"
+            );
+            assert_eq!(gateway.0.load(Ordering::SeqCst), 1, "{path}: charged once");
+        }
+    }
+}

@@ -130,6 +130,52 @@ fn wrapped_body(ty: &Type) -> bool {
     matches!(args.args.first(), Some(GenericArgument::Type(inner)) if body_kind(inner).is_some())
 }
 
+/// The error type of a `Result<T, E>` return type that names one of the
+/// handler's type parameters, and that parameter, unless a bound of the
+/// handler names `Classify`. Whether an error type implements `Classify`
+/// is decided where the handler is compiled, before its parameters are
+/// known: without such a bound an impl would be ignored, and the outcome
+/// recorded by its status code instead.
+fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident)> {
+    use quote::ToTokens as _;
+    let params: Vec<&proc_macro2::Ident> = sig.generics.type_params().map(|p| &p.ident).collect();
+    if params.is_empty() {
+        return None;
+    }
+    let syn::ReturnType::Type(_, ty) = &sig.output else {
+        return None;
+    };
+    let seg = last_segment(ty)?;
+    if seg.ident != "Result" {
+        return None;
+    }
+    let PathArguments::AngleBracketed(args) = &seg.arguments else {
+        return None;
+    };
+    let Some(GenericArgument::Type(error)) = args.args.iter().nth(1) else {
+        return None;
+    };
+    let named = first_ident(error.to_token_stream(), &|i| params.contains(&i))?;
+    let (generics, where_clause) = (&sig.generics, &sig.generics.where_clause);
+    let bounds = quote::quote!(#generics #where_clause);
+    if first_ident(bounds, &|i| i == "Classify").is_some() {
+        return None;
+    }
+    Some((error, named))
+}
+
+/// The first identifier in `tokens` (groups included) that `wanted` accepts.
+fn first_ident(
+    tokens: proc_macro2::TokenStream,
+    wanted: &dyn Fn(&proc_macro2::Ident) -> bool,
+) -> Option<proc_macro2::Ident> {
+    tokens.into_iter().find_map(|tree| match tree {
+        proc_macro2::TokenTree::Ident(i) if wanted(&i) => Some(i),
+        proc_macro2::TokenTree::Group(g) => first_ident(g.stream(), wanted),
+        _ => None,
+    })
+}
+
 /// The handler, taken apart.
 pub(crate) struct Handler {
     pub(crate) item: ItemFn,
@@ -261,6 +307,17 @@ impl Handler {
                 // cannot be fingerprinted.
                 body = Some((*i, BodyKind::Extracted));
             }
+        }
+        if let Some((error, param)) = generic_error_type(&item.sig) {
+            errors.push(syn::Error::new(
+                error.span(),
+                format!(
+                    "this error type names the generic parameter `{param}`: whether it implements \
+                     `idem::Classify` is decided where the handler is compiled, before `{param}` is known, \
+                     so an impl would be ignored; say so in a bound (such as `where {param}::Error: \
+                     idem::Classify`), or return a concrete error type"
+                ),
+            ));
         }
         errors.finish()?;
         Ok(Handler { item, body, keying })

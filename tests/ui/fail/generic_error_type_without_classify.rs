@@ -1,0 +1,16 @@
+// A generic handler whose error type depends on its parameter: a
+// `Classify` impl of that type could not be seen, so a bound must say it.
+use axum::response::IntoResponse;
+use idem::idempotent;
+
+pub trait Gateway: Send + Sync + 'static {
+    type Error: IntoResponse + Send;
+    fn charge(&self) -> Result<String, Self::Error>;
+}
+
+#[idempotent(scope = "payment.create")]
+async fn create<G: Gateway>(_body: String) -> Result<String, G::Error> {
+    unimplemented!()
+}
+
+fn main() {}
