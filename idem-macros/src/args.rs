@@ -204,11 +204,9 @@ impl Parse for IdempotentArgs {
                             field.span(),
                             format!("field `{name}` is listed twice"),
                         ));
-                    } else if field
-                        .wire
-                        .as_ref()
-                        .is_some_and(|lit| lit.value().is_empty() || lit.value().split('.').any(str::is_empty))
-                    {
+                    } else if field.wire.as_ref().is_some_and(|lit| {
+                        lit.value().is_empty() || lit.value().split('.').any(str::is_empty)
+                    }) {
                         let span = field.wire.as_ref().map_or_else(|| field.span(), LitStr::span);
                         errors.push(syn::Error::new(
                             span,
