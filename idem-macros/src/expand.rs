@@ -155,7 +155,9 @@ fn parameters(names: &Names, handler: &Handler) -> (Vec<TokenStream>, Option<Bod
                 };
                 params.push(quote!(#(#attrs)* #body_ident: #param_ty));
                 body = Some(BodyParam {
-                    binding: quote!(let #pat = #value;),
+                    // The parameter's attributes (lints such as
+                    // `#[allow(unused_mut)]`) hold for its binding too.
+                    binding: quote!(#(#attrs)* let #pat = #value;),
                     print,
                     ty: (**ty).clone(),
                 });
@@ -181,8 +183,8 @@ fn operation_binding(names: &Names, keying: &Keying) -> TokenStream {
         }
         Keying::Required(None) | Keying::Optional(None) => return quote!(let _ = #op;),
     };
-    let (pat, ty) = (&param.param.pat, &param.param.ty);
-    quote!(let #pat: #ty = #value;)
+    let (pat, ty, attrs) = (&param.param.pat, &param.param.ty, &param.param.attrs);
+    quote!(#(#attrs)* let #pat: #ty = #value;)
 }
 
 // Input:  the arguments and the keying.

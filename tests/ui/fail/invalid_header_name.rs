@@ -1,0 +1,6 @@
+use idem::idempotent;
+
+#[idempotent(scope = "payment.create", header = "Idempotency Key")]
+async fn create() {}
+
+fn main() {}
