@@ -4,7 +4,7 @@
 use crate::args::{DurationLit, FieldPath, IdempotentArgs};
 use crate::handler::{BodyKind, Handler, Keying, RequiredOperation};
 use proc_macro2::{Span, TokenStream};
-use quote::{quote, quote_spanned};
+use quote::{quote, quote_spanned, ToTokens as _};
 use syn::spanned::Spanned;
 use syn::{FnArg, Generics, Ident, LitStr, ReturnType, Type};
 
@@ -326,11 +326,14 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> TokenStream {
 //         Each `impl Trait` is left to inference in the binding and is a
 //         generic parameter of the checking fn, whose return type is the
 //         declared one, so that its bounds hold (and the names they use
-//         count as used). Without an `impl Trait` it is
+//         count as used). The handler's own type and const parameters
+//         (and its `where` clause) come first, since a nested fn cannot
+//         name its outer fn's: `__idem_check::<R, _>`. Without an
+//         `impl Trait` it is
 //         `__private::returning::<R, _>(async move { .. })`: the block is
 //         the async block's own body, so a body that never returns leaves no
 //         generated code unreachable (no warning on a `todo!()` stub).
-fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> TokenStream {
+fn pinned_block(names: &Names, output: &ReturnType, generics: &Generics, block: &syn::Block) -> TokenStream {
     let ret_ident = &names.ret;
     let private = &names.private;
     let (ret, check) = match output {
@@ -345,13 +348,28 @@ fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> Token
                 let (impl_params, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
                 let placeholders = impl_params.iter().map(|_| quote!(_));
                 let check_fn = mixed("__idem_check");
+                // The handler's type and const parameters, as declared and
+                // as passed on.
+                let outer: Vec<&syn::GenericParam> = generics
+                    .params
+                    .iter()
+                    .filter(|p| !matches!(p, syn::GenericParam::Lifetime(_)))
+                    .collect();
+                let passed = outer.iter().map(|p| match p {
+                    syn::GenericParam::Type(t) => t.ident.to_token_stream(),
+                    syn::GenericParam::Const(c) => c.ident.to_token_stream(),
+                    syn::GenericParam::Lifetime(l) => l.lifetime.to_token_stream(),
+                });
+                let where_clause = &generics.where_clause;
                 (
                     quote!(#inferred),
                     quote!({
-                        fn #check_fn<#(#impl_params: #bounds),*>(value: #generic) -> #declared {
+                        fn #check_fn<#(#outer,)* #(#impl_params: #bounds),*>(value: #generic) -> #declared
+                        #where_clause
+                        {
                             value
                         }
-                        #check_fn::<#(#placeholders),*>(#ret_ident)
+                        #check_fn::<#(#passed,)* #(#placeholders),*>(#ret_ident)
                     }),
                 )
             }
@@ -529,7 +547,7 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
         &names,
         &handler.keying,
         body.as_ref().map(|body| &body.binding),
-        pinned_block(&names, &sig.output, block),
+        pinned_block(&names, &sig.output, &sig.generics, block),
     );
     let syn::Signature {
         constness,
