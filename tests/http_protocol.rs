@@ -852,7 +852,7 @@ mod generic_classification {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    pub struct Timeout;
+    struct Timeout;
 
     impl IntoResponse for Timeout {
         fn into_response(self) -> Response {
@@ -866,12 +866,12 @@ mod generic_classification {
         }
     }
 
-    pub trait Gateway: Send + Sync + 'static {
+    trait Gateway: Send + Sync + 'static {
         type Error: IntoResponse + Send;
         fn charge(&self) -> Result<String, Self::Error>;
     }
 
-    pub struct TimesOut(AtomicUsize);
+    struct TimesOut(AtomicUsize);
 
     impl Gateway for TimesOut {
         type Error = Timeout;
