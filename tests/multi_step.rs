@@ -334,8 +334,11 @@ mod sqlite_ends_the_transaction {
 
     /// What the handler does once the charge, which the trigger refuses
     /// in the same transaction, has failed: `decline` (402, an answer that
-    /// is stored), `invalid` (422, which frees the key) or `fallback` (a
-    /// write to the ledger, then 503).
+    /// is stored), `invalid` (422, which frees the key), `fallback` (a
+    /// write to the ledger, then 503), `after` (an insert in a savepoint,
+    /// which SQLite's own rollback left to open a new transaction, refused
+    /// and rolled back, then 402); or `savepoint`: the charge tried in a
+    /// savepoint, whose rollback then fails, and 402.
     #[derive(serde::Deserialize, serde::Serialize)]
     struct ChargeIn {
         then: String,
@@ -343,18 +346,34 @@ mod sqlite_ends_the_transaction {
 
     #[idempotent(scope = "charge.sqlite", fields(then))]
     async fn charge(op: Operation, Json(input): Json<ChargeIn>) -> StatusCode {
+        use sqlx::Connection as _;
         let mut conn = op.sqlite_transaction().await.unwrap();
         sqlx::query("INSERT INTO audit (note) VALUES ('attempted')")
             .execute(&mut *conn)
             .await
             .unwrap();
-        let charged = sqlx::query("INSERT INTO charges (amount) VALUES (1000)")
-            .execute(&mut *conn)
-            .await;
+        let charge = "INSERT INTO charges (amount) VALUES (1000)";
+        if input.then == "savepoint" {
+            let mut savepoint = conn.begin().await.unwrap();
+            let charged = sqlx::query(charge).execute(&mut *savepoint).await;
+            assert!(charged.is_err(), "the trigger refuses the charge");
+            assert!(savepoint.rollback().await.is_err(), "SQLite ended it");
+            return StatusCode::PAYMENT_REQUIRED;
+        }
+        let charged = sqlx::query(charge).execute(&mut *conn).await;
         assert!(charged.is_err(), "the trigger refuses the charge");
         match input.then.as_str() {
             "decline" => StatusCode::PAYMENT_REQUIRED,
             "invalid" => StatusCode::UNPROCESSABLE_ENTITY,
+            "after" => {
+                let mut savepoint = conn.begin().await.unwrap();
+                let inserted = sqlx::query("INSERT INTO once (id) VALUES (1)")
+                    .execute(&mut *savepoint)
+                    .await;
+                assert!(inserted.is_err(), "a primary key taken");
+                savepoint.rollback().await.unwrap();
+                StatusCode::PAYMENT_REQUIRED
+            }
             _ => {
                 sqlx::query("INSERT INTO ledger (amount) VALUES (1000)")
                     .execute(&mut *conn)
@@ -374,6 +393,7 @@ mod sqlite_ends_the_transaction {
         let (store, dir) = idem_testkit::sqlite_store().await;
         sqlx::raw_sql(
             "CREATE TABLE audit (note TEXT NOT NULL); CREATE TABLE ledger (amount INTEGER NOT NULL); \
+             CREATE TABLE once (id INTEGER PRIMARY KEY); INSERT INTO once VALUES (1); \
              CREATE TABLE charges (amount INTEGER NOT NULL); \
              CREATE TRIGGER funds BEFORE INSERT ON charges WHEN NEW.amount > 500 \
              BEGIN SELECT RAISE(ROLLBACK, 'insufficient funds'); END;",
@@ -504,5 +524,48 @@ mod sqlite_ends_the_transaction {
                 String::from_utf8_lossy(&r.body)
             );
         }
+    }
+
+    /// A savepoint of the handler's that SQLite's own rollback ended (its
+    /// rollback fails): nothing recorded, and no connection is left unfit
+    /// for other requests.
+    #[tokio::test]
+    async fn a_savepoint_sqlite_ended_leaves_no_connection_unfit() {
+        let (addr, pool, _dir) = app().await;
+        let first = post_req("/charge", r#"{"then":"savepoint"}"#)
+            .key("k-savepoint")
+            .send(addr)
+            .await;
+        outcome_unknown(&first);
+        assert_eq!(count(&pool, "audit").await, 0);
+        for i in 0..24 {
+            let r = post_req("/plain", "")
+                .key(&format!("k-plain-{i}"))
+                .send(addr)
+                .await;
+            assert_eq!(
+                r.status,
+                201,
+                "request {i}: {:?}",
+                String::from_utf8_lossy(&r.body)
+            );
+        }
+    }
+
+    /// A savepoint opened after SQLite ended the transaction opens another
+    /// transaction, which must not pass for the handler's.
+    #[tokio::test]
+    async fn a_transaction_opened_after_sqlite_ended_the_handlers_does_not_pass_for_it() {
+        let (addr, pool, _dir) = app().await;
+        let first = post_req("/charge", r#"{"then":"after"}"#)
+            .key("k-after")
+            .send(addr)
+            .await;
+        outcome_unknown(&first);
+        assert_eq!(count(&pool, "audit").await, 0);
+        assert_eq!(
+            record(&pool, "k-after").await,
+            Some(("in_progress".to_owned(), None, 1))
+        );
     }
 }

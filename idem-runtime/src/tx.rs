@@ -76,17 +76,45 @@ pub(crate) enum TxFailure {
 /// Whether SQLite ended the handler's transaction by itself. It does so on
 /// some errors (a trigger's `RAISE(ROLLBACK)`, a constraint's `ON CONFLICT
 /// ROLLBACK`, a full disk, an I/O error), after which each statement on the
-/// connection commits on its own: the completion written there would commit
-/// without the handler's writes. Asked with a `BEGIN`, which fails inside a
-/// transaction; when it succeeds, the empty transaction it opened stands in
-/// for the lost one, so that the connection is as sqlx counts it (one
-/// transaction deep) and its rollback ends it cleanly.
+/// connection commits on its own (or, after a savepoint of the handler's,
+/// in a transaction that is not the handler's): the completion written
+/// there would commit without the handler's writes. The transaction was
+/// begun with a savepoint of idem's (`HANDLER_MARK`); releasing it
+/// succeeds only in that transaction, and keeps it open.
 #[cfg(feature = "sqlite")]
 async fn sqlite_transaction_lost(conn: &mut sqlx::SqliteConnection) -> Result<bool, StoreError> {
-    match sqlx::raw_sql("BEGIN").execute(&mut *conn).await {
-        Ok(_) => Ok(true),
-        Err(sqlx::Error::Database(e)) if e.message().contains("within a transaction") => Ok(false),
+    match sqlx::raw_sql("RELEASE SAVEPOINT idem_handler")
+        .execute(&mut *conn)
+        .await
+    {
+        Ok(_) => Ok(false),
+        Err(sqlx::Error::Database(e)) if e.message().contains("no such savepoint") => Ok(true),
         Err(e) => Err(crate::sql::map_err(e)),
+    }
+}
+
+/// Ends a handler's SQLite transaction that SQLite ended by itself, leaving
+/// the connection as sqlx counts it. Whatever transaction is open now (one
+/// a savepoint of the handler's opened) is rolled back. When sqlx counts the
+/// connection one transaction deep, an empty transaction stands in for the
+/// lost one, so that its rollback ends cleanly; deeper (a savepoint of the
+/// handler's that could not be rolled back), the connection is left
+/// counted inside a transaction, and the store closes it instead of
+/// beginning another on it.
+#[cfg(feature = "sqlite")]
+async fn end_lost(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite: &crate::SqliteStore) {
+    use sqlx_core::transaction::TransactionManager as _;
+    let depth = <<sqlx::Sqlite as sqlx::Database>::TransactionManager>::get_transaction_depth(&tx);
+    let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await;
+    if depth == 1 {
+        let _ = sqlx::raw_sql("BEGIN").execute(&mut *tx).await;
+    }
+    let rolled_back = bounded(lite.timeout(), async {
+        tx.rollback().await.map_err(crate::sql::map_err)
+    })
+    .await;
+    if depth == 1 {
+        log_rollback(rolled_back);
     }
 }
 
@@ -122,12 +150,7 @@ impl PendingTx {
                     .await
                     .map_err(TxFailure::NotCommitted)?;
                 if lost {
-                    log_rollback(
-                        bounded(lite.timeout(), async {
-                            tx.rollback().await.map_err(crate::sql::map_err)
-                        })
-                        .await,
-                    );
+                    end_lost(tx, &lite).await;
                     return Err(TxFailure::Lost);
                 }
                 bounded(lite.timeout(), lite.complete_with(&mut *tx, id, token, response))
@@ -165,12 +188,16 @@ impl PendingTx {
                 if let Err(e) = &lost {
                     tracing::warn!(error = %e, "cannot tell whether SQLite ended the handler's transaction");
                 }
-                log_rollback(
-                    bounded(lite.timeout(), async {
-                        tx.rollback().await.map_err(crate::sql::map_err)
-                    })
-                    .await,
-                );
+                if lost == Ok(true) {
+                    end_lost(tx, &lite).await;
+                } else {
+                    log_rollback(
+                        bounded(lite.timeout(), async {
+                            tx.rollback().await.map_err(crate::sql::map_err)
+                        })
+                        .await,
+                    );
+                }
                 lost == Ok(false)
             }
         }

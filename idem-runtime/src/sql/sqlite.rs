@@ -232,11 +232,7 @@ impl SqliteStore {
     /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let _turn = sql::bounded(self.timeout, self.write_turn()).await?;
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(sql::map_err)?;
+        let mut tx = begin_immediate(&self.pool).await.map_err(sql::map_err)?;
         sql::migrate_in!(self, tx)
     }
 
@@ -268,14 +264,45 @@ impl SqliteStore {
         crate::sql::bounded(
             self.timeout,
             self.queued(async {
-                self.pool
-                    .begin_with("BEGIN IMMEDIATE")
+                let mut tx = begin_immediate(&self.pool).await.map_err(sql::map_err)?;
+                // The mark of this transaction: SQLite ends a transaction by
+                // itself on some errors, and a savepoint of the handler's
+                // may then open another; only this one holds the mark
+                // (see `crate::tx`).
+                sqlx::raw_sql(HANDLER_MARK)
+                    .execute(&mut *tx)
                     .await
-                    .map_err(sql::map_err)
+                    .map_err(sql::map_err)?;
+                Ok(tx)
             }),
         )
         .await
     }
+}
+
+/// Marks a handler's transaction (see `crate::tx`).
+#[cfg(feature = "axum")]
+pub(crate) const HANDLER_MARK: &str = "SAVEPOINT idem_handler";
+
+/// `BEGIN IMMEDIATE` on a pooled connection that sqlx does not count as
+/// already inside a transaction. One whose transaction SQLite ended by
+/// itself can come back to the pool counted so (see `crate::tx`): a
+/// transaction cannot begin on it, so it is closed instead of used.
+async fn begin_immediate(pool: &SqlitePool) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error> {
+    use sqlx::{Connection as _, SqlSafeStr as _};
+    let mut conn = pool.acquire().await?;
+    let mut closed = 0;
+    while conn.is_in_transaction() && closed <= pool.size() {
+        tracing::warn!("a pooled SQLite connection is still counted inside a transaction; closing it");
+        conn.close_on_drop();
+        // Given back (closed) before the next is asked for: the pool may
+        // have room for one connection only.
+        drop(conn);
+        closed += 1;
+        conn = pool.acquire().await?;
+    }
+    // What `Pool::begin_with` does, on the connection chosen here.
+    sqlx::Transaction::begin(conn, Some("BEGIN IMMEDIATE".into_sql_str())).await
 }
 
 impl IdempotencyStore for SqliteStore {
@@ -472,11 +499,7 @@ impl SqliteStore {
         // `reserve_detached`) leaves the line as it used to leave SQLite's
         // busy handler, instead of waiting to take a key only to give it back.
         let turn = sql::bounded(self.timeout, self.write_turn()).await?;
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(sql::map_err)?;
+        let mut tx = begin_immediate(&self.pool).await.map_err(sql::map_err)?;
         let taken = sqlx::query(sqlx::AssertSqlSafe(self.sql.take.as_str()))
             .bind(&req.id.tenant)
             .bind(&req.id.scope)
