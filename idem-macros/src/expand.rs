@@ -265,13 +265,27 @@ fn json_check(
     generics: &Generics,
 ) -> TokenStream {
     let private = &names.private;
+    // `Self` (a handler in an `impl` block) cannot be named by an item
+    // either.
+    let names_self = body.is_some_and(|b| {
+        fn has_self(tokens: TokenStream) -> bool {
+            tokens.into_iter().any(|t| match t {
+                proc_macro2::TokenTree::Ident(i) => i == "Self",
+                proc_macro2::TokenTree::Group(g) => has_self(g.stream()),
+                _ => false,
+            })
+        }
+        has_self(b.ty.to_token_stream())
+    });
     match (&args.fields, body) {
-        (Some((kw, _)), Some(BodyParam { ty, .. })) if generics.params.is_empty() => quote_spanned!(kw.span=>
-            const _: () = ::core::assert!(
-                #private::is_json::<#ty>(),
-                "`fields(...)` names members of a JSON body, but this body extractor does not read JSON"
-            );
-        ),
+        (Some((kw, _)), Some(BodyParam { ty, .. })) if generics.params.is_empty() && !names_self => {
+            quote_spanned!(kw.span=>
+                const _: () = ::core::assert!(
+                    #private::is_json::<#ty>(),
+                    "`fields(...)` names members of a JSON body, but this body extractor does not read JSON"
+                );
+            )
+        }
         (Some((kw, _)), Some(BodyParam { ty, .. })) => quote_spanned!(kw.span=>
             const {
                 ::core::assert!(
