@@ -337,8 +337,8 @@ mod sqlite_ends_the_transaction {
     /// is stored), `invalid` (422, which frees the key), `fallback` (a
     /// write to the ledger, then 503), `after` (an insert in a savepoint,
     /// which SQLite's own rollback left to open a new transaction, refused
-    /// and rolled back, then 402); or `savepoint`: the charge tried in a
-    /// savepoint, whose rollback then fails, and 402.
+    /// and rolled back, then 402); or `savepoint` (`deeper`: two nested):
+    /// the charge tried in a savepoint, whose rollback then fails, and 402.
     #[derive(serde::Deserialize, serde::Serialize)]
     struct ChargeIn {
         then: String,
@@ -358,6 +358,15 @@ mod sqlite_ends_the_transaction {
             let charged = sqlx::query(charge).execute(&mut *savepoint).await;
             assert!(charged.is_err(), "the trigger refuses the charge");
             assert!(savepoint.rollback().await.is_err(), "SQLite ended it");
+            return StatusCode::PAYMENT_REQUIRED;
+        }
+        if input.then == "deeper" {
+            let mut outer = conn.begin().await.unwrap();
+            let mut inner = outer.begin().await.unwrap();
+            let charged = sqlx::query(charge).execute(&mut *inner).await;
+            assert!(charged.is_err(), "the trigger refuses the charge");
+            assert!(inner.rollback().await.is_err(), "SQLite ended it");
+            assert!(outer.rollback().await.is_err(), "SQLite ended it");
             return StatusCode::PAYMENT_REQUIRED;
         }
         let charged = sqlx::query(charge).execute(&mut *conn).await;
@@ -391,6 +400,11 @@ mod sqlite_ends_the_transaction {
 
     async fn app() -> (std::net::SocketAddr, sqlx::SqlitePool, tempfile::TempDir) {
         let (store, dir) = idem_testkit::sqlite_store().await;
+        let (addr, pool) = app_on(store).await;
+        (addr, pool, dir)
+    }
+
+    async fn app_on(store: idem::SqliteStore) -> (std::net::SocketAddr, sqlx::SqlitePool) {
         sqlx::raw_sql(
             "CREATE TABLE audit (note TEXT NOT NULL); CREATE TABLE ledger (amount INTEGER NOT NULL); \
              CREATE TABLE once (id INTEGER PRIMARY KEY); INSERT INTO once VALUES (1); \
@@ -406,7 +420,7 @@ mod sqlite_ends_the_transaction {
             .route("/charge", post(charge))
             .route("/plain", post(plain))
             .layer(Idem::new(store).single_tenant().layer());
-        (serve(app).await, pool, dir)
+        (serve(app).await, pool)
     }
 
     async fn count(pool: &sqlx::SqlitePool, table: &str) -> i64 {
@@ -567,5 +581,54 @@ mod sqlite_ends_the_transaction {
             record(&pool, "k-after").await,
             Some(("in_progress".to_owned(), None, 1))
         );
+    }
+
+    /// After transactions SQLite ended inside savepoints (one and two deep),
+    /// the connection of a one-connection in-memory database (whose records
+    /// live only as long as it does) serves on: nothing recorded is lost, and
+    /// the application's own transactions on the pool commit.
+    #[tokio::test]
+    async fn a_one_connection_database_keeps_everything_after_savepoints_sqlite_ended() {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let store = idem::SqliteStore::new(pool.clone());
+        store.migrate().await.unwrap();
+        let (addr, _) = app_on(store).await;
+        assert_eq!(post_req("/plain", "").key("k-paid").send(addr).await.status, 201);
+        for (key, then) in [("k-one", "savepoint"), ("k-two", "deeper")] {
+            let lost = post_req("/charge", &format!(r#"{{"then":"{then}"}}"#))
+                .key(key)
+                .send(addr)
+                .await;
+            outcome_unknown(&lost);
+            let next = post_req("/plain", "")
+                .key(&format!("{key}-next"))
+                .send(addr)
+                .await;
+            assert_eq!(
+                next.status,
+                201,
+                "{then}: {:?}",
+                String::from_utf8_lossy(&next.body)
+            );
+            let replay = post_req("/plain", "").key("k-paid").send(addr).await;
+            assert_eq!(replay.header("idempotent-replayed"), Some("true"), "{then}");
+            let mut deposit = pool.begin().await.unwrap();
+            sqlx::query("INSERT INTO ledger (amount) VALUES (7)")
+                .execute(&mut *deposit)
+                .await
+                .unwrap();
+            deposit.commit().await.unwrap();
+        }
+        assert_eq!(post_req("/plain", "").key("k-last").send(addr).await.status, 201);
+        assert_eq!(
+            count(&pool, "ledger").await,
+            2,
+            "both deposits committed and kept"
+        );
+        assert_eq!(count(&pool, "audit").await, 0);
     }
 }

@@ -94,28 +94,33 @@ async fn sqlite_transaction_lost(conn: &mut sqlx::SqliteConnection) -> Result<bo
 }
 
 /// Ends a handler's SQLite transaction that SQLite ended by itself, leaving
-/// the connection as sqlx counts it. Whatever transaction is open now (one
-/// a savepoint of the handler's opened) is rolled back. When sqlx counts the
-/// connection one transaction deep, an empty transaction stands in for the
-/// lost one, so that its rollback ends cleanly; deeper (a savepoint of the
-/// handler's that could not be rolled back), the connection is left
-/// counted inside a transaction, and the store closes it instead of
-/// beginning another on it.
+/// the connection as sqlx counts it: outside any transaction. Whatever
+/// transaction is open now (one a savepoint of the handler's opened) is
+/// rolled back; then what sqlx still counts (the transaction, and a
+/// savepoint of the handler's whose rollback failed) is opened again with
+/// sqlx's own statements and rolled back through sqlx, level by level, so
+/// that the connection goes back to the pool neither inside a transaction
+/// nor counted inside one.
 #[cfg(feature = "sqlite")]
 async fn end_lost(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite: &crate::SqliteStore) {
-    use sqlx_core::transaction::TransactionManager as _;
-    let depth = <<sqlx::Sqlite as sqlx::Database>::TransactionManager>::get_transaction_depth(&tx);
-    let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await;
-    if depth == 1 {
-        let _ = sqlx::raw_sql("BEGIN").execute(&mut *tx).await;
-    }
-    let rolled_back = bounded(lite.timeout(), async {
+    use sqlx_core::transaction::{begin_ansi_transaction_sql, TransactionManager};
+    type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
+    let depth = Manager::get_transaction_depth(&tx);
+    let unwound = bounded(lite.timeout(), async {
+        let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await;
+        for level in 0..depth {
+            sqlx::raw_sql(begin_ansi_transaction_sql(level))
+                .execute(&mut *tx)
+                .await
+                .map_err(crate::sql::map_err)?;
+        }
+        for _ in 1..depth {
+            Manager::rollback(&mut tx).await.map_err(crate::sql::map_err)?;
+        }
         tx.rollback().await.map_err(crate::sql::map_err)
     })
     .await;
-    if depth == 1 {
-        log_rollback(rolled_back);
-    }
+    log_rollback(unwound);
 }
 
 impl PendingTx {

@@ -284,25 +284,9 @@ impl SqliteStore {
 #[cfg(feature = "axum")]
 pub(crate) const HANDLER_MARK: &str = "SAVEPOINT idem_handler";
 
-/// `BEGIN IMMEDIATE` on a pooled connection that sqlx does not count as
-/// already inside a transaction. One whose transaction SQLite ended by
-/// itself can come back to the pool counted so (see `crate::tx`): a
-/// transaction cannot begin on it, so it is closed instead of used.
+/// `BEGIN IMMEDIATE` on a pooled connection.
 async fn begin_immediate(pool: &SqlitePool) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error> {
-    use sqlx::{Connection as _, SqlSafeStr as _};
-    let mut conn = pool.acquire().await?;
-    let mut closed = 0;
-    while conn.is_in_transaction() && closed <= pool.size() {
-        tracing::warn!("a pooled SQLite connection is still counted inside a transaction; closing it");
-        conn.close_on_drop();
-        // Given back (closed) before the next is asked for: the pool may
-        // have room for one connection only.
-        drop(conn);
-        closed += 1;
-        conn = pool.acquire().await?;
-    }
-    // What `Pool::begin_with` does, on the connection chosen here.
-    sqlx::Transaction::begin(conn, Some("BEGIN IMMEDIATE".into_sql_str())).await
+    pool.begin_with("BEGIN IMMEDIATE").await
 }
 
 impl IdempotencyStore for SqliteStore {
