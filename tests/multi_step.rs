@@ -632,3 +632,124 @@ mod sqlite_ends_the_transaction {
         assert_eq!(count(&pool, "audit").await, 0);
     }
 }
+
+/// A check of a lost transaction that does not answer within the store's
+/// timeout: a statement the handler gave up on holds the connection,
+/// waiting on another process's write lock. The connection is unwound in
+/// the background and comes back fit.
+mod sqlite_check_times_out {
+    use super::*;
+    use futures_util::FutureExt as _;
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    use sqlx::Connection as _;
+    use std::sync::Mutex;
+    use tokio::sync::oneshot;
+
+    type Gates = (oneshot::Sender<()>, oneshot::Receiver<()>);
+    static GATES: Mutex<Option<Gates>> = Mutex::new(None);
+
+    #[idempotent(scope = "charge.timed_out")]
+    async fn charge(op: Operation) -> StatusCode {
+        let mut conn = op.sqlite_transaction().await.unwrap();
+        sqlx::query("INSERT INTO audit (note) VALUES ('attempted')")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let charged = sqlx::query("INSERT INTO charges (amount) VALUES (1000)")
+            .execute(&mut *conn)
+            .await;
+        assert!(
+            charged.is_err(),
+            "the trigger refuses the charge (RAISE(ROLLBACK))"
+        );
+        let (lost, locked) = GATES.lock().unwrap().take().unwrap();
+        lost.send(()).unwrap();
+        // Another process now holds the write lock.
+        locked.await.unwrap();
+        // The handler gives up on a write at once (as with its own statement
+        // timeout): the statement is queued on the connection and waits there
+        // on the write lock.
+        let pending = sqlx::query("INSERT INTO ledger (amount) VALUES (1000)").execute(&mut *conn);
+        assert!(pending.now_or_never().is_none(), "waits on the write lock");
+        StatusCode::CREATED
+    }
+
+    #[idempotent(scope = "plain.timed_out")]
+    async fn plain() -> StatusCode {
+        StatusCode::CREATED
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_transaction_whose_check_times_out_leaves_the_connection_fit() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = SqliteConnectOptions::new()
+            .filename(dir.path().join("idem.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await
+            .unwrap();
+        // The README's own example of a store timeout.
+        let store = idem::SqliteStore::new(pool.clone()).with_timeout(Duration::from_secs(1));
+        store.migrate().await.unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE audit (note TEXT NOT NULL); CREATE TABLE ledger (amount INTEGER NOT NULL); \
+             CREATE TABLE charges (amount INTEGER NOT NULL); \
+             CREATE TRIGGER funds BEFORE INSERT ON charges WHEN NEW.amount > 500 \
+             BEGIN SELECT RAISE(ROLLBACK, 'insufficient funds'); END;",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let app = Router::new()
+            .route("/charge", post(charge))
+            .route("/plain", post(plain))
+            .layer(Idem::new(store).single_tenant().layer());
+        let addr = serve(app).await;
+
+        let (lost_tx, lost_rx) = oneshot::channel();
+        let (locked_tx, locked_rx) = oneshot::channel();
+        *GATES.lock().unwrap() = Some((lost_tx, locked_rx));
+        let first = tokio::spawn(async move { post_req("/charge", "").key("k-lost").send(addr).await });
+        lost_rx.await.unwrap();
+        // Another process takes the write lock (SQLite released the handler's).
+        let mut other = sqlx::SqliteConnection::connect_with(&options).await.unwrap();
+        sqlx::raw_sql("BEGIN IMMEDIATE")
+            .execute(&mut other)
+            .await
+            .unwrap();
+        locked_tx.send(()).unwrap();
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 503, "{:?}", String::from_utf8_lossy(&first.body));
+        // The other process is done: the connection's queue drains.
+        sqlx::raw_sql("ROLLBACK").execute(&mut other).await.unwrap();
+        // Wait (no timing) until the connection is back in the pool.
+        {
+            let conn = pool.acquire().await.unwrap();
+            drop(conn);
+        }
+        let conn = pool.acquire().await.unwrap();
+        let depth_counted = conn.is_in_transaction();
+        drop(conn);
+        for i in 0..3 {
+            let r = post_req("/plain", "")
+                .key(&format!("k-plain-{i}"))
+                .send(addr)
+                .await;
+            assert_eq!(
+                r.status,
+                201,
+                "request {i} after the lost transaction (sqlx counts the connection in a transaction: \
+                 {depth_counted}): {:?}",
+                String::from_utf8_lossy(&r.body)
+            );
+        }
+        assert!(
+            !depth_counted,
+            "the pooled connection is counted inside a transaction"
+        );
+    }
+}

@@ -102,12 +102,41 @@ async fn sqlite_transaction_lost(conn: &mut sqlx::SqliteConnection) -> Result<bo
 /// that the connection goes back to the pool neither inside a transaction
 /// nor counted inside one.
 #[cfg(feature = "sqlite")]
-async fn end_lost(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite: &crate::SqliteStore) {
+async fn end_lost(tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite: &crate::SqliteStore) {
+    log_rollback(unwind(tx, lite.timeout()).await);
+}
+
+/// How long a connection left busy may take to be unwound in the
+/// background (see [`unwind_later`]).
+#[cfg(feature = "sqlite")]
+const UNWIND_LATER: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// [`end_lost`], in a task of its own and not bounded by the store's
+/// timeout: for a transaction whose check or completion did not answer in
+/// time (a statement the handler abandoned still holds the connection,
+/// waiting on another process's lock). Whether SQLite had ended the
+/// transaction or not, it is rolled back, and the connection goes back to
+/// the pool once it is as sqlx counts it.
+#[cfg(feature = "sqlite")]
+fn unwind_later(tx: sqlx::Transaction<'static, sqlx::Sqlite>) {
+    let unwinding = async move { log_rollback(unwind(tx, UNWIND_LATER).await) };
+    drop(tokio::spawn(tracing::Instrument::in_current_span(unwinding)));
+}
+
+/// Rolls back whatever transaction is open on `tx`'s connection, then opens
+/// again what sqlx still counts (with sqlx's own statements) and rolls it
+/// back through sqlx, level by level: the connection ends neither inside a
+/// transaction nor counted inside one.
+#[cfg(feature = "sqlite")]
+async fn unwind(
+    mut tx: sqlx::Transaction<'static, sqlx::Sqlite>,
+    limit: std::time::Duration,
+) -> Result<(), StoreError> {
     use sqlx_core::transaction::{begin_ansi_transaction_sql, TransactionManager};
     type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
-    let depth = Manager::get_transaction_depth(&tx);
-    let unwound = bounded(lite.timeout(), async {
+    bounded(limit, async {
         let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await;
+        let depth = Manager::get_transaction_depth(&tx);
         for level in 0..depth {
             sqlx::raw_sql(begin_ansi_transaction_sql(level))
                 .execute(&mut *tx)
@@ -119,8 +148,7 @@ async fn end_lost(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite: &crate
         }
         tx.rollback().await.map_err(crate::sql::map_err)
     })
-    .await;
-    log_rollback(unwound);
+    .await
 }
 
 impl PendingTx {
@@ -151,16 +179,23 @@ impl PendingTx {
             }
             #[cfg(feature = "sqlite")]
             PendingTx::Sqlite(mut tx, lite) => {
-                let lost = bounded(lite.timeout(), sqlite_transaction_lost(&mut tx))
-                    .await
-                    .map_err(TxFailure::NotCommitted)?;
-                if lost {
-                    end_lost(tx, &lite).await;
-                    return Err(TxFailure::Lost);
+                match bounded(lite.timeout(), sqlite_transaction_lost(&mut tx)).await {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        end_lost(tx, &lite).await;
+                        return Err(TxFailure::Lost);
+                    }
+                    Err(e) => {
+                        unwind_later(tx);
+                        return Err(TxFailure::NotCommitted(e));
+                    }
                 }
-                bounded(lite.timeout(), lite.complete_with(&mut *tx, id, token, response))
-                    .await
-                    .map_err(TxFailure::NotCommitted)?;
+                if let Err(e) =
+                    bounded(lite.timeout(), lite.complete_with(&mut *tx, id, token, response)).await
+                {
+                    unwind_later(tx);
+                    return Err(TxFailure::NotCommitted(e));
+                }
                 bounded(lite.timeout(), async {
                     tx.commit().await.map_err(crate::sql::map_err)
                 })
@@ -195,6 +230,8 @@ impl PendingTx {
                 }
                 if lost == Ok(true) {
                     end_lost(tx, &lite).await;
+                } else if lost.is_err() {
+                    unwind_later(tx);
                 } else {
                     log_rollback(
                         bounded(lite.timeout(), async {
