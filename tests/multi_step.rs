@@ -423,6 +423,23 @@ mod sqlite_ends_the_transaction {
         (serve(app).await, pool)
     }
 
+    /// 24 requests of other keys, each 201: no connection of the pool is
+    /// left unfit.
+    async fn other_requests_are_served(addr: std::net::SocketAddr) {
+        for i in 0..24 {
+            let r = post_req("/plain", "")
+                .key(&format!("k-plain-{i}"))
+                .send(addr)
+                .await;
+            assert_eq!(
+                r.status,
+                201,
+                "request {i}: {:?}",
+                String::from_utf8_lossy(&r.body)
+            );
+        }
+    }
+
     async fn count(pool: &sqlx::SqlitePool, table: &str) -> i64 {
         sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
             .fetch_one(pool)
@@ -526,18 +543,7 @@ mod sqlite_ends_the_transaction {
             .key("k-first")
             .send(addr)
             .await;
-        for i in 0..24 {
-            let r = post_req("/plain", "")
-                .key(&format!("k-plain-{i}"))
-                .send(addr)
-                .await;
-            assert_eq!(
-                r.status,
-                201,
-                "request {i}: {:?}",
-                String::from_utf8_lossy(&r.body)
-            );
-        }
+        other_requests_are_served(addr).await;
     }
 
     /// A savepoint of the handler's that SQLite's own rollback ended (its
@@ -552,18 +558,7 @@ mod sqlite_ends_the_transaction {
             .await;
         outcome_unknown(&first);
         assert_eq!(count(&pool, "audit").await, 0);
-        for i in 0..24 {
-            let r = post_req("/plain", "")
-                .key(&format!("k-plain-{i}"))
-                .send(addr)
-                .await;
-            assert_eq!(
-                r.status,
-                201,
-                "request {i}: {:?}",
-                String::from_utf8_lossy(&r.body)
-            );
-        }
+        other_requests_are_served(addr).await;
     }
 
     /// A savepoint opened after SQLite ended the transaction opens another
