@@ -340,14 +340,11 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> TokenStream {
 //         Each `impl Trait` is left to inference in the binding and is a
 //         generic parameter of the checking fn, whose return type is the
 //         declared one, so that its bounds hold (and the names they use
-//         count as used). The handler's own type and const parameters
-//         (and its `where` clause) come first, since a nested fn cannot
-//         name its outer fn's: `__idem_check::<R, _>`. Without an
-//         `impl Trait` it is
+//         count as used). Without an `impl Trait` it is
 //         `__private::returning::<R, _>(async move { .. })`: the block is
 //         the async block's own body, so a body that never returns leaves no
 //         generated code unreachable (no warning on a `todo!()` stub).
-fn pinned_block(names: &Names, output: &ReturnType, generics: &Generics, block: &syn::Block) -> TokenStream {
+fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> TokenStream {
     let ret_ident = &names.ret;
     let private = &names.private;
     let (ret, check) = match output {
@@ -362,28 +359,13 @@ fn pinned_block(names: &Names, output: &ReturnType, generics: &Generics, block: 
                 let (impl_params, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
                 let placeholders = impl_params.iter().map(|_| quote!(_));
                 let check_fn = mixed("__idem_check");
-                // The handler's type and const parameters, as declared and
-                // as passed on.
-                let outer: Vec<&syn::GenericParam> = generics
-                    .params
-                    .iter()
-                    .filter(|p| !matches!(p, syn::GenericParam::Lifetime(_)))
-                    .collect();
-                let passed = outer.iter().map(|p| match p {
-                    syn::GenericParam::Type(t) => t.ident.to_token_stream(),
-                    syn::GenericParam::Const(c) => c.ident.to_token_stream(),
-                    syn::GenericParam::Lifetime(l) => l.lifetime.to_token_stream(),
-                });
-                let where_clause = &generics.where_clause;
                 (
                     quote!(#inferred),
                     quote!({
-                        fn #check_fn<#(#outer,)* #(#impl_params: #bounds),*>(value: #generic) -> #declared
-                        #where_clause
-                        {
+                        fn #check_fn<#(#impl_params: #bounds),*>(value: #generic) -> #declared {
                             value
                         }
-                        #check_fn::<#(#passed,)* #(#placeholders),*>(#ret_ident)
+                        #check_fn::<#(#placeholders),*>(#ret_ident)
                     }),
                 )
             }
@@ -561,7 +543,7 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
         &names,
         &handler.keying,
         body.as_ref().map(|body| &body.binding),
-        pinned_block(&names, &sig.output, &sig.generics, block),
+        pinned_block(&names, &sig.output, block),
     );
     let syn::Signature {
         constness,
