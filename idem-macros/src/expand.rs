@@ -153,7 +153,13 @@ fn parameters(names: &Names, handler: &Handler) -> (Vec<TokenStream>, Option<Bod
                         quote!(#private::raw(&#body_ident)),
                     ),
                 };
-                params.push(quote!(#(#attrs)* #body_ident: #param_ty));
+                // Its `cfg`s on the parameter as well; its lints only on
+                // the binding, where they can fire (an `expect` on both
+                // would go unfulfilled on one).
+                let cfgs = attrs
+                    .iter()
+                    .filter(|a| a.path().is_ident("cfg") || a.path().is_ident("cfg_attr"));
+                params.push(quote!(#(#cfgs)* #body_ident: #param_ty));
                 body = Some(BodyParam {
                     // The parameter's attributes (lints such as
                     // `#[allow(unused_mut)]`) hold for its binding too.
@@ -562,8 +568,10 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
         params[0] = quote!(#ctx: #private::Context<#private::CustomKeyHeader>);
     }
     // `body = "none"`: every parameter stands before idem's last one, which
-    // reads nothing, so axum refuses one that reads the body.
-    if args.no_body.is_some() {
+    // reads nothing, so axum refuses one that reads the body; not needed
+    // (nor the place it takes, of axum's 16) when the last is a head
+    // extractor by its name.
+    if args.no_body.is_some() && !handler.last_reads_head {
         params.push(quote!(_: #private::NoBody));
     }
     quote! {

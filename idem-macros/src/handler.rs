@@ -134,7 +134,7 @@ fn wrapped_body(ty: &Type) -> bool {
 /// handler's type parameters, and that parameter, unless a bound of the
 /// handler names `Classify`. Whether an error type implements `Classify`
 /// is decided where the handler is compiled, before its parameters are
-/// known: without such a bound an impl would be ignored, and the outcome
+/// known: without such a bound (on that type) an impl would be ignored, and the outcome
 /// recorded by its status code instead.
 fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident)> {
     use quote::ToTokens as _;
@@ -156,9 +156,29 @@ fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident
         return None;
     };
     let named = first_ident(error.to_token_stream(), &|i| params.contains(&i))?;
-    let (generics, where_clause) = (&sig.generics, &sig.generics.where_clause);
-    let bounds = quote::quote!(#generics #where_clause);
-    if first_ident(bounds, &|i| i == "Classify").is_some() {
+    // A bound that names `Classify` on the error type itself: in the
+    // `where` clause, or on the type parameter that is the error type.
+    let error_text = error.to_token_stream().to_string();
+    let classify = |bounds: &syn::punctuated::Punctuated<syn::TypeParamBound, syn::Token![+]>| {
+        bounds.iter().any(|b| {
+            matches!(b, syn::TypeParamBound::Trait(t)
+                if t.path.segments.last().is_some_and(|s| s.ident == "Classify"))
+        })
+    };
+    let in_where = sig
+        .generics
+        .where_clause
+        .iter()
+        .flat_map(|w| &w.predicates)
+        .any(|p| {
+            matches!(p, syn::WherePredicate::Type(t)
+            if t.bounded_ty.to_token_stream().to_string() == error_text && classify(&t.bounds))
+        });
+    let on_param = sig
+        .generics
+        .type_params()
+        .any(|p| p.ident == error_text && classify(&p.bounds));
+    if in_where || on_param {
         return None;
     }
     Some((error, named))
@@ -181,6 +201,9 @@ pub(crate) struct Handler {
     pub(crate) item: ItemFn,
     /// The index in `item.sig.inputs` of the body parameter, and its kind.
     pub(crate) body: Option<(usize, BodyKind)>,
+    /// Whether the last parameter axum extracts (if any) is an extractor
+    /// of the request's head by its name (`State`, `HeaderMap`, ...).
+    pub(crate) last_reads_head: bool,
     /// Whether the key is required, and the `Operation` parameter.
     pub(crate) keying: Keying,
 }
@@ -314,12 +337,18 @@ impl Handler {
                 format!(
                     "this error type names the generic parameter `{param}`: whether it implements \
                      `idem::Classify` is decided where the handler is compiled, before `{param}` is known, \
-                     so an impl would be ignored; say so in a bound (such as `where {param}::Error: \
-                     idem::Classify`), or return a concrete error type"
+                     so an impl would be ignored; say so in a bound on this type (such as `where \
+                     {param}::Error: idem::Classify`), or return a concrete error type"
                 ),
             ));
         }
+        let last_reads_head = extracted.last().is_none_or(|(_, pt)| head_only(&pt.ty));
         errors.finish()?;
-        Ok(Handler { item, body, keying })
+        Ok(Handler {
+            item,
+            body,
+            keying,
+            last_reads_head,
+        })
     }
 }

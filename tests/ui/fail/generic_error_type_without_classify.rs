@@ -13,4 +13,11 @@ async fn create<G: Gateway>(_body: String) -> Result<String, G::Error> {
     unimplemented!()
 }
 
+// A bound that names `Classify` on something else does not say it of the
+// error type.
+#[idempotent(scope = "payment.update")]
+async fn update<G: Gateway + idem::Classify>(_body: String) -> Result<String, G::Error> {
+    unimplemented!()
+}
+
 fn main() {}
