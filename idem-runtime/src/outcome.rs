@@ -97,6 +97,17 @@ async fn completing(
             let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
             Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
         }
+        Err(TxFailure::Unclear(e)) => {
+            // Nothing recorded; as with a lost transaction, the answer is
+            // not the operation's and nothing says the writes were undone.
+            record(Outcome::TransactionLost);
+            tracing::error!(
+                error = %e,
+                "cannot tell whether SQLite ended the handler's transaction; nothing recorded, released as failed"
+            );
+            let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+            Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
+        }
         Err(TxFailure::Unknown(e)) => {
             // Committed or not, nobody knows. Giving the key back is fenced:
             // if the commit took effect, the record is completed and stays so.

@@ -71,6 +71,10 @@ pub(crate) enum TxFailure {
     /// written, the handler's writes before that point were rolled back,
     /// and any it made after committed on their own.
     Lost,
+    /// Whether SQLite had ended the handler's transaction could not be
+    /// told (the check failed or timed out): the completion was not
+    /// written, and what the handler wrote may or may not have committed.
+    Unclear(StoreError),
 }
 
 /// Whether SQLite ended the handler's transaction by itself. It does so on
@@ -185,9 +189,11 @@ impl PendingTx {
                         end_lost(tx, &lite).await;
                         return Err(TxFailure::Lost);
                     }
+                    // Whether SQLite had ended it is not known: what the
+                    // handler wrote after such an end may have committed.
                     Err(e) => {
                         unwind_later(tx);
-                        return Err(TxFailure::NotCommitted(e));
+                        return Err(TxFailure::Unclear(e));
                     }
                 }
                 if let Err(e) =
