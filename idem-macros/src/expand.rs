@@ -567,11 +567,11 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
     if args.header.is_some() {
         params[0] = quote!(#ctx: #private::Context<#private::CustomKeyHeader>);
     }
-    // `body = "none"`: every parameter stands before idem's last one, which
-    // reads nothing, so axum refuses one that reads the body; not needed
-    // (nor the place it takes, of axum's 16) when the last is a head
-    // extractor by its name.
-    if args.no_body.is_some() && !handler.last_reads_head {
+    // No body fingerprinted (`body = "none"`, or a last parameter taken
+    // for a head extractor by its name): every parameter stands before
+    // idem's last one, which reads nothing, so axum refuses one that reads
+    // the body (a type alias of `Json<T>`, whatever its name).
+    if body.is_none() {
         params.push(quote!(_: #private::NoBody));
     }
     quote! {

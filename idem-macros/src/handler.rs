@@ -201,9 +201,7 @@ pub(crate) struct Handler {
     pub(crate) item: ItemFn,
     /// The index in `item.sig.inputs` of the body parameter, and its kind.
     pub(crate) body: Option<(usize, BodyKind)>,
-    /// Whether the last parameter axum extracts (if any) is an extractor
-    /// of the request's head by its name (`State`, `HeaderMap`, ...).
-    pub(crate) last_reads_head: bool,
+
     /// Whether the key is required, and the `Operation` parameter.
     pub(crate) keying: Keying,
 }
@@ -342,13 +340,7 @@ impl Handler {
                 ),
             ));
         }
-        let last_reads_head = extracted.last().is_none_or(|(_, pt)| head_only(&pt.ty));
         errors.finish()?;
-        Ok(Handler {
-            item,
-            body,
-            keying,
-            last_reads_head,
-        })
+        Ok(Handler { item, body, keying })
     }
 }

@@ -15,13 +15,14 @@ async fn update(#[expect(unused_mut)] mut body: String) -> String {
     body
 }
 
-// `body = "none"` with as many head extractors as axum takes beside idem's
-// context: idem adds no extractor of its own after a head extractor.
+// A handler without a body with as many head extractors as axum takes
+// beside idem's two (its context first, and last the extractor that reads
+// nothing).
 #[idempotent(scope = "payment.head", body = "none")]
 #[allow(clippy::too_many_arguments)]
 async fn head(
     _a: HeaderMap, _b: Method, _c: Uri, _d: HeaderMap, _e: Method, _f: Uri, _g: HeaderMap, _h: Method,
-    _i: Uri, _j: HeaderMap, _k: Method, _l: Uri, _m: HeaderMap, _n: Method, _o: Uri,
+    _i: Uri, _j: HeaderMap, _k: Method, _l: Uri, _m: HeaderMap, _n: Method,
 ) -> &'static str {
     "ok"
 }
