@@ -84,27 +84,24 @@ async fn completing(
             }
             Err(Problem::StoreUnavailable(Unavailable::RolledBack).into_response())
         }
-        Err(TxFailure::Lost) => {
-            // Some of the handler's writes are gone, some may have
-            // committed: the answer is not the operation's. The retry
-            // continues the operation (attempt + 1).
+        Err(failure @ (TxFailure::Lost | TxFailure::Unclear(_))) => {
+            // Some of the handler's writes may be gone and some may have
+            // committed (SQLite ended its transaction by itself, or whether
+            // it did cannot be told): the answer is not the operation's, and
+            // nothing says the writes were undone. The retry continues the
+            // operation (attempt + 1).
             record(Outcome::TransactionLost);
-            tracing::error!(
-                "SQLite ended the handler's transaction by itself (a ROLLBACK from a trigger or a conflict \
-                 clause, a full disk, an I/O error): its writes before that were rolled back, any after it \
-                 committed on their own; nothing recorded"
-            );
-            let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
-            Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
-        }
-        Err(TxFailure::Unclear(e)) => {
-            // Nothing recorded; as with a lost transaction, the answer is
-            // not the operation's and nothing says the writes were undone.
-            record(Outcome::TransactionLost);
-            tracing::error!(
-                error = %e,
-                "cannot tell whether SQLite ended the handler's transaction; nothing recorded, released as failed"
-            );
+            match failure {
+                TxFailure::Unclear(e) => tracing::error!(
+                    error = %e,
+                    "cannot tell whether SQLite ended the handler's transaction; nothing recorded"
+                ),
+                _ => tracing::error!(
+                    "SQLite ended the handler's transaction by itself (a ROLLBACK from a trigger or a \
+                     conflict clause, a full disk, an I/O error): its writes before that were rolled \
+                     back, any after it committed on their own; nothing recorded"
+                ),
+            }
             let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
             Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
         }

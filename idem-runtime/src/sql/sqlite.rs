@@ -232,7 +232,11 @@ impl SqliteStore {
     /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let _turn = sql::bounded(self.timeout, self.write_turn()).await?;
-        let mut tx = begin_immediate(&self.pool).await.map_err(sql::map_err)?;
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(sql::map_err)?;
         sql::migrate_in!(self, tx)
     }
 
@@ -264,7 +268,11 @@ impl SqliteStore {
         crate::sql::bounded(
             self.timeout,
             self.queued(async {
-                let mut tx = begin_immediate(&self.pool).await.map_err(sql::map_err)?;
+                let mut tx = self
+                    .pool
+                    .begin_with("BEGIN IMMEDIATE")
+                    .await
+                    .map_err(sql::map_err)?;
                 // The mark of this transaction: SQLite ends a transaction by
                 // itself on some errors, and a savepoint of the handler's
                 // may then open another; only this one holds the mark
@@ -283,11 +291,6 @@ impl SqliteStore {
 /// Marks a handler's transaction (see `crate::tx`).
 #[cfg(feature = "axum")]
 pub(crate) const HANDLER_MARK: &str = "SAVEPOINT idem_handler";
-
-/// `BEGIN IMMEDIATE` on a pooled connection.
-async fn begin_immediate(pool: &SqlitePool) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error> {
-    pool.begin_with("BEGIN IMMEDIATE").await
-}
 
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
@@ -483,7 +486,11 @@ impl SqliteStore {
         // `reserve_detached`) leaves the line as it used to leave SQLite's
         // busy handler, instead of waiting to take a key only to give it back.
         let turn = sql::bounded(self.timeout, self.write_turn()).await?;
-        let mut tx = begin_immediate(&self.pool).await.map_err(sql::map_err)?;
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(sql::map_err)?;
         let taken = sqlx::query(sqlx::AssertSqlSafe(self.sql.take.as_str()))
             .bind(&req.id.tenant)
             .bind(&req.id.scope)
