@@ -26,8 +26,10 @@
 //! rounds). `--cpu N` measures the CPU of one request in process, without
 //! the network: the bare handler, idem's first request and replay on the
 //! memory store, and (with `DATABASE_URL`) the server's CPU per PostgreSQL
-//! replay, 5 rounds of `N` requests each; `--only` picks its cells too, so
-//! that a profiler (`perf`, `valgrind --tool=callgrind`) sees one path.
+//! replay, 5 rounds of `N` requests each (one at a time, or `--inflight K`
+//! under way at once, as 16 clients' requests are on the server's thread);
+//! `--only` picks its cells too, so that a profiler (`perf`, `valgrind
+//! --tool=callgrind`) sees one path.
 //! `--pgexec` runs the same statements in one backend, in a PL/pgSQL
 //! loop (5,000 iterations per cell; 5 rounds, or more with `--repeat`): what each costs PostgreSQL's executor alone, without the
 //! network, a commit or the noise of concurrent clients.
@@ -80,6 +82,7 @@ struct Args {
     pin: bool,
     growth: Option<usize>,
     cpu: Option<usize>,
+    inflight: usize,
     pgbench: bool,
     pgexec: bool,
 }
@@ -101,6 +104,7 @@ fn args() -> Args {
             .ok()
             .and_then(|v| v.parse().ok()),
         cpu: None,
+        inflight: 1,
         pgbench: false,
         pgexec: false,
     };
@@ -126,13 +130,14 @@ fn args() -> Args {
             "--no-pin" => a.pin = false,
             "--growth" => a.growth = Some(value().parse().expect("--growth: a count")),
             "--cpu" => a.cpu = Some(value().parse().expect("--cpu: a count")),
+            "--inflight" => a.inflight = value().parse().expect("--inflight: a count"),
             "--pgbench" => a.pgbench = true,
             "--pgexec" => a.pgexec = true,
             "--help" | "-h" => {
                 println!(
                     "bench [--seconds S] [--max N] [--repeat R] [--clients 1,16,64] \
                      [--only bare,hand,postgres,sqlite,memory] [--csv FILE] [--prefill N] [--pool N] \
-                     [--server-threads N] [--no-pin] [--growth N] [--cpu N] [--pgbench] [--pgexec]\n\
+                     [--server-threads N] [--no-pin] [--growth N] [--cpu N [--inflight K]] [--pgbench] [--pgexec]\n\
                      (DATABASE_URL for the PostgreSQL cells; see BENCHMARKS.md)"
                 );
                 std::process::exit(0);
@@ -470,7 +475,7 @@ fn main() {
         return;
     }
     if let Some(n) = a.cpu {
-        cpu_cost(n, a.only.as_deref());
+        cpu_cost(n, a.inflight, a.only.as_deref());
         return;
     }
     if a.pgbench {
@@ -659,7 +664,7 @@ fn report(a: &Args, variants: &[Variant], results: &Results, ratios: &Ratios) {
 /// `#[idempotent]` on the memory store (first request, replay), `n` each;
 /// with `DATABASE_URL`, also a PostgreSQL replay against the hand-written
 /// one (by the thread's CPU time: the database answers meanwhile).
-fn cpu_cost(n: usize, only: Option<&[String]>) {
+fn cpu_cost(n: usize, inflight: usize, only: Option<&[String]>) {
     use tower::ServiceExt as _;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -692,20 +697,39 @@ fn cpu_cost(n: usize, only: Option<&[String]>) {
                 let mut times = Vec::new();
                 for round in 0..5 {
                     let started = std::time::Instant::now();
-                    for i in 0..n {
+                    let one = |i: usize| {
                         let key = keyed.map(|k| match k {
                             "first" => format!("cpu-{round}-{i}"),
                             _ => format!("cpu-replay-{}", i % 100),
                         });
-                        let answer = app.clone().oneshot(request(path, key)).await.expect("an answer");
-                        assert_eq!(answer.status(), 201);
-                        if i == 0 || i + 1 == n {
-                            // The cell is the path it names: only a replay
-                            // is answered from the record.
-                            let replayed = answer.headers().contains_key("idempotent-replayed");
-                            assert_eq!(replayed, keyed == Some("replay"), "{name}: replayed {replayed}");
+                        let answer = app.clone().oneshot(request(path, key));
+                        async move {
+                            let answer = answer.await.expect("an answer");
+                            assert_eq!(answer.status(), 201);
+                            if i == 0 || i + 1 == n {
+                                // The cell is the path it names: only a
+                                // replay is answered from the record.
+                                let replayed = answer.headers().contains_key("idempotent-replayed");
+                                assert_eq!(replayed, keyed == Some("replay"), "{name}: replayed {replayed}");
+                            }
+                            let _ = axum::body::to_bytes(answer.into_body(), usize::MAX).await;
                         }
-                        let _ = axum::body::to_bytes(answer.into_body(), usize::MAX).await;
+                    };
+                    if inflight <= 1 {
+                        for i in 0..n {
+                            one(i).await;
+                        }
+                    } else {
+                        // `inflight` requests under way at once, as many
+                        // clients' requests are on a server's one thread.
+                        futures_util::StreamExt::for_each(
+                            futures_util::StreamExt::buffer_unordered(
+                                futures_util::stream::iter((0..n).map(one)),
+                                inflight,
+                            ),
+                            |()| async {},
+                        )
+                        .await;
                     }
                     times.push(started.elapsed().as_secs_f64() * 1e6 / n as f64);
                 }
