@@ -701,6 +701,70 @@ async fn a_retry_after_a_release_keeps_the_derived_keys(h: Harness) {
     assert_ne!(h.app.charge_keys.lock().unwrap()[2], keys[0]);
 }
 
+/// A request body sent in chunks, as `transfer-encoding: chunked`, the
+/// server reading each chunk as it comes.
+async fn pay_chunked(h: &Harness, key: &str, chunks: &[&str]) -> Reply {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    let head = format!(
+        "POST /payments HTTP/1.1\r\nhost: {}\r\nconnection: close\r\ncontent-type: application/json\r\n\
+         authorization: Bearer acct_1\r\nidempotency-key: {key}\r\ntransfer-encoding: chunked\r\n\r\n",
+        h.addr
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    for chunk in chunks {
+        let framed = format!("{:x}\r\n{chunk}\r\n", chunk.len());
+        stream.write_all(framed.as_bytes()).await.unwrap();
+        stream.flush().await.unwrap();
+    }
+    stream.write_all(b"0\r\n\r\n").await.unwrap();
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut raw))
+        .await
+        .expect("an answer within 30 s")
+        .unwrap();
+    idem_testkit::http::parse(&raw)
+}
+
+async fn a_body_sent_in_chunks_is_the_same_request_as_in_one_piece(h: Harness) {
+    let parts = [
+        r#"{"amount": 100, "#,
+        r#""currency": "EUR", "#,
+        r#""recipient": "carol"}"#,
+    ];
+    let first = pay_chunked(&h, "k-chunked", &parts).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert_eq!(h.app.ran("carol"), 1);
+    // The same body in one piece: the same request, replayed.
+    let whole = pay_req(&h, "k-chunked", 100, "carol").await;
+    assert_eq!(whole.status, 201);
+    assert_eq!(whole.header("idempotent-replayed"), Some("true"));
+    assert_eq!(whole.body, first.body);
+    // In chunks again, split elsewhere: replayed.
+    let again = pay_chunked(
+        &h,
+        "k-chunked",
+        &[
+            r#"{"amount": 1"#,
+            r#"00, "currency": "EUR", "recipient": "carol"}"#,
+        ],
+    )
+    .await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"), "{again:?}");
+    // Another amount, in chunks: another request.
+    let other = pay_chunked(
+        &h,
+        "k-chunked",
+        &[
+            r#"{"amount": 1"#,
+            r#"01, "currency": "EUR", "recipient": "carol"}"#,
+        ],
+    )
+    .await;
+    assert_eq!(other.status, 422, "{other:?}");
+    assert_eq!(h.app.ran("carol"), 1);
+}
+
 idem_testkit::for_each_store! {
     stores: [sqlite, postgres],
     setup: |kind| harness(kind).await,
@@ -730,6 +794,7 @@ idem_testkit::for_each_store! {
         a_new_key_with_the_same_body_is_a_new_operation,
         a_retry_after_a_release_keeps_the_derived_keys,
         a_failed_request_stays_bound_to_its_body,
+        a_body_sent_in_chunks_is_the_same_request_as_in_one_piece,
     ],
 }
 

@@ -39,7 +39,24 @@ pub(crate) async fn collect(body: Body, limit: usize, stream: bool) -> Collected
             rest,
         };
     }
-    let (mut head, mut len) = (Vec::new(), 0usize);
+    // Most bodies are one buffer (`Json`, `String`, `Bytes`): kept as it
+    // is, not copied, when nothing follows it.
+    let first = match rest.next().await {
+        None => return Collected::Whole(axum::body::Bytes::new()),
+        Some(Err(e)) => return Collected::Failed(e),
+        Some(Ok(first)) if first.len() > limit => {
+            return Collected::Streamed {
+                head: vec![first],
+                rest,
+            }
+        }
+        Some(Ok(first)) => first,
+    };
+    if axum::body::HttpBody::is_end_stream(&rest) {
+        return Collected::Whole(first);
+    }
+    let (mut head, mut len) = (Vec::new(), first.len());
+    head.push(first);
     while let Some(chunk) = rest.next().await {
         match chunk {
             Ok(chunk) => {
@@ -195,4 +212,76 @@ pub(crate) fn replay(stored: StoredResponse) -> Response {
         headers.insert(BODY_OMITTED_HEADER, HeaderValue::from_static("true"));
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Bytes;
+
+    fn chunks(parts: &[&'static [u8]]) -> Body {
+        let frames = parts
+            .iter()
+            .map(|p| Ok::<_, std::io::Error>(Bytes::from_static(p)));
+        Body::from_stream(futures_util::stream::iter(frames.collect::<Vec<_>>()))
+    }
+
+    fn whole(collected: Collected) -> Bytes {
+        match collected {
+            Collected::Whole(bytes) => bytes,
+            Collected::Streamed { head, .. } => panic!("streamed, {} chunks read", head.len()),
+            Collected::Failed(e) => panic!("failed: {e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_of_one_buffer_is_kept_as_it_is_not_copied() {
+        let sent = Bytes::from(b"{\"id\":1}".to_vec());
+        let kept = whole(collect(Body::from(sent.clone()), 64, false).await);
+        assert_eq!(kept, sent);
+        assert_eq!(kept.as_ptr(), sent.as_ptr(), "the buffer was copied");
+    }
+
+    #[tokio::test]
+    async fn a_body_of_several_chunks_is_joined_in_order() {
+        let kept = whole(collect(chunks(&[b"ab", b"", b"cd", b"e"]), 5, false).await);
+        assert_eq!(&kept[..], b"abcde");
+        assert_eq!(whole(collect(chunks(&[b"", b"x"]), 5, false).await), "x");
+        assert_eq!(whole(collect(Body::empty(), 5, false).await), "");
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_streamed_with_what_was_read() {
+        // Exactly the limit, in one buffer or in two: kept whole.
+        assert_eq!(whole(collect(Body::from("abcd"), 4, false).await), "abcd");
+        assert_eq!(whole(collect(chunks(&[b"ab", b"cd"]), 4, false).await), "abcd");
+        for (body, read, sent) in [
+            (Body::from("abcde"), 1, &b"abcde"[..]),
+            (chunks(&[b"ab", b"cde", b"f"]), 2, b"abcdef"),
+        ] {
+            match collect(body, 4, false).await {
+                Collected::Streamed { head, rest } => {
+                    assert_eq!(head.len(), read);
+                    let mut all = head.concat();
+                    let rest: Vec<_> = rest.collect().await;
+                    for chunk in rest {
+                        all.extend_from_slice(&chunk.expect("a chunk"));
+                    }
+                    assert_eq!(all, sent, "nothing lost, nothing repeated");
+                }
+                _ => panic!("a body over the limit was not streamed"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_that_fails_first_or_later_is_failed() {
+        for parts in [vec![Err("broken")], vec![Ok(&b"ab"[..]), Err("broken")]] {
+            let frames = parts
+                .into_iter()
+                .map(|p| p.map(Bytes::from_static).map_err(std::io::Error::other));
+            let body = Body::from_stream(futures_util::stream::iter(frames.collect::<Vec<_>>()));
+            assert!(matches!(collect(body, 64, false).await, Collected::Failed(_)));
+        }
+    }
 }

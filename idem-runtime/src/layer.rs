@@ -479,13 +479,27 @@ pub struct Context<K = DefaultKeyHeader> {
     pub(crate) idem: Option<Idem>,
     pub(crate) tenant: Option<Tenant>,
     /// Every value of the default key header, in order.
-    pub(crate) key: Vec<HeaderValue>,
+    pub(crate) key: HeaderValues,
     /// The header map, for a handler with a header of its own.
     pub(crate) headers: Option<HeaderMap>,
     /// The route's path parameters.
     pub(crate) path: Vec<(String, String)>,
     pub(crate) query: Option<String>,
     header: std::marker::PhantomData<fn() -> K>,
+}
+
+/// A header's values, in order, the first apart: a request sends one, and
+/// keeping it costs no allocation.
+#[derive(Default)]
+pub(crate) struct HeaderValues {
+    first: Option<HeaderValue>,
+    more: Vec<HeaderValue>,
+}
+
+impl HeaderValues {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &HeaderValue> {
+        self.first.iter().chain(&self.more)
+    }
 }
 
 impl<K> Context<K> {
@@ -523,8 +537,12 @@ impl<S: Send + Sync, K: KeyHeader> FromRequestParts<S> for Context<K> {
         Ok(Context {
             idem: parts.extensions.get::<Idem>().cloned(),
             tenant: parts.extensions.get::<Tenant>().cloned(),
-            key: K::NAME.map_or_else(Vec::new, |name| {
-                parts.headers.get_all(name).iter().cloned().collect()
+            key: K::NAME.map_or_else(HeaderValues::default, |name| {
+                let mut values = parts.headers.get_all(name).iter().cloned();
+                HeaderValues {
+                    first: values.next(),
+                    more: values.collect(),
+                }
             }),
             headers: K::NAME.is_none().then(|| parts.headers.clone()),
             path,

@@ -79,12 +79,18 @@ where
     /// reads: `E` sees the request as it came (its own checks, its own body
     /// limit, its own rejections, in its own order).
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
-        let seen: Arc<std::sync::Mutex<Vec<axum::body::Bytes>>> = Arc::default();
+        /// The chunks read, the first apart: most bodies are one.
+        type Seen = (Option<axum::body::Bytes>, Vec<axum::body::Bytes>);
+        let seen: Arc<std::sync::Mutex<Seen>> = Arc::default();
         let tap = seen.clone();
         let req = req.map(|body| {
             Body::from_stream(body.into_data_stream().map(move |chunk| {
                 if let Ok(bytes) = &chunk {
-                    tap.lock().unwrap_or_else(|e| e.into_inner()).push(bytes.clone());
+                    let mut seen = tap.lock().unwrap_or_else(|e| e.into_inner());
+                    match &seen.0 {
+                        None => seen.0 = Some(bytes.clone()),
+                        Some(_) => seen.1.push(bytes.clone()),
+                    }
                 }
                 chunk
             }))
@@ -92,10 +98,18 @@ where
         let value = E::from_request(req, state)
             .await
             .map_err(IntoResponse::into_response)?;
-        let chunks = std::mem::take(&mut *seen.lock().unwrap_or_else(|e| e.into_inner()));
-        let bytes = match chunks.len() {
-            1 => chunks.into_iter().next().unwrap_or_default(),
-            _ => chunks.concat().into(),
+        let (first, rest) = std::mem::take(&mut *seen.lock().unwrap_or_else(|e| e.into_inner()));
+        let bytes = match (first, rest.is_empty()) {
+            (None, _) => axum::body::Bytes::new(),
+            (Some(first), true) => first,
+            (Some(first), false) => {
+                let mut all = Vec::with_capacity(first.len() + rest.iter().map(|c| c.len()).sum::<usize>());
+                all.extend_from_slice(&first);
+                for chunk in &rest {
+                    all.extend_from_slice(chunk);
+                }
+                all.into()
+            }
         };
         Ok(Raw { value, bytes })
     }

@@ -180,7 +180,7 @@ impl Request {
 }
 
 /// Splits a whole answer into status, headers and (de-chunked) body.
-fn parse(raw: &[u8]) -> Reply {
+pub fn parse(raw: &[u8]) -> Reply {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
