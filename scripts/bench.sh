@@ -33,6 +33,8 @@ python3 scripts/plot-bench.py "$out/databases.csv" docs/bench-databases.svg
 
 echo "== the server's CPU per request, without the network"
 "$bench" --cpu 20000 | tee "$out/cpu.txt"
+echo "-- 16 requests under way at once"
+"$bench" --cpu 20000 --inflight 16 | tee -a "$out/cpu.txt"
 
 echo "== the memory store growing past a million records"
 "$bench" --growth 1200000 | tee "$out/growth.txt"

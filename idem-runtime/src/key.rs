@@ -148,6 +148,17 @@ impl IdempotencyKey {
         &self.0
     }
 
+    /// The key as the client meant it, as a `String`, without a copy.
+    ///
+    /// ```
+    /// use idem::key::IdempotencyKey;
+    /// let key = IdempotencyKey::parse(b"\"order-1\"").unwrap();
+    /// assert_eq!(key.into_string(), "order-1");
+    /// ```
+    pub fn into_string(self) -> String {
+        self.0
+    }
+
     /// A short, stable, one-way digest of the key (12 hex digits), for logs
     /// and spans: clients sometimes put personal data in keys.
     ///

@@ -305,7 +305,7 @@ pub(crate) async fn protect(
             return Problem::BodyInvalid(e.to_string()).into_response();
         }
     };
-    let id = RecordId::new(tenant, spec.scope, key.as_str());
+    let id = RecordId::new(tenant, spec.scope, key.into_string());
     let token = crate::store::random_token();
     let request = ReserveRequest {
         id: &id,

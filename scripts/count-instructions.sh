@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Instructions per request, counted by callgrind (the same count on every
+# run of the same binary, whatever else the machine does): the bare handler
+# and idem's first request and replay on the memory store, in process, with
+# K requests under way at once on the one thread (default 16, as 16 clients
+# keep the server's thread), and the share of them spent in malloc and free.
+#
+#   bash scripts/count-instructions.sh        # --inflight 16
+#   bash scripts/count-instructions.sh 1      # one request at a time
+#
+# Setup and the 100 completed keys are included. Needs valgrind. SHA-256 runs in software under valgrind (no SHA
+# instructions), about 13,900 instructions of each keyed request that the
+# CPU's own SHA instructions do in a fraction of that outside it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+inflight="${1:-16}"
+n=2000
+out=target/bench
+mkdir -p "$out"
+cargo build --release --example bench
+printf '%-22s %14s %14s %10s\n' cell "instr/request" "malloc+free" "share"
+for cell in "bare" "idem memory first" "idem memory replay"; do
+    file="$out/callgrind.$(echo "$cell" | tr ' ' '-').out"
+    valgrind --tool=callgrind --callgrind-out-file="$file" \
+        target/release/examples/bench --cpu "$n" --inflight "$inflight" --only "$cell" >/dev/null 2>&1
+    # 5 rounds of n requests, and 100 replay keys completed first.
+    requests=$((5 * n + 100))
+    callgrind_annotate --threshold=100 "$file" | awk -v cell="$cell" -v req="$requests" '
+        /PROGRAM TOTALS/ { gsub(",", "", $1); total = $1 }
+        /malloc\.c:|arena\.c:|__rdl_(alloc|dealloc|realloc)|__rust_(alloc|dealloc|realloc)/ {
+            n = $1; gsub(",", "", n); alloc += n
+        }
+        END { printf "%-22s %14d %14d %9.0f%%\n", cell, total / req, alloc / req, 100 * alloc / total }'
+done
