@@ -412,6 +412,12 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn hex_is_two_lowercase_digits_per_byte(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
+            let expected: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            prop_assert_eq!(hex(&bytes), expected);
+        }
+
         /// Requests that differ in a path parameter, a query value, a
         /// declared field or any byte of a raw body never share a
         /// fingerprint.

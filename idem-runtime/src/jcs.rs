@@ -131,12 +131,17 @@ impl Node<'_> {
 /// The order of `a` and `b` by their UTF-16 code units, as RFC 8785 sorts
 /// member names.
 pub(crate) fn utf16_cmp(a: &str, b: &str) -> Ordering {
-    // Below U+E000, UTF-8 bytes (code point order) and UTF-16 code units
-    // sort alike; a byte from 0xEE up starts a code point from U+E000 up.
-    if a.bytes().chain(b.bytes()).all(|x| x < 0xEE) {
-        a.as_bytes().cmp(b.as_bytes())
-    } else {
-        a.encode_utf16().cmp(b.encode_utf16())
+    // UTF-8 bytes sort in code point order, and so do UTF-16 code units
+    // except that U+E000..U+FFFF sort after U+10000 and up. The two orders
+    // part only at the first code point that differs, and only if it is
+    // from U+E000 up on either side: its first differing byte is then a
+    // first byte from 0xEE up. (A differing continuation byte follows the
+    // same first byte on both sides: two code points of one range.)
+    let (x, y) = (a.as_bytes(), b.as_bytes());
+    match x.iter().zip(y).position(|(p, q)| p != q) {
+        None => x.len().cmp(&y.len()),
+        Some(i) if x[i] < 0xEE && y[i] < 0xEE => x[i].cmp(&y[i]),
+        Some(_) => a.encode_utf16().cmp(b.encode_utf16()),
     }
 }
 
@@ -376,12 +381,11 @@ impl<'a> Parser<'a> {
         let mut out = String::new();
         loop {
             let start = self.at;
-            while let Some(&b) = self.s.get(self.at) {
-                if b == b'"' || b == b'\\' || b < 0x20 {
-                    break;
-                }
-                self.at += 1;
-            }
+            let rest = self.s.get(start..).unwrap_or_default();
+            self.at += rest
+                .iter()
+                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+                .unwrap_or(rest.len());
             // The text is UTF-8, and a run stops only at ASCII bytes.
             let run = self
                 .text
@@ -544,5 +548,34 @@ mod tests {
         assert_eq!(node.get("recipient.account"), Some(&Node::String("a1".into())));
         assert_eq!(node.get("recipient.name"), None);
         assert_eq!(node.get("n.0"), None);
+    }
+
+    /// Characters from each range whose UTF-8 and UTF-16 orders differ or
+    /// meet: ASCII, two and three bytes below U+E000, U+E000..U+FFFF, and
+    /// beyond U+FFFF.
+    fn tricky_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let c = prop_oneof![
+            Just('a'),
+            Just('b'),
+            Just('\u{e9}'),
+            Just('\u{d7ff}'),
+            Just('\u{e000}'),
+            Just('\u{fffd}'),
+            Just('\u{ffff}'),
+            Just('\u{10000}'),
+            Just('\u{1f600}'),
+            any::<char>(),
+        ];
+        proptest::collection::vec(c, 0..5).prop_map(|cs| cs.into_iter().collect())
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn utf16_cmp_is_the_order_of_utf16_code_units(a in tricky_text(), b in tricky_text()) {
+            proptest::prop_assert_eq!(utf16_cmp(&a, &b), a.encode_utf16().cmp(b.encode_utf16()));
+            let shared = format!("{a}{b}");
+            proptest::prop_assert_eq!(utf16_cmp(&shared, &a), shared.encode_utf16().cmp(a.encode_utf16()));
+        }
     }
 }

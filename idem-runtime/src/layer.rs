@@ -447,9 +447,10 @@ impl Idem {
 /// the one its attribute's `header = ".."` names.
 #[doc(hidden)]
 pub trait KeyHeader: 'static {
-    /// The lowercase name of the header whose values the context keeps, or
-    /// `None` to keep the header map (the handler's spec names the header).
-    const NAME: Option<&'static str>;
+    /// The header whose values the context keeps, or `None` to keep the
+    /// header map (the handler's spec names the header). A `HeaderName`,
+    /// so that it is not parsed again for every request.
+    const NAME: Option<HeaderName>;
 }
 
 /// `Idempotency-Key`: only its values are kept.
@@ -458,7 +459,7 @@ pub trait KeyHeader: 'static {
 pub struct DefaultKeyHeader;
 
 impl KeyHeader for DefaultKeyHeader {
-    const NAME: Option<&'static str> = Some("idempotency-key");
+    const NAME: Option<HeaderName> = Some(HeaderName::from_static("idempotency-key"));
 }
 
 /// A header of the handler's own: the header map is kept.
@@ -467,7 +468,7 @@ impl KeyHeader for DefaultKeyHeader {
 pub struct CustomKeyHeader;
 
 impl KeyHeader for CustomKeyHeader {
-    const NAME: Option<&'static str> = None;
+    const NAME: Option<HeaderName> = None;
 }
 
 /// What the injected first parameter of an annotated handler extracts: the
