@@ -23,11 +23,22 @@ struct App {
     runs: Arc<Mutex<HashMap<String, usize>>>,
     /// The downstream keys the flaky handler used, in order.
     charge_keys: Arc<Mutex<Vec<String>>>,
+    /// Told when the slow handler starts (it waits for `slow_release`), and
+    /// when a payment to "slow" starts (it takes 600 ms).
+    slow_started: Arc<tokio::sync::Notify>,
+    slow_release: Arc<tokio::sync::Notify>,
 }
 
 impl App {
     fn ran(&self, recipient: &str) -> usize {
         self.runs.lock().unwrap().get(recipient).copied().unwrap_or(0)
+    }
+
+    /// Once a slow handler has started.
+    async fn started(&self) {
+        tokio::time::timeout(Duration::from_secs(30), self.slow_started.notified())
+            .await
+            .expect("the handler starts within 30 s");
     }
 }
 
@@ -89,7 +100,10 @@ async fn pay(app: &App, p: PaymentIn, attempt: u32) -> Result<Created, PaymentEr
         *n
     };
     match p.recipient.as_str() {
-        "slow" => tokio::time::sleep(Duration::from_millis(600)).await,
+        "slow" => {
+            app.slow_started.notify_one();
+            tokio::time::sleep(Duration::from_millis(600)).await
+        }
         "declined" => return Err(PaymentError::Declined),
         "retryable" => return Err(PaymentError::RetryableDecline),
         "down" => return Err(PaymentError::GatewayDown),
@@ -144,10 +158,13 @@ async fn create_optional(
     pay(&app, p, op.map_or(0, |op| op.attempt())).await
 }
 
-#[idempotent(scope = "payment.slow", fields(amount), lock_timeout = "300ms")]
+#[idempotent(scope = "payment.slow", fields(amount), lock_timeout = "1s")]
 async fn create_slow(State(app): State<App>, Json(p): Json<PaymentIn>) -> Result<Created, PaymentError> {
-    // Far longer than its lock timeout: only the lease keeps it owned.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Until the test lets it go (or 20 s have passed, for a second
+    // execution that took it over), far longer than its lock timeout:
+    // only the lease keeps it owned.
+    app.slow_started.notify_one();
+    let _ = tokio::time::timeout(Duration::from_secs(20), app.slow_release.notified()).await;
     pay(&app, p, 1).await
 }
 
@@ -364,7 +381,7 @@ async fn a_request_in_progress_is_409_with_retry_after(h: Harness) {
             .send(addr)
             .await
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    h.app.started().await;
     let second = pay_req(&h, "k-409", 100, "slow").await;
     assert_eq!(second.status, 409);
     assert_eq!(second.problem(), "idempotency-request-in-progress");
@@ -383,7 +400,7 @@ async fn wait_replays_the_first_execution_once_it_completes(h: Harness) {
             .send(addr)
             .await
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    h.app.started().await;
     let second = post_req("/waiting", &body(100, "slow"))
         .bearer("acct_1")
         .key("k-wait")
@@ -467,14 +484,24 @@ async fn a_panic_is_released_and_the_server_keeps_serving(h: Harness) {
 }
 
 async fn a_client_disconnect_does_not_cancel_the_execution(h: Harness) {
-    post_req("/payments", &body(100, "slow"))
+    let client = post_req("/payments", &body(100, "slow"))
         .bearer("acct_1")
         .key("k-gone")
-        .send_and_hang_up(h.addr, Duration::from_millis(150))
+        .start(h.addr)
         .await;
-    // The execution goes on without its client and records its answer.
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    let retry = pay_req(&h, "k-gone", 100, "slow").await;
+    // The client leaves while the handler runs.
+    h.app.started().await;
+    drop(client);
+    // The execution goes on without its client and records its answer:
+    // the retry is told 409 until then, and replays it after.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let retry = loop {
+        let r = pay_req(&h, "k-gone", 100, "slow").await;
+        if r.status != 409 || tokio::time::Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(retry.status, 201);
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));
     assert_eq!(h.app.ran("slow"), 1);
@@ -619,14 +646,18 @@ async fn a_slow_handler_keeps_its_lock_while_it_runs(h: Harness) {
             .send(addr)
             .await
     });
-    // Twice the lock timeout later the handler still runs: no takeover.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Counted from the handler's start (the first request may take a while
+    // to reach it): two and a half lock timeouts later it still runs, and
+    // its lock is still its own.
+    h.app.started().await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     let second = post_req("/slow", &body(7, "lease"))
         .bearer("acct_1")
         .key("k-lease")
         .send(h.addr)
         .await;
-    assert_eq!(second.status, 409);
+    assert_eq!(second.status, 409, "{second:?}");
+    h.app.slow_release.notify_one();
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(h.app.ran("lease"), 1);
 }
