@@ -2041,10 +2041,15 @@ async fn a_protocol_dropped_before_its_first_poll_runs_nothing() {
         .await
         .unwrap();
     let alive = tokio::runtime::Handle::current().metrics().num_alive_tasks();
-    let protocol = idem::__private::run(ctx, &SPEC, Ok("fp".to_owned()), |_op| async {
-        RAN.fetch_add(1, Ordering::SeqCst);
-        (StatusCode::CREATED.into_response(), None)
-    });
+    let protocol = idem::__private::run(
+        ctx,
+        &SPEC,
+        Ok(idem::fingerprint::HexStr::of(b"fp")),
+        |_op| async {
+            RAN.fetch_add(1, Ordering::SeqCst);
+            (StatusCode::CREATED.into_response(), None)
+        },
+    );
     drop(protocol);
     assert_eq!(
         tokio::runtime::Handle::current().metrics().num_alive_tasks(),

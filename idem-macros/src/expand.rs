@@ -308,13 +308,15 @@ fn json_check(
 // Output: what the body holds at each field, for the fingerprint, which
 //         counts a field by its wire path only where the JSON there is that
 //         value:
-//             let __idem_read: &[::core::option::Option<::std::vec::Vec<u8>>] = {
+//             let __idem_read: [::idem::__private::FieldJson; 2] = {
 //                 use ::idem::__private::{ViaNothing as _, ViaSerialize as _};
-//                 &[(&&::idem::__private::FieldProbe(&__idem_body.value.0.amount)).__idem_json(), ..]
+//                 [(&&::idem::__private::FieldProbe(&__idem_body.value.0.amount)).__idem_json(), ..]
 //             };
+//         and, for the fingerprint, each one's bytes:
+//             &[__idem_read[0].bytes(), __idem_read[1].bytes()]
 //         Each access is spanned at the field's name in the attribute, so
 //         that rustc reports a field the body type lacks there.
-fn field_reads(names: &Names, args: &IdempotentArgs) -> TokenStream {
+fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStream) {
     let Names { private, read, .. } = names;
     let reads = args.fields.iter().flat_map(|(_, list)| list).map(|field| {
         let segments = field.segments.iter();
@@ -323,13 +325,17 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> TokenStream {
             (&&#private::FieldProbe(&#body.value.0 #(.#segments)*)).__idem_json()
         )
     });
-    quote! {
-        let #read: &[::core::option::Option<::std::vec::Vec<u8>>] = {
+    let count = args.fields.iter().flat_map(|(_, list)| list).count();
+    let reading = quote! {
+        let #read: [#private::FieldJson; #count] = {
             #[allow(unused_imports)]
             use #private::{ViaNothing as _, ViaSerialize as _};
-            &[#(#reads),*]
+            [#(#reads),*]
         };
-    }
+    };
+    let index = (0..count).map(syn::Index::from);
+    let bytes = quote!(&[#(#read[#index].bytes()),*]);
+    (reading, bytes)
 }
 
 // Input:  `-> Result<impl IntoResponse, E>` and the handler's block `{ .. }`.
@@ -515,9 +521,11 @@ fn run_call(
 //                     -> ::idem::__private::Response {
 //                 let __idem_spec = ..;   // `spec_block`
 //                 const _: () = ..;       // `json_check`
-//                 let __idem_read = ..;   // `field_reads`
-//                 let __idem_fp = ::idem::__private::fingerprint_request(&__idem_ctx, __idem_spec,
-//                     ::idem::__private::print_body::<Json<In>>(&__idem_body), __idem_read);
+//                 let __idem_fp = {
+//                     let __idem_read = ..;   // `field_reads`
+//                     ::idem::__private::fingerprint_request(&__idem_ctx, __idem_spec,
+//                         ::idem::__private::print_body::<Json<In>>(&__idem_body), &[..])
+//                 };
 //                 ::idem::__private::run(__idem_ctx, __idem_spec, __idem_fp, ..).await // `run_call`
 //             }
 fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
@@ -526,7 +534,6 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
         private,
         ctx,
         spec,
-        read,
         fp,
         ..
     } = &names;
@@ -540,7 +547,7 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
     } = &handler.item;
     let spec_block = spec_block(&names, args, &handler.keying);
     let json_check = json_check(&names, args, body.as_ref(), &sig.generics);
-    let reads = field_reads(&names, args);
+    let (reads, read_bytes) = field_reads(&names, args);
     let print = match &body {
         Some(body) => body.print.clone(),
         None => quote!(#private::BodyPrint::None),
@@ -581,8 +588,11 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
         {
             #spec_block
             #json_check
-            #reads
-            let #fp = #private::fingerprint_request(&#ctx, #spec, #print, #read);
+            // In a block: what was read is gone before the first await.
+            let #fp = {
+                #reads
+                #private::fingerprint_request(&#ctx, #spec, #print, #read_bytes)
+            };
             #run
         }
     }

@@ -4,6 +4,7 @@
 //! `cargo bench -p idem-runtime --bench micro -- --warm-up-time 1 --measurement-time 3`
 
 use criterion::Criterion;
+use idem_runtime::__private::FieldJson;
 use idem_runtime::fingerprint::{canonical_json, fingerprint, BodyPrint, RequestPrint};
 use idem_runtime::key::IdempotencyKey;
 use sha2::{Digest, Sha256};
@@ -28,11 +29,12 @@ enum Typed {
 
 impl Typed {
     /// The JSON the `#[idempotent]` expansion reads for a declared field
-    /// (`serde_json::to_vec` of the typed value).
-    fn read(&self) -> Option<Vec<u8>> {
+    /// (its probe: `serde_json` of the typed value, on the stack when short).
+    fn read(&self) -> FieldJson {
+        use idem_runtime::__private::{FieldProbe, ViaSerialize as _};
         match self {
-            Typed::Int(n) => serde_json::to_vec(n).ok(),
-            Typed::Text(s) => serde_json::to_vec(s).ok(),
+            Typed::Int(n) => (&&FieldProbe(n)).__idem_json(),
+            Typed::Text(s) => (&&FieldProbe(s)).__idem_json(),
         }
     }
 }
@@ -64,7 +66,9 @@ fn wide_body() -> (Vec<u8>, Vec<String>, Vec<Typed>) {
 /// declared field to JSON (`read`), then `fingerprint_request` collects the
 /// path parameters and fingerprints the request with them.
 fn request_fingerprint(scope: &str, text: &[u8], fields: Option<&[&str]>, typed: &[Typed]) -> String {
-    let read: Vec<Option<Vec<u8>>> = typed.iter().map(Typed::read).collect();
+    // The expansion keeps both on the stack.
+    let json: Vec<FieldJson> = typed.iter().map(Typed::read).collect();
+    let read: Vec<Option<&[u8]>> = json.iter().map(FieldJson::bytes).collect();
     let path: Vec<(&str, &str)> = PATH.to_vec();
     fingerprint(&RequestPrint {
         scope,

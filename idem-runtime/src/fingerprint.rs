@@ -32,7 +32,7 @@ pub enum BodyPrint<'a> {
         /// where the JSON there is what the handler read; otherwise (a
         /// serde alias, `flatten`, another member under the same name) the
         /// whole body counts. `None`: not checked.
-        read: Option<&'a [Option<Vec<u8>>]>,
+        read: Option<&'a [Option<&'a [u8]>]>,
     },
     /// A form body (`Form<T>`): its pairs, each name's values in order.
     Form(&'a [u8]),
@@ -103,18 +103,46 @@ impl From<JsonError> for FingerprintError {
 /// names, a lone surrogate, a number beyond the range of a double, nesting
 /// deeper than 128.
 pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
+    Ok(fingerprint_hex(req)?.as_str().to_owned())
+}
+
+/// [`fingerprint`], its digits kept inline.
+pub(crate) fn fingerprint_hex(req: &RequestPrint<'_>) -> Result<HexStr<64>, FingerprintError> {
+    // One buffer per thread for the canonical texts, kept between requests
+    // unless a large body made it large. Taken, not borrowed: a call made
+    // while it is out gets a new one.
+    thread_local! {
+        static CANONICAL: std::cell::Cell<String> = const { std::cell::Cell::new(String::new()) };
+    }
+    const KEPT: usize = 16 * 1024;
+    let mut canonical = CANONICAL.take();
+    canonical.clear();
+    let digest = digest(req, &mut canonical);
+    if canonical.capacity() <= KEPT {
+        CANONICAL.set(canonical);
+    }
+    Ok(HexStr::of(&digest?))
+}
+
+/// How many declared fields are gathered on the stack; more take a vector.
+const FIELDS_INLINE: usize = 8;
+
+/// The SHA-256 of the request's parts, `canonical` holding each canonical
+/// text in turn.
+fn digest(req: &RequestPrint<'_>, canonical: &mut String) -> Result<[u8; 32], FingerprintError> {
     let mut hasher = Sha256::new();
     let mut put = |bytes: &[u8]| {
         hasher.update((bytes.len() as u64).to_be_bytes());
         hasher.update(bytes);
     };
-    // One buffer for each canonical text in turn.
-    let mut canonical = String::with_capacity(256);
     put(FINGERPRINT_VERSION.as_bytes());
     put(req.scope.as_bytes());
     let counts = |name: &str| !req.ignore.contains(&name);
 
-    let mut path: Vec<(&str, &str)> = req.path.iter().copied().filter(|(n, _)| counts(n)).collect();
+    let mut path: Vec<(&str, &str)> = match req.path {
+        [] => Vec::new(),
+        all => all.iter().copied().filter(|(n, _)| counts(n)).collect(),
+    };
     path.sort_by(|a, b| jcs::utf16_cmp(a.0, b.0));
     put(b"path");
     // The canonical JSON object of the parameters, as `Node::Object` writes it.
@@ -123,9 +151,9 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
         if i > 0 {
             canonical.push(',');
         }
-        jcs::write_string(&mut canonical, name);
+        jcs::write_string(canonical, name);
         canonical.push(':');
-        jcs::write_string(&mut canonical, value);
+        jcs::write_string(canonical, value);
     }
     canonical.push('}');
     put(canonical.as_bytes());
@@ -153,7 +181,7 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
         } => {
             put(b"json");
             canonical.clear();
-            jcs::parse(text)?.write(&mut canonical);
+            jcs::parse(text)?.write(canonical);
             put(canonical.as_bytes());
         }
         BodyPrint::Json {
@@ -167,7 +195,7 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
             // values are equal exactly when their canonical forms are.
             let agrees = |i: usize, node: &Node| match read {
                 None => true,
-                Some(read) => read.get(i).and_then(Option::as_deref).is_some_and(|json| {
+                Some(read) => read.get(i).copied().flatten().is_some_and(|json| {
                     plain_equals(json, node)
                         .unwrap_or_else(|| jcs::parse(json).is_ok_and(|typed| typed == *node))
                 }),
@@ -176,33 +204,49 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
             // field left out, sent under an alias, in an array, behind a
             // flattened or renamed name) the whole body counts, so that two
             // different requests can never meet on a missing value.
-            let found: Option<Vec<(&str, &Node)>> = fields
-                .iter()
-                .enumerate()
-                .map(|(i, f)| body.get(f).filter(|node| agrees(i, node)).map(|node| (*f, node)))
-                .collect();
-            match found {
-                Some(mut values) => {
-                    values.sort_unstable_by_key(|(f, _)| *f);
-                    values.dedup_by_key(|(f, _)| *f);
-                    put(b"fields");
-                    for (field, value) in values {
-                        put(field.as_bytes());
-                        canonical.clear();
-                        value.write(&mut canonical);
-                        put(canonical.as_bytes());
+            let mut inline = [("", &Node::Null); FIELDS_INLINE];
+            let mut spilled = Vec::new();
+            let values: &mut [(&str, &Node)] = match inline.get_mut(..fields.len()) {
+                Some(values) => values,
+                None => {
+                    spilled.resize(fields.len(), ("", &Node::Null));
+                    &mut spilled
+                }
+            };
+            let mut all = true;
+            for ((i, f), slot) in fields.iter().enumerate().zip(values.iter_mut()) {
+                match body.get(f).filter(|node| agrees(i, node)) {
+                    Some(node) => *slot = (*f, node),
+                    None => {
+                        all = false;
+                        break;
                     }
                 }
-                None => {
-                    put(b"json");
+            }
+            if all {
+                values.sort_unstable_by_key(|(f, _)| *f);
+                put(b"fields");
+                let mut last = None;
+                for &(field, value) in values.iter() {
+                    // A field named twice counts once.
+                    if last == Some(field) {
+                        continue;
+                    }
+                    last = Some(field);
+                    put(field.as_bytes());
                     canonical.clear();
-                    body.write(&mut canonical);
+                    value.write(canonical);
                     put(canonical.as_bytes());
                 }
+            } else {
+                put(b"json");
+                canonical.clear();
+                body.write(canonical);
+                put(canonical.as_bytes());
             }
         }
     }
-    Ok(hex(&hasher.finalize()))
+    Ok(hasher.finalize().into())
 }
 
 /// Whether the JSON text `json` is the value `node`, without parsing it,
@@ -291,19 +335,45 @@ impl Component {
 
 /// Lowercase hex of `bytes`.
 pub(crate) fn hex(bytes: &[u8]) -> String {
+    let mut digits = vec![0; bytes.len() * 2];
+    hex_into(bytes, &mut digits);
+    String::from_utf8(digits).unwrap_or_else(|_| unreachable!("hex digits are ASCII"))
+}
+
+/// `bytes` as lowercase hex digits into `out`, two per byte.
+fn hex_into(bytes: &[u8], out: &mut [u8]) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    // 32 bytes at a time through a buffer on the stack: a digest in one go.
-    let mut buffer = [0u8; 64];
-    for chunk in bytes.chunks(32) {
-        let digits = &mut buffer[..chunk.len() * 2];
-        for (pair, &b) in digits.chunks_exact_mut(2).zip(chunk) {
-            pair[0] = DIGITS[usize::from(b >> 4)];
-            pair[1] = DIGITS[usize::from(b & 0x0f)];
-        }
-        s.push_str(std::str::from_utf8(digits).unwrap_or_else(|_| unreachable!("hex digits are ASCII")));
+    for (pair, &b) in out.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(b >> 4)];
+        pair[1] = DIGITS[usize::from(b & 0x0f)];
     }
-    s
+}
+
+/// `N` lowercase hex digits, kept inline: a fingerprint (64) or a token
+/// (32) that a request carries without allocating it.
+#[doc(hidden)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct HexStr<const N: usize>([u8; N]);
+
+impl<const N: usize> HexStr<N> {
+    /// The digits of the first `N / 2` bytes of `bytes`, padded with `0`
+    /// when it is shorter.
+    pub fn of(bytes: &[u8]) -> Self {
+        let mut digits = [b'0'; N];
+        hex_into(bytes, &mut digits);
+        HexStr(digits)
+    }
+
+    /// The digits.
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).unwrap_or_else(|_| unreachable!("hex digits are ASCII"))
+    }
+}
+
+impl<const N: usize> std::fmt::Debug for HexStr<N> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 #[cfg(test)]
@@ -399,6 +469,57 @@ mod tests {
         assert_ne!(fp(r#"[1,"a"]"#), fp(r#"[2,"a"]"#));
     }
 
+    /// The declared fields count as a set: in any order, named twice, few
+    /// (gathered on the stack) or many (in a vector), the same set prints
+    /// the same, and what the handler read is matched to its own field.
+    #[test]
+    fn declared_fields_count_as_a_set_however_many() {
+        let body = br#"{"f0":0,"f1":1,"f2":2,"f3":3,"f4":4,"f5":5,"f6":6,"f7":7,"f8":8,"note":"x"}"#;
+        let names = ["f0", "f1", "f2", "f3", "f4", "f5", "f6", "f7", "f8"];
+        let fp = |fields: &[&str], read: Option<&[Option<&[u8]>]>| {
+            print(
+                &[],
+                None,
+                BodyPrint::Json {
+                    text: body,
+                    fields: Some(fields),
+                    read,
+                },
+            )
+        };
+        let nine = fp(&names, None);
+        let mut reversed = names;
+        reversed.reverse();
+        assert_eq!(fp(&reversed, None), nine);
+        // Eight named, one of them twice: nine entries, eight fields.
+        let eight = fp(&names[..8], None);
+        assert_ne!(eight, nine);
+        let mut twice = names;
+        twice[8] = "f3";
+        assert_eq!(fp(&twice, None), eight);
+        assert_eq!(fp(&["f2", "f1", "f2", "f0"], None), fp(&["f0", "f1", "f2"], None));
+        // Read as sent: as if unchecked. Read otherwise at the ninth
+        // field (an alias, say): the whole body counts, note and all.
+        let digits: Vec<String> = (0..9).map(|i| i.to_string()).collect();
+        let agree: Vec<Option<&[u8]>> = digits.iter().map(|d| Some(d.as_bytes())).collect();
+        assert_eq!(fp(&names, Some(&agree)), nine);
+        let mut other = agree.clone();
+        other[8] = Some(b"9");
+        let whole = print(
+            &[],
+            None,
+            BodyPrint::Json {
+                text: body,
+                fields: None,
+                read: None,
+            },
+        );
+        assert_eq!(fp(&names, Some(&other)), whole);
+        let mut reversed_read = agree;
+        reversed_read.reverse();
+        assert_eq!(fp(&reversed, Some(&reversed_read)), nine);
+    }
+
     fn json_print(text: &str) -> String {
         print(
             &[],
@@ -415,7 +536,11 @@ mod tests {
         #[test]
         fn hex_is_two_lowercase_digits_per_byte(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
             let expected: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-            prop_assert_eq!(hex(&bytes), expected);
+            prop_assert_eq!(hex(&bytes), expected.clone());
+            if let Some(token) = bytes.get(..16) {
+                let inline = HexStr::<32>::of(token);
+                prop_assert_eq!(inline.as_str(), &expected[..32]);
+            }
         }
 
         /// Requests that differ in a path parameter, a query value, a

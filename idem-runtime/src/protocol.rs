@@ -45,7 +45,7 @@ pub fn returning<T, F: Future<Output = T>>(body: F) -> F {
 pub fn run<K, H, F>(
     ctx: Context<K>,
     spec: &'static Spec,
-    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    fingerprint: Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError>,
     handler: H,
 ) -> impl Future<Output = Response> + Send
 where
@@ -73,7 +73,7 @@ where
 pub fn run_optional<K, H, F>(
     ctx: Context<K>,
     spec: &'static Spec,
-    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    fingerprint: Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError>,
     handler: H,
 ) -> impl Future<Output = Response> + Send
 where
@@ -92,7 +92,7 @@ where
 pub(crate) fn run_boxed(
     ctx: Context,
     spec: &'static Spec,
-    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    fingerprint: Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError>,
     handler: Handler,
 ) -> impl Future<Output = Response> + Send {
     let started = start(ctx, spec, fingerprint, handler);
@@ -133,7 +133,7 @@ enum Started<P: Future<Output = Response> + Send + 'static> {
 fn start(
     ctx: Context,
     spec: &'static Spec,
-    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    fingerprint: Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError>,
     handler: Handler,
 ) -> Started<impl Future<Output = Response> + Send + 'static> {
     let Some(engine) = ctx.idem.as_ref().map(|idem| idem.inner.clone()) else {
@@ -273,7 +273,7 @@ pub(crate) async fn protect(
     engine: Arc<Engine>,
     tenant: Option<Tenant>,
     spec: &'static Spec,
-    fingerprint: Result<String, crate::fingerprint::FingerprintError>,
+    fingerprint: Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError>,
     key: IdempotencyKey,
     handler: Handler,
 ) -> Response {
@@ -306,11 +306,11 @@ pub(crate) async fn protect(
         }
     };
     let id = RecordId::new(tenant, spec.scope, key.into_string());
-    let token = crate::store::random_token();
+    let token = crate::store::random_token_inline();
     let request = ReserveRequest {
         id: &id,
-        fingerprint: &fingerprint,
-        token: &token,
+        fingerprint: fingerprint.as_str(),
+        token: token.as_str(),
         ttl: spec.ttl.unwrap_or(engine.ttl),
         lock_timeout: spec.lock_timeout.unwrap_or(engine.lock_timeout),
     };
@@ -328,7 +328,7 @@ pub(crate) async fn protect(
                 // was found is not known (fresh, released, or a stale lock
                 // taken over): it goes back as a stale lock, so that the
                 // next request is told it takes over if it took one over.
-                hand_back_in_own_task(&engine, &id, &token, request.lock_timeout).await;
+                hand_back_in_own_task(&engine, &id, token.as_str(), request.lock_timeout).await;
                 return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
             }
         };

@@ -33,8 +33,8 @@ pub fn fingerprint_request<K>(
     ctx: &Context<K>,
     spec: &Spec,
     body: crate::fingerprint::BodyPrint<'_>,
-    read: &[Option<Vec<u8>>],
-) -> Result<String, crate::fingerprint::FingerprintError> {
+    read: &[Option<&[u8]>],
+) -> Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError> {
     let path: Vec<(&str, &str)> = ctx.path.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let body = match body {
         crate::fingerprint::BodyPrint::Json { text, .. } => crate::fingerprint::BodyPrint::Json {
@@ -44,7 +44,7 @@ pub fn fingerprint_request<K>(
         },
         other => other,
     };
-    crate::fingerprint::fingerprint(&crate::fingerprint::RequestPrint {
+    crate::fingerprint::fingerprint_hex(&crate::fingerprint::RequestPrint {
         scope: spec.scope,
         path: &path,
         query: ctx.query.as_deref(),
@@ -224,24 +224,102 @@ pub const fn is_json<E: FingerprintBody>() -> bool {
 #[doc(hidden)]
 pub struct FieldProbe<'a, T>(pub &'a T);
 
+/// A declared field as the handler read it, as JSON: on the stack when it
+/// is as short as most fields are (an amount, a currency, an id), so that
+/// reading it allocates nothing.
+#[doc(hidden)]
+pub enum FieldJson {
+    /// Its type cannot say (not `Serialize`, or its serialization failed).
+    Unknown,
+    /// The first `.0` bytes of `.1`.
+    Short(u8, [u8; FieldJson::SHORT]),
+    Long(Vec<u8>),
+}
+
+impl FieldJson {
+    /// The longest JSON kept on the stack.
+    const SHORT: usize = 48;
+
+    /// The JSON text, if its type could say.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match self {
+            FieldJson::Unknown => None,
+            FieldJson::Short(len, buf) => buf.get(..usize::from(*len)),
+            FieldJson::Long(json) => Some(json),
+        }
+    }
+}
+
 #[doc(hidden)]
 pub trait ViaSerialize {
-    fn __idem_json(&self) -> Option<Vec<u8>>;
+    fn __idem_json(&self) -> FieldJson;
 }
 
 impl<T: serde::Serialize> ViaSerialize for &FieldProbe<'_, T> {
-    fn __idem_json(&self) -> Option<Vec<u8>> {
-        serde_json::to_vec(self.0).ok()
+    fn __idem_json(&self) -> FieldJson {
+        let mut buf = [0u8; FieldJson::SHORT];
+        let mut rest = &mut buf[..];
+        match serde_json::to_writer(&mut rest, self.0) {
+            Ok(()) => {
+                let len = FieldJson::SHORT - rest.len();
+                FieldJson::Short(len as u8, buf)
+            }
+            // Longer than the buffer: written again, whole.
+            Err(e) if e.is_io() => serde_json::to_vec(self.0).map_or(FieldJson::Unknown, FieldJson::Long),
+            Err(_) => FieldJson::Unknown,
+        }
     }
 }
 
 #[doc(hidden)]
 pub trait ViaNothing {
-    fn __idem_json(&self) -> Option<Vec<u8>>;
+    fn __idem_json(&self) -> FieldJson;
 }
 
 impl<T> ViaNothing for FieldProbe<'_, T> {
-    fn __idem_json(&self) -> Option<Vec<u8>> {
-        None
+    fn __idem_json(&self) -> FieldJson {
+        FieldJson::Unknown
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// What the probe reads is `serde_json`'s text of the value, short or
+    /// long, and nothing for a value that cannot be written as JSON.
+    #[test]
+    fn a_field_reads_as_its_json_whatever_its_length() {
+        let read = |v: &dyn erased::Probe| v.json().bytes().map(<[u8]>::to_vec);
+        for len in [0, 1, 45, 46, 47, 48, 49, 200] {
+            let text = "x".repeat(len);
+            assert_eq!(
+                read(&text),
+                Some(serde_json::to_vec(&text).unwrap()),
+                "{len} characters"
+            );
+        }
+        assert_eq!(read(&4990u64), Some(b"4990".to_vec()));
+        assert_eq!(
+            read(&"\u{e9}\"".to_owned()),
+            Some(serde_json::to_vec("\u{e9}\"").unwrap())
+        );
+        let refused: std::collections::HashMap<Vec<u8>, u8> = [(vec![1], 1)].into();
+        assert_eq!(read(&refused), None, "a map keyed by bytes is not JSON");
+        let long_refused: std::collections::BTreeMap<String, std::collections::HashMap<Vec<u8>, u8>> =
+            [("y".repeat(60), refused)].into();
+        assert_eq!(read(&long_refused), None, "nor past the buffer");
+    }
+
+    mod erased {
+        use super::super::*;
+
+        pub(super) trait Probe {
+            fn json(&self) -> FieldJson;
+        }
+
+        impl<T: serde::Serialize> Probe for T {
+            fn json(&self) -> FieldJson {
+                (&&FieldProbe(self)).__idem_json()
+            }
+        }
     }
 }

@@ -519,7 +519,12 @@ where
 
 /// A fresh random token: 128 bits as 32 hex digits.
 pub(crate) fn random_token() -> String {
-    crate::fingerprint::hex(&random_bytes())
+    random_token_inline().as_str().to_owned()
+}
+
+/// [`random_token`], kept inline.
+pub(crate) fn random_token_inline() -> crate::fingerprint::HexStr<32> {
+    crate::fingerprint::HexStr::of(&random_bytes())
 }
 
 /// 16 bytes from the OS's generator, drawn 4 KiB at a time per thread (one
