@@ -435,6 +435,14 @@ struct Measured {
     p99: u32,
     max: u32,
     rss_kb: u64,
+    /// The server process's CPU per request (its threads, not the client's
+    /// and not the database's), in microseconds.
+    server_us: f64,
+    /// The share of the cell's time the server's threads were on a CPU
+    /// (1.0: one core busy throughout).
+    server_busy: f64,
+    /// The same for the client's thread.
+    client_busy: f64,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -549,7 +557,11 @@ fn main() {
             let mut this_round: BTreeMap<String, f64> = BTreeMap::new();
             for v in &variants {
                 reset_peak_rss();
+                let (server0, client0) = (others_cpu_ns(), thread_cpu_ns().unwrap_or(0));
                 let sample = client_rt.block_on(cell(s.addr, &run, v, clients, round, &a));
+                let server_ns = others_cpu_ns().saturating_sub(server0) as f64;
+                let client_ns = thread_cpu_ns().unwrap_or(0).saturating_sub(client0) as f64;
+                let wall_ns = sample.elapsed.as_nanos() as f64;
                 let m = Measured {
                     throughput: sample.throughput(),
                     requests: sample.latencies_us.len(),
@@ -558,6 +570,9 @@ fn main() {
                     p99: sample.quantile(0.99),
                     max: sample.quantile(1.0),
                     rss_kb: peak_rss_kb(),
+                    server_us: server_ns / 1000.0 / sample.latencies_us.len().max(1) as f64,
+                    server_busy: server_ns / wall_ns,
+                    client_busy: client_ns / wall_ns,
                 };
                 this_round.insert(v.name.clone(), m.throughput);
                 results.entry((clients, v.name.clone())).or_default().push(m);
@@ -592,11 +607,23 @@ fn main() {
 
 fn report(a: &Args, variants: &[Variant], results: &Results, ratios: &Ratios) {
     let mut csv = String::from(
-        "variant,clients,requests,seconds,throughput,p50_us,p99_us,max_us,ratio_bare,ratio_hand,peak_rss_kb,throughput_min,throughput_max\n",
+        "variant,clients,requests,seconds,throughput,p50_us,p99_us,max_us,ratio_bare,ratio_hand,peak_rss_kb,throughput_min,throughput_max,server_cpu_us,server_busy,client_busy\n",
     );
     println!(
-        "\n{:<24} {:>3} {:>9} {:>15} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8}",
-        "variant", "c", "req/s", "range", "p50 us", "p99 us", "max us", "/bare", "/hand", "RSS MB"
+        "\n{:<24} {:>3} {:>9} {:>15} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8} {:>7} {:>5} {:>5}",
+        "variant",
+        "c",
+        "req/s",
+        "range",
+        "p50 us",
+        "p99 us",
+        "max us",
+        "/bare",
+        "/hand",
+        "RSS MB",
+        "cpu us",
+        "srv%",
+        "cli%"
     );
     for &clients in &a.clients {
         for v in variants {
@@ -611,6 +638,9 @@ fn report(a: &Args, variants: &[Variant], results: &Results, ratios: &Ratios) {
             let max = ms.iter().map(|m| m.max).max().unwrap_or(0);
             let rss = ms.iter().map(|m| m.rss_kb).max().unwrap_or(0);
             let requests: usize = ms.iter().map(|m| m.requests).sum();
+            let server_us = median(ms.iter().map(|m| m.server_us).collect());
+            let server_busy = median(ms.iter().map(|m| m.server_busy).collect());
+            let client_busy = median(ms.iter().map(|m| m.client_busy).collect());
             let seconds: f64 = ms.iter().map(|m| m.seconds).sum();
             let (rb, rh) = ratios
                 .get(&(clients, v.name.clone()))
@@ -625,7 +655,7 @@ fn report(a: &Args, variants: &[Variant], results: &Results, ratios: &Ratios) {
                 }
             };
             println!(
-                "{:<24} {:>3} {:>9.0} {:>7.0}-{:<7.0} {:>8.0} {:>8.0} {:>8} {:>6} {:>6} {:>8.1}",
+                "{:<24} {:>3} {:>9.0} {:>7.0}-{:<7.0} {:>8.0} {:>8.0} {:>8} {:>6} {:>6} {:>8.1} {:>7.1} {:>5.0} {:>5.0}",
                 v.name,
                 clients,
                 tp,
@@ -636,7 +666,10 @@ fn report(a: &Args, variants: &[Variant], results: &Results, ratios: &Ratios) {
                 max,
                 show(rb),
                 show(rh),
-                rss as f64 / 1024.0
+                rss as f64 / 1024.0,
+                server_us,
+                100.0 * server_busy,
+                100.0 * client_busy
             );
             let field = |r: f64| {
                 if r.is_nan() {
@@ -646,7 +679,7 @@ fn report(a: &Args, variants: &[Variant], results: &Results, ratios: &Ratios) {
                 }
             };
             csv.push_str(&format!(
-                "{},{clients},{requests},{seconds:.2},{tp:.1},{p50:.0},{p99:.0},{max},{},{},{rss},{lo:.1},{hi:.1}\n",
+                "{},{clients},{requests},{seconds:.2},{tp:.1},{p50:.0},{p99:.0},{max},{},{},{rss},{lo:.1},{hi:.1},{server_us:.2},{server_busy:.3},{client_busy:.3}\n",
                 v.name,
                 field(rb),
                 field(rh)
@@ -777,6 +810,26 @@ fn cpu_cost(n: usize, inflight: usize, only: Option<&[String]>) {
             pg_replay_cpu(n).await;
         }
     });
+}
+
+/// The CPU time so far of this process's other threads (the server's
+/// runtime, sqlx's SQLite workers), from each one's `schedstat`; 0 where
+/// `/proc` is missing. A thread that ended meanwhile is not counted.
+fn others_cpu_ns() -> u64 {
+    let me = std::fs::read_link("/proc/thread-self").ok();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter(|t| {
+            me.as_ref()
+                .and_then(|m| m.file_name())
+                .is_none_or(|m| m != t.file_name().as_os_str())
+        })
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
 }
 
 /// This thread's CPU time so far (Linux's `schedstat`: user and system,
