@@ -115,11 +115,12 @@ pub(crate) fn fingerprint_hex(req: &RequestPrint<'_>) -> Result<HexStr<64>, Fing
         static CANONICAL: std::cell::Cell<String> = const { std::cell::Cell::new(String::new()) };
     }
     const KEPT: usize = 16 * 1024;
-    let mut canonical = CANONICAL.take();
+    // A thread tearing down its locals gets a buffer of its own.
+    let mut canonical = CANONICAL.try_with(std::cell::Cell::take).unwrap_or_default();
     canonical.clear();
     let digest = digest(req, &mut canonical);
     if canonical.capacity() <= KEPT {
-        CANONICAL.set(canonical);
+        let _ = CANONICAL.try_with(|kept| kept.set(canonical));
     }
     Ok(HexStr::of(&digest?))
 }
