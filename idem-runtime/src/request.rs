@@ -257,17 +257,44 @@ pub trait ViaSerialize {
 
 impl<T: serde::Serialize> ViaSerialize for &FieldProbe<'_, T> {
     fn __idem_json(&self) -> FieldJson {
-        let mut buf = [0u8; FieldJson::SHORT];
-        let mut rest = &mut buf[..];
-        match serde_json::to_writer(&mut rest, self.0) {
-            Ok(()) => {
-                let len = FieldJson::SHORT - rest.len();
-                FieldJson::Short(len as u8, buf)
-            }
-            // Longer than the buffer: written again, whole.
-            Err(e) if e.is_io() => serde_json::to_vec(self.0).map_or(FieldJson::Unknown, FieldJson::Long),
+        // Written once, whatever its length: a `Serialize` may not give the
+        // same text twice, and a write that never fails leaves no error for
+        // a `Display` behind `collect_str` to ignore.
+        let mut out = FieldJson::Short(0, [0; FieldJson::SHORT]);
+        match serde_json::to_writer(&mut out, self.0) {
+            Ok(()) => out,
             Err(_) => FieldJson::Unknown,
         }
+    }
+}
+
+/// Fills the stack buffer, then moves to the heap: it never fails.
+impl std::io::Write for FieldJson {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        match self {
+            FieldJson::Short(len, buf) => {
+                let at = usize::from(*len);
+                match buf.get_mut(at..at + data.len()) {
+                    Some(room) => {
+                        room.copy_from_slice(data);
+                        *len += data.len() as u8;
+                    }
+                    None => {
+                        let mut all = Vec::with_capacity((at + data.len()).max(2 * FieldJson::SHORT));
+                        all.extend_from_slice(&buf[..at]);
+                        all.extend_from_slice(data);
+                        *self = FieldJson::Long(all);
+                    }
+                }
+            }
+            FieldJson::Long(all) => all.extend_from_slice(data),
+            FieldJson::Unknown => {}
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -307,6 +334,55 @@ mod tests {
         let long_refused: std::collections::BTreeMap<String, std::collections::HashMap<Vec<u8>, u8>> =
             [("y".repeat(60), refused)].into();
         assert_eq!(read(&long_refused), None, "nor past the buffer");
+    }
+
+    /// A value is written once, however long: one whose `Serialize` works
+    /// only once, or whose `Display` goes on after a write error, reads as
+    /// its JSON past the stack buffer too (written twice, the first would
+    /// read as unknown and the second panic in a debug build).
+    #[test]
+    fn a_long_field_is_written_once() {
+        struct Once(String, std::cell::Cell<bool>);
+        impl serde::Serialize for Once {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                if self.1.replace(true) {
+                    return Err(serde::ser::Error::custom("already written"));
+                }
+                s.serialize_str(&self.0)
+            }
+        }
+        struct Words(Vec<&'static str>);
+        impl std::fmt::Display for Words {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                for (i, w) in self.0.iter().enumerate() {
+                    if i > 0 {
+                        let _ = f.write_str(" ");
+                    }
+                    let _ = f.write_str(w);
+                }
+                Ok(())
+            }
+        }
+        impl serde::Serialize for Words {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+        let read = |v: &dyn erased::Probe| v.json().bytes().map(<[u8]>::to_vec);
+        for len in [10, 46, 47, 60] {
+            let text = "r".repeat(len);
+            let once = Once(text.clone(), std::cell::Cell::new(false));
+            assert_eq!(
+                read(&once),
+                Some(serde_json::to_vec(&text).unwrap()),
+                "{len} characters"
+            );
+        }
+        let words = Words(vec![
+            "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
+        ]);
+        let expected = serde_json::to_vec(&words.to_string()).unwrap();
+        assert_eq!(read(&words), Some(expected));
     }
 
     mod erased {
