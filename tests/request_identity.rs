@@ -463,3 +463,47 @@ async fn the_body_extractor_keeps_its_own_rejections_and_limits() {
     let too_big = post_req("/charge", &big).key("k-413").send(addr).await;
     assert_eq!(too_big.status, 413);
 }
+
+#[derive(serde::Deserialize)]
+struct Transfer {
+    rate: f64,
+}
+
+#[idempotent(scope = "transfer.create", fields(rate))]
+async fn transfer(Json(t): Json<Transfer>) -> String {
+    format!("rate {}", t.rate)
+}
+
+/// A declared number reads as the value the JSON text means, whatever its
+/// spelling: the handler's typed `f64` and the fingerprint's parsing agree
+/// (both correctly rounded), so that the field counts alone and an
+/// undeclared member changes nothing. (With serde_json's default, faster
+/// parsing, `123456789012345680000` read as `123456789012345670000`, the
+/// two disagreed, and the whole body counted.)
+#[tokio::test]
+async fn a_declared_number_counts_alone_however_it_is_spelled() {
+    let addr = serve(&memory(), Router::new().route("/transfers", post(transfer))).await;
+    for (i, rate) in [
+        "0.1",
+        "1e21",
+        "5e-324",
+        "123456789012345680000",
+        "2.2250738585072011e-308",
+        "1.7976931348623157e308",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let key = format!("k-rate-{i}");
+        let body = |note: &str| format!(r#"{{"rate": {rate}, "note": "{note}"}}"#);
+        let first = send(addr, "/transfers", &body("first"), &key).await;
+        assert_eq!(first.status, 200, "{rate}: {first:?}");
+        let retry = send(addr, "/transfers", &body("second"), &key).await;
+        assert!(
+            replayed(&retry),
+            "{rate}: an undeclared member changed: {retry:?}"
+        );
+        let other = send(addr, "/transfers", r#"{"rate": 3.25, "note": "first"}"#, &key).await;
+        assert_eq!(other.status, 422, "{rate}");
+    }
+}
