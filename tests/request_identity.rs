@@ -507,3 +507,20 @@ async fn a_declared_number_counts_alone_however_it_is_spelled() {
         assert_eq!(other.status, 422, "{rate}");
     }
 }
+
+/// A path parameter that is not UTF-8 once decoded identifies the request
+/// by the raw path: the same bytes replay, other bytes are another request.
+#[tokio::test]
+async fn a_path_parameter_that_is_not_utf8_still_identifies_the_request() {
+    let addr = serve(&memory(), Router::new().route("/raw/{id}", post(raw_id))).await;
+    let first = send(addr, "/raw/%FF", "", "k-raw-path").await;
+    assert_eq!(first.status, 200, "{first:?}");
+    assert!(replayed(&send(addr, "/raw/%FF", "", "k-raw-path").await));
+    assert_eq!(send(addr, "/raw/%FE", "", "k-raw-path").await.status, 422);
+    assert_eq!(send(addr, "/raw/%FF?x=1", "", "k-raw-path").await.status, 422);
+}
+
+#[idempotent(scope = "raw.id", body = "none")]
+async fn raw_id(uri: axum::http::Uri) -> String {
+    format!("got {}", uri.path())
+}

@@ -125,8 +125,39 @@ pub(crate) fn fingerprint_hex(req: &RequestPrint<'_>) -> Result<HexStr<64>, Fing
     Ok(HexStr::of(&digest?))
 }
 
-/// How many declared fields are gathered on the stack; more take a vector.
+/// How many declared fields or path parameters are gathered on the stack;
+/// more take a vector.
 const FIELDS_INLINE: usize = 8;
+
+/// Runs `f` on `items`, gathered on the stack when there are at most
+/// [`FIELDS_INLINE`] of them, else in a vector.
+pub(crate) fn gathered<T: Copy + Default, R>(
+    items: impl Iterator<Item = T>,
+    f: impl FnOnce(&mut [T]) -> R,
+) -> R {
+    let mut inline = [T::default(); FIELDS_INLINE];
+    let mut len = 0;
+    let mut spilled = Vec::new();
+    for item in items {
+        match inline.get_mut(len) {
+            Some(slot) if spilled.is_empty() => {
+                *slot = item;
+                len += 1;
+            }
+            _ => {
+                if spilled.is_empty() {
+                    spilled.extend_from_slice(&inline[..len]);
+                }
+                spilled.push(item);
+            }
+        }
+    }
+    if spilled.is_empty() {
+        f(&mut inline[..len])
+    } else {
+        f(&mut spilled)
+    }
+}
 
 /// The SHA-256 of the request's parts, `canonical` holding each canonical
 /// text in turn.
@@ -140,24 +171,22 @@ fn digest(req: &RequestPrint<'_>, canonical: &mut String) -> Result<[u8; 32], Fi
     put(req.scope.as_bytes());
     let counts = |name: &str| !req.ignore.contains(&name);
 
-    let mut path: Vec<(&str, &str)> = match req.path {
-        [] => Vec::new(),
-        all => all.iter().copied().filter(|(n, _)| counts(n)).collect(),
-    };
-    path.sort_by(|a, b| jcs::utf16_cmp(a.0, b.0));
-    put(b"path");
-    // The canonical JSON object of the parameters, as `Node::Object` writes it.
-    canonical.push('{');
-    for (i, (name, value)) in path.iter().enumerate() {
-        if i > 0 {
-            canonical.push(',');
+    gathered(req.path.iter().copied().filter(|(n, _)| counts(n)), |path| {
+        path.sort_by(|a, b| jcs::utf16_cmp(a.0, b.0));
+        put(b"path");
+        // The canonical JSON object of the parameters, as `Node::Object` writes it.
+        canonical.push('{');
+        for (i, (name, value)) in path.iter().enumerate() {
+            if i > 0 {
+                canonical.push(',');
+            }
+            jcs::write_string(canonical, name);
+            canonical.push(':');
+            jcs::write_string(canonical, value);
         }
-        jcs::write_string(canonical, name);
-        canonical.push(':');
-        jcs::write_string(canonical, value);
-    }
-    canonical.push('}');
-    put(canonical.as_bytes());
+        canonical.push('}');
+        put(canonical.as_bytes());
+    });
 
     put(b"query");
     match req.query {
@@ -468,6 +497,32 @@ mod tests {
         );
         assert_ne!(fp(r#"{"amount":1}"#), fp(r#"{"amount":2}"#));
         assert_ne!(fp(r#"[1,"a"]"#), fp(r#"[2,"a"]"#));
+    }
+
+    /// Path parameters count by name, in any order, few (on the stack) or
+    /// many (in a vector), ignored names left out.
+    #[test]
+    fn path_parameters_count_by_name_however_many() {
+        let names: Vec<String> = (0..12).map(|i| format!("p{i}")).collect();
+        let params: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), "v")).collect();
+        for n in [0, 1, 8, 9, 12] {
+            let some = &params[..n];
+            let mut reversed = some.to_vec();
+            reversed.reverse();
+            let base = print(some, None, BodyPrint::None);
+            assert_eq!(print(&reversed, None, BodyPrint::None), base, "{n} parameters");
+            let mut ignored = some.to_vec();
+            ignored.insert(n / 2, ("utm_source", "x"));
+            assert_eq!(print(&ignored, None, BodyPrint::None), base, "{n} parameters");
+            if let Some(last) = reversed.first_mut() {
+                last.1 = "w";
+                assert_ne!(print(&reversed, None, BodyPrint::None), base, "{n} parameters");
+            }
+        }
+        let gathered = |n: usize| super::gathered(0..n, |items| items.to_vec());
+        for n in [0, 7, 8, 9, 20] {
+            assert_eq!(gathered(n), (0..n).collect::<Vec<_>>());
+        }
     }
 
     /// The declared fields count as a set: in any order, named twice, few

@@ -484,9 +484,34 @@ pub struct Context<K = DefaultKeyHeader> {
     /// The header map, for a handler with a header of its own.
     pub(crate) headers: Option<HeaderMap>,
     /// The route's path parameters.
-    pub(crate) path: Vec<(String, String)>,
-    pub(crate) query: Option<String>,
+    pub(crate) path: PathParams,
+    /// The request target's path and query (shared with the request's,
+    /// not copied).
+    pub(crate) query: Option<axum::http::uri::PathAndQuery>,
     header: std::marker::PhantomData<fn() -> K>,
+}
+
+/// The route's path parameters, as axum matched them: its own shared
+/// strings, none of them copied.
+pub(crate) enum PathParams {
+    /// The route has none.
+    None,
+    Matched(axum::extract::RawPathParams),
+    /// Not UTF-8 once decoded: the raw path identifies the request all the
+    /// same, under an empty name.
+    Raw(String),
+}
+
+impl PathParams {
+    /// Each parameter's name and value, in the route's order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        let (matched, raw) = match self {
+            PathParams::None => (None, None),
+            PathParams::Matched(params) => (Some(params.iter()), None),
+            PathParams::Raw(path) => (None, Some(("", path.as_str()))),
+        };
+        matched.into_iter().flatten().chain(raw)
+    }
 }
 
 /// A header's values, in order, the first apart: a request sends one, and
@@ -530,10 +555,9 @@ impl<S: Send + Sync, K: KeyHeader> FromRequestParts<S> for Context<K> {
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         use axum::extract::rejection::RawPathParamsRejection;
         let path = match axum::extract::RawPathParams::from_request_parts(parts, state).await {
-            Ok(params) => params.iter().map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
-            Err(RawPathParamsRejection::MissingPathParams(_)) => Vec::new(),
-            // Not UTF-8 once decoded: the raw path identifies it all the same.
-            Err(_) => vec![(String::new(), parts.uri.path().to_owned())],
+            Ok(params) => PathParams::Matched(params),
+            Err(RawPathParamsRejection::MissingPathParams(_)) => PathParams::None,
+            Err(_) => PathParams::Raw(parts.uri.path().to_owned()),
         };
         Ok(Context {
             idem: parts.extensions.get::<Idem>().cloned(),
@@ -547,7 +571,11 @@ impl<S: Send + Sync, K: KeyHeader> FromRequestParts<S> for Context<K> {
             }),
             headers: K::NAME.is_none().then(|| parts.headers.clone()),
             path,
-            query: parts.uri.query().map(str::to_owned),
+            query: parts
+                .uri
+                .path_and_query()
+                .filter(|pq| pq.query().is_some())
+                .cloned(),
             header: std::marker::PhantomData,
         })
     }

@@ -35,7 +35,6 @@ pub fn fingerprint_request<K>(
     body: crate::fingerprint::BodyPrint<'_>,
     read: &[Option<&[u8]>],
 ) -> Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError> {
-    let path: Vec<(&str, &str)> = ctx.path.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let body = match body {
         crate::fingerprint::BodyPrint::Json { text, .. } => crate::fingerprint::BodyPrint::Json {
             text,
@@ -44,12 +43,14 @@ pub fn fingerprint_request<K>(
         },
         other => other,
     };
-    crate::fingerprint::fingerprint_hex(&crate::fingerprint::RequestPrint {
-        scope: spec.scope,
-        path: &path,
-        query: ctx.query.as_deref(),
-        body,
-        ignore: spec.ignore,
+    crate::fingerprint::gathered(ctx.path.iter(), |path| {
+        crate::fingerprint::fingerprint_hex(&crate::fingerprint::RequestPrint {
+            scope: spec.scope,
+            path,
+            query: ctx.query.as_ref().and_then(|q| q.query()),
+            body,
+            ignore: spec.ignore,
+        })
     })
 }
 
