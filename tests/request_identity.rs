@@ -524,3 +524,21 @@ async fn a_path_parameter_that_is_not_utf8_still_identifies_the_request() {
 async fn raw_id(uri: axum::http::Uri) -> String {
     format!("got {}", uri.path())
 }
+
+/// A parameter of a nested router's prefix that is not UTF-8 once decoded
+/// identifies the request too: the whole path as the client sent it counts,
+/// not what is left of it inside the nested router (with that, another
+/// organisation's request replayed the first one's answer).
+#[tokio::test]
+async fn a_nested_parameter_that_is_not_utf8_still_identifies_the_request() {
+    let addr = serve(
+        &memory(),
+        Router::new().nest("/org/{org}", Router::new().route("/items", post(raw_id))),
+    )
+    .await;
+    let first = send(addr, "/org/%FF/items", "", "k-nested-raw").await;
+    assert_eq!(first.status, 200, "{first:?}");
+    assert!(replayed(&send(addr, "/org/%FF/items", "", "k-nested-raw").await));
+    let other = send(addr, "/org/%FE/items", "", "k-nested-raw").await;
+    assert_eq!(other.status, 422, "another organisation's request: {other:?}");
+}

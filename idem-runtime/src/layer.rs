@@ -497,8 +497,9 @@ pub(crate) enum PathParams {
     /// The route has none.
     None,
     Matched(axum::extract::RawPathParams),
-    /// Not UTF-8 once decoded: the raw path identifies the request all the
-    /// same, under an empty name.
+    /// Not UTF-8 once decoded: the raw path, whole (a nested router's
+    /// prefix included), identifies the request all the same, under an
+    /// empty name.
     Raw(String),
 }
 
@@ -557,7 +558,17 @@ impl<S: Send + Sync, K: KeyHeader> FromRequestParts<S> for Context<K> {
         let path = match axum::extract::RawPathParams::from_request_parts(parts, state).await {
             Ok(params) => PathParams::Matched(params),
             Err(RawPathParamsRejection::MissingPathParams(_)) => PathParams::None,
-            Err(_) => PathParams::Raw(parts.uri.path().to_owned()),
+            // The path as the client sent it: inside a nested router,
+            // `parts.uri` has lost the prefix, and the prefix's parameters
+            // with it.
+            Err(_) => PathParams::Raw(
+                parts
+                    .extensions
+                    .get::<axum::extract::OriginalUri>()
+                    .map_or(&parts.uri, |original| &original.0)
+                    .path()
+                    .to_owned(),
+            ),
         };
         Ok(Context {
             idem: parts.extensions.get::<Idem>().cloned(),
