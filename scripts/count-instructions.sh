@@ -3,7 +3,8 @@
 # run of the same binary, whatever else the machine does): the bare handler
 # and idem's first request and replay on the memory store, in process, with
 # K requests under way at once on the one thread (default 16, as 16 clients
-# keep the server's thread), and the share of them spent in malloc and free.
+# keep the server's thread), the share of them spent in malloc and free,
+# and the allocations per request (dhat).
 #
 #   bash scripts/count-instructions.sh        # --inflight 16
 #   bash scripts/count-instructions.sh 1      # one request at a time
@@ -18,17 +19,22 @@ n=2000
 out=target/bench
 mkdir -p "$out"
 cargo build --release --example bench
-printf '%-22s %14s %14s %10s\n' cell "instr/request" "malloc+free" "share"
+printf '%-22s %14s %14s %10s %12s\n' cell "instr/request" "malloc+free" "share" "allocations"
 for cell in "bare" "idem memory first" "idem memory replay"; do
     file="$out/callgrind.$(echo "$cell" | tr ' ' '-').out"
     valgrind --tool=callgrind --callgrind-out-file="$file" \
         target/release/examples/bench --cpu "$n" --inflight "$inflight" --only "$cell" >/dev/null 2>&1
     # 5 rounds of n requests, and 100 replay keys completed first.
     requests=$((5 * n + 100))
-    callgrind_annotate --threshold=100 "$file" | awk -v cell="$cell" -v req="$requests" '
+    # Allocations per request, counted by dhat (setup included, as above).
+    dhat="$out/dhat.$(echo "$cell" | tr ' ' '-').json"
+    valgrind --tool=dhat --dhat-out-file="$dhat" \
+        target/release/examples/bench --cpu "$n" --inflight "$inflight" --only "$cell" >/dev/null 2>&1
+    blocks=$(python3 -c 'import json, sys; print(sum(p["tbk"] for p in json.load(open(sys.argv[1]))["pps"]))' "$dhat")
+    callgrind_annotate --threshold=100 "$file" | awk -v cell="$cell" -v req="$requests" -v blocks="$blocks" '
         /PROGRAM TOTALS/ { gsub(",", "", $1); total = $1 }
         /malloc\.c:|arena\.c:|__rdl_(alloc|dealloc|realloc)|__rust_(alloc|dealloc|realloc)/ {
             n = $1; gsub(",", "", n); alloc += n
         }
-        END { printf "%-22s %14d %14d %9.0f%%\n", cell, total / req, alloc / req, 100 * alloc / total }'
+        END { printf "%-22s %14d %14d %9.0f%% %12.1f\n", cell, total / req, alloc / req, 100 * alloc / total, blocks / req }'
 done
