@@ -106,8 +106,13 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
     Ok(fingerprint_hex(req)?.as_str().to_owned())
 }
 
+/// A request's fingerprint as the generated code hands it to the protocol:
+/// its digits, kept inline, or why the body has none.
+#[doc(hidden)]
+pub type Printed = Result<HexStr<64>, FingerprintError>;
+
 /// [`fingerprint`], its digits kept inline.
-pub(crate) fn fingerprint_hex(req: &RequestPrint<'_>) -> Result<HexStr<64>, FingerprintError> {
+pub(crate) fn fingerprint_hex(req: &RequestPrint<'_>) -> Printed {
     // One buffer per thread for the canonical texts, kept between requests
     // unless a large body made it large. Taken, not borrowed: a call made
     // while it is out gets a new one.

@@ -45,7 +45,7 @@ pub fn returning<T, F: Future<Output = T>>(body: F) -> F {
 pub fn run<K, H, F>(
     ctx: Context<K>,
     spec: &'static Spec,
-    fingerprint: Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError>,
+    fingerprint: crate::fingerprint::Printed,
     handler: H,
 ) -> impl Future<Output = Response> + Send
 where
@@ -73,7 +73,7 @@ where
 pub fn run_optional<K, H, F>(
     ctx: Context<K>,
     spec: &'static Spec,
-    fingerprint: Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError>,
+    fingerprint: crate::fingerprint::Printed,
     handler: H,
 ) -> impl Future<Output = Response> + Send
 where
@@ -92,7 +92,7 @@ where
 pub(crate) fn run_boxed(
     ctx: Context,
     spec: &'static Spec,
-    fingerprint: Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError>,
+    fingerprint: crate::fingerprint::Printed,
     handler: Handler,
 ) -> impl Future<Output = Response> + Send {
     let started = start(ctx, spec, fingerprint, handler);
@@ -133,7 +133,7 @@ enum Started<P: Future<Output = Response> + Send + 'static> {
 fn start(
     ctx: Context,
     spec: &'static Spec,
-    fingerprint: Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError>,
+    fingerprint: crate::fingerprint::Printed,
     handler: Handler,
 ) -> Started<impl Future<Output = Response> + Send + 'static> {
     let Some(engine) = ctx.idem.as_ref().map(|idem| idem.inner.clone()) else {
@@ -273,7 +273,7 @@ pub(crate) async fn protect(
     engine: Arc<Engine>,
     tenant: Option<Tenant>,
     spec: &'static Spec,
-    fingerprint: Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError>,
+    fingerprint: crate::fingerprint::Printed,
     key: IdempotencyKey,
     handler: Handler,
 ) -> Response {

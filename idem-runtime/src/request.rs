@@ -34,7 +34,7 @@ pub fn fingerprint_request<K>(
     spec: &Spec,
     body: crate::fingerprint::BodyPrint<'_>,
     read: &[Option<&[u8]>],
-) -> Result<crate::fingerprint::HexStr<64>, crate::fingerprint::FingerprintError> {
+) -> crate::fingerprint::Printed {
     let body = match body {
         crate::fingerprint::BodyPrint::Json { text, .. } => crate::fingerprint::BodyPrint::Json {
             text,
