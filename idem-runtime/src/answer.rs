@@ -200,19 +200,27 @@ pub(crate) fn replay(stored: StoredResponse) -> Response {
         if omitted && name == CONTENT_TYPE.as_str() {
             continue;
         }
+        // The value's bytes move into it, uncopied.
         if let (Ok(n), Ok(v)) = (
             HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_bytes(&value),
+            HeaderValue::from_maybe_shared(axum::body::Bytes::from(value)),
         ) {
             headers.append(n, v);
         }
     }
-    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    headers.insert(REPLAYED, HeaderValue::from_static("true"));
     if omitted {
-        headers.insert(BODY_OMITTED_HEADER, HeaderValue::from_static("true"));
+        headers.insert(BODY_OMITTED, HeaderValue::from_static("true"));
     }
     response
 }
+
+/// [`REPLAYED_HEADER`] as a header name built at compile time: from a
+/// `&str`, the map would copy the name of a header it does not know for
+/// every replay.
+const REPLAYED: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
+/// [`BODY_OMITTED_HEADER`], the same way.
+const BODY_OMITTED: HeaderName = HeaderName::from_static(BODY_OMITTED_HEADER);
 
 #[cfg(test)]
 mod tests {
