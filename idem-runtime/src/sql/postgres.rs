@@ -2,7 +2,7 @@
 
 use crate::sql::millis;
 use crate::sql::{self, Statements};
-use crate::store::{random_token, BoxFuture};
+use crate::store::{random_token_inline, BoxFuture};
 use crate::store::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use std::time::Duration;
@@ -297,7 +297,9 @@ impl IdempotencyStore for PgStore {
 impl PgStore {
     /// One reservation, as long as it takes: [`sql::reserve_detached`] bounds it.
     async fn reserve_once(&self, req: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        let operation_id = random_token();
+        // Bound only where the record is new; kept inline, so that a
+        // replay allocates nothing for it.
+        let operation_id = random_token_inline();
         loop {
             let row = sqlx::query(sqlx::AssertSqlSafe(self.reserve.clone()))
                 .bind(&req.id.tenant)
@@ -305,7 +307,7 @@ impl PgStore {
                 .bind(&req.id.key)
                 .bind(req.fingerprint)
                 .bind(req.token)
-                .bind(&operation_id)
+                .bind(operation_id.as_str())
                 .bind(millis(req.ttl))
                 .bind(millis(req.lock_timeout))
                 // Not `fetch_one`: it wraps this future in another, and

@@ -2,7 +2,7 @@
 
 use crate::sql::millis;
 use crate::sql::{self, Statements};
-use crate::store::{random_token, BoxFuture};
+use crate::store::{random_token_inline, BoxFuture};
 use crate::store::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use std::str::FromStr;
@@ -491,13 +491,14 @@ impl SqliteStore {
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(sql::map_err)?;
+        let operation_id = random_token_inline();
         let taken = sqlx::query(sqlx::AssertSqlSafe(self.sql.take.as_str()))
             .bind(&req.id.tenant)
             .bind(&req.id.scope)
             .bind(&req.id.key)
             .bind(req.fingerprint)
             .bind(req.token)
-            .bind(random_token())
+            .bind(operation_id.as_str())
             .bind(millis(req.ttl))
             .bind(millis(req.lock_timeout))
             .fetch_optional(&mut *tx)
