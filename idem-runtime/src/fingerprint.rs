@@ -239,46 +239,35 @@ fn digest(req: &RequestPrint<'_>, canonical: &mut String) -> Result<[u8; 32], Fi
             // field left out, sent under an alias, in an array, behind a
             // flattened or renamed name) the whole body counts, so that two
             // different requests can never meet on a missing value.
-            let mut inline = [("", &Node::Null); FIELDS_INLINE];
-            let mut spilled = Vec::new();
-            let values: &mut [(&str, &Node)] = match inline.get_mut(..fields.len()) {
-                Some(values) => values,
-                None => {
-                    spilled.resize(fields.len(), ("", &Node::Null));
-                    &mut spilled
-                }
-            };
-            let mut all = true;
-            for ((i, f), slot) in fields.iter().enumerate().zip(values.iter_mut()) {
-                match body.get(f).filter(|node| agrees(i, node)) {
-                    Some(node) => *slot = (*f, node),
-                    None => {
-                        all = false;
-                        break;
+            // Each field's name and value, `None` where it is missing or
+            // not what the handler read.
+            let found = fields
+                .iter()
+                .enumerate()
+                .map(|(i, f)| body.get(f).filter(|node| agrees(i, node)).map(|node| (*f, node)));
+            gathered(found, |values| {
+                if values.iter().all(Option::is_some) {
+                    values.sort_unstable_by_key(|v| v.map(|(f, _)| f));
+                    put(b"fields");
+                    let mut last = None;
+                    for &(field, value) in values.iter().flatten() {
+                        // A field named twice counts once.
+                        if last == Some(field) {
+                            continue;
+                        }
+                        last = Some(field);
+                        put(field.as_bytes());
+                        canonical.clear();
+                        value.write(canonical);
+                        put(canonical.as_bytes());
                     }
-                }
-            }
-            if all {
-                values.sort_unstable_by_key(|(f, _)| *f);
-                put(b"fields");
-                let mut last = None;
-                for &(field, value) in values.iter() {
-                    // A field named twice counts once.
-                    if last == Some(field) {
-                        continue;
-                    }
-                    last = Some(field);
-                    put(field.as_bytes());
+                } else {
+                    put(b"json");
                     canonical.clear();
-                    value.write(canonical);
+                    body.write(canonical);
                     put(canonical.as_bytes());
                 }
-            } else {
-                put(b"json");
-                canonical.clear();
-                body.write(canonical);
-                put(canonical.as_bytes());
-            }
+            });
         }
     }
     Ok(hasher.finalize().into())
