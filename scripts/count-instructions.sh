@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Instructions per request, counted by callgrind (the same count on every
 # run of the same binary, whatever else the machine does): the bare handler
-# and idem's first request and replay on the memory store, in process, with
+# and idem's first request, replay and 409 on the memory store, in process, with
 # K requests under way at once on the one thread (default 16, as 16 clients
 # keep the server's thread), the share of them spent in malloc and free,
 # and the allocations per request (dhat).
@@ -20,12 +20,14 @@ out=target/bench
 mkdir -p "$out"
 cargo build --release --example bench
 printf '%-22s %14s %14s %10s %12s\n' cell "instr/request" "malloc+free" "share" "allocations"
-for cell in "bare" "idem memory first" "idem memory replay"; do
+for cell in "bare" "idem memory first" "idem memory replay" "idem memory 409"; do
     file="$out/callgrind.$(echo "$cell" | tr ' ' '-').out"
     valgrind --tool=callgrind --callgrind-out-file="$file" \
         target/release/examples/bench --cpu "$n" --inflight "$inflight" --only "$cell" >/dev/null 2>&1
-    # 5 rounds of n requests, and 100 replay keys completed first.
+    # 5 rounds of n requests, and 100 replay keys completed first (and, for
+    # the 409s, 100 keys held).
     requests=$((5 * n + 100))
+    [ "$cell" = "idem memory 409" ] && requests=$((requests + 100))
     # Allocations per request, counted by dhat (setup included, as above).
     dhat="$out/dhat.$(echo "$cell" | tr ' ' '-').json"
     valgrind --tool=dhat --dhat-out-file="$dhat" \
