@@ -148,6 +148,12 @@ pub(crate) fn utf16_cmp(a: &str, b: &str) -> Ordering {
 /// A JSON string, with RFC 8785's minimal escapes.
 pub(crate) fn write_string(out: &mut String, s: &str) {
     out.push('"');
+    write_escaped(out, s);
+    out.push('"');
+}
+
+/// What [`write_string`] writes between the quotes: `s`, escaped.
+pub(crate) fn write_escaped(out: &mut String, s: &str) {
     let mut rest = s;
     // Runs of characters written as they are, each up to an ASCII character
     // that takes an escape.
@@ -170,7 +176,6 @@ pub(crate) fn write_string(out: &mut String, s: &str) {
         rest = &escaped[1..];
     }
     out.push_str(rest);
-    out.push('"');
 }
 
 /// The canonical text of a JSON number as written: the ECMAScript text of

@@ -8,6 +8,7 @@ use axum::http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use std::borrow::Cow;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 /// The start of every problem `type` of this layer; the name follows.
@@ -15,6 +16,9 @@ pub const PROBLEM_TYPE_PREFIX: &str = "urn:idem:problem:";
 
 /// The largest `Retry-After` of a 409, in seconds.
 const MAX_RETRY_AFTER_SECS: u64 = 2;
+
+/// How many problems have a body that never varies (see `Problem::fixed`).
+const FIXED_BODIES: usize = 9;
 
 /// The `Retry-After` of a 503, in seconds.
 const UNAVAILABLE_RETRY_AFTER_SECS: u64 = 2;
@@ -202,6 +206,23 @@ impl Problem {
         }
     }
 
+    /// For a problem whose body is the same every time (its texts do not
+    /// vary): where that body is kept, below [`FIXED_BODIES`].
+    fn fixed(&self) -> Option<usize> {
+        Some(match self {
+            Problem::Key { .. } | Problem::BodyInvalid(_) => return None,
+            Problem::InProgress { .. } => 0,
+            Problem::KeyReused => 1,
+            Problem::StoreUnavailable(Unavailable::NotProcessed) => 2,
+            Problem::StoreUnavailable(Unavailable::RolledBack) => 3,
+            Problem::StoreUnavailable(Unavailable::OutcomeUnknown) => 4,
+            Problem::StoreUnavailable(Unavailable::NotCompleted) => 5,
+            Problem::LeaseLost => 6,
+            Problem::Misconfigured => 7,
+            Problem::HandlerFailed => 8,
+        })
+    }
+
     /// The `Retry-After` it carries, in seconds.
     ///
     /// ```
@@ -226,11 +247,21 @@ impl Problem {
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let parts = Parts {
-            name: self.type_name().into(),
-            title: self.title().into(),
-            detail: self.detail().into(),
+            name: Cow::Borrowed(self.type_name()),
+            title: Cow::Borrowed(self.title()),
+            detail: self.detail(),
         };
-        let mut response = parts.response(self.status());
+        let status = self.status();
+        let mut response = match self.fixed() {
+            // Written once, then shared.
+            Some(slot) => {
+                static FIXED: [OnceLock<Box<str>>; FIXED_BODIES] = [const { OnceLock::new() }; FIXED_BODIES];
+                let body: &'static str =
+                    FIXED[slot].get_or_init(|| parts.body(status, PROBLEM_TYPE_PREFIX).into());
+                parts.response_with(status, Body::from(body))
+            }
+            None => parts.response(status),
+        };
         if let Some(secs) = self.retry_after() {
             response
                 .headers_mut()
@@ -261,35 +292,51 @@ impl IntoResponse for crate::StoreError {
 /// ```
 pub fn problem(status: StatusCode, name: &str, title: &str, detail: &str) -> Response {
     Parts {
-        name: name.into(),
-        title: title.into(),
-        detail: detail.into(),
+        name: Cow::Owned(name.to_owned()),
+        title: Cow::Owned(title.to_owned()),
+        detail: Cow::Owned(detail.to_owned()),
     }
     .response(status)
 }
 
 /// What a problem response says, kept in its extensions so that its `type`
-/// can be written with another base.
+/// can be written with another base. The layer's own problems borrow their
+/// texts.
 #[derive(Clone)]
 struct Parts {
-    name: Box<str>,
-    title: Box<str>,
-    detail: Box<str>,
+    name: Cow<'static, str>,
+    title: Cow<'static, str>,
+    detail: Cow<'static, str>,
 }
 
 impl Parts {
+    /// The problem's JSON object, its members in the order of their names.
     fn body(&self, status: StatusCode, base: &str) -> String {
-        serde_json::json!({
-            "type": format!("{base}{}", self.name),
-            "title": &*self.title,
-            "status": status.as_u16(),
-            "detail": &*self.detail,
-        })
-        .to_string()
+        use crate::jcs::{write_escaped, write_string};
+        let mut out =
+            String::with_capacity(48 + self.detail.len() + self.title.len() + base.len() + self.name.len());
+        out.push_str("{\"detail\":");
+        write_string(&mut out, &self.detail);
+        out.push_str(",\"status\":");
+        out.push_str(status.as_str());
+        out.push_str(",\"title\":");
+        write_string(&mut out, &self.title);
+        // The escape of `base` then `name` is that of the two as one text.
+        out.push_str(",\"type\":\"");
+        write_escaped(&mut out, base);
+        write_escaped(&mut out, &self.name);
+        out.push_str("\"}");
+        out
     }
 
     fn response(self, status: StatusCode) -> Response {
-        let mut response = Response::new(Body::from(self.body(status, PROBLEM_TYPE_PREFIX)));
+        let body = Body::from(self.body(status, PROBLEM_TYPE_PREFIX));
+        self.response_with(status, body)
+    }
+
+    /// The response, its body already written.
+    fn response_with(self, status: StatusCode, body: Body) -> Response {
+        let mut response = Response::new(body);
         *response.status_mut() = status;
         response
             .headers_mut()
@@ -332,6 +379,74 @@ mod tests {
                 serde_json::from_str(&parts.body(status, PROBLEM_TYPE_PREFIX)).unwrap();
             assert_eq!(body["type"], format!("{PROBLEM_TYPE_PREFIX}{name}"));
             assert_eq!(body["status"], status.as_u16());
+        }
+    }
+
+    #[test]
+    fn a_fixed_body_is_the_one_its_own_texts_give() {
+        let mut every = Problem::catalog();
+        every.extend(
+            [
+                Unavailable::RolledBack,
+                Unavailable::OutcomeUnknown,
+                Unavailable::NotCompleted,
+            ]
+            .map(Problem::StoreUnavailable),
+        );
+        every.push(Problem::InProgress {
+            retry_after: Duration::from_millis(1500),
+        });
+        let mut slots = Vec::new();
+        // Twice: written, then shared.
+        for _ in 0..2 {
+            for p in &every {
+                let expected = Parts {
+                    name: Cow::Borrowed(p.type_name()),
+                    title: Cow::Borrowed(p.title()),
+                    detail: p.detail(),
+                }
+                .body(p.status(), PROBLEM_TYPE_PREFIX);
+                let body = p.clone().into_response().into_body();
+                let body = futures_util::FutureExt::now_or_never(axum::body::to_bytes(body, usize::MAX))
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(std::str::from_utf8(&body).unwrap(), expected, "{p:?}");
+                slots.extend(p.fixed());
+            }
+        }
+        slots.sort_unstable();
+        slots.dedup();
+        assert_eq!(slots, (0..FIXED_BODIES).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_problem_body_is_the_json_serde_json_writes_whatever_its_texts_hold() {
+        let texts = [
+            "",
+            "plain",
+            "quote \" and backslash \\",
+            "controls \u{0} \u{8} \u{c} \n \r \t \u{1f} \u{7f}",
+            "non-ASCII é 😀 \u{2028}",
+            "</script>",
+        ];
+        for base in ["", PROBLEM_TYPE_PREFIX, "https://example.com/\"q\"/\n"] {
+            for text in texts {
+                for status in [StatusCode::CONFLICT, StatusCode::INTERNAL_SERVER_ERROR] {
+                    let parts = Parts {
+                        name: Cow::Owned(format!("name-{text}")),
+                        title: Cow::Owned(format!("title {text}")),
+                        detail: Cow::Owned(text.to_owned()),
+                    };
+                    let expected = serde_json::json!({
+                        "type": format!("{base}name-{text}"),
+                        "title": format!("title {text}"),
+                        "status": status.as_u16(),
+                        "detail": text,
+                    })
+                    .to_string();
+                    assert_eq!(parts.body(status, base), expected, "{base:?} {text:?}");
+                }
+            }
         }
     }
 }
