@@ -942,6 +942,45 @@ async fn plain_for_problems(body: String) -> (StatusCode, String) {
     (StatusCode::CREATED, body)
 }
 
+/// A handler's own problem that is stored (a 402 is a business answer) is
+/// stored as its client first got it, under the configured base: its
+/// replay is the same bytes.
+#[tokio::test]
+async fn a_stored_problem_is_replayed_as_its_client_first_got_it() {
+    let idem = Idem::new(idem::MemoryStore::new())
+        .single_tenant()
+        .problem_type_base("https://docs.example.com/errors/")
+        .unwrap();
+    let router = Router::new()
+        .route("/declined", post(declined))
+        .layer(idem.layer());
+    let addr = idem_testkit::http::serve(router).await;
+    let first = post_req("/declined", "a").key("k-declined").send(addr).await;
+    assert_eq!(first.status, 402);
+    assert_eq!(
+        first.json()["type"],
+        "https://docs.example.com/errors/card-declined"
+    );
+    let replay = post_req("/declined", "a").key("k-declined").send(addr).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.status, 402);
+    assert_eq!(
+        String::from_utf8_lossy(&replay.body),
+        String::from_utf8_lossy(&first.body)
+    );
+    assert_eq!(replay.header("content-type"), Some("application/problem+json"));
+}
+
+#[idempotent(scope = "lease.declined")]
+async fn declined(_body: String) -> axum::response::Response {
+    idem::problem(
+        StatusCode::PAYMENT_REQUIRED,
+        "card-declined",
+        "Card declined",
+        "insufficient funds",
+    )
+}
+
 /// A replayed header keeps its bytes, obs-text included.
 async fn a_replayed_header_keeps_every_byte(h: Harness) {
     let first = post_req("/obs-text", "").key("k-obs").send_raw(h.addr).await;

@@ -347,9 +347,9 @@ impl Parts {
 }
 
 /// A problem response with its `type` under `base`; any other response as
-/// it is.
-pub(crate) fn rebase(response: Response, base: &str) -> Response {
-    let Some(parts) = response.extensions().get::<Parts>().cloned() else {
+/// it is. Rebased once: the result carries no parts to rebase again.
+pub(crate) fn rebase(mut response: Response, base: &str) -> Response {
+    let Some(parts) = response.extensions_mut().remove::<Parts>() else {
         return response;
     };
     let (mut head, _) = response.into_parts();

@@ -536,6 +536,12 @@ pub(crate) async fn finish(
             .await
         }
     };
+    // A problem of the handler's own is stored, and so replayed, as its
+    // client first gets it: under the configured base.
+    let response = match &engine.problem_base {
+        Some(base) => crate::problem::rebase(response, base),
+        None => response,
+    };
     let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
     if class == Classification::Reject {
         return let_go(engine, info, lock_timeout, tx, response, LetGo::Reject).await;
