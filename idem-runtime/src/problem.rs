@@ -235,7 +235,9 @@ impl Problem {
             // owner's deadline a whole lock timeout away, yet it may finish
             // at once.
             Problem::InProgress { retry_after } => {
-                let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+                let secs = retry_after
+                    .as_secs()
+                    .saturating_add(u64::from(retry_after.subsec_nanos() > 0));
                 Some(secs.clamp(1, MAX_RETRY_AFTER_SECS))
             }
             Problem::StoreUnavailable(_) | Problem::LeaseLost => Some(UNAVAILABLE_RETRY_AFTER_SECS),
@@ -379,6 +381,20 @@ mod tests {
                 serde_json::from_str(&parts.body(status, PROBLEM_TYPE_PREFIX)).unwrap();
             assert_eq!(body["type"], format!("{PROBLEM_TYPE_PREFIX}{name}"));
             assert_eq!(body["status"], status.as_u16());
+        }
+    }
+
+    #[test]
+    fn any_wait_gives_a_retry_after_of_one_to_two_seconds() {
+        for (wait, secs) in [
+            (Duration::ZERO, 1),
+            (Duration::from_millis(1), 1),
+            (Duration::from_millis(1001), 2),
+            (Duration::from_secs(3600), 2),
+            (Duration::MAX, 2),
+        ] {
+            let p = Problem::InProgress { retry_after: wait };
+            assert_eq!(p.retry_after(), Some(secs), "{wait:?}");
         }
     }
 
