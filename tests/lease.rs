@@ -1855,11 +1855,65 @@ async fn a_reservation_answered_too_close_to_its_lock_deadline_does_not_run() {
     assert_eq!(counted_runs(&key), 1);
 }
 
+/// The key's row's history, as triggers on the record table write it: one
+/// line per insert, update or delete.
+async fn watch_rows(conn: &mut sqlx::SqliteConnection) {
+    for statement in [
+        "CREATE TABLE seen (what TEXT NOT NULL)",
+        "CREATE TRIGGER seen_insert AFTER INSERT ON idempotency_keys BEGIN INSERT INTO seen VALUES ('inserted'); END",
+        "CREATE TRIGGER seen_delete AFTER DELETE ON idempotency_keys BEGIN INSERT INTO seen VALUES ('deleted'); END",
+        "CREATE TRIGGER seen_update AFTER UPDATE ON idempotency_keys BEGIN INSERT INTO seen VALUES ('updated'); END",
+    ] {
+        sqlx::query(statement).execute(&mut *conn).await.unwrap();
+    }
+}
+
+async fn rows_seen(pool: &sqlx::SqlitePool) -> Vec<String> {
+    sqlx::query_scalar("SELECT what FROM seen ORDER BY rowid")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
 /// A SQLite reservation whose caller gave up on it (the store timed out,
 /// and the undo's own wait ran out too) while another connection held the
-/// database's write lock: when its write finally takes the key, it gives
-/// the key back itself, as it found it (here absent), so no lock stays that
-/// nobody holds and nothing counts as an attempt.
+/// database's write lock is not written when its turn finally comes: no
+/// lock is taken that nobody would hold, and nothing counts as an attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_reservation_given_up_on_before_its_turn_takes_nothing() {
+    use sqlx::Connection as _;
+    use tower::ServiceExt as _;
+    let (store, dir) = idem_testkit::sqlite_store().await;
+    let pool = store.pool().clone();
+    // Store timeout 100 ms; lock timeout 300 ms: the undo waits 300 ms.
+    let app = counting_router_on(store.with_timeout(Duration::from_millis(100)));
+    let key = idem_testkit::unique("k-gave-up");
+    let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let mut other = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    watch_rows(&mut other).await;
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap();
+    let first = app.clone().oneshot(validated_request(&key, 5)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // Past the store timeout and the undo's wait; then the line moves on.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    // The requests after it queue behind it: once they are answered, its
+    // turn has come and gone.
+    assert_the_fresh_key_is_as_it_was_found(&app, &key).await;
+    // Only those requests wrote: the rejected attempt (taken, then
+    // removed) and the one that ran (taken, then completed).
+    assert_eq!(
+        rows_seen(&pool).await,
+        ["inserted", "deleted", "inserted", "updated"],
+        "the reservation given up on wrote"
+    );
+}
+
+/// A SQLite reservation whose write took its key, and whose caller gave up
+/// on it before the commit (the store timed out, and the undo's own wait
+/// ran out too): once committed, it gives the key back itself, as it found
+/// it (here absent), so no lock stays that nobody holds and nothing counts
+/// as an attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_reservation_that_takes_its_key_after_its_caller_gave_up_gives_it_back() {
     use sqlx::Connection as _;
@@ -1871,28 +1925,20 @@ async fn sqlite_a_reservation_that_takes_its_key_after_its_caller_gave_up_gives_
     let key = idem_testkit::unique("k-gave-up");
     let url = format!("sqlite://{}", dir.path().join("idem.db").display());
     let mut other = sqlx::SqliteConnection::connect(&url).await.unwrap();
-    // What becomes of the key's row, in the order it happens.
-    for statement in [
-        "CREATE TABLE seen (what TEXT NOT NULL)",
-        "CREATE TRIGGER seen_insert AFTER INSERT ON idempotency_keys BEGIN INSERT INTO seen VALUES ('inserted'); END",
-        "CREATE TRIGGER seen_delete AFTER DELETE ON idempotency_keys BEGIN INSERT INTO seen VALUES ('deleted'); END",
-        "CREATE TRIGGER seen_update AFTER UPDATE ON idempotency_keys BEGIN INSERT INTO seen VALUES ('updated'); END",
-    ] {
-        sqlx::query(statement).execute(&mut other).await.unwrap();
-    }
-    sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap();
-    let first = app.clone().oneshot(validated_request(&key, 5)).await.unwrap();
+    watch_rows(&mut other).await;
+    drop(other);
+    let mut before_commit = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &key);
+    let first = tokio::spawn(app.clone().oneshot(validated_request(&key, 5)));
+    before_commit.reached().await;
+    let first = first.await.unwrap().unwrap();
     assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
-    // Past the store timeout and the undo's wait; then the write goes on.
+    // Past the undo's wait; then the write commits.
     tokio::time::sleep(Duration::from_millis(800)).await;
-    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
-    // The write takes the key, then gives it back as it found it: absent.
+    before_commit.resume();
+    // The write took the key, then gives it back as it found it: absent.
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let seen: Vec<String> = sqlx::query_scalar("SELECT what FROM seen ORDER BY rowid")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+        let seen = rows_seen(&pool).await;
         if seen.len() >= 2 {
             assert_eq!(seen, ["inserted", "deleted"]);
             break;

@@ -278,3 +278,82 @@ async fn an_in_memory_database_of_one_connection_serves_concurrent_reservations(
         assert_eq!((reserved, in_progress), (1, 19), "round {round}: {other:?}");
     }
 }
+
+/// Completions that queue while the write lock is held are written in one
+/// transaction when it is free. A completion whose statement fails ends its
+/// group's transaction where it fails: those before it are answered only
+/// with that transaction's outcome (never "done" for a write rolled back),
+/// and those after it go on in a transaction of their own. The connection
+/// of a transaction that SQLite rolled back by itself is not reused (sqlx
+/// would count a transaction still open on it, and every `BEGIN` on it
+/// would fail): the store's one connection here must keep working.
+#[tokio::test]
+async fn a_failed_write_in_a_group_fails_only_what_its_transaction_held() {
+    for (raise, before_committed) in [("ROLLBACK", false), ("ABORT", true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let options = SqliteConnectOptions::new()
+            .filename(dir.path().join("idem.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .unwrap();
+        let store = SqliteStore::new(pool);
+        store.migrate().await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TRIGGER poison BEFORE UPDATE ON idempotency_keys \
+             WHEN NEW.key LIKE 'poison%' AND NEW.state = 'completed' \
+             BEGIN SELECT RAISE({raise}, 'poisoned'); END;"
+        )))
+        .execute(store.pool())
+        .await
+        .unwrap();
+        let keys = [
+            idem_testkit::unique("before"),
+            idem_testkit::unique("poison"),
+            idem_testkit::unique("after"),
+        ];
+        let mut tokens = Vec::new();
+        for key in &keys {
+            tokens.push(reserved(&store, key).await);
+        }
+        let ids: Vec<RecordId> = keys.iter().map(|k| id(k)).collect();
+        let bodies: Vec<StoredResponse> = keys.iter().map(|k| answer(k)).collect();
+
+        // The three queue, in this order, while the lock is held.
+        let (paused, holder) = hold_the_permit(&store).await;
+        let mut writes: Vec<_> = (0..3)
+            .map(|i| store.complete(&ids[i], tokens[i], &bodies[i]))
+            .collect();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        for write in &mut writes {
+            assert!(write.as_mut().poll(&mut cx).is_pending());
+        }
+        paused.resume();
+        holder.await.unwrap();
+        let mut outcomes = Vec::new();
+        for write in writes {
+            outcomes.push(write.await);
+        }
+        assert_eq!(outcomes[0].is_ok(), before_committed, "{raise}: {outcomes:?}");
+        assert!(outcomes[1].is_err(), "{raise}: {outcomes:?}");
+        assert!(outcomes[2].is_ok(), "{raise}: {outcomes:?}");
+
+        // What each was answered is what the table holds.
+        for (i, key) in keys.iter().enumerate() {
+            let state: String = sqlx::query_scalar("SELECT state FROM idempotency_keys WHERE key = ?")
+                .bind(key)
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+            let completed = state == "completed";
+            assert_eq!(completed, outcomes[i].is_ok(), "{raise}: {key} is {state}");
+        }
+        // The one connection still serves writes.
+        let key = idem_testkit::unique("later");
+        let token = reserved(&store, &key).await;
+        store.complete(&id(&key), token, &answer(&key)).await.unwrap();
+    }
+}

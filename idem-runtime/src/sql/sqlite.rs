@@ -45,6 +45,14 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// still wait for each other in SQLite's busy handler, up to the busy
 /// timeout.
 ///
+/// Reservations and completions commit in groups. Those that queue while
+/// the write lock is held are written, when it is free, in one transaction
+/// with one sync of the log (with `synchronous = FULL`, one commit's sync
+/// is what bounds a first request's throughput). Nothing is answered
+/// before that transaction's commit, and a write rolled back is never
+/// answered as done. A write whose statement fails ends its group's
+/// transaction there; the writes after it go on in another.
+///
 /// ```
 /// use idem::SqliteStore;
 ///
@@ -63,6 +71,9 @@ pub struct SqliteStore {
     /// One permit, taken by each write of this store and its clones in turn
     /// (tokio's semaphore queues its waiters first come first served).
     writer: std::sync::Arc<tokio::sync::Semaphore>,
+    /// Reservations' and completions' writes waiting for the next group
+    /// commit, shared like `writer`.
+    group: std::sync::Arc<Group>,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -161,8 +172,13 @@ impl SqliteStore {
     /// # }
     /// ```
     pub fn with_table(self, table: &str) -> Result<Self, StoreError> {
-        let (timeout, writer) = (self.timeout, self.writer);
-        Self::build(self.pool, table).map(|s| SqliteStore { timeout, writer, ..s })
+        let (timeout, writer, group) = (self.timeout, self.writer, self.group);
+        Self::build(self.pool, table).map(|s| SqliteStore {
+            timeout,
+            writer,
+            group,
+            ..s
+        })
     }
 
     /// Bounds every operation by `timeout` (default: the busy timeout plus
@@ -191,6 +207,7 @@ impl SqliteStore {
             sql: std::sync::Arc::new(Statements::new(sql::SQLITE, SQLITE_MIGRATIONS, None, table)?),
             timeout: DEFAULT_BUSY_TIMEOUT + Duration::from_secs(1),
             writer: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
+            group: std::sync::Arc::default(),
         })
     }
 
@@ -310,8 +327,34 @@ impl IdempotencyStore for SqliteStore {
         response: &'a crate::store::StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(sql::bounded(self.timeout, async move {
-            self.queued(self.complete_with(&self.pool, id, token, response))
-                .await?;
+            let (answer, answered) = tokio::sync::oneshot::channel();
+            let store = self.clone();
+            let (owned_id, token, response) = (id.clone(), token.to_owned(), response.clone());
+            self.join_group(job(true, move |conn| {
+                Box::pin(async move {
+                    let conn = match conn {
+                        Ok(conn) => conn,
+                        Err(e) => return Written::answered(answer, Err(e)),
+                    };
+                    // Given up on (the operation's timeout): not written, as
+                    // a write given up on in line never was.
+                    if answer.is_closed() {
+                        return Written::nothing();
+                    }
+                    let done = store
+                        .complete_with(&mut *conn, &owned_id, &token, &response)
+                        .await;
+                    Written {
+                        failed: done.is_err(),
+                        answer: Box::new(move |committed| {
+                            let _ = answer.send(done.and(committed));
+                        }),
+                    }
+                })
+            }));
+            answered
+                .await
+                .map_err(|_| StoreError::backend("the completion's write did not finish"))??;
             pause_point!(crate::pause::COMPLETE_AFTER, &id.key);
             Ok(())
         }))
@@ -446,51 +489,81 @@ impl SqliteStore {
             }
         }
         pause_point!(crate::pause::SQLITE_RESERVE_AFTER_PEEK, &req.id.key);
-        // The write runs in a task of its own: it holds the process's turn
-        // at the write lock from BEGIN to COMMIT, and must not stop midway
-        // because the request that asked for it is not being polled (every
-        // other writer of the process would wait behind it). Its answer
-        // comes back on a channel: a write that took the key after its
+        #[cfg(feature = "pause-points")]
+        let key = req.id.key.clone();
+        // The write joins the next group commit, which a task of its own
+        // runs: it holds the process's turn at the write lock from BEGIN to
+        // COMMIT, and must not stop midway because the request that asked
+        // for it is not being polled (every other writer of the process
+        // would wait behind it). Its answer comes back on a channel once
+        // the group has committed: a write that took the key after its
         // caller stopped waiting for it (`reserve_detached` gave up) gives
         // the key back itself, so that no lock stays that nobody holds.
         let (answer, answered) = tokio::sync::oneshot::channel();
-        tokio::spawn(async move {
-            let taken = self.take(owned.request()).await;
-            if let Err(Ok(Reservation::Reserved(lease))) = answer.send(taken) {
-                tracing::warn!("a reservation took its key after its caller gave up; giving the key back");
-                let until = tokio::time::Instant::now() + owned.lock_timeout();
-                // As it was found (see `IdempotencyStore::hand_back`).
-                let given = crate::store::retry_until(until, || {
-                    IdempotencyStore::hand_back(&self, owned.id(), owned.token(), lease.is_takeover())
-                })
-                .await;
-                match given {
-                    Ok(()) | Err(StoreError::LockLost) => {}
-                    Err(e) => {
-                        tracing::error!(error = %e, "could not give back a key taken after its caller gave up");
-                    }
+        let store = self.clone();
+        self.join_group(job(false, move |conn| {
+            Box::pin(async move {
+                let conn = match conn {
+                    Ok(conn) => conn,
+                    Err(e) => return Written::answered(answer, Err(e)),
+                };
+                // Given up on before its turn: it leaves the line, as it
+                // used to leave SQLite's busy handler, instead of taking a
+                // key only to give it back.
+                if answer.is_closed() {
+                    return Written::nothing();
                 }
-            }
-        });
-        answered
+                let taken = store.take(conn, owned.request()).await;
+                Written {
+                    failed: taken.is_err(),
+                    answer: Box::new(move |committed| {
+                        let taken = taken.and_then(|t| committed.map(|()| t));
+                        if let Err(Ok(Reservation::Reserved(lease))) = answer.send(taken) {
+                            tokio::spawn(async move {
+                                tracing::warn!(
+                                    "a reservation took its key after its caller gave up; giving the key back"
+                                );
+                                let until = tokio::time::Instant::now() + owned.lock_timeout();
+                                // As it was found (see `IdempotencyStore::hand_back`).
+                                let given = crate::store::retry_until(until, || {
+                                    IdempotencyStore::hand_back(
+                                        &store,
+                                        owned.id(),
+                                        owned.token(),
+                                        lease.is_takeover(),
+                                    )
+                                })
+                                .await;
+                                match given {
+                                    Ok(()) | Err(StoreError::LockLost) => {}
+                                    Err(e) => {
+                                        tracing::error!(
+                                            error = %e,
+                                            "could not give back a key taken after its caller gave up"
+                                        );
+                                    }
+                                }
+                            });
+                        }
+                    }),
+                }
+            })
+        }));
+        let answer = answered
             .await
-            .map_err(|_| StoreError::backend("the reservation's write did not finish"))?
+            .map_err(|_| StoreError::backend("the reservation's write did not finish"))?;
+        pause_point!(crate::pause::RESERVE_AFTER, &key);
+        answer
     }
 
-    /// Takes the key under the write lock.
-    async fn take(&self, req: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        // Absent, expired, stale or released: take it under the write
-        // lock, where the upsert decides again on the row as it is now. The
-        // turn at the lock is held from BEGIN to COMMIT. The wait for it is
-        // bounded here too: a reservation its caller gave up on (see
-        // `reserve_detached`) leaves the line as it used to leave SQLite's
-        // busy handler, instead of waiting to take a key only to give it back.
-        let turn = sql::bounded(self.timeout, self.write_turn()).await?;
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(sql::map_err)?;
+    /// Takes the key, on the group's connection, in its transaction, which
+    /// holds SQLite's write lock: the upsert decides again on the row as it
+    /// is now (absent, expired, stale or released: taken).
+    async fn take(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        req: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
         let operation_id = random_token_inline();
         let taken = sqlx::query(sqlx::AssertSqlSafe(self.sql.take.as_str()))
             .bind(&req.id.tenant)
@@ -501,7 +574,7 @@ impl SqliteStore {
             .bind(operation_id.as_str())
             .bind(millis(req.ttl))
             .bind(millis(req.lock_timeout))
-            .fetch_optional(&mut *tx)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(sql::map_err)?;
         let answer = match taken {
@@ -511,16 +584,211 @@ impl SqliteStore {
                     .bind(&req.id.tenant)
                     .bind(&req.id.scope)
                     .bind(&req.id.key)
-                    .fetch_one(&mut *tx)
+                    .fetch_one(&mut *conn)
                     .await
                     .map_err(sql::map_err)?;
                 sql::judge_row(&row, req.fingerprint)?
             }
         };
         pause_point!(crate::pause::SQLITE_RESERVE_BEFORE_COMMIT, &req.id.key);
-        tx.commit().await.map_err(sql::map_err)?;
-        drop(turn);
-        pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
         Ok(answer)
+    }
+}
+
+/// The writes of reservations and completions that wait while the write
+/// lock is held, committed together when it is free: one transaction, one
+/// sync of the log, for all of them.
+#[derive(Default)]
+struct Group {
+    queue: std::sync::Mutex<Queue>,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: Vec<Job>,
+    /// Whether a task is leading groups: it takes every job queued.
+    leading: bool,
+}
+
+/// The most writes one group commits.
+const GROUP_MAX: usize = 64;
+
+/// A write's statements, run on its group's connection in the group's
+/// transaction (or told why there is none).
+type Run = Box<
+    dyn for<'c> FnOnce(Result<&'c mut sqlx::SqliteConnection, StoreError>) -> BoxFuture<'c, Written> + Send,
+>;
+
+/// One write of a group.
+struct Job {
+    run: Run,
+    /// It is one statement, atomic by itself: alone in its group, it runs
+    /// without `BEGIN` and `COMMIT` (two statements fewer), as it would
+    /// without groups.
+    one_statement: bool,
+}
+
+/// A [`Job`], its closure's signature spelled out once.
+fn job<F>(one_statement: bool, f: F) -> Job
+where
+    F: for<'c> FnOnce(Result<&'c mut sqlx::SqliteConnection, StoreError>) -> BoxFuture<'c, Written>
+        + Send
+        + 'static,
+{
+    Job {
+        run: Box::new(f),
+        one_statement,
+    }
+}
+
+/// What a job did in its group's transaction.
+struct Written {
+    /// Its statements failed: the group commits what came before it, and
+    /// the rest go on in a transaction of their own.
+    failed: bool,
+    /// Hands over its answer once the commit's outcome is known: nothing is
+    /// answered before it.
+    answer: Box<dyn FnOnce(Result<(), StoreError>) + Send>,
+}
+
+impl Written {
+    /// A job that ran nothing.
+    fn nothing() -> Self {
+        Written {
+            failed: false,
+            answer: Box::new(|_| {}),
+        }
+    }
+
+    /// A job that ran nothing, answered with `result`.
+    fn answered<T: Send + 'static>(
+        answer: tokio::sync::oneshot::Sender<Result<T, StoreError>>,
+        result: Result<T, StoreError>,
+    ) -> Self {
+        let _ = answer.send(result);
+        Written::nothing()
+    }
+}
+
+/// Clears the group's leader when its task ends without handing over (a
+/// panic, or its runtime shutting down): the next write queued starts one.
+struct Leading<'a> {
+    group: &'a Group,
+    armed: bool,
+}
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.group.lock().leading = false;
+        }
+    }
+}
+
+impl Group {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl SqliteStore {
+    /// Queues `job` for the next group commit, starting the task that leads
+    /// groups if none runs.
+    fn join_group(&self, job: Job) {
+        let lead = {
+            let mut queue = self.group.lock();
+            queue.jobs.push(job);
+            !std::mem::replace(&mut queue.leading, true)
+        };
+        if lead {
+            tokio::spawn(self.clone().lead());
+        }
+    }
+
+    /// Commits groups while writes are queued: each waits its turn at the
+    /// write lock with the process's other writers, then takes every write
+    /// queued by then.
+    async fn lead(self) {
+        let mut leading = Leading {
+            group: &self.group,
+            armed: true,
+        };
+        loop {
+            let Ok(turn) = self.write_turn().await else {
+                return;
+            };
+            let jobs: Vec<Job> = {
+                let mut queue = self.group.lock();
+                if queue.jobs.is_empty() {
+                    // Under the lock that queues: a write queued after this
+                    // starts a leader of its own.
+                    queue.leading = false;
+                    leading.armed = false;
+                    return;
+                }
+                let n = queue.jobs.len().min(GROUP_MAX);
+                queue.jobs.drain(..n).collect()
+            };
+            self.commit_group(jobs).await;
+            drop(turn);
+        }
+    }
+
+    /// Runs `jobs` in one `BEGIN IMMEDIATE` transaction and commits it, then
+    /// answers each; a job whose statements fail ends its transaction (what
+    /// came before it commits), and the rest go on in another.
+    async fn commit_group(&self, mut jobs: Vec<Job>) {
+        if let [only] = &jobs[..] {
+            if only.one_statement {
+                let job = jobs.pop().unwrap_or_else(|| unreachable!("one job"));
+                match self.pool.acquire().await {
+                    Ok(mut conn) => ((job.run)(Ok(&mut *conn)).await.answer)(Ok(())),
+                    Err(e) => ((job.run)(Err(sql::map_err(e))).await.answer)(Ok(())),
+                }
+                return;
+            }
+        }
+        let mut jobs = jobs.into_iter().peekable();
+        while jobs.peek().is_some() {
+            let mut conn = match self.pool.acquire().await {
+                Ok(conn) => conn,
+                Err(e) => return Self::fail_all(jobs, sql::map_err(e)).await,
+            };
+            let mut answers = Vec::new();
+            let committed = {
+                let mut tx = match sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE").await {
+                    Ok(tx) => tx,
+                    Err(e) => return Self::fail_all(jobs, sql::map_err(e)).await,
+                };
+                for job in jobs.by_ref() {
+                    let written = (job.run)(Ok(&mut *tx)).await;
+                    answers.push(written.answer);
+                    if written.failed {
+                        break;
+                    }
+                }
+                tx.commit().await.map_err(sql::map_err)
+            };
+            if committed.is_err() {
+                // SQLite may have ended the transaction by itself (on some
+                // errors, a failed statement rolls back the whole
+                // transaction), and sqlx's count of open transactions on
+                // this connection is then wrong: it is closed, not handed
+                // back to the pool, where every `BEGIN` on it would fail.
+                conn.close_on_drop();
+            }
+            for answer in answers {
+                answer(committed.clone());
+            }
+        }
+    }
+
+    /// Answers every job with `e`: no transaction could begin.
+    async fn fail_all(jobs: impl Iterator<Item = Job>, e: StoreError) {
+        for job in jobs {
+            ((job.run)(Err(e.clone())).await.answer)(Err(e.clone()));
+        }
     }
 }
