@@ -136,17 +136,10 @@ async fn unwind(
     mut tx: sqlx::Transaction<'static, sqlx::Sqlite>,
     limit: std::time::Duration,
 ) -> Result<(), StoreError> {
-    use sqlx_core::transaction::{begin_ansi_transaction_sql, TransactionManager};
+    use sqlx_core::transaction::TransactionManager;
     type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
     bounded(limit, async {
-        let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await;
-        let depth = Manager::get_transaction_depth(&tx);
-        for level in 0..depth {
-            sqlx::raw_sql(begin_ansi_transaction_sql(level))
-                .execute(&mut *tx)
-                .await
-                .map_err(crate::sql::map_err)?;
-        }
+        let depth = crate::sql::sqlite::reopen_counted(&mut tx).await?;
         for _ in 1..depth {
             Manager::rollback(&mut tx).await.map_err(crate::sql::map_err)?;
         }

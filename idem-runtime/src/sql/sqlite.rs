@@ -595,6 +595,36 @@ impl SqliteStore {
     }
 }
 
+/// Rolls back whatever transaction is open on `conn`, then opens again as
+/// many as sqlx still counts (with sqlx's own statements), one per level;
+/// says how many. A transaction that SQLite ended by itself is one that
+/// sqlx still counts: rolling those back through sqlx leaves the connection
+/// neither inside a transaction nor counted inside one.
+pub(crate) async fn reopen_counted(conn: &mut sqlx::SqliteConnection) -> Result<usize, StoreError> {
+    use sqlx_core::transaction::{begin_ansi_transaction_sql, TransactionManager as _};
+    type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
+    let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+    let depth = Manager::get_transaction_depth(conn);
+    for level in 0..depth {
+        sqlx::raw_sql(begin_ansi_transaction_sql(level))
+            .execute(&mut *conn)
+            .await
+            .map_err(sql::map_err)?;
+    }
+    Ok(depth)
+}
+
+/// Leaves `conn` with no transaction open and none counted, after one
+/// ended in a failure (see [`reopen_counted`]).
+async fn settle(conn: &mut sqlx::SqliteConnection) -> Result<(), StoreError> {
+    use sqlx_core::transaction::TransactionManager as _;
+    type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
+    for _ in 0..reopen_counted(conn).await? {
+        Manager::rollback(conn).await.map_err(sql::map_err)?;
+    }
+    Ok(())
+}
+
 /// The writes of reservations and completions that wait while the write
 /// lock is held, committed together when it is free: one transaction, one
 /// sync of the log, for all of them.
@@ -670,17 +700,27 @@ impl Written {
     }
 }
 
-/// Clears the group's leader when its task ends without handing over (a
-/// panic, or its runtime shutting down): the next write queued starts one.
-struct Leading<'a> {
-    group: &'a Group,
+/// The leader's mark, made before its task is spawned and dropped with it.
+/// A leader that ends without handing over (its task dropped before it was
+/// ever polled, or while it ran, when its runtime shuts down, or a panic)
+/// clears it, and answers every write still queued with an error at once
+/// (dropping a job drops its caller's answer channel): they would
+/// otherwise wait for their timeout, and the next write queued starts a
+/// leader of its own.
+struct Leading {
+    group: std::sync::Arc<Group>,
     armed: bool,
 }
 
-impl Drop for Leading<'_> {
+impl Drop for Leading {
     fn drop(&mut self) {
         if self.armed {
-            self.group.lock().leading = false;
+            let orphans = {
+                let mut queue = self.group.lock();
+                queue.leading = false;
+                std::mem::take(&mut queue.jobs)
+            };
+            drop(orphans);
         }
     }
 }
@@ -703,18 +743,18 @@ impl SqliteStore {
             !std::mem::replace(&mut queue.leading, true)
         };
         if lead {
-            tokio::spawn(self.clone().lead());
+            let leading = Leading {
+                group: self.group.clone(),
+                armed: true,
+            };
+            tokio::spawn(self.clone().lead(leading));
         }
     }
 
     /// Commits groups while writes are queued: each waits its turn at the
     /// write lock with the process's other writers, then takes every write
     /// queued by then.
-    async fn lead(self) {
-        let mut leading = Leading {
-            group: &self.group,
-            armed: true,
-        };
+    async fn lead(self, mut leading: Leading) {
         loop {
             let Ok(turn) = self.write_turn().await else {
                 return;
@@ -771,12 +811,13 @@ impl SqliteStore {
                 }
                 tx.commit().await.map_err(sql::map_err)
             };
-            if committed.is_err() {
-                // SQLite may have ended the transaction by itself (on some
-                // errors, a failed statement rolls back the whole
-                // transaction), and sqlx's count of open transactions on
-                // this connection is then wrong: it is closed, not handed
-                // back to the pool, where every `BEGIN` on it would fail.
+            // SQLite may have ended the transaction by itself (on some
+            // errors a failed statement rolls back the whole transaction,
+            // and the commit then fails): sqlx would still count it open,
+            // and every `BEGIN` on the connection would fail. The count is
+            // put right; a connection that cannot be is closed (which, for
+            // a database in memory, would lose it: the last resort).
+            if committed.is_err() && settle(&mut conn).await.is_err() {
                 conn.close_on_drop();
             }
             for answer in answers {
