@@ -1868,6 +1868,27 @@ async fn watch_rows(conn: &mut sqlx::SqliteConnection) {
     }
 }
 
+/// A SQLite store whose operations time out after 100 ms (the undo of a
+/// reservation then waits its lock timeout, 300 ms), its router, its pool,
+/// another connection to its file whose row history `seen` keeps
+/// ([`watch_rows`]), a fresh key, and the directory that holds the file.
+async fn gave_up_setup() -> (
+    Router,
+    sqlx::SqlitePool,
+    sqlx::SqliteConnection,
+    String,
+    tempfile::TempDir,
+) {
+    use sqlx::Connection as _;
+    let (store, dir) = idem_testkit::sqlite_store().await;
+    let pool = store.pool().clone();
+    let app = counting_router_on(store.with_timeout(Duration::from_millis(100)));
+    let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let mut other = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    watch_rows(&mut other).await;
+    (app, pool, other, idem_testkit::unique("k-gave-up"), dir)
+}
+
 async fn rows_seen(pool: &sqlx::SqlitePool) -> Vec<String> {
     sqlx::query_scalar("SELECT what FROM seen ORDER BY rowid")
         .fetch_all(pool)
@@ -1881,16 +1902,8 @@ async fn rows_seen(pool: &sqlx::SqlitePool) -> Vec<String> {
 /// lock is taken that nobody would hold, and nothing counts as an attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_reservation_given_up_on_before_its_turn_takes_nothing() {
-    use sqlx::Connection as _;
     use tower::ServiceExt as _;
-    let (store, dir) = idem_testkit::sqlite_store().await;
-    let pool = store.pool().clone();
-    // Store timeout 100 ms; lock timeout 300 ms: the undo waits 300 ms.
-    let app = counting_router_on(store.with_timeout(Duration::from_millis(100)));
-    let key = idem_testkit::unique("k-gave-up");
-    let url = format!("sqlite://{}", dir.path().join("idem.db").display());
-    let mut other = sqlx::SqliteConnection::connect(&url).await.unwrap();
-    watch_rows(&mut other).await;
+    let (app, pool, mut other, key, _dir) = gave_up_setup().await;
     sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap();
     let first = app.clone().oneshot(validated_request(&key, 5)).await.unwrap();
     assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
@@ -1916,16 +1929,8 @@ async fn sqlite_a_reservation_given_up_on_before_its_turn_takes_nothing() {
 /// as an attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_reservation_that_takes_its_key_after_its_caller_gave_up_gives_it_back() {
-    use sqlx::Connection as _;
     use tower::ServiceExt as _;
-    let (store, dir) = idem_testkit::sqlite_store().await;
-    let pool = store.pool().clone();
-    // Store timeout 100 ms; lock timeout 300 ms: the undo waits 300 ms.
-    let app = counting_router_on(store.with_timeout(Duration::from_millis(100)));
-    let key = idem_testkit::unique("k-gave-up");
-    let url = format!("sqlite://{}", dir.path().join("idem.db").display());
-    let mut other = sqlx::SqliteConnection::connect(&url).await.unwrap();
-    watch_rows(&mut other).await;
+    let (app, pool, other, key, _dir) = gave_up_setup().await;
     drop(other);
     let mut before_commit = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &key);
     let first = tokio::spawn(app.clone().oneshot(validated_request(&key, 5)));

@@ -33,6 +33,14 @@ fn answer(tag: &str) -> StoredResponse {
     }
 }
 
+/// The answer stored for `key` (its own name) is replayed.
+async fn assert_replays(store: &SqliteStore, key: &str) {
+    match store.reserve(req(&id(key), idem_testkit::token())).await.unwrap() {
+        Reservation::Completed(r) => assert_eq!(r.body.as_deref(), Some(key.as_bytes())),
+        other => panic!("{key} is not replayed: {other:?}"),
+    }
+}
+
 /// Takes a fresh key and says its lock token.
 async fn reserved(store: &SqliteStore, key: &str) -> &'static str {
     let token = idem_testkit::token();
@@ -40,6 +48,19 @@ async fn reserved(store: &SqliteStore, key: &str) -> &'static str {
         Reservation::Reserved(_) => token,
         other => panic!("{key} not taken: {other:?}"),
     }
+}
+
+/// The in-memory database of `SqliteStore::new`'s documentation: a pool of
+/// one connection, migrated.
+async fn in_memory_store() -> SqliteStore {
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect("sqlite::memory:")
+        .await
+        .unwrap();
+    let store = SqliteStore::new(pool);
+    store.migrate().await.unwrap();
+    store
 }
 
 /// A reservation of a fresh key stopped with the write permit (and SQLite's
@@ -226,14 +247,7 @@ async fn a_writer_of_another_process_is_waited_for() {
 
     let waited = first.await.unwrap();
     assert!(waited >= Duration::from_millis(250), "waited only {waited:?}");
-    match store
-        .reserve(req(&id(&key), idem_testkit::token()))
-        .await
-        .unwrap()
-    {
-        Reservation::Completed(r) => assert_eq!(r.body.as_deref(), Some(key.as_bytes())),
-        other => panic!("not completed: {other:?}"),
-    }
+    assert_replays(&store, &key).await;
 }
 
 /// The in-memory database of `SqliteStore::new`'s documentation (a pool of
@@ -241,14 +255,7 @@ async fn a_writer_of_another_process_is_waited_for() {
 /// 19 answers "in progress", never a store error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_in_memory_database_of_one_connection_serves_concurrent_reservations() {
-    let pool = SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect("sqlite::memory:")
-        .await
-        .unwrap();
-    let store = SqliteStore::new(pool);
-    store.migrate().await.unwrap();
-    let store = std::sync::Arc::new(store);
+    let store = std::sync::Arc::new(in_memory_store().await);
     for round in 0..5 {
         let tasks: Vec<_> = (0..20)
             .map(|_| {
@@ -292,13 +299,7 @@ async fn an_in_memory_database_of_one_connection_serves_concurrent_reservations(
 #[tokio::test]
 async fn a_failed_write_in_a_group_fails_only_what_its_transaction_held() {
     for (raise, before_committed) in [("ROLLBACK", false), ("ABORT", true)] {
-        let pool = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect("sqlite::memory:")
-            .await
-            .unwrap();
-        let store = SqliteStore::new(pool);
-        store.migrate().await.unwrap();
+        let store = in_memory_store().await;
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "CREATE TRIGGER poison BEFORE UPDATE ON idempotency_keys \
              WHEN NEW.key LIKE 'poison%' AND NEW.state = 'completed' \
@@ -356,14 +357,7 @@ async fn a_failed_write_in_a_group_fails_only_what_its_transaction_held() {
         }
         // What was recorded before is still replayed, and the one
         // connection still serves writes.
-        match store
-            .reserve(req(&id(&recorded), idem_testkit::token()))
-            .await
-            .unwrap()
-        {
-            Reservation::Completed(r) => assert_eq!(r.body.as_deref(), Some(recorded.as_bytes())),
-            other => panic!("{raise}: the recorded answer is gone: {other:?}"),
-        }
+        assert_replays(&store, &recorded).await;
         let key = idem_testkit::unique("later");
         let token = reserved(&store, &key).await;
         store.complete(&id(&key), token, &answer(&key)).await.unwrap();
@@ -439,13 +433,6 @@ fn a_leader_lost_with_its_runtime_answers_the_writes_queued_behind_it() {
             started.elapsed()
         );
         store.complete(&id(&key), token, &body).await.unwrap();
-        match store
-            .reserve(req(&id(&key), idem_testkit::token()))
-            .await
-            .unwrap()
-        {
-            Reservation::Completed(r) => assert_eq!(r.body.as_deref(), Some(key.as_bytes())),
-            other => panic!("not completed: {other:?}"),
-        }
+        assert_replays(&store, &key).await;
     });
 }

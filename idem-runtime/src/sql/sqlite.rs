@@ -332,15 +332,10 @@ impl IdempotencyStore for SqliteStore {
             let (owned_id, token, response) = (id.clone(), token.to_owned(), response.clone());
             self.join_group(job(true, move |conn| {
                 Box::pin(async move {
-                    let conn = match conn {
-                        Ok(conn) => conn,
-                        Err(e) => return Written::answered(answer, Err(e)),
+                    let (conn, answer) = match start_job(conn, answer) {
+                        Ok(started) => started,
+                        Err(written) => return written,
                     };
-                    // Given up on (the operation's timeout): not written, as
-                    // a write given up on in line never was.
-                    if answer.is_closed() {
-                        return Written::nothing();
-                    }
                     let done = store
                         .complete_with(&mut *conn, &owned_id, &token, &response)
                         .await;
@@ -503,16 +498,10 @@ impl SqliteStore {
         let store = self.clone();
         self.join_group(job(false, move |conn| {
             Box::pin(async move {
-                let conn = match conn {
-                    Ok(conn) => conn,
-                    Err(e) => return Written::answered(answer, Err(e)),
+                let (conn, answer) = match start_job(conn, answer) {
+                    Ok(started) => started,
+                    Err(written) => return written,
                 };
-                // Given up on before its turn: it leaves the line, as it
-                // used to leave SQLite's busy handler, instead of taking a
-                // key only to give it back.
-                if answer.is_closed() {
-                    return Written::nothing();
-                }
                 let taken = store.take(conn, owned.request()).await;
                 Written {
                     failed: taken.is_err(),
@@ -671,6 +660,26 @@ where
     }
 }
 
+/// The start of a job: its connection and its caller's answer channel, or
+/// what it did instead. With no transaction begun, it is answered why. A
+/// write whose caller gave up on it before its turn is not written, as a
+/// write given up on in line never was (a reservation leaves the line, as
+/// it used to leave SQLite's busy handler, instead of taking a key only to
+/// give it back).
+fn start_job<T: Send + 'static>(
+    conn: Result<&mut sqlx::SqliteConnection, StoreError>,
+    answer: Answer<T>,
+) -> Result<(&mut sqlx::SqliteConnection, Answer<T>), Written> {
+    match conn {
+        Err(e) => Err(Written::answered(answer, Err(e))),
+        Ok(_) if answer.is_closed() => Err(Written::nothing()),
+        Ok(conn) => Ok((conn, answer)),
+    }
+}
+
+/// Where a job's caller waits for its answer.
+type Answer<T> = tokio::sync::oneshot::Sender<Result<T, StoreError>>;
+
 /// What a job did in its group's transaction.
 struct Written {
     /// Its statements failed: the group commits what came before it, and
@@ -691,10 +700,7 @@ impl Written {
     }
 
     /// A job that ran nothing, answered with `result`.
-    fn answered<T: Send + 'static>(
-        answer: tokio::sync::oneshot::Sender<Result<T, StoreError>>,
-        result: Result<T, StoreError>,
-    ) -> Self {
+    fn answered<T: Send + 'static>(answer: Answer<T>, result: Result<T, StoreError>) -> Self {
         let _ = answer.send(result);
         Written::nothing()
     }
