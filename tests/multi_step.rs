@@ -352,6 +352,17 @@ mod sqlite_ends_the_transaction {
             .execute(&mut *conn)
             .await
             .unwrap();
+        if input.then == "commit_fails" {
+            // The next commit on this connection fails, and SQLite rolls
+            // the transaction back by itself, as on a full disk or an I/O
+            // error at commit.
+            let once = std::sync::atomic::AtomicBool::new(true);
+            conn.lock_handle()
+                .await
+                .unwrap()
+                .set_commit_hook(move || !once.swap(false, std::sync::atomic::Ordering::SeqCst));
+            return StatusCode::CREATED;
+        }
         let charge = "INSERT INTO charges (amount) VALUES (1000)";
         if input.then == "savepoint" {
             let mut savepoint = conn.begin().await.unwrap();
@@ -625,6 +636,40 @@ mod sqlite_ends_the_transaction {
             "both deposits committed and kept"
         );
         assert_eq!(count(&pool, "audit").await, 0);
+    }
+
+    /// A handler's transaction whose commit fails, SQLite rolling it back
+    /// by itself: the outcome is unknown to the client (503), nothing of it
+    /// stays, and its connection (the only one of an in-memory database)
+    /// goes back to the pool as sqlx counts it, outside any transaction:
+    /// later requests are served, and the application's own transactions
+    /// begin.
+    #[tokio::test]
+    async fn a_handler_transaction_whose_commit_fails_leaves_its_connection_fit() {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let store = idem::SqliteStore::new(pool.clone());
+        store.migrate().await.unwrap();
+        let (addr, _) = app_on(store).await;
+        assert_eq!(post_req("/plain", "").key("k-paid").send(addr).await.status, 201);
+        let failed = post_req("/charge", r#"{"then":"commit_fails"}"#)
+            .key("k-commit")
+            .send(addr)
+            .await;
+        outcome_unknown(&failed);
+        assert_eq!(count(&pool, "audit").await, 0, "the failed commit kept nothing");
+        other_requests_are_served(addr).await;
+        let replay = post_req("/plain", "").key("k-paid").send(addr).await;
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        let mut deposit = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+        sqlx::query("INSERT INTO ledger (amount) VALUES (7)")
+            .execute(&mut *deposit)
+            .await
+            .unwrap();
+        deposit.commit().await.unwrap();
     }
 }
 

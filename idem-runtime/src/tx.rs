@@ -195,11 +195,23 @@ impl PendingTx {
                     unwind_later(tx);
                     return Err(TxFailure::NotCommitted(e));
                 }
-                bounded(lite.timeout(), async {
-                    tx.commit().await.map_err(crate::sql::map_err)
+                // Committed through sqlx's transaction manager, on the
+                // connection, so that the transaction stays in hand when the
+                // commit fails: SQLite may then have rolled it back by itself
+                // while sqlx still counts it, and the connection must not go
+                // back to the pool so (every `BEGIN` on it would fail). Once
+                // committed, sqlx counts none: dropping the transaction then
+                // rolls nothing back.
+                use sqlx_core::transaction::TransactionManager as _;
+                type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
+                let committed = bounded(lite.timeout(), async {
+                    Manager::commit(&mut tx).await.map_err(crate::sql::map_err)
                 })
-                .await
-                .map_err(TxFailure::Unknown)
+                .await;
+                if committed.is_err() {
+                    unwind_later(tx);
+                }
+                committed.map_err(TxFailure::Unknown)
             }
         }
     }
