@@ -436,3 +436,78 @@ fn a_leader_lost_with_its_runtime_answers_the_writes_queued_behind_it() {
         assert_replays(&store, &key).await;
     });
 }
+
+/// A write from a current-thread runtime that is driven only while one of
+/// its calls waits (`block_on`), then left idle: once its caller is
+/// answered, no leader of the store's groups stays on that runtime waiting
+/// for the write permit (it would get the permit in its turn and keep it,
+/// and every other writer would wait for its timeout). Here another
+/// writer holds the permit for a moment (a trigger makes its update slow)
+/// right when the idle runtime's group is done.
+#[test]
+fn no_leader_waits_on_a_runtime_that_is_no_longer_driven() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
+    let store = store.with_timeout(Duration::from_secs(3));
+    let beating = idem_testkit::unique("beating");
+    let beating_token = main.block_on(reserved(&store, &beating));
+    main.block_on(
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TRIGGER slow BEFORE UPDATE ON idempotency_keys WHEN NEW.key = '{beating}' \
+             BEGIN SELECT count(*) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL \
+             SELECT x + 1 FROM c WHERE x < 300000) SELECT x FROM c); END;"
+        )))
+        .execute(store.pool()),
+    )
+    .unwrap();
+
+    let key = idem_testkit::unique("sync");
+    let mut paused = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &key);
+    let sync = {
+        let store = store.clone();
+        let key = key.clone();
+        std::thread::spawn(move || {
+            let idle = runtime();
+            let answer = idle.block_on(store.reserve(req(&id(&key), idem_testkit::token())));
+            // Kept, and not driven, until the end.
+            (idle, answer)
+        })
+    };
+    // It yields the heartbeat's task, which runs on while the thread of the
+    // idle runtime is joined.
+    #[allow(clippy::async_yields_async)]
+    let heartbeat = main.block_on(async {
+        paused.reached().await;
+        // A heartbeat of another request, in line for the permit (its
+        // first poll queues it) behind the paused group.
+        let mut heartbeat = Box::pin({
+            let store = store.clone();
+            let beating = beating.clone();
+            async move { store.extend_lock(&id(&beating), beating_token, LONG).await }
+        });
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(std::future::Future::poll(heartbeat.as_mut(), &mut cx).is_pending());
+        let heartbeat = tokio::spawn(heartbeat);
+        paused.resume();
+        heartbeat
+    });
+    let (idle, answer) = sync.join().unwrap();
+    assert!(matches!(answer, Ok(Reservation::Reserved(_))), "{answer:?}");
+    main.block_on(async {
+        heartbeat.await.unwrap().unwrap();
+        let started = Instant::now();
+        let later = idem_testkit::unique("later");
+        let token = reserved(&store, &later).await;
+        store.extend_lock(&id(&later), token, LONG).await.unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the store's writers waited {:?}",
+            started.elapsed()
+        );
+    });
+    drop(idle);
+}

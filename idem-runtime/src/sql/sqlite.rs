@@ -645,6 +645,9 @@ struct Job {
     /// without `BEGIN` and `COMMIT` (two statements fewer), as it would
     /// without groups.
     one_statement: bool,
+    /// The runtime its caller waits on, and so drives while it waits: the
+    /// leader of the group it starts runs there.
+    runtime: tokio::runtime::Handle,
 }
 
 /// A [`Job`], its closure's signature spelled out once.
@@ -657,6 +660,7 @@ where
     Job {
         run: Box::new(f),
         one_statement,
+        runtime: tokio::runtime::Handle::current(),
     }
 }
 
@@ -743,42 +747,60 @@ impl SqliteStore {
     /// Queues `job` for the next group commit, starting the task that leads
     /// groups if none runs.
     fn join_group(&self, job: Job) {
+        let runtime = job.runtime.clone();
         let lead = {
             let mut queue = self.group.lock();
             queue.jobs.push(job);
             !std::mem::replace(&mut queue.leading, true)
         };
         if lead {
-            let leading = Leading {
-                group: self.group.clone(),
-                armed: true,
-            };
-            tokio::spawn(self.clone().lead(leading));
+            self.start_leader(&runtime);
         }
     }
 
-    /// Commits groups while writes are queued: each waits its turn at the
-    /// write lock with the process's other writers, then takes every write
-    /// queued by then.
+    /// Starts a leader on `runtime`, its mark made first (see [`Leading`]).
+    fn start_leader(&self, runtime: &tokio::runtime::Handle) {
+        let leading = Leading {
+            group: self.group.clone(),
+            armed: true,
+        };
+        drop(runtime.spawn(self.clone().lead(leading)));
+    }
+
+    /// Commits one group: waits its turn at the write lock with the
+    /// process's other writers, takes every write queued by then, commits
+    /// them, and hands over. Writes queued meanwhile get the next leader,
+    /// on the runtime of the first of them, whose caller drives it while it
+    /// waits; with none queued, none. A leader never waits its turn on a
+    /// runtime that no caller is waiting on: a runtime still alive but no
+    /// longer driven (a current-thread runtime between two `block_on`s)
+    /// would keep the write permit once it was handed to it.
     async fn lead(self, mut leading: Leading) {
-        loop {
-            let Ok(turn) = self.write_turn().await else {
-                return;
-            };
-            let jobs: Vec<Job> = {
-                let mut queue = self.group.lock();
-                if queue.jobs.is_empty() {
-                    // Under the lock that queues: a write queued after this
-                    // starts a leader of its own.
+        let Ok(turn) = self.write_turn().await else {
+            return;
+        };
+        let jobs: Vec<Job> = {
+            let mut queue = self.group.lock();
+            let n = queue.jobs.len().min(GROUP_MAX);
+            queue.jobs.drain(..n).collect()
+        };
+        self.commit_group(jobs).await;
+        drop(turn);
+        let next = {
+            let mut queue = self.group.lock();
+            // Under the lock that queues: a write queued after this starts a
+            // leader of its own.
+            leading.armed = false;
+            match queue.jobs.first() {
+                Some(job) => Some(job.runtime.clone()),
+                None => {
                     queue.leading = false;
-                    leading.armed = false;
-                    return;
+                    None
                 }
-                let n = queue.jobs.len().min(GROUP_MAX);
-                queue.jobs.drain(..n).collect()
-            };
-            self.commit_group(jobs).await;
-            drop(turn);
+            }
+        };
+        if let Some(runtime) = next {
+            self.start_leader(&runtime);
         }
     }
 
