@@ -434,6 +434,21 @@ mod sqlite_ends_the_transaction {
         (serve(app).await, pool)
     }
 
+    /// [`app_on`] an in-memory database of one connection (whose records
+    /// live only as long as it does), with one answer recorded (`k-paid`).
+    async fn one_connection_app() -> (std::net::SocketAddr, sqlx::SqlitePool) {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let store = idem::SqliteStore::new(pool.clone());
+        store.migrate().await.unwrap();
+        let (addr, _) = app_on(store).await;
+        assert_eq!(post_req("/plain", "").key("k-paid").send(addr).await.status, 201);
+        (addr, pool)
+    }
+
     /// 24 requests of other keys, each 201: no connection of the pool is
     /// left unfit.
     async fn other_requests_are_served(addr: std::net::SocketAddr) {
@@ -595,15 +610,7 @@ mod sqlite_ends_the_transaction {
     /// the application's own transactions on the pool commit.
     #[tokio::test]
     async fn a_one_connection_database_keeps_everything_after_savepoints_sqlite_ended() {
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect("sqlite::memory:")
-            .await
-            .unwrap();
-        let store = idem::SqliteStore::new(pool.clone());
-        store.migrate().await.unwrap();
-        let (addr, _) = app_on(store).await;
-        assert_eq!(post_req("/plain", "").key("k-paid").send(addr).await.status, 201);
+        let (addr, pool) = one_connection_app().await;
         for (key, then) in [("k-one", "savepoint"), ("k-two", "deeper")] {
             let lost = post_req("/charge", &format!(r#"{{"then":"{then}"}}"#))
                 .key(key)
@@ -646,15 +653,7 @@ mod sqlite_ends_the_transaction {
     /// begin.
     #[tokio::test]
     async fn a_handler_transaction_whose_commit_fails_leaves_its_connection_fit() {
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect("sqlite::memory:")
-            .await
-            .unwrap();
-        let store = idem::SqliteStore::new(pool.clone());
-        store.migrate().await.unwrap();
-        let (addr, _) = app_on(store).await;
-        assert_eq!(post_req("/plain", "").key("k-paid").send(addr).await.status, 201);
+        let (addr, pool) = one_connection_app().await;
         let failed = post_req("/charge", r#"{"then":"commit_fails"}"#)
             .key("k-commit")
             .send(addr)
