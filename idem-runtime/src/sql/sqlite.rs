@@ -508,31 +508,7 @@ impl SqliteStore {
                     answer: Box::new(move |committed| {
                         let taken = taken.and_then(|t| committed.map(|()| t));
                         if let Err(Ok(Reservation::Reserved(lease))) = answer.send(taken) {
-                            tokio::spawn(async move {
-                                tracing::warn!(
-                                    "a reservation took its key after its caller gave up; giving the key back"
-                                );
-                                let until = tokio::time::Instant::now() + owned.lock_timeout();
-                                // As it was found (see `IdempotencyStore::hand_back`).
-                                let given = crate::store::retry_until(until, || {
-                                    IdempotencyStore::hand_back(
-                                        &store,
-                                        owned.id(),
-                                        owned.token(),
-                                        lease.is_takeover(),
-                                    )
-                                })
-                                .await;
-                                match given {
-                                    Ok(()) | Err(StoreError::LockLost) => {}
-                                    Err(e) => {
-                                        tracing::error!(
-                                            error = %e,
-                                            "could not give back a key taken after its caller gave up"
-                                        );
-                                    }
-                                }
-                            });
+                            tokio::spawn(store.give_back(owned, lease.is_takeover()));
                         }
                     }),
                 }
@@ -543,6 +519,24 @@ impl SqliteStore {
             .map_err(|_| StoreError::backend("the reservation's write did not finish"))?;
         pause_point!(crate::pause::RESERVE_AFTER, &key);
         answer
+    }
+
+    /// Gives back a key that a reservation took after its caller gave up on
+    /// it, as it was found (see `IdempotencyStore::hand_back`), so that no
+    /// lock stays that nobody holds.
+    async fn give_back(self, owned: sql::OwnedReserve, taken_over: bool) {
+        tracing::warn!("a reservation took its key after its caller gave up; giving the key back");
+        let until = tokio::time::Instant::now() + owned.lock_timeout();
+        let given = crate::store::retry_until(until, || {
+            IdempotencyStore::hand_back(&self, owned.id(), owned.token(), taken_over)
+        })
+        .await;
+        match given {
+            Ok(()) | Err(StoreError::LockLost) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "could not give back a key taken after its caller gave up");
+            }
+        }
     }
 
     /// Takes the key, on the group's connection, in its transaction, which
@@ -625,7 +619,8 @@ struct Group {
 #[derive(Default)]
 struct Queue {
     jobs: Vec<Job>,
-    /// Whether a task is leading groups: it takes every job queued.
+    /// Whether a leader runs (or is being started): it, or the leader it
+    /// hands over to, takes every job queued.
     leading: bool,
 }
 
