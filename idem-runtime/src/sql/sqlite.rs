@@ -51,7 +51,9 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// is what bounds a first request's throughput). Nothing is answered
 /// before that transaction's commit, and a write rolled back is never
 /// answered as done. A write whose statement fails ends its group's
-/// transaction there; the writes after it go on in another.
+/// transaction there; the writes after it go on in another. The groups are
+/// committed on a thread of idem's own (one for the process), so that no
+/// write waits on a runtime that nothing drives any more.
 ///
 /// ```
 /// use idem::SqliteStore;
@@ -619,8 +621,8 @@ struct Group {
 #[derive(Default)]
 struct Queue {
     jobs: Vec<Job>,
-    /// Whether a leader runs (or is being started): it, or the leader it
-    /// hands over to, takes every job queued.
+    /// Whether a leader runs (or is being started): it takes every job
+    /// queued.
     leading: bool,
 }
 
@@ -640,9 +642,6 @@ struct Job {
     /// without `BEGIN` and `COMMIT` (two statements fewer), as it would
     /// without groups.
     one_statement: bool,
-    /// The runtime its caller waits on, and so drives while it waits: the
-    /// leader of the group it starts runs there.
-    runtime: tokio::runtime::Handle,
 }
 
 /// A [`Job`], its closure's signature spelled out once.
@@ -655,7 +654,6 @@ where
     Job {
         run: Box::new(f),
         one_statement,
-        runtime: tokio::runtime::Handle::current(),
     }
 }
 
@@ -705,11 +703,31 @@ impl Written {
     }
 }
 
+/// The runtime the store's group leaders run on: one thread of its own for
+/// the process, driven until the process ends, started with the first
+/// group (and again later, if starting it failed).
+fn leaders() -> Option<tokio::runtime::Handle> {
+    static LEADERS: std::sync::Mutex<Option<tokio::runtime::Handle>> = std::sync::Mutex::new(None);
+    let mut leaders = LEADERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if leaders.is_none() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        let handle = runtime.handle().clone();
+        std::thread::Builder::new()
+            .name("idem-sqlite-commit".into())
+            .spawn(move || runtime.block_on(std::future::pending::<()>()))
+            .ok()?;
+        *leaders = Some(handle);
+    }
+    leaders.clone()
+}
+
 /// The leader's mark, made before its task is spawned and dropped with it.
-/// A leader that ends without handing over (its task dropped before it was
-/// ever polled, or while it ran, when its runtime shuts down, or a panic)
-/// clears it, and answers every write still queued with an error at once
-/// (dropping a job drops its caller's answer channel): they would
+/// A leader that ends before the queue is empty (a panic, or its task
+/// dropped) clears it, and answers every write still queued with an error
+/// at once (dropping a job drops its caller's answer channel): they would
 /// otherwise wait for their timeout, and the next write queued starts a
 /// leader of its own.
 struct Leading {
@@ -742,60 +760,56 @@ impl SqliteStore {
     /// Queues `job` for the next group commit, starting the task that leads
     /// groups if none runs.
     fn join_group(&self, job: Job) {
-        let runtime = job.runtime.clone();
         let lead = {
             let mut queue = self.group.lock();
             queue.jobs.push(job);
             !std::mem::replace(&mut queue.leading, true)
         };
         if lead {
-            self.start_leader(&runtime);
+            // Its mark made first (see `Leading`): if it cannot start, the
+            // mark's drop answers the queued writes with an error at once.
+            let leading = Leading {
+                group: self.group.clone(),
+                armed: true,
+            };
+            match leaders() {
+                Some(runtime) => drop(runtime.spawn(self.clone().lead(leading))),
+                None => {
+                    tracing::error!("cannot start the thread that commits SQLite's writes");
+                    drop(leading);
+                }
+            }
         }
     }
 
-    /// Starts a leader on `runtime`, its mark made first (see [`Leading`]).
-    fn start_leader(&self, runtime: &tokio::runtime::Handle) {
-        let leading = Leading {
-            group: self.group.clone(),
-            armed: true,
-        };
-        drop(runtime.spawn(self.clone().lead(leading)));
-    }
-
-    /// Commits one group: waits its turn at the write lock with the
-    /// process's other writers, takes every write queued by then, commits
-    /// them, and hands over. Writes queued meanwhile get the next leader,
-    /// on the runtime of the first of them, whose caller drives it while it
-    /// waits; with none queued, none. A leader never waits its turn on a
-    /// runtime that no caller is waiting on: a runtime still alive but no
-    /// longer driven (a current-thread runtime between two `block_on`s)
-    /// would keep the write permit once it was handed to it.
+    /// Commits groups while writes are queued: waits its turn at the write
+    /// lock with the process's other writers, takes every write queued by
+    /// then, commits them, gives the turn back, and goes on while more are
+    /// queued. It runs on [`leaders`]' thread, which nothing but the
+    /// process's end stops driving: a leader on a caller's runtime could be
+    /// left on one that is alive but no longer driven (a current-thread
+    /// runtime between two `block_on`s, its caller gone), and would keep
+    /// the write permit once it was handed to it, or never run at all.
     async fn lead(self, mut leading: Leading) {
-        let Ok(turn) = self.write_turn().await else {
-            return;
-        };
-        let jobs: Vec<Job> = {
+        loop {
+            let Ok(turn) = self.write_turn().await else {
+                return;
+            };
+            let jobs: Vec<Job> = {
+                let mut queue = self.group.lock();
+                let n = queue.jobs.len().min(GROUP_MAX);
+                queue.jobs.drain(..n).collect()
+            };
+            self.commit_group(jobs).await;
+            drop(turn);
             let mut queue = self.group.lock();
-            let n = queue.jobs.len().min(GROUP_MAX);
-            queue.jobs.drain(..n).collect()
-        };
-        self.commit_group(jobs).await;
-        drop(turn);
-        let next = {
-            let mut queue = self.group.lock();
-            // Under the lock that queues: a write queued after this starts a
-            // leader of its own.
-            leading.armed = false;
-            match queue.jobs.first() {
-                Some(job) => Some(job.runtime.clone()),
-                None => {
-                    queue.leading = false;
-                    None
-                }
+            if queue.jobs.is_empty() {
+                // Under the lock that queues: a write queued after this
+                // starts a leader of its own.
+                queue.leading = false;
+                leading.armed = false;
+                return;
             }
-        };
-        if let Some(runtime) = next {
-            self.start_leader(&runtime);
         }
     }
 
