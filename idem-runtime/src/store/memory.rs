@@ -40,6 +40,11 @@ impl MemoryRecord {
         self.expires_at <= now && (self.response.is_some() || self.lock_deadline + self.ttl <= now)
     }
 
+    /// What the janitor removes: gone, and not locked.
+    fn purgeable(&self, now: Instant) -> bool {
+        self.gone(now) && !self.lock_live(now)
+    }
+
     /// Its row of the state table.
     fn state(&self, now: Instant) -> RecordState {
         if self.gone(now) && !self.lock_live(now) {
@@ -68,9 +73,12 @@ impl MemoryRecord {
 /// stalls the others (the slowest reservation while it grows past a
 /// million records: 4 to 8 ms, against 270 to 360 ms for one locked map;
 /// `cargo run --release --example bench -- --growth 1200000`). Memory is
-/// bounded by the records within their retention: expired ones stay until
-/// [`purge_expired`](crate::purge_expired) (or a [`Janitor`](crate::Janitor))
-/// removes them, about 1 kB each plus the stored body.
+/// bounded by the records within their retention, about 1 kB each plus the
+/// stored body: a shard that is full first drops its expired records (by
+/// the rule of [`purge_expired`](crate::purge_expired), which a
+/// [`Janitor`](crate::Janitor) runs) before it grows, so without a janitor
+/// it holds at most about four times the most records it has held within
+/// their retention at once.
 ///
 /// ```
 /// use idem::MemoryStore;
@@ -130,6 +138,9 @@ impl Place<'_> {
         match self.get_mut() {
             Some(r) => *r = record,
             None => {
+                if self.shard.len() == self.shard.capacity() {
+                    make_room(&mut self.shard, Instant::now());
+                }
                 let slot = Slot {
                     hash: self.hash,
                     id: self.id.clone(),
@@ -145,6 +156,21 @@ impl Place<'_> {
         if let Ok(slot) = self.shard.find_entry(hash, |s| s.is(hash, id)) {
             slot.remove();
         }
+    }
+}
+
+/// Makes room in a full shard before a record is added: removes what the
+/// janitor would (so that a store no janitor runs on still holds no more
+/// than a few times its most records within retention), and if that left it more
+/// than half full, grows it to twice what it holds. The sweep runs only
+/// where the table would have doubled, moving every record, anyway; and
+/// the next one comes no sooner than as many additions again as it holds,
+/// never on every addition (one record gone per addition would otherwise
+/// sweep the whole shard each time).
+fn make_room(shard: &mut Shard, now: Instant) {
+    shard.retain(|slot| !slot.record.purgeable(now));
+    if shard.len() > shard.capacity() / 2 {
+        shard.reserve(shard.len(), |s| s.hash);
     }
 }
 
@@ -386,8 +412,7 @@ impl IdempotencyStore for MemoryStore {
                 }
                 let now = Instant::now();
                 lock(shard).retain(|slot| {
-                    let doomed =
-                        removed < u64::from(batch) && slot.record.gone(now) && !slot.record.lock_live(now);
+                    let doomed = removed < u64::from(batch) && slot.record.purgeable(now);
                     removed += u64::from(doomed);
                     !doomed
                 });
@@ -454,6 +479,116 @@ mod tests {
         assert_eq!(fingerprint_at(&shard, 7, &a), None);
         assert_eq!(fingerprint_at(&shard, 7, &b).as_deref(), Some("fp-b"));
         assert_eq!(lock(&shard).len(), 1);
+    }
+
+    /// A full shard with one record gone sweeps it, and then grows: the
+    /// next sweep is as many additions away as it holds, not one.
+    #[test]
+    fn a_full_shard_sweeps_then_grows_to_twice_what_it_holds() {
+        let shard = Mutex::new(Shard::default());
+        let live = |fp: &str| MemoryRecord {
+            lock_deadline: Instant::now() + Duration::from_secs(60),
+            expires_at: Instant::now() + Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            ..record(fp)
+        };
+        let ids: Vec<RecordId> = (0..1000)
+            .map(|i| RecordId::new("t", "s", format!("k{i}")))
+            .collect();
+        let place = |i: usize| Place {
+            shard: lock(&shard),
+            hash: i as u64,
+            id: &ids[i],
+        };
+        // Filled: the first record gone (a completed one past its TTL),
+        // the rest live.
+        let full = || {
+            let shard = lock(&shard);
+            shard.len() == shard.capacity()
+        };
+        let mut n = 0;
+        while n < 2 || !full() {
+            let r = if n == 0 {
+                MemoryRecord {
+                    response: Some(StoredResponse {
+                        status: 200,
+                        headers: vec![],
+                        body: None,
+                    }),
+                    ..record("gone")
+                }
+            } else {
+                live("live")
+            };
+            place(n).put(r);
+            n += 1;
+        }
+        let filled = lock(&shard).capacity();
+        place(n).put(live("new"));
+        let (len, capacity) = {
+            let shard = lock(&shard);
+            (shard.len(), shard.capacity())
+        };
+        assert_eq!(len, filled, "the gone record made room for the new one");
+        assert_eq!(fingerprint_at(&shard, 0, &ids[0]), None);
+        assert!(capacity >= 2 * len, "grown to {capacity} for {len}");
+        for (i, id) in ids.iter().enumerate().take(n + 1).skip(1) {
+            assert!(fingerprint_at(&shard, i as u64, id).is_some(), "{i} kept");
+        }
+    }
+
+    /// A store on which no janitor runs drops the records that are gone as
+    /// its shards fill, and keeps every record within its retention.
+    #[test]
+    fn a_store_without_a_janitor_drops_what_is_gone_as_it_grows() {
+        let store = MemoryStore::new();
+        let reserve_complete = |key: String, ttl: Duration| {
+            let id = RecordId::new("t", "s", key);
+            let request = ReserveRequest {
+                id: &id,
+                fingerprint: "fp",
+                token: "token",
+                ttl,
+                lock_timeout: Duration::from_secs(60),
+            };
+            assert!(matches!(store.reserve_now(request), Reservation::Reserved(_)));
+            let mut place = store.place(&id);
+            let r = place.get_mut().unwrap();
+            r.response = Some(StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: None,
+            });
+            r.token = None;
+            r.expires_at = Instant::now() + ttl;
+        };
+        for i in 0..20_000 {
+            reserve_complete(format!("old{i}"), Duration::from_millis(1));
+        }
+        // Past their retention (a deadline, not an ordering).
+        std::thread::sleep(Duration::from_millis(20));
+        for i in 0..20_000 {
+            reserve_complete(format!("new{i}"), Duration::from_secs(60));
+        }
+        let held = store.len();
+        assert!(
+            (20_000..30_000).contains(&held),
+            "{held} records held for 20,000 within retention"
+        );
+        for i in 0..20_000 {
+            let id = RecordId::new("t", "s", format!("new{i}"));
+            let request = ReserveRequest {
+                id: &id,
+                fingerprint: "fp",
+                token: "other",
+                ttl: Duration::from_secs(60),
+                lock_timeout: Duration::from_secs(60),
+            };
+            assert!(
+                matches!(store.reserve_now(request), Reservation::Completed(_)),
+                "new{i}"
+            );
+        }
     }
 
     /// Tables that grow many times over keep every record where a lookup
