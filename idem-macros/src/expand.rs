@@ -475,6 +475,7 @@ fn split_return_type(ty: &Type) -> (Type, Type, Vec<(syn::Ident, TokenStream)>, 
 //                 };
 //                 (::idem::__private::IntoResponse::into_response(__idem_out), __idem_class)
 //             })
+//             .await
 fn run_call(
     names: &Names,
     keying: &Keying,
@@ -508,15 +509,16 @@ fn run_call(
             };
             (#private::IntoResponse::into_response(#out), #class)
         })
+        .await
     }
 }
 
 // Input:  the checked arguments and handler.
 // Output: the handler as axum sees it, with the same attributes, visibility
 //         and generics, whose body is one runtime call:
-//             #[attrs] vis fn create(__idem_ctx: ::idem::__private::Context,
+//             #[attrs] vis async fn create(__idem_ctx: ::idem::__private::Context,
 //                     State(s): State<App>, __idem_body: ::idem::__private::Raw<Json<In>>)
-//                     -> impl Future<Output = ::idem::__private::Response> + Send {
+//                     -> ::idem::__private::Response {
 //                 let __idem_spec = ..;   // `spec_block`
 //                 const _: () = ..;       // `json_check`
 //                 let __idem_fp = {
@@ -524,13 +526,8 @@ fn run_call(
 //                     ::idem::__private::fingerprint_request(&__idem_ctx, __idem_spec,
 //                         ::idem::__private::print_body::<Json<In>>(&__idem_body), &[..])
 //                 };
-//                 ::idem::__private::run(__idem_ctx, __idem_spec, __idem_fp, ..) // `run_call`
+//                 ::idem::__private::run(__idem_ctx, __idem_spec, __idem_fp, ..).await // `run_call`
 //             }
-//         Not an `async fn`: its future would hold the context and the body
-//         twice (as arguments and as locals) beside the protocol's, and axum
-//         allocates it for every request; this way that future is the
-//         protocol's alone, and the fingerprint is taken when axum calls the
-//         handler, right before it polls it.
 fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
     let names = Names::new(args);
     let Names {
@@ -586,8 +583,7 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
     }
     quote! {
         #(#attrs)*
-        #vis #constness #unsafety #abi #fn_token #ident #generics (#(#params),*)
-            -> impl ::core::future::Future<Output = #private::Response> + ::core::marker::Send
+        #vis #constness async #unsafety #abi #fn_token #ident #generics (#(#params),*) -> #private::Response
         #where_clause
         {
             #spec_block
@@ -628,17 +624,7 @@ mod tests {
         assert!(ctx < state && state < body, "{out}");
         assert!(out.contains("\"amount\""), "{out}");
         assert!(out.contains("let Json (p) = __idem_body . value ;"), "{out}");
-        // A plain `fn` whose future is the runtime's: no `async fn` around
-        // it, so nothing is awaited in between.
-        assert!(
-            out.starts_with(
-                "fn create (__idem_ctx : :: idem :: __private :: Context , State (s) : State < App > , \
-                 __idem_body : :: idem :: __private :: Raw < Json < In > >) -> impl :: core :: future :: Future \
-                 < Output = :: idem :: __private :: Response > + :: core :: marker :: Send {"
-            ),
-            "{out}"
-        );
-        assert!(!out.contains(". await }"), "{out}");
+        assert!(out.contains("-> :: idem :: __private :: Response"), "{out}");
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub(crate) async fn record_completion(
     tx: Option<PendingTx>,
 ) -> Result<(), Response> {
     if !info.settle() {
-        return Err(Box::pin(refuse_lost(engine, info, lock_timeout, tx)).await);
+        return Err(refuse_lost(engine, info, lock_timeout, tx).await);
     }
     let recorded = completing(engine, info, lock_timeout, stored, tx).await;
     info.settled(recorded.is_ok());

@@ -507,11 +507,7 @@ pub(crate) async fn execute(
     pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
     // The handler is done: its transaction, if any, is ours now.
     let tx = info.tx.lock().await.take();
-    // Boxed apart, as is the completion's write inside it: each future of
-    // a request then stays under 1 kB, which glibc's allocator serves from
-    // its per-thread cache; one allocation of the whole (2.1 kB) took its
-    // slow path on every first request, and swept its fast bins.
-    Box::pin(finish(&engine, &info, clock.lock_timeout, outcome, tx, beat)).await
+    finish(&engine, &info, clock.lock_timeout, outcome, tx, beat).await
 }
 
 pub(crate) type Caught = Result<(Response, Option<Classification>), Box<dyn std::any::Any + Send>>;
@@ -653,8 +649,7 @@ pub(crate) async fn finish(
             .await;
         }
     };
-    // Boxed: see `execute`.
-    if let Err(refusal) = Box::pin(record_completion(engine, info, lock_timeout, &stored, tx)).await {
+    if let Err(refusal) = record_completion(engine, info, lock_timeout, &stored, tx).await {
         return refusal;
     }
     drop(beat);

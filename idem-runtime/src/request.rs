@@ -96,10 +96,7 @@ where
                 chunk
             }))
         });
-        // Boxed: `E`'s future (`Json`'s is about 900 bytes) inside this
-        // one would make the handler future that axum allocates for every
-        // request larger than 1 kB (see `protocol::execute`).
-        let value = Box::pin(E::from_request(req, state))
+        let value = E::from_request(req, state)
             .await
             .map_err(IntoResponse::into_response)?;
         let (first, rest) = std::mem::take(&mut *seen.lock().unwrap_or_else(|e| e.into_inner()));

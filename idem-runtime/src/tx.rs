@@ -8,14 +8,12 @@ use crate::store::{RecordId, StoreError, StoredResponse};
 use crate::IdempotencyStore;
 
 /// A handler's open transaction, held until the runtime knows the outcome.
-/// Boxed: every step of an execution's outcome carries an
-/// `Option<PendingTx>`, and most executions open none.
 pub(crate) enum PendingTx {
     /// With the store it was opened on, which also completes the record.
     #[cfg(feature = "postgres")]
-    Pg(Box<(sqlx::Transaction<'static, sqlx::Postgres>, crate::PgStore)>),
+    Pg(sqlx::Transaction<'static, sqlx::Postgres>, crate::PgStore),
     #[cfg(feature = "sqlite")]
-    Sqlite(Box<(sqlx::Transaction<'static, sqlx::Sqlite>, crate::SqliteStore)>),
+    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>, crate::SqliteStore),
 }
 
 /// The connection of a handler's transaction, borrowed from its
@@ -30,12 +28,12 @@ impl PendingTx {
         let pg = any
             .downcast_ref::<crate::PgStore>()
             .ok_or_else(|| StoreError::backend("pg_transaction needs the layer's store to be a PgStore"))?;
-        Ok(PendingTx::Pg(Box::new((pg.begin_tx().await?, pg.clone()))))
+        Ok(PendingTx::Pg(pg.begin_tx().await?, pg.clone()))
     }
 
     pub(crate) fn pg(&mut self) -> Option<&mut sqlx::PgConnection> {
         match self {
-            PendingTx::Pg(pair) => Some(&mut *pair.0),
+            PendingTx::Pg(tx, _) => Some(&mut **tx),
             #[allow(unreachable_patterns)]
             _ => None,
         }
@@ -49,15 +47,12 @@ impl PendingTx {
         let lite = any.downcast_ref::<crate::SqliteStore>().ok_or_else(|| {
             StoreError::backend("sqlite_transaction needs the layer's store to be a SqliteStore")
         })?;
-        Ok(PendingTx::Sqlite(Box::new((
-            lite.begin_tx().await?,
-            lite.clone(),
-        ))))
+        Ok(PendingTx::Sqlite(lite.begin_tx().await?, lite.clone()))
     }
 
     pub(crate) fn sqlite(&mut self) -> Option<&mut sqlx::SqliteConnection> {
         match self {
-            PendingTx::Sqlite(pair) => Some(&mut *pair.0),
+            PendingTx::Sqlite(tx, _) => Some(&mut **tx),
             #[allow(unreachable_patterns)]
             _ => None,
         }
@@ -166,8 +161,7 @@ impl PendingTx {
         let _ = (id, token, response);
         match self {
             #[cfg(feature = "postgres")]
-            PendingTx::Pg(pair) => {
-                let (mut tx, pg) = *pair;
+            PendingTx::Pg(mut tx, pg) => {
                 // Each step is bounded: past the timeout the completion did not
                 // happen (the transaction rolls back when dropped), while a
                 // commit that does not answer may have happened.
@@ -181,8 +175,7 @@ impl PendingTx {
                 .map_err(TxFailure::Unknown)
             }
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(pair) => {
-                let (mut tx, lite) = *pair;
+            PendingTx::Sqlite(mut tx, lite) => {
                 match bounded(lite.timeout(), sqlite_transaction_lost(&mut tx)).await {
                     Ok(false) => {}
                     Ok(true) => {
@@ -231,8 +224,7 @@ impl PendingTx {
     pub(crate) async fn rollback(self) -> bool {
         match self {
             #[cfg(feature = "postgres")]
-            PendingTx::Pg(pair) => {
-                let (tx, pg) = *pair;
+            PendingTx::Pg(tx, pg) => {
                 log_rollback(
                     bounded(pg.timeout(), async {
                         tx.rollback().await.map_err(crate::sql::map_err)
@@ -242,8 +234,7 @@ impl PendingTx {
                 true
             }
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(pair) => {
-                let (mut tx, lite) = *pair;
+            PendingTx::Sqlite(mut tx, lite) => {
                 let lost = bounded(lite.timeout(), sqlite_transaction_lost(&mut tx)).await;
                 if let Err(e) = &lost {
                     tracing::warn!(error = %e, "cannot tell whether SQLite ended the handler's transaction");

@@ -1,6 +1,5 @@
-// A handler whose future is not `Send` (an `Rc` held across an await):
-// axum would refuse it at the route; the attribute's handler says so where
-// the handler is written.
+// A handler whose future is not `Send` (an `Rc` held across an await): the
+// error points at the value held and the await.
 use axum::{routing::post, Json, Router};
 use idem::idempotent;
 use std::rc::Rc;

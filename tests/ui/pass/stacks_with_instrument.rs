@@ -20,8 +20,24 @@ async fn inner_instrument(Json(order): Json<OrderIn>) -> String {
     order.sku
 }
 
+// `ret` records the handler's answer: below the attribute it sees the
+// handler as written.
+#[idempotent(scope = "order.replace", fields(sku))]
+#[tracing::instrument(skip_all, ret)]
+async fn inner_instrument_ret(Json(order): Json<OrderIn>) -> String {
+    order.sku
+}
+
+#[tracing::instrument(skip_all, ret)]
+#[idempotent(scope = "order.delete", fields(sku))]
+async fn outer_instrument_ret(Json(order): Json<OrderIn>) -> String {
+    order.sku
+}
+
 fn main() {
     let _app: Router = Router::new()
         .route("/a", post(outer_instrument))
-        .route("/b", post(inner_instrument));
+        .route("/b", post(inner_instrument))
+        .route("/c", post(inner_instrument_ret))
+        .route("/d", post(outer_instrument_ret));
 }
