@@ -560,3 +560,159 @@ fn a_write_given_up_in_line_on_an_idle_runtime_holds_no_writer_back() {
     });
     drop(idle);
 }
+
+/// The record of `key`, as its state and lock token.
+async fn row(store: &SqliteStore, key: &str) -> Option<(String, Option<String>)> {
+    sqlx::query_as("SELECT state, lock_token FROM idempotency_keys WHERE key = ?")
+        .bind(key)
+        .fetch_optional(store.pool())
+        .await
+        .unwrap()
+}
+
+/// A reservation whose caller gave up on it in line (its timeout), on a
+/// current-thread runtime then left idle: when the write lock frees, the
+/// key it took anyway is given back (undone on the writers' thread, not on
+/// that runtime), so the client's retry takes it, rather than meeting a
+/// lock that no execution holds until its lock timeout.
+#[test]
+fn a_reservation_given_up_in_line_on_an_idle_runtime_leaves_no_lock() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
+    let patient = store.clone().with_timeout(Duration::from_secs(10));
+    let hasty = store.with_timeout(Duration::from_millis(300));
+    let (paused, _holder) = main.block_on(hold_the_permit(&patient));
+    let gone = idem_testkit::unique("gone");
+    let (idle, answer) = {
+        let (hasty, gone) = (hasty.clone(), gone.clone());
+        std::thread::spawn(move || {
+            let idle = runtime();
+            let answer = idle.block_on(hasty.reserve(req(&id(&gone), "hasty-token")));
+            // Kept, and not driven, until the end.
+            (idle, answer)
+        })
+        .join()
+        .unwrap()
+    };
+    assert!(answer.is_err(), "{answer:?}");
+    main.block_on(async {
+        drop(paused);
+        // A write queued after it: once it is answered, the reservation's
+        // group has committed (it took the key: its undo still waited for
+        // its answer), and the key is being given back.
+        let after = idem_testkit::unique("after");
+        reserved(&patient, &after).await;
+        let until = Instant::now() + Duration::from_secs(10);
+        while row(&patient, &gone).await.is_some() && Instant::now() < until {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(row(&patient, &gone).await, None, "a lock nobody holds stayed");
+        let retry = patient.reserve(req(&id(&gone), "retry-token")).await;
+        assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
+    });
+    drop(idle);
+}
+
+/// A release (as an execution's task runs it) waiting in line for the write
+/// permit on a current-thread runtime that is then left idle: it runs on
+/// the writers' thread, so it does not get the permit there and keep it;
+/// the writes after it are served at once.
+#[test]
+fn a_release_in_line_on_an_idle_runtime_holds_no_writer_back() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
+    let store = store.with_timeout(Duration::from_secs(5));
+    let released = idem_testkit::unique("released");
+    let token = main.block_on(reserved(&store, &released));
+    let (paused, _holder) = main.block_on(hold_the_permit(&store));
+    let idle = {
+        let (store, released) = (store.clone(), released.clone());
+        std::thread::spawn(move || {
+            let idle = runtime();
+            idle.block_on(async move {
+                let task = tokio::spawn(async move { store.release(&id(&released), token).await });
+                // The spawned release runs (and queues) at the first yield.
+                for _ in 0..3 {
+                    tokio::task::yield_now().await;
+                }
+                assert!(!task.is_finished());
+            });
+            // Kept, and not driven, until the end.
+            idle
+        })
+        .join()
+        .unwrap()
+    };
+    main.block_on(async {
+        drop(paused);
+        let started = Instant::now();
+        for _ in 0..2 {
+            let key = idem_testkit::unique("after");
+            let token = reserved(&store, &key).await;
+            store.complete(&id(&key), token, &answer(&key)).await.unwrap();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "the writes after it waited {:?}",
+            started.elapsed()
+        );
+        // The release itself ran to its end.
+        let until = Instant::now() + Duration::from_secs(10);
+        while row(&store, &released).await.and_then(|r| r.1).is_some() && Instant::now() < until {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(row(&store, &released).await.map(|r| r.1), Some(None));
+    });
+    drop(idle);
+}
+
+/// A reservation answered from its read (here a conflict) on a
+/// current-thread runtime then left idle, on the documented one-connection
+/// database in memory: the connection goes back to its pool all the same
+/// (sqlx gives it back from a task, which runs on the writers' thread), and
+/// the next write is served at once.
+#[test]
+fn a_read_on_an_idle_runtime_gives_its_connection_back() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = main
+        .block_on(in_memory_store())
+        .with_timeout(Duration::from_secs(3));
+    let key = idem_testkit::unique("held");
+    main.block_on(reserved(&store, &key));
+    let idle = {
+        let (store, key) = (store.clone(), key.clone());
+        std::thread::spawn(move || {
+            let idle = runtime();
+            let read = idle.block_on(store.reserve(req(&id(&key), idem_testkit::token())));
+            assert!(matches!(read, Ok(Reservation::InProgress { .. })), "{read:?}");
+            // Kept, and not driven, until the end.
+            idle
+        })
+        .join()
+        .unwrap()
+    };
+    main.block_on(async {
+        let started = Instant::now();
+        let key = idem_testkit::unique("next");
+        let token = reserved(&store, &key).await;
+        store.complete(&id(&key), token, &answer(&key)).await.unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the next write waited {:?}",
+            started.elapsed()
+        );
+    });
+    drop(idle);
+}

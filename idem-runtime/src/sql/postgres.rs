@@ -286,9 +286,15 @@ impl PgStore {
 
 impl IdempotencyStore for PgStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
-        Box::pin(sql::reserve_detached(self, self.timeout, req, |store, req| {
-            Box::pin(async move { store.reserve_once(req.request()).await })
-        }))
+        // On the caller's runtime: the pool's connections are registered
+        // with the runtime that opened them.
+        Box::pin(sql::reserve_detached(
+            self,
+            self.timeout,
+            None,
+            req,
+            |store, req| Box::pin(async move { store.reserve_once(req.request()).await }),
+        ))
     }
 
     sql::fenced_ops!();

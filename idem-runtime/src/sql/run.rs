@@ -49,10 +49,13 @@ impl OwnedReserve {
 /// after anything the caller does to undo it): they run on in the
 /// background, and if they took the key after all, it is given back at once
 /// by a release fenced by the reservation's token. Statements still running
-/// a lock timeout later are abandoned.
+/// a lock timeout later are abandoned. That runs on `background` (or, with
+/// `None`, on the caller's runtime), which must be driven for it to run: a
+/// caller's runtime may not be once the caller has given up.
 pub(crate) async fn reserve_detached<S>(
     store: &S,
     limit: std::time::Duration,
+    background: Option<tokio::runtime::Handle>,
     req: crate::store::ReserveRequest<'_>,
     run: impl FnOnce(
         S,
@@ -100,7 +103,11 @@ where
                     tracing::warn!("a reservation answered after its timeout; gave the key back");
                 }
             };
-            tokio::spawn(tracing::Instrument::in_current_span(undo));
+            let undo = tracing::Instrument::in_current_span(undo);
+            match background {
+                Some(runtime) => drop(runtime.spawn(undo)),
+                None => drop(tokio::spawn(undo)),
+            }
             Err(StoreError::unavailable(format!(
                 "no answer within {} ms",
                 limit.as_millis()

@@ -51,9 +51,14 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// is what bounds a first request's throughput). Nothing is answered
 /// before that transaction's commit, and a write rolled back is never
 /// answered as done. A write whose statement fails ends its group's
-/// transaction there; the writes after it go on in another. The groups are
-/// committed on a thread of idem's own (one for the process), so that no
-/// write waits on a runtime that nothing drives any more.
+/// transaction there; the writes after it go on in another.
+///
+/// The writes in the permit's line run on a thread of idem's own (one for
+/// the process), and what a reservation given up on leaves behind is undone
+/// there: a caller's runtime may no longer be driven once its caller has
+/// an answer or has given up (a current-thread runtime between two
+/// `block_on`s), and a write waiting there would keep the permit, or a
+/// lock taken for nobody would stay.
 ///
 /// ```
 /// use idem::SqliteStore;
@@ -223,13 +228,25 @@ impl SqliteStore {
             .map_err(|_| StoreError::unavailable("the SQLite write queue is closed"))
     }
 
-    /// Runs `write` in this process's turn at the write lock.
-    async fn queued<T>(
-        &self,
-        write: impl std::future::Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let _turn = self.write_turn().await?;
-        write.await
+    /// Runs `write` in this process's turn at the write lock, on
+    /// [`writer_runtime`]'s thread, within the store's timeout: a caller on
+    /// a runtime that is no longer driven (a current-thread runtime between
+    /// two `block_on`s) would get the permit in its turn and keep it, and
+    /// every other writer would wait for its timeout. A write its caller
+    /// gave up on still runs to its end there (every such write is fenced
+    /// by its token, or is the store's own).
+    async fn queued<T, F, W>(&self, write: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(SqliteStore) -> W + Send + 'static,
+        W: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+    {
+        let store = self.clone();
+        on_writer_runtime(sql::bounded(self.timeout, async move {
+            let _turn = store.write_turn().await?;
+            write(store.clone()).await
+        }))
+        .await
     }
 
     /// Brings the table to the schema this build needs: applies, under the
@@ -250,13 +267,20 @@ impl SqliteStore {
     /// # }
     /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let _turn = sql::bounded(self.timeout, self.write_turn()).await?;
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(sql::map_err)?;
-        sql::migrate_in!(self, tx)
+        // On the writers' thread, as every write in the permit's line (see
+        // `queued`); the migrations themselves are not bounded.
+        let store = self.clone();
+        on_writer_runtime(async move {
+            let _turn = sql::bounded(store.timeout, store.write_turn()).await?;
+            let mut tx = store
+                .pool
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(sql::map_err)?;
+            let store = &store;
+            sql::migrate_in!(store, tx)
+        })
+        .await
     }
 
     sql::check_schema!();
@@ -286,8 +310,8 @@ impl SqliteStore {
     pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
         crate::sql::bounded(
             self.timeout,
-            self.queued(async {
-                let mut tx = self
+            self.queued(|store| async move {
+                let mut tx = store
                     .pool
                     .begin_with("BEGIN IMMEDIATE")
                     .await
@@ -313,9 +337,15 @@ pub(crate) const HANDLER_MARK: &str = "SAVEPOINT idem_handler";
 
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
-        Box::pin(sql::reserve_detached(self, self.timeout, req, |store, req| {
-            Box::pin(store.reserve_once(req))
-        }))
+        // What a reservation given up on leaves behind is undone on the
+        // writers' thread: the caller's runtime may no longer be driven.
+        Box::pin(sql::reserve_detached(
+            self,
+            self.timeout,
+            writer_runtime(),
+            req,
+            |store, req| Box::pin(store.reserve_once(req)),
+        ))
     }
 
     // `sql::fenced_ops!` (as on PostgreSQL), but each write in this
@@ -362,10 +392,15 @@ impl IdempotencyStore for SqliteStore {
         id: &'a crate::store::RecordId,
         token: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let (owned_id, owned_token) = (id.clone(), token.to_owned());
         Box::pin(sql::bounded(self.timeout, async move {
             sql::fenced(
-                self.queued(self.owned_write(&self.sql.release, id, token))
-                    .await?,
+                self.queued(|store| async move {
+                    store
+                        .owned_write(&store.sql.release, &owned_id, &owned_token)
+                        .await
+                })
+                .await?,
             )?;
             pause_point!(crate::pause::RELEASE_AFTER, &id.key);
             Ok(())
@@ -377,11 +412,13 @@ impl IdempotencyStore for SqliteStore {
         id: &'a crate::store::RecordId,
         token: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let (owned_id, owned_token) = (id.clone(), token.to_owned());
         Box::pin(sql::bounded(self.timeout, async move {
-            self.queued(async {
-                if self.owned_write(&self.sql.reject, id, token).await? == 0 {
+            self.queued(|store| async move {
+                let (id, token) = (&owned_id, owned_token.as_str());
+                if store.owned_write(&store.sql.reject, id, token).await? == 0 {
                     // A later attempt (or a lost lock): released as failed.
-                    sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
+                    sql::fenced(store.owned_write(&store.sql.release, id, token).await?)?;
                 }
                 Ok(())
             })
@@ -398,9 +435,12 @@ impl IdempotencyStore for SqliteStore {
         taken_over: bool,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         // In this process's turn at the write lock, both statements.
+        let (id, token) = (id.clone(), token.to_owned());
         Box::pin(sql::bounded(
             self.timeout,
-            self.queued(self.hand_back_statements(id, token, taken_over)),
+            self.queued(
+                move |store| async move { store.hand_back_statements(&id, &token, taken_over).await },
+            ),
         ))
     }
 
@@ -410,15 +450,21 @@ impl IdempotencyStore for SqliteStore {
         token: &'a str,
         recovery_point: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let (owned_id, owned_token, point) = (id.clone(), token.to_owned(), recovery_point.to_owned());
         Box::pin(sql::bounded(self.timeout, async move {
-            let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.checkpoint.as_str()))
-                .bind(&id.tenant)
-                .bind(&id.scope)
-                .bind(&id.key)
-                .bind(token)
-                .bind(recovery_point)
-                .execute(&self.pool);
-            let done = self.queued(async { write.await.map_err(sql::map_err) }).await?;
+            let done = self
+                .queued(|store| async move {
+                    sqlx::query(sqlx::AssertSqlSafe(store.sql.checkpoint.as_str()))
+                        .bind(&owned_id.tenant)
+                        .bind(&owned_id.scope)
+                        .bind(&owned_id.key)
+                        .bind(&owned_token)
+                        .bind(&point)
+                        .execute(&store.pool)
+                        .await
+                        .map_err(sql::map_err)
+                })
+                .await?;
             sql::fenced(done.rows_affected())?;
             pause_point!(crate::pause::CHECKPOINT_AFTER, &id.key);
             Ok(())
@@ -431,8 +477,14 @@ impl IdempotencyStore for SqliteStore {
         token: &'a str,
         lock_timeout: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let (owned_id, owned_token) = (id.clone(), token.to_owned());
         Box::pin(sql::bounded(self.timeout, async move {
-            sql::fenced(self.queued(self.extend_write(id, token, lock_timeout)).await?)?;
+            sql::fenced(
+                self.queued(move |store| async move {
+                    store.extend_write(&owned_id, &owned_token, lock_timeout).await
+                })
+                .await?,
+            )?;
             pause_point!(crate::pause::EXTEND_AFTER, &id.key);
             Ok(())
         }))
@@ -441,19 +493,21 @@ impl IdempotencyStore for SqliteStore {
     fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>> {
         Box::pin(async move {
             // Each batch a short write of its own in the queue.
+            let batched = |statement: fn(&Statements) -> &str| {
+                self.queued(move |store| async move {
+                    sqlx::query(sqlx::AssertSqlSafe(statement(&store.sql)))
+                        .bind(i64::from(batch))
+                        .execute(&store.pool)
+                        .await
+                        .map_err(sql::map_err)
+                })
+            };
             sql::set_purge_at(self.timeout, batch, || async {
-                let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge_set.as_str()))
-                    .bind(i64::from(batch))
-                    .execute(&self.pool);
-                let done = self.queued(async { write.await.map_err(sql::map_err) }).await?;
-                Ok(done.rows_affected())
+                Ok(batched(|sql| &sql.purge_set).await?.rows_affected())
             })
             .await?;
             sql::bounded(self.timeout, async move {
-                let write = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
-                    .bind(i64::from(batch))
-                    .execute(&self.pool);
-                let done = self.queued(async { write.await.map_err(sql::map_err) }).await?;
+                let done = batched(|sql| &sql.purge).await?;
                 pause_point!(crate::pause::PURGE_AFTER, &self.sql.table);
                 Ok(done.rows_affected())
             })
@@ -468,14 +522,16 @@ impl SqliteStore {
         let req = owned.request();
         // A read first: a replay, a mismatch or a live lock is answered
         // without the write lock (WAL readers never wait for a writer).
-        let seen = sqlx::query(sqlx::AssertSqlSafe(self.sql.peek.as_str()))
-            .bind(&req.id.tenant)
-            .bind(&req.id.scope)
-            .bind(&req.id.key)
-            .bind(req.fingerprint)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(sql::map_err)?;
+        let seen = in_writer_context(
+            sqlx::query(sqlx::AssertSqlSafe(self.sql.peek.as_str()))
+                .bind(&req.id.tenant)
+                .bind(&req.id.scope)
+                .bind(&req.id.key)
+                .bind(req.fingerprint)
+                .fetch_optional(&self.pool),
+        )
+        .await
+        .map_err(sql::map_err)?;
         if let Some(row) = seen {
             let takeable: i32 =
                 sqlx::Row::try_get(&row, "takeable").map_err(|e| StoreError::backend(e.to_string()))?;
@@ -703,12 +759,13 @@ impl Written {
     }
 }
 
-/// The runtime the store's group leaders run on: one thread of its own for
-/// the process, driven until the process ends, started with the first
-/// group (and again later, if starting it failed).
-fn leaders() -> Option<tokio::runtime::Handle> {
-    static LEADERS: std::sync::Mutex<Option<tokio::runtime::Handle>> = std::sync::Mutex::new(None);
-    let mut leaders = LEADERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+/// The runtime every SQLite store's writes in the permit's line run on (the
+/// group leaders, and each `queued` write): one thread of its own for the
+/// process, driven until the process ends, started with the first write
+/// (and again later, if starting it failed).
+pub(crate) fn writer_runtime() -> Option<tokio::runtime::Handle> {
+    static WRITERS: std::sync::Mutex<Option<tokio::runtime::Handle>> = std::sync::Mutex::new(None);
+    let mut leaders = WRITERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     if leaders.is_none() {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -722,6 +779,36 @@ fn leaders() -> Option<tokio::runtime::Handle> {
         *leaders = Some(handle);
     }
     leaders.clone()
+}
+
+/// Polls `read` in the context of [`writer_runtime`], in the caller's
+/// task: what it spawns (sqlx gives a connection back to its pool from a
+/// task of its own) and its timers then belong to a runtime that is always
+/// driven, not to the caller's, which may no longer be once the caller has
+/// its answer (and a connection never given back would stall a pool of one,
+/// such as a database in memory).
+async fn in_writer_context<F: std::future::Future>(read: F) -> F::Output {
+    let runtime = writer_runtime();
+    let mut read = std::pin::pin!(read);
+    std::future::poll_fn(|cx| {
+        let _context = runtime.as_ref().map(tokio::runtime::Handle::enter);
+        read.as_mut().poll(cx)
+    })
+    .await
+}
+
+/// Runs `write` to its end on [`writer_runtime`] (where the runtime cannot
+/// be started, on the caller's), and answers with its outcome.
+async fn on_writer_runtime<T: Send + 'static>(
+    write: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+) -> Result<T, StoreError> {
+    match writer_runtime() {
+        Some(runtime) => runtime
+            .spawn(write)
+            .await
+            .unwrap_or_else(|e| Err(StoreError::backend(format!("a SQLite write failed: {e}")))),
+        None => write.await,
+    }
 }
 
 /// The leader's mark, made before its task is spawned and dropped with it.
@@ -772,7 +859,7 @@ impl SqliteStore {
                 group: self.group.clone(),
                 armed: true,
             };
-            match leaders() {
+            match writer_runtime() {
                 Some(runtime) => drop(runtime.spawn(self.clone().lead(leading))),
                 None => {
                     tracing::error!("cannot start the thread that commits SQLite's writes");
@@ -785,7 +872,7 @@ impl SqliteStore {
     /// Commits groups while writes are queued: waits its turn at the write
     /// lock with the process's other writers, takes every write queued by
     /// then, commits them, gives the turn back, and goes on while more are
-    /// queued. It runs on [`leaders`]' thread, which nothing but the
+    /// queued. It runs on [`writer_runtime`]'s thread, which nothing but the
     /// process's end stops driving: a leader on a caller's runtime could be
     /// left on one that is alive but no longer driven (a current-thread
     /// runtime between two `block_on`s, its caller gone), and would keep
