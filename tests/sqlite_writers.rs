@@ -401,12 +401,12 @@ fn a_write_whose_runtime_went_holds_no_later_write_back() {
     });
 }
 
-/// The runtime of the write that started a group shuts down while the
-/// group runs (here paused before its commit): the group's leader is not
-/// on it, so the group commits, and the write queued behind it, from
-/// another runtime, is written and answered at once, not at its timeout.
+/// A leader that goes with its runtime while a group runs (here paused
+/// before its commit) answers the writes queued behind it, from another
+/// runtime, at once with an error, not at their timeout; the next write
+/// starts a leader on its own runtime.
 #[test]
-fn a_group_outlives_the_runtime_of_the_write_that_started_it() {
+fn a_leader_lost_with_its_runtime_answers_the_writes_queued_behind_it() {
     let setup = runtime();
     let (store, _dir) = setup.block_on(idem_testkit::sqlite_store());
     let store = store.with_timeout(Duration::from_secs(30));
@@ -417,6 +417,39 @@ fn a_group_outlives_the_runtime_of_the_write_that_started_it() {
         .enable_all()
         .build()
         .unwrap();
+    let (paused, _holder) = first.block_on(hold_the_permit(&store));
+    runtime().block_on(async {
+        let (queued, body) = (id(&key), answer(&key));
+        let mut write = store.complete(&queued, token, &body);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(write.as_mut().poll(&mut cx).is_pending());
+        first.shutdown_background();
+        drop(paused);
+        let started = Instant::now();
+        assert!(write.await.is_err(), "answered as done though never written");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "waited {:?}",
+            started.elapsed()
+        );
+        store.complete(&id(&key), token, &body).await.unwrap();
+        assert_replays(&store, &key).await;
+    });
+}
+
+/// The current-thread runtime of the write that started a group shuts down
+/// while the group runs (here paused before its commit): the group's
+/// leader is not on it (a current-thread runtime's groups are led from the
+/// writers' thread), so the group commits, and the write queued behind it,
+/// from another runtime, is written and answered at once.
+#[test]
+fn a_group_outlives_the_current_thread_runtime_of_the_write_that_started_it() {
+    let setup = runtime();
+    let (store, _dir) = setup.block_on(idem_testkit::sqlite_store());
+    let store = store.with_timeout(Duration::from_secs(30));
+    let key = idem_testkit::unique("queued");
+    let token = setup.block_on(reserved(&store, &key));
+    let first = runtime();
     let (paused, _holder) = first.block_on(hold_the_permit(&store));
     runtime().block_on(async {
         let (queued, body) = (id(&key), answer(&key));

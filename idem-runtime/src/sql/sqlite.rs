@@ -53,11 +53,11 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// answered as done. A write whose statement fails ends its group's
 /// transaction there; the writes after it go on in another.
 ///
-/// The writes in the permit's line run on a thread of idem's own (one for
-/// the process), and what a reservation given up on leaves behind is undone
-/// there: a caller's runtime may no longer be driven once its caller has
-/// an answer or has given up (a current-thread runtime between two
-/// `block_on`s), and a write waiting there would keep the permit, or a
+/// From a current-thread runtime, which may no longer be driven once its
+/// caller has an answer or has given up (between two `block_on`s), the
+/// writes in the permit's line run on a thread of idem's own (one for the
+/// process), and what a reservation given up on leaves behind is undone
+/// there: a write waiting on such a runtime would keep the permit, or a
 /// lock taken for nobody would stay.
 ///
 /// ```
@@ -228,13 +228,11 @@ impl SqliteStore {
             .map_err(|_| StoreError::unavailable("the SQLite write queue is closed"))
     }
 
-    /// Runs `write` in this process's turn at the write lock, on
-    /// [`writer_runtime`]'s thread, within the store's timeout: a caller on
-    /// a runtime that is no longer driven (a current-thread runtime between
-    /// two `block_on`s) would get the permit in its turn and keep it, and
-    /// every other writer would wait for its timeout. A write its caller
-    /// gave up on still runs to its end there (every such write is fenced
-    /// by its token, or is the store's own).
+    /// Runs `write` in this process's turn at the write lock, within the
+    /// store's timeout; from a current-thread runtime, on the writers'
+    /// thread (see [`off_caller`]), where a write its caller gave up on
+    /// still runs to its end (every such write is fenced by its token, or
+    /// is the store's own).
     async fn queued<T, F, W>(&self, write: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
@@ -242,7 +240,7 @@ impl SqliteStore {
         W: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
     {
         let store = self.clone();
-        on_writer_runtime(sql::bounded(self.timeout, async move {
+        run_off_caller(sql::bounded(self.timeout, async move {
             let _turn = store.write_turn().await?;
             write(store.clone()).await
         }))
@@ -267,10 +265,10 @@ impl SqliteStore {
     /// # }
     /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        // On the writers' thread, as every write in the permit's line (see
-        // `queued`); the migrations themselves are not bounded.
+        // As every write in the permit's line (see `queued`); the
+        // migrations themselves are not bounded.
         let store = self.clone();
-        on_writer_runtime(async move {
+        run_off_caller(async move {
             let _turn = sql::bounded(store.timeout, store.write_turn()).await?;
             let mut tx = store
                 .pool
@@ -337,12 +335,12 @@ pub(crate) const HANDLER_MARK: &str = "SAVEPOINT idem_handler";
 
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
-        // What a reservation given up on leaves behind is undone on the
-        // writers' thread: the caller's runtime may no longer be driven.
+        // What a reservation given up on leaves behind is undone where it
+        // runs (see `off_caller`).
         Box::pin(sql::reserve_detached(
             self,
             self.timeout,
-            writer_runtime(),
+            off_caller(),
             req,
             |store, req| Box::pin(store.reserve_once(req)),
         ))
@@ -759,11 +757,10 @@ impl Written {
     }
 }
 
-/// The runtime every SQLite store's writes in the permit's line run on (the
-/// group leaders, and each `queued` write): one thread of its own for the
-/// process, driven until the process ends, started with the first write
-/// (and again later, if starting it failed).
-pub(crate) fn writer_runtime() -> Option<tokio::runtime::Handle> {
+/// The writers' runtime: one thread of its own for the process, driven
+/// until the process ends, started when first needed (and again later, if
+/// starting it failed). See [`off_caller`].
+fn writer_runtime() -> Option<tokio::runtime::Handle> {
     static WRITERS: std::sync::Mutex<Option<tokio::runtime::Handle>> = std::sync::Mutex::new(None);
     let mut leaders = WRITERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     if leaders.is_none() {
@@ -781,14 +778,31 @@ pub(crate) fn writer_runtime() -> Option<tokio::runtime::Handle> {
     leaders.clone()
 }
 
-/// Polls `read` in the context of [`writer_runtime`], in the caller's
-/// task: what it spawns (sqlx gives a connection back to its pool from a
-/// task of its own) and its timers then belong to a runtime that is always
-/// driven, not to the caller's, which may no longer be once the caller has
-/// its answer (and a connection never given back would stall a pool of one,
-/// such as a database in memory).
+/// Where what outlives a call of the caller's must run, when not on the
+/// caller's runtime (`None`): on the writers' runtime. A current-thread
+/// runtime runs its tasks only while a `block_on` drives it, which may end
+/// once the caller has its answer or has given up; there, a write waiting
+/// in the permit's line would get the permit in its turn and keep it
+/// (every other writer waiting for its timeout), a group leader would never
+/// run, a key taken for a caller that gave up would never be given back,
+/// and a connection would never go back to its pool (stalling a pool of
+/// one, such as a database in memory). A multi-thread runtime's workers run
+/// its tasks whatever its callers do, so there everything stays on the
+/// caller's runtime, without a thread hop (which costs a first request on
+/// SQLite a third of its CPU at one client).
+pub(crate) fn off_caller() -> Option<tokio::runtime::Handle> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(caller) if caller.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => None,
+        _ => writer_runtime(),
+    }
+}
+
+/// Polls `read` in the caller's task, in the context of [`off_caller`]'s
+/// runtime when there is one: what it spawns (sqlx gives a connection back
+/// to its pool from a task of its own) and its timers then belong to a
+/// runtime that stays driven.
 async fn in_writer_context<F: std::future::Future>(read: F) -> F::Output {
-    let runtime = writer_runtime();
+    let runtime = off_caller();
     let mut read = std::pin::pin!(read);
     std::future::poll_fn(|cx| {
         let _context = runtime.as_ref().map(tokio::runtime::Handle::enter);
@@ -797,12 +811,12 @@ async fn in_writer_context<F: std::future::Future>(read: F) -> F::Output {
     .await
 }
 
-/// Runs `write` to its end on [`writer_runtime`] (where the runtime cannot
-/// be started, on the caller's), and answers with its outcome.
-async fn on_writer_runtime<T: Send + 'static>(
+/// Runs `write` on [`off_caller`]'s runtime (to its end, whatever the
+/// caller does), or else in the caller's task, and answers with its outcome.
+async fn run_off_caller<T: Send + 'static>(
     write: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
 ) -> Result<T, StoreError> {
-    match writer_runtime() {
+    match off_caller() {
         Some(runtime) => runtime
             .spawn(write)
             .await
@@ -859,10 +873,11 @@ impl SqliteStore {
                 group: self.group.clone(),
                 armed: true,
             };
-            match writer_runtime() {
+            let runtime = off_caller().or_else(|| tokio::runtime::Handle::try_current().ok());
+            match runtime {
                 Some(runtime) => drop(runtime.spawn(self.clone().lead(leading))),
                 None => {
-                    tracing::error!("cannot start the thread that commits SQLite's writes");
+                    tracing::error!("no runtime to commit SQLite's writes on");
                     drop(leading);
                 }
             }
@@ -872,11 +887,9 @@ impl SqliteStore {
     /// Commits groups while writes are queued: waits its turn at the write
     /// lock with the process's other writers, takes every write queued by
     /// then, commits them, gives the turn back, and goes on while more are
-    /// queued. It runs on [`writer_runtime`]'s thread, which nothing but the
-    /// process's end stops driving: a leader on a caller's runtime could be
-    /// left on one that is alive but no longer driven (a current-thread
-    /// runtime between two `block_on`s, its caller gone), and would keep
-    /// the write permit once it was handed to it, or never run at all.
+    /// queued. It runs on the runtime of the write that started it when
+    /// that one is a multi-thread runtime, else on the writers' thread (see
+    /// [`off_caller`]).
     async fn lead(self, mut leading: Leading) {
         loop {
             let Ok(turn) = self.write_turn().await else {
