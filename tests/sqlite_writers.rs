@@ -63,6 +63,19 @@ async fn in_memory_store() -> SqliteStore {
     store
 }
 
+/// A fresh key reserved, then completed, within `bound` in all.
+async fn served_within(store: &SqliteStore, bound: Duration) {
+    let started = Instant::now();
+    let key = idem_testkit::unique("after");
+    let token = reserved(store, &key).await;
+    store.complete(&id(&key), token, &answer(&key)).await.unwrap();
+    assert!(
+        started.elapsed() < bound,
+        "the write waited {:?}",
+        started.elapsed()
+    );
+}
+
 /// A reservation of a fresh key stopped with the write permit (and SQLite's
 /// write lock) held, before its commit.
 async fn hold_the_permit(store: &SqliteStore) -> (pause::Pause, tokio::task::JoinHandle<()>) {
@@ -371,6 +384,16 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// A multi-thread runtime, whose workers drive its tasks whatever its
+/// callers do.
+fn two_workers() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// A store outlives the runtime of a write that started a group (here its
 /// future polled once, then the runtime dropped): the group's leader was
 /// not on that runtime, and the writes queued later, from another runtime,
@@ -388,85 +411,74 @@ fn a_write_whose_runtime_went_holds_no_later_write_back() {
         assert!(write.as_mut().poll(&mut cx).is_pending());
     });
     drop(first);
-    runtime().block_on(async {
+    runtime().block_on(served_within(&store, Duration::from_secs(5)));
+}
+
+/// A write from another runtime queued behind a group that a write from
+/// `first` started, paused before its commit; then `first` shuts down and
+/// the group goes on. The queued write's answer, within 5 s (not at its
+/// timeout), and the store, its key and token.
+fn queued_behind_a_group_whose_runtime_shuts_down(
+    first: tokio::runtime::Runtime,
+) -> (
+    Result<(), idem::StoreError>,
+    SqliteStore,
+    tempfile::TempDir,
+    String,
+    &'static str,
+) {
+    let setup = runtime();
+    let (store, dir) = setup.block_on(idem_testkit::sqlite_store());
+    let store = store.with_timeout(Duration::from_secs(30));
+    let key = idem_testkit::unique("queued");
+    let token = setup.block_on(reserved(&store, &key));
+    let (paused, _holder) = first.block_on(hold_the_permit(&store));
+    let queued = runtime().block_on(async {
+        let (queued, body) = (id(&key), answer(&key));
+        let mut write = store.complete(&queued, token, &body);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(write.as_mut().poll(&mut cx).is_pending());
+        first.shutdown_background();
+        drop(paused);
         let started = Instant::now();
-        let key = idem_testkit::unique("after");
-        let token = reserved(&store, &key).await;
-        store.complete(&id(&key), token, &answer(&key)).await.unwrap();
+        let written = write.await;
         assert!(
             started.elapsed() < Duration::from_secs(5),
             "waited {:?}",
             started.elapsed()
         );
+        written
     });
+    (queued, store, dir, key, token)
 }
 
-/// A leader that goes with its runtime while a group runs (here paused
-/// before its commit) answers the writes queued behind it, from another
-/// runtime, at once with an error, not at their timeout; the next write
-/// starts a leader on its own runtime.
+/// A leader that goes with its (multi-thread) runtime while a group runs
+/// answers the writes queued behind it, from another runtime, at once with
+/// an error, not at their timeout; the next write starts a leader of its
+/// own.
 #[test]
 fn a_leader_lost_with_its_runtime_answers_the_writes_queued_behind_it() {
-    let setup = runtime();
-    let (store, _dir) = setup.block_on(idem_testkit::sqlite_store());
-    let store = store.with_timeout(Duration::from_secs(30));
-    let key = idem_testkit::unique("queued");
-    let token = setup.block_on(reserved(&store, &key));
     let first = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .unwrap();
-    let (paused, _holder) = first.block_on(hold_the_permit(&store));
+    let (queued, store, _dir, key, token) = queued_behind_a_group_whose_runtime_shuts_down(first);
+    assert!(queued.is_err(), "answered as done though never written");
     runtime().block_on(async {
-        let (queued, body) = (id(&key), answer(&key));
-        let mut write = store.complete(&queued, token, &body);
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        assert!(write.as_mut().poll(&mut cx).is_pending());
-        first.shutdown_background();
-        drop(paused);
-        let started = Instant::now();
-        assert!(write.await.is_err(), "answered as done though never written");
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "waited {:?}",
-            started.elapsed()
-        );
-        store.complete(&id(&key), token, &body).await.unwrap();
+        store.complete(&id(&key), token, &answer(&key)).await.unwrap();
         assert_replays(&store, &key).await;
     });
 }
 
-/// The current-thread runtime of the write that started a group shuts down
-/// while the group runs (here paused before its commit): the group's
-/// leader is not on it (a current-thread runtime's groups are led from the
-/// writers' thread), so the group commits, and the write queued behind it,
-/// from another runtime, is written and answered at once.
+/// A group started from a current-thread runtime is led from the writers'
+/// thread, not from that runtime: it outlives it, and the write queued
+/// behind it is written.
 #[test]
 fn a_group_outlives_the_current_thread_runtime_of_the_write_that_started_it() {
-    let setup = runtime();
-    let (store, _dir) = setup.block_on(idem_testkit::sqlite_store());
-    let store = store.with_timeout(Duration::from_secs(30));
-    let key = idem_testkit::unique("queued");
-    let token = setup.block_on(reserved(&store, &key));
-    let first = runtime();
-    let (paused, _holder) = first.block_on(hold_the_permit(&store));
-    runtime().block_on(async {
-        let (queued, body) = (id(&key), answer(&key));
-        let mut write = store.complete(&queued, token, &body);
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        assert!(write.as_mut().poll(&mut cx).is_pending());
-        first.shutdown_background();
-        drop(paused);
-        let started = Instant::now();
-        write.await.unwrap();
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "waited {:?}",
-            started.elapsed()
-        );
-        assert_replays(&store, &key).await;
-    });
+    let (queued, store, _dir, key, _) = queued_behind_a_group_whose_runtime_shuts_down(runtime());
+    queued.unwrap();
+    runtime().block_on(assert_replays(&store, &key));
 }
 
 /// A write from a current-thread runtime that is driven only while one of
@@ -478,11 +490,7 @@ fn a_group_outlives_the_current_thread_runtime_of_the_write_that_started_it() {
 /// right when the idle runtime's group is done.
 #[test]
 fn no_leader_waits_on_a_runtime_that_is_no_longer_driven() {
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let main = two_workers();
     let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
     let store = store.with_timeout(Duration::from_secs(3));
     let beating = idem_testkit::unique("beating");
@@ -552,11 +560,7 @@ fn no_leader_waits_on_a_runtime_that_is_no_longer_driven() {
 /// its timeout.)
 #[test]
 fn a_write_given_up_in_line_on_an_idle_runtime_holds_no_writer_back() {
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let main = two_workers();
     let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
     let patient = store.clone().with_timeout(Duration::from_secs(10));
     let hasty = store.with_timeout(Duration::from_millis(300));
@@ -610,11 +614,7 @@ async fn row(store: &SqliteStore, key: &str) -> Option<(String, Option<String>)>
 /// lock that no execution holds until its lock timeout.
 #[test]
 fn a_reservation_given_up_in_line_on_an_idle_runtime_leaves_no_lock() {
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let main = two_workers();
     let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
     let patient = store.clone().with_timeout(Duration::from_secs(10));
     let hasty = store.with_timeout(Duration::from_millis(300));
@@ -656,11 +656,7 @@ fn a_reservation_given_up_in_line_on_an_idle_runtime_leaves_no_lock() {
 /// the writes after it are served at once.
 #[test]
 fn a_release_in_line_on_an_idle_runtime_holds_no_writer_back() {
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let main = two_workers();
     let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
     let store = store.with_timeout(Duration::from_secs(5));
     let released = idem_testkit::unique("released");
@@ -686,17 +682,8 @@ fn a_release_in_line_on_an_idle_runtime_holds_no_writer_back() {
     };
     main.block_on(async {
         drop(paused);
-        let started = Instant::now();
-        for _ in 0..2 {
-            let key = idem_testkit::unique("after");
-            let token = reserved(&store, &key).await;
-            store.complete(&id(&key), token, &answer(&key)).await.unwrap();
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(3),
-            "the writes after it waited {:?}",
-            started.elapsed()
-        );
+        served_within(&store, Duration::from_secs(2)).await;
+        served_within(&store, Duration::from_secs(2)).await;
         // The release itself ran to its end.
         let until = Instant::now() + Duration::from_secs(10);
         while row(&store, &released).await.and_then(|r| r.1).is_some() && Instant::now() < until {
@@ -714,11 +701,7 @@ fn a_release_in_line_on_an_idle_runtime_holds_no_writer_back() {
 /// the next write is served at once.
 #[test]
 fn a_read_on_an_idle_runtime_gives_its_connection_back() {
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let main = two_workers();
     let store = main
         .block_on(in_memory_store())
         .with_timeout(Duration::from_secs(3));
@@ -736,16 +719,6 @@ fn a_read_on_an_idle_runtime_gives_its_connection_back() {
         .join()
         .unwrap()
     };
-    main.block_on(async {
-        let started = Instant::now();
-        let key = idem_testkit::unique("next");
-        let token = reserved(&store, &key).await;
-        store.complete(&id(&key), token, &answer(&key)).await.unwrap();
-        assert!(
-            started.elapsed() < Duration::from_secs(2),
-            "the next write waited {:?}",
-            started.elapsed()
-        );
-    });
+    main.block_on(served_within(&store, Duration::from_secs(2)));
     drop(idle);
 }
