@@ -722,3 +722,142 @@ fn a_read_on_an_idle_runtime_gives_its_connection_back() {
     main.block_on(served_within(&store, Duration::from_secs(2)));
     drop(idle);
 }
+
+/// A reservation whose future is made in a multi-thread runtime's context
+/// (a thread of its blocking pool) but driven by a current-thread runtime
+/// there, given up on in line, that runtime then left idle: where its undo
+/// runs is decided where it is polled, so the key it took is given back.
+#[test]
+fn a_reservation_made_on_one_runtime_and_driven_on_another_leaves_no_lock() {
+    let main = two_workers();
+    let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
+    let patient = store.clone().with_timeout(Duration::from_secs(10));
+    let hasty = store.with_timeout(Duration::from_millis(300));
+    let (paused, _holder) = main.block_on(hold_the_permit(&patient));
+    let gone = idem_testkit::unique("gone");
+    let (idle, answer) = {
+        let (hasty, gone) = (hasty.clone(), gone.clone());
+        main.block_on(main.spawn_blocking(move || {
+            let idle = runtime();
+            let answer = idle.block_on(hasty.reserve(req(&id(&gone), "hasty-token")));
+            // Kept, and not driven, until the end.
+            (idle, answer)
+        }))
+        .unwrap()
+    };
+    assert!(answer.is_err(), "{answer:?}");
+    main.block_on(async {
+        drop(paused);
+        reserved(&patient, &idem_testkit::unique("after")).await;
+        let until = Instant::now() + Duration::from_secs(10);
+        while row(&patient, &gone).await.is_some() && Instant::now() < until {
+            tokio::task::yield_now().await;
+        }
+        let retry = patient.reserve(req(&id(&gone), "retry-token")).await;
+        assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
+    });
+    drop(idle);
+}
+
+/// A multi-thread runtime that leads a group shuts down while the group
+/// runs (paused before its commit), on the documented one-connection
+/// database in memory: the group's connection goes back to the pool (from
+/// the writers' thread), not closed with that runtime's tasks, so the
+/// database and its answers live on.
+#[test]
+fn a_leaders_runtime_shutting_down_loses_no_database_in_memory() {
+    let setup = runtime();
+    let store = setup
+        .block_on(in_memory_store())
+        .with_timeout(Duration::from_secs(5));
+    let key = idem_testkit::unique("paid");
+    setup.block_on(async {
+        let token = reserved(&store, &key).await;
+        store.complete(&id(&key), token, &answer(&key)).await.unwrap();
+    });
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (paused, _holder) = first.block_on(hold_the_permit(&store));
+    // Its tasks dropped, the paused leader among them, before it goes on.
+    first.shutdown_timeout(Duration::from_secs(10));
+    drop(paused);
+    runtime().block_on(async {
+        assert_replays(&store, &key).await;
+        served_within(&store, Duration::from_secs(2)).await;
+    });
+}
+
+/// A handler's own SQLite transaction, on a current-thread runtime left idle
+/// once it answered, on the documented one-connection database in memory:
+/// the transaction's connection goes back to the pool (from the writers'
+/// thread), so other callers are served, and the answer is replayed.
+mod handler_transaction_on_an_idle_runtime {
+    use super::*;
+    use axum::http::{Request, StatusCode};
+    use axum::routing::post;
+    use axum::Router;
+    use idem::{idempotent, Idem, Operation};
+    use tower::ServiceExt as _;
+
+    #[idempotent(scope = "writers.tx")]
+    async fn pay(op: Operation) -> Result<StatusCode, StatusCode> {
+        let mut conn = op
+            .sqlite_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        sqlx::query("INSERT INTO effects (id) VALUES (?1)")
+            .bind(op.derived_key("effect"))
+            .execute(&mut *conn)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        Ok(StatusCode::CREATED)
+    }
+
+    fn paid(key: &str) -> Request<axum::body::Body> {
+        Request::post("/pay")
+            .header("idempotency-key", key)
+            .body(axum::body::Body::empty())
+            .unwrap()
+    }
+
+    #[test]
+    fn gives_its_connection_back() {
+        let main = two_workers();
+        let store = main
+            .block_on(in_memory_store())
+            .with_timeout(Duration::from_secs(3));
+        main.block_on(sqlx::query("CREATE TABLE effects (id TEXT PRIMARY KEY)").execute(store.pool()))
+            .unwrap();
+        let app = Router::new()
+            .route("/pay", post(pay))
+            .layer(Idem::new(store.clone()).single_tenant().layer());
+        let key = idem_testkit::unique("pay");
+        let idle = {
+            let (app, key) = (app.clone(), key.clone());
+            std::thread::spawn(move || {
+                let idle = runtime();
+                let response = idle.block_on(app.oneshot(paid(&key))).unwrap();
+                assert_eq!(response.status(), StatusCode::CREATED);
+                // Kept, and not driven, until the end.
+                idle
+            })
+            .join()
+            .unwrap()
+        };
+        main.block_on(served_within(&store, Duration::from_secs(2)));
+        drop(idle);
+        main.block_on(async {
+            let replay = app.oneshot(paid(&key)).await.unwrap();
+            assert_eq!(replay.status(), StatusCode::CREATED);
+            assert!(replay.headers().contains_key("idempotent-replayed"));
+            let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+            assert_eq!(effects, 1);
+        });
+    }
+}

@@ -174,44 +174,11 @@ impl PendingTx {
                 .await
                 .map_err(TxFailure::Unknown)
             }
+            // Committed, and its connection given back, on a runtime that
+            // stays driven (see `OnWriters`).
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(mut tx, lite) => {
-                match bounded(lite.timeout(), sqlite_transaction_lost(&mut tx)).await {
-                    Ok(false) => {}
-                    Ok(true) => {
-                        end_lost(tx, &lite).await;
-                        return Err(TxFailure::Lost);
-                    }
-                    // Whether SQLite had ended it is not known: what the
-                    // handler wrote after such an end may have committed.
-                    Err(e) => {
-                        unwind_later(tx);
-                        return Err(TxFailure::Unclear(e));
-                    }
-                }
-                if let Err(e) =
-                    bounded(lite.timeout(), lite.complete_with(&mut *tx, id, token, response)).await
-                {
-                    unwind_later(tx);
-                    return Err(TxFailure::NotCommitted(e));
-                }
-                // Committed through sqlx's transaction manager, on the
-                // connection, so that the transaction stays in hand when the
-                // commit fails: SQLite may then have rolled it back by itself
-                // while sqlx still counts it, and the connection must not go
-                // back to the pool so (every `BEGIN` on it would fail). Once
-                // committed, sqlx counts none: dropping the transaction then
-                // rolls nothing back.
-                use sqlx_core::transaction::TransactionManager as _;
-                type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
-                let committed = bounded(lite.timeout(), async {
-                    Manager::commit(&mut tx).await.map_err(crate::sql::map_err)
-                })
-                .await;
-                if committed.is_err() {
-                    unwind_later(tx);
-                }
-                committed.map_err(TxFailure::Unknown)
+            PendingTx::Sqlite(tx, lite) => {
+                crate::sql::sqlite::OnWriters::new(complete_sqlite(tx, lite, id, token, response)).await
             }
         }
     }
@@ -233,28 +200,36 @@ impl PendingTx {
                 );
                 true
             }
+            // Rolled back, and its connection given back, on a runtime that
+            // stays driven (see `OnWriters`).
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(mut tx, lite) => {
-                let lost = bounded(lite.timeout(), sqlite_transaction_lost(&mut tx)).await;
-                if let Err(e) = &lost {
-                    tracing::warn!(error = %e, "cannot tell whether SQLite ended the handler's transaction");
-                }
-                if lost == Ok(true) {
-                    end_lost(tx, &lite).await;
-                } else if lost.is_err() {
-                    unwind_later(tx);
-                } else {
-                    log_rollback(
-                        bounded(lite.timeout(), async {
-                            tx.rollback().await.map_err(crate::sql::map_err)
-                        })
-                        .await,
-                    );
-                }
-                lost == Ok(false)
+            PendingTx::Sqlite(tx, lite) => {
+                crate::sql::sqlite::OnWriters::new(rollback_sqlite(tx, lite)).await
             }
         }
     }
+}
+
+/// [`PendingTx::rollback`] on SQLite.
+#[cfg(feature = "sqlite")]
+async fn rollback_sqlite(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite: crate::SqliteStore) -> bool {
+    let lost = bounded(lite.timeout(), sqlite_transaction_lost(&mut tx)).await;
+    if let Err(e) = &lost {
+        tracing::warn!(error = %e, "cannot tell whether SQLite ended the handler's transaction");
+    }
+    if lost == Ok(true) {
+        end_lost(tx, &lite).await;
+    } else if lost.is_err() {
+        unwind_later(tx);
+    } else {
+        log_rollback(
+            bounded(lite.timeout(), async {
+                tx.rollback().await.map_err(crate::sql::map_err)
+            })
+            .await,
+        );
+    }
+    lost == Ok(false)
 }
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
@@ -262,4 +237,49 @@ fn log_rollback(result: Result<(), StoreError>) {
     if let Err(e) = result {
         tracing::warn!(error = %e, "the rollback of the handler's transaction failed");
     }
+}
+
+/// [`PendingTx::complete`] on SQLite.
+#[cfg(feature = "sqlite")]
+async fn complete_sqlite(
+    mut tx: sqlx::Transaction<'static, sqlx::Sqlite>,
+    lite: crate::SqliteStore,
+    id: &RecordId,
+    token: &str,
+    response: &StoredResponse,
+) -> Result<(), TxFailure> {
+    match bounded(lite.timeout(), sqlite_transaction_lost(&mut tx)).await {
+        Ok(false) => {}
+        Ok(true) => {
+            end_lost(tx, &lite).await;
+            return Err(TxFailure::Lost);
+        }
+        // Whether SQLite had ended it is not known: what the
+        // handler wrote after such an end may have committed.
+        Err(e) => {
+            unwind_later(tx);
+            return Err(TxFailure::Unclear(e));
+        }
+    }
+    if let Err(e) = bounded(lite.timeout(), lite.complete_with(&mut *tx, id, token, response)).await {
+        unwind_later(tx);
+        return Err(TxFailure::NotCommitted(e));
+    }
+    // Committed through sqlx's transaction manager, on the
+    // connection, so that the transaction stays in hand when the
+    // commit fails: SQLite may then have rolled it back by itself
+    // while sqlx still counts it, and the connection must not go
+    // back to the pool so (every `BEGIN` on it would fail). Once
+    // committed, sqlx counts none: dropping the transaction then
+    // rolls nothing back.
+    use sqlx_core::transaction::TransactionManager as _;
+    type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
+    let committed = bounded(lite.timeout(), async {
+        Manager::commit(&mut tx).await.map_err(crate::sql::map_err)
+    })
+    .await;
+    if committed.is_err() {
+        unwind_later(tx);
+    }
+    committed.map_err(TxFailure::Unknown)
 }

@@ -337,13 +337,13 @@ impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
         // What a reservation given up on leaves behind is undone where it
         // runs (see `off_caller`).
-        Box::pin(sql::reserve_detached(
-            self,
-            self.timeout,
-            off_caller(),
-            req,
-            |store, req| Box::pin(store.reserve_once(req)),
-        ))
+        // Decided where it runs: at its first poll, not where it is made.
+        Box::pin(async move {
+            sql::reserve_detached(self, self.timeout, off_caller(), req, |store, req| {
+                Box::pin(store.reserve_once(req))
+            })
+            .await
+        })
     }
 
     // `sql::fenced_ops!` (as on PostgreSQL), but each write in this
@@ -520,7 +520,7 @@ impl SqliteStore {
         let req = owned.request();
         // A read first: a replay, a mismatch or a live lock is answered
         // without the write lock (WAL readers never wait for a writer).
-        let seen = in_writer_context(
+        let seen = OnWriters::new(
             sqlx::query(sqlx::AssertSqlSafe(self.sql.peek.as_str()))
                 .bind(&req.id.tenant)
                 .bind(&req.id.scope)
@@ -797,18 +797,58 @@ pub(crate) fn off_caller() -> Option<tokio::runtime::Handle> {
     }
 }
 
-/// Polls `read` in the caller's task, in the context of [`off_caller`]'s
-/// runtime when there is one: what it spawns (sqlx gives a connection back
-/// to its pool from a task of its own) and its timers then belong to a
-/// runtime that stays driven.
-async fn in_writer_context<F: std::future::Future>(read: F) -> F::Output {
-    let runtime = off_caller();
-    let mut read = std::pin::pin!(read);
-    std::future::poll_fn(|cx| {
-        let _context = runtime.as_ref().map(tokio::runtime::Handle::enter);
-        read.as_mut().poll(cx)
-    })
-    .await
+/// A future that holds a pool's connection, polled in the caller's task:
+/// inside [`off_caller`]'s runtime's context when there is one (decided at
+/// its first poll, where it runs), and dropped before it is done (its
+/// caller gave up, or its runtime is shutting down) always inside the
+/// writers' runtime's context. sqlx gives a connection back to its pool
+/// from a task spawned where the connection is dropped, and such a task
+/// never runs on a runtime no longer driven, or shutting down: the
+/// connection is then held for good, or closed, and a database in memory
+/// goes with its one connection.
+pub(crate) struct OnWriters<F: std::future::Future> {
+    inner: Option<std::pin::Pin<Box<F>>>,
+    /// `None` until the first poll.
+    context: Option<Option<tokio::runtime::Handle>>,
+}
+
+impl<F: std::future::Future> OnWriters<F> {
+    pub(crate) fn new(inner: F) -> Self {
+        OnWriters {
+            inner: Some(Box::pin(inner)),
+            context: None,
+        }
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for OnWriters<F> {
+    type Output = F::Output;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let this = &mut *self;
+        let context = this.context.get_or_insert_with(off_caller);
+        let _context = context.as_ref().map(tokio::runtime::Handle::enter);
+        let Some(inner) = this.inner.as_mut() else {
+            return std::task::Poll::Pending;
+        };
+        let out = std::task::ready!(inner.as_mut().poll(cx));
+        // Dropped here, in the same context.
+        this.inner = None;
+        std::task::Poll::Ready(out)
+    }
+}
+
+impl<F: std::future::Future> Drop for OnWriters<F> {
+    fn drop(&mut self) {
+        if self.inner.is_some() {
+            let runtime = self.context.clone().flatten().or_else(writer_runtime);
+            let _context = runtime.as_ref().map(tokio::runtime::Handle::enter);
+            self.inner = None;
+        }
+    }
 }
 
 /// Runs `write` on [`off_caller`]'s runtime (to its end, whatever the
@@ -875,7 +915,9 @@ impl SqliteStore {
             };
             let runtime = off_caller().or_else(|| tokio::runtime::Handle::try_current().ok());
             match runtime {
-                Some(runtime) => drop(runtime.spawn(self.clone().lead(leading))),
+                // Its connection given back on the writers' runtime if its
+                // own shuts down while it runs.
+                Some(runtime) => drop(runtime.spawn(OnWriters::new(self.clone().lead(leading)))),
                 None => {
                     tracing::error!("no runtime to commit SQLite's writes on");
                     drop(leading);
