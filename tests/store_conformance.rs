@@ -255,14 +255,16 @@ async fn a_crashed_operation_outlives_its_ttl_for_its_retry(f: Fixture) {
 async fn takes_over_a_stale_lock_and_fences_the_old_owner(f: Fixture) {
     let s = &*f.store;
     let id = RecordId::new("t1", "s", "k6");
-    let lock = Duration::from_millis(200);
+    // Long enough for a checkpoint and a read under a loaded machine's
+    // syncs (200 ms was not, once).
+    let lock = Duration::from_millis(1000);
     let old = take(s, &id, "fp", LONG, lock).await;
     s.checkpoint(&id, &old.token, "charged").await.unwrap();
     assert!(matches!(
         reserve(s, &id, "fp", LONG, lock).await,
         Reservation::InProgress { .. }
     ));
-    tokio::time::sleep(Duration::from_millis(350)).await;
+    tokio::time::sleep(Duration::from_millis(1150)).await;
 
     let new = take(s, &id, "fp", LONG, LONG).await;
     assert_eq!(new.attempt, 2);
@@ -320,10 +322,10 @@ async fn hands_back_a_key_as_it_was_found(f: Fixture) {
 
     // A stale lock taken over, handed back: a stale lock again.
     let id = RecordId::new("t1", "s", "k-stale");
-    let lock = Duration::from_millis(200);
+    let lock = Duration::from_millis(1000);
     let crashed = take(s, &id, "fp", LONG, lock).await;
     s.checkpoint(&id, &crashed.token, "charged").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(350)).await;
+    tokio::time::sleep(Duration::from_millis(1150)).await;
     let refused = take(s, &id, "fp", LONG, LONG).await;
     assert_eq!((refused.attempt, refused.is_takeover()), (2, true));
     assert_eq!(

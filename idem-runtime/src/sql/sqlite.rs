@@ -762,8 +762,8 @@ impl Written {
 /// starting it failed). See [`off_caller`].
 fn writer_runtime() -> Option<tokio::runtime::Handle> {
     static WRITERS: std::sync::Mutex<Option<tokio::runtime::Handle>> = std::sync::Mutex::new(None);
-    let mut leaders = WRITERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if leaders.is_none() {
+    let mut writers = WRITERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if writers.is_none() {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -773,9 +773,9 @@ fn writer_runtime() -> Option<tokio::runtime::Handle> {
             .name("idem-sqlite-commit".into())
             .spawn(move || runtime.block_on(std::future::pending::<()>()))
             .ok()?;
-        *leaders = Some(handle);
+        *writers = Some(handle);
     }
-    leaders.clone()
+    writers.clone()
 }
 
 /// Where what outlives a call of the caller's must run, when not on the
@@ -788,8 +788,8 @@ fn writer_runtime() -> Option<tokio::runtime::Handle> {
 /// and a connection would never go back to its pool (stalling a pool of
 /// one, such as a database in memory). A multi-thread runtime's workers run
 /// its tasks whatever its callers do, so there everything stays on the
-/// caller's runtime, without a thread hop (which costs a first request on
-/// SQLite a third of its CPU at one client).
+/// caller's runtime, without a thread hop (hops for every caller cost a
+/// first request on SQLite about 60% more CPU at one client: BENCHMARKS.md).
 pub(crate) fn off_caller() -> Option<tokio::runtime::Handle> {
     match tokio::runtime::Handle::try_current() {
         Ok(caller) if caller.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => None,
