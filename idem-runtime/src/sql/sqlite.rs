@@ -797,15 +797,15 @@ pub(crate) fn off_caller() -> Option<tokio::runtime::Handle> {
     }
 }
 
-/// A future that holds a pool's connection, polled in the caller's task:
+/// A future that holds a pool's connection, polled in the caller's task,
 /// inside [`off_caller`]'s runtime's context when there is one (decided at
-/// its first poll, where it runs), and dropped before it is done (its
-/// caller gave up, or its runtime is shutting down) always inside the
-/// writers' runtime's context. sqlx gives a connection back to its pool
+/// its first poll, where it runs). sqlx gives a connection back to its pool
 /// from a task spawned where the connection is dropped, and such a task
-/// never runs on a runtime no longer driven, or shutting down: the
-/// connection is then held for good, or closed, and a database in memory
-/// goes with its one connection.
+/// never runs on a runtime no longer driven: the connection is then held
+/// for good, stalling a pool of one (a database in memory), which loses
+/// its database when that runtime is dropped. (Dropped before it is done,
+/// it is dropped where it is: entering another runtime's context from a
+/// drop that tokio runs while it spawns panics.)
 pub(crate) struct OnWriters<F: std::future::Future> {
     inner: Option<std::pin::Pin<Box<F>>>,
     /// `None` until the first poll.
@@ -841,12 +841,34 @@ impl<F: std::future::Future> std::future::Future for OnWriters<F> {
     }
 }
 
-impl<F: std::future::Future> Drop for OnWriters<F> {
+/// A group leader's task: when its runtime drops it before it is done (the
+/// runtime is shutting down), what is left of it is dropped on the
+/// writers' runtime instead, so that its connection goes back to the pool
+/// from there rather than being closed with that runtime's tasks (which
+/// would lose a database in memory).
+struct LeaderTask<F: std::future::Future<Output = ()> + Send + 'static> {
+    inner: Option<std::pin::Pin<Box<F>>>,
+}
+
+impl<F: std::future::Future<Output = ()> + Send + 'static> std::future::Future for LeaderTask<F> {
+    type Output = ();
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        let Some(inner) = self.inner.as_mut() else {
+            return std::task::Poll::Ready(());
+        };
+        std::task::ready!(inner.as_mut().poll(cx));
+        self.inner = None;
+        std::task::Poll::Ready(())
+    }
+}
+
+impl<F: std::future::Future<Output = ()> + Send + 'static> Drop for LeaderTask<F> {
     fn drop(&mut self) {
-        if self.inner.is_some() {
-            let runtime = self.context.clone().flatten().or_else(writer_runtime);
-            let _context = runtime.as_ref().map(tokio::runtime::Handle::enter);
-            self.inner = None;
+        if let (Some(inner), Some(writers)) = (self.inner.take(), writer_runtime()) {
+            // A spawn on another runtime's handle, which (unlike entering its
+            // context) a drop may do while tokio is spawning.
+            drop(writers.spawn(async move { drop(inner) }));
         }
     }
 }
@@ -917,7 +939,9 @@ impl SqliteStore {
             match runtime {
                 // Its connection given back on the writers' runtime if its
                 // own shuts down while it runs.
-                Some(runtime) => drop(runtime.spawn(OnWriters::new(self.clone().lead(leading)))),
+                Some(runtime) => drop(runtime.spawn(LeaderTask {
+                    inner: Some(Box::pin(self.clone().lead(leading))),
+                })),
                 None => {
                     tracing::error!("no runtime to commit SQLite's writes on");
                     drop(leading);
