@@ -3,8 +3,7 @@
 //! every panic of the process.
 
 use idem::store::{RecordId, ReserveRequest};
-use idem::{IdempotencyStore, SqliteStore};
-use sqlx::sqlite::SqlitePoolOptions;
+use idem::IdempotencyStore;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -33,17 +32,11 @@ fn a_reservation_timing_out_as_its_runtime_shuts_down_is_answered_without_a_pani
         .enable_all()
         .build()
         .unwrap();
-    let store = setup.block_on(async {
-        let pool = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect("sqlite::memory:")
-            .await
-            .unwrap();
-        let store = SqliteStore::new(pool);
-        store.migrate().await.unwrap();
-        store
-    });
+    let store = setup.block_on(idem_testkit::sqlite_in_memory_store());
     let hasty = store.clone().with_timeout(Duration::from_millis(100));
+    // In its context throughout: the connection below, dropped by a failing
+    // assertion, gives itself back from a task of its own.
+    let _context = setup.enter();
     // The one connection held: the reservation's read waits for it.
     let held = setup.block_on(store.pool().acquire()).unwrap();
     let doomed = tokio::runtime::Builder::new_multi_thread()
@@ -80,10 +73,12 @@ fn a_reservation_timing_out_as_its_runtime_shuts_down_is_answered_without_a_pani
         slept_tx.send(()).unwrap();
     });
     slept_rx.recv().unwrap();
-    // Dropped by the shutdown, once the runtime no longer takes tasks.
+    // Dropped by the shutdown, once the runtime no longer takes tasks
+    // (polled or not: the signal is made before the task).
     let (closed_tx, closed_rx) = mpsc::channel();
+    let signal = OnDrop(closed_tx);
     doomed.spawn(async move {
-        let _signal = OnDrop(closed_tx);
+        let _signal = signal;
         std::future::pending::<()>().await
     });
     let shutting = std::thread::spawn(move || doomed.shutdown_timeout(Duration::from_secs(10)));
