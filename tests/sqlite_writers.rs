@@ -50,17 +50,9 @@ async fn reserved(store: &SqliteStore, key: &str) -> &'static str {
     }
 }
 
-/// The in-memory database of `SqliteStore::new`'s documentation: a pool of
-/// one connection, migrated.
+/// The in-memory database of `SqliteStore::new`'s documentation.
 async fn in_memory_store() -> SqliteStore {
-    let pool = SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect("sqlite::memory:")
-        .await
-        .unwrap();
-    let store = SqliteStore::new(pool);
-    store.migrate().await.unwrap();
-    store
+    idem_testkit::sqlite_in_memory_store().await
 }
 
 /// A fresh key reserved, then completed, within `bound` in all.
@@ -607,29 +599,35 @@ async fn row(store: &SqliteStore, key: &str) -> Option<(String, Option<String>)>
         .unwrap()
 }
 
-/// A reservation whose caller gave up on it in line (its timeout), on a
-/// current-thread runtime then left idle: when the write lock frees, the
-/// key it took anyway is given back (undone on the writers' thread, not on
-/// that runtime), so the client's retry takes it, rather than meeting a
-/// lock that no execution holds until its lock timeout.
-#[test]
-fn a_reservation_given_up_in_line_on_an_idle_runtime_leaves_no_lock() {
+/// A reservation given up on in line (its 300 ms bound, the write permit
+/// held) by a caller on a current-thread runtime, which is then kept but
+/// no longer driven; that caller runs on a thread of its own, or, with
+/// `via_blocking_pool`, on a multi-thread runtime's blocking pool (where
+/// its future is made in that runtime's context). Once the write lock
+/// frees, the key it took anyway is given back (undone on the writers'
+/// thread, not on the idle runtime), so the client's retry takes it,
+/// rather than meeting a lock that no execution holds until its lock
+/// timeout.
+fn given_up_in_line_on_an_idle_runtime_leaves_no_lock(via_blocking_pool: bool) {
     let main = two_workers();
     let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
     let patient = store.clone().with_timeout(Duration::from_secs(10));
     let hasty = store.with_timeout(Duration::from_millis(300));
     let (paused, _holder) = main.block_on(hold_the_permit(&patient));
     let gone = idem_testkit::unique("gone");
-    let (idle, answer) = {
+    let caller = {
         let (hasty, gone) = (hasty.clone(), gone.clone());
-        std::thread::spawn(move || {
+        move || {
             let idle = runtime();
             let answer = idle.block_on(hasty.reserve(req(&id(&gone), "hasty-token")));
             // Kept, and not driven, until the end.
             (idle, answer)
-        })
-        .join()
-        .unwrap()
+        }
+    };
+    let (idle, answer) = if via_blocking_pool {
+        main.block_on(main.spawn_blocking(caller)).unwrap()
+    } else {
+        std::thread::spawn(caller).join().unwrap()
     };
     assert!(answer.is_err(), "{answer:?}");
     main.block_on(async {
@@ -648,6 +646,18 @@ fn a_reservation_given_up_in_line_on_an_idle_runtime_leaves_no_lock() {
         assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
     });
     drop(idle);
+}
+
+#[test]
+fn a_reservation_given_up_in_line_on_an_idle_runtime_leaves_no_lock() {
+    given_up_in_line_on_an_idle_runtime_leaves_no_lock(false);
+}
+
+/// Where its undo runs is decided where the reservation is polled, not
+/// where its future is made.
+#[test]
+fn a_reservation_made_on_one_runtime_and_driven_on_another_leaves_no_lock() {
+    given_up_in_line_on_an_idle_runtime_leaves_no_lock(true);
 }
 
 /// A release (as an execution's task runs it) waiting in line for the write
@@ -720,42 +730,6 @@ fn a_read_on_an_idle_runtime_gives_its_connection_back() {
         .unwrap()
     };
     main.block_on(served_within(&store, Duration::from_secs(2)));
-    drop(idle);
-}
-
-/// A reservation whose future is made in a multi-thread runtime's context
-/// (a thread of its blocking pool) but driven by a current-thread runtime
-/// there, given up on in line, that runtime then left idle: where its undo
-/// runs is decided where it is polled, so the key it took is given back.
-#[test]
-fn a_reservation_made_on_one_runtime_and_driven_on_another_leaves_no_lock() {
-    let main = two_workers();
-    let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
-    let patient = store.clone().with_timeout(Duration::from_secs(10));
-    let hasty = store.with_timeout(Duration::from_millis(300));
-    let (paused, _holder) = main.block_on(hold_the_permit(&patient));
-    let gone = idem_testkit::unique("gone");
-    let (idle, answer) = {
-        let (hasty, gone) = (hasty.clone(), gone.clone());
-        main.block_on(main.spawn_blocking(move || {
-            let idle = runtime();
-            let answer = idle.block_on(hasty.reserve(req(&id(&gone), "hasty-token")));
-            // Kept, and not driven, until the end.
-            (idle, answer)
-        }))
-        .unwrap()
-    };
-    assert!(answer.is_err(), "{answer:?}");
-    main.block_on(async {
-        drop(paused);
-        reserved(&patient, &idem_testkit::unique("after")).await;
-        let until = Instant::now() + Duration::from_secs(10);
-        while row(&patient, &gone).await.is_some() && Instant::now() < until {
-            tokio::task::yield_now().await;
-        }
-        let retry = patient.reserve(req(&id(&gone), "retry-token")).await;
-        assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
-    });
     drop(idle);
 }
 

@@ -16,4 +16,6 @@ mod names;
 mod stores;
 
 pub use names::{token, unique};
-pub use stores::{pg_schema, pg_store, pg_store_in, pg_url, sqlite_store, Fixture, StoreKind};
+pub use stores::{
+    pg_schema, pg_store, pg_store_in, pg_url, sqlite_in_memory_store, sqlite_store, Fixture, StoreKind,
+};
