@@ -848,7 +848,12 @@ fn others_cpu_ns() -> u64 {
 /// This thread's CPU time so far (Linux's `schedstat`: user and system,
 /// in nanoseconds); `None` elsewhere.
 fn thread_cpu_ns() -> Option<u64> {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
+    cpu_ns("/proc/thread-self/schedstat")
+}
+
+/// The CPU time so far of the task whose `schedstat` is at `path`.
+fn cpu_ns(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path)
         .ok()?
         .split_whitespace()
         .next()?

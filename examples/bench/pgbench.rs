@@ -298,6 +298,12 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
             )],
         },
         ExecCell {
+            name: "idem replay, other form: UNION ALL, LIMIT 1",
+            baseline: Some("hand-written replay: one primary-key SELECT"),
+            key: old,
+            statements: vec![union_form(&s.peek, &function)],
+        },
+        ExecCell {
             name: "hand-written first: INSERT, then UPDATE",
             baseline: None,
             key: new,
@@ -325,12 +331,32 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
             statements: vec![reserve],
         },
         ExecCell {
+            name: "idem first, other form: UNION ALL, LIMIT 1",
+            baseline: Some("hand-written first: INSERT, then UPDATE"),
+            key: new,
+            statements: vec![union_form(&s.peek, &function), complete.clone()],
+        },
+        ExecCell {
             name: "idem first, part: the reservation function alone",
             baseline: Some("hand-written first: INSERT, then UPDATE"),
             key: new,
             statements: vec![format!("SELECT {function}")],
         },
     ]
+}
+
+/// The reservation in another form, for comparison: the lookup keeping
+/// only a record to answer from, then, in a second branch that PostgreSQL
+/// starts only when the first returned nothing (an order SQL does not
+/// promise, where the `CASE` rests on one PostgreSQL documents), the
+/// reservation function, whose row is kept only when it took the key.
+fn union_form(peek: &str, function: &str) -> String {
+    let peek = bound(peek, &RESERVE_VARS[..4]);
+    format!(
+        "SELECT * FROM ((SELECT p.*, NULL::text[] AS taken FROM ({peek}) AS p WHERE p.takeable = 0) \
+         UNION ALL (SELECT NULL, NULL, NULL::bigint, NULL, NULL::bytea, NULL::bigint, NULL::int, w.taken \
+         FROM (SELECT {function} AS taken) AS w WHERE w.taken IS NOT NULL)) AS u LIMIT 1"
+    )
 }
 
 /// The reserving statement with constants for the lookup's expressions
@@ -403,12 +429,23 @@ pub(crate) async fn pgexec(url: &str, rounds: usize, n: usize) {
     );
     let mut us: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut ratios: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut cpu_us: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut cpu_ratios: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut conn = pool.acquire().await.expect("a connection");
+    // The backend's own CPU time, when it runs on this machine: steadier
+    // than the wall clock on a shared one (no time spent waiting for a CPU).
+    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("the backend's pid");
+    let backend_cpu = || crate::cpu_ns(&format!("/proc/{backend}/schedstat"));
     for round in 0..rounds.max(1) {
         let mut this_round = BTreeMap::new();
+        let mut this_round_cpu = BTreeMap::new();
         for (number, cell) in cells.iter().enumerate() {
             let block = exec_block(cell, number, round, n);
             let started = std::time::Instant::now();
+            let cpu_before = backend_cpu();
             sqlx::raw_sql(sqlx::AssertSqlSafe(block))
                 .execute(&mut *conn)
                 .await
@@ -416,6 +453,11 @@ pub(crate) async fn pgexec(url: &str, rounds: usize, n: usize) {
             let per = started.elapsed().as_secs_f64() * 1e6 / n as f64;
             this_round.insert(cell.name, per);
             us.entry(cell.name).or_default().push(per);
+            if let (Some(before), Some(after)) = (cpu_before, backend_cpu()) {
+                let per = after.saturating_sub(before) as f64 / 1e3 / n as f64;
+                this_round_cpu.insert(cell.name, per);
+                cpu_us.entry(cell.name).or_default().push(per);
+            }
         }
         for cell in &cells {
             if let Some(base) = cell.baseline {
@@ -425,6 +467,9 @@ pub(crate) async fn pgexec(url: &str, rounds: usize, n: usize) {
                     .entry(cell.name)
                     .or_default()
                     .push(this_round[base] / this_round[cell.name]);
+                if let (Some(b), Some(c)) = (this_round_cpu.get(base), this_round_cpu.get(cell.name)) {
+                    cpu_ratios.entry(cell.name).or_default().push(b / c);
+                }
             }
         }
     }
@@ -436,6 +481,18 @@ pub(crate) async fn pgexec(url: &str, rounds: usize, n: usize) {
         ("us/iter", "hand / idem"),
         2,
     );
+    if cpu_us.len() == cells.len() {
+        println!("# the same, in the backend's CPU time (/proc/<pid>/schedstat)");
+        print_table(
+            cells.iter().map(|c| c.name),
+            &cpu_us,
+            &cpu_ratios,
+            ("cpu us", "hand / idem"),
+            2,
+        );
+    } else {
+        println!("# the backend's CPU time is not readable here (PostgreSQL on another machine?)");
+    }
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(&pool)
         .await
