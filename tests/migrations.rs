@@ -95,7 +95,12 @@ async fn postgres_the_first_released_schema_upgrades_and_serves() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(
+        state_checks(&pool, &schema, "idempotency_keys").await,
+        0,
+        "the upgrade drops the check on state"
+    );
     serves_after_the_upgrade(&store).await;
 }
 
@@ -146,7 +151,7 @@ async fn postgres_a_table_that_does_not_match_refuses_to_start() {
     .unwrap();
     let err = store.migrate().await.unwrap_err().to_string();
     assert!(
-        err.contains("does not match schema version 6")
+        err.contains("does not match schema version 7")
             && err.contains("response_headers")
             && err.contains("run migrate()"),
         "{err}"
@@ -228,6 +233,80 @@ async fn postgres_an_attempt_out_of_range_is_taken_as_attempt_1() {
     };
     assert_eq!((lease.attempt, lease.operation_id.as_str()), (1, "op"));
     store.complete(&id, &lease.token, &created(b"ok")).await.unwrap();
+}
+
+/// The check constraints of `table` in `schema` (the one on `state` is
+/// the only one idem ever made).
+async fn state_checks(pool: &sqlx::PgPool, schema: &str, table: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_constraint WHERE contype = 'c' AND conrelid = \
+         (quote_ident($1) || '.' || quote_ident($2))::regclass",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Migration 7 drops the check on `state` (PostgreSQL rebuilt it in every
+/// write). A state that only a hand edit can write reads as a record in
+/// progress: a conflict, never replayed, never run, and no write of idem's
+/// touches it; once gone by the retention rule, the key is reserved afresh.
+#[tokio::test]
+async fn postgres_a_state_edited_by_hand_is_a_conflict_until_gone() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    assert_eq!(state_checks(&pool, &schema, "idempotency_keys").await, 0);
+    let t = format!("\"{schema}\".idempotency_keys");
+    // Released (no lock token, deadline passed) and with the request's
+    // fingerprint: with `in_progress` it would be taken and run again.
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {t} (tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, \
+         lock_expires_at, created_at, expires_at) VALUES ('t', 's', 'edited', 'fp', 'paused', 'op', NULL, 1, \
+         now() - interval '1 minute', now() - interval '1 minute', now() + interval '1 hour')"
+    )))
+    .await
+    .unwrap();
+    let id = RecordId::new("t", "s", "edited");
+    for _ in 0..2 {
+        assert!(
+            matches!(
+                store.reserve(req(&id, "fp")).await.unwrap(),
+                Reservation::InProgress { .. }
+            ),
+            "an unknown state is neither taken nor replayed"
+        );
+        assert_eq!(
+            store.reserve(req(&id, "other")).await.unwrap(),
+            Reservation::Mismatch
+        );
+    }
+    let state: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT state FROM {t} WHERE key = 'edited'"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(state, "paused", "nothing of idem's wrote the row");
+    // Gone by the records' rule (a whole TTL past its lock deadline): a new
+    // operation.
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "UPDATE {t} SET created_at = now() - interval '3 hours', expires_at = now() - interval '2 hours', \
+         lock_expires_at = now() - interval '2 hours' WHERE key = 'edited'"
+    )))
+    .await
+    .unwrap();
+    let Reservation::Reserved(lease) = store.reserve(req(&id, "fp")).await.unwrap() else {
+        panic!("a gone record is reserved afresh")
+    };
+    assert_eq!(lease.attempt, 1);
+    assert_ne!(lease.operation_id, "op");
+    store.complete(&id, &lease.token, &created(b"ok")).await.unwrap();
+    assert_eq!(
+        store.reserve(req(&id, "fp")).await.unwrap(),
+        Reservation::Completed(created(b"ok"))
+    );
 }
 
 /// Replays, conflicts and mismatches are the lookup alone: the reservation
@@ -354,6 +433,7 @@ async fn postgres_long_table_names_get_their_index_and_upgrade() {
     let names = indexes(longest.clone()).await;
     assert_eq!(names.len(), 1, "{names:?}");
     assert!(names[0].starts_with("idem_purge_at_idx_"), "{names:?}");
+    assert_eq!(state_checks(&pool, &schema, &longest).await, 0);
 
     // A 50-byte table of the first released build: upgraded in place.
     let earlier = "k".repeat(50);
@@ -366,6 +446,8 @@ async fn postgres_long_table_names_get_their_index_and_upgrade() {
         .unwrap();
     store.migrate().await.unwrap();
     serves_after_the_upgrade(&store).await;
+    // Its check on `state` had a name cut to 63 bytes: found all the same.
+    assert_eq!(state_checks(&pool, &schema, &earlier).await, 0);
     assert_eq!(indexes(earlier).await.len(), 1);
 }
 

@@ -61,6 +61,11 @@ macro_rules! migrations {
                 name: "take function",
                 sql: include_str!(concat!("../../migrations/", $dir, "/0006_take_function.sql")),
             },
+            $crate::sql::Migration {
+                version: 7,
+                name: "drop state check",
+                sql: include_str!(concat!("../../migrations/", $dir, "/0007_drop_state_check.sql")),
+            },
         ]
     };
 }
