@@ -301,7 +301,7 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
             name: "idem replay, other form: UNION ALL, LIMIT 1",
             baseline: Some("hand-written replay: one primary-key SELECT"),
             key: old,
-            statements: vec![union_form(&s.peek, &function)],
+            statements: vec![union_form(s.peek, &function)],
         },
         ExecCell {
             name: "hand-written first: INSERT, then UPDATE",
@@ -334,7 +334,7 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
             name: "idem first, other form: UNION ALL, LIMIT 1",
             baseline: Some("hand-written first: INSERT, then UPDATE"),
             key: new,
-            statements: vec![union_form(&s.peek, &function), complete.clone()],
+            statements: vec![union_form(s.peek, &function), complete.clone()],
         },
         ExecCell {
             name: "idem first, part: the reservation function alone",
