@@ -309,6 +309,88 @@ async fn postgres_a_state_edited_by_hand_is_a_conflict_until_gone() {
     );
 }
 
+/// The names of the check constraints of `table` in `schema`.
+async fn check_names(pool: &sqlx::PgPool, schema: &str, table: &str) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT conname::text FROM pg_constraint WHERE contype = 'c' AND conrelid = \
+         (quote_ident($1) || '.' || quote_ident($2))::regclass ORDER BY conname",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Dropping the check needs the table's lock, and every request to the
+/// table queues behind a migration that waits for it: migration 7 waits at
+/// most half a second (here, behind a transaction that has read the table),
+/// leaves the check, and the next `migrate()` drops it.
+#[tokio::test]
+async fn postgres_migration_7_never_waits_long_for_the_tables_lock() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    let t = format!("\"{schema}\".idempotency_keys");
+    // Back to version 6, with the first schema's check.
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE {t} ADD CONSTRAINT idempotency_keys_state_check \
+         CHECK (state IN ('in_progress', 'completed')); \
+         DELETE FROM \"{schema}\".idempotency_keys_migrations WHERE version = 7"
+    )))
+    .await
+    .unwrap();
+    let mut reader = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {t}")))
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    let migrated = tokio::time::timeout(Duration::from_secs(10), store.migrate()).await;
+    assert!(
+        matches!(migrated, Ok(Ok(()))),
+        "migrate() while a transaction holds the table: {migrated:?}"
+    );
+    assert_eq!(
+        check_names(&pool, &schema, "idempotency_keys").await,
+        ["idempotency_keys_state_check"],
+        "the check stays while the lock is held"
+    );
+    takes_completes_replays(&store, "while-held").await;
+    reader.rollback().await.unwrap();
+    store.migrate().await.unwrap();
+    assert_eq!(state_checks(&pool, &schema, "idempotency_keys").await, 0);
+}
+
+/// Migration 7 drops the first schema's check only, and finds it whatever
+/// the session's quoting: checks of one's own, on `state` too, stay.
+#[tokio::test]
+async fn postgres_migration_7_drops_only_the_first_schemas_check() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let pool = sqlx::PgPool::connect(&format!("{url}{sep}options=-c%20quote_all_identifiers%3Don"))
+        .await
+        .unwrap();
+    let t = format!("\"{schema}\".\"idempotency_keys\"");
+    pool.execute(sqlx::AssertSqlSafe(V1_POSTGRES.replace("{t}", &t)))
+        .await
+        .unwrap();
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE {t} ADD CONSTRAINT own_attempt CHECK (attempt >= 0), \
+         ADD CONSTRAINT own_states CHECK (state IN ('in_progress', 'completed', 'archived'))"
+    )))
+    .await
+    .unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    assert_eq!(
+        check_names(&pool, &schema, "idempotency_keys").await,
+        ["own_attempt", "own_states"]
+    );
+    serves_after_the_upgrade(&store).await;
+}
+
 /// Replays, conflicts and mismatches are the lookup alone: the reservation
 /// function runs only for the two fresh keys (PostgreSQL's own count of its
 /// calls, `track_functions`).

@@ -18,6 +18,11 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
+/// The migration that may leave its work for later (PostgreSQL's drop of
+/// the check on `state`, which waits at most half a second for the table's
+/// lock): it runs again at every `migrate()`, and does nothing once done.
+pub(crate) const UNTIL_DONE: i64 = 7;
+
 /// The migrations of the records table, in order, for the dialect whose
 /// files are in `migrations/<dir>/`: the one list of versions and names.
 macro_rules! migrations {
@@ -125,7 +130,7 @@ macro_rules! migrate_in {
             )));
         }
         for (migration, text) in &sql.migrations {
-            if migration.version > current {
+            if migration.version > current || migration.version == $crate::sql::UNTIL_DONE {
                 run(text).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
             }
             if !applied.contains(&migration.version) {

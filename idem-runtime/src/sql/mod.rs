@@ -14,7 +14,9 @@ pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
 pub use migrate::Migration;
-pub(crate) use migrate::{check_schema, migrate_in, migrations, refuse_found_elsewhere, schema_error};
+pub(crate) use migrate::{
+    check_schema, migrate_in, migrations, refuse_found_elsewhere, schema_error, UNTIL_DONE,
+};
 #[cfg(feature = "postgres")]
 pub(crate) use run::columns_are;
 #[cfg(feature = "postgres")]
