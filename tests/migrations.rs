@@ -4,7 +4,7 @@
 
 use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::{IdempotencyStore, PgStore, SqliteStore};
-use sqlx::Executor as _;
+use sqlx::{Connection as _, Executor as _};
 use std::time::Duration;
 
 const LONG: Duration = Duration::from_secs(3600);
@@ -322,16 +322,14 @@ async fn check_names(pool: &sqlx::PgPool, schema: &str, table: &str) -> Vec<Stri
     .unwrap()
 }
 
-/// Dropping the check needs the table's lock, and every request to the
-/// table queues behind a migration that waits for it: migration 7 waits at
-/// most half a second (here, behind a transaction that has read the table),
-/// leaves the check, and the next `migrate()` drops it.
-#[tokio::test]
-async fn postgres_migration_7_never_waits_long_for_the_tables_lock() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let (pool, schema, store) = migrated_pg_store(&url).await;
+/// Sets the migrated table in `schema` back to version 6 with the first
+/// schema's check, and returns a transaction that has read it (and holds
+/// the lock migration 7 needs until it ends).
+async fn at_version_6_and_read(
+    pool: &sqlx::PgPool,
+    schema: &str,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let t = format!("\"{schema}\".idempotency_keys");
-    // Back to version 6, with the first schema's check.
     pool.execute(sqlx::AssertSqlSafe(format!(
         "ALTER TABLE {t} ADD CONSTRAINT idempotency_keys_state_check \
          CHECK (state IN ('in_progress', 'completed')); \
@@ -344,6 +342,69 @@ async fn postgres_migration_7_never_waits_long_for_the_tables_lock() {
         .execute(&mut *reader)
         .await
         .unwrap();
+    reader
+}
+
+/// A session whose `statement_timeout` is shorter than half a second would
+/// cancel migration 7 while it waits for the lock, and `migrate()` would
+/// fail at every start: it waits at most half the statement timeout.
+#[tokio::test]
+async fn postgres_migration_7_waits_within_the_statement_timeout() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, _) = migrated_pg_store(&url).await;
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let short = sqlx::PgPool::connect(&format!("{url}{sep}options=-c%20statement_timeout%3D200ms"))
+        .await
+        .unwrap();
+    let store = PgStore::new(short)
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    let reader = at_version_6_and_read(&pool, &schema).await;
+    store.migrate().await.unwrap();
+    assert_eq!(state_checks(&pool, &schema, "idempotency_keys").await, 1);
+    takes_completes_replays(&store, "short-statements").await;
+    reader.rollback().await.unwrap();
+    store.migrate().await.unwrap();
+    assert_eq!(state_checks(&pool, &schema, "idempotency_keys").await, 0);
+}
+
+/// An operator's shorter `lock_timeout` bounds migration 7's wait (every
+/// request waits behind it), and is the session's again afterwards.
+#[tokio::test]
+async fn postgres_migration_7_keeps_a_shorter_lock_timeout() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    let reader = at_version_6_and_read(&pool, &schema).await;
+    let sql = store
+        .migrations_sql()
+        .find(|(m, _)| m.version == 7)
+        .map(|(_, sql)| sql.to_owned())
+        .unwrap();
+    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+    conn.execute("SET lock_timeout = '20ms'").await.unwrap();
+    let started = std::time::Instant::now();
+    conn.execute(sqlx::AssertSqlSafe(sql)).await.unwrap();
+    let waited = started.elapsed();
+    // 500 ms if the session's bound were raised to the migration's own.
+    assert!(waited < Duration::from_millis(400), "{waited:?}");
+    let now: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(now, "20ms");
+    assert_eq!(state_checks(&pool, &schema, "idempotency_keys").await, 1);
+    reader.rollback().await.unwrap();
+}
+
+/// Dropping the check needs the table's lock, and every request to the
+/// table queues behind a migration that waits for it: migration 7 waits at
+/// most half a second (here, behind a transaction that has read the table),
+/// leaves the check, and the next `migrate()` drops it.
+#[tokio::test]
+async fn postgres_migration_7_never_waits_long_for_the_tables_lock() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    let reader = at_version_6_and_read(&pool, &schema).await;
     let migrated = tokio::time::timeout(Duration::from_secs(10), store.migrate()).await;
     assert!(
         matches!(migrated, Ok(Ok(()))),

@@ -10,18 +10,28 @@
 -- (checks of your own, even on `state`, stay). Dropping it needs the
 -- table's lock, which waits for every transaction that has read the table,
 -- and every request to the table would queue behind that wait: it waits at
--- most half a second, and when a transaction holds the lock longer (or the
--- role may not alter the table) the check stays and this runs again at the
--- next `migrate()`, until it is gone. Nothing else depends on it.
+-- most half a second (less when the session's own `lock_timeout` is
+-- shorter, and at most half its `statement_timeout`, which would otherwise
+-- cancel the whole statement), and when a transaction holds the lock longer
+-- (or the role may not alter the table) the check stays and this runs again
+-- at the next `migrate()`, until it is gone. Nothing else depends on it.
 -- {table} is replaced by the configured, quoted name.
 DO $idem$
 DECLARE
     found text;
     lock_wait text := current_setting('lock_timeout');
     quoting text := current_setting('quote_all_identifiers');
+    bound interval := interval '500 ms';
 BEGIN
+    IF lock_wait <> '0' THEN
+        bound := least(bound, lock_wait::interval);
+    END IF;
+    IF current_setting('statement_timeout') <> '0' THEN
+        bound := least(bound, current_setting('statement_timeout')::interval / 2);
+    END IF;
     PERFORM set_config('quote_all_identifiers', 'off', true);
-    PERFORM set_config('lock_timeout', '500ms', true);
+    PERFORM set_config('lock_timeout',
+        greatest(1, round(extract(epoch FROM bound) * 1000))::bigint || 'ms', true);
     FOR found IN
         SELECT conname FROM pg_constraint
         WHERE conrelid = '{table}'::regclass AND contype = 'c'
@@ -33,6 +43,7 @@ BEGIN
         EXCEPTION WHEN lock_not_available OR insufficient_privilege THEN
             RAISE NOTICE 'idem: the check % on {table} stays for now (%); the next migrate() tries again',
                 found, SQLERRM;
+            EXIT;
         END;
     END LOOP;
     PERFORM set_config('lock_timeout', lock_wait, true);
