@@ -352,8 +352,7 @@ async fn at_version_6_and_read(
 async fn postgres_migration_7_waits_within_the_statement_timeout() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let (pool, schema, _) = migrated_pg_store(&url).await;
-    let sep = if url.contains('?') { '&' } else { '?' };
-    let short = sqlx::PgPool::connect(&format!("{url}{sep}options=-c%20statement_timeout%3D200ms"))
+    let short = sqlx::PgPool::connect(&with_setting(&url, "statement_timeout", "200ms"))
         .await
         .unwrap();
     let store = PgStore::new(short)
@@ -361,11 +360,33 @@ async fn postgres_migration_7_waits_within_the_statement_timeout() {
         .unwrap();
     let reader = at_version_6_and_read(&pool, &schema).await;
     store.migrate().await.unwrap();
-    assert_eq!(state_checks(&pool, &schema, "idempotency_keys").await, 1);
-    takes_completes_replays(&store, "short-statements").await;
+    kept_then_dropped(&pool, &schema, &store, reader).await;
+}
+
+/// After a `migrate()` that could not take the table's lock from `reader`:
+/// the check is still there and the store serves; once `reader` ends, the
+/// next `migrate()` drops it.
+async fn kept_then_dropped(
+    pool: &sqlx::PgPool,
+    schema: &str,
+    store: &PgStore,
+    reader: sqlx::Transaction<'static, sqlx::Postgres>,
+) {
+    assert_eq!(
+        check_names(pool, schema, "idempotency_keys").await,
+        ["idempotency_keys_state_check"],
+        "the check stays while the lock is held"
+    );
+    takes_completes_replays(store, "while-held").await;
     reader.rollback().await.unwrap();
     store.migrate().await.unwrap();
-    assert_eq!(state_checks(&pool, &schema, "idempotency_keys").await, 0);
+    assert_eq!(state_checks(pool, schema, "idempotency_keys").await, 0);
+}
+
+/// `url` with a server setting for every session of its pool.
+fn with_setting(url: &str, name: &str, value: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}options=-c%20{name}%3D{value}")
 }
 
 /// An operator's shorter `lock_timeout` bounds migration 7's wait (every
@@ -410,15 +431,7 @@ async fn postgres_migration_7_never_waits_long_for_the_tables_lock() {
         matches!(migrated, Ok(Ok(()))),
         "migrate() while a transaction holds the table: {migrated:?}"
     );
-    assert_eq!(
-        check_names(&pool, &schema, "idempotency_keys").await,
-        ["idempotency_keys_state_check"],
-        "the check stays while the lock is held"
-    );
-    takes_completes_replays(&store, "while-held").await;
-    reader.rollback().await.unwrap();
-    store.migrate().await.unwrap();
-    assert_eq!(state_checks(&pool, &schema, "idempotency_keys").await, 0);
+    kept_then_dropped(&pool, &schema, &store, reader).await;
 }
 
 /// Migration 7 drops the first schema's check only, and finds it whatever
@@ -427,8 +440,7 @@ async fn postgres_migration_7_never_waits_long_for_the_tables_lock() {
 async fn postgres_migration_7_drops_only_the_first_schemas_check() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
-    let sep = if url.contains('?') { '&' } else { '?' };
-    let pool = sqlx::PgPool::connect(&format!("{url}{sep}options=-c%20quote_all_identifiers%3Don"))
+    let pool = sqlx::PgPool::connect(&with_setting(&url, "quote_all_identifiers", "on"))
         .await
         .unwrap();
     let t = format!("\"{schema}\".\"idempotency_keys\"");
@@ -459,10 +471,9 @@ async fn postgres_migration_7_drops_only_the_first_schemas_check() {
 async fn postgres_replays_and_conflicts_never_call_the_reservation_function() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let (_, schema, _) = migrated_pg_store(&url).await;
-    let sep = if url.contains('?') { '&' } else { '?' };
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
-        .connect(&format!("{url}{sep}options=-c%20track_functions%3Dall"))
+        .connect(&with_setting(&url, "track_functions", "all"))
         .await
         .unwrap();
     let store = PgStore::new(pool.clone())
