@@ -95,7 +95,11 @@ async fn postgres_the_first_released_schema_upgrades_and_serves() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(
+        versions,
+        [1, 2, 3, 4, 5, 6],
+        "the check's drop is no schema version"
+    );
     assert_eq!(
         state_checks(&pool, &schema, "idempotency_keys").await,
         0,
@@ -151,7 +155,7 @@ async fn postgres_a_table_that_does_not_match_refuses_to_start() {
     .unwrap();
     let err = store.migrate().await.unwrap_err().to_string();
     assert!(
-        err.contains("does not match schema version 7")
+        err.contains("does not match schema version 6")
             && err.contains("response_headers")
             && err.contains("run migrate()"),
         "{err}"
@@ -249,7 +253,7 @@ async fn state_checks(pool: &sqlx::PgPool, schema: &str, table: &str) -> i64 {
     .unwrap()
 }
 
-/// Migration 7 drops the check on `state` (PostgreSQL rebuilt it in every
+/// `migrate()` drops the check on `state` (PostgreSQL rebuilt it in every
 /// write). A state that only a hand edit can write reads as a record in
 /// progress: a conflict, never replayed, never run, and no write of idem's
 /// touches it; once gone by the retention rule, the key is reserved afresh.
@@ -322,18 +326,14 @@ async fn check_names(pool: &sqlx::PgPool, schema: &str, table: &str) -> Vec<Stri
     .unwrap()
 }
 
-/// Sets the migrated table in `schema` back to version 6 with the first
-/// schema's check, and returns a transaction that has read it (and holds
-/// the lock migration 7 needs until it ends).
-async fn at_version_6_and_read(
-    pool: &sqlx::PgPool,
-    schema: &str,
-) -> sqlx::Transaction<'static, sqlx::Postgres> {
+/// Gives the migrated table in `schema` the first schema's check again, and
+/// returns a transaction that has read it (and holds off the lock the
+/// check's drop needs until it ends).
+async fn checked_and_read(pool: &sqlx::PgPool, schema: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let t = format!("\"{schema}\".idempotency_keys");
     pool.execute(sqlx::AssertSqlSafe(format!(
         "ALTER TABLE {t} ADD CONSTRAINT idempotency_keys_state_check \
-         CHECK (state IN ('in_progress', 'completed')); \
-         DELETE FROM \"{schema}\".idempotency_keys_migrations WHERE version = 7"
+         CHECK (state IN ('in_progress', 'completed'))"
     )))
     .await
     .unwrap();
@@ -346,10 +346,10 @@ async fn at_version_6_and_read(
 }
 
 /// A session whose `statement_timeout` is shorter than half a second would
-/// cancel migration 7 while it waits for the lock, and `migrate()` would
+/// cancel the check's drop while it waits for the lock, and `migrate()` would
 /// fail at every start: it waits at most half the statement timeout.
 #[tokio::test]
-async fn postgres_migration_7_waits_within_the_statement_timeout() {
+async fn postgres_the_check_drop_waits_within_the_statement_timeout() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let (pool, schema, _) = migrated_pg_store(&url).await;
     let short = sqlx::PgPool::connect(&with_setting(&url, "statement_timeout", "200ms"))
@@ -358,7 +358,7 @@ async fn postgres_migration_7_waits_within_the_statement_timeout() {
     let store = PgStore::new(short)
         .with_table(Some(&schema), "idempotency_keys")
         .unwrap();
-    let reader = at_version_6_and_read(&pool, &schema).await;
+    let reader = checked_and_read(&pool, &schema).await;
     store.migrate().await.unwrap();
     kept_then_dropped(&pool, &schema, &store, reader).await;
 }
@@ -389,18 +389,14 @@ fn with_setting(url: &str, name: &str, value: &str) -> String {
     format!("{url}{sep}options=-c%20{name}%3D{value}")
 }
 
-/// An operator's shorter `lock_timeout` bounds migration 7's wait (every
+/// An operator's shorter `lock_timeout` bounds the check's drop's wait (every
 /// request waits behind it), and is the session's again afterwards.
 #[tokio::test]
-async fn postgres_migration_7_keeps_a_shorter_lock_timeout() {
+async fn postgres_the_check_drop_keeps_a_shorter_lock_timeout() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let (pool, schema, store) = migrated_pg_store(&url).await;
-    let reader = at_version_6_and_read(&pool, &schema).await;
-    let sql = store
-        .migrations_sql()
-        .find(|(m, _)| m.version == 7)
-        .map(|(_, sql)| sql.to_owned())
-        .unwrap();
+    let reader = checked_and_read(&pool, &schema).await;
+    let sql = store.state_check_drop_sql().to_owned();
     let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
     conn.execute("SET lock_timeout = '20ms'").await.unwrap();
     let started = std::time::Instant::now();
@@ -418,14 +414,14 @@ async fn postgres_migration_7_keeps_a_shorter_lock_timeout() {
 }
 
 /// Dropping the check needs the table's lock, and every request to the
-/// table queues behind a migration that waits for it: migration 7 waits at
+/// table queues behind a migration that waits for it: the drop waits at
 /// most half a second (here, behind a transaction that has read the table),
 /// leaves the check, and the next `migrate()` drops it.
 #[tokio::test]
-async fn postgres_migration_7_never_waits_long_for_the_tables_lock() {
+async fn postgres_the_check_drop_never_waits_long_for_the_tables_lock() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let (pool, schema, store) = migrated_pg_store(&url).await;
-    let reader = at_version_6_and_read(&pool, &schema).await;
+    let reader = checked_and_read(&pool, &schema).await;
     let migrated = tokio::time::timeout(Duration::from_secs(10), store.migrate()).await;
     assert!(
         matches!(migrated, Ok(Ok(()))),
@@ -434,10 +430,10 @@ async fn postgres_migration_7_never_waits_long_for_the_tables_lock() {
     kept_then_dropped(&pool, &schema, &store, reader).await;
 }
 
-/// Migration 7 drops the first schema's check only, and finds it whatever
+/// `migrate()` drops the first schema's check only, and finds it whatever
 /// the session's quoting: checks of one's own, on `state` too, stay.
 #[tokio::test]
-async fn postgres_migration_7_drops_only_the_first_schemas_check() {
+async fn postgres_the_check_drop_drops_only_the_first_schemas_check() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let pool = sqlx::PgPool::connect(&with_setting(&url, "quote_all_identifiers", "on"))

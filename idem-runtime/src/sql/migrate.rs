@@ -18,11 +18,6 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
-/// The migration that may leave its work for later (PostgreSQL's drop of
-/// the check on `state`, which waits at most half a second for the table's
-/// lock): it runs again at every `migrate()`, and does nothing once done.
-pub(crate) const UNTIL_DONE: i64 = 7;
-
 /// The migrations of the records table, in order, for the dialect whose
 /// files are in `migrations/<dir>/`: the one list of versions and names.
 macro_rules! migrations {
@@ -65,11 +60,6 @@ macro_rules! migrations {
                 version: 6,
                 name: "take function",
                 sql: include_str!(concat!("../../migrations/", $dir, "/0006_take_function.sql")),
-            },
-            $crate::sql::Migration {
-                version: 7,
-                name: "drop state check",
-                sql: include_str!(concat!("../../migrations/", $dir, "/0007_drop_state_check.sql")),
             },
         ]
     };
@@ -130,7 +120,7 @@ macro_rules! migrate_in {
             )));
         }
         for (migration, text) in &sql.migrations {
-            if migration.version > current || migration.version == $crate::sql::UNTIL_DONE {
+            if migration.version > current {
                 run(text).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
             }
             if !applied.contains(&migration.version) {
@@ -153,6 +143,13 @@ macro_rules! migrate_in {
             if found.as_ref() != Some(body) {
                 run(ddl).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
             }
+        }
+        // Not a schema version (no build needs it, so a build before it
+        // still finds the table at its own version): PostgreSQL's drop of
+        // the first schema's check on `state`, which gives up when it cannot
+        // take the table's lock at once, and so runs at every migration.
+        if let Some(step) = &sql.drop_state_check {
+            run(step).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
         }
         $tx.commit().await.map_err($crate::sql::map_err)?;
         $self.check_schema().await

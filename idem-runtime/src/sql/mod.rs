@@ -14,9 +14,7 @@ pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
 pub use migrate::Migration;
-pub(crate) use migrate::{
-    check_schema, migrate_in, migrations, refuse_found_elsewhere, schema_error, UNTIL_DONE,
-};
+pub(crate) use migrate::{check_schema, migrate_in, migrations, refuse_found_elsewhere, schema_error};
 #[cfg(feature = "postgres")]
 pub(crate) use run::columns_are;
 #[cfg(feature = "postgres")]
@@ -97,6 +95,9 @@ pub(crate) struct Dialect {
     /// default, not null) and that are not in `known` (a list of quoted
     /// names). The names are checked identifiers.
     required_columns: fn(Option<&str>, &str, &str) -> String,
+    /// PostgreSQL: drops the first schema's check on `state`, `{table}`
+    /// standing for the table (see `drop_state_check.sql`).
+    drop_state_check: Option<&'static str>,
     /// Whether the reservation's write path is a server-side function
     /// (PostgreSQL), created by migration 4.
     reserve_function: bool,
@@ -127,6 +128,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
              AND column_name NOT IN ({known})"
         )
     },
+    drop_state_check: Some(include_str!("../../migrations/postgres/drop_state_check.sql")),
     reserve_function: true,
 };
 
@@ -150,6 +152,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
              AND name NOT IN ({known})"
         )
     },
+    drop_state_check: None,
     reserve_function: false,
 };
 
@@ -214,6 +217,9 @@ pub(crate) struct Statements {
     /// The function's body as this build defines it, and the query that
     /// reads the body in the database (no row when there is no function).
     pub(crate) reserve_source: Option<(String, String)>,
+    /// PostgreSQL: drops the first schema's check on `state` when it can
+    /// take the table's lock at once; `migrate` runs it every time.
+    pub(crate) drop_state_check: Option<String>,
     /// PostgreSQL, no schema named: the schemas other than the one new
     /// objects go to (`current_schema()`) where `search_path` finds the
     /// table or its migrations table. Columns: the schema, where new
@@ -487,6 +493,7 @@ impl Statements {
                 )
             }),
             reserve_ddl: d.reserve_function.then(|| reserve_ddl.clone()),
+            drop_state_check: d.drop_state_check.map(|step| step.replace("{table}", &t)),
             reserve_source: d.reserve_function.then(|| {
                 (
                     reserve_body.clone(),

@@ -209,6 +209,25 @@ impl PgStore {
         self.sql.migrations.iter().map(|(m, text)| (m, text.as_str()))
     }
 
+    /// What [`migrate`](PgStore::migrate) runs after the migrations, every
+    /// time, for teams that apply migrations with their own tool: it drops
+    /// the check on `state` that the first schema made (PostgreSQL rebuilt it
+    /// in every write), waiting at most half a second for the table's lock,
+    /// and leaves it when the lock is not free by then. Not a schema version
+    /// (no build needs the check gone): run it at any time, as often as you
+    /// like, until the check is gone.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store = idem::PgStore::connect("postgres://127.0.0.1/app").unwrap();
+    /// let sql = store.state_check_drop_sql();
+    /// assert!(sql.contains("DROP CONSTRAINT") && !sql.contains("{table}"));
+    /// # }
+    /// ```
+    pub fn state_check_drop_sql(&self) -> &str {
+        self.sql.drop_state_check.as_deref().unwrap_or_default()
+    }
+
     fn build(pool: PgPool, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
         let sql = Statements::new(sql::POSTGRES, POSTGRES_MIGRATIONS, schema, table)?;
         // One round trip that reads first: a record to answer from (a

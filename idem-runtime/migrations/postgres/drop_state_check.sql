@@ -1,4 +1,8 @@
--- idem: the check on `state` that the first schema made goes. PostgreSQL
+-- idem: the check on `state` that the first schema made goes. Not a
+-- schema version: no build needs it gone, so `migrate()` runs this after the
+-- migrations every time (`PgStore::state_check_drop_sql()` gives it to your
+-- own tool), and a build before it still finds the table at its own
+-- version during a rolling upgrade. PostgreSQL
 -- rebuilds a table's check constraints from their stored form in every
 -- statement that writes a row, so a first request paid for it twice: in its
 -- reservation's insert and in its completion. Only idem's own statements
@@ -13,8 +17,8 @@
 -- most half a second (less when the session's own `lock_timeout` is
 -- shorter, and at most half its `statement_timeout`, which would otherwise
 -- cancel the whole statement), and when a transaction holds the lock longer
--- (or the role may not alter the table) the check stays and this runs again
--- at the next `migrate()`, until it is gone. Nothing else depends on it.
+-- (or the role may not alter the table) the check stays, until the next
+-- `migrate()`. Nothing else depends on it.
 -- {table} is replaced by the configured, quoted name.
 DO $idem$
 DECLARE
