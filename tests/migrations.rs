@@ -346,21 +346,35 @@ async fn checked_and_read(pool: &sqlx::PgPool, schema: &str) -> sqlx::Transactio
 }
 
 /// A session whose `statement_timeout` is shorter than half a second would
-/// cancel the check's drop while it waits for the lock, and `migrate()` would
-/// fail at every start: it waits at most half the statement timeout.
+/// cancel the check's drop while it waits for the lock (and `migrate()` with
+/// it, at every start): it waits at most half the statement timeout. (Run
+/// as one's own tool runs it: `migrate()` would first wait for the other
+/// tests' migrations, under the migration lock.)
 #[tokio::test]
 async fn postgres_the_check_drop_waits_within_the_statement_timeout() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    let (pool, schema, _) = migrated_pg_store(&url).await;
-    let short = sqlx::PgPool::connect(&with_setting(&url, "statement_timeout", "200ms"))
-        .await
-        .unwrap();
-    let store = PgStore::new(short)
-        .with_table(Some(&schema), "idempotency_keys")
-        .unwrap();
+    let (pool, schema, store) = migrated_pg_store(&url).await;
     let reader = checked_and_read(&pool, &schema).await;
-    store.migrate().await.unwrap();
+    let (_, (_, result)) = drop_in_a_session(&url, &store, "SET statement_timeout = '200ms'").await;
+    result.unwrap();
     kept_then_dropped(&pool, &schema, &store, reader).await;
+}
+
+/// Runs the check's drop of `store` on a connection of its own set up by
+/// `setup`: how long it took, its result, and the connection.
+async fn drop_in_a_session(
+    url: &str,
+    store: &PgStore,
+    setup: &'static str,
+) -> (sqlx::PgConnection, (Duration, Result<(), sqlx::Error>)) {
+    let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
+    conn.execute(setup).await.unwrap();
+    let started = std::time::Instant::now();
+    let result = conn
+        .execute(sqlx::AssertSqlSafe(store.state_check_drop_sql().to_owned()))
+        .await
+        .map(drop);
+    (conn, (started.elapsed(), result))
 }
 
 /// After a `migrate()` that could not take the table's lock from `reader`:
@@ -396,21 +410,16 @@ async fn postgres_the_check_drop_keeps_a_shorter_lock_timeout() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let (pool, schema, store) = migrated_pg_store(&url).await;
     let reader = checked_and_read(&pool, &schema).await;
-    let sql = store.state_check_drop_sql().to_owned();
-    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
-    conn.execute("SET lock_timeout = '20ms'").await.unwrap();
-    let started = std::time::Instant::now();
-    conn.execute(sqlx::AssertSqlSafe(sql)).await.unwrap();
-    let waited = started.elapsed();
-    // 500 ms if the session's bound were raised to the migration's own.
+    let (mut conn, (waited, result)) = drop_in_a_session(&url, &store, "SET lock_timeout = '20ms'").await;
+    result.unwrap();
+    // 500 ms if the session's bound were raised to the drop's own.
     assert!(waited < Duration::from_millis(400), "{waited:?}");
     let now: String = sqlx::query_scalar("SHOW lock_timeout")
         .fetch_one(&mut conn)
         .await
         .unwrap();
     assert_eq!(now, "20ms");
-    assert_eq!(state_checks(&pool, &schema, "idempotency_keys").await, 1);
-    reader.rollback().await.unwrap();
+    kept_then_dropped(&pool, &schema, &store, reader).await;
 }
 
 /// Dropping the check needs the table's lock, and every request to the
@@ -445,7 +454,8 @@ async fn postgres_the_check_drop_drops_only_the_first_schemas_check() {
         .unwrap();
     pool.execute(sqlx::AssertSqlSafe(format!(
         "ALTER TABLE {t} ADD CONSTRAINT own_attempt CHECK (attempt >= 0), \
-         ADD CONSTRAINT own_states CHECK (state IN ('in_progress', 'completed', 'archived'))"
+         ADD CONSTRAINT own_states CHECK (state IN ('in_progress', 'completed', 'archived')), \
+         ADD CONSTRAINT own_reordered CHECK (state IN ('completed', 'in_progress'))"
     )))
     .await
     .unwrap();
@@ -455,7 +465,7 @@ async fn postgres_the_check_drop_drops_only_the_first_schemas_check() {
     store.migrate().await.unwrap();
     assert_eq!(
         check_names(&pool, &schema, "idempotency_keys").await,
-        ["own_attempt", "own_states"]
+        ["own_attempt", "own_reordered", "own_states"]
     );
     serves_after_the_upgrade(&store).await;
 }
@@ -742,6 +752,74 @@ async fn postgres_a_role_that_does_not_own_the_function_migrates_an_up_to_date_t
         )))
         .await
         .unwrap();
+    migrated.unwrap();
+}
+
+/// A database that refuses PL/pgSQL to its service role (`USAGE` on the
+/// language revoked from PUBLIC, a common hardening): once the check on
+/// `state` is gone, that role's `migrate()` runs no PL/pgSQL, and succeeds
+/// on the up-to-date table.
+#[tokio::test]
+async fn postgres_a_role_refused_plpgsql_migrates_an_up_to_date_table() {
+    use sqlx::postgres::PgConnectOptions;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let unique = format!(
+        "{}_{}",
+        std::process::id(),
+        std::time::SystemTime::UNIX_EPOCH
+            .elapsed()
+            .unwrap()
+            .subsec_nanos()
+    );
+    let (database, role) = (format!("idem_hardened_{unique}"), format!("idem_svc_{unique}"));
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .await
+        .unwrap();
+    let options: PgConnectOptions = url.parse().unwrap();
+    let owner = sqlx::PgPool::connect_with(options.clone().database(&database))
+        .await
+        .unwrap();
+    owner
+        .execute(sqlx::AssertSqlSafe(format!(
+            "REVOKE USAGE ON LANGUAGE plpgsql FROM PUBLIC; CREATE ROLE {role} LOGIN; \
+             CREATE SCHEMA app; GRANT USAGE ON SCHEMA app TO {role}"
+        )))
+        .await
+        .unwrap();
+    let migrated_by_owner = PgStore::new(owner.clone())
+        .with_table(Some("app"), "idempotency_keys")
+        .unwrap()
+        .migrate()
+        .await;
+    owner
+        .execute(sqlx::AssertSqlSafe(format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA app TO {role}"
+        )))
+        .await
+        .unwrap();
+    let service = sqlx::PgPool::connect_with(options.database(&database).username(&role))
+        .await
+        .unwrap();
+    let store = PgStore::new(service.clone())
+        .with_table(Some("app"), "idempotency_keys")
+        .unwrap();
+    let migrated = store.migrate().await;
+    if migrated.is_ok() {
+        takes_completes_replays(&store, "hardened").await;
+    }
+    service.close().await;
+    owner.close().await;
+    // One statement each: `DROP DATABASE` refuses to run in the implicit
+    // transaction of several.
+    for drop in [
+        format!("DROP DATABASE {database} WITH (FORCE)"),
+        format!("DROP ROLE {role}"),
+    ] {
+        admin.execute(sqlx::AssertSqlSafe(drop)).await.unwrap();
+    }
+    migrated_by_owner.unwrap();
     migrated.unwrap();
 }
 

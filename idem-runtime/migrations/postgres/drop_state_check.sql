@@ -11,7 +11,13 @@
 -- and never run), until it expires by the records' rule.
 --
 -- Only that check goes: one that reads exactly as the first schema wrote it
--- (checks of your own, even on `state`, stay). Dropping it needs the
+-- (whatever the session's quoting of identifiers). Checks of your own stay,
+-- even on `state`, unless one reads exactly so: write such a guard in
+-- another form (`state IN ('completed', 'in_progress')`) to keep it.
+-- `migrate()` looks for the check with a plain query first, and runs this
+-- only when it is there. Run it after the migrations, and in a transaction
+-- of its own: the table's lock, once taken, is held until the commit.
+-- Dropping it needs the
 -- table's lock, which waits for every transaction that has read the table,
 -- and every request to the table would queue behind that wait: it waits at
 -- most half a second (less when the session's own `lock_timeout` is
@@ -24,7 +30,6 @@ DO $idem$
 DECLARE
     found text;
     lock_wait text := current_setting('lock_timeout');
-    quoting text := current_setting('quote_all_identifiers');
     bound interval := interval '500 ms';
 BEGIN
     IF lock_wait <> '0' THEN
@@ -33,13 +38,12 @@ BEGIN
     IF current_setting('statement_timeout') <> '0' THEN
         bound := least(bound, current_setting('statement_timeout')::interval / 2);
     END IF;
-    PERFORM set_config('quote_all_identifiers', 'off', true);
     PERFORM set_config('lock_timeout',
         greatest(1, round(extract(epoch FROM bound) * 1000))::bigint || 'ms', true);
     FOR found IN
         SELECT conname FROM pg_constraint
         WHERE conrelid = '{table}'::regclass AND contype = 'c'
-          AND pg_get_constraintdef(oid)
+          AND replace(pg_get_constraintdef(oid), '"', '')
             = 'CHECK ((state = ANY (ARRAY[''in_progress''::text, ''completed''::text])))'
     LOOP
         BEGIN
@@ -51,6 +55,5 @@ BEGIN
         END;
     END LOOP;
     PERFORM set_config('lock_timeout', lock_wait, true);
-    PERFORM set_config('quote_all_identifiers', quoting, true);
 END
 $idem$;

@@ -147,9 +147,16 @@ macro_rules! migrate_in {
         // Not a schema version (no build needs it, so a build before it
         // still finds the table at its own version): PostgreSQL's drop of
         // the first schema's check on `state`, which gives up when it cannot
-        // take the table's lock at once, and so runs at every migration.
-        if let Some(step) = &sql.drop_state_check {
-            run(step).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
+        // take the table's lock at once, and so is tried at every migration
+        // until the check is gone.
+        if let Some((probe, step)) = &sql.drop_state_check {
+            let there: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(probe.as_str()))
+                .fetch_one(&mut *$tx)
+                .await
+                .map_err($crate::sql::map_err)?;
+            if there {
+                run(step).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
+            }
         }
         $tx.commit().await.map_err($crate::sql::map_err)?;
         $self.check_schema().await

@@ -95,9 +95,11 @@ pub(crate) struct Dialect {
     /// default, not null) and that are not in `known` (a list of quoted
     /// names). The names are checked identifiers.
     required_columns: fn(Option<&str>, &str, &str) -> String,
-    /// PostgreSQL: drops the first schema's check on `state`, `{table}`
-    /// standing for the table (see `drop_state_check.sql`).
-    drop_state_check: Option<&'static str>,
+    /// PostgreSQL: whether the first schema's check on `state` is there (a
+    /// plain query: a role may be refused PL/pgSQL), and the block that
+    /// drops it, `{table}` standing for the table in both (see
+    /// `drop_state_check.sql`).
+    drop_state_check: Option<(&'static str, &'static str)>,
     /// Whether the reservation's write path is a server-side function
     /// (PostgreSQL), created by migration 4.
     reserve_function: bool,
@@ -128,7 +130,12 @@ pub(crate) const POSTGRES: Dialect = Dialect {
              AND column_name NOT IN ({known})"
         )
     },
-    drop_state_check: Some(include_str!("../../migrations/postgres/drop_state_check.sql")),
+    drop_state_check: Some((
+        "SELECT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = '{table}'::regclass \
+         AND contype = 'c' AND replace(pg_get_constraintdef(oid), '\"', '') \
+         = 'CHECK ((state = ANY (ARRAY[''in_progress''::text, ''completed''::text])))')",
+        include_str!("../../migrations/postgres/drop_state_check.sql"),
+    )),
     reserve_function: true,
 };
 
@@ -217,9 +224,10 @@ pub(crate) struct Statements {
     /// The function's body as this build defines it, and the query that
     /// reads the body in the database (no row when there is no function).
     pub(crate) reserve_source: Option<(String, String)>,
-    /// PostgreSQL: drops the first schema's check on `state` when it can
-    /// take the table's lock at once; `migrate` runs it every time.
-    pub(crate) drop_state_check: Option<String>,
+    /// PostgreSQL: whether the first schema's check on `state` is still
+    /// there, and the block that drops it when it can take the table's lock
+    /// at once; `migrate` runs the first every time, the second when needed.
+    pub(crate) drop_state_check: Option<(String, String)>,
     /// PostgreSQL, no schema named: the schemas other than the one new
     /// objects go to (`current_schema()`) where `search_path` finds the
     /// table or its migrations table. Columns: the schema, where new
@@ -493,7 +501,9 @@ impl Statements {
                 )
             }),
             reserve_ddl: d.reserve_function.then(|| reserve_ddl.clone()),
-            drop_state_check: d.drop_state_check.map(|step| step.replace("{table}", &t)),
+            drop_state_check: d
+                .drop_state_check
+                .map(|(probe, step)| (probe.replace("{table}", &t), step.replace("{table}", &t))),
             reserve_source: d.reserve_function.then(|| {
                 (
                     reserve_body.clone(),

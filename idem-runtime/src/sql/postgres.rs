@@ -209,13 +209,14 @@ impl PgStore {
         self.sql.migrations.iter().map(|(m, text)| (m, text.as_str()))
     }
 
-    /// What [`migrate`](PgStore::migrate) runs after the migrations, every
-    /// time, for teams that apply migrations with their own tool: it drops
-    /// the check on `state` that the first schema made (PostgreSQL rebuilt it
-    /// in every write), waiting at most half a second for the table's lock,
-    /// and leaves it when the lock is not free by then. Not a schema version
-    /// (no build needs the check gone): run it at any time, as often as you
-    /// like, until the check is gone.
+    /// What [`migrate`](PgStore::migrate) runs after the migrations while
+    /// the check is there, for teams that apply migrations with their own
+    /// tool: it drops the check on `state` that the first schema made
+    /// (PostgreSQL rebuilt it in every write), waiting at most half a second
+    /// for the table's lock, and leaves it when the lock is not free by then.
+    /// Not a schema version (no build needs the check gone): run it after
+    /// the migrations, in a transaction of its own (the lock, once taken, is
+    /// held until the commit), as often as you like until the check is gone.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -225,7 +226,10 @@ impl PgStore {
     /// # }
     /// ```
     pub fn state_check_drop_sql(&self) -> &str {
-        self.sql.drop_state_check.as_deref().unwrap_or_default()
+        self.sql
+            .drop_state_check
+            .as_ref()
+            .map_or("", |(_, step)| step.as_str())
     }
 
     fn build(pool: PgPool, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
