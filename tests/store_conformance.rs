@@ -877,3 +877,176 @@ async fn postgres_retention_is_exact_in_a_time_zone_with_daylight_saving() {
     .unwrap();
     assert_eq!(kept, ttl.as_secs_f64());
 }
+
+/// What a reservation says of a record, for comparing two judgements: the
+/// lease's attempt and whether it continues the stored operation, or the
+/// answer, with the lock left where there is one.
+fn judged(got: &Reservation) -> (String, Option<Duration>) {
+    match got {
+        Reservation::Reserved(lease) => (
+            format!(
+                "reserved: attempt {}, takeover {}, same operation {}",
+                lease.attempt,
+                lease.takeover,
+                lease.operation_id == "op-stored"
+            ),
+            None,
+        ),
+        Reservation::Completed(stored) => (format!("completed {}", stored.status), None),
+        Reservation::InProgress { retry_after } => ("in progress".into(), Some(*retry_after)),
+        Reservation::Mismatch => ("mismatch".into(), None),
+    }
+}
+
+/// The same, from the row of the statement that judges in SQL alone
+/// (`takeable`, `taken` and the lock left), as the store reads it.
+fn judged_in_sql(row: &sqlx::postgres::PgRow) -> (String, Option<Duration>) {
+    use sqlx::Row as _;
+    if let Some(taken) = row.get::<Option<Vec<Option<String>>>, _>("taken") {
+        let taken: Vec<String> = taken.into_iter().map(Option::unwrap_or_default).collect();
+        return (
+            format!(
+                "reserved: attempt {}, takeover {}, same operation {}",
+                taken[0],
+                taken[1] != "0",
+                taken[3] == "op-stored"
+            ),
+            None,
+        );
+    }
+    assert_eq!(
+        row.get::<Option<i32>, _>("takeable"),
+        Some(0),
+        "neither taken nor judged"
+    );
+    if row.get::<&str, _>("fingerprint") != "fp" {
+        ("mismatch".into(), None)
+    } else if row.get::<&str, _>("state") == "completed" {
+        (
+            format!("completed {}", row.get::<i64, _>("response_status")),
+            None,
+        )
+    } else {
+        let left = row.get::<i64, _>("lock_left_ms");
+        ("in progress".into(), Some(Duration::from_millis(left as u64)))
+    }
+}
+
+/// A reservation's first statement reads the record's columns as stored
+/// and judges in Rust the records it can answer from; every other goes to
+/// the statement that judges in SQL. Over every kind of row the table can
+/// hold (each state, and one edited by hand; the same fingerprint or
+/// another; a lock and an expiry ahead, just past and long past; a lock
+/// token or none), the store answers exactly as that statement alone does
+/// on the same row (run first in a transaction rolled back): a replay, a
+/// conflict with its lock left, a mismatch, or the key taken with the same
+/// attempt and operation.
+#[tokio::test]
+async fn postgres_the_lookup_answers_every_record_as_sql_judges_it() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
+    let judging = store.request_statements().reserve.to_owned();
+    let times = [
+        "now() + interval '1 hour'",
+        "now() - interval '1 millisecond'",
+        "now() - interval '3 hours'",
+    ];
+    let mut cases = 0;
+    for state in ["completed", "in_progress", "edited"] {
+        for stored_fp in ["fp", "other"] {
+            for lock in times {
+                for expires in times {
+                    for token in ["'tok'", "NULL"] {
+                        cases += 1;
+                        let key = format!("judged-{cases}");
+                        let case =
+                            format!("{state}, {stored_fp}, lock {lock}, expiry {expires}, token {token}");
+                        let insert = format!(
+                            "INSERT INTO \"{schema}\".idempotency_keys (tenant, scope, key, fingerprint, \
+                             state, operation_id, lock_token, attempt, lock_expires_at, response_status, \
+                             response_headers, response_body, created_at, expires_at) VALUES ('t', 's', $1, \
+                             '{stored_fp}', '{state}', 'op-stored', {token}, 1, {lock}, 201, '[]', 'b', \
+                             now() - interval '2 hours', {expires})"
+                        );
+                        sqlx::query(sqlx::AssertSqlSafe(insert))
+                            .bind(&key)
+                            .execute(store.pool())
+                            .await
+                            .unwrap();
+                        let mut tx = store.pool().begin().await.unwrap();
+                        let row = sqlx::query(sqlx::AssertSqlSafe(judging.clone()))
+                            .bind("t")
+                            .bind("s")
+                            .bind(&key)
+                            .bind("fp")
+                            .bind("tok-sql")
+                            .bind("op-sql")
+                            .bind(3_600_000_i64)
+                            .bind(3_600_000_i64)
+                            .fetch_one(&mut *tx)
+                            .await
+                            .unwrap();
+                        let (expected, sql_left) = judged_in_sql(&row);
+                        tx.rollback().await.unwrap();
+                        let id = RecordId::new("t", "s", &key);
+                        let (got, left) = judged(&reserve(&store, &id, "fp", LONG, LONG).await);
+                        assert_eq!(got, expected, "{case}");
+                        if let (Some(left), Some(sql_left)) = (left, sql_left) {
+                            // Judged a moment later: as much less left, never more.
+                            assert!(
+                                left <= sql_left && sql_left - left < Duration::from_secs(5),
+                                "{case}: {left:?} left, SQL said {sql_left:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 108);
+}
+
+/// Times edited by hand to the infinities, which the statement that
+/// judges in SQL cannot subtract: a lookup that can answer from the record
+/// still does (a replay, a conflict whose lock never ends), and nothing
+/// overflows.
+#[tokio::test]
+async fn postgres_a_record_whose_times_were_edited_to_infinity_is_still_answered() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
+    for (key, state, lock, expires) in [
+        ("done", "completed", "'-infinity'", "'infinity'"),
+        ("done-lock", "completed", "'infinity'", "'infinity'"),
+        ("running", "in_progress", "'infinity'", "'infinity'"),
+    ] {
+        let insert = format!(
+            "INSERT INTO \"{schema}\".idempotency_keys (tenant, scope, key, fingerprint, state, \
+             operation_id, lock_token, attempt, lock_expires_at, response_status, response_headers, \
+             response_body, created_at, expires_at) VALUES ('t', 's', $1, 'fp', '{state}', 'op', 'tok', 1, \
+             {lock}, 201, '[]', 'b', now(), {expires})"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(insert))
+            .bind(key)
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let id = RecordId::new("t", "s", key);
+        match (state, reserve(&store, &id, "fp", LONG, LONG).await) {
+            ("completed", Reservation::Completed(stored)) => assert_eq!(stored.status, 201),
+            ("in_progress", Reservation::InProgress { retry_after }) => {
+                assert!(
+                    retry_after > Duration::from_secs(100 * 365 * 86_400),
+                    "{retry_after:?}"
+                )
+            }
+            (_, got) => panic!("{key}: {got:?}"),
+        }
+        assert_eq!(
+            reserve(&store, &id, "other", LONG, LONG).await,
+            Reservation::Mismatch,
+            "{key}"
+        );
+    }
+}

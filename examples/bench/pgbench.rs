@@ -37,7 +37,7 @@ fn bound(statement: &str, binds: &[&str]) -> String {
 /// `purge_at` index in `unindexed`.
 fn cells(schema: &str, store: &idem::PgStore, unindexed: &idem::PgStore) -> Vec<Cell> {
     let statements = store.request_statements();
-    let (reserve, complete) = (statements.reserve, statements.complete);
+    let (lookup, complete) = (statements.lookup, statements.complete);
     let old = "\\set i random(1, 100000)\n";
     let new = "\\set i random(1000000, 1000000000000)\n";
     let body = "'\\x7b226964223a227061795f31227d'::bytea";
@@ -57,7 +57,7 @@ fn cells(schema: &str, store: &idem::PgStore, unindexed: &idem::PgStore) -> Vec<
             ],
         )
     };
-    let reserve_key = |key: &'static str| reserve_with(reserve, key);
+    let reserve_key = |key: &'static str| reserve_with(lookup, key);
     let completion_of = |complete: &str| {
         bound(
             complete,
@@ -84,7 +84,7 @@ fn cells(schema: &str, store: &idem::PgStore, unindexed: &idem::PgStore) -> Vec<
             ),
         },
         Cell {
-            name: "idem replay: the reserving statement",
+            name: "idem replay: the lookup, judged in Rust",
             baseline: Some("hand-written replay: one primary-key SELECT"),
             script: format!("{old}{};\n", reserve_key("('old-' || :i)")),
         },
@@ -99,13 +99,18 @@ fn cells(schema: &str, store: &idem::PgStore, unindexed: &idem::PgStore) -> Vec<
             ),
         },
         Cell {
-            name: "idem first: reserve, then complete",
+            name: "idem first: the lookup, then complete",
             baseline: Some("hand-written first: INSERT, then UPDATE"),
             script: format!("{new}{};\n{completion};\n", reserve_key("('new-' || :i)")),
         },
         // Where the rest goes: the reservation's parts on their own.
         Cell {
-            name: "idem replay, part: the lookup alone",
+            name: "idem replay, judged in SQL: the reserving statement",
+            baseline: Some("hand-written replay: one primary-key SELECT"),
+            script: format!("{old}{};\n", reserve_with(statements.reserve, "('old-' || :i)")),
+        },
+        Cell {
+            name: "idem replay, judged in SQL: the lookup alone",
             baseline: Some("hand-written replay: one primary-key SELECT"),
             script: format!(
                 "{old}{};\n",
@@ -241,6 +246,7 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
     // Fresh in every cell and round.
     let new = "'exec-' || r || '-' || c || '-' || i";
     let hand = |sql: &str| sql.replace("{schema}", schema);
+    let lookup = bound(s.lookup, &RESERVE_VARS);
     let reserve = bound(s.reserve, &RESERVE_VARS);
     let complete = bound(s.complete, &COMPLETE_VARS);
     let function = reserve[reserve.find("CASE WHEN").expect("the reserving statement's CASE")..]
@@ -259,31 +265,37 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
             )],
         },
         ExecCell {
-            name: "idem replay: the reserving statement",
+            name: "idem replay: the lookup, judged in Rust",
+            baseline: Some("hand-written replay: one primary-key SELECT"),
+            key: old,
+            statements: vec![lookup.clone()],
+        },
+        ExecCell {
+            name: "idem replay, judged in SQL: the reserving statement",
             baseline: Some("hand-written replay: one primary-key SELECT"),
             key: old,
             statements: vec![reserve.clone()],
         },
         ExecCell {
-            name: "idem replay, part: the lookup alone",
+            name: "idem replay, judged in SQL: the lookup alone",
             baseline: Some("hand-written replay: one primary-key SELECT"),
             key: old,
             statements: vec![bound(s.peek, &RESERVE_VARS[..4])],
         },
         ExecCell {
-            name: "idem replay, part: no function in the CASE",
+            name: "idem replay, judged in SQL: no function in the CASE",
             baseline: Some("hand-written replay: one primary-key SELECT"),
             key: old,
             statements: vec![reserve.replace(&function, "NULL::text[]")],
         },
         ExecCell {
-            name: "idem replay, part: no expression in the lookup",
+            name: "idem replay, judged in SQL: no expression in the lookup",
             baseline: Some("hand-written replay: one primary-key SELECT"),
             key: old,
             statements: vec![without_expressions(&reserve)],
         },
         ExecCell {
-            name: "idem replay, part: neither",
+            name: "idem replay, judged in SQL: neither",
             baseline: Some("hand-written replay: one primary-key SELECT"),
             key: old,
             statements: vec![without_expressions(&reserve).replace(&function, "NULL::text[]")],
@@ -319,16 +331,22 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
             ],
         },
         ExecCell {
-            name: "idem first: reserve, then complete",
+            name: "idem first: the lookup, then complete",
             baseline: Some("hand-written first: INSERT, then UPDATE"),
             key: new,
-            statements: vec![reserve.clone(), complete.clone()],
+            statements: vec![lookup.clone(), complete.clone()],
         },
         ExecCell {
-            name: "idem first, part: the reserving statement",
+            name: "idem first, part: the lookup",
             baseline: Some("hand-written first: INSERT, then UPDATE"),
             key: new,
-            statements: vec![reserve],
+            statements: vec![lookup],
+        },
+        ExecCell {
+            name: "idem first, judged in SQL: reserve, then complete",
+            baseline: Some("hand-written first: INSERT, then UPDATE"),
+            key: new,
+            statements: vec![reserve, complete.clone()],
         },
         ExecCell {
             name: "idem first, other form: UNION ALL, LIMIT 1",

@@ -17,11 +17,11 @@ pub use migrate::Migration;
 pub(crate) use migrate::{check_schema, migrate_in, migrations, refuse_found_elsewhere, schema_error};
 #[cfg(feature = "postgres")]
 pub(crate) use run::columns_are;
-#[cfg(feature = "postgres")]
-pub(crate) use run::fenced_ops;
 pub(crate) use run::{
     bounded, complete_with, fenced, judge_row, map_err, millis, reserve_detached, set_purge_at,
 };
+#[cfg(feature = "postgres")]
+pub(crate) use run::{fenced_ops, judge_existing};
 #[cfg(feature = "sqlite")]
 pub(crate) use run::{lease_from_row, OwnedReserve};
 
@@ -195,6 +195,10 @@ pub(crate) struct Statements {
     /// fingerprint would take the row as read. Binds: tenant, scope, key,
     /// fingerprint.
     pub(crate) peek: String,
+    /// The record's columns as stored, under the primary key, for the
+    /// PostgreSQL lookup. Binds: tenant, scope, key.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) stored: String,
     /// Binds: tenant, scope, key, token, status, headers, body.
     pub(crate) complete: String,
     /// Binds: tenant, scope, key, token.
@@ -476,6 +480,10 @@ impl Statements {
                 p(2),
                 p(3),
                 left = (d.left)("cur.lock_expires_at", now),
+            ),
+            stored: format!(
+                "SELECT fingerprint, state, response_status, response_headers, response_body, \
+                 lock_expires_at, expires_at FROM {t} WHERE {id}"
             ),
             // The answer is kept a whole TTL from its completion.
             complete: format!(

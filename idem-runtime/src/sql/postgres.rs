@@ -18,13 +18,14 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Idempotency records in PostgreSQL: the store for several servers.
 ///
-/// Taking a key is one statement under the primary key (tenant, scope,
-/// key) that reads first: when the record is there to answer from (a
-/// replay, a conflict, a mismatch), that primary-key lookup is all it does.
-/// Otherwise it calls the reservation function (created by
-/// [`PgStore::migrate`]): `INSERT ... ON CONFLICT DO NOTHING` for a fresh
-/// record and a conditional `UPDATE` of an expired or stale one, the
-/// database deciding between concurrent callers. Every later write carries
+/// Taking a key starts with one statement under the primary key (tenant,
+/// scope, key) that reads first: when the record is there to answer from
+/// (a replay, a conflict, a mismatch), that primary-key lookup is all it
+/// does. For a fresh key it calls the reservation function (created by
+/// [`PgStore::migrate`]): `INSERT ... ON CONFLICT DO NOTHING`. A record that
+/// may be taken (expired, or its lock past its deadline or released) takes
+/// a second statement, whose conditional `UPDATE` takes it, the database
+/// deciding between concurrent callers. Every later write carries
 /// the lock token; expiry and lock deadlines use the database's `now()`.
 ///
 /// Round trips per request path:
@@ -33,8 +34,8 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 /// | --- | --- |
 /// | first request (reserve, then complete or release) | 2 |
 /// | replay of a completed record | 1 |
-/// | conflict (in progress, or fingerprint mismatch) | 1 |
-/// | takeover after the lock deadline (reserve, then complete) | 2 |
+/// | conflict (in progress, or fingerprint mismatch; a mismatch on a record whose lock is past its deadline: 2) | 1 |
+/// | takeover after the lock deadline, retry of a released key, or an expired key reserved afresh (reserve, then complete) | 3 |
 ///
 /// A request that races the very insert that created the row may need one
 /// more round trip for its reserve: its lookup predates that row, so it
@@ -53,6 +54,11 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct PgStore {
     pool: PgPool,
     sql: std::sync::Arc<Statements>,
+    /// What every reservation runs first: the record's columns as stored,
+    /// judged in Rust, and the reservation function where there is none.
+    lookup: std::sync::Arc<str>,
+    /// The record judged in SQL, and taken when it may be: for a record
+    /// the lookup found but cannot answer from.
     reserve: std::sync::Arc<str>,
     timeout: Duration,
 }
@@ -69,9 +75,15 @@ impl std::fmt::Debug for PgStore {
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy)]
 pub struct RequestStatements<'a> {
-    /// Reserves a key: the lookup, and the reservation function only when
-    /// the lookup found nothing to answer from. Binds: tenant, scope, key,
-    /// fingerprint, token, operation id, ttl ms, lock ms.
+    /// What every reservation runs first: the record's columns as stored
+    /// (judged in Rust), and the reservation function only when there is
+    /// no record. Binds: tenant, scope, key, fingerprint, token, operation
+    /// id, ttl ms, lock ms.
+    pub lookup: &'a str,
+    /// Reserves a key, judged in SQL: the lookup, and the reservation
+    /// function only when the lookup found nothing to answer from. Run
+    /// when the first found a record it cannot answer from. Binds: those
+    /// of `lookup`.
     pub reserve: &'a str,
     /// Stores an answer. Binds: tenant, scope, key, token, status, headers,
     /// body.
@@ -173,11 +185,13 @@ impl PgStore {
     /// let s = store.request_statements();
     /// assert!(s.reserve.contains("idempotency_keys_take") && s.complete.starts_with("UPDATE"));
     /// assert!(s.reserve.contains(s.peek) && s.upsert.starts_with("INSERT"));
+    /// assert!(s.lookup.contains("idempotency_keys_take") && !s.lookup.contains(s.peek));
     /// # }
     /// ```
     #[doc(hidden)]
     pub fn request_statements(&self) -> RequestStatements<'_> {
         RequestStatements {
+            lookup: &self.lookup,
             reserve: &self.reserve,
             complete: &self.sql.complete,
             peek: &self.sql.peek,
@@ -250,9 +264,25 @@ impl PgStore {
             peek = sql.peek,
             function = sql.reserve_function,
         );
+        // What a reservation runs first. The columns as they are stored,
+        // with the database's clock: every expression a statement holds is
+        // built again at each execution, and the judging ones cost a replay
+        // about a third of its time in the database (`bench --pgexec`). A
+        // record to answer from is judged in Rust by plain comparisons of
+        // those times ([`judge_found`]); any other (to be taken, or edited
+        // by hand) goes to `reserve`, which judges it in SQL.
+        let lookup = format!(
+            "SELECT p.fingerprint, p.state, p.response_status, p.response_headers, p.response_body, \
+             p.lock_expires_at, p.expires_at, now() AS now, CASE WHEN p.state IS NULL \
+             THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END AS taken \
+             FROM (VALUES (1)) AS one (x) LEFT JOIN ({stored}) AS p ON TRUE",
+            stored = sql.stored,
+            function = sql.reserve_function,
+        );
         Ok(PgStore {
             pool,
             sql: std::sync::Arc::new(sql),
+            lookup: lookup.into(),
             reserve: reserve.into(),
             timeout: DEFAULT_OPERATION_TIMEOUT,
         })
@@ -329,38 +359,32 @@ impl PgStore {
         // Bound only where the record is new; kept inline, so that a
         // replay allocates nothing for it.
         let operation_id = random_token_inline();
+        let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
+        // First the lookup: a record to answer from is judged here, and a
+        // fresh key is taken by the function in the same round trip.
+        let row = self
+            .run_reserving(&self.lookup, &req, operation_id.as_str())
+            .await?;
+        debug_assert!(sql::columns_are(&row, 0, &LOOKUP_COLUMNS));
+        let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, 8).map_err(get_err)?;
+        if let Some(taken) = taken {
+            return self.taken(&taken, &req).await;
+        }
+        if let Some(answer) = judge_found(&row, req.fingerprint)? {
+            pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+            return Ok(answer);
+        }
+        // A record that may be taken, one edited by hand, or one written
+        // since the lookup found none: judged, and taken, in SQL.
         loop {
-            let row = sqlx::query(sqlx::AssertSqlSafe(self.reserve.clone()))
-                .bind(&req.id.tenant)
-                .bind(&req.id.scope)
-                .bind(&req.id.key)
-                .bind(req.fingerprint)
-                .bind(req.token)
-                .bind(operation_id.as_str())
-                .bind(millis(req.ttl))
-                .bind(millis(req.lock_timeout))
-                // Not `fetch_one`: it wraps this future in another, and
-                // moves sqlx's (several kB) twice more on every call.
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(sql::map_err)?
-                .ok_or_else(|| StoreError::backend("the reserving statement returned no row"))?;
+            let row = self
+                .run_reserving(&self.reserve, &req, operation_id.as_str())
+                .await?;
             // By position (see `JUDGED_COLUMNS` in sql/run.rs): `takeable`, then `taken`.
             debug_assert!(sql::columns_are(&row, 6, &["takeable", "taken"]));
-            let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
             let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, 7).map_err(get_err)?;
             if let Some(taken) = taken {
-                let Some(lease) = lease_from_taken(&taken, req.token) else {
-                    // Taken, but unreadable: give the key back (fenced by
-                    // our token) rather than leave a lock nobody holds; how
-                    // it was found is not known.
-                    let _ = self.hand_back(req.id, req.token, true).await;
-                    return Err(StoreError::backend(format!(
-                        "the reservation function returned {taken:?}, not a lease"
-                    )));
-                };
-                pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
-                return Ok(Reservation::Reserved(lease));
+                return self.taken(&taken, &req).await;
             }
             // Nothing to answer from, and nothing taken: another request
             // wrote the record between the lookup and the write path; read
@@ -373,6 +397,127 @@ impl PgStore {
             return sql::judge_row(&row, req.fingerprint);
         }
     }
+
+    /// Runs `statement`, the lookup or the reserving statement (the same
+    /// binds), and returns its one row.
+    async fn run_reserving(
+        &self,
+        statement: &std::sync::Arc<str>,
+        req: &ReserveRequest<'_>,
+        operation_id: &str,
+    ) -> Result<sqlx::postgres::PgRow, StoreError> {
+        sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+            .bind(&req.id.tenant)
+            .bind(&req.id.scope)
+            .bind(&req.id.key)
+            .bind(req.fingerprint)
+            .bind(req.token)
+            .bind(operation_id)
+            .bind(millis(req.ttl))
+            .bind(millis(req.lock_timeout))
+            // Not `fetch_one`: it wraps this future in another, and
+            // moves sqlx's (several kB) twice more on every call.
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(sql::map_err)?
+            .ok_or_else(|| StoreError::backend("the reserving statement returned no row"))
+    }
+
+    /// The lease of a key the reservation function took.
+    async fn taken(
+        &self,
+        taken: &[Option<String>],
+        req: &ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        let Some(lease) = lease_from_taken(taken, req.token) else {
+            // Taken, but unreadable: give the key back (fenced by our
+            // token) rather than leave a lock nobody holds; how it was
+            // found is not known.
+            let _ = self.hand_back(req.id, req.token, true).await;
+            return Err(StoreError::backend(format!(
+                "the reservation function returned {taken:?}, not a lease"
+            )));
+        };
+        pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+        Ok(Reservation::Reserved(lease))
+    }
+}
+
+/// The lookup's columns, in this order, read by position.
+const LOOKUP_COLUMNS: [&str; 9] = [
+    "fingerprint",
+    "state",
+    "response_status",
+    "response_headers",
+    "response_body",
+    "lock_expires_at",
+    "expires_at",
+    "now",
+    "taken",
+];
+
+/// A `timestamptz` as PostgreSQL sends it: microseconds from its epoch,
+/// the infinities as the least and greatest values. Only ever compared
+/// with another, or subtracted from one, so the epoch does not matter.
+struct Micros(i64);
+
+impl sqlx::Type<sqlx::Postgres> for Micros {
+    fn type_info() -> sqlx::postgres::PgTypeInfo {
+        // `timestamptz`'s fixed OID.
+        sqlx::postgres::PgTypeInfo::with_oid(sqlx::postgres::types::Oid(1184))
+    }
+}
+
+impl sqlx::Decode<'_, sqlx::Postgres> for Micros {
+    fn decode(value: sqlx::postgres::PgValueRef<'_>) -> Result<Self, sqlx::error::BoxDynError> {
+        match value.format() {
+            sqlx::postgres::PgValueFormat::Binary => {
+                Ok(Micros(i64::from_be_bytes(value.as_bytes()?.try_into()?)))
+            }
+            sqlx::postgres::PgValueFormat::Text => {
+                Err("a timestamptz in text, where binary was asked for".into())
+            }
+        }
+    }
+}
+
+/// The answer the lookup's record gives, where it is one SQL's judgement
+/// would give by plain comparisons with the same clock: a completed record
+/// before its expiry (a replay, or a mismatch), and one in progress under
+/// a live lock (a conflict, or a mismatch). `None` for no record, and for
+/// every other (expired, a stale or released lock, a state edited by hand):
+/// those are judged in SQL, which alone may take them. The comparisons are
+/// those of the reserving statement's `takeable` and lock left, on the
+/// same values.
+fn judge_found(row: &sqlx::postgres::PgRow, fingerprint: &str) -> Result<Option<Reservation>, StoreError> {
+    use crate::store::RecordState;
+    use sqlx::Row as _;
+    let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
+    let Some(state) = row.try_get::<Option<&str>, _>(1).map_err(get_err)? else {
+        return Ok(None);
+    };
+    let same = row.try_get::<&str, _>(0).map_err(get_err)? == fingerprint;
+    let Micros(now) = row.try_get(7).map_err(get_err)?;
+    if state == RecordState::COMPLETED_COLUMN {
+        let Micros(expires) = row.try_get(6).map_err(get_err)?;
+        if expires <= now {
+            return Ok(None);
+        }
+        let stored = crate::store::StoredResponse::from_columns(
+            row.try_get::<Option<i32>, _>(2).map_err(get_err)?.map(i64::from),
+            row.try_get(3).map_err(get_err)?,
+            row.try_get(4).map_err(get_err)?,
+        )?;
+        return Ok(Some(sql::judge_existing(same, Some(stored), Duration::ZERO)));
+    }
+    let Micros(lock) = row.try_get(5).map_err(get_err)?;
+    if state == RecordState::IN_PROGRESS_COLUMN && lock > now {
+        // The lock left in whole milliseconds, rounded up, as SQL gives it.
+        let left_ms = (i128::from(lock) - i128::from(now) + 999) / 1000;
+        let left = Duration::from_millis(u64::try_from(left_ms).unwrap_or(u64::MAX));
+        return Ok(Some(sql::judge_existing(same, None, left)));
+    }
+    Ok(None)
 }
 
 /// The lease in the reservation function's answer: attempt, taken_over,

@@ -554,7 +554,7 @@ pub(crate) fn millis(d: Duration) -> i64 {
 
 /// How an existing row that the caller did not take is answered: the
 /// state table's rows for a record that is neither taken nor gone.
-fn judge_existing(
+pub(crate) fn judge_existing(
     fingerprint_matches: bool,
     completed: Option<StoredResponse>,
     lock_left: Duration,
