@@ -5,10 +5,11 @@
 //! says otherwise, 2 threads) on a
 //! table of 100,000 completed records; the cells run back to back, round
 //! after round, and the ratios are between cells of the same round. The
-//! last three cells take the reservation apart: the lookup alone (what a
-//! replay costs beyond it is the `CASE` and the join), and a first request
-//! with its writes as one plain upsert (no lookup first, no function), on
-//! the table as it is and on the same table without the `purge_at` index.
+//! last four cells take the reservation apart: the statement that judges
+//! the record in SQL (what a record the lookup cannot answer from gets),
+//! its lookup alone, and a first request with its writes as one plain
+//! upsert (no lookup first, no function), on the table as it is and on the
+//! same table without the `purge_at` index.
 
 use std::collections::BTreeMap;
 use std::process::Command;
