@@ -898,10 +898,27 @@ fn judged(got: &Reservation) -> (String, Option<Duration>) {
     }
 }
 
-/// The same, from the row of the statement that judges in SQL alone
-/// (`takeable`, `taken` and the lock left), as the store reads it.
-fn judged_in_sql(row: &sqlx::postgres::PgRow) -> (String, Option<Duration>) {
+/// The same, from the statement that judges in SQL alone (`takeable`,
+/// `taken` and the lock left), as the store reads its row: run on `key`
+/// with the fingerprint `fp` in a transaction rolled back, so that it
+/// takes nothing.
+async fn judged_in_sql(store: &idem::PgStore, key: &str, fp: &str) -> (String, Option<Duration>) {
     use sqlx::Row as _;
+    let judging = store.request_statements().reserve.to_owned();
+    let mut tx = store.pool().begin().await.unwrap();
+    let row = sqlx::query(sqlx::AssertSqlSafe(judging))
+        .bind("t")
+        .bind("s")
+        .bind(key)
+        .bind(fp)
+        .bind("tok-sql")
+        .bind("op-sql")
+        .bind(3_600_000_i64)
+        .bind(3_600_000_i64)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
     if let Some(taken) = row.get::<Option<Vec<Option<String>>>, _>("taken") {
         let taken: Vec<String> = taken.into_iter().map(Option::unwrap_or_default).collect();
         return (
@@ -919,7 +936,7 @@ fn judged_in_sql(row: &sqlx::postgres::PgRow) -> (String, Option<Duration>) {
         Some(0),
         "neither taken nor judged"
     );
-    if row.get::<&str, _>("fingerprint") != "fp" {
+    if row.get::<&str, _>("fingerprint") != fp {
         ("mismatch".into(), None)
     } else if row.get::<&str, _>("state") == "completed" {
         (
@@ -929,6 +946,22 @@ fn judged_in_sql(row: &sqlx::postgres::PgRow) -> (String, Option<Duration>) {
     } else {
         let left = row.get::<i64, _>("lock_left_ms");
         ("in progress".into(), Some(Duration::from_millis(left as u64)))
+    }
+}
+
+/// Asserts that the store answers `key` for `fp` as [`judged_in_sql`]
+/// says, the lock left included (judged a moment later: as much less,
+/// never more).
+async fn answers_as_sql_judges(store: &idem::PgStore, key: &str, fp: &str, case: &str) {
+    let (expected, sql_left) = judged_in_sql(store, key, fp).await;
+    let id = RecordId::new("t", "s", key);
+    let (got, left) = judged(&reserve(store, &id, fp, LONG, LONG).await);
+    assert_eq!(got, expected, "{case}");
+    if let (Some(left), Some(sql_left)) = (left, sql_left) {
+        assert!(
+            left <= sql_left && sql_left - left < Duration::from_secs(5),
+            "{case}: {left:?} left, SQL said {sql_left:?}"
+        );
     }
 }
 
@@ -946,7 +979,6 @@ async fn postgres_the_lookup_answers_every_record_as_sql_judges_it() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
-    let judging = store.request_statements().reserve.to_owned();
     let times = [
         "now() + interval '1 hour'",
         "now() - interval '1 millisecond'",
@@ -974,31 +1006,7 @@ async fn postgres_the_lookup_answers_every_record_as_sql_judges_it() {
                             .execute(store.pool())
                             .await
                             .unwrap();
-                        let mut tx = store.pool().begin().await.unwrap();
-                        let row = sqlx::query(sqlx::AssertSqlSafe(judging.clone()))
-                            .bind("t")
-                            .bind("s")
-                            .bind(&key)
-                            .bind("fp")
-                            .bind("tok-sql")
-                            .bind("op-sql")
-                            .bind(3_600_000_i64)
-                            .bind(3_600_000_i64)
-                            .fetch_one(&mut *tx)
-                            .await
-                            .unwrap();
-                        let (expected, sql_left) = judged_in_sql(&row);
-                        tx.rollback().await.unwrap();
-                        let id = RecordId::new("t", "s", &key);
-                        let (got, left) = judged(&reserve(&store, &id, "fp", LONG, LONG).await);
-                        assert_eq!(got, expected, "{case}");
-                        if let (Some(left), Some(sql_left)) = (left, sql_left) {
-                            // Judged a moment later: as much less left, never more.
-                            assert!(
-                                left <= sql_left && sql_left - left < Duration::from_secs(5),
-                                "{case}: {left:?} left, SQL said {sql_left:?}"
-                            );
-                        }
+                        answers_as_sql_judges(&store, &key, "fp", &case).await;
                     }
                 }
             }
@@ -1049,4 +1057,97 @@ async fn postgres_a_record_whose_times_were_edited_to_infinity_is_still_answered
             "{key}"
         );
     }
+}
+
+/// A table whose columns were changed by hand (the status widened or
+/// narrowed, the times without a time zone, NULL times where the
+/// constraint was dropped), which `check_schema()` accepts: the lookup
+/// leaves what it cannot read as idem's migrations made it to the
+/// statement that judges in SQL, so a completed record is still replayed,
+/// a running one still a 409, another body still a 422, never an error.
+#[tokio::test]
+async fn postgres_a_table_whose_columns_were_changed_by_hand_is_answered_as_before() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    for (case, alter, edit) in [
+        ("status bigint", "ALTER TABLE {t} ALTER COLUMN response_status TYPE bigint", ""),
+        ("status smallint", "ALTER TABLE {t} ALTER COLUMN response_status TYPE smallint", ""),
+        (
+            "times without a time zone",
+            "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamp USING lock_expires_at AT TIME ZONE 'UTC', \
+             ALTER COLUMN expires_at TYPE timestamp USING expires_at AT TIME ZONE 'UTC', \
+             ALTER COLUMN created_at TYPE timestamp USING created_at AT TIME ZONE 'UTC'",
+            "",
+        ),
+        (
+            "NULL times",
+            "ALTER TABLE {t} ALTER COLUMN lock_expires_at DROP NOT NULL, ALTER COLUMN expires_at DROP NOT NULL",
+            "UPDATE {t} SET expires_at = NULL, lock_expires_at = NULL WHERE key = 'done'; \
+             UPDATE {t} SET lock_expires_at = NULL WHERE key = 'running'",
+        ),
+    ] {
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
+        let table = format!("\"{schema}\".idempotency_keys");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(alter.replace("{t}", &table)))
+            .execute(store.pool())
+            .await
+            .unwrap();
+        store.check_schema().await.expect("the table passes the schema check");
+        let done = RecordId::new("t", "s", "done");
+        let lease = take(&store, &done, "fp", LONG, LONG).await;
+        store.complete(&done, &lease.token, &response("kept")).await.unwrap();
+        take(&store, &RecordId::new("t", "s", "running"), "fp", LONG, LONG).await;
+        if !edit.is_empty() {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(edit.replace("{t}", &table)))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+        for (key, fp) in [("done", "fp"), ("done", "other"), ("running", "fp"), ("running", "other")] {
+            answers_as_sql_judges(&store, key, fp, &format!("{case}: {key}, {fp}")).await;
+        }
+    }
+}
+
+/// A replay, a 409 and a 422 are the lookup alone: with the reservation
+/// function replaced by one that fails, a found record is still answered
+/// (also past the executions after which PostgreSQL may plan the statement
+/// once for all), and only a fresh key reaches the function.
+#[tokio::test]
+async fn postgres_a_found_record_is_answered_without_the_reservation_function() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
+    let done = RecordId::new("t", "s", "done");
+    let lease = take(&store, &done, "fp", LONG, LONG).await;
+    store
+        .complete(&done, &lease.token, &response("kept"))
+        .await
+        .unwrap();
+    let running = RecordId::new("t", "s", "running");
+    take(&store, &running, "fp", LONG, LONG).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE OR REPLACE FUNCTION \"{schema}\".idempotency_keys_take(text, text, text, text, text, text, \
+         bigint, bigint) RETURNS text[] LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'called'; END $$"
+    )))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    for _ in 0..12 {
+        assert_eq!(
+            reserve(&store, &done, "fp", LONG, LONG).await,
+            Reservation::Completed(response("kept"))
+        );
+        assert_eq!(
+            reserve(&store, &done, "other", LONG, LONG).await,
+            Reservation::Mismatch
+        );
+        assert!(matches!(
+            reserve(&store, &running, "fp", LONG, LONG).await,
+            Reservation::InProgress { .. }
+        ));
+    }
+    let fresh = RecordId::new("t", "s", "fresh");
+    let err = store.reserve(req(&fresh, "fp", LONG, LONG)).await.unwrap_err();
+    assert!(err.to_string().contains("called"), "{err}");
 }

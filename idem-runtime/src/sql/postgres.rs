@@ -488,29 +488,41 @@ impl sqlx::Decode<'_, sqlx::Postgres> for Micros {
 /// every other (expired, a stale or released lock, a state edited by hand):
 /// those are judged in SQL, which alone may take them. The comparisons are
 /// those of the reserving statement's `takeable` and lock left, on the
-/// same values.
+/// same values. So is a row whose columns this build does not read as its
+/// migrations made them (a type changed by hand, a time set to NULL): SQL
+/// casts and compares whatever is there, as it did before this lookup.
 fn judge_found(row: &sqlx::postgres::PgRow, fingerprint: &str) -> Result<Option<Reservation>, StoreError> {
     use crate::store::RecordState;
     use sqlx::Row as _;
-    let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
-    let Some(state) = row.try_get::<Option<&str>, _>(1).map_err(get_err)? else {
+    let (Ok(Some(state)), Ok(stored_fp), Ok(Some(Micros(now)))) = (
+        row.try_get::<Option<&str>, _>(1),
+        row.try_get::<&str, _>(0),
+        row.try_get::<Option<Micros>, _>(7),
+    ) else {
         return Ok(None);
     };
-    let same = row.try_get::<&str, _>(0).map_err(get_err)? == fingerprint;
-    let Micros(now) = row.try_get(7).map_err(get_err)?;
+    let same = stored_fp == fingerprint;
     if state == RecordState::COMPLETED_COLUMN {
-        let Micros(expires) = row.try_get(6).map_err(get_err)?;
+        let (Ok(Some(Micros(expires))), Ok(status)) = (
+            row.try_get::<Option<Micros>, _>(6),
+            row.try_get::<Option<i32>, _>(2),
+        ) else {
+            return Ok(None);
+        };
         if expires <= now {
             return Ok(None);
         }
+        let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
         let stored = crate::store::StoredResponse::from_columns(
-            row.try_get::<Option<i32>, _>(2).map_err(get_err)?.map(i64::from),
+            status.map(i64::from),
             row.try_get(3).map_err(get_err)?,
             row.try_get(4).map_err(get_err)?,
         )?;
         return Ok(Some(sql::judge_existing(same, Some(stored), Duration::ZERO)));
     }
-    let Micros(lock) = row.try_get(5).map_err(get_err)?;
+    let Ok(Some(Micros(lock))) = row.try_get::<Option<Micros>, _>(5) else {
+        return Ok(None);
+    };
     if state == RecordState::IN_PROGRESS_COLUMN && lock > now {
         // The lock left in whole milliseconds, rounded up, as SQL gives it.
         let left_ms = (i128::from(lock) - i128::from(now) + 999) / 1000;
