@@ -1151,3 +1151,62 @@ async fn postgres_a_found_record_is_answered_without_the_reservation_function() 
     let err = store.reserve(req(&fresh, "fp", LONG, LONG)).await.unwrap_err();
     assert!(err.to_string().contains("called"), "{err}");
 }
+
+/// A column's type or precision changed by hand while servers run, on
+/// connections that have already prepared the reservation's statements:
+/// PostgreSQL refuses a prepared statement whose result types changed, so
+/// the lookup returns the status and the times cast to the types it reads,
+/// and a replay, a 409 and a 422 are answered as before the change, on the
+/// same connection.
+#[tokio::test]
+async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    for (case, alter) in [
+        ("status bigint", "ALTER TABLE {t} ALTER COLUMN response_status TYPE bigint"),
+        ("status smallint", "ALTER TABLE {t} ALTER COLUMN response_status TYPE smallint"),
+        (
+            "times to the millisecond",
+            "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamptz(3), \
+             ALTER COLUMN expires_at TYPE timestamptz(3)",
+        ),
+        (
+            "times without a time zone",
+            "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamp USING lock_expires_at AT TIME ZONE 'UTC', \
+             ALTER COLUMN expires_at TYPE timestamp USING expires_at AT TIME ZONE 'UTC', \
+             ALTER COLUMN created_at TYPE timestamp USING created_at AT TIME ZONE 'UTC'",
+        ),
+    ] {
+        let schema = idem_testkit::pg_schema(&url).await;
+        // One connection: every statement runs where it was prepared.
+        let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
+        let done = RecordId::new("t", "s", "done");
+        let lease = take(&store, &done, "fp", LONG, LONG).await;
+        store.complete(&done, &lease.token, &response("kept")).await.unwrap();
+        let running = RecordId::new("t", "s", "running");
+        take(&store, &running, "fp", LONG, LONG).await;
+        let answers = |when: &'static str| {
+            let (store, done, running) = (&store, &done, &running);
+            async move {
+                for _ in 0..3 {
+                    let replay = store.reserve(req(done, "fp", LONG, LONG)).await;
+                    assert_eq!(replay.ok(), Some(Reservation::Completed(response("kept"))), "{case}, {when}");
+                    let conflict = store.reserve(req(running, "fp", LONG, LONG)).await;
+                    assert!(
+                        matches!(conflict, Ok(Reservation::InProgress { .. })),
+                        "{case}, {when}: {conflict:?}"
+                    );
+                    let other = store.reserve(req(done, "other", LONG, LONG)).await;
+                    assert_eq!(other.ok(), Some(Reservation::Mismatch), "{case}, {when}");
+                }
+            }
+        };
+        answers("before the change").await;
+        let table = format!("\"{schema}\".idempotency_keys");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(alter.replace("{t}", &table)))
+            .execute(store.pool())
+            .await
+            .unwrap();
+        store.check_schema().await.expect("the table passes the schema check");
+        answers("after the change").await;
+    }
+}

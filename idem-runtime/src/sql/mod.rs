@@ -481,9 +481,16 @@ impl Statements {
                 p(3),
                 left = (d.left)("cur.lock_expires_at", now),
             ),
+            // Cast to the types this build reads, which no change of the
+            // columns' types or precision (by hand, or by a later
+            // migration) changes: PostgreSQL refuses to run a prepared
+            // statement whose result types changed, on every connection
+            // that prepared it. A cast to the column's own type is no node
+            // at all.
             stored: format!(
-                "SELECT fingerprint, state, response_status, response_headers, response_body, \
-                 lock_expires_at, expires_at FROM {t} WHERE {id}"
+                "SELECT fingerprint, state, CAST(response_status AS BIGINT) AS response_status, \
+                 response_headers, response_body, CAST(lock_expires_at AS TIMESTAMPTZ) AS lock_expires_at, \
+                 CAST(expires_at AS TIMESTAMPTZ) AS expires_at FROM {t} WHERE {id}"
             ),
             // The answer is kept a whole TTL from its completion.
             complete: format!(

@@ -267,7 +267,7 @@ impl PgStore {
         // What a reservation runs first. The columns as they are stored,
         // with the database's clock: every expression a statement holds is
         // built again at each execution, and the judging ones cost a replay
-        // about a third of its time in the database (`bench --pgexec`). A
+        // about a fifth of its time in the database (`bench --pgexec`). A
         // record to answer from is judged in Rust by plain comparisons of
         // those times ([`judge_found`]); any other (to be taken, or edited
         // by hand) goes to `reserve`, which judges it in SQL.
@@ -505,7 +505,7 @@ fn judge_found(row: &sqlx::postgres::PgRow, fingerprint: &str) -> Result<Option<
     if state == RecordState::COMPLETED_COLUMN {
         let (Ok(Some(Micros(expires))), Ok(status)) = (
             row.try_get::<Option<Micros>, _>(6),
-            row.try_get::<Option<i32>, _>(2),
+            row.try_get::<Option<i64>, _>(2),
         ) else {
             return Ok(None);
         };
@@ -514,7 +514,7 @@ fn judge_found(row: &sqlx::postgres::PgRow, fingerprint: &str) -> Result<Option<
         }
         let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
         let stored = crate::store::StoredResponse::from_columns(
-            status.map(i64::from),
+            status,
             row.try_get(3).map_err(get_err)?,
             row.try_get(4).map_err(get_err)?,
         )?;
