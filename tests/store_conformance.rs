@@ -1073,9 +1073,10 @@ async fn postgres_a_table_whose_columns_were_changed_by_hand_is_answered_as_befo
         ("status smallint", "ALTER TABLE {t} ALTER COLUMN response_status TYPE smallint", ""),
         (
             "times without a time zone",
-            "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamp USING lock_expires_at AT TIME ZONE 'UTC', \
-             ALTER COLUMN expires_at TYPE timestamp USING expires_at AT TIME ZONE 'UTC', \
-             ALTER COLUMN created_at TYPE timestamp USING created_at AT TIME ZONE 'UTC'",
+            // In the session's time zone, which every later read and write
+            // of these columns uses too.
+            "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamp, \
+             ALTER COLUMN expires_at TYPE timestamp, ALTER COLUMN created_at TYPE timestamp",
             "",
         ),
         (
@@ -1162,8 +1163,14 @@ async fn postgres_a_found_record_is_answered_without_the_reservation_function() 
 async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
     let Some(url) = idem_testkit::pg_url() else { return };
     for (case, alter) in [
-        ("status bigint", "ALTER TABLE {t} ALTER COLUMN response_status TYPE bigint"),
-        ("status smallint", "ALTER TABLE {t} ALTER COLUMN response_status TYPE smallint"),
+        (
+            "status bigint",
+            "ALTER TABLE {t} ALTER COLUMN response_status TYPE bigint",
+        ),
+        (
+            "status smallint",
+            "ALTER TABLE {t} ALTER COLUMN response_status TYPE smallint",
+        ),
         (
             "times to the millisecond",
             "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamptz(3), \
@@ -1171,9 +1178,10 @@ async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
         ),
         (
             "times without a time zone",
-            "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamp USING lock_expires_at AT TIME ZONE 'UTC', \
-             ALTER COLUMN expires_at TYPE timestamp USING expires_at AT TIME ZONE 'UTC', \
-             ALTER COLUMN created_at TYPE timestamp USING created_at AT TIME ZONE 'UTC'",
+            // In the session's time zone, which every later read and write
+            // of these columns uses too.
+            "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamp, \
+             ALTER COLUMN expires_at TYPE timestamp, ALTER COLUMN created_at TYPE timestamp",
         ),
     ] {
         let schema = idem_testkit::pg_schema(&url).await;
@@ -1181,7 +1189,10 @@ async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
         let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
         let done = RecordId::new("t", "s", "done");
         let lease = take(&store, &done, "fp", LONG, LONG).await;
-        store.complete(&done, &lease.token, &response("kept")).await.unwrap();
+        store
+            .complete(&done, &lease.token, &response("kept"))
+            .await
+            .unwrap();
         let running = RecordId::new("t", "s", "running");
         take(&store, &running, "fp", LONG, LONG).await;
         let answers = |when: &'static str| {
@@ -1189,7 +1200,11 @@ async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
             async move {
                 for _ in 0..3 {
                     let replay = store.reserve(req(done, "fp", LONG, LONG)).await;
-                    assert_eq!(replay.ok(), Some(Reservation::Completed(response("kept"))), "{case}, {when}");
+                    assert_eq!(
+                        replay.ok(),
+                        Some(Reservation::Completed(response("kept"))),
+                        "{case}, {when}"
+                    );
                     let conflict = store.reserve(req(running, "fp", LONG, LONG)).await;
                     assert!(
                         matches!(conflict, Ok(Reservation::InProgress { .. })),
@@ -1206,7 +1221,10 @@ async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
             .execute(store.pool())
             .await
             .unwrap();
-        store.check_schema().await.expect("the table passes the schema check");
+        store
+            .check_schema()
+            .await
+            .expect("the table passes the schema check");
         answers("after the change").await;
     }
 }
