@@ -488,9 +488,10 @@ impl sqlx::Decode<'_, sqlx::Postgres> for Micros {
 /// every other (expired, a stale or released lock, a state edited by hand):
 /// those are judged in SQL, which alone may take them. The comparisons are
 /// those of the reserving statement's `takeable` and lock left, on the
-/// same values. So is a row whose columns this build does not read as its
-/// migrations made them (a type changed by hand, a time set to NULL): SQL
-/// casts and compares whatever is there, as it did before this lookup.
+/// same values. So is a row whose columns it needs this build cannot read
+/// as its migrations made them (such as a NULL expiry): SQL compares
+/// whatever is there, as it did before this lookup. (The lookup casts the
+/// status and the times to the types read here, whatever the columns'.)
 fn judge_found(row: &sqlx::postgres::PgRow, fingerprint: &str) -> Result<Option<Reservation>, StoreError> {
     use crate::store::RecordState;
     use sqlx::Row as _;
