@@ -965,6 +965,44 @@ async fn answers_as_sql_judges(store: &idem::PgStore, key: &str, fp: &str, case:
     }
 }
 
+/// Two records through the store: `done`, completed with the answer
+/// "kept", and `running`, in progress under a lock an hour long; both
+/// with the fingerprint "fp".
+async fn done_and_running(store: &idem::PgStore) -> (RecordId, RecordId) {
+    let done = RecordId::new("t", "s", "done");
+    let lease = take(store, &done, "fp", LONG, LONG).await;
+    store
+        .complete(&done, &lease.token, &response("kept"))
+        .await
+        .unwrap();
+    let running = RecordId::new("t", "s", "running");
+    take(store, &running, "fp", LONG, LONG).await;
+    (done, running)
+}
+
+/// Writes a record by hand: `state`, `fp` and `token` (SQL, or `NULL`),
+/// with the lock, creation and expiry times given as SQL expressions, a
+/// status of 201 and the operation id "op-stored".
+async fn insert_record(
+    store: &idem::PgStore,
+    schema: &str,
+    key: &str,
+    (state, fp, token): (&str, &str, &str),
+    (lock, created, expires): (&str, &str, &str),
+) {
+    let insert = format!(
+        "INSERT INTO \"{schema}\".idempotency_keys (tenant, scope, key, fingerprint, state, \
+         operation_id, lock_token, attempt, lock_expires_at, response_status, response_headers, \
+         response_body, created_at, expires_at) VALUES ('t', 's', $1, '{fp}', '{state}', 'op-stored', \
+         {token}, 1, {lock}, 201, '[]', 'b', {created}, {expires})"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(insert))
+        .bind(key)
+        .execute(store.pool())
+        .await
+        .unwrap();
+}
+
 /// A reservation's first statement reads the record's columns as stored
 /// and judges in Rust the records it can answer from; every other goes to
 /// the statement that judges in SQL. Over every kind of row the table can
@@ -994,18 +1032,14 @@ async fn postgres_the_lookup_answers_every_record_as_sql_judges_it() {
                         let key = format!("judged-{cases}");
                         let case =
                             format!("{state}, {stored_fp}, lock {lock}, expiry {expires}, token {token}");
-                        let insert = format!(
-                            "INSERT INTO \"{schema}\".idempotency_keys (tenant, scope, key, fingerprint, \
-                             state, operation_id, lock_token, attempt, lock_expires_at, response_status, \
-                             response_headers, response_body, created_at, expires_at) VALUES ('t', 's', $1, \
-                             '{stored_fp}', '{state}', 'op-stored', {token}, 1, {lock}, 201, '[]', 'b', \
-                             now() - interval '2 hours', {expires})"
-                        );
-                        sqlx::query(sqlx::AssertSqlSafe(insert))
-                            .bind(&key)
-                            .execute(store.pool())
-                            .await
-                            .unwrap();
+                        insert_record(
+                            &store,
+                            &schema,
+                            &key,
+                            (state, stored_fp, token),
+                            (lock, "now() - interval '2 hours'", expires),
+                        )
+                        .await;
                         answers_as_sql_judges(&store, &key, "fp", &case).await;
                     }
                 }
@@ -1029,17 +1063,14 @@ async fn postgres_a_record_whose_times_were_edited_to_infinity_is_still_answered
         ("done-lock", "completed", "'infinity'", "'infinity'"),
         ("running", "in_progress", "'infinity'", "'infinity'"),
     ] {
-        let insert = format!(
-            "INSERT INTO \"{schema}\".idempotency_keys (tenant, scope, key, fingerprint, state, \
-             operation_id, lock_token, attempt, lock_expires_at, response_status, response_headers, \
-             response_body, created_at, expires_at) VALUES ('t', 's', $1, 'fp', '{state}', 'op', 'tok', 1, \
-             {lock}, 201, '[]', 'b', now(), {expires})"
-        );
-        sqlx::query(sqlx::AssertSqlSafe(insert))
-            .bind(key)
-            .execute(store.pool())
-            .await
-            .unwrap();
+        insert_record(
+            &store,
+            &schema,
+            key,
+            (state, "fp", "'tok'"),
+            (lock, "now()", expires),
+        )
+        .await;
         let id = RecordId::new("t", "s", key);
         match (state, reserve(&store, &id, "fp", LONG, LONG).await) {
             ("completed", Reservation::Completed(stored)) => assert_eq!(stored.status, 201),
@@ -1094,10 +1125,7 @@ async fn postgres_a_table_whose_columns_were_changed_by_hand_is_answered_as_befo
             .await
             .unwrap();
         store.check_schema().await.expect("the table passes the schema check");
-        let done = RecordId::new("t", "s", "done");
-        let lease = take(&store, &done, "fp", LONG, LONG).await;
-        store.complete(&done, &lease.token, &response("kept")).await.unwrap();
-        take(&store, &RecordId::new("t", "s", "running"), "fp", LONG, LONG).await;
+        done_and_running(&store).await;
         if !edit.is_empty() {
             sqlx::raw_sql(sqlx::AssertSqlSafe(edit.replace("{t}", &table)))
                 .execute(store.pool())
@@ -1119,14 +1147,7 @@ async fn postgres_a_found_record_is_answered_without_the_reservation_function() 
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
-    let done = RecordId::new("t", "s", "done");
-    let lease = take(&store, &done, "fp", LONG, LONG).await;
-    store
-        .complete(&done, &lease.token, &response("kept"))
-        .await
-        .unwrap();
-    let running = RecordId::new("t", "s", "running");
-    take(&store, &running, "fp", LONG, LONG).await;
+    let (done, running) = done_and_running(&store).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE OR REPLACE FUNCTION \"{schema}\".idempotency_keys_take(text, text, text, text, text, text, \
          bigint, bigint) RETURNS text[] LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'called'; END $$"
@@ -1187,14 +1208,7 @@ async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
         let schema = idem_testkit::pg_schema(&url).await;
         // One connection: every statement runs where it was prepared.
         let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
-        let done = RecordId::new("t", "s", "done");
-        let lease = take(&store, &done, "fp", LONG, LONG).await;
-        store
-            .complete(&done, &lease.token, &response("kept"))
-            .await
-            .unwrap();
-        let running = RecordId::new("t", "s", "running");
-        take(&store, &running, "fp", LONG, LONG).await;
+        let (done, running) = done_and_running(&store).await;
         let answers = |when: &'static str| {
             let (store, done, running) = (&store, &done, &running);
             async move {
