@@ -26,7 +26,7 @@
 //! rounds). `--cpu N` measures the CPU of one request in process, without
 //! the network: the bare handler, idem's first request and replay on the
 //! memory store, and (with `DATABASE_URL`) the server's CPU per PostgreSQL
-//! replay, 5 rounds of `N` requests each (one at a time, or `--inflight K`
+//! replay and first request, 5 rounds of `N` requests each (one at a time, or `--inflight K`
 //! under way at once, as 16 clients' requests are on the server's thread);
 //! `--only` picks its cells too, so that a profiler (`perf`, `valgrind
 //! --tool=callgrind`) sees one path.
@@ -819,8 +819,27 @@ fn cpu_cost(n: usize, inflight: usize, only: Option<&[String]>) {
                 replay - bare
             );
         }
-        if chosen(only, "hand", "hand-written replay") || chosen(only, "postgres", "idem postgres replay") {
-            pg_replay_cpu(n).await;
+        let pg_cells: Vec<&str> = [
+            "hand-written replay",
+            "idem postgres replay",
+            "hand-written first",
+            "idem postgres first",
+        ]
+        .into_iter()
+        .filter(|name| {
+            chosen(
+                only,
+                if name.starts_with("hand") {
+                    "hand"
+                } else {
+                    "postgres"
+                },
+                name,
+            )
+        })
+        .collect();
+        if !pg_cells.is_empty() {
+            pg_cpu(n, &pg_cells).await;
         }
     });
 }
@@ -862,11 +881,12 @@ fn cpu_ns(path: &str) -> Option<u64> {
 }
 
 /// With PostgreSQL (`DATABASE_URL`): the server's own CPU per replay, idem's
-/// against the hand-written one-`SELECT` replay, on one connection of a
-/// pool with sqlx's defaults. The runtime has one thread, and sqlx's
+/// against the hand-written one-`SELECT` replay, and per first request,
+/// idem's against the hand-written `INSERT` and `UPDATE` (the `cells`
+/// named), on one connection of a pool with sqlx's defaults. The runtime has one thread, and sqlx's
 /// PostgreSQL driver works on it, so its CPU time is the server's whole
 /// share, system calls included (the database's is not counted).
-async fn pg_replay_cpu(n: usize) {
+async fn pg_cpu(n: usize, cells: &[&str]) {
     use tower::ServiceExt as _;
     let Some(url) = std::env::var("DATABASE_URL")
         .ok()
@@ -917,17 +937,28 @@ async fn pg_replay_cpu(n: usize) {
         assert_eq!(send("/hand/first", format!("cpu-pg-{i}")).await, 201);
         assert_eq!(send("/postgres/pay", format!("cpu-pg-{i}")).await, 201);
     }
-    let mut medians = Vec::new();
+    let mut medians = BTreeMap::new();
     for (name, path) in [
         ("hand-written replay", "/hand/replay"),
         ("idem postgres replay", "/postgres/pay"),
+        ("hand-written first", "/hand/first"),
+        ("idem postgres first", "/postgres/pay"),
     ] {
+        if !cells.contains(&name) {
+            continue;
+        }
         let (mut cpu, mut wall) = (Vec::new(), Vec::new());
-        for _ in 0..5 {
+        for round in 0..5 {
             let started = thread_cpu_ns().unwrap_or(0);
             let clock = std::time::Instant::now();
             for i in 0..n {
-                let status = send(path, format!("cpu-pg-{}", i % 100)).await;
+                // A first request takes a key no request has taken.
+                let key = if name.ends_with("first") {
+                    format!("cpu-pg-first-{round}-{i}")
+                } else {
+                    format!("cpu-pg-{}", i % 100)
+                };
+                let status = send(path, key).await;
                 assert!(status == 201, "{name}: {status}");
             }
             let spent = thread_cpu_ns().unwrap_or(0).saturating_sub(started);
@@ -941,13 +972,21 @@ async fn pg_replay_cpu(n: usize) {
              {:.2} us of wall time ({:.2} to {:.2})",
             cpu[2], cpu[0], cpu[4], wall[2], wall[0], wall[4]
         );
-        medians.push(cpu[2]);
+        medians.insert(name, cpu[2]);
     }
-    println!(
-        "idem's PostgreSQL replay costs the server {:.2} us of CPU more than the hand-written one ({:.2}x)",
-        medians[1] - medians[0],
-        medians[1] / medians[0]
-    );
+    for path in ["replay", "first"] {
+        let (Some(hand), Some(idem)) = (
+            medians.get(format!("hand-written {path}").as_str()),
+            medians.get(format!("idem postgres {path}").as_str()),
+        ) else {
+            continue;
+        };
+        println!(
+            "idem's PostgreSQL {path} costs the server {:.2} us of CPU more than the hand-written one ({:.2}x)",
+            idem - hand,
+            idem / hand
+        );
+    }
     let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(&pool)
         .await;
