@@ -439,6 +439,138 @@ async fn postgres_the_check_drop_never_waits_long_for_the_tables_lock() {
     kept_then_dropped(&pool, &schema, &store, reader).await;
 }
 
+/// A table at the first released schema, in a fresh schema, with a store
+/// on it (not migrated), and a transaction that has read the table and
+/// holds it until it ends.
+async fn v1_table_held(
+    url: &str,
+) -> (
+    sqlx::PgPool,
+    String,
+    PgStore,
+    sqlx::Transaction<'static, sqlx::Postgres>,
+) {
+    let schema = idem_testkit::pg_schema(url).await;
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
+    let t = format!("\"{schema}\".\"idempotency_keys\"");
+    pool.execute(sqlx::AssertSqlSafe(V1_POSTGRES.replace("{t}", &t)))
+        .await
+        .unwrap();
+    let mut reader = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {t}")))
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    (pool, schema, store, reader)
+}
+
+/// How many statements wait for a lock on the table.
+async fn waiting_for(pool: &sqlx::PgPool, schema: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM pg_locks WHERE relation = '\"{schema}\".\"idempotency_keys\"'::regclass \
+         AND NOT granted"
+    )))
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// An upgrade needs the table's lock, and every request to the table queues
+/// behind a migration that waits for it. Behind a transaction that holds
+/// the table through the whole upgrade, `migrate()` waits at most half a
+/// second at a time, so requests to the table (here an earlier build's
+/// replay, read again and again) are never held up longer; then it gives
+/// up, says why, and leaves the table as it was.
+#[tokio::test]
+async fn postgres_an_upgrade_never_holds_requests_up_behind_a_long_transaction() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store, reader) = v1_table_held(&url).await;
+    let migrating = tokio::spawn(async move { store.migrate().await });
+    let (started, mut slowest) = (std::time::Instant::now(), Duration::ZERO);
+    while !migrating.is_finished() {
+        let asked = std::time::Instant::now();
+        let read = tokio::time::timeout(
+            Duration::from_secs(5),
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM \"{schema}\".\"idempotency_keys\" WHERE key = 'old'"
+            )))
+            .fetch_one(&pool),
+        )
+        .await;
+        assert!(
+            matches!(read, Ok(Ok(1))),
+            "a request to the table queued behind the upgrade for {:?}: {read:?}",
+            asked.elapsed()
+        );
+        slowest = slowest.max(asked.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "migrate() still waits after a minute"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let e = migrating.await.unwrap().expect_err("the lock never frees");
+    assert!(e.is_unavailable(), "{e}");
+    assert!(e.to_string().contains("run migrate() again"), "{e}");
+    assert!(
+        slowest < Duration::from_secs(2),
+        "a request waited {slowest:?} behind the upgrade"
+    );
+    // Nothing changed: the first schema, no version recorded.
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns WHERE table_schema = $1 \
+         AND table_name = 'idempotency_keys' AND column_name IN ('taken_over', 'purge_at')",
+    )
+    .bind(&schema)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(columns.is_empty(), "{columns:?}");
+    reader.commit().await.unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    serves_after_the_upgrade(&store).await;
+}
+
+/// An upgrade whose first try could not take the table's lock tries again
+/// after a pause, and applies once the transaction that held it ends.
+#[tokio::test]
+async fn postgres_an_upgrade_that_could_not_take_the_lock_applies_once_it_frees() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store, reader) = v1_table_held(&url).await;
+    let store_ = store.clone();
+    let migrating = tokio::spawn(async move { store_.migrate().await });
+    // Its first try waits for the lock, gives up, and pauses.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while waiting_for(&pool, &schema).await == 0 {
+        assert!(std::time::Instant::now() < deadline, "the upgrade never waited");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    while waiting_for(&pool, &schema).await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the upgrade still waits for the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(!migrating.is_finished(), "{:?}", migrating.await);
+    reader.commit().await.unwrap();
+    migrating.await.unwrap().unwrap();
+    let versions: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT version FROM \"{schema}\".\"idempotency_keys_migrations\" ORDER BY version"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
+    serves_after_the_upgrade(&store).await;
+}
+
 /// `migrate()` drops the first schema's check only, and finds it whatever
 /// the session's quoting: checks of one's own, on `state` too, stay.
 #[tokio::test]

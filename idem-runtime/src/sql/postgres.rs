@@ -294,10 +294,22 @@ impl PgStore {
     /// ([`PgStore::check_schema`]). A table made by an earlier build is
     /// recognised and upgraded.
     ///
+    /// A migration that alters the table (or builds an index on it) needs
+    /// the table's lock, and every request to the table queues behind a
+    /// migration that waits for it: so it waits at most half a second (less
+    /// when the session's own `lock_timeout` is shorter, and at most half its
+    /// `statement_timeout`). When a transaction that has used the table holds
+    /// it longer, the upgrade is rolled back whole and tried again after a
+    /// pause, five times in all over about ten seconds; then `migrate()`
+    /// gives up, the table as it was.
+    ///
     /// # Errors
     ///
     /// [`StoreError`] when the database is unreachable, refuses the DDL, or
-    /// the table does not match afterwards.
+    /// the table does not match afterwards;
+    /// [`StoreError::Unavailable`] when the table's lock stayed taken
+    /// through every try (nothing was changed: run `migrate()` again once
+    /// that transaction ends).
     ///
     /// ```no_run
     /// # #[tokio::main] async fn main() -> Result<(), idem::StoreError> {
@@ -306,8 +318,45 @@ impl PgStore {
     /// # Ok(()) }
     /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut pauses = MIGRATION_PAUSES.iter();
+        loop {
+            match self.migrate_once().await {
+                Err(e) if lock_not_available(&e) => match pauses.next() {
+                    Some(pause) => {
+                        tracing::warn!(
+                            table = %self.sql.table,
+                            "a transaction holds the table's lock: the upgrade waits and tries again"
+                        );
+                        tokio::time::sleep(*pause).await;
+                    }
+                    None => {
+                        return Err(StoreError::unavailable(format!(
+                            "the table {} could not be upgraded: a transaction that has used it held its \
+                             lock through {} waits of at most half a second each (about ten seconds in \
+                             all), and requests to the table would have queued behind a longer wait. \
+                             Nothing was changed; run migrate() again once that transaction ends \
+                             (pg_stat_activity shows it)",
+                            self.sql.table,
+                            MIGRATION_PAUSES.len() + 1
+                        ))
+                        .with_source(e))
+                    }
+                },
+                other => return other,
+            }
+        }
+    }
+
+    /// One try of [`migrate`](Self::migrate): every migration in one
+    /// transaction, under the migration lock, waiting for the table's lock
+    /// within a bound.
+    async fn migrate_once(&self) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(sql::map_err)?;
         sqlx::query("SELECT pg_advisory_xact_lock(7319002151)")
+            .execute(&mut *tx)
+            .await
+            .map_err(sql::map_err)?;
+        sqlx::query(BOUNDED_LOCK_WAIT)
             .execute(&mut *tx)
             .await
             .map_err(sql::map_err)?;
@@ -441,6 +490,43 @@ impl PgStore {
         pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
         Ok(Reservation::Reserved(lease))
     }
+}
+
+/// The pauses between the tries of an upgrade that could not take the
+/// table's lock.
+const MIGRATION_PAUSES: [Duration; 4] = [
+    Duration::from_millis(500),
+    Duration::from_secs(1),
+    Duration::from_secs(2),
+    Duration::from_secs(4),
+];
+
+/// Bounds, for the rest of the migration's transaction, how long a
+/// statement waits for a lock: half a second, or the session's own
+/// `lock_timeout` when shorter, and at most half its `statement_timeout`
+/// (which would cancel the statement, a wait for a lock included).
+const BOUNDED_LOCK_WAIT: &str = "SELECT set_config('lock_timeout', greatest(1, round(extract(epoch FROM \
+    least(interval '500 ms', \
+    CASE WHEN current_setting('lock_timeout') <> '0' THEN current_setting('lock_timeout')::interval END, \
+    CASE WHEN current_setting('statement_timeout') <> '0' \
+    THEN current_setting('statement_timeout')::interval / 2 END)) * 1000))::bigint || 'ms', true)";
+
+/// Whether `e` is PostgreSQL's `lock_not_available`: a lock wait ran out.
+fn lock_not_available(e: &StoreError) -> bool {
+    let (StoreError::Backend {
+        source: Some(source), ..
+    }
+    | StoreError::Unavailable {
+        source: Some(source), ..
+    }) = e
+    else {
+        return false;
+    };
+    source
+        .downcast_ref::<sqlx::Error>()
+        .and_then(sqlx::Error::as_database_error)
+        .and_then(|db| db.code())
+        .is_some_and(|code| code == "55P03")
 }
 
 /// The lookup's columns, in this order, read by position.
