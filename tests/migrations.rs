@@ -571,6 +571,123 @@ async fn postgres_an_upgrade_that_could_not_take_the_lock_applies_once_it_frees(
     serves_after_the_upgrade(&store).await;
 }
 
+/// The lock modes that the backends named `app` wait for on the table.
+async fn waits_of(pool: &sqlx::PgPool, app: &str, schema: &str) -> Vec<String> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT l.mode FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE a.application_name = $1 AND NOT l.granted \
+         AND l.relation = '\"{schema}\".\"idempotency_keys\"'::regclass"
+    )))
+    .bind(app)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// The schema's probes (does the table, the column exist?) wait for the
+/// table's lock within the bound too, and one that ran out is the try's
+/// failure, never a missing table: here the probe queues behind someone's
+/// `LOCK TABLE` that waits behind a reader. Read as missing, the upgrade
+/// ran every migration again on a table that has them (and failed on
+/// migration 2's column, already there).
+#[tokio::test]
+async fn postgres_a_lock_wait_in_the_schema_probe_is_never_read_as_a_missing_table() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, _) = migrated_pg_store(&url).await;
+    let t = format!("\"{schema}\".\"idempotency_keys\"");
+    let mut reader = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {t}")))
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    let mut other = sqlx::PgConnection::connect(&url).await.unwrap();
+    let other_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut other)
+        .await
+        .unwrap();
+    let lock = format!("BEGIN; LOCK TABLE {t} IN ACCESS EXCLUSIVE MODE");
+    let locking = tokio::spawn(async move {
+        let locked = other.execute(sqlx::AssertSqlSafe(lock)).await.map(drop);
+        (other, locked)
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while waiting_for(&pool, &schema).await == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the LOCK TABLE never queued"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let app = idem_testkit::unique("idem_probe");
+    let migrator = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&with_setting(&url, "application_name", &app))
+        .await
+        .unwrap();
+    let store = PgStore::new(migrator)
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    let migrating = tokio::spawn(async move { store.migrate().await });
+    // Two tries, each waiting only for the probe's lock (a table read as
+    // missing would wait for migration 1's index next).
+    let (mut tries, mut waiting) = (0, false);
+    while tries < 2 {
+        let waits = waits_of(&pool, &app, &schema).await;
+        assert!(
+            waits.iter().all(|mode| mode == "AccessShareLock"),
+            "the upgrade of an up-to-date table waits for {waits:?}: its probe's lock wait read as a missing table"
+        );
+        if !waiting && !waits.is_empty() {
+            tries += 1;
+        }
+        waiting = !waits.is_empty();
+        assert!(!migrating.is_finished(), "{:?}", migrating.await);
+        assert!(std::time::Instant::now() < deadline, "{tries} tries seen");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let _: bool = sqlx::query_scalar("SELECT pg_cancel_backend($1)")
+        .bind(other_pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let (_other, locked) = locking.await.unwrap();
+    assert!(locked.is_err(), "the LOCK TABLE was cancelled");
+    reader.commit().await.unwrap();
+    migrating.await.unwrap().unwrap();
+    let versions: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT version FROM \"{schema}\".\"idempotency_keys_migrations\" ORDER BY version"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
+}
+
+/// The wait for the migration lock (another process migrating) is not the
+/// table's: one that the session's own `lock_timeout` ends is returned as
+/// PostgreSQL's error at once, not tried again as a table held by others.
+#[tokio::test]
+async fn postgres_a_wait_for_the_migration_lock_is_not_reported_as_the_tables() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+    holder
+        .execute("BEGIN; SELECT pg_advisory_xact_lock(7319002151)")
+        .await
+        .unwrap();
+    let pool = sqlx::PgPool::connect(&with_setting(&url, "lock_timeout", "100ms"))
+        .await
+        .unwrap();
+    let store = PgStore::new(pool)
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    let migrated = store.migrate().await;
+    holder.execute("COMMIT").await.unwrap();
+    let e = migrated.expect_err("the migration lock is held");
+    assert!(!e.to_string().contains("could not be upgraded"), "{e}");
+    assert!(e.to_string().contains("lock timeout"), "{e}");
+}
+
 /// `migrate()` drops the first schema's check only, and finds it whatever
 /// the session's quoting: checks of one's own, on `state` too, stay.
 #[tokio::test]

@@ -67,7 +67,8 @@ macro_rules! migrations {
 pub(crate) use migrations;
 
 /// Applies the migrations not yet applied, in a transaction `$tx` that
-/// holds the store's migration lock, then checks the table. A table made
+/// holds the store's migration lock, and commits it (the caller then checks
+/// the table). A table made
 /// by a build from before the migrations table existed is recognised by its
 /// columns. Probes that may fail run in a savepoint (PostgreSQL aborts a
 /// transaction on an error otherwise).
@@ -80,7 +81,7 @@ macro_rules! migrate_in {
         // Created only when missing: a role that may create nothing in the
         // schema can still run `migrate()` on an up-to-date table.
         let mut probe = $tx.begin().await.map_err($crate::sql::map_err)?;
-        let versions_exist = run(&sql.versions).execute(&mut *probe).await.is_ok();
+        let versions_exist = $crate::sql::found(run(&sql.versions).execute(&mut *probe).await)?;
         probe.rollback().await.map_err($crate::sql::map_err)?;
         if !versions_exist {
             run(&sql.create_versions)
@@ -94,7 +95,7 @@ macro_rules! migrate_in {
             .map_err($crate::sql::map_err)?;
         let mut current = applied.last().copied().unwrap_or(0);
         let mut exists = $tx.begin().await.map_err($crate::sql::map_err)?;
-        let table_exists = run(&sql.table_exists).execute(&mut *exists).await.is_ok();
+        let table_exists = $crate::sql::found(run(&sql.table_exists).execute(&mut *exists).await)?;
         exists.rollback().await.map_err($crate::sql::map_err)?;
         if !table_exists {
             // Never made, or dropped since: every migration runs (again).
@@ -103,7 +104,7 @@ macro_rules! migrate_in {
             // Made before versions were recorded: what is there already?
             for (version, probe) in [(1, &sql.table_exists), (2, &sql.has_taken_over)] {
                 let mut savepoint = $tx.begin().await.map_err($crate::sql::map_err)?;
-                let found = run(probe).execute(&mut *savepoint).await.is_ok();
+                let found = $crate::sql::found(run(probe).execute(&mut *savepoint).await)?;
                 savepoint.rollback().await.map_err($crate::sql::map_err)?;
                 if !found {
                     break;
@@ -159,10 +160,34 @@ macro_rules! migrate_in {
             }
         }
         $tx.commit().await.map_err($crate::sql::map_err)?;
-        $self.check_schema().await
+        Ok::<(), $crate::StoreError>(())
     }};
 }
 pub(crate) use migrate_in;
+
+/// What a probe of the schema found: `false` only where the database says
+/// the table or column is not there. Any other error (a lock wait that ran
+/// out, a connection lost) is the migration's error, never read as a
+/// missing table, which would run every migration again on a table that
+/// has them. On SQLite, inside the migration's write transaction, an error
+/// reads as absent, as it always has.
+pub(crate) fn found<T>(probed: Result<T, sqlx::Error>) -> Result<bool, StoreError> {
+    match probed {
+        Ok(_) => Ok(true),
+        Err(sqlx::Error::Database(db)) if missing(&*db) => Ok(false),
+        Err(e) => Err(map_err(e)),
+    }
+}
+
+/// Whether the database's error says that what was asked for does not exist.
+fn missing(db: &dyn sqlx::error::DatabaseError) -> bool {
+    #[cfg(feature = "sqlite")]
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        return true;
+    }
+    // PostgreSQL: undefined table, undefined column, invalid schema name.
+    matches!(db.code().as_deref(), Some("42P01" | "42703" | "3F000"))
+}
 
 /// Checks that the table has every column this build needs, at the latest
 /// schema version.

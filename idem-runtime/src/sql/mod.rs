@@ -14,7 +14,7 @@ pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
 pub use migrate::Migration;
-pub(crate) use migrate::{check_schema, migrate_in, migrations, refuse_found_elsewhere, schema_error};
+pub(crate) use migrate::{check_schema, found, migrate_in, migrations, refuse_found_elsewhere, schema_error};
 #[cfg(feature = "postgres")]
 pub(crate) use run::columns_are;
 pub(crate) use run::{

@@ -296,12 +296,16 @@ impl PgStore {
     ///
     /// A migration that alters the table (or builds an index on it) needs
     /// the table's lock, and every request to the table queues behind a
-    /// migration that waits for it: so it waits at most half a second (less
-    /// when the session's own `lock_timeout` is shorter, and at most half its
-    /// `statement_timeout`). When a transaction that has used the table holds
-    /// it longer, the upgrade is rolled back whole and tried again after a
-    /// pause, five times in all over about ten seconds; then `migrate()`
-    /// gives up, the table as it was.
+    /// migration that waits for it: so each of its waits for a lock lasts
+    /// at most half a second (less when the session's own `lock_timeout` is
+    /// shorter, and at most half its `statement_timeout`). One try may
+    /// wait more than once (an index build, which holds writes back, then
+    /// an `ALTER TABLE`), so a request may wait for more than one of them.
+    /// When other transactions hold the table's lock longer (or wait for it
+    /// ahead of the upgrade), the upgrade is rolled back whole and tried
+    /// again after a pause, five times in all over about ten seconds; then
+    /// `migrate()` gives up, the table as it was. The wait for the
+    /// migration lock (another process migrating) is not bounded so.
     ///
     /// # Errors
     ///
@@ -309,7 +313,7 @@ impl PgStore {
     /// the table does not match afterwards;
     /// [`StoreError::Unavailable`] when the table's lock stayed taken
     /// through every try (nothing was changed: run `migrate()` again once
-    /// that transaction ends).
+    /// those transactions end).
     ///
     /// ```no_run
     /// # #[tokio::main] async fn main() -> Result<(), idem::StoreError> {
@@ -320,47 +324,47 @@ impl PgStore {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut pauses = MIGRATION_PAUSES.iter();
         loop {
-            match self.migrate_once().await {
+            let mut tx = self.pool.begin().await.map_err(sql::map_err)?;
+            // Errors here, a wait for the migration lock that the session's
+            // own `lock_timeout` ended included, are returned as they are.
+            sqlx::query("SELECT pg_advisory_xact_lock(7319002151)")
+                .execute(&mut *tx)
+                .await
+                .map_err(sql::map_err)?;
+            sqlx::query(BOUNDED_LOCK_WAIT)
+                .execute(&mut *tx)
+                .await
+                .map_err(sql::map_err)?;
+            // From here to the commit, a lock wait that ran out leaves
+            // nothing changed (the transaction rolls back whole).
+            let upgraded: Result<(), StoreError> = async { sql::migrate_in!(self, tx) }.await;
+            match upgraded {
                 Err(e) if lock_not_available(&e) => match pauses.next() {
                     Some(pause) => {
                         tracing::warn!(
                             table = %self.sql.table,
-                            "a transaction holds the table's lock: the upgrade waits and tries again"
+                            "other transactions hold the table's lock: the upgrade waits and tries again"
                         );
                         tokio::time::sleep(*pause).await;
                     }
                     None => {
                         return Err(StoreError::unavailable(format!(
-                            "the table {} could not be upgraded: a transaction that has used it held its \
-                             lock through {} waits of at most half a second each (about ten seconds in \
-                             all), and requests to the table would have queued behind a longer wait. \
-                             Nothing was changed; run migrate() again once that transaction ends \
-                             (pg_stat_activity shows it)",
+                            "the table {} could not be upgraded: other transactions held its lock, or \
+                             waited for it ahead of the upgrade, through {} tries whose waits for a lock \
+                             lasted at most half a second each (over about ten seconds), and requests to \
+                             the table would have queued behind a longer wait. Nothing was changed; run \
+                             migrate() again once those transactions end (pg_locks and pg_stat_activity \
+                             show them)",
                             self.sql.table,
                             MIGRATION_PAUSES.len() + 1
                         ))
                         .with_source(e))
                     }
                 },
-                other => return other,
+                Err(e) => return Err(e),
+                Ok(()) => return self.check_schema().await,
             }
         }
-    }
-
-    /// One try of [`migrate`](Self::migrate): every migration in one
-    /// transaction, under the migration lock, waiting for the table's lock
-    /// within a bound.
-    async fn migrate_once(&self) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(sql::map_err)?;
-        sqlx::query("SELECT pg_advisory_xact_lock(7319002151)")
-            .execute(&mut *tx)
-            .await
-            .map_err(sql::map_err)?;
-        sqlx::query(BOUNDED_LOCK_WAIT)
-            .execute(&mut *tx)
-            .await
-            .map_err(sql::map_err)?;
-        sql::migrate_in!(self, tx)
     }
 
     sql::check_schema!();

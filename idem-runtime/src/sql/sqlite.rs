@@ -276,7 +276,8 @@ impl SqliteStore {
                 .await
                 .map_err(sql::map_err)?;
             let store = &store;
-            sql::migrate_in!(store, tx)
+            sql::migrate_in!(store, tx)?;
+            store.check_schema().await
         })
         .await
     }
