@@ -480,7 +480,7 @@ async fn waiting_for(pool: &sqlx::PgPool, schema: &str) -> i64 {
 
 /// An upgrade needs the table's lock, and every request to the table queues
 /// behind a migration that waits for it. Behind a transaction that holds
-/// the table through the whole upgrade, `migrate()` waits at most half a
+/// the table through the whole upgrade, `migrate()` waits at most about a
 /// second at a time, so requests to the table (here an earlier build's
 /// replay, read again and again) are never held up longer; then it gives
 /// up, says why, and leaves the table as it was.
@@ -493,7 +493,7 @@ async fn postgres_an_upgrade_never_holds_requests_up_behind_a_long_transaction()
     while !migrating.is_finished() {
         let asked = std::time::Instant::now();
         let read = tokio::time::timeout(
-            Duration::from_secs(5),
+            Duration::from_secs(10),
             sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
                 "SELECT count(*) FROM \"{schema}\".\"idempotency_keys\" WHERE key = 'old'"
             )))
@@ -515,8 +515,10 @@ async fn postgres_an_upgrade_never_holds_requests_up_behind_a_long_transaction()
     let e = migrating.await.unwrap().expect_err("the lock never frees");
     assert!(e.is_unavailable(), "{e}");
     assert!(e.to_string().contains("run migrate() again"), "{e}");
+    // Each wait for a lock lasts at most two seconds (1.25 s with
+    // PostgreSQL's default `deadlock_timeout`).
     assert!(
-        slowest < Duration::from_secs(2),
+        slowest < Duration::from_secs(4),
         "a request waited {slowest:?} behind the upgrade"
     );
     // Nothing changed: the first schema, no version recorded.
@@ -538,7 +540,10 @@ async fn postgres_an_upgrade_never_holds_requests_up_behind_a_long_transaction()
 }
 
 /// An upgrade whose first try could not take the table's lock tries again
-/// after a pause, and applies once the transaction that held it ends.
+/// after a pause, and applies once the transaction that held it ends. Its
+/// wait lasts past the server's `deadlock_timeout`, when PostgreSQL checks
+/// the wait and cancels an autovacuum in the way (one would otherwise hold
+/// every try off).
 #[tokio::test]
 async fn postgres_an_upgrade_that_could_not_take_the_lock_applies_once_it_frees() {
     let Some(url) = idem_testkit::pg_url() else { return };
@@ -551,6 +556,14 @@ async fn postgres_an_upgrade_that_could_not_take_the_lock_applies_once_it_frees(
         assert!(std::time::Instant::now() < deadline, "the upgrade never waited");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // When the wait began, by the server's clock.
+    let began: f64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT extract(epoch FROM min(waitstart))::float8 FROM pg_locks \
+         WHERE relation = '\"{schema}\".\"idempotency_keys\"'::regclass AND NOT granted"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
     while waiting_for(&pool, &schema).await > 0 {
         assert!(
             std::time::Instant::now() < deadline,
@@ -558,6 +571,18 @@ async fn postgres_an_upgrade_that_could_not_take_the_lock_applies_once_it_frees(
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    let (lasted, deadlock): (f64, f64) = sqlx::query_as(
+        "SELECT extract(epoch FROM clock_timestamp())::float8 - $1, \
+         extract(epoch FROM current_setting('deadlock_timeout')::interval)::float8",
+    )
+    .bind(began)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        lasted >= deadlock,
+        "the wait gave up after {lasted:.3} s, before the server's deadlock_timeout ({deadlock} s)"
+    );
     assert!(!migrating.is_finished(), "{:?}", migrating.await);
     reader.commit().await.unwrap();
     migrating.await.unwrap().unwrap();

@@ -296,16 +296,21 @@ impl PgStore {
     ///
     /// A migration that alters the table (or builds an index on it) needs
     /// the table's lock, and every request to the table queues behind a
-    /// migration that waits for it: so each of its waits for a lock lasts
-    /// at most half a second (less when the session's own `lock_timeout` is
-    /// shorter, and at most half its `statement_timeout`). One try may
-    /// wait more than once (an index build, which holds writes back, then
-    /// an `ALTER TABLE`), so a request may wait for more than one of them.
-    /// When other transactions hold the table's lock longer (or wait for it
+    /// migration that waits for it: so each of its waits for a lock lasts at
+    /// most a quarter of a second past the server's `deadlock_timeout` (1.25
+    /// s with PostgreSQL's default; at least half a second, at most two),
+    /// less when the session's own `lock_timeout` is shorter, and at most
+    /// half its `statement_timeout`. Past `deadlock_timeout`, PostgreSQL
+    /// cancels an autovacuum that holds the table, so an upgrade that waits
+    /// only for one goes on. One try may wait more than once (an index
+    /// build, which holds writes back, then an `ALTER TABLE`), so a request
+    /// may wait for more than one of them. When other transactions hold the
+    /// lock of the table or of its migrations table longer (or wait for it
     /// ahead of the upgrade), the upgrade is rolled back whole and tried
-    /// again after a pause, five times in all over about ten seconds; then
-    /// `migrate()` gives up, the table as it was. The wait for the
-    /// migration lock (another process migrating) is not bounded so.
+    /// again after a pause, five times in all over about fifteen seconds;
+    /// then `migrate()` gives up, the table as it was. The wait for the
+    /// migration lock (another process migrating) is bounded only by the
+    /// session's own `lock_timeout` and `statement_timeout`.
     ///
     /// # Errors
     ///
@@ -331,8 +336,8 @@ impl PgStore {
                 .execute(&mut *tx)
                 .await
                 .map_err(sql::map_err)?;
-            sqlx::query(BOUNDED_LOCK_WAIT)
-                .execute(&mut *tx)
+            let bound: String = sqlx::query_scalar(BOUNDED_LOCK_WAIT)
+                .fetch_one(&mut *tx)
                 .await
                 .map_err(sql::map_err)?;
             // From here to the commit, a lock wait that ran out leaves
@@ -349,12 +354,12 @@ impl PgStore {
                     }
                     None => {
                         return Err(StoreError::unavailable(format!(
-                            "the table {} could not be upgraded: other transactions held its lock, or \
-                             waited for it ahead of the upgrade, through {} tries whose waits for a lock \
-                             lasted at most half a second each (over about ten seconds), and requests to \
-                             the table would have queued behind a longer wait. Nothing was changed; run \
-                             migrate() again once those transactions end (pg_locks and pg_stat_activity \
-                             show them)",
+                            "the table {} could not be upgraded: other transactions held the lock of the \
+                             table or of its migrations table, or waited for it ahead of the upgrade, \
+                             through {} tries whose waits for a lock lasted at most {bound} each (over \
+                             about fifteen seconds), and requests to the table would have queued behind \
+                             a longer wait. Nothing was changed; run migrate() again once those \
+                             transactions end (pg_locks and pg_stat_activity show them)",
                             self.sql.table,
                             MIGRATION_PAUSES.len() + 1
                         ))
@@ -506,11 +511,15 @@ const MIGRATION_PAUSES: [Duration; 4] = [
 ];
 
 /// Bounds, for the rest of the migration's transaction, how long a
-/// statement waits for a lock: half a second, or the session's own
-/// `lock_timeout` when shorter, and at most half its `statement_timeout`
-/// (which would cancel the statement, a wait for a lock included).
+/// statement waits for a lock, and returns the bound: a quarter of a
+/// second past the server's `deadlock_timeout` (when PostgreSQL checks the
+/// wait, and cancels an autovacuum in the way), at least half a second
+/// and at most two; or the session's own `lock_timeout` when shorter; and
+/// at most half its `statement_timeout` (which would cancel the statement,
+/// a wait for a lock included).
 const BOUNDED_LOCK_WAIT: &str = "SELECT set_config('lock_timeout', greatest(1, round(extract(epoch FROM \
-    least(interval '500 ms', \
+    least(greatest(interval '500 ms', \
+    least(current_setting('deadlock_timeout')::interval + interval '250 ms', interval '2 s')), \
     CASE WHEN current_setting('lock_timeout') <> '0' THEN current_setting('lock_timeout')::interval END, \
     CASE WHEN current_setting('statement_timeout') <> '0' \
     THEN current_setting('statement_timeout')::interval / 2 END)) * 1000))::bigint || 'ms', true)";
