@@ -326,6 +326,19 @@ async fn check_names(pool: &sqlx::PgPool, schema: &str, table: &str) -> Vec<Stri
     .unwrap()
 }
 
+/// A transaction that has read the table in `schema`, and so holds its
+/// lock (as an earlier build's request would) until it ends.
+async fn reading(pool: &sqlx::PgPool, schema: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut reader = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{schema}\".idempotency_keys"
+    )))
+    .execute(&mut *reader)
+    .await
+    .unwrap();
+    reader
+}
+
 /// Gives the migrated table in `schema` the first schema's check again, and
 /// returns a transaction that has read it (and holds off the lock the
 /// check's drop needs until it ends).
@@ -337,12 +350,7 @@ async fn checked_and_read(pool: &sqlx::PgPool, schema: &str) -> sqlx::Transactio
     )))
     .await
     .unwrap();
-    let mut reader = pool.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {t}")))
-        .execute(&mut *reader)
-        .await
-        .unwrap();
-    reader
+    reading(pool, schema).await
 }
 
 /// A session whose `statement_timeout` is shorter than half a second would
@@ -456,24 +464,23 @@ async fn v1_table_held(
     pool.execute(sqlx::AssertSqlSafe(V1_POSTGRES.replace("{t}", &t)))
         .await
         .unwrap();
-    let mut reader = pool.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {t}")))
-        .execute(&mut *reader)
-        .await
-        .unwrap();
+    let reader = reading(&pool, &schema).await;
     let store = PgStore::new(pool.clone())
         .with_table(Some(&schema), "idempotency_keys")
         .unwrap();
     (pool, schema, store, reader)
 }
 
-/// How many statements wait for a lock on the table.
-async fn waiting_for(pool: &sqlx::PgPool, schema: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM pg_locks WHERE relation = '\"{schema}\".\"idempotency_keys\"'::regclass \
-         AND NOT granted"
+/// The waits for a lock on the table in `schema`: each one's lock mode,
+/// the waiting session's `application_name`, and when it began (seconds
+/// since the epoch, by the server's clock).
+async fn lock_waits(pool: &sqlx::PgPool, schema: &str) -> Vec<(String, String, f64)> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT l.mode, coalesce(a.application_name, ''), extract(epoch FROM l.waitstart)::float8 \
+         FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.relation = '\"{schema}\".\"idempotency_keys\"'::regclass AND NOT l.granted"
     )))
-    .fetch_one(pool)
+    .fetch_all(pool)
     .await
     .unwrap()
 }
@@ -552,19 +559,15 @@ async fn postgres_an_upgrade_that_could_not_take_the_lock_applies_once_it_frees(
     let migrating = tokio::spawn(async move { store_.migrate().await });
     // Its first try waits for the lock, gives up, and pauses.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while waiting_for(&pool, &schema).await == 0 {
+    // When the wait began, by the server's clock.
+    let began = loop {
+        if let Some((_, _, began)) = lock_waits(&pool, &schema).await.first() {
+            break *began;
+        }
         assert!(std::time::Instant::now() < deadline, "the upgrade never waited");
         tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    // When the wait began, by the server's clock.
-    let began: f64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT extract(epoch FROM min(waitstart))::float8 FROM pg_locks \
-         WHERE relation = '\"{schema}\".\"idempotency_keys\"'::regclass AND NOT granted"
-    )))
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    while waiting_for(&pool, &schema).await > 0 {
+    };
+    while !lock_waits(&pool, &schema).await.is_empty() {
         assert!(
             std::time::Instant::now() < deadline,
             "the upgrade still waits for the lock"
@@ -596,19 +599,6 @@ async fn postgres_an_upgrade_that_could_not_take_the_lock_applies_once_it_frees(
     serves_after_the_upgrade(&store).await;
 }
 
-/// The lock modes that the backends named `app` wait for on the table.
-async fn waits_of(pool: &sqlx::PgPool, app: &str, schema: &str) -> Vec<String> {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT l.mode FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-         WHERE a.application_name = $1 AND NOT l.granted \
-         AND l.relation = '\"{schema}\".\"idempotency_keys\"'::regclass"
-    )))
-    .bind(app)
-    .fetch_all(pool)
-    .await
-    .unwrap()
-}
-
 /// The schema's probes (does the table, the column exist?) wait for the
 /// table's lock within the bound too, and one that ran out is the try's
 /// failure, never a missing table: here the probe queues behind someone's
@@ -620,11 +610,7 @@ async fn postgres_a_lock_wait_in_the_schema_probe_is_never_read_as_a_missing_tab
     let Some(url) = idem_testkit::pg_url() else { return };
     let (pool, schema, _) = migrated_pg_store(&url).await;
     let t = format!("\"{schema}\".\"idempotency_keys\"");
-    let mut reader = pool.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {t}")))
-        .execute(&mut *reader)
-        .await
-        .unwrap();
+    let reader = reading(&pool, &schema).await;
     let mut other = sqlx::PgConnection::connect(&url).await.unwrap();
     let other_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut other)
@@ -636,7 +622,7 @@ async fn postgres_a_lock_wait_in_the_schema_probe_is_never_read_as_a_missing_tab
         (other, locked)
     });
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while waiting_for(&pool, &schema).await == 0 {
+    while lock_waits(&pool, &schema).await.is_empty() {
         assert!(
             std::time::Instant::now() < deadline,
             "the LOCK TABLE never queued"
@@ -657,7 +643,12 @@ async fn postgres_a_lock_wait_in_the_schema_probe_is_never_read_as_a_missing_tab
     // missing would wait for migration 1's index next).
     let (mut tries, mut waiting) = (0, false);
     while tries < 2 {
-        let waits = waits_of(&pool, &app, &schema).await;
+        let waits: Vec<String> = lock_waits(&pool, &schema)
+            .await
+            .into_iter()
+            .filter(|(_, name, _)| *name == app)
+            .map(|(mode, _, _)| mode)
+            .collect();
         assert!(
             waits.iter().all(|mode| mode == "AccessShareLock"),
             "the upgrade of an up-to-date table waits for {waits:?}: its probe's lock wait read as a missing table"
