@@ -68,10 +68,9 @@ pub(crate) use migrations;
 
 /// Applies the migrations not yet applied, in a transaction `$tx` that
 /// holds the store's migration lock, and commits it (the caller then checks
-/// the table). A table made
-/// by a build from before the migrations table existed is recognised by its
-/// columns. Probes that may fail run in a savepoint (PostgreSQL aborts a
-/// transaction on an error otherwise).
+/// the table). A table made by a build from before the migrations table
+/// existed is recognised by its columns. Probes that may fail run in a
+/// savepoint (PostgreSQL aborts a transaction on an error otherwise).
 macro_rules! migrate_in {
     ($self:ident, $tx:ident) => {{
         use sqlx::Acquire as _;
