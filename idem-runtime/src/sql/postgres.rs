@@ -208,7 +208,9 @@ impl PgStore {
     /// table, its index, and the reservation function that migration 4
     /// defines), for teams that apply migrations with their own tool; record
     /// each version in `<table>_migrations` so that
-    /// [`check_schema`](PgStore::check_schema) agrees.
+    /// [`check_schema`](PgStore::check_schema) agrees. Run them with a bounded
+    /// `lock_timeout`, as [`migrate`](PgStore::migrate) does: a migration
+    /// waiting for the table's lock holds up every request to the table.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
