@@ -10,7 +10,8 @@ use axum::routing::post;
 use axum::{Json, Router};
 use idem::{idempotent, Idem, IdempotencyStore, Tenant};
 use idem_testkit::http::{post as req, serve};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 #[derive(serde::Deserialize, serde::Serialize)]
 struct In {
@@ -68,6 +69,7 @@ fn router(store: Arc<dyn IdempotencyStore>) -> Router {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_records_hold_no_credentials_and_replays_set_no_cookie() {
+    logs();
     let (store, _dir) = idem_testkit::sqlite_store().await;
     let addr = serve(router(Arc::new(store.clone()))).await;
     let send = || async move {
@@ -126,18 +128,39 @@ impl std::io::Write for Captured {
     }
 }
 
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
+/// Every line this file's tests log, at TRACE, with a line per span as it
+/// closes. Every test calls it before its first request.
+///
+/// The subscriber is the process's global one: the protocol runs in tasks
+/// on any thread. A scoped one (`set_default`) is not enough even on a
+/// current-thread runtime: while it is the only subscriber in the process,
+/// a callsite that another test's thread reaches first caches "never"
+/// for every thread (tracing issue 3611), and its events are lost.
+fn logs() -> &'static Captured {
+    static LOGS: OnceLock<Captured> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).unwrap();
+        captured
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_never_carry_a_raw_key_or_body() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    // The protocol runs in tasks of its own, on any thread: the subscriber
-    // is the global one (the other tests of this file log no secrets).
-    tracing::subscriber::set_global_default(subscriber).unwrap();
+    let captured = logs();
     async {
         let (store, _dir) = idem_testkit::sqlite_store().await;
         let addr = serve(router(Arc::new(store))).await;
@@ -159,21 +182,65 @@ async fn logs_never_carry_a_raw_key_or_body() {
         drop(closed);
         let down = idem::PgStore::connect(&format!("postgres://postgres@127.0.0.1:{port}/test"))
             .unwrap()
-            .with_timeout(std::time::Duration::from_millis(200));
+            .with_timeout(Duration::from_millis(200));
         let addr = serve(router(Arc::new(down))).await;
         let r = req("/things", body).key(key).send(addr).await;
         assert_eq!(r.status, 503);
     }
     .await;
-    let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let logs = captured.text();
     assert!(logs.contains("panicked"), "the capture works: {logs}");
     assert!(!logs.contains("SECRET-KEY"), "a raw key in the logs:\n{logs}");
     assert!(!logs.contains("SECRET-BODY"), "a body in the logs:\n{logs}");
 }
 
+/// One span per protected request: scope, outcome and a short hash of the
+/// key; never the raw key, which clients sometimes fill with personal data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_span_names_scope_outcome_and_a_key_hash_but_never_the_key() {
+    let captured = logs();
+    let addr = serve(router(Arc::new(idem::MemoryStore::new()))).await;
+    let key = "jane.doe@example.com";
+    let send = |note: &'static str| async move { req("/things", note).key(key).send(addr).await };
+    assert_eq!(send(r#"{"note":"a"}"#).await.status, 201);
+    let replay = send(r#"{"note":"a"}"#).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(send(r#"{"note":"b"}"#).await.status, 422);
+    let hash = idem::key::IdempotencyKey::parse(key.as_bytes())
+        .unwrap()
+        .log_hash();
+    let span_of = |log: &str, outcome: &str| {
+        log.lines().any(|l| {
+            l.contains("idem{")
+                && l.contains("scope=\"secure.create\"")
+                && l.contains(&format!("key={hash}"))
+                && l.contains(&format!("outcome=\"{outcome}\""))
+        })
+    };
+    // A span's line is written when the server drops the request's future,
+    // which may come just after the client has read the answer.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut log = captured.text();
+    while !["executed", "replayed", "mismatch"]
+        .iter()
+        .all(|o| span_of(&log, o))
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        log = captured.text();
+    }
+    assert!(!log.contains("jane.doe"), "{log}");
+    for outcome in ["executed", "replayed", "mismatch"] {
+        assert!(span_of(&log, outcome), "{outcome}: {log}");
+    }
+}
+
 idem_testkit::for_each_store! {
     stores: [memory, sqlite, postgres],
-    setup: |kind| kind.fixture().await,
+    setup: |kind| ({
+        logs();
+        kind.fixture().await
+    }),
     worker_threads: 2,
     cases: [keys_and_tenants_that_look_like_sql_are_data, tenants_no_store_can_key_are_refused_alike],
 }
@@ -229,8 +296,8 @@ async fn keys_and_tenants_that_look_like_sql_are_data(f: idem_testkit::Fixture) 
         id: &id,
         fingerprint: "another",
         token: idem_testkit::token(),
-        ttl: std::time::Duration::from_secs(60),
-        lock_timeout: std::time::Duration::from_secs(5),
+        ttl: Duration::from_secs(60),
+        lock_timeout: Duration::from_secs(5),
     };
     assert_eq!(
         f.store.reserve(req).await.unwrap(),
