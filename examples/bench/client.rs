@@ -3,6 +3,8 @@
 //! their `Content-Length`. Nothing else: its cost is the same for every
 //! variant, and small.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
@@ -125,13 +127,15 @@ impl Sample {
 }
 
 /// Runs `clients` connections, each sending `request(client, i)` back to
-/// back, until `limit` time has passed or `max` requests were sent in all.
+/// back, until `limit` time has passed or `max` requests were sent in all;
+/// with `spin`, the client's thread never sleeps.
 /// Every answer must satisfy `check`.
 pub(crate) async fn load<R, C>(
     addr: std::net::SocketAddr,
     clients: usize,
     limit: Duration,
     max: usize,
+    spin: bool,
     request: R,
     check: C,
 ) -> Sample
@@ -146,6 +150,18 @@ where
     }
     let start = Instant::now();
     let deadline = start + limit;
+    // `spin`: a task that only yields keeps the client's runtime polling
+    // its sockets, never asleep in `epoll_wait`, so that the server's
+    // writes never pay for waking it (on loopback the sender's CPU does).
+    let spinning = Arc::new(AtomicBool::new(true));
+    let spinner = spin.then(|| {
+        let spinning = spinning.clone();
+        tokio::spawn(async move {
+            while spinning.load(Ordering::Relaxed) {
+                tokio::task::yield_now().await;
+            }
+        })
+    });
     let tasks: Vec<_> = conns
         .into_iter()
         .enumerate()
@@ -176,6 +192,10 @@ where
         latencies_us.extend(t.await.expect("a client task"));
     }
     let elapsed = start.elapsed();
+    spinning.store(false, Ordering::Relaxed);
+    if let Some(spinner) = spinner {
+        let _ = spinner.await;
+    }
     latencies_us.sort_unstable();
     Sample {
         latencies_us,

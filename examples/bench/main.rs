@@ -20,7 +20,11 @@
 //! (records put in the PostgreSQL tables first), `--pool N` (PostgreSQL
 //! connections, shared by idem and the hand-written flow; default 16),
 //! `--server-threads N` (default 1), `--no-pin` (by default the server runs
-//! on CPU 0 and the client on CPU 1, when the machine has two).
+//! on CPU 0 and the client on CPU 1, when the machine has two),
+//! `--spin-client` (the client's thread polls its sockets and never sleeps:
+//! on loopback a server's write pays for waking a sleeping client, a cost
+//! that grows as the server gets slower and that a server whose clients
+//! are on other machines never pays).
 //! `--pgbench` runs idem's statements and the hand-written flow's on the
 //! database alone instead (`pgbench`, `--seconds` per cell, `--repeat`
 //! rounds). `--cpu N` measures the CPU of one request in process, without
@@ -80,6 +84,8 @@ struct Args {
     pool: u32,
     server_threads: usize,
     pin: bool,
+    /// Whether the client's thread polls its sockets without ever sleeping.
+    spin: bool,
     growth: Option<usize>,
     cpu: Option<usize>,
     inflight: usize,
@@ -100,6 +106,7 @@ fn args() -> Args {
         pool: 16,
         server_threads: 1,
         pin: true,
+        spin: false,
         growth: std::env::var("IDEM_BENCH_GROWTH")
             .ok()
             .and_then(|v| v.parse().ok()),
@@ -128,6 +135,7 @@ fn args() -> Args {
             "--pool" => a.pool = value().parse().expect("--pool: a count"),
             "--server-threads" => a.server_threads = value().parse().expect("--server-threads: a count"),
             "--no-pin" => a.pin = false,
+            "--spin-client" => a.spin = true,
             "--growth" => a.growth = Some(value().parse().expect("--growth: a count")),
             "--cpu" => a.cpu = Some(value().parse().expect("--cpu: a count")),
             "--inflight" => a.inflight = value().parse().expect("--inflight: a count"),
@@ -137,7 +145,7 @@ fn args() -> Args {
                 println!(
                     "bench [--seconds S] [--max N] [--repeat R] [--clients 1,16,64] \
                      [--only bare,hand,postgres,sqlite,memory] [--csv FILE] [--prefill N] [--pool N] \
-                     [--server-threads N] [--no-pin] [--growth N] [--cpu N [--inflight K]] [--pgbench] [--pgexec]\n\
+                     [--server-threads N] [--no-pin] [--spin-client] [--growth N] [--cpu N [--inflight K]] [--pgbench] [--pgexec]\n\
                      (DATABASE_URL for the PostgreSQL cells; see BENCHMARKS.md)"
                 );
                 std::process::exit(0);
@@ -417,7 +425,7 @@ async fn cell(
         Path::Replay => answer.status == 201 && answer.replayed,
         Path::Conflict => answer.status == 409,
     };
-    client::load(addr, clients, limit, a.max, request, check).await
+    client::load(addr, clients, limit, a.max, a.spin, request, check).await
 }
 
 /// Each cell's rounds, by clients and variant.
@@ -532,12 +540,13 @@ fn main() {
         );
     }
     println!(
-        "# {} s per cell (at most {} requests), {} round(s), server: {} worker thread(s){}, PostgreSQL pool {}",
+        "# {} s per cell (at most {} requests), {} round(s), server: {} worker thread(s){}{}, PostgreSQL pool {}",
         a.seconds,
         a.max,
         a.repeat,
         a.server_threads,
         if pin { " on CPU 0, client on CPU 1" } else { "" },
+        if a.spin { ", the client spinning" } else { "" },
         a.pool
     );
     let held = client_rt.block_on(prepare(s.addr, &run, &variants, &s.gate));
