@@ -217,8 +217,9 @@ async fn the_span_names_scope_outcome_and_a_key_hash_but_never_the_key() {
                 && l.contains(&format!("outcome=\"{outcome}\""))
         })
     };
-    // A span's line is written when the server drops the request's future,
-    // which may come just after the client has read the answer.
+    // A span's line is written once every handle on it is dropped (the
+    // execution's task holds one), which need not come before the client
+    // has read the answer.
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut log = captured.text();
     while !["executed", "replayed", "mismatch"]
