@@ -45,6 +45,19 @@ impl MemoryRecord {
         self.gone(now) && !self.lock_live(now)
     }
 
+    /// The first instant at which it is [`purgeable`](Self::purgeable), as
+    /// long as it is not changed: purgeable exactly from then on (a
+    /// completed record at its expiry; one in progress once both its
+    /// expiry and a whole TTL past its lock deadline have come, which is
+    /// also past the deadline itself).
+    fn purgeable_from(&self) -> Instant {
+        if self.response.is_some() {
+            self.expires_at
+        } else {
+            self.expires_at.max(self.lock_deadline + self.ttl)
+        }
+    }
+
     /// Its row of the state table.
     fn state(&self, now: Instant) -> RecordState {
         if self.gone(now) && !self.lock_live(now) {
@@ -69,16 +82,16 @@ impl MemoryRecord {
 ///
 /// Records are spread over 256 shards, each behind its own lock: a request
 /// locks one shard for one step, and a shard that grows moves only its own
-/// records (a 256th), without hashing them again, and only a hash and a
-/// pointer for each (16 bytes), so a growing store never stalls the others
+/// records (a 256th), without hashing them again, and only a hash, a time
+/// and a pointer for each (32 bytes), so a growing store never stalls the others
 /// (the slowest reservation while it grows past a million records: 3 to 9
 /// ms on a quiet machine, against 270 to 360 ms for one locked map, where
 /// a machine whose own stalls reach 4 to 8 ms gives 3 to 36 ms against 700
 /// to 1,300; `cargo run --release --example bench -- --growth 1200000`,
 /// which times that floor too). Memory is
-/// bounded by the records within their retention, about 500 bytes each
-/// plus the stored body (1.2 million records with 200-byte bodies: 830 MB
-/// resident): a shard that is full first drops its expired records (by
+/// bounded by the records within their retention, about 550 bytes each
+/// plus the stored body (1.2 million records with 200-byte bodies: 890 MB
+/// resident, as `--growth` prints): a shard that is full first drops its expired records (by
 /// the rule of [`purge_expired`](crate::purge_expired), which a
 /// [`Janitor`](crate::Janitor) runs) before it grows, so without a janitor
 /// it holds at most about four times the most records it has held within
@@ -101,14 +114,18 @@ pub struct MemoryStore {
 /// its records without hashing them again.
 type Shard = hashbrown::HashTable<Slot>;
 
-/// A record's place in its shard's table: its hash, and the record boxed,
-/// so that a table that grows moves 16 bytes per record rather than the
-/// record (about 280 bytes), and a table stays small enough to be taken
-/// from the heap rather than mapped afresh, page by page, each time it
-/// doubles.
+/// A record's place in its shard's table: its hash, when it becomes
+/// purgeable, and the record boxed, so that a table that grows moves 32
+/// bytes per record rather than the record (about 280 bytes), a table
+/// stays small enough to be taken from the heap rather than mapped afresh,
+/// page by page, each time it doubles, and a sweep reads the table alone,
+/// never a record that is not yet due.
 #[derive(Debug)]
 struct Slot {
     hash: u64,
+    /// The record's [`MemoryRecord::purgeable_from`], kept with every
+    /// change to it ([`Place::put`], [`Place::update`]).
+    purgeable_from: Instant,
     entry: Box<Entry>,
 }
 
@@ -123,6 +140,12 @@ impl Slot {
     /// first, so that another id's strings are never read.
     fn is(&self, hash: u64, id: &RecordId) -> bool {
         self.hash == hash && self.entry.id == *id
+    }
+
+    /// Whether its record is purgeable at `now`: read from the record
+    /// only once it is due.
+    fn purgeable(&self, now: Instant) -> bool {
+        self.purgeable_from <= now && self.entry.record.purgeable(now)
     }
 }
 
@@ -140,31 +163,37 @@ impl Place<'_> {
         self.shard.find(hash, |s| s.is(hash, id)).map(|s| &s.entry.record)
     }
 
-    fn get_mut(&mut self) -> Option<&mut MemoryRecord> {
+    /// Runs `change` on the record here, if any, and keeps its slot's
+    /// `purgeable_from` with it.
+    fn update<T>(&mut self, change: impl FnOnce(&mut MemoryRecord) -> T) -> Option<T> {
         let (hash, id) = (self.hash, self.id);
-        self.shard
-            .find_mut(hash, |s| s.is(hash, id))
-            .map(|s| &mut s.entry.record)
+        let slot = self.shard.find_mut(hash, |s| s.is(hash, id))?;
+        let changed = change(&mut slot.entry.record);
+        slot.purgeable_from = slot.entry.record.purgeable_from();
+        Some(changed)
     }
 
     /// Puts `record` here, in place of the one here if any.
     fn put(&mut self, record: MemoryRecord) {
-        match self.get_mut() {
-            Some(r) => *r = record,
-            None => {
-                if self.shard.len() == self.shard.capacity() {
-                    make_room(&mut self.shard, Instant::now());
-                }
-                let slot = Slot {
-                    hash: self.hash,
-                    entry: Box::new(Entry {
-                        id: self.id.clone(),
-                        record,
-                    }),
-                };
-                self.shard.insert_unique(self.hash, slot, |s| s.hash);
-            }
+        let (hash, id) = (self.hash, self.id);
+        let purgeable_from = record.purgeable_from();
+        if let Some(slot) = self.shard.find_mut(hash, |s| s.is(hash, id)) {
+            slot.entry.record = record;
+            slot.purgeable_from = purgeable_from;
+            return;
         }
+        if self.shard.len() == self.shard.capacity() {
+            make_room(&mut self.shard, Instant::now());
+        }
+        let slot = Slot {
+            hash,
+            purgeable_from,
+            entry: Box::new(Entry {
+                id: id.clone(),
+                record,
+            }),
+        };
+        self.shard.insert_unique(hash, slot, |s| s.hash);
     }
 
     fn remove(&mut self) {
@@ -184,7 +213,7 @@ impl Place<'_> {
 /// never on every addition (one record gone per addition would otherwise
 /// sweep the whole shard each time).
 fn make_room(shard: &mut Shard, now: Instant) {
-    shard.retain(|slot| !slot.entry.record.purgeable(now));
+    shard.retain(|slot| !slot.purgeable(now));
     if shard.len() > shard.capacity() / 2 {
         shard.reserve(shard.len(), |s| s.hash);
     }
@@ -323,12 +352,12 @@ impl IdempotencyStore for MemoryStore {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             self.fenced(id, token, |place, now| {
-                if let Some(r) = place.get_mut() {
+                place.update(|r| {
                     r.response = Some(response.clone());
                     r.token = None;
                     // The answer is kept a whole TTL from its completion.
                     r.expires_at = now + r.ttl;
-                }
+                });
             })?;
             pause_point!(crate::pause::COMPLETE_AFTER, &id.key);
             Ok(())
@@ -338,10 +367,10 @@ impl IdempotencyStore for MemoryStore {
     fn release<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             self.fenced(id, token, |place, now| {
-                if let Some(r) = place.get_mut() {
+                place.update(|r| {
                     r.token = None;
                     r.lock_deadline = now;
-                }
+                });
             })?;
             pause_point!(crate::pause::RELEASE_AFTER, &id.key);
             Ok(())
@@ -353,9 +382,11 @@ impl IdempotencyStore for MemoryStore {
             self.fenced(id, token, |place, now| {
                 if place.get().is_some_and(MemoryRecord::untouched) {
                     place.remove();
-                } else if let Some(r) = place.get_mut() {
-                    r.token = None;
-                    r.lock_deadline = now;
+                } else {
+                    place.update(|r| {
+                        r.token = None;
+                        r.lock_deadline = now;
+                    });
                 }
             })?;
             pause_point!(crate::pause::REJECT_AFTER, &id.key);
@@ -373,11 +404,13 @@ impl IdempotencyStore for MemoryStore {
             self.fenced(id, token, |place, now| {
                 if place.get().is_some_and(MemoryRecord::untouched) {
                     place.remove();
-                } else if let Some(r) = place.get_mut() {
-                    if !taken_over {
-                        r.token = None;
-                    }
-                    r.lock_deadline = now;
+                } else {
+                    place.update(|r| {
+                        if !taken_over {
+                            r.token = None;
+                        }
+                        r.lock_deadline = now;
+                    });
                 }
             })
         })
@@ -391,9 +424,7 @@ impl IdempotencyStore for MemoryStore {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             self.fenced(id, token, |place, _| {
-                if let Some(r) = place.get_mut() {
-                    r.recovery_point = Some(recovery_point.to_owned());
-                }
+                place.update(|r| r.recovery_point = Some(recovery_point.to_owned()));
             })?;
             pause_point!(crate::pause::CHECKPOINT_AFTER, &id.key);
             Ok(())
@@ -408,9 +439,7 @@ impl IdempotencyStore for MemoryStore {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             self.fenced(id, token, |place, now| {
-                if let Some(r) = place.get_mut() {
-                    r.lock_deadline = now + lock_timeout;
-                }
+                place.update(|r| r.lock_deadline = now + lock_timeout);
             })?;
             pause_point!(crate::pause::EXTEND_AFTER, &id.key);
             Ok(())
@@ -428,7 +457,7 @@ impl IdempotencyStore for MemoryStore {
                 }
                 let now = Instant::now();
                 lock(shard).retain(|slot| {
-                    let doomed = removed < u64::from(batch) && slot.entry.record.purgeable(now);
+                    let doomed = removed < u64::from(batch) && slot.purgeable(now);
                     removed += u64::from(doomed);
                     !doomed
                 });
@@ -473,11 +502,72 @@ mod tests {
         place.get().map(|r| r.fingerprint.clone())
     }
 
-    /// A table holds a hash and a pointer per record: growing it moves 16
-    /// bytes per record, never the records themselves.
+    /// A table holds a hash, a time and a pointer per record: growing it
+    /// moves 32 bytes per record, never the records themselves.
     #[test]
-    fn a_slot_is_a_hash_and_a_pointer() {
-        assert_eq!(std::mem::size_of::<Slot>(), 16);
+    fn a_slot_is_a_hash_a_time_and_a_pointer() {
+        assert_eq!(std::mem::size_of::<Slot>(), 32);
+    }
+
+    /// A slot's `purgeable_from` is exactly when its record becomes
+    /// purgeable: on every combination of state and times, before, at and
+    /// after each of them.
+    #[test]
+    fn purgeable_from_is_exactly_when_the_rule_starts_to_hold() {
+        let base = Instant::now();
+        let at = |ms: u64| base + Duration::from_millis(ms);
+        let mut checked = 0;
+        for completed in [false, true] {
+            for expires in [0, 10, 50, 100] {
+                for lock in [0, 10, 50, 100] {
+                    for ttl in [0, 10, 60] {
+                        let r = MemoryRecord {
+                            expires_at: at(expires),
+                            lock_deadline: at(lock),
+                            ttl: Duration::from_millis(ttl),
+                            response: completed.then(|| StoredResponse {
+                                status: 201,
+                                headers: vec![],
+                                body: None,
+                            }),
+                            ..record("fp")
+                        };
+                        for now in 0..=200 {
+                            assert_eq!(
+                                r.purgeable(at(now)),
+                                r.purgeable_from() <= at(now),
+                                "completed {completed}, expires {expires}, lock {lock}, ttl {ttl}, now {now}"
+                            );
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 2 * 4 * 4 * 3 * 201);
+    }
+
+    /// Every change to a record moves its slot's `purgeable_from` with it:
+    /// a lock released long before it would have run out is purged once
+    /// its TTL has passed from the release, not from the lock's deadline.
+    #[tokio::test]
+    async fn a_change_to_a_record_moves_when_it_is_purged() {
+        let store = MemoryStore::new();
+        let id = RecordId::new("t", "s", "released");
+        let request = ReserveRequest {
+            id: &id,
+            fingerprint: "fp",
+            token: "token",
+            ttl: Duration::from_millis(1),
+            lock_timeout: Duration::from_secs(3600),
+        };
+        assert!(matches!(store.reserve_now(request), Reservation::Reserved(_)));
+        assert_eq!(store.purge_expired(100).await.unwrap(), 0, "locked for an hour");
+        store.release(&id, "token").await.unwrap();
+        // Past its retention from the release (a deadline, not an ordering).
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(store.purge_expired(100).await.unwrap(), 1);
+        assert_eq!(store.len(), 0);
     }
 
     /// Two ids whose hashes are equal are two records: a slot is found by
@@ -576,14 +666,15 @@ mod tests {
             };
             assert!(matches!(store.reserve_now(request), Reservation::Reserved(_)));
             let mut place = store.place(&id);
-            let r = place.get_mut().unwrap();
-            r.response = Some(StoredResponse {
-                status: 201,
-                headers: vec![],
-                body: None,
+            place.update(|r| {
+                r.response = Some(StoredResponse {
+                    status: 201,
+                    headers: vec![],
+                    body: None,
+                });
+                r.token = None;
+                r.expires_at = Instant::now() + ttl;
             });
-            r.token = None;
-            r.expires_at = Instant::now() + ttl;
         };
         for i in 0..20_000 {
             reserve_complete(format!("old{i}"), Duration::from_millis(1));
