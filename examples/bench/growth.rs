@@ -138,9 +138,9 @@ pub(crate) async fn memory_growth(records: usize) {
         );
     }
     println!(
-        "MemoryStore resident with its {records} records: {:.0} MB, {:.0} bytes a record \
+        "MemoryStore resident with its {records} records: {:.0} MiB, {:.0} bytes a record \
          (its 200-byte body and 16 bytes of timing included)",
-        held_kb as f64 / 1000.0,
+        held_kb as f64 / 1024.0,
         held_kb as f64 * 1024.0 / records as f64
     );
 }

@@ -52,9 +52,14 @@ impl MemoryRecord {
     /// also past the deadline itself).
     fn purgeable_from(&self) -> Instant {
         if self.response.is_some() {
-            self.expires_at
-        } else {
-            self.expires_at.max(self.lock_deadline + self.ttl)
+            return self.expires_at;
+        }
+        match self.lock_deadline.checked_add(self.ttl) {
+            Some(lock_and_ttl) => self.expires_at.max(lock_and_ttl),
+            // Past any instant this clock can tell (a TTL no layer
+            // accepts): never purgeable, which `Slot::purgeable`, checking
+            // the rule itself once this is due, holds to.
+            None => self.expires_at.max(self.lock_deadline),
         }
     }
 
@@ -90,7 +95,7 @@ impl MemoryRecord {
 /// to 1,300; `cargo run --release --example bench -- --growth 1200000`,
 /// which times that floor too). Memory is
 /// bounded by the records within their retention, about 550 bytes each
-/// plus the stored body (1.2 million records with 200-byte bodies: 890 MB
+/// plus the stored body (1.2 million records with 200-byte bodies: 870 MiB
 /// resident, as `--growth` prints): a shard that is full first drops its expired records (by
 /// the rule of [`purge_expired`](crate::purge_expired), which a
 /// [`Janitor`](crate::Janitor) runs) before it grows, so without a janitor
@@ -545,6 +550,34 @@ mod tests {
             }
         }
         assert_eq!(checked, 2 * 4 * 4 * 3 * 201);
+    }
+
+    /// A TTL and a lock timeout each within the clock's range, whose sum is
+    /// not (no layer accepts them: the store is public), reserve and are
+    /// never purged.
+    #[tokio::test]
+    async fn a_ttl_past_the_clocks_range_reserves_and_is_kept() {
+        let store = MemoryStore::new();
+        let id = RecordId::new("t", "s", "far");
+        let far = (1..=62)
+            .rev()
+            .map(|bits| Duration::from_secs(1u64 << bits))
+            .find(|d| {
+                let now = Instant::now();
+                now.checked_add(*d).is_some() && now.checked_add(*d + *d).is_none()
+            })
+            .expect("a duration that fits once and not twice");
+        let request = ReserveRequest {
+            id: &id,
+            fingerprint: "fp",
+            token: "token",
+            ttl: far,
+            lock_timeout: far,
+        };
+        assert!(matches!(store.reserve_now(request), Reservation::Reserved(_)));
+        store.release(&id, "token").await.unwrap();
+        assert_eq!(store.purge_expired(100).await.unwrap(), 0);
+        assert_eq!(store.len(), 1);
     }
 
     /// Every change to a record moves its slot's `purgeable_from` with it:
