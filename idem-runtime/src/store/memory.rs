@@ -88,15 +88,15 @@ impl MemoryRecord {
 /// Records are spread over 256 shards, each behind its own lock: a request
 /// locks one shard for one step, and a shard that grows moves only its own
 /// records (a 256th), without hashing them again, and only a hash, a time
-/// and a pointer for each (32 bytes), so a growing store never stalls the others
-/// (the slowest reservation while it grows past a million records: 3 to 9
-/// ms on a quiet machine, against 270 to 360 ms for one locked map, where
-/// a machine whose own stalls reach 4 to 8 ms gives 3 to 36 ms against 700
-/// to 1,300; `cargo run --release --example bench -- --growth 1200000`,
-/// which times that floor too). Memory is
-/// bounded by the records within their retention, about 550 bytes each
-/// plus the stored body (1.2 million records with 200-byte bodies: 870 MiB
-/// resident, as `--growth` prints): a shard that is full first drops its expired records (by
+/// and a pointer for each (32 bytes), so a growing store never stalls the
+/// others (the slowest reservation while it grows past a million records:
+/// 3 to 9 ms on a quiet machine, against 270 to 360 ms for one locked map,
+/// where a machine whose own stalls reach 4 to 8 ms gives 3 to 36 ms
+/// against 700 to 1,300; `cargo run --release --example bench -- --growth
+/// 1200000`, which times that floor too). Memory is bounded by the records
+/// within their retention, about 550 bytes each plus the stored body (1.2
+/// million records with 200-byte bodies: 870 MiB resident, as `--growth`
+/// prints): a shard that is full first drops its expired records (by
 /// the rule of [`purge_expired`](crate::purge_expired), which a
 /// [`Janitor`](crate::Janitor) runs) before it grows, so without a janitor
 /// it holds at most about four times the most records it has held within
@@ -170,12 +170,12 @@ impl Place<'_> {
 
     /// Runs `change` on the record here, if any, and keeps its slot's
     /// `purgeable_from` with it.
-    fn update<T>(&mut self, change: impl FnOnce(&mut MemoryRecord) -> T) -> Option<T> {
+    fn update(&mut self, change: impl FnOnce(&mut MemoryRecord)) {
         let (hash, id) = (self.hash, self.id);
-        let slot = self.shard.find_mut(hash, |s| s.is(hash, id))?;
-        let changed = change(&mut slot.entry.record);
-        slot.purgeable_from = slot.entry.record.purgeable_from();
-        Some(changed)
+        if let Some(slot) = self.shard.find_mut(hash, |s| s.is(hash, id)) {
+            change(&mut slot.entry.record);
+            slot.purgeable_from = slot.entry.record.purgeable_from();
+        }
     }
 
     /// Puts `record` here, in place of the one here if any.
