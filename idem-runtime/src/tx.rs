@@ -8,7 +8,13 @@ use crate::store::{RecordId, StoreError, StoredResponse};
 use crate::IdempotencyStore;
 
 /// A handler's open transaction, held until the runtime knows the outcome.
-pub(crate) enum PendingTx {
+/// Boxed: an execution's future holds it (or room for it) at each step
+/// that may be handed it, and that future is allocated on every first
+/// request, which seldom has a transaction; a pointer keeps it small.
+pub(crate) struct PendingTx(Box<Open>);
+
+/// What [`PendingTx`] holds.
+enum Open {
     /// With the store it was opened on, which also completes the record.
     #[cfg(feature = "postgres")]
     Pg(sqlx::Transaction<'static, sqlx::Postgres>, crate::PgStore),
@@ -28,12 +34,12 @@ impl PendingTx {
         let pg = any
             .downcast_ref::<crate::PgStore>()
             .ok_or_else(|| StoreError::backend("pg_transaction needs the layer's store to be a PgStore"))?;
-        Ok(PendingTx::Pg(pg.begin_tx().await?, pg.clone()))
+        Ok(PendingTx(Box::new(Open::Pg(pg.begin_tx().await?, pg.clone()))))
     }
 
     pub(crate) fn pg(&mut self) -> Option<&mut sqlx::PgConnection> {
-        match self {
-            PendingTx::Pg(tx, _) => Some(&mut **tx),
+        match &mut *self.0 {
+            Open::Pg(tx, _) => Some(&mut **tx),
             #[allow(unreachable_patterns)]
             _ => None,
         }
@@ -47,12 +53,15 @@ impl PendingTx {
         let lite = any.downcast_ref::<crate::SqliteStore>().ok_or_else(|| {
             StoreError::backend("sqlite_transaction needs the layer's store to be a SqliteStore")
         })?;
-        Ok(PendingTx::Sqlite(lite.begin_tx().await?, lite.clone()))
+        Ok(PendingTx(Box::new(Open::Sqlite(
+            lite.begin_tx().await?,
+            lite.clone(),
+        ))))
     }
 
     pub(crate) fn sqlite(&mut self) -> Option<&mut sqlx::SqliteConnection> {
-        match self {
-            PendingTx::Sqlite(tx, _) => Some(&mut **tx),
+        match &mut *self.0 {
+            Open::Sqlite(tx, _) => Some(&mut **tx),
             #[allow(unreachable_patterns)]
             _ => None,
         }
@@ -159,9 +168,9 @@ impl PendingTx {
     ) -> Result<(), TxFailure> {
         #[cfg(not(any(feature = "postgres", feature = "sqlite")))]
         let _ = (id, token, response);
-        match self {
+        match *self.0 {
             #[cfg(feature = "postgres")]
-            PendingTx::Pg(mut tx, pg) => {
+            Open::Pg(mut tx, pg) => {
                 // Each step is bounded: past the timeout the completion did not
                 // happen (the transaction rolls back when dropped), while a
                 // commit that does not answer may have happened.
@@ -177,7 +186,7 @@ impl PendingTx {
             // Committed, and its connection given back, on a runtime that
             // stays driven (see `OnWriters`).
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(tx, lite) => {
+            Open::Sqlite(tx, lite) => {
                 crate::sql::sqlite::OnWriters::new(complete_sqlite(tx, lite, id, token, response)).await
             }
         }
@@ -189,9 +198,9 @@ impl PendingTx {
     /// itself, and what the handler wrote after that committed on its own
     /// (see [`sqlite_transaction_lost`]), or whether it had cannot be told.
     pub(crate) async fn rollback(self) -> bool {
-        match self {
+        match *self.0 {
             #[cfg(feature = "postgres")]
-            PendingTx::Pg(tx, pg) => {
+            Open::Pg(tx, pg) => {
                 log_rollback(
                     bounded(pg.timeout(), async {
                         tx.rollback().await.map_err(crate::sql::map_err)
@@ -203,9 +212,7 @@ impl PendingTx {
             // Rolled back, and its connection given back, on a runtime that
             // stays driven (see `OnWriters`).
             #[cfg(feature = "sqlite")]
-            PendingTx::Sqlite(tx, lite) => {
-                crate::sql::sqlite::OnWriters::new(rollback_sqlite(tx, lite)).await
-            }
+            Open::Sqlite(tx, lite) => crate::sql::sqlite::OnWriters::new(rollback_sqlite(tx, lite)).await,
         }
     }
 }
@@ -282,4 +289,19 @@ async fn complete_sqlite(
         unwind_later(tx);
     }
     committed.map_err(TxFailure::Unknown)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PendingTx;
+
+    /// An execution's future keeps room for a transaction at every step
+    /// that may be handed one: a pointer's worth, not a connection's.
+    #[test]
+    fn a_pending_transaction_takes_a_pointer() {
+        assert_eq!(
+            std::mem::size_of::<Option<PendingTx>>(),
+            std::mem::size_of::<usize>()
+        );
+    }
 }
