@@ -9,7 +9,14 @@
 #   bash scripts/count-instructions.sh        # --inflight 16
 #   bash scripts/count-instructions.sh 1      # one request at a time
 #
-# Setup and the 100 completed keys are included. Needs valgrind. SHA-256 runs in software under valgrind (no SHA
+# Setup and the 100 completed keys are included. Needs valgrind.
+#
+# With DATABASE_URL set it also counts the server's instructions per
+# PostgreSQL request, idem's and the hand-written flow's, one connection,
+# one request at a time: each cell runs twice (5 rounds of 300, then of
+# 600 requests) and the difference is divided by the 1,500 requests it
+# adds, so that the setup (the schema, the completed keys) cancels out.
+# The database's own work is not counted; the driver's is. SHA-256 runs in software under valgrind (no SHA
 # instructions), about 13,900 instructions of each keyed request that the
 # CPU's own SHA instructions do in a fraction of that outside it.
 set -euo pipefail
@@ -40,3 +47,23 @@ for cell in "bare" "idem memory first" "idem memory replay" "idem memory 409"; d
         }
         END { printf "%-22s %14d %14d %9.0f%% %12.1f\n", cell, total / req, alloc / req, 100 * alloc / total, blocks / req }'
 done
+
+if [ -n "${DATABASE_URL:-}" ]; then
+    echo
+    printf '%-22s %14s %14s\n' cell "instr/request" "SHA-256"
+    for cell in "hand-written replay" "idem postgres replay" "hand-written first" "idem postgres first"; do
+        counts=()
+        for n in 300 600; do
+            file="$out/callgrind.$(echo "$cell" | tr ' ' '-').$n.out"
+            valgrind --tool=callgrind --callgrind-out-file="$file" \
+                target/release/examples/bench --cpu "$n" --only "$cell" >/dev/null 2>&1
+            counts+=("$(callgrind_annotate --threshold=100 "$file" | awk '
+                /PROGRAM TOTALS/ { gsub(",", "", $1); total = $1 }
+                /sha2::sha256::compress256/ { n = $1; gsub(",", "", n); sha += n }
+                END { printf "%d %d", total, sha }')")
+        done
+        read -r t1 s1 <<<"${counts[0]}"
+        read -r t2 s2 <<<"${counts[1]}"
+        printf '%-22s %14d %14d\n' "$cell" $(((t2 - t1) / 1500)) $(((s2 - s1) / 1500))
+    done
+fi
