@@ -9,16 +9,17 @@
 #   bash scripts/count-instructions.sh        # --inflight 16
 #   bash scripts/count-instructions.sh 1      # one request at a time
 #
-# Setup and the 100 completed keys are included. Needs valgrind.
+# Setup and the 100 completed keys are included. Needs valgrind. SHA-256
+# runs in software under valgrind (no SHA instructions), about 13,900
+# instructions of each keyed request that the CPU's own SHA instructions
+# do in a fraction of that outside it.
 #
 # With DATABASE_URL set it also counts the server's instructions per
 # PostgreSQL request, idem's and the hand-written flow's, one connection,
 # one request at a time: each cell runs twice (5 rounds of 300, then of
 # 600 requests) and the difference is divided by the 1,500 requests it
 # adds, so that the setup (the schema, the completed keys) cancels out.
-# The database's own work is not counted; the driver's is. SHA-256 runs in software under valgrind (no SHA
-# instructions), about 13,900 instructions of each keyed request that the
-# CPU's own SHA instructions do in a fraction of that outside it.
+# The database's own work is not counted; the driver's is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 inflight="${1:-16}"
