@@ -1242,3 +1242,226 @@ async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
         answers("after the change").await;
     }
 }
+
+/// Takes the keys `keys` of scope "group" on `store`, and holds the row of
+/// the first on a connection of its own: its completion, written at once,
+/// waits on that row, and the completions after it queue. Returns the ids,
+/// their leases, the holding transaction, and the first completion's task,
+/// which is waiting on the row by then.
+async fn hold_the_first_completion(
+    store: &idem::PgStore,
+    url: &str,
+    keys: &[&str],
+) -> (
+    Vec<RecordId>,
+    Vec<Lease>,
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    tokio::task::JoinHandle<Result<(), StoreError>>,
+) {
+    let ids: Vec<RecordId> = keys.iter().map(|k| RecordId::new("t", "group", *k)).collect();
+    let mut leases = Vec::new();
+    for id in &ids {
+        leases.push(take(store, id, "fp", LONG, LONG).await);
+    }
+    let holder_pool = sqlx::PgPool::connect(url).await.unwrap();
+    let mut holder = holder_pool.begin().await.unwrap();
+    let table = store
+        .request_statements()
+        .complete
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .to_owned();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {table} WHERE tenant = 't' AND scope = 'group' AND key = $1 FOR UPDATE"
+    )))
+    .bind(&ids[0].key)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let first = tokio::spawn({
+        let (store, id, token) = (store.clone(), ids[0].clone(), leases[0].token.clone());
+        async move { store.complete(&id, &token, &response("first")).await }
+    });
+    // Until its statement waits on the row (a condition, not an ordering).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "the first completion never waited on the row"
+        );
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE 'UPDATE%' AND query LIKE '%' || $1 || '%'",
+        )
+        .bind(table.split('.').next().unwrap())
+        .fetch_one(&holder_pool)
+        .await
+        .unwrap();
+        if waiting == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    (ids, leases, holder, first)
+}
+
+/// Spawns the completion of `id` with `token`.
+fn complete_in_task(
+    store: &idem::PgStore,
+    id: &RecordId,
+    token: &str,
+) -> tokio::task::JoinHandle<Result<(), StoreError>> {
+    let (store, id, token) = (store.clone(), id.clone(), token.to_owned());
+    tokio::spawn(async move { store.complete(&id, &token, &response(&id.key)).await })
+}
+
+/// Until `n` completions wait in `store`'s queue.
+async fn until_waiting(store: &idem::PgStore, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.waiting_completions() != n {
+        assert!(Instant::now() < deadline, "{n} completions never waited");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Each record's state and the clock its completion was written at
+/// (`created_at`, which the completion sets to its statement's time).
+async fn written_at(store: &idem::PgStore, id: &RecordId) -> (String, String) {
+    let table = store
+        .request_statements()
+        .complete
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .to_owned();
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT state, created_at::text FROM {table} WHERE tenant = $1 AND scope = $2 AND key = $3"
+    )))
+    .bind(&id.tenant)
+    .bind(&id.scope)
+    .bind(&id.key)
+    .fetch_one(store.pool())
+    .await
+    .unwrap()
+}
+
+/// Completions that arrive while one is being written wait for it, and are
+/// then written together, by one statement (one statement time for all),
+/// each answered with its own outcome: a completion whose lock is lost is
+/// told so, and its record left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_completions_that_queue_are_written_as_one_group() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+    let (ids, leases, holder, first) =
+        hold_the_first_completion(&store, &url, &["held", "b", "c", "d"]).await;
+    let b = complete_in_task(&store, &ids[1], &leases[1].token);
+    until_waiting(&store, 1).await;
+    let c = complete_in_task(&store, &ids[2], "not-its-token");
+    until_waiting(&store, 2).await;
+    let d = complete_in_task(&store, &ids[3], &leases[3].token);
+    until_waiting(&store, 3).await;
+    holder.commit().await.unwrap();
+    assert_eq!(first.await.unwrap(), Ok(()));
+    assert_eq!(b.await.unwrap(), Ok(()));
+    assert_eq!(c.await.unwrap(), Err(StoreError::LockLost));
+    assert_eq!(d.await.unwrap(), Ok(()));
+    let (held, b, c, d) = (
+        written_at(&store, &ids[0]).await,
+        written_at(&store, &ids[1]).await,
+        written_at(&store, &ids[2]).await,
+        written_at(&store, &ids[3]).await,
+    );
+    assert_eq!(
+        (held.0.as_str(), b.0.as_str(), c.0.as_str(), d.0.as_str()),
+        ("completed", "completed", "in_progress", "completed")
+    );
+    assert_eq!(b.1, d.1, "b and d written by one statement");
+    assert_ne!(held.1, b.1, "the first written alone, before them");
+    for (i, id) in ids.iter().enumerate().filter(|(i, _)| *i != 2) {
+        let replay = store.reserve(req(id, "fp", LONG, LONG)).await.unwrap();
+        let tag = if i == 0 { "first" } else { id.key.as_str() };
+        assert_eq!(replay, Reservation::Completed(response(tag)), "{}", id.key);
+    }
+    assert_eq!(store.waiting_completions(), 0);
+}
+
+/// A completion whose caller gave up while it waited for its group is not
+/// written; the rest of its group is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_completion_given_up_on_in_the_queue_is_not_written() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+    let (ids, leases, holder, first) =
+        hold_the_first_completion(&store, &url, &["held", "gone", "kept"]).await;
+    let gone = complete_in_task(&store, &ids[1], &leases[1].token);
+    until_waiting(&store, 1).await;
+    gone.abort();
+    assert!(gone.await.unwrap_err().is_cancelled());
+    let kept = complete_in_task(&store, &ids[2], &leases[2].token);
+    until_waiting(&store, 2).await;
+    holder.commit().await.unwrap();
+    assert_eq!(first.await.unwrap(), Ok(()));
+    assert_eq!(kept.await.unwrap(), Ok(()));
+    assert_eq!(written_at(&store, &ids[1]).await.0, "in_progress");
+    assert_eq!(written_at(&store, &ids[2]).await.0, "completed");
+    // Its lock is still the caller's: completed again, it is written.
+    store
+        .complete(&ids[1], &leases[1].token, &response("gone"))
+        .await
+        .unwrap();
+    assert_eq!(written_at(&store, &ids[1]).await.0, "completed");
+}
+
+/// A completion that the database refuses (here a trigger) fails its
+/// group's statement; every completion of the group is then written alone,
+/// so that it fails only itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_completion_refused_in_a_group_fails_only_itself() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION \"{schema}\".refuse() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'refused'; END $$; \
+         CREATE TRIGGER refuse BEFORE UPDATE ON \"{schema}\".idempotency_keys FOR EACH ROW \
+         WHEN (NEW.key = 'refused' AND NEW.state = 'completed') EXECUTE FUNCTION \"{schema}\".refuse()"
+    )))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let (ids, leases, holder, first) =
+        hold_the_first_completion(&store, &url, &["held", "b", "refused", "d"]).await;
+    let mut tasks = Vec::new();
+    for i in 1..4 {
+        tasks.push(complete_in_task(&store, &ids[i], &leases[i].token));
+        until_waiting(&store, i).await;
+    }
+    holder.commit().await.unwrap();
+    assert_eq!(first.await.unwrap(), Ok(()));
+    let answers: Vec<Result<(), StoreError>> = futures_util::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(answers[0], Ok(()));
+    assert!(
+        matches!(&answers[1], Err(e) if !e.is_unavailable() && e.to_string().contains("refused")),
+        "{:?}",
+        answers[1]
+    );
+    assert_eq!(answers[2], Ok(()));
+    let (b, refused, d) = (
+        written_at(&store, &ids[1]).await,
+        written_at(&store, &ids[2]).await,
+        written_at(&store, &ids[3]).await,
+    );
+    assert_eq!(
+        (b.0.as_str(), refused.0.as_str(), d.0.as_str()),
+        ("completed", "in_progress", "completed")
+    );
+    assert_ne!(b.1, d.1, "written alone, after the group failed");
+}

@@ -41,6 +41,12 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 /// more round trip for its reserve: its lookup predates that row, so it
 /// reads it again.
 ///
+/// Completions are written one at a time per store (its clones included):
+/// those that arrive while one is being written are written next, together,
+/// by one statement with one commit, each answered with its own outcome (see
+/// docs/PROTOCOL.md, "PostgreSQL's grouped completions"). Under concurrency a
+/// first request's completion so shares its round trip and its commit.
+///
 /// ```no_run
 /// use idem::PgStore;
 ///
@@ -60,6 +66,12 @@ pub struct PgStore {
     /// The record judged in SQL, and taken when it may be: for a record
     /// the lookup found but cannot answer from.
     reserve: std::sync::Arc<str>,
+    /// Completes every record of a group: `complete`'s binds as arrays.
+    complete_group: std::sync::Arc<str>,
+    /// The completions that wait for the one being written, shared by the
+    /// store's clones (those of [`with_timeout`](Self::with_timeout)
+    /// included; [`with_table`](Self::with_table) starts its own).
+    completions: std::sync::Arc<Completions>,
     timeout: Duration,
 }
 
@@ -281,11 +293,28 @@ impl PgStore {
             stored = sql.stored,
             function = sql.reserve_function,
         );
+        // The completion of a group of records, one per element of the
+        // arrays: `complete`, each record fenced by its own token, with the
+        // same clock for all. Says by position which it completed.
+        let complete_group = format!(
+            "UPDATE {t} AS r SET state = '{completed}', lock_token = NULL, response_status = c.status, \
+             response_headers = c.headers, response_body = c.body, created_at = statement_timestamp(), \
+             expires_at = statement_timestamp() + (date_part('epoch', r.expires_at - r.created_at) * interval '1 second') \
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[], $7::bytea[]) \
+             WITH ORDINALITY AS c (tenant, scope, key, token, status, headers, body, i) \
+             WHERE r.tenant = c.tenant AND r.scope = c.scope AND r.key = c.key \
+             AND r.state = '{in_progress}' AND r.lock_token = c.token RETURNING c.i",
+            t = sql.table,
+            completed = crate::store::RecordState::COMPLETED_COLUMN,
+            in_progress = crate::store::RecordState::IN_PROGRESS_COLUMN,
+        );
         Ok(PgStore {
             pool,
             sql: std::sync::Arc::new(sql),
             lookup: lookup.into(),
             reserve: reserve.into(),
+            complete_group: complete_group.into(),
+            completions: std::sync::Arc::default(),
             timeout: DEFAULT_OPERATION_TIMEOUT,
         })
     }
@@ -380,6 +409,149 @@ impl PgStore {
 impl PgStore {
     sql::complete_with!(sqlx::Postgres);
 
+    /// [`IdempotencyStore::complete`]: written at once when no other
+    /// completion of this store is being written; otherwise it waits for
+    /// the next group (see [`Completions`]).
+    async fn complete_grouped(
+        &self,
+        id: &crate::store::RecordId,
+        token: &str,
+        response: &crate::store::StoredResponse,
+    ) -> Result<(), StoreError> {
+        let waiting = {
+            let mut queue = self.completions.lock();
+            if queue.busy {
+                let (answer, answered) = tokio::sync::oneshot::channel();
+                queue.waiting.push(Waiting {
+                    tenant: id.tenant.clone(),
+                    scope: id.scope.clone(),
+                    key: id.key.clone(),
+                    token: token.to_owned(),
+                    status: i32::from(response.status),
+                    headers: response.headers_to_json(),
+                    body: response.body.clone(),
+                    answer,
+                });
+                Some(answered)
+            } else {
+                queue.busy = true;
+                None
+            }
+        };
+        match waiting {
+            Some(answered) => answered.await.unwrap_or_else(|_| {
+                Err(StoreError::unavailable(
+                    "the task writing this completion's group ended before writing it",
+                ))
+            }),
+            None => {
+                // Whether written, failed, or given up on (a timeout), the
+                // completions that queued meanwhile go on without it.
+                let _turn = Turn(self);
+                self.complete_with(&self.pool, id, token, response).await
+            }
+        }
+    }
+
+    /// Passes the completions that queued behind the one just written (or
+    /// given up on) to a task that writes them, or frees the turn when
+    /// none did. Outside a runtime (which no store call is) they are
+    /// answered with an error.
+    fn pass_on(&self) {
+        let mut queue = self.completions.lock();
+        if queue.waiting.is_empty() {
+            queue.busy = false;
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                drop(queue);
+                // Made before the task starts, so that a task dropped
+                // unstarted (its runtime shutting down) still frees the turn
+                // and answers the waiting.
+                let writer = GroupWriter {
+                    store: self.clone(),
+                    done: false,
+                };
+                runtime.spawn(writer.run());
+            }
+            Err(_) => {
+                queue.busy = false;
+                queue.waiting.clear();
+            }
+        }
+    }
+
+    /// Writes one group: each completion is answered with its own outcome.
+    /// A group of one is the plain completion. When the group's statement
+    /// fails otherwise than for an unreachable database, each is written
+    /// again alone, so that one completion that cannot be written (say, a
+    /// trigger refuses it) fails only itself.
+    async fn write_group(&self, group: &[Waiting]) -> Vec<Result<(), StoreError>> {
+        if let [w] = group {
+            return vec![self.complete_one(w).await];
+        }
+        let column = |f: fn(&Waiting) -> &str| group.iter().map(f).collect::<Vec<&str>>();
+        let written = sql::bounded(self.timeout, async {
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(&*self.complete_group))
+                .bind(column(|w| &w.tenant))
+                .bind(column(|w| &w.scope))
+                .bind(column(|w| &w.key))
+                .bind(column(|w| &w.token))
+                .bind(group.iter().map(|w| w.status).collect::<Vec<i32>>())
+                .bind(column(|w| &w.headers))
+                .bind(
+                    group
+                        .iter()
+                        .map(|w| w.body.as_deref())
+                        .collect::<Vec<Option<&[u8]>>>(),
+                )
+                .fetch_all(&self.pool)
+                .await
+                .map_err(sql::map_err)
+        })
+        .await;
+        match written {
+            Ok(completed) => (1..)
+                .take(group.len())
+                .map(|i| sql::fenced(u64::from(completed.contains(&i))))
+                .collect(),
+            Err(e) if e.is_unavailable() => group.iter().map(|_| Err(e.clone())).collect(),
+            Err(_) => {
+                let mut answers = Vec::with_capacity(group.len());
+                for w in group {
+                    answers.push(self.complete_one(w).await);
+                }
+                answers
+            }
+        }
+    }
+
+    /// One queued completion alone: the plain statement.
+    async fn complete_one(&self, w: &Waiting) -> Result<(), StoreError> {
+        sql::bounded(self.timeout, async {
+            let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
+                .bind(&w.tenant)
+                .bind(&w.scope)
+                .bind(&w.key)
+                .bind(&w.token)
+                .bind(w.status)
+                .bind(&w.headers)
+                .bind(w.body.as_deref())
+                .execute(&self.pool)
+                .await
+                .map_err(sql::map_err)?;
+            sql::fenced(done.rows_affected())
+        })
+        .await
+    }
+
+    /// How many completions wait for the one being written (for tests).
+    #[doc(hidden)]
+    pub fn waiting_completions(&self) -> usize {
+        self.completions.lock().waiting.len()
+    }
+
     /// The bound on one store operation.
     #[cfg(feature = "axum")]
     pub(crate) fn timeout(&self) -> Duration {
@@ -394,6 +566,104 @@ impl PgStore {
             self.pool.begin().await.map_err(sql::map_err)
         })
         .await
+    }
+}
+
+/// The completions that arrive while one is being written. The first
+/// completion when none is being written is written at once, as the one
+/// statement it is; those that arrive meanwhile queue, and when it ends a
+/// task writes everything queued by then (up to [`GROUP_MAX`]) as one
+/// statement, then again for what queued during that one, until none is
+/// left. One commit, one write of the log and one round trip for a group,
+/// where each completion paid its own: what a first request's throughput
+/// is bound by under concurrency. Nothing is answered before its group's
+/// statement has committed, and each completion is answered with its own
+/// outcome (completed, or its lock lost). A completion whose caller gave up
+/// before its group was taken is not written.
+#[derive(Default)]
+struct Completions {
+    queue: std::sync::Mutex<Queue>,
+}
+
+impl Completions {
+    /// A panic under this lock cannot leave the queue half-changed: each
+    /// change is one push, one drain or one assignment.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[derive(Default)]
+struct Queue {
+    /// Whether a completion or a group is being written.
+    busy: bool,
+    waiting: Vec<Waiting>,
+}
+
+/// The most completions one statement writes.
+const GROUP_MAX: usize = 64;
+
+/// A completion waiting for its group, with what it binds.
+struct Waiting {
+    tenant: String,
+    scope: String,
+    key: String,
+    token: String,
+    status: i32,
+    headers: String,
+    body: Option<Vec<u8>>,
+    answer: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+}
+
+/// The turn of the completion written at once: when it ends, the queue
+/// goes on.
+struct Turn<'a>(&'a PgStore);
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.0.pass_on();
+    }
+}
+
+/// The task that writes the queued completions, group after group, until
+/// none is left. Dropped before that (its runtime shutting down, or a
+/// panic), it frees the turn and drops the waiting completions, whose
+/// callers are answered with an error at once: nothing waits on a task
+/// that is gone.
+struct GroupWriter {
+    store: PgStore,
+    done: bool,
+}
+
+impl GroupWriter {
+    async fn run(mut self) {
+        loop {
+            let group: Vec<Waiting> = {
+                let mut queue = self.store.completions.lock();
+                queue.waiting.retain(|w| !w.answer.is_closed());
+                if queue.waiting.is_empty() {
+                    queue.busy = false;
+                    self.done = true;
+                    return;
+                }
+                let n = queue.waiting.len().min(GROUP_MAX);
+                queue.waiting.drain(..n).collect()
+            };
+            let answers = self.store.write_group(&group).await;
+            for (w, answer) in group.into_iter().zip(answers) {
+                let _ = w.answer.send(answer);
+            }
+        }
+    }
+}
+
+impl Drop for GroupWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut queue = self.store.completions.lock();
+            queue.busy = false;
+            queue.waiting.clear();
+        }
     }
 }
 

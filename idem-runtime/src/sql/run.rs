@@ -168,7 +168,7 @@ macro_rules! fenced_ops {
             response: &'a $crate::store::StoredResponse,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
             Box::pin($crate::sql::bounded(self.timeout, async move {
-                self.complete_with(&self.pool, id, token, response).await?;
+                self.complete_grouped(id, token, response).await?;
                 pause_point!($crate::pause::COMPLETE_AFTER, &id.key);
                 Ok(())
             }))
