@@ -184,6 +184,9 @@ impl PgStore {
     /// ```
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        // Its completions queue apart: a group is bounded by the timeout of
+        // the store that writes it.
+        self.completions = std::sync::Arc::default();
         self
     }
 
@@ -295,15 +298,21 @@ impl PgStore {
         );
         // The completion of a group of records, one per element of the
         // arrays: `complete`, each record fenced by its own token, with the
-        // same clock for all. Says by position which it completed.
+        // same clock for all, on the rows no other transaction holds
+        // (`SKIP LOCKED`: a row held elsewhere never holds up the group).
+        // Says by position which it completed; the rest are written alone.
         let complete_group = format!(
-            "UPDATE {t} AS r SET state = '{completed}', lock_token = NULL, response_status = c.status, \
+            "WITH c AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[], \
+             $6::text[], $7::bytea[]) WITH ORDINALITY AS c (tenant, scope, key, token, status, headers, body, i)), \
+             free AS (SELECT r.tenant, r.scope, r.key FROM {t} AS r JOIN c ON r.tenant = c.tenant \
+             AND r.scope = c.scope AND r.key = c.key WHERE r.state = '{in_progress}' AND r.lock_token = c.token \
+             FOR UPDATE OF r SKIP LOCKED) \
+             UPDATE {t} AS r SET state = '{completed}', lock_token = NULL, response_status = c.status, \
              response_headers = c.headers, response_body = c.body, created_at = statement_timestamp(), \
              expires_at = statement_timestamp() + (date_part('epoch', r.expires_at - r.created_at) * interval '1 second') \
-             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[], $7::bytea[]) \
-             WITH ORDINALITY AS c (tenant, scope, key, token, status, headers, body, i) \
-             WHERE r.tenant = c.tenant AND r.scope = c.scope AND r.key = c.key \
-             AND r.state = '{in_progress}' AND r.lock_token = c.token RETURNING c.i",
+             FROM c WHERE r.tenant = c.tenant AND r.scope = c.scope AND r.key = c.key \
+             AND r.state = '{in_progress}' AND r.lock_token = c.token \
+             AND (r.tenant, r.scope, r.key) IN (SELECT tenant, scope, key FROM free) RETURNING c.i",
             t = sql.table,
             completed = crate::store::RecordState::COMPLETED_COLUMN,
             in_progress = crate::store::RecordState::IN_PROGRESS_COLUMN,
@@ -418,6 +427,14 @@ impl PgStore {
         token: &str,
         response: &crate::store::StoredResponse,
     ) -> Result<(), StoreError> {
+        // On a current-thread runtime, which may stop being driven once its
+        // caller has an answer, no task of a group is started: such a
+        // completion is written alone, and never queues.
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if !multi_thread {
+            return self.complete_with(&self.pool, id, token, response).await;
+        }
         let waiting = {
             let mut queue = self.completions.lock();
             if queue.busy {
@@ -487,9 +504,16 @@ impl PgStore {
     /// fails otherwise than for an unreachable database, each is written
     /// again alone, so that one completion that cannot be written (say, a
     /// trigger refuses it) fails only itself.
-    async fn write_group(&self, group: &[Waiting]) -> Vec<Result<(), StoreError>> {
-        if let [w] = group {
-            return vec![self.complete_one(w).await];
+    async fn write_group(&self, group: Vec<Waiting>) {
+        let answer = |w: Waiting, outcome| {
+            let _ = w.answer.send(outcome);
+        };
+        if group.len() == 1 {
+            for w in group {
+                let outcome = self.complete_one(&w).await;
+                answer(w, outcome);
+            }
+            return;
         }
         let column = |f: fn(&Waiting) -> &str| group.iter().map(f).collect::<Vec<&str>>();
         let written = sql::bounded(self.timeout, async {
@@ -512,17 +536,33 @@ impl PgStore {
         })
         .await;
         match written {
-            Ok(completed) => (1..)
-                .take(group.len())
-                .map(|i| sql::fenced(u64::from(completed.contains(&i))))
-                .collect(),
-            Err(e) if e.is_unavailable() => group.iter().map(|_| Err(e.clone())).collect(),
-            Err(_) => {
-                let mut answers = Vec::with_capacity(group.len());
-                for w in group {
-                    answers.push(self.complete_one(w).await);
+            Ok(completed) => {
+                // Those completed are answered at once; the rest (a lock
+                // lost, or a row held by another transaction, skipped) are
+                // written alone, each waiting for its own row only.
+                let mut rest = Vec::new();
+                for (i, w) in (1..).zip(group) {
+                    if completed.contains(&i) {
+                        answer(w, Ok(()));
+                    } else {
+                        rest.push(w);
+                    }
                 }
-                answers
+                for w in rest {
+                    let outcome = self.complete_one(&w).await;
+                    answer(w, outcome);
+                }
+            }
+            Err(e) if e.is_unavailable() => {
+                for w in group {
+                    answer(w, Err(e.clone()));
+                }
+            }
+            Err(_) => {
+                for w in group {
+                    let outcome = self.complete_one(&w).await;
+                    answer(w, outcome);
+                }
             }
         }
     }
@@ -649,10 +689,7 @@ impl GroupWriter {
                 let n = queue.waiting.len().min(GROUP_MAX);
                 queue.waiting.drain(..n).collect()
             };
-            let answers = self.store.write_group(&group).await;
-            for (w, answer) in group.into_iter().zip(answers) {
-                let _ = w.answer.send(answer);
-            }
+            self.store.write_group(group).await;
         }
     }
 }
