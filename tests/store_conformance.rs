@@ -1243,11 +1243,64 @@ async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
     }
 }
 
+/// The store's table, quoted and qualified, as its statements name it.
+fn table_of(store: &idem::PgStore) -> String {
+    let complete = store.request_statements().complete;
+    complete.split_whitespace().nth(1).unwrap().to_owned()
+}
+
+/// A transaction on `pool` (not the store's) holding `id`'s row.
+async fn hold_row(
+    pool: &sqlx::PgPool,
+    store: &idem::PgStore,
+    id: &RecordId,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+        table_of(store)
+    )))
+    .bind(&id.tenant)
+    .bind(&id.scope)
+    .bind(&id.key)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    holder
+}
+
+/// Until `n` statements on `store`'s table wait on a row lock (a
+/// condition, not an ordering).
+async fn until_lock_waits(pool: &sqlx::PgPool, store: &idem::PgStore, n: i64) {
+    let table = table_of(store);
+    let schema = table.split('.').next().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE 'UPDATE%' AND query LIKE '%' || $1 || '%'",
+        )
+        .bind(schema)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting == n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{n} lock waits never seen (saw {waiting})"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Takes the keys `keys` of scope "group" on `store`, and holds the row of
 /// the first on a connection of its own: its completion, written at once,
 /// waits on that row, and the completions after it queue. Returns the ids,
-/// their leases, the holding transaction, and the first completion's task,
-/// which is waiting on the row by then.
+/// their leases, the pool of the holding connections, the holding
+/// transaction, and the first completion's task, which is waiting on the
+/// row by then.
 async fn hold_the_first_completion(
     store: &idem::PgStore,
     url: &str,
@@ -1255,6 +1308,7 @@ async fn hold_the_first_completion(
 ) -> (
     Vec<RecordId>,
     Vec<Lease>,
+    sqlx::PgPool,
     sqlx::Transaction<'static, sqlx::Postgres>,
     tokio::task::JoinHandle<Result<(), StoreError>>,
 ) {
@@ -1263,47 +1317,14 @@ async fn hold_the_first_completion(
     for id in &ids {
         leases.push(take(store, id, "fp", LONG, LONG).await);
     }
-    let holder_pool = sqlx::PgPool::connect(url).await.unwrap();
-    let mut holder = holder_pool.begin().await.unwrap();
-    let table = store
-        .request_statements()
-        .complete
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .to_owned();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT 1 FROM {table} WHERE tenant = 't' AND scope = 'group' AND key = $1 FOR UPDATE"
-    )))
-    .bind(&ids[0].key)
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    let holders = sqlx::PgPool::connect(url).await.unwrap();
+    let holder = hold_row(&holders, store, &ids[0]).await;
     let first = tokio::spawn({
         let (store, id, token) = (store.clone(), ids[0].clone(), leases[0].token.clone());
         async move { store.complete(&id, &token, &response("first")).await }
     });
-    // Until its statement waits on the row (a condition, not an ordering).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        assert!(
-            Instant::now() < deadline,
-            "the first completion never waited on the row"
-        );
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-             AND query LIKE 'UPDATE%' AND query LIKE '%' || $1 || '%'",
-        )
-        .bind(table.split('.').next().unwrap())
-        .fetch_one(&holder_pool)
-        .await
-        .unwrap();
-        if waiting == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    (ids, leases, holder, first)
+    until_lock_waits(&holders, store, 1).await;
+    (ids, leases, holders, holder, first)
 }
 
 /// Spawns the completion of `id` with `token`.
@@ -1328,15 +1349,9 @@ async fn until_waiting(store: &idem::PgStore, n: usize) {
 /// Each record's state and the clock its completion was written at
 /// (`created_at`, which the completion sets to its statement's time).
 async fn written_at(store: &idem::PgStore, id: &RecordId) -> (String, String) {
-    let table = store
-        .request_statements()
-        .complete
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .to_owned();
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT state, created_at::text FROM {table} WHERE tenant = $1 AND scope = $2 AND key = $3"
+        "SELECT state, created_at::text FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
+        table_of(store)
     )))
     .bind(&id.tenant)
     .bind(&id.scope)
@@ -1355,7 +1370,7 @@ async fn postgres_completions_that_queue_are_written_as_one_group() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
-    let (ids, leases, holder, first) =
+    let (ids, leases, _holders, holder, first) =
         hold_the_first_completion(&store, &url, &["held", "b", "c", "d"]).await;
     let b = complete_in_task(&store, &ids[1], &leases[1].token);
     until_waiting(&store, 1).await;
@@ -1395,7 +1410,7 @@ async fn postgres_a_completion_given_up_on_in_the_queue_is_not_written() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
-    let (ids, leases, holder, first) =
+    let (ids, leases, _holders, holder, first) =
         hold_the_first_completion(&store, &url, &["held", "gone", "kept"]).await;
     let gone = complete_in_task(&store, &ids[1], &leases[1].token);
     until_waiting(&store, 1).await;
@@ -1433,7 +1448,7 @@ async fn postgres_a_completion_refused_in_a_group_fails_only_itself() {
     .execute(store.pool())
     .await
     .unwrap();
-    let (ids, leases, holder, first) =
+    let (ids, leases, _holders, holder, first) =
         hold_the_first_completion(&store, &url, &["held", "b", "refused", "d"]).await;
     let mut tasks = Vec::new();
     for i in 1..4 {
@@ -1464,4 +1479,124 @@ async fn postgres_a_completion_refused_in_a_group_fails_only_itself() {
         ("completed", "in_progress", "completed")
     );
     assert_ne!(b.1, d.1, "written alone, after the group failed");
+}
+
+/// A completion whose own row is free is not held up by another of its
+/// group whose row a transaction holds: it is answered, completed, while
+/// that row is still held, and the held one is written once it is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_held_row_in_a_group_holds_up_only_its_own_completion() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 6).await;
+    let (ids, leases, holders, holder, first) =
+        hold_the_first_completion(&store, &url, &["held", "free", "locked"]).await;
+    let peer = hold_row(&holders, &store, &ids[2]).await;
+    let free = complete_in_task(&store, &ids[1], &leases[1].token);
+    until_waiting(&store, 1).await;
+    let locked = complete_in_task(&store, &ids[2], &leases[2].token);
+    until_waiting(&store, 2).await;
+    holder.commit().await.unwrap();
+    assert_eq!(first.await.unwrap(), Ok(()));
+    // The other row is still held: the free one's answer comes regardless.
+    assert_eq!(free.await.unwrap(), Ok(()));
+    assert_eq!(written_at(&store, &ids[1]).await.0, "completed");
+    assert!(
+        !locked.is_finished(),
+        "the held row's completion waits for its row"
+    );
+    peer.commit().await.unwrap();
+    assert_eq!(locked.await.unwrap(), Ok(()));
+    assert_eq!(written_at(&store, &ids[2]).await.0, "completed");
+}
+
+/// A clone with a longer timeout does not queue behind a clone with a
+/// shorter one: its completion is bounded by its own timeout, not cut off
+/// by the other's (and then written anyway).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_clone_with_another_timeout_completes_within_its_own() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let base = idem_testkit::pg_store_in(&url, &schema, 6).await;
+    let short = base.clone().with_timeout(Duration::from_secs(3));
+    let long = base.clone().with_timeout(Duration::from_secs(30));
+    let (ids, leases, holders, holder, first) =
+        hold_the_first_completion(&short, &url, &["short", "long"]).await;
+    let long_holder = hold_row(&holders, &base, &ids[1]).await;
+    let waiter = complete_in_task(&long, &ids[1], &leases[1].token);
+    until_lock_waits(&holders, &base, 2).await;
+    holder.commit().await.unwrap();
+    assert_eq!(first.await.unwrap(), Ok(()));
+    // Past the short clone's timeout (a bound to exceed, not an ordering).
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert!(!waiter.is_finished(), "still waiting, within its own 30 s");
+    long_holder.commit().await.unwrap();
+    assert_eq!(waiter.await.unwrap(), Ok(()));
+}
+
+/// A store used from a current-thread runtime that is not driven once its
+/// `block_on` returns, and from a multi-thread one: no completion ever
+/// waits on a task of the idle runtime. Each completion from the
+/// current-thread runtime is written alone, so a completion from the other
+/// runtime, made while it waits on a held row, is answered at once.
+#[test]
+fn postgres_a_completion_never_waits_on_a_runtime_that_is_not_driven() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let driven = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (store, holders, ids, leases) = driven.block_on(async {
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 4)
+            .await
+            .with_timeout(Duration::from_secs(2));
+        // Every connection opened on the driven runtime.
+        let mut conns = Vec::new();
+        for _ in 0..4 {
+            conns.push(store.pool().acquire().await.unwrap());
+        }
+        drop(conns);
+        let holders = sqlx::PgPool::connect(&url).await.unwrap();
+        let ids: Vec<RecordId> = ["x", "y", "z"]
+            .iter()
+            .map(|k| RecordId::new("t", "idle", *k))
+            .collect();
+        let mut leases = Vec::new();
+        for id in &ids {
+            leases.push(take(&store, id, "fp", LONG, LONG).await);
+        }
+        (store, holders, ids, leases)
+    });
+    let holder = driven.block_on(hold_row(&holders, &store, &ids[0]));
+    let (go, went) = std::sync::mpsc::channel::<()>();
+    let (done, answered) = std::sync::mpsc::channel();
+    let idle = {
+        let (store, id, token) = (store.clone(), ids[0].clone(), leases[0].token.clone());
+        std::thread::spawn(move || {
+            let idle = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            done.send(idle.block_on(store.complete(&id, &token, &response("x"))))
+                .unwrap();
+            // Alive, but not driven, until told.
+            went.recv().unwrap();
+            drop(idle);
+        })
+    };
+    driven.block_on(until_lock_waits(&holders, &store, 1));
+    let y = {
+        let _runtime = driven.enter();
+        complete_in_task(&store, &ids[1], &leases[1].token)
+    };
+    assert_eq!(driven.block_on(y).unwrap(), Ok(()), "while x waits on its row");
+    driven.block_on(holder.commit()).unwrap();
+    assert_eq!(answered.recv().unwrap(), Ok(()));
+    // The idle runtime is not driven now.
+    let z = driven.block_on(store.complete(&ids[2], &leases[2].token, &response("z")));
+    assert_eq!(z, Ok(()));
+    go.send(()).unwrap();
+    idle.join().unwrap();
 }
