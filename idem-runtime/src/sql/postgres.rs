@@ -69,8 +69,8 @@ pub struct PgStore {
     /// Completes every record of a group: `complete`'s binds as arrays.
     complete_group: std::sync::Arc<str>,
     /// The completions that wait for the one being written, shared by the
-    /// store's clones (those of [`with_timeout`](Self::with_timeout)
-    /// included; [`with_table`](Self::with_table) starts its own).
+    /// store's clones ([`with_timeout`](Self::with_timeout) and
+    /// [`with_table`](Self::with_table) start their own).
     completions: std::sync::Arc<Completions>,
     timeout: Duration,
 }
@@ -440,13 +440,9 @@ impl PgStore {
             if queue.busy {
                 let (answer, answered) = tokio::sync::oneshot::channel();
                 queue.waiting.push(Waiting {
-                    tenant: id.tenant.clone(),
-                    scope: id.scope.clone(),
-                    key: id.key.clone(),
+                    id: id.clone(),
                     token: token.to_owned(),
-                    status: i32::from(response.status),
-                    headers: response.headers_to_json(),
-                    body: response.body.clone(),
+                    response: response.clone(),
                     answer,
                 });
                 Some(answered)
@@ -499,35 +495,41 @@ impl PgStore {
         }
     }
 
-    /// Writes one group: each completion is answered with its own outcome.
-    /// A group of one is the plain completion. When the group's statement
-    /// fails otherwise than for an unreachable database, each is written
-    /// again alone, so that one completion that cannot be written (say, a
-    /// trigger refuses it) fails only itself.
+    /// Writes one group: each completion is answered with its own outcome,
+    /// those the group's statement completed at once. A group of one is the
+    /// plain completion; so is each completion the statement did not
+    /// complete (its lock lost, or its row held by another transaction and
+    /// skipped), written after. When the group's statement fails otherwise
+    /// than for an unreachable database, each is written again alone, so
+    /// that one completion that cannot be written (say, a trigger refuses
+    /// it) fails only itself.
     async fn write_group(&self, group: Vec<Waiting>) {
-        let answer = |w: Waiting, outcome| {
-            let _ = w.answer.send(outcome);
-        };
         if group.len() == 1 {
-            for w in group {
-                let outcome = self.complete_one(&w).await;
-                answer(w, outcome);
-            }
-            return;
+            return self.write_alone(group).await;
         }
         let column = |f: fn(&Waiting) -> &str| group.iter().map(f).collect::<Vec<&str>>();
         let written = sql::bounded(self.timeout, async {
             sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(&*self.complete_group))
-                .bind(column(|w| &w.tenant))
-                .bind(column(|w| &w.scope))
-                .bind(column(|w| &w.key))
+                .bind(column(|w| &w.id.tenant))
+                .bind(column(|w| &w.id.scope))
+                .bind(column(|w| &w.id.key))
                 .bind(column(|w| &w.token))
-                .bind(group.iter().map(|w| w.status).collect::<Vec<i32>>())
-                .bind(column(|w| &w.headers))
                 .bind(
                     group
                         .iter()
-                        .map(|w| w.body.as_deref())
+                        .map(|w| i32::from(w.response.status))
+                        .collect::<Vec<i32>>(),
+                )
+                .bind(
+                    group
+                        .iter()
+                        .map(|w| w.response.headers_to_json())
+                        .collect::<Vec<String>>(),
+                )
+                .bind(
+                    group
+                        .iter()
+                        .map(|w| w.response.body.as_deref())
                         .collect::<Vec<Option<&[u8]>>>(),
                 )
                 .fetch_all(&self.pool)
@@ -543,47 +545,33 @@ impl PgStore {
                 let mut rest = Vec::new();
                 for (i, w) in (1..).zip(group) {
                     if completed.contains(&i) {
-                        answer(w, Ok(()));
+                        let _ = w.answer.send(Ok(()));
                     } else {
                         rest.push(w);
                     }
                 }
-                for w in rest {
-                    let outcome = self.complete_one(&w).await;
-                    answer(w, outcome);
-                }
+                self.write_alone(rest).await;
             }
             Err(e) if e.is_unavailable() => {
                 for w in group {
-                    answer(w, Err(e.clone()));
+                    let _ = w.answer.send(Err(e.clone()));
                 }
             }
-            Err(_) => {
-                for w in group {
-                    let outcome = self.complete_one(&w).await;
-                    answer(w, outcome);
-                }
-            }
+            Err(_) => self.write_alone(group).await,
         }
     }
 
-    /// One queued completion alone: the plain statement.
-    async fn complete_one(&self, w: &Waiting) -> Result<(), StoreError> {
-        sql::bounded(self.timeout, async {
-            let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
-                .bind(&w.tenant)
-                .bind(&w.scope)
-                .bind(&w.key)
-                .bind(&w.token)
-                .bind(w.status)
-                .bind(&w.headers)
-                .bind(w.body.as_deref())
-                .execute(&self.pool)
-                .await
-                .map_err(sql::map_err)?;
-            sql::fenced(done.rows_affected())
-        })
-        .await
+    /// Writes each queued completion alone, as the plain statement, and
+    /// answers it.
+    async fn write_alone(&self, completions: Vec<Waiting>) {
+        for w in completions {
+            let outcome = sql::bounded(
+                self.timeout,
+                self.complete_with(&self.pool, &w.id, &w.token, &w.response),
+            )
+            .await;
+            let _ = w.answer.send(outcome);
+        }
     }
 
     /// How many completions wait for the one being written (for tests).
@@ -643,15 +631,11 @@ struct Queue {
 /// The most completions one statement writes.
 const GROUP_MAX: usize = 64;
 
-/// A completion waiting for its group, with what it binds.
+/// A completion waiting for its group.
 struct Waiting {
-    tenant: String,
-    scope: String,
-    key: String,
+    id: crate::store::RecordId,
     token: String,
-    status: i32,
-    headers: String,
-    body: Option<Vec<u8>>,
+    response: crate::store::StoredResponse,
     answer: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
 }
 
