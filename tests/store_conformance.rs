@@ -1600,3 +1600,38 @@ fn postgres_a_completion_never_waits_on_a_runtime_that_is_not_driven() {
     go.send(()).unwrap();
     idle.join().unwrap();
 }
+
+/// Completions whose rows the group found held are written by their own
+/// callers, each waiting for its own row: the task writing groups never
+/// waits on a row lock, so a completion that comes after them, of a row
+/// nobody holds, is answered at once while those rows are still held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_held_rows_of_a_group_hold_up_no_later_completion() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 8).await;
+    let (ids, leases, holders, holder, first) =
+        hold_the_first_completion(&store, &url, &["held", "h1", "h2", "free"]).await;
+    let peers = (
+        hold_row(&holders, &store, &ids[1]).await,
+        hold_row(&holders, &store, &ids[2]).await,
+    );
+    let h1 = complete_in_task(&store, &ids[1], &leases[1].token);
+    until_waiting(&store, 1).await;
+    let h2 = complete_in_task(&store, &ids[2], &leases[2].token);
+    until_waiting(&store, 2).await;
+    holder.commit().await.unwrap();
+    assert_eq!(first.await.unwrap(), Ok(()));
+    // The group skipped both rows: each caller now waits on its own.
+    until_lock_waits(&holders, &store, 2).await;
+    let free = complete_in_task(&store, &ids[3], &leases[3].token);
+    assert_eq!(free.await.unwrap(), Ok(()), "answered while h1 and h2 are held");
+    assert!(!h1.is_finished() && !h2.is_finished());
+    peers.0.commit().await.unwrap();
+    peers.1.commit().await.unwrap();
+    assert_eq!(h1.await.unwrap(), Ok(()));
+    assert_eq!(h2.await.unwrap(), Ok(()));
+    for id in &ids[1..] {
+        assert_eq!(written_at(&store, id).await.0, "completed", "{}", id.key);
+    }
+}

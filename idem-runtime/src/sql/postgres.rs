@@ -300,7 +300,7 @@ impl PgStore {
         // arrays: `complete`, each record fenced by its own token, with the
         // same clock for all, on the rows no other transaction holds
         // (`SKIP LOCKED`: a row held elsewhere never holds up the group).
-        // Says by position which it completed; the rest are written alone.
+        // Says by position which it completed; the rest are written alone, by their callers.
         let complete_group = format!(
             "WITH c AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[], \
              $6::text[], $7::bytea[]) WITH ORDINALITY AS c (tenant, scope, key, token, status, headers, body, i)), \
@@ -452,11 +452,15 @@ impl PgStore {
             }
         };
         match waiting {
-            Some(answered) => answered.await.unwrap_or_else(|_| {
-                Err(StoreError::unavailable(
+            Some(answered) => match answered.await {
+                Ok(Grouped::Written(outcome)) => outcome,
+                // Not written by the group: written here, as the plain
+                // statement, bounded by this caller's own timeout.
+                Ok(Grouped::Alone) => self.complete_with(&self.pool, id, token, response).await,
+                Err(_) => Err(StoreError::unavailable(
                     "the task writing this completion's group ended before writing it",
-                ))
-            }),
+                )),
+            },
             None => {
                 // Whether written, failed, or given up on (a timeout), the
                 // completions that queued meanwhile go on without it.
@@ -495,17 +499,24 @@ impl PgStore {
         }
     }
 
-    /// Writes one group: each completion is answered with its own outcome,
-    /// those the group's statement completed at once. A group of one is the
-    /// plain completion; so is each completion the statement did not
-    /// complete (its lock lost, or its row held by another transaction and
-    /// skipped), written after. When the group's statement fails otherwise
-    /// than for an unreachable database, each is written again alone, so
-    /// that one completion that cannot be written (say, a trigger refuses
-    /// it) fails only itself.
+    /// Writes one group and answers each completion of it: written (with
+    /// its outcome), or to be written alone by its caller. A group of one
+    /// is written alone, as the plain statement; so is each completion the
+    /// group's statement did not complete (its lock lost, or its row held
+    /// by another transaction and skipped), and, when the group's statement
+    /// fails otherwise than for an unreachable database, every one of the
+    /// group, so that one that cannot be written (say, a trigger refuses
+    /// it) fails only itself. Written alone by its caller, a completion
+    /// waits for its own row only, within its own caller's timeout, and
+    /// this task never waits on a row lock.
     async fn write_group(&self, group: Vec<Waiting>) {
+        let alone = |group: Vec<Waiting>| {
+            for w in group {
+                let _ = w.answer.send(Grouped::Alone);
+            }
+        };
         if group.len() == 1 {
-            return self.write_alone(group).await;
+            return alone(group);
         }
         let column = |f: fn(&Waiting) -> &str| group.iter().map(f).collect::<Vec<&str>>();
         let written = sql::bounded(self.timeout, async {
@@ -539,38 +550,20 @@ impl PgStore {
         .await;
         match written {
             Ok(completed) => {
-                // Those completed are answered at once; the rest (a lock
-                // lost, or a row held by another transaction, skipped) are
-                // written alone, each waiting for its own row only.
-                let mut rest = Vec::new();
                 for (i, w) in (1..).zip(group) {
-                    if completed.contains(&i) {
-                        let _ = w.answer.send(Ok(()));
+                    let _ = w.answer.send(if completed.contains(&i) {
+                        Grouped::Written(Ok(()))
                     } else {
-                        rest.push(w);
-                    }
+                        Grouped::Alone
+                    });
                 }
-                self.write_alone(rest).await;
             }
             Err(e) if e.is_unavailable() => {
                 for w in group {
-                    let _ = w.answer.send(Err(e.clone()));
+                    let _ = w.answer.send(Grouped::Written(Err(e.clone())));
                 }
             }
-            Err(_) => self.write_alone(group).await,
-        }
-    }
-
-    /// Writes each queued completion alone, as the plain statement, and
-    /// answers it.
-    async fn write_alone(&self, completions: Vec<Waiting>) {
-        for w in completions {
-            let outcome = sql::bounded(
-                self.timeout,
-                self.complete_with(&self.pool, &w.id, &w.token, &w.response),
-            )
-            .await;
-            let _ = w.answer.send(outcome);
+            Err(_) => alone(group),
         }
     }
 
@@ -605,9 +598,9 @@ impl PgStore {
 /// left. One commit, one write of the log and one round trip for a group,
 /// where each completion paid its own: what a first request's throughput
 /// is bound by under concurrency. Nothing is answered before its group's
-/// statement has committed, and each completion is answered with its own
-/// outcome (completed, or its lock lost). A completion whose caller gave up
-/// before its group was taken is not written.
+/// statement has committed; one the group did not write (its row held
+/// elsewhere, its lock lost) its caller writes alone. A completion whose
+/// caller gave up before its group was taken is not written.
 #[derive(Default)]
 struct Completions {
     queue: std::sync::Mutex<Queue>,
@@ -636,7 +629,16 @@ struct Waiting {
     id: crate::store::RecordId,
     token: String,
     response: crate::store::StoredResponse,
-    answer: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+    answer: tokio::sync::oneshot::Sender<Grouped>,
+}
+
+/// What a group tells a completion that waited for it.
+enum Grouped {
+    /// Written by the group's statement (or failed with it: the database
+    /// unreachable), with this outcome.
+    Written(Result<(), StoreError>),
+    /// Not written by the group: its caller writes it alone.
+    Alone,
 }
 
 /// The turn of the completion written at once: when it ends, the queue
