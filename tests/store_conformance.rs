@@ -1295,12 +1295,11 @@ async fn until_lock_waits(pool: &sqlx::PgPool, store: &idem::PgStore, n: i64) {
     }
 }
 
-/// Takes the keys `keys` of scope "group" on `store`, and holds the row of
-/// the first on a connection of its own: its completion, written at once,
-/// waits on that row, and the completions after it queue. Returns the ids,
-/// their leases, the pool of the holding connections, the holding
-/// transaction, and the first completion's task, which is waiting on the
-/// row by then.
+/// Takes the keys `keys` of scope "group" on `store`, and stops the first
+/// one's completion at `pause::COMPLETE_TURN`, holding the store's turn to
+/// write: the completions after it queue until the test resumes it.
+/// Returns the ids, their leases, a pool for connections that hold rows,
+/// the pause, and the first completion's task, stopped there by then.
 async fn hold_the_first_completion(
     store: &idem::PgStore,
     url: &str,
@@ -1309,22 +1308,26 @@ async fn hold_the_first_completion(
     Vec<RecordId>,
     Vec<Lease>,
     sqlx::PgPool,
-    sqlx::Transaction<'static, sqlx::Postgres>,
+    idem_runtime::pause::Pause,
     tokio::task::JoinHandle<Result<(), StoreError>>,
 ) {
-    let ids: Vec<RecordId> = keys.iter().map(|k| RecordId::new("t", "group", *k)).collect();
+    // Unique keys: a pause point is armed by key, for every test at once.
+    let ids: Vec<RecordId> = keys
+        .iter()
+        .map(|k| RecordId::new("t", "group", idem_testkit::unique(k)))
+        .collect();
     let mut leases = Vec::new();
     for id in &ids {
         leases.push(take(store, id, "fp", LONG, LONG).await);
     }
     let holders = sqlx::PgPool::connect(url).await.unwrap();
-    let holder = hold_row(&holders, store, &ids[0]).await;
+    let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &ids[0].key);
     let first = tokio::spawn({
         let (store, id, token) = (store.clone(), ids[0].clone(), leases[0].token.clone());
         async move { store.complete(&id, &token, &response("first")).await }
     });
-    until_lock_waits(&holders, store, 1).await;
-    (ids, leases, holders, holder, first)
+    turn.reached().await;
+    (ids, leases, holders, turn, first)
 }
 
 /// Spawns the completion of `id` with `token`.
@@ -1370,7 +1373,7 @@ async fn postgres_completions_that_queue_are_written_as_one_group() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
-    let (ids, leases, _holders, holder, first) =
+    let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "b", "c", "d"]).await;
     let b = complete_in_task(&store, &ids[1], &leases[1].token);
     until_waiting(&store, 1).await;
@@ -1378,7 +1381,7 @@ async fn postgres_completions_that_queue_are_written_as_one_group() {
     until_waiting(&store, 2).await;
     let d = complete_in_task(&store, &ids[3], &leases[3].token);
     until_waiting(&store, 3).await;
-    holder.commit().await.unwrap();
+    turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     assert_eq!(b.await.unwrap(), Ok(()));
     assert_eq!(c.await.unwrap(), Err(StoreError::LockLost));
@@ -1410,7 +1413,7 @@ async fn postgres_a_completion_given_up_on_in_the_queue_is_not_written() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
-    let (ids, leases, _holders, holder, first) =
+    let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "gone", "kept"]).await;
     let gone = complete_in_task(&store, &ids[1], &leases[1].token);
     until_waiting(&store, 1).await;
@@ -1418,7 +1421,7 @@ async fn postgres_a_completion_given_up_on_in_the_queue_is_not_written() {
     assert!(gone.await.unwrap_err().is_cancelled());
     let kept = complete_in_task(&store, &ids[2], &leases[2].token);
     until_waiting(&store, 2).await;
-    holder.commit().await.unwrap();
+    turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     assert_eq!(kept.await.unwrap(), Ok(()));
     assert_eq!(written_at(&store, &ids[1]).await.0, "in_progress");
@@ -1443,19 +1446,19 @@ async fn postgres_a_completion_refused_in_a_group_fails_only_itself() {
         "CREATE FUNCTION \"{schema}\".refuse() RETURNS trigger LANGUAGE plpgsql AS \
          $$ BEGIN RAISE EXCEPTION 'refused'; END $$; \
          CREATE TRIGGER refuse BEFORE UPDATE ON \"{schema}\".idempotency_keys FOR EACH ROW \
-         WHEN (NEW.key = 'refused' AND NEW.state = 'completed') EXECUTE FUNCTION \"{schema}\".refuse()"
+         WHEN (NEW.key LIKE 'refused%' AND NEW.state = 'completed') EXECUTE FUNCTION \"{schema}\".refuse()"
     )))
     .execute(store.pool())
     .await
     .unwrap();
-    let (ids, leases, _holders, holder, first) =
+    let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "b", "refused", "d"]).await;
     let mut tasks = Vec::new();
     for i in 1..4 {
         tasks.push(complete_in_task(&store, &ids[i], &leases[i].token));
         until_waiting(&store, i).await;
     }
-    holder.commit().await.unwrap();
+    turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     let answers: Vec<Result<(), StoreError>> = futures_util::future::join_all(tasks)
         .await
@@ -1489,14 +1492,14 @@ async fn postgres_a_held_row_in_a_group_holds_up_only_its_own_completion() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 6).await;
-    let (ids, leases, holders, holder, first) =
+    let (ids, leases, holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "free", "locked"]).await;
     let peer = hold_row(&holders, &store, &ids[2]).await;
     let free = complete_in_task(&store, &ids[1], &leases[1].token);
     until_waiting(&store, 1).await;
     let locked = complete_in_task(&store, &ids[2], &leases[2].token);
     until_waiting(&store, 2).await;
-    holder.commit().await.unwrap();
+    turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     // The other row is still held: the free one's answer comes regardless.
     assert_eq!(free.await.unwrap(), Ok(()));
@@ -1511,8 +1514,8 @@ async fn postgres_a_held_row_in_a_group_holds_up_only_its_own_completion() {
 }
 
 /// A clone with a longer timeout does not queue behind a clone with a
-/// shorter one: its completion is bounded by its own timeout, not cut off
-/// by the other's (and then written anyway).
+/// shorter one: its completion, waiting on its held row, is bounded by its
+/// own timeout, not cut off by the other's (and then written anyway).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_clone_with_another_timeout_completes_within_its_own() {
     let Some(url) = idem_testkit::pg_url() else { return };
@@ -1520,12 +1523,12 @@ async fn postgres_a_clone_with_another_timeout_completes_within_its_own() {
     let base = idem_testkit::pg_store_in(&url, &schema, 6).await;
     let short = base.clone().with_timeout(Duration::from_secs(3));
     let long = base.clone().with_timeout(Duration::from_secs(30));
-    let (ids, leases, holders, holder, first) =
+    let (ids, leases, holders, turn, first) =
         hold_the_first_completion(&short, &url, &["short", "long"]).await;
     let long_holder = hold_row(&holders, &base, &ids[1]).await;
     let waiter = complete_in_task(&long, &ids[1], &leases[1].token);
-    until_lock_waits(&holders, &base, 2).await;
-    holder.commit().await.unwrap();
+    until_lock_waits(&holders, &base, 1).await;
+    turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     // Past the short clone's timeout (a bound to exceed, not an ordering).
     tokio::time::sleep(Duration::from_millis(3500)).await;
@@ -1610,7 +1613,7 @@ async fn postgres_held_rows_of_a_group_hold_up_no_later_completion() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 8).await;
-    let (ids, leases, holders, holder, first) =
+    let (ids, leases, holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "h1", "h2", "free"]).await;
     let peers = (
         hold_row(&holders, &store, &ids[1]).await,
@@ -1620,7 +1623,7 @@ async fn postgres_held_rows_of_a_group_hold_up_no_later_completion() {
     until_waiting(&store, 1).await;
     let h2 = complete_in_task(&store, &ids[2], &leases[2].token);
     until_waiting(&store, 2).await;
-    holder.commit().await.unwrap();
+    turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     // The group skipped both rows: each caller now waits on its own.
     until_lock_waits(&holders, &store, 2).await;
@@ -1634,4 +1637,122 @@ async fn postgres_held_rows_of_a_group_hold_up_no_later_completion() {
     for id in &ids[1..] {
         assert_eq!(written_at(&store, id).await.0, "completed", "{}", id.key);
     }
+}
+
+/// The completion that takes the store's turn, finding its row held by
+/// another transaction, gives the turn up and waits for its row alone:
+/// the completions after it, of rows nobody holds, are written at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_held_row_never_holds_the_turn_to_write() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 6).await;
+    let ids: Vec<RecordId> = ["x", "a", "b"]
+        .iter()
+        .map(|k| RecordId::new("t", "turn", *k))
+        .collect();
+    let mut leases = Vec::new();
+    for id in &ids {
+        leases.push(take(&store, id, "fp", LONG, LONG).await);
+    }
+    let holders = sqlx::PgPool::connect(&url).await.unwrap();
+    let x_holder = hold_row(&holders, &store, &ids[0]).await;
+    let x = complete_in_task(&store, &ids[0], &leases[0].token);
+    until_lock_waits(&holders, &store, 1).await;
+    let (a, b) = (
+        complete_in_task(&store, &ids[1], &leases[1].token),
+        complete_in_task(&store, &ids[2], &leases[2].token),
+    );
+    assert_eq!(a.await.unwrap(), Ok(()), "while x's row is held");
+    assert_eq!(b.await.unwrap(), Ok(()), "while x's row is held");
+    assert!(!x.is_finished());
+    x_holder.commit().await.unwrap();
+    assert_eq!(x.await.unwrap(), Ok(()));
+    for id in &ids {
+        assert_eq!(written_at(&store, id).await.0, "completed", "{}", id.key);
+    }
+}
+
+/// A group whose callers have all given up is not written: its statement
+/// is bounded by its members' own deadlines, so a group that waited for a
+/// connection past them is dropped unsent, and the callers' retries write
+/// the records themselves (not `LockLost`, as after a late write).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_group_is_not_written_past_its_callers_deadlines() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 3)
+        .await
+        .with_timeout(Duration::from_secs(1));
+    let (ids, leases, _holders, turn, first) =
+        hold_the_first_completion(&store, &url, &["first", "a", "b"]).await;
+    let a = complete_in_task(&store, &ids[1], &leases[1].token);
+    until_waiting(&store, 1).await;
+    let b = complete_in_task(&store, &ids[2], &leases[2].token);
+    until_waiting(&store, 2).await;
+    // Every connection of the store's pool taken: nothing it sends now
+    // gets one.
+    let mut taken = Vec::new();
+    for _ in 0..3 {
+        taken.push(store.pool().acquire().await.unwrap());
+    }
+    turn.resume();
+    for (task, what) in [(first, "first"), (a, "a"), (b, "b")] {
+        let answer = task.await.unwrap();
+        assert!(
+            matches!(&answer, Err(e) if e.is_unavailable()),
+            "{what}: {answer:?}"
+        );
+    }
+    drop(taken);
+    for i in 1..3 {
+        assert_eq!(
+            store
+                .complete(&ids[i], &leases[i].token, &response(&ids[i].key))
+                .await,
+            Ok(()),
+            "{}: its retry writes it",
+            ids[i].key
+        );
+    }
+}
+
+/// A group carries at most 16 MiB of bodies (PostgreSQL refuses a message
+/// over 1 GiB, and each stored body may be large): the completions that
+/// queued are taken in order while their bodies fit, at least one a group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_group_carries_at_most_sixteen_mebibytes_of_bodies() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 6).await;
+    let (ids, leases, _holders, turn, first) =
+        hold_the_first_completion(&store, &url, &["first", "big1", "big2", "small"]).await;
+    let mut tasks = Vec::new();
+    for i in 1..4 {
+        let big = i < 3;
+        let (clone, id, token) = (store.clone(), ids[i].clone(), leases[i].token.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut answer = response(&id.key);
+            if big {
+                answer.body = Some(vec![b'x'; 10 << 20]);
+            }
+            clone.complete(&id, &token, &answer).await
+        }));
+        until_waiting(&store, i).await;
+    }
+    turn.resume();
+    assert_eq!(first.await.unwrap(), Ok(()));
+    for task in tasks {
+        assert_eq!(task.await.unwrap(), Ok(()));
+    }
+    let at: Vec<String> = futures_util::future::join_all(ids[1..].iter().map(|id| written_at(&store, id)))
+        .await
+        .into_iter()
+        .map(|(state, at)| {
+            assert_eq!(state, "completed");
+            at
+        })
+        .collect();
+    assert_ne!(at[0], at[1], "20 MiB do not fit one group: big1 alone");
+    assert_eq!(at[1], at[2], "big2 and the small one fit one group");
 }

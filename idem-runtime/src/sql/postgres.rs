@@ -68,6 +68,9 @@ pub struct PgStore {
     reserve: std::sync::Arc<str>,
     /// Completes every record of a group: `complete`'s binds as arrays.
     complete_group: std::sync::Arc<str>,
+    /// `complete` on a row no other transaction holds, else nothing: the
+    /// completion that takes the turn never waits on a row lock with it.
+    complete_free: std::sync::Arc<str>,
     /// The completions that wait for the one being written, shared by the
     /// store's clones ([`with_timeout`](Self::with_timeout) and
     /// [`with_table`](Self::with_table) start their own).
@@ -317,12 +320,19 @@ impl PgStore {
             completed = crate::store::RecordState::COMPLETED_COLUMN,
             in_progress = crate::store::RecordState::IN_PROGRESS_COLUMN,
         );
+        let complete_free = format!(
+            "{complete} AND (tenant, scope, key) IN (SELECT tenant, scope, key FROM {t} \
+             WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE SKIP LOCKED)",
+            complete = sql.complete,
+            t = sql.table,
+        );
         Ok(PgStore {
             pool,
             sql: std::sync::Arc::new(sql),
             lookup: lookup.into(),
             reserve: reserve.into(),
             complete_group: complete_group.into(),
+            complete_free: complete_free.into(),
             completions: std::sync::Arc::default(),
             timeout: DEFAULT_OPERATION_TIMEOUT,
         })
@@ -435,6 +445,9 @@ impl PgStore {
         if !multi_thread {
             return self.complete_with(&self.pool, id, token, response).await;
         }
+        // When this caller's bound (the store's timeout, from the call)
+        // runs out: a group it waits in is not written past it.
+        let deadline = tokio::time::Instant::now() + self.timeout;
         let waiting = {
             let mut queue = self.completions.lock();
             if queue.busy {
@@ -443,6 +456,7 @@ impl PgStore {
                     id: id.clone(),
                     token: token.to_owned(),
                     response: response.clone(),
+                    deadline,
                     answer,
                 });
                 Some(answered)
@@ -464,7 +478,17 @@ impl PgStore {
             None => {
                 // Whether written, failed, or given up on (a timeout), the
                 // completions that queued meanwhile go on without it.
-                let _turn = Turn(self);
+                let turn = Turn(self);
+                pause_point!(crate::pause::COMPLETE_TURN, &id.key);
+                let completed = self
+                    .complete_rows(&self.pool, &self.complete_free, id, token, response)
+                    .await?;
+                if completed == 1 {
+                    return Ok(());
+                }
+                // Its lock lost, or its row held by another transaction:
+                // the turn goes on, and this one waits for its own row only.
+                drop(turn);
                 self.complete_with(&self.pool, id, token, response).await
             }
         }
@@ -519,7 +543,11 @@ impl PgStore {
             return alone(group);
         }
         let column = |f: fn(&Waiting) -> &str| group.iter().map(f).collect::<Vec<&str>>();
-        let written = sql::bounded(self.timeout, async {
+        // No later than its most pressed member's caller waits: a group
+        // given up on is never sent, or (sent) not waited for.
+        let deadline = group.iter().map(|w| w.deadline).min();
+        let deadline = deadline.unwrap_or_else(|| tokio::time::Instant::now() + self.timeout);
+        let written = tokio::time::timeout_at(deadline, async {
             sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(&*self.complete_group))
                 .bind(column(|w| &w.id.tenant))
                 .bind(column(|w| &w.id.scope))
@@ -547,7 +575,13 @@ impl PgStore {
                 .await
                 .map_err(sql::map_err)
         })
-        .await;
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::unavailable(format!(
+                "no answer within {} ms",
+                self.timeout.as_millis()
+            )))
+        });
         match written {
             Ok(completed) => {
                 for (i, w) in (1..).zip(group) {
@@ -624,11 +658,18 @@ struct Queue {
 /// The most completions one statement writes.
 const GROUP_MAX: usize = 64;
 
+/// The most body bytes one group's statement carries (PostgreSQL refuses a
+/// message over 1 GiB, and the stored bodies may each be large): a group
+/// takes completions while their bodies fit, and always at least one.
+const GROUP_BODY_BYTES_MAX: usize = 16 << 20;
+
 /// A completion waiting for its group.
 struct Waiting {
     id: crate::store::RecordId,
     token: String,
     response: crate::store::StoredResponse,
+    /// When its caller stops waiting.
+    deadline: tokio::time::Instant,
     answer: tokio::sync::oneshot::Sender<Grouped>,
 }
 
@@ -666,13 +707,26 @@ impl GroupWriter {
         loop {
             let group: Vec<Waiting> = {
                 let mut queue = self.store.completions.lock();
-                queue.waiting.retain(|w| !w.answer.is_closed());
+                let now = tokio::time::Instant::now();
+                queue
+                    .waiting
+                    .retain(|w| !w.answer.is_closed() && w.deadline > now);
                 if queue.waiting.is_empty() {
                     queue.busy = false;
                     self.done = true;
                     return;
                 }
-                let n = queue.waiting.len().min(GROUP_MAX);
+                let mut bytes = 0;
+                let n = queue
+                    .waiting
+                    .iter()
+                    .take(GROUP_MAX)
+                    .take_while(|w| {
+                        bytes += w.response.body.as_ref().map_or(0, Vec::len);
+                        bytes <= GROUP_BODY_BYTES_MAX
+                    })
+                    .count()
+                    .max(1);
                 queue.waiting.drain(..n).collect()
             };
             self.store.write_group(group).await;

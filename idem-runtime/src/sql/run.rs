@@ -352,7 +352,27 @@ macro_rules! complete_with {
         where
             E: sqlx::Executor<'e, Database = $db>,
         {
-            let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
+            let completed = self
+                .complete_rows(executor, &self.sql.complete, id, token, response)
+                .await?;
+            $crate::sql::fenced(completed)
+        }
+
+        /// Runs `statement`, a completion with `complete`'s binds (tenant,
+        /// scope, key, token, status, headers, body), and says how many rows
+        /// it changed.
+        pub(crate) async fn complete_rows<'e, E>(
+            &self,
+            executor: E,
+            statement: &str,
+            id: &$crate::store::RecordId,
+            token: &str,
+            response: &$crate::store::StoredResponse,
+        ) -> Result<u64, $crate::StoreError>
+        where
+            E: sqlx::Executor<'e, Database = $db>,
+        {
+            let done = sqlx::query(sqlx::AssertSqlSafe(statement))
                 .bind(&id.tenant)
                 .bind(&id.scope)
                 .bind(&id.key)
@@ -363,7 +383,7 @@ macro_rules! complete_with {
                 .execute(executor)
                 .await
                 .map_err($crate::sql::map_err)?;
-            $crate::sql::fenced(done.rows_affected())
+            Ok(done.rows_affected())
         }
     };
 }
