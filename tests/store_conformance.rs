@@ -1326,7 +1326,9 @@ async fn hold_the_first_completion(
         let (store, id, token) = (store.clone(), ids[0].clone(), leases[0].token.clone());
         async move { store.complete(&id, &token, &response("first")).await }
     });
-    turn.reached().await;
+    tokio::time::timeout(Duration::from_secs(10), turn.reached())
+        .await
+        .expect("the first completion never took the turn");
     (ids, leases, holders, turn, first)
 }
 
@@ -1755,4 +1757,29 @@ async fn postgres_a_group_carries_at_most_sixteen_mebibytes_of_bodies() {
         .collect();
     assert_ne!(at[0], at[1], "20 MiB do not fit one group: big1 alone");
     assert_eq!(at[1], at[2], "big2 and the small one fit one group");
+}
+
+/// A store whose operations have no bound (`Duration::MAX`) completes,
+/// written at once and queued in a group alike (a deadline past what the
+/// clock can tell is no panic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_store_without_a_bound_completes() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 4)
+        .await
+        .with_timeout(Duration::MAX);
+    let (ids, leases, _holders, turn, first) =
+        hold_the_first_completion(&store, &url, &["first", "a", "b"]).await;
+    let a = complete_in_task(&store, &ids[1], &leases[1].token);
+    until_waiting(&store, 1).await;
+    let b = complete_in_task(&store, &ids[2], &leases[2].token);
+    until_waiting(&store, 2).await;
+    turn.resume();
+    for task in [first, a, b] {
+        assert_eq!(task.await.unwrap(), Ok(()));
+    }
+    for id in &ids {
+        assert_eq!(written_at(&store, id).await.0, "completed", "{}", id.key);
+    }
 }

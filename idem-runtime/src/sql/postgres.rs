@@ -447,7 +447,7 @@ impl PgStore {
         }
         // When this caller's bound (the store's timeout, from the call)
         // runs out: a group it waits in is not written past it.
-        let deadline = tokio::time::Instant::now() + self.timeout;
+        let deadline = deadline_after(self.timeout);
         let waiting = {
             let mut queue = self.completions.lock();
             if queue.busy {
@@ -546,7 +546,7 @@ impl PgStore {
         // No later than its most pressed member's caller waits: a group
         // given up on is never sent, or (sent) not waited for.
         let deadline = group.iter().map(|w| w.deadline).min();
-        let deadline = deadline.unwrap_or_else(|| tokio::time::Instant::now() + self.timeout);
+        let deadline = deadline.unwrap_or_else(|| deadline_after(self.timeout));
         let written = tokio::time::timeout_at(deadline, async {
             sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(&*self.complete_group))
                 .bind(column(|w| &w.id.tenant))
@@ -653,6 +653,15 @@ struct Queue {
     /// Whether a completion or a group is being written.
     busy: bool,
     waiting: Vec<Waiting>,
+}
+
+/// `timeout` from now, as `tokio::time::timeout` counts it: a timeout past
+/// what the clock can tell (`Duration::MAX`, say "no bound") is about 30
+/// years away.
+fn deadline_after(timeout: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30))
 }
 
 /// The most completions one statement writes.
