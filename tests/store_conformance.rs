@@ -1243,6 +1243,15 @@ async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
     }
 }
 
+/// A PostgreSQL store with `connections` connections, on a schema of its
+/// own, and `DATABASE_URL`; `None` without it.
+async fn pg_group_store(connections: u32) -> Option<(String, idem::PgStore)> {
+    let url = idem_testkit::pg_url()?;
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, connections).await;
+    Some((url, store))
+}
+
 /// The store's table, quoted and qualified, as its statements name it.
 fn table_of(store: &idem::PgStore) -> String {
     let complete = store.request_statements().complete;
@@ -1351,6 +1360,21 @@ async fn until_waiting(store: &idem::PgStore, n: usize) {
     }
 }
 
+/// Spawns the completion of each (id, token) in turn, each queued before
+/// the next is spawned.
+async fn queue_completions(
+    store: &idem::PgStore,
+    completions: &[(&RecordId, &str)],
+) -> Vec<tokio::task::JoinHandle<Result<(), StoreError>>> {
+    let before = store.waiting_completions();
+    let mut tasks = Vec::new();
+    for (n, (id, token)) in completions.iter().enumerate() {
+        tasks.push(complete_in_task(store, id, token));
+        until_waiting(store, before + n + 1).await;
+    }
+    tasks
+}
+
 /// Each record's state and the clock its completion was written at
 /// (`created_at`, which the completion sets to its statement's time).
 async fn written_at(store: &idem::PgStore, id: &RecordId) -> (String, String) {
@@ -1372,17 +1396,22 @@ async fn written_at(store: &idem::PgStore, id: &RecordId) -> (String, String) {
 /// told so, and its record left as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_completions_that_queue_are_written_as_one_group() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+    let Some((url, store)) = pg_group_store(4).await else {
+        return;
+    };
     let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "b", "c", "d"]).await;
-    let b = complete_in_task(&store, &ids[1], &leases[1].token);
-    until_waiting(&store, 1).await;
-    let c = complete_in_task(&store, &ids[2], "not-its-token");
-    until_waiting(&store, 2).await;
-    let d = complete_in_task(&store, &ids[3], &leases[3].token);
-    until_waiting(&store, 3).await;
+    let [b, c, d]: [_; 3] = queue_completions(
+        &store,
+        &[
+            (&ids[1], &leases[1].token),
+            (&ids[2], "not-its-token"),
+            (&ids[3], &leases[3].token),
+        ],
+    )
+    .await
+    .try_into()
+    .unwrap();
     turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     assert_eq!(b.await.unwrap(), Ok(()));
@@ -1412,9 +1441,9 @@ async fn postgres_completions_that_queue_are_written_as_one_group() {
 /// written; the rest of its group is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_completion_given_up_on_in_the_queue_is_not_written() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+    let Some((url, store)) = pg_group_store(4).await else {
+        return;
+    };
     let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "gone", "kept"]).await;
     let gone = complete_in_task(&store, &ids[1], &leases[1].token);
@@ -1455,11 +1484,8 @@ async fn postgres_a_completion_refused_in_a_group_fails_only_itself() {
     .unwrap();
     let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "b", "refused", "d"]).await;
-    let mut tasks = Vec::new();
-    for i in 1..4 {
-        tasks.push(complete_in_task(&store, &ids[i], &leases[i].token));
-        until_waiting(&store, i).await;
-    }
+    let queued: Vec<(&RecordId, &str)> = (1..4).map(|i| (&ids[i], leases[i].token.as_str())).collect();
+    let tasks = queue_completions(&store, &queued).await;
     turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     let answers: Vec<Result<(), StoreError>> = futures_util::future::join_all(tasks)
@@ -1491,16 +1517,19 @@ async fn postgres_a_completion_refused_in_a_group_fails_only_itself() {
 /// that row is still held, and the held one is written once it is free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_held_row_in_a_group_holds_up_only_its_own_completion() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 6).await;
+    let Some((url, store)) = pg_group_store(6).await else {
+        return;
+    };
     let (ids, leases, holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "free", "locked"]).await;
     let peer = hold_row(&holders, &store, &ids[2]).await;
-    let free = complete_in_task(&store, &ids[1], &leases[1].token);
-    until_waiting(&store, 1).await;
-    let locked = complete_in_task(&store, &ids[2], &leases[2].token);
-    until_waiting(&store, 2).await;
+    let [free, locked]: [_; 2] = queue_completions(
+        &store,
+        &[(&ids[1], &leases[1].token), (&ids[2], &leases[2].token)],
+    )
+    .await
+    .try_into()
+    .unwrap();
     turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     // The other row is still held: the free one's answer comes regardless.
@@ -1520,9 +1549,9 @@ async fn postgres_a_held_row_in_a_group_holds_up_only_its_own_completion() {
 /// own timeout, not cut off by the other's (and then written anyway).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_clone_with_another_timeout_completes_within_its_own() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let base = idem_testkit::pg_store_in(&url, &schema, 6).await;
+    let Some((url, base)) = pg_group_store(6).await else {
+        return;
+    };
     let short = base.clone().with_timeout(Duration::from_secs(3));
     let long = base.clone().with_timeout(Duration::from_secs(30));
     let (ids, leases, holders, turn, first) =
@@ -1612,19 +1641,22 @@ fn postgres_a_completion_never_waits_on_a_runtime_that_is_not_driven() {
 /// nobody holds, is answered at once while those rows are still held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_held_rows_of_a_group_hold_up_no_later_completion() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 8).await;
+    let Some((url, store)) = pg_group_store(8).await else {
+        return;
+    };
     let (ids, leases, holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "h1", "h2", "free"]).await;
     let peers = (
         hold_row(&holders, &store, &ids[1]).await,
         hold_row(&holders, &store, &ids[2]).await,
     );
-    let h1 = complete_in_task(&store, &ids[1], &leases[1].token);
-    until_waiting(&store, 1).await;
-    let h2 = complete_in_task(&store, &ids[2], &leases[2].token);
-    until_waiting(&store, 2).await;
+    let [h1, h2]: [_; 2] = queue_completions(
+        &store,
+        &[(&ids[1], &leases[1].token), (&ids[2], &leases[2].token)],
+    )
+    .await
+    .try_into()
+    .unwrap();
     turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     // The group skipped both rows: each caller now waits on its own.
@@ -1646,9 +1678,9 @@ async fn postgres_held_rows_of_a_group_hold_up_no_later_completion() {
 /// the completions after it, of rows nobody holds, are written at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_held_row_never_holds_the_turn_to_write() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 6).await;
+    let Some((url, store)) = pg_group_store(6).await else {
+        return;
+    };
     let ids: Vec<RecordId> = ["x", "a", "b"]
         .iter()
         .map(|k| RecordId::new("t", "turn", *k))
@@ -1681,17 +1713,19 @@ async fn postgres_a_held_row_never_holds_the_turn_to_write() {
 /// the records themselves (not `LockLost`, as after a late write).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_group_is_not_written_past_its_callers_deadlines() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 3)
-        .await
-        .with_timeout(Duration::from_secs(1));
+    let Some((url, store)) = pg_group_store(3).await else {
+        return;
+    };
+    let store = store.with_timeout(Duration::from_secs(1));
     let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["first", "a", "b"]).await;
-    let a = complete_in_task(&store, &ids[1], &leases[1].token);
-    until_waiting(&store, 1).await;
-    let b = complete_in_task(&store, &ids[2], &leases[2].token);
-    until_waiting(&store, 2).await;
+    let [a, b]: [_; 2] = queue_completions(
+        &store,
+        &[(&ids[1], &leases[1].token), (&ids[2], &leases[2].token)],
+    )
+    .await
+    .try_into()
+    .unwrap();
     // Every connection of the store's pool taken: nothing it sends now
     // gets one.
     let mut taken = Vec::new();
@@ -1724,9 +1758,9 @@ async fn postgres_a_group_is_not_written_past_its_callers_deadlines() {
 /// queued are taken in order while their bodies fit, at least one a group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_group_carries_at_most_sixteen_mebibytes_of_bodies() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 6).await;
+    let Some((url, store)) = pg_group_store(6).await else {
+        return;
+    };
     let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["first", "big1", "big2", "small"]).await;
     let mut tasks = Vec::new();
@@ -1764,17 +1798,19 @@ async fn postgres_a_group_carries_at_most_sixteen_mebibytes_of_bodies() {
 /// clock can tell is no panic).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_store_without_a_bound_completes() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 4)
-        .await
-        .with_timeout(Duration::MAX);
+    let Some((url, store)) = pg_group_store(4).await else {
+        return;
+    };
+    let store = store.with_timeout(Duration::MAX);
     let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["first", "a", "b"]).await;
-    let a = complete_in_task(&store, &ids[1], &leases[1].token);
-    until_waiting(&store, 1).await;
-    let b = complete_in_task(&store, &ids[2], &leases[2].token);
-    until_waiting(&store, 2).await;
+    let [a, b]: [_; 2] = queue_completions(
+        &store,
+        &[(&ids[1], &leases[1].token), (&ids[2], &leases[2].token)],
+    )
+    .await
+    .try_into()
+    .unwrap();
     turn.resume();
     for task in [first, a, b] {
         assert_eq!(task.await.unwrap(), Ok(()));
