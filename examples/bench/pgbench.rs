@@ -74,6 +74,7 @@ fn cells(schema: &str, store: &idem::PgStore, unindexed: &idem::PgStore) -> Vec<
         )
     };
     let completion = completion_of(complete);
+    let completion_free = completion_of(statements.complete_free);
     let bare = unindexed.request_statements();
     vec![
         Cell {
@@ -103,6 +104,14 @@ fn cells(schema: &str, store: &idem::PgStore, unindexed: &idem::PgStore) -> Vec<
             name: "idem first: the lookup, then complete",
             baseline: Some("hand-written first: INSERT, then UPDATE"),
             script: format!("{new}{};\n{completion};\n", reserve_key("('new-' || :i)")),
+        },
+        // What a first request runs when no other completion of its store
+        // is being written: the completion that takes the turn skips a row
+        // another transaction holds.
+        Cell {
+            name: "idem first: the lookup, then complete, SKIP LOCKED",
+            baseline: Some("hand-written first: INSERT, then UPDATE"),
+            script: format!("{new}{};\n{completion_free};\n", reserve_key("('new-' || :i)")),
         },
         // Where the rest goes: the reservation's parts on their own.
         Cell {

@@ -103,6 +103,11 @@ pub struct RequestStatements<'a> {
     /// Stores an answer. Binds: tenant, scope, key, token, status, headers,
     /// body.
     pub complete: &'a str,
+    /// `complete` on a row that no other transaction holds (`SKIP
+    /// LOCKED`): what the completion that takes the store's turn to write
+    /// runs (see docs/PROTOCOL.md, "PostgreSQL's grouped completions").
+    /// The binds of `complete`.
+    pub complete_free: &'a str,
     /// The lookup alone. Binds: tenant, scope, key, fingerprint.
     pub peek: &'a str,
     /// The writes of a reservation as one plain statement (an insert that
@@ -204,6 +209,7 @@ impl PgStore {
     /// assert!(s.reserve.contains("idempotency_keys_take") && s.complete.starts_with("UPDATE"));
     /// assert!(s.reserve.contains(s.peek) && s.upsert.starts_with("INSERT"));
     /// assert!(s.lookup.contains("idempotency_keys_take") && !s.lookup.contains(s.peek));
+    /// assert!(s.complete_free.starts_with(s.complete) && s.complete_free.contains("SKIP LOCKED"));
     /// # }
     /// ```
     #[doc(hidden)]
@@ -212,6 +218,7 @@ impl PgStore {
             lookup: &self.lookup,
             reserve: &self.reserve,
             complete: &self.sql.complete,
+            complete_free: &self.complete_free,
             peek: &self.sql.peek,
             upsert: &self.sql.take,
         }
