@@ -18,7 +18,8 @@ pub(crate) use migrate::{check_schema, found, migrate_in, migrations, refuse_fou
 #[cfg(feature = "postgres")]
 pub(crate) use run::columns_are;
 pub(crate) use run::{
-    bounded, complete_with, fenced, judge_row, map_err, millis, reserve_detached, set_purge_at,
+    bounded, complete_with, encode_err, fenced, judge_row, map_err, millis, reserve_detached, set_purge_at,
+    sized_arguments,
 };
 #[cfg(feature = "postgres")]
 pub(crate) use run::{fenced_ops, judge_existing};

@@ -829,15 +829,26 @@ impl PgStore {
         req: &ReserveRequest<'_>,
         operation_id: &str,
     ) -> Result<sqlx::postgres::PgRow, StoreError> {
-        sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
-            .bind(&req.id.tenant)
-            .bind(&req.id.scope)
-            .bind(&req.id.key)
-            .bind(req.fingerprint)
-            .bind(req.token)
-            .bind(operation_id)
-            .bind(millis(req.ttl))
-            .bind(millis(req.lock_timeout))
+        use sqlx::Arguments as _;
+        let texts = [
+            req.id.tenant.as_str(),
+            &req.id.scope,
+            &req.id.key,
+            req.fingerprint,
+            req.token,
+            operation_id,
+        ];
+        // The six texts, then two `int8`s.
+        let mut args =
+            sql::sized_arguments::<sqlx::Postgres>(8, texts.iter().map(|t| t.len()).sum::<usize>() + 16);
+        for text in texts {
+            args.add(text).map_err(sql::encode_err)?;
+        }
+        args.add(millis(req.ttl)).map_err(sql::encode_err)?;
+        args.add(millis(req.lock_timeout)).map_err(sql::encode_err)?;
+        // In the statement's order: tenant, scope, key, fingerprint, token,
+        // operation id, ttl ms, lock ms.
+        sqlx::query_with(sqlx::AssertSqlSafe(statement.clone()), args)
             // Not `fetch_one`: it wraps this future in another, and
             // moves sqlx's (several kB) twice more on every call.
             .fetch_optional(&self.pool)
