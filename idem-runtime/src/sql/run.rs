@@ -537,20 +537,23 @@ impl StoredResponse {
             .ok_or_else(|| StoreError::backend("completed record without a status"))?;
         let unreadable = |why: String| StoreError::backend(format!("stored headers unreadable: {why}"));
         let headers = match headers {
-            Some(json) => {
-                let latin1: Vec<(String, String)> =
-                    serde_json::from_str(&json).map_err(|e| unreadable(e.to_string()))?;
-                latin1
-                    .into_iter()
-                    .map(|(n, v)| {
-                        let bytes: Option<Vec<u8>> =
-                            v.chars().map(|c| u8::try_from(u32::from(c)).ok()).collect();
-                        bytes
-                            .map(|b| (n, b))
-                            .ok_or_else(|| unreadable("a value beyond one byte a character".into()))
-                    })
-                    .collect::<Result<_, _>>()?
-            }
+            Some(json) => match plain_headers(&json) {
+                Some(headers) => headers,
+                None => {
+                    let latin1: Vec<(String, String)> =
+                        serde_json::from_str(&json).map_err(|e| unreadable(e.to_string()))?;
+                    latin1
+                        .into_iter()
+                        .map(|(n, v)| {
+                            let bytes: Option<Vec<u8>> =
+                                v.chars().map(|c| u8::try_from(u32::from(c)).ok()).collect();
+                            bytes
+                                .map(|b| (n, b))
+                                .ok_or_else(|| unreadable("a value beyond one byte a character".into()))
+                        })
+                        .collect::<Result<_, _>>()?
+                }
+            },
             None => Vec::new(),
         };
         Ok(StoredResponse {
@@ -559,6 +562,47 @@ impl StoredResponse {
             body,
         })
     }
+}
+
+/// The stored headers read without serde where they are as
+/// [`StoredResponse::headers_to_json`] writes them and need no unescaping
+/// (`[["name","value"],...]`, no backslash, no space, no control
+/// character, every value character at most U+00FF): what serde would read
+/// from them. `None` for anything else, which serde then reads (and
+/// refuses where it must).
+fn plain_headers(json: &str) -> Option<Vec<(String, Vec<u8>)>> {
+    if json.bytes().any(|c| c == b'\\' || c < 0x20) {
+        return None;
+    }
+    let mut rest = json.strip_prefix('[')?.strip_suffix(']')?;
+    let mut headers = Vec::new();
+    // Splits at `"`, an ASCII byte, so every part is whole UTF-8.
+    let string = |rest: &mut &str, after: &str| -> Option<String> {
+        let (s, tail) = rest.strip_prefix('"')?.split_once('"')?;
+        *rest = tail.strip_prefix(after)?;
+        Some(s.to_owned())
+    };
+    while !rest.is_empty() {
+        rest = rest.strip_prefix('[')?;
+        let name = string(&mut rest, ",")?;
+        let value = string(&mut rest, "]")?;
+        let bytes = if value.is_ascii() {
+            value.into_bytes()
+        } else {
+            value
+                .chars()
+                .map(|c| u8::try_from(u32::from(c)).ok())
+                .collect::<Option<Vec<u8>>>()?
+        };
+        headers.push((name, bytes));
+        if !rest.is_empty() {
+            rest = rest.strip_prefix(',')?;
+            if rest.is_empty() {
+                return None;
+            }
+        }
+    }
+    Some(headers)
 }
 
 /// Sets `purge_at` on rows that have none yet (from before migration 5, or
@@ -651,5 +695,121 @@ mod tests {
             matches!(map_err(e), StoreError::Unavailable { .. }),
             "code {code}"
         );
+    }
+}
+
+#[cfg(test)]
+mod headers_tests {
+    use super::plain_headers;
+    use crate::store::StoredResponse;
+    use proptest::prelude::*;
+
+    /// What serde reads from stored headers, as `from_columns` did before
+    /// the plain reading: the reference.
+    fn by_serde(json: &str) -> Option<Vec<(String, Vec<u8>)>> {
+        let latin1: Vec<(String, String)> = serde_json::from_str(json).ok()?;
+        latin1
+            .into_iter()
+            .map(|(n, v)| {
+                Some((
+                    n,
+                    v.chars()
+                        .map(|c| u8::try_from(u32::from(c)).ok())
+                        .collect::<Option<_>>()?,
+                ))
+            })
+            .collect()
+    }
+
+    fn read(json: &str) -> Result<Vec<(String, Vec<u8>)>, String> {
+        StoredResponse::from_columns(Some(200), Some(json.to_owned()), None)
+            .map(|r| r.headers)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Headers written by idem read back as they were, by the plain
+    /// reading, whatever their bytes.
+    #[test]
+    fn written_headers_are_read_plainly() {
+        let headers = vec![
+            ("content-type".to_owned(), b"application/json".to_vec()),
+            ("x-latin".to_owned(), vec![0xe9, 0x80, 0xff, b'a']),
+            ("empty".to_owned(), vec![]),
+        ];
+        let json = StoredResponse {
+            status: 200,
+            headers: headers.clone(),
+            body: None,
+        }
+        .headers_to_json();
+        assert_eq!(plain_headers(&json), Some(headers));
+        assert_eq!(plain_headers("[]"), Some(vec![]));
+    }
+
+    /// Where the plain reading declines, serde reads (or refuses) as
+    /// before: spaces, escapes, trailing commas, wrong shapes.
+    #[test]
+    fn other_texts_go_to_serde() {
+        for json in [
+            r#"[ ["a","b"] ]"#,
+            r#"[["a","b\u00e9"]]"#,
+            r#"[["a","b"],]"#,
+            r#"[["a"]]"#,
+            r#"[["a","b","c"]]"#,
+            r#"[["a",1]]"#,
+            r#"{"a":"b"}"#,
+            "[[\"a\",\"\u{100}\"]]",
+            "[[\"a\",\"\u{1}\"]]",
+            "[[\"\u{1f}\",\"b\"]]",
+            "",
+        ] {
+            assert_eq!(plain_headers(json), None, "{json}");
+            assert_eq!(read(json).ok(), by_serde(json), "{json}");
+        }
+    }
+
+    proptest! {
+        /// Any headers, written then read: the plain reading and serde's
+        /// agree, and give them back.
+        #[test]
+        fn written_headers_read_back_the_same(
+            headers in proptest::collection::vec((".{0,12}", proptest::collection::vec(any::<u8>(), 0..12)), 0..5)
+        ) {
+            let json = StoredResponse { status: 200, headers: headers.clone(), body: None }.headers_to_json();
+            prop_assert_eq!(read(&json).ok(), Some(headers.clone()));
+            prop_assert_eq!(by_serde(&json), Some(headers));
+        }
+
+        /// Any text of JSON's characters: wherever the plain reading gives
+        /// headers, serde gives the same.
+        #[test]
+        fn plain_reading_never_differs_from_serde(json in "[\\[\\]\",a\\\\u0e9\u{e9}\u{101} \u{1}]{0,24}") {
+            if let Some(plain) = plain_headers(&json) {
+                prop_assert_eq!(Some(plain), by_serde(&json));
+            }
+            prop_assert_eq!(read(&json).ok(), by_serde(&json));
+        }
+
+        /// Texts shaped as stored headers, written verbatim (so with
+        /// quotes, backslashes, control and wide characters unescaped),
+        /// with a space or a trailing comma at times: the same agreement.
+        #[test]
+        fn shaped_texts_read_as_serde_reads_them(
+            pairs in proptest::collection::vec(("[a\u{e9}\u{101}\\\\\" \u{1}]{0,4}", "[a\u{e9}\u{101}\\\\\" \u{1}]{0,4}"), 0..4),
+            space in any::<bool>(),
+            trailing in any::<bool>(),
+        ) {
+            let items: Vec<String> = pairs.iter().map(|(n, v)| format!("[\"{n}\",\"{v}\"]")).collect();
+            let json = format!(
+                "[{}{}{}]",
+                items.join(if space { ", " } else { "," }),
+                if trailing { "," } else { "" },
+                if space { " " } else { "" }
+            );
+            if let Some(plain) = plain_headers(&json) {
+                prop_assert_eq!(Some(plain), by_serde(&json));
+            }
+            prop_assert_eq!(read(&json).ok(), by_serde(&json));
+        }
     }
 }
