@@ -1753,11 +1753,12 @@ async fn postgres_a_group_is_not_written_past_its_callers_deadlines() {
     }
 }
 
-/// A group carries at most 16 MiB of bodies (PostgreSQL refuses a message
-/// over 1 GiB, and each stored body may be large): the completions that
-/// queued are taken in order while their bodies fit, at least one a group.
+/// A group carries at most 1 MiB of bodies (the completions queued behind
+/// its statement wait for all of it, and PostgreSQL refuses a message over
+/// 1 GiB): the completions that queued are taken in order while their
+/// bodies fit, at least one a group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_group_carries_at_most_sixteen_mebibytes_of_bodies() {
+async fn postgres_a_group_carries_at_most_one_mebibyte_of_bodies() {
     let Some((url, store)) = pg_group_store(6).await else {
         return;
     };
@@ -1770,7 +1771,7 @@ async fn postgres_a_group_carries_at_most_sixteen_mebibytes_of_bodies() {
         tasks.push(tokio::spawn(async move {
             let mut answer = response(&id.key);
             if big {
-                answer.body = Some(vec![b'x'; 10 << 20]);
+                answer.body = Some(vec![b'x'; 600 << 10]);
             }
             clone.complete(&id, &token, &answer).await
         }));
@@ -1789,8 +1790,62 @@ async fn postgres_a_group_carries_at_most_sixteen_mebibytes_of_bodies() {
             at
         })
         .collect();
-    assert_ne!(at[0], at[1], "20 MiB do not fit one group: big1 alone");
+    assert_ne!(at[0], at[1], "1.2 MiB do not fit one group: big1 alone");
     assert_eq!(at[1], at[2], "big2 and the small one fit one group");
+}
+
+/// A completion whose body is over 1 MiB is written alone at once: it
+/// neither queues behind the turn nor takes it, so that no other
+/// completion waits for its bytes (64 MiB took 1.5 s to write, and the
+/// completions queued behind it failed with a short store timeout). A body
+/// of 1 MiB still queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_large_body_is_written_alone_at_once() {
+    let Some((url, store)) = pg_group_store(6).await else {
+        return;
+    };
+    let (ids, leases, _holders, turn, first) =
+        hold_the_first_completion(&store, &url, &["first", "large", "fits", "turn"]).await;
+    let with_body = |key: &str, len: usize| StoredResponse {
+        body: Some(vec![b'x'; len]),
+        ..response(key)
+    };
+    // While the turn is held, and nothing resumes it: not queued.
+    let large = with_body(&ids[1].key, (1 << 20) + 1);
+    assert_eq!(
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            store.complete(&ids[1], &leases[1].token, &large)
+        )
+        .await,
+        Ok(Ok(())),
+        "written while the turn is held"
+    );
+    assert_eq!(store.waiting_completions(), 0);
+    let fits = {
+        let (clone, id, token) = (store.clone(), ids[2].clone(), leases[2].token.clone());
+        tokio::spawn(async move { clone.complete(&id, &token, &with_body(&id.key, 1 << 20)).await })
+    };
+    until_waiting(&store, 1).await;
+    turn.resume();
+    assert_eq!(first.await.unwrap(), Ok(()));
+    assert_eq!(fits.await.unwrap(), Ok(()));
+    // The turn free, a large one does not take it: its pause point, which
+    // would hold it there, is never reached.
+    let _never = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &ids[3].key);
+    let large = with_body(&ids[3].key, 2 << 20);
+    assert_eq!(
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            store.complete(&ids[3], &leases[3].token, &large)
+        )
+        .await,
+        Ok(Ok(())),
+        "written without taking the turn"
+    );
+    for id in &ids {
+        assert_eq!(written_at(&store, id).await.0, "completed", "{}", id.key);
+    }
 }
 
 /// A store whose operations have no bound (`Duration::MAX`) completes,

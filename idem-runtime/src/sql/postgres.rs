@@ -449,7 +449,14 @@ impl PgStore {
         // completion is written alone, and never queues.
         let multi_thread = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if !multi_thread {
+        // A large body is written alone, as the plain statement: neither
+        // the turn nor a group waits for its bytes to go over the wire.
+        if !multi_thread
+            || response
+                .body
+                .as_ref()
+                .is_some_and(|b| b.len() > GROUP_BODY_BYTES_MAX)
+        {
             return self.complete_with(&self.pool, id, token, response).await;
         }
         // When this caller's bound (the store's timeout, from the call)
@@ -674,10 +681,13 @@ fn deadline_after(timeout: Duration) -> tokio::time::Instant {
 /// The most completions one statement writes.
 const GROUP_MAX: usize = 64;
 
-/// The most body bytes one group's statement carries (PostgreSQL refuses a
-/// message over 1 GiB, and the stored bodies may each be large): a group
-/// takes completions while their bodies fit, and always at least one.
-const GROUP_BODY_BYTES_MAX: usize = 16 << 20;
+/// The most body bytes one group's statement carries, and the largest body
+/// that takes the turn or queues: the completions queued behind a
+/// statement wait for all of it to be sent and written (64 MiB took 1.5
+/// s here), and PostgreSQL refuses a message over 1 GiB. A group takes
+/// completions while their bodies fit, and always at least one; a
+/// completion with a larger body is written alone, at once.
+const GROUP_BODY_BYTES_MAX: usize = 1 << 20;
 
 /// A completion waiting for its group.
 struct Waiting {
