@@ -1753,12 +1753,12 @@ async fn postgres_a_group_is_not_written_past_its_callers_deadlines() {
     }
 }
 
-/// A group carries at most 1 MiB of bodies (the completions queued behind
+/// A group carries at most 1 MiB of answers (the completions queued behind
 /// its statement wait for all of it, and PostgreSQL refuses a message over
 /// 1 GiB): the completions that queued are taken in order while their
 /// bodies fit, at least one a group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_group_carries_at_most_one_mebibyte_of_bodies() {
+async fn postgres_a_group_carries_at_most_one_mebibyte_of_answers() {
     let Some((url, store)) = pg_group_store(6).await else {
         return;
     };
@@ -1794,21 +1794,27 @@ async fn postgres_a_group_carries_at_most_one_mebibyte_of_bodies() {
     assert_eq!(at[1], at[2], "big2 and the small one fit one group");
 }
 
-/// A completion whose body is over 1 MiB is written alone at once: it
+/// A completion whose answer (body and headers) is over 1 MiB is written alone at once: it
 /// neither queues behind the turn nor takes it, so that no other
-/// completion waits for its bytes (64 MiB took 1.5 s to write, and the
-/// completions queued behind it failed with a short store timeout). A body
-/// of 1 MiB still queues.
+/// completion waits for its bytes (a 64 MiB body took 1.5 s to write, and
+/// the completions queued behind it failed with a short store timeout). An
+/// answer of 1 MiB still queues.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_large_body_is_written_alone_at_once() {
+async fn postgres_a_large_answer_is_written_alone_at_once() {
     let Some((url, store)) = pg_group_store(6).await else {
         return;
     };
     let (ids, leases, _holders, turn, first) =
-        hold_the_first_completion(&store, &url, &["first", "large", "fits", "turn"]).await;
-    let with_body = |key: &str, len: usize| StoredResponse {
-        body: Some(vec![b'x'; len]),
-        ..response(key)
+        hold_the_first_completion(&store, &url, &["first", "large", "fits", "turn", "headed"]).await;
+    // An answer of `len` bytes in all: its headers' names and values, and
+    // its body.
+    let with_body = |key: &str, len: usize| {
+        let r = response(key);
+        let headers: usize = r.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+        StoredResponse {
+            body: Some(vec![b'x'; len - headers]),
+            ..r
+        }
     };
     // While the turn is held, and nothing resumes it: not queued.
     let large = with_body(&ids[1].key, (1 << 20) + 1);
@@ -1820,6 +1826,21 @@ async fn postgres_a_large_body_is_written_alone_at_once() {
         .await,
         Ok(Ok(())),
         "written while the turn is held"
+    );
+    assert_eq!(store.waiting_completions(), 0);
+    // Headers count with the body.
+    let headed = StoredResponse {
+        headers: vec![("x-large".to_owned(), vec![b'h'; 1 << 20])],
+        ..response(&ids[4].key)
+    };
+    assert_eq!(
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            store.complete(&ids[4], &leases[4].token, &headed)
+        )
+        .await,
+        Ok(Ok(())),
+        "large headers written while the turn is held"
     );
     assert_eq!(store.waiting_completions(), 0);
     let fits = {

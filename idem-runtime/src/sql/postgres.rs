@@ -449,14 +449,9 @@ impl PgStore {
         // completion is written alone, and never queues.
         let multi_thread = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        // A large body is written alone, as the plain statement: neither
+        // A large answer is written alone, as the plain statement: neither
         // the turn nor a group waits for its bytes to go over the wire.
-        if !multi_thread
-            || response
-                .body
-                .as_ref()
-                .is_some_and(|b| b.len() > GROUP_BODY_BYTES_MAX)
-        {
+        if !multi_thread || answer_bytes(response) > GROUP_ANSWER_BYTES_MAX {
             return self.complete_with(&self.pool, id, token, response).await;
         }
         // When this caller's bound (the store's timeout, from the call)
@@ -681,13 +676,20 @@ fn deadline_after(timeout: Duration) -> tokio::time::Instant {
 /// The most completions one statement writes.
 const GROUP_MAX: usize = 64;
 
-/// The most body bytes one group's statement carries, and the largest body
-/// that takes the turn or queues: the completions queued behind a
-/// statement wait for all of it to be sent and written (64 MiB took 1.5
-/// s here), and PostgreSQL refuses a message over 1 GiB. A group takes
-/// completions while their bodies fit, and always at least one; a
-/// completion with a larger body is written alone, at once.
-const GROUP_BODY_BYTES_MAX: usize = 1 << 20;
+/// The most answer bytes (bodies and headers, [`answer_bytes`]) one
+/// group's statement carries, and the largest answer that takes the turn
+/// or queues: the completions queued behind a statement wait for all of it
+/// to be sent and written (a 64 MiB body took 1.5 s here), and PostgreSQL
+/// refuses a message over 1 GiB. A group takes completions while their
+/// answers fit, and always at least one; a completion with a larger
+/// answer is written alone, at once.
+const GROUP_ANSWER_BYTES_MAX: usize = 1 << 20;
+
+/// The bytes of an answer's body and of its headers' names and values.
+fn answer_bytes(response: &crate::store::StoredResponse) -> usize {
+    let headers: usize = response.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+    headers + response.body.as_ref().map_or(0, Vec::len)
+}
 
 /// A completion waiting for its group.
 struct Waiting {
@@ -748,8 +750,8 @@ impl GroupWriter {
                     .iter()
                     .take(GROUP_MAX)
                     .take_while(|w| {
-                        bytes += w.response.body.as_ref().map_or(0, Vec::len);
-                        bytes <= GROUP_BODY_BYTES_MAX
+                        bytes += answer_bytes(&w.response);
+                        bytes <= GROUP_ANSWER_BYTES_MAX
                     })
                     .count()
                     .max(1);
@@ -852,10 +854,12 @@ impl PgStore {
         let mut args =
             sql::sized_arguments::<sqlx::Postgres>(8, texts.iter().map(|t| t.len()).sum::<usize>() + 16);
         for text in texts {
-            args.add(text).map_err(sql::encode_err)?;
+            args.add(text).map_err(|e| sql::encode_err(args.len() + 1, e))?;
         }
-        args.add(millis(req.ttl)).map_err(sql::encode_err)?;
-        args.add(millis(req.lock_timeout)).map_err(sql::encode_err)?;
+        args.add(millis(req.ttl))
+            .map_err(|e| sql::encode_err(args.len() + 1, e))?;
+        args.add(millis(req.lock_timeout))
+            .map_err(|e| sql::encode_err(args.len() + 1, e))?;
         // In the statement's order: tenant, scope, key, fingerprint, token,
         // operation id, ttl ms, lock ms.
         sqlx::query_with(sqlx::AssertSqlSafe(statement.clone()), args)
