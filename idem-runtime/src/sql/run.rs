@@ -386,13 +386,15 @@ macro_rules! complete_with {
             // In the statement's order: tenant, scope, key, token, status,
             // headers, body.
             for text in texts {
-                args.add(text).map_err($crate::sql::encode_err)?;
+                args.add(text)
+                    .map_err(|e| $crate::sql::encode_err(args.len() + 1, e))?;
             }
             args.add(i32::from(response.status))
-                .map_err($crate::sql::encode_err)?;
+                .map_err(|e| $crate::sql::encode_err(args.len() + 1, e))?;
             args.add(headers.as_str())
-                .map_err($crate::sql::encode_err)?;
-            args.add(body).map_err($crate::sql::encode_err)?;
+                .map_err(|e| $crate::sql::encode_err(args.len() + 1, e))?;
+            args.add(body)
+                .map_err(|e| $crate::sql::encode_err(args.len() + 1, e))?;
             let done = sqlx::query_with(sqlx::AssertSqlSafe(statement), args)
                 .execute(executor)
                 .await
@@ -414,10 +416,13 @@ pub(crate) fn sized_arguments<DB: sqlx::Database>(count: usize, bytes: usize) ->
     args
 }
 
-/// A value sqlx could not encode: a backend error, as sqlx reports it
-/// when the statement runs.
-pub(crate) fn encode_err(e: sqlx::error::BoxDynError) -> StoreError {
-    map_err(sqlx::Error::Encode(e))
+/// The value at `position` (from 1, as `$1` counts), which sqlx could not
+/// encode: a backend error, as sqlx reports it when it binds as the
+/// statement runs.
+pub(crate) fn encode_err(position: usize, e: sqlx::error::BoxDynError) -> StoreError {
+    map_err(sqlx::Error::Encode(
+        format!("encoding argument ${position} failed: {e}").into(),
+    ))
 }
 
 /// A fenced write that touched no row lost its lock.
@@ -811,5 +816,45 @@ mod headers_tests {
             }
             prop_assert_eq!(read(&json).ok(), by_serde(&json));
         }
+    }
+}
+
+#[cfg(all(test, feature = "postgres"))]
+mod encode_tests {
+    use super::{encode_err, sized_arguments};
+    use sqlx::Arguments as _;
+
+    /// A value that refuses to be encoded.
+    struct Refused;
+
+    impl sqlx::Type<sqlx::Postgres> for Refused {
+        fn type_info() -> sqlx::postgres::PgTypeInfo {
+            <&str as sqlx::Type<sqlx::Postgres>>::type_info()
+        }
+    }
+
+    impl sqlx::Encode<'_, sqlx::Postgres> for Refused {
+        fn encode_by_ref(
+            &self,
+            _: &mut sqlx::postgres::PgArgumentBuffer,
+        ) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
+            Err("refused".into())
+        }
+    }
+
+    /// A value sqlx cannot encode is a backend error (not `Unavailable`:
+    /// a retry would fail the same way), naming the argument, as sqlx's
+    /// own binding named it.
+    #[test]
+    fn a_value_that_cannot_be_encoded_is_a_backend_error_naming_its_argument() {
+        let mut args = sized_arguments::<sqlx::Postgres>(2, 8);
+        args.add("fine").unwrap();
+        let e = args
+            .add(Refused)
+            .map_err(|e| encode_err(args.len() + 1, e))
+            .unwrap_err();
+        assert!(!e.is_unavailable(), "{e:?}");
+        let text = e.to_string();
+        assert!(text.contains("argument $2") && text.contains("refused"), "{text}");
     }
 }
