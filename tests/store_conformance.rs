@@ -1816,14 +1816,15 @@ async fn postgres_a_large_answer_is_written_alone_at_once() {
             ..r
         }
     };
-    // While the turn is held, and nothing resumes it: not queued.
-    let large = with_body(&ids[1].key, (1 << 20) + 1);
+    // Written, within a bound that a completion held at the turn (or
+    // queued behind it, which nothing resumes) would not meet.
+    let at_once = |i: usize, answer: StoredResponse| {
+        let (store, id, token) = (store.clone(), ids[i].clone(), leases[i].token.clone());
+        async move { tokio::time::timeout(Duration::from_secs(30), store.complete(&id, &token, &answer)).await }
+    };
+    // While the turn is held: not queued.
     assert_eq!(
-        tokio::time::timeout(
-            Duration::from_secs(30),
-            store.complete(&ids[1], &leases[1].token, &large)
-        )
-        .await,
+        at_once(1, with_body(&ids[1].key, (1 << 20) + 1)).await,
         Ok(Ok(())),
         "written while the turn is held"
     );
@@ -1834,33 +1835,21 @@ async fn postgres_a_large_answer_is_written_alone_at_once() {
         ..response(&ids[4].key)
     };
     assert_eq!(
-        tokio::time::timeout(
-            Duration::from_secs(30),
-            store.complete(&ids[4], &leases[4].token, &headed)
-        )
-        .await,
+        at_once(4, headed).await,
         Ok(Ok(())),
         "large headers written while the turn is held"
     );
     assert_eq!(store.waiting_completions(), 0);
-    let fits = {
-        let (clone, id, token) = (store.clone(), ids[2].clone(), leases[2].token.clone());
-        tokio::spawn(async move { clone.complete(&id, &token, &with_body(&id.key, 1 << 20)).await })
-    };
+    let fits = tokio::spawn(at_once(2, with_body(&ids[2].key, 1 << 20)));
     until_waiting(&store, 1).await;
     turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
-    assert_eq!(fits.await.unwrap(), Ok(()));
+    assert_eq!(fits.await.unwrap(), Ok(Ok(())));
     // The turn free, a large one does not take it: its pause point, which
     // would hold it there, is never reached.
     let _never = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &ids[3].key);
-    let large = with_body(&ids[3].key, 2 << 20);
     assert_eq!(
-        tokio::time::timeout(
-            Duration::from_secs(30),
-            store.complete(&ids[3], &leases[3].token, &large)
-        )
-        .await,
+        at_once(3, with_body(&ids[3].key, 2 << 20)).await,
         Ok(Ok(())),
         "written without taking the turn"
     );
