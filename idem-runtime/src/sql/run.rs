@@ -571,8 +571,8 @@ impl StoredResponse {
 
 /// The stored headers read without serde where they are as
 /// [`StoredResponse::headers_to_json`] writes them and need no unescaping
-/// (`[["name","value"],...]`, no backslash, no space, no control
-/// character, every value character at most U+00FF): what serde would read
+/// (`[["name","value"],...]` with nothing between the parts, no backslash,
+/// no control character, every value character at most U+00FF): what serde would read
 /// from them. `None` for anything else, which serde then reads (and
 /// refuses where it must).
 fn plain_headers(json: &str) -> Option<Vec<(String, Vec<u8>)>> {
