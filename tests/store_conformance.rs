@@ -1390,6 +1390,13 @@ async fn written_at(store: &idem::PgStore, id: &RecordId) -> (String, String) {
     .unwrap()
 }
 
+/// Asserts that each of `ids` is completed.
+async fn all_completed(store: &idem::PgStore, ids: &[RecordId]) {
+    for id in ids {
+        assert_eq!(written_at(store, id).await.0, "completed", "{}", id.key);
+    }
+}
+
 /// Completions that arrive while one is being written wait for it, and are
 /// then written together, by one statement (one statement time for all),
 /// each answered with its own outcome: a completion whose lock is lost is
@@ -1668,9 +1675,7 @@ async fn postgres_held_rows_of_a_group_hold_up_no_later_completion() {
     peers.1.commit().await.unwrap();
     assert_eq!(h1.await.unwrap(), Ok(()));
     assert_eq!(h2.await.unwrap(), Ok(()));
-    for id in &ids[1..] {
-        assert_eq!(written_at(&store, id).await.0, "completed", "{}", id.key);
-    }
+    all_completed(&store, &ids[1..]).await;
 }
 
 /// The completion that takes the store's turn, finding its row held by
@@ -1702,9 +1707,7 @@ async fn postgres_a_held_row_never_holds_the_turn_to_write() {
     assert!(!x.is_finished());
     x_holder.commit().await.unwrap();
     assert_eq!(x.await.unwrap(), Ok(()));
-    for id in &ids {
-        assert_eq!(written_at(&store, id).await.0, "completed", "{}", id.key);
-    }
+    all_completed(&store, &ids).await;
 }
 
 /// A group whose callers have all given up is not written: its statement
@@ -1853,9 +1856,7 @@ async fn postgres_a_large_answer_is_written_alone_at_once() {
         Ok(Ok(())),
         "written without taking the turn"
     );
-    for id in &ids {
-        assert_eq!(written_at(&store, id).await.0, "completed", "{}", id.key);
-    }
+    all_completed(&store, &ids).await;
 }
 
 /// A store whose operations have no bound (`Duration::MAX`) completes,
@@ -1880,7 +1881,5 @@ async fn postgres_a_store_without_a_bound_completes() {
     for task in [first, a, b] {
         assert_eq!(task.await.unwrap(), Ok(()));
     }
-    for id in &ids {
-        assert_eq!(written_at(&store, id).await.0, "completed", "{}", id.key);
-    }
+    all_completed(&store, &ids).await;
 }
