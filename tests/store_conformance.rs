@@ -1375,6 +1375,19 @@ async fn queue_completions(
     tasks
 }
 
+/// [`queue_completions`] of the second and third records, each with its
+/// own lease (the first holds the turn).
+async fn queue_the_second_and_third(
+    store: &idem::PgStore,
+    ids: &[RecordId],
+    leases: &[Lease],
+) -> [tokio::task::JoinHandle<Result<(), StoreError>>; 2] {
+    queue_completions(store, &[(&ids[1], &leases[1].token), (&ids[2], &leases[2].token)])
+        .await
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("two completions queued"))
+}
+
 /// Each record's state and the clock its completion was written at
 /// (`created_at`, which the completion sets to its statement's time).
 async fn written_at(store: &idem::PgStore, id: &RecordId) -> (String, String) {
@@ -1530,13 +1543,7 @@ async fn postgres_a_held_row_in_a_group_holds_up_only_its_own_completion() {
     let (ids, leases, holders, turn, first) =
         hold_the_first_completion(&store, &url, &["held", "free", "locked"]).await;
     let peer = hold_row(&holders, &store, &ids[2]).await;
-    let [free, locked]: [_; 2] = queue_completions(
-        &store,
-        &[(&ids[1], &leases[1].token), (&ids[2], &leases[2].token)],
-    )
-    .await
-    .try_into()
-    .unwrap();
+    let [free, locked] = queue_the_second_and_third(&store, &ids, &leases).await;
     turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     // The other row is still held: the free one's answer comes regardless.
@@ -1657,13 +1664,7 @@ async fn postgres_held_rows_of_a_group_hold_up_no_later_completion() {
         hold_row(&holders, &store, &ids[1]).await,
         hold_row(&holders, &store, &ids[2]).await,
     );
-    let [h1, h2]: [_; 2] = queue_completions(
-        &store,
-        &[(&ids[1], &leases[1].token), (&ids[2], &leases[2].token)],
-    )
-    .await
-    .try_into()
-    .unwrap();
+    let [h1, h2] = queue_the_second_and_third(&store, &ids, &leases).await;
     turn.resume();
     assert_eq!(first.await.unwrap(), Ok(()));
     // The group skipped both rows: each caller now waits on its own.
@@ -1722,13 +1723,7 @@ async fn postgres_a_group_is_not_written_past_its_callers_deadlines() {
     let store = store.with_timeout(Duration::from_secs(1));
     let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["first", "a", "b"]).await;
-    let [a, b]: [_; 2] = queue_completions(
-        &store,
-        &[(&ids[1], &leases[1].token), (&ids[2], &leases[2].token)],
-    )
-    .await
-    .try_into()
-    .unwrap();
+    let [a, b] = queue_the_second_and_third(&store, &ids, &leases).await;
     // Every connection of the store's pool taken: nothing it sends now
     // gets one.
     let mut taken = Vec::new();
@@ -1870,13 +1865,7 @@ async fn postgres_a_store_without_a_bound_completes() {
     let store = store.with_timeout(Duration::MAX);
     let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["first", "a", "b"]).await;
-    let [a, b]: [_; 2] = queue_completions(
-        &store,
-        &[(&ids[1], &leases[1].token), (&ids[2], &leases[2].token)],
-    )
-    .await
-    .try_into()
-    .unwrap();
+    let [a, b] = queue_the_second_and_third(&store, &ids, &leases).await;
     turn.resume();
     for task in [first, a, b] {
         assert_eq!(task.await.unwrap(), Ok(()));
