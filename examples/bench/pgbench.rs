@@ -347,6 +347,12 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
             statements: vec![lookup.clone(), complete.clone()],
         },
         ExecCell {
+            name: "idem first: the lookup, then complete, SKIP LOCKED",
+            baseline: Some("hand-written first: INSERT, then UPDATE"),
+            key: new,
+            statements: vec![lookup.clone(), bound(s.complete_free, &COMPLETE_VARS)],
+        },
+        ExecCell {
             name: "idem first, part: the lookup",
             baseline: Some("hand-written first: INSERT, then UPDATE"),
             key: new,
