@@ -16,7 +16,9 @@ soak=target/release/examples/soak
 rows=()
 run() {
     echo "== soak $*"
-    out=$("$soak" "$@" | tee -a /dev/stderr) || true
+    # Each run shown as it goes, on the script's own stderr (not reopened,
+    # so that stdout and stderr sent to one file do not overwrite each other).
+    out=$("$soak" "$@" | tee >(cat >&2)) || true
     rows+=("$(grep '^RELIABILITY row' <<<"$out" | sed 's/^RELIABILITY row: //') \`soak $*\` |")
 }
 run --store postgres --ops "$large" --clients 32 --tenants 400

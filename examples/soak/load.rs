@@ -196,11 +196,13 @@ async fn send(op: &Op, addrs: &[SocketAddr]) -> Log {
         if rng.chance(30) {
             tokio::time::sleep(Duration::from_millis(rng.below(200))).await;
         }
-        let addr = addrs[rng.below(addrs.len() as u64) as usize];
+        let at = rng.below(addrs.len() as u64) as usize;
+        let addr = addrs[at];
         let abandon = rng.chance(10).then(|| Duration::from_millis(rng.below(30)));
         if rng.chance(20) {
-            // Two copies at once, on both services.
-            let other = addrs[rng.below(addrs.len() as u64) as usize];
+            // Two copies at once, one on each service: the race between
+            // processes, which one process's lock could not settle.
+            let other = addrs[(at + 1) % addrs.len()];
             let (a, b) = tokio::join!(
                 client::pay(addr, &op.tenant, &op.key, &body, abandon),
                 client::pay(other, &op.tenant, &op.key, &body, None)
