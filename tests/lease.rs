@@ -2884,3 +2884,78 @@ mod settling {
         );
     }
 }
+
+/// A memory store whose first rejection fails (the database unreachable
+/// for that one statement); every other call goes through.
+struct RejectFailsOnce {
+    store: idem::MemoryStore,
+    rejects: std::sync::atomic::AtomicUsize,
+}
+
+impl IdempotencyStore for RejectFailsOnce {
+    fn reject<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        if self.rejects.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            return Box::pin(async { Err(StoreError::unavailable("the rejection did not get through")) });
+        }
+        self.store.reject(id, token)
+    }
+    forward_to_store!(
+        reserve,
+        complete,
+        release,
+        checkpoint,
+        extend_lock,
+        purge_expired,
+        hand_back
+    );
+}
+
+/// A rejection (the handler's 422) whose write to the store fails is tried
+/// again as a rejection: the key is freed, so the client's corrected
+/// request runs. Released as failed instead, the key stayed bound to the
+/// refused request, and the corrected one got 422 `idempotency-key-reused`
+/// until the record expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejection_whose_write_fails_still_frees_the_key() {
+    use tower::ServiceExt as _;
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct Order {
+        quantity: u32,
+    }
+    #[idempotent(scope = "lease.reject_fails_once")]
+    async fn order(axum::Json(o): axum::Json<Order>) -> StatusCode {
+        if o.quantity == 0 {
+            StatusCode::UNPROCESSABLE_ENTITY
+        } else {
+            StatusCode::CREATED
+        }
+    }
+    let store = RejectFailsOnce {
+        store: idem::MemoryStore::new(),
+        rejects: std::sync::atomic::AtomicUsize::new(0),
+    };
+    let app = Router::new()
+        .route("/order", post(order))
+        .layer(Idem::new(store).single_tenant().layer());
+    let key = idem_testkit::unique("k-reject-fails-once");
+    let request = |body: &'static str| {
+        axum::http::Request::post("/order")
+            .header("idempotency-key", &key)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body))
+            .unwrap()
+    };
+    let refused = app.clone().oneshot(request(r#"{"quantity": 0}"#)).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(refused.headers().get("idempotent-replayed").is_none());
+    let corrected = app.oneshot(request(r#"{"quantity": 2}"#)).await.unwrap();
+    assert_eq!(
+        corrected.status(),
+        StatusCode::CREATED,
+        "the corrected request with the rejected request's key did not run"
+    );
+}

@@ -230,8 +230,13 @@ async fn letting_go(
     let (id, token) = (&info.id, &info.lease.token);
     let outcome = match how {
         LetGo::Reject => match engine.store.reject(id, token).await {
-            // Not freed: at least never left locked.
-            Err(e) if e != StoreError::LockLost => give_back(engine, id, token, lock_timeout).await,
+            // Tried again, as a rejection: released as failed instead, the
+            // key would stay bound to the request the handler refused, and
+            // the client's corrected request would get 422 until the
+            // record expired.
+            Err(e) if e != StoreError::LockLost => {
+                Box::pin(retried(engine, id, token, lock_timeout, Back::Rejected)).await
+            }
             other => other,
         },
         LetGo::Fail => give_back(engine, id, token, lock_timeout).await,
@@ -285,6 +290,9 @@ pub(crate) fn hand_back_key<'a>(
 enum Back {
     /// An execution ran and failed: released as failed.
     Ran,
+    /// An execution ran and its answer was a rejection: the key freed (see
+    /// [`crate::IdempotencyStore::reject`]).
+    Rejected,
     /// Nothing ran: as it was found.
     NeverRan { taken_over: bool },
 }
@@ -298,6 +306,7 @@ impl Back {
     ) -> Result<(), StoreError> {
         match self {
             Back::Ran => store.release(id, token).await,
+            Back::Rejected => store.reject(id, token).await,
             Back::NeverRan { taken_over } => store.hand_back(id, token, taken_over).await,
         }
     }
