@@ -410,6 +410,9 @@ fn model(state: &mut Option<Rec>, step: Step, me: &str) -> Out {
             r.holder = None;
             r.lock_live = false;
         }),
+        // No record at all: the key is free, which is what a rejection
+        // asks, so it is done (a try again after a lost answer finds this).
+        Step::Reject if state.is_none() => Out::Done,
         Step::Reject => {
             let first = state
                 .as_ref()

@@ -2959,3 +2959,71 @@ async fn a_rejection_whose_write_fails_still_frees_the_key() {
         "the corrected request with the rejected request's key did not run"
     );
 }
+
+/// A rejection whose write commits but whose answer is lost (the store's
+/// timeout runs out just after the commit) is tried again, and that try
+/// finds the record gone: the rejection it asked for is done. The client
+/// gets the handler's answer, not 503 `idempotency-lease-lost` (nobody took
+/// the operation over), and the corrected request with the same key runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejection_committed_but_unanswered_still_answers_the_rejection() {
+    use tower::ServiceExt as _;
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct Order {
+        quantity: u32,
+    }
+    #[idempotent(scope = "lease.reject_unanswered")]
+    async fn order(axum::Json(o): axum::Json<Order>) -> StatusCode {
+        if o.quantity == 0 {
+            StatusCode::UNPROCESSABLE_ENTITY
+        } else {
+            StatusCode::CREATED
+        }
+    }
+    for kind in [StoreKind::Sqlite, StoreKind::Postgres] {
+        let timeout = Duration::from_millis(300);
+        let (store, _dir): (Arc<dyn IdempotencyStore>, _) = match kind {
+            StoreKind::Sqlite => {
+                let (store, dir) = idem_testkit::sqlite_store().await;
+                (Arc::new(store.with_timeout(timeout)), Some(dir))
+            }
+            _ => {
+                let Some(url) = idem_testkit::pg_url() else { return };
+                let schema = idem_testkit::pg_schema(&url).await;
+                let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+                (Arc::new(store.with_timeout(timeout)), None)
+            }
+        };
+        let app = Router::new()
+            .route("/order", post(order))
+            .layer(Idem::from_arc(store.clone()).single_tenant().layer());
+        let key = idem_testkit::unique("k-reject-unanswered");
+        let request = |body: &'static str| {
+            axum::http::Request::post("/order")
+                .header("idempotency-key", &key)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(body))
+                .unwrap()
+        };
+        // Held past the store's timeout right after the rejection
+        // committed: the store answers with a timeout, and the runtime
+        // tries the rejection again.
+        let mut committed = pause::arm(pause::REJECT_AFTER, &key);
+        let refused = tokio::spawn(app.clone().oneshot(request(r#"{"quantity": 0}"#)));
+        committed.reached().await;
+        let refused = refused.await.unwrap().unwrap();
+        drop(committed);
+        let problem = refused
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(
+            refused.status(),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{kind:?}: the rejection was recorded, and its answer not given ({problem:?})"
+        );
+        assert!(refused.headers().get("idempotent-replayed").is_none());
+        let corrected = app.oneshot(request(r#"{"quantity": 2}"#)).await.unwrap();
+        assert_eq!(corrected.status(), StatusCode::CREATED, "{kind:?}");
+    }
+}

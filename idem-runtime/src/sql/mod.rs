@@ -206,6 +206,9 @@ pub(crate) struct Statements {
     pub(crate) release: String,
     /// Removes a rejected first attempt. Binds: tenant, scope, key, token.
     pub(crate) reject: String,
+    /// One row when a record is stored under the key, whatever its state.
+    /// Binds: tenant, scope, key.
+    pub(crate) present: String,
     /// Binds: tenant, scope, key, token, recovery point.
     pub(crate) checkpoint: String,
     /// Binds: tenant, scope, key, token, lock ms.
@@ -508,6 +511,7 @@ impl Statements {
             // the same operation (same id, so the same derived keys).
             release: format!("UPDATE {t} SET lock_token = NULL, lock_expires_at = {now} WHERE {owned}"),
             reject: format!("DELETE FROM {t} WHERE {owned} AND attempt = 1 AND recovery_point IS NULL"),
+            present: format!("SELECT 1 FROM {t} WHERE {id}"),
             checkpoint: format!("UPDATE {t} SET recovery_point = {} WHERE {owned}", p(5)),
             extend: format!("UPDATE {t} SET lock_expires_at = {now} + {} WHERE {owned}", ms(5)),
             has_reserve_function: d.reserve_function.then(|| {

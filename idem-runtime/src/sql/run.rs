@@ -192,10 +192,7 @@ macro_rules! fenced_ops {
             token: &'a str,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
             Box::pin($crate::sql::bounded(self.timeout, async move {
-                if self.owned_write(&self.sql.reject, id, token).await? == 0 {
-                    // A later attempt (or a lost lock): released as failed.
-                    $crate::sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
-                }
+                self.reject_statements(id, token).await?;
                 pause_point!($crate::pause::REJECT_AFTER, &id.key);
                 Ok(())
             }))
@@ -318,6 +315,35 @@ macro_rules! complete_with {
                 .await
                 .map_err($crate::sql::map_err)?;
             Ok(done.rows_affected())
+        }
+
+        /// [`IdempotencyStore::reject`](crate::IdempotencyStore::reject)'s
+        /// statements: a first attempt with no recovery point is removed; a
+        /// later one (or one with progress) is released as failed. When
+        /// `token` holds nothing and no record is left at all, the
+        /// rejection is done all the same: the key is free (an earlier try
+        /// whose answer was lost removed the record, or the janitor did).
+        async fn reject_statements(
+            &self,
+            id: &$crate::store::RecordId,
+            token: &str,
+        ) -> Result<(), $crate::StoreError> {
+            if self.owned_write(&self.sql.reject, id, token).await? > 0
+                || self.owned_write(&self.sql.release, id, token).await? > 0
+            {
+                return Ok(());
+            }
+            let left = sqlx::query(sqlx::AssertSqlSafe(self.sql.present.as_str()))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err($crate::sql::map_err)?;
+            match left {
+                Some(_) => Err($crate::StoreError::LockLost),
+                None => Ok(()),
+            }
         }
 
         /// [`IdempotencyStore::hand_back`](crate::IdempotencyStore::hand_back)'s

@@ -413,15 +413,8 @@ impl IdempotencyStore for SqliteStore {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         let (owned_id, owned_token) = (id.clone(), token.to_owned());
         Box::pin(sql::bounded(self.timeout, async move {
-            self.queued(|store| async move {
-                let (id, token) = (&owned_id, owned_token.as_str());
-                if store.owned_write(&store.sql.reject, id, token).await? == 0 {
-                    // A later attempt (or a lost lock): released as failed.
-                    sql::fenced(store.owned_write(&store.sql.release, id, token).await?)?;
-                }
-                Ok(())
-            })
-            .await?;
+            self.queued(|store| async move { store.reject_statements(&owned_id, &owned_token).await })
+                .await?;
             pause_point!(crate::pause::REJECT_AFTER, &id.key);
             Ok(())
         }))

@@ -384,7 +384,7 @@ impl IdempotencyStore for MemoryStore {
 
     fn reject<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            self.fenced(id, token, |place, now| {
+            let rejected = self.fenced(id, token, |place, now| {
                 if place.get().is_some_and(MemoryRecord::untouched) {
                     place.remove();
                 } else {
@@ -393,7 +393,13 @@ impl IdempotencyStore for MemoryStore {
                         r.lock_deadline = now;
                     });
                 }
-            })?;
+            });
+            match rejected {
+                // No record left: the key is free, which is what the
+                // rejection asks (an earlier try removed it, or the purge).
+                Err(StoreError::LockLost) if self.place(id).get().is_none() => {}
+                other => other?,
+            }
             pause_point!(crate::pause::REJECT_AFTER, &id.key);
             Ok(())
         })

@@ -404,8 +404,11 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
     /// Releases the record as *rejected*: on the operation's first attempt
     /// with no recovery point (nothing can have happened) the record is
     /// removed and the key is free; otherwise it is released as failed
-    /// ([`IdempotencyStore::release`]). The default is the safe half:
-    /// always release as failed.
+    /// ([`IdempotencyStore::release`]). When no record is left under the
+    /// key at all, the rejection is done (`Ok`): the key is free, and the
+    /// runtime tries a rejection again after an error, which may have come
+    /// after the first try committed. The default is the safe half: always
+    /// release as failed.
     fn reject<'a>(&'a self, id: &'a RecordId, token: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
         self.release(id, token)
     }
