@@ -3027,3 +3027,126 @@ async fn a_rejection_committed_but_unanswered_still_answers_the_rejection() {
         assert_eq!(corrected.status(), StatusCode::CREATED, "{kind:?}");
     }
 }
+
+/// The `type` of a problem answer, read from its body.
+async fn problem_type(response: Response) -> (StatusCode, String) {
+    let status = response.status();
+    let body = axum::body::to_bytes(response.into_body(), 1 << 16).await.unwrap();
+    let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    (status, value["type"].as_str().unwrap_or_default().to_owned())
+}
+
+/// A rejection whose first try failed with its effect unknown, and whose
+/// second try finds the token holding nothing while a record is still
+/// there, cannot tell whether its first try took effect or another
+/// execution took the operation over. Its client gets 503
+/// `idempotency-store-unavailable` (retry with the same key), not 503
+/// `idempotency-lease-lost`, which says a takeover happened.
+/// - Checkpointed, then refused: the first try's release commits (a
+///   recovery point keeps the key bound) and its answer is lost. The retry
+///   runs again and gets the rejection.
+/// - Refused, its DELETE committed and its answer lost while the corrected
+///   request takes the freed key: that record is left alone, and answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejection_that_cannot_tell_whether_it_took_effect_is_not_called_a_takeover() {
+    use tower::ServiceExt as _;
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct Order {
+        quantity: u32,
+        checkpoint: bool,
+    }
+    #[idempotent(scope = "lease.reject_unclear")]
+    async fn order(op: Operation, axum::Json(o): axum::Json<Order>) -> StatusCode {
+        if o.checkpoint {
+            op.checkpoint("validated").await.unwrap();
+        }
+        if o.quantity == 0 {
+            StatusCode::UNPROCESSABLE_ENTITY
+        } else {
+            StatusCode::CREATED
+        }
+    }
+    const UNAVAILABLE: &str = "urn:idem:problem:idempotency-store-unavailable";
+    for kind in [StoreKind::Sqlite, StoreKind::Postgres] {
+        // Long enough for the corrected request to reserve and run while
+        // the first rejection's answer is held.
+        let timeout = Duration::from_secs(2);
+        let (store, _dir): (Arc<dyn IdempotencyStore>, _) = match kind {
+            StoreKind::Sqlite => {
+                let (store, dir) = idem_testkit::sqlite_store().await;
+                (Arc::new(store.with_timeout(timeout)), Some(dir))
+            }
+            _ => {
+                let Some(url) = idem_testkit::pg_url() else { return };
+                let schema = idem_testkit::pg_schema(&url).await;
+                let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+                (Arc::new(store.with_timeout(timeout)), None)
+            }
+        };
+        let app = Router::new()
+            .route("/order", post(order))
+            .layer(Idem::from_arc(store.clone()).single_tenant().layer());
+        let request = |key: &str, body: &'static str| {
+            axum::http::Request::post("/order")
+                .header("idempotency-key", key)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(body))
+                .unwrap()
+        };
+
+        // Checkpointed, then refused: released as failed, answer lost.
+        let key = idem_testkit::unique("k-reject-unclear-released");
+        let refused_body = r#"{"quantity": 0, "checkpoint": true}"#;
+        let committed = {
+            let mut committed = pause::arm(pause::REJECT_AFTER, &key);
+            let refused = tokio::spawn(app.clone().oneshot(request(&key, refused_body)));
+            committed.reached().await;
+            // Held past the store's timeout: the first try answers with a
+            // timeout after its release committed.
+            let refused = refused.await.unwrap().unwrap();
+            drop(committed);
+            problem_type(refused).await
+        };
+        assert_eq!(
+            committed,
+            (StatusCode::SERVICE_UNAVAILABLE, UNAVAILABLE.to_owned()),
+            "{kind:?}: released"
+        );
+        let retry = app.clone().oneshot(request(&key, refused_body)).await.unwrap();
+        assert_eq!(retry.status(), StatusCode::UNPROCESSABLE_ENTITY, "{kind:?}");
+        assert!(retry.headers().get("idempotent-replayed").is_none());
+
+        // Refused, then the corrected request takes the key before the
+        // rejection's second try.
+        let key = idem_testkit::unique("k-reject-unclear-retaken");
+        let mut committed = pause::arm(pause::REJECT_AFTER, &key);
+        let refused = tokio::spawn(
+            app.clone()
+                .oneshot(request(&key, r#"{"quantity": 0, "checkpoint": false}"#)),
+        );
+        committed.reached().await;
+        let corrected_body = r#"{"quantity": 2, "checkpoint": false}"#;
+        let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
+        let corrected = tokio::spawn(app.clone().oneshot(request(&key, corrected_body)));
+        returned.reached().await;
+        assert!(
+            !refused.is_finished(),
+            "{kind:?}: answered before the key was taken again"
+        );
+        let refused = refused.await.unwrap().unwrap();
+        drop(committed);
+        assert_eq!(
+            problem_type(refused).await,
+            (StatusCode::SERVICE_UNAVAILABLE, UNAVAILABLE.to_owned()),
+            "{kind:?}: retaken"
+        );
+        returned.resume();
+        assert_eq!(
+            corrected.await.unwrap().unwrap().status(),
+            StatusCode::CREATED,
+            "{kind:?}"
+        );
+        let replay = app.clone().oneshot(request(&key, corrected_body)).await.unwrap();
+        assert_eq!(replay.headers()["idempotent-replayed"], "true", "{kind:?}");
+    }
+}

@@ -228,6 +228,9 @@ async fn letting_go(
         Outcome::Released
     });
     let (id, token) = (&info.id, &info.lease.token);
+    // Whether a first try failed with its effect unknown (it may have
+    // committed, its answer lost).
+    let mut unclear = false;
     let outcome = match how {
         LetGo::Reject => match engine.store.reject(id, token).await {
             // Tried again, as a rejection: released as failed instead, the
@@ -235,6 +238,7 @@ async fn letting_go(
             // the client's corrected request would get 422 until the
             // record expired.
             Err(e) if e != StoreError::LockLost => {
+                unclear = true;
                 Box::pin(retried(engine, id, token, lock_timeout, Back::Rejected)).await
             }
             other => other,
@@ -242,6 +246,18 @@ async fn letting_go(
         LetGo::Fail => give_back(engine, id, token, lock_timeout).await,
     };
     info.settled(outcome.is_ok());
+    if unclear && outcome == Err(StoreError::LockLost) {
+        // The token holds nothing now: the first try took effect, or
+        // another execution took the operation over. Which, nobody can
+        // tell: not a takeover's 503, and not the handler's answer either
+        // (a conflict may not hold for the execution that took over). The
+        // retry gets the answer that counts.
+        record(Outcome::NotRecorded);
+        tracing::error!(
+            "cannot tell whether the rejection was recorded: its first try failed, and the second found              the lock no longer held"
+        );
+        return Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response();
+    }
     if outcome == Err(StoreError::LockLost) {
         record(Outcome::LockLost);
         tracing::error!("cannot release: another execution took this operation over");
