@@ -3150,3 +3150,55 @@ async fn a_rejection_that_cannot_tell_whether_it_took_effect_is_not_called_a_tak
         assert_eq!(replay.headers()["idempotent-replayed"], "true", "{kind:?}");
     }
 }
+
+/// A completion whose first try committed and whose answer was lost (the
+/// store's timeout ran out just after the commit) is tried again, and that
+/// try finds the lock no longer held: the record may be completed with
+/// this very answer, or taken over. Its client gets 503
+/// `idempotency-store-unavailable`, not `idempotency-lease-lost` (nobody
+/// took over), and its retry replays the answer the first try stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_committed_but_unanswered_is_not_called_a_takeover() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.complete_unanswered")]
+    async fn pay() -> (StatusCode, &'static str) {
+        (StatusCode::CREATED, "paid")
+    }
+    for kind in [StoreKind::Sqlite, StoreKind::Postgres] {
+        let timeout = Duration::from_millis(300);
+        let (store, _dir): (Arc<dyn IdempotencyStore>, _) = match kind {
+            StoreKind::Sqlite => {
+                let (store, dir) = idem_testkit::sqlite_store().await;
+                (Arc::new(store.with_timeout(timeout)), Some(dir))
+            }
+            _ => {
+                let Some(url) = idem_testkit::pg_url() else { return };
+                let schema = idem_testkit::pg_schema(&url).await;
+                let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+                (Arc::new(store.with_timeout(timeout)), None)
+            }
+        };
+        let app = Router::new()
+            .route("/pay", post(pay))
+            .layer(Idem::from_arc(store.clone()).single_tenant().layer());
+        let key = idem_testkit::unique("k-complete-unanswered");
+        let mut committed = pause::arm(pause::COMPLETE_AFTER, &key);
+        let first = tokio::spawn(app.clone().oneshot(keyed_post("/pay", &key, "")));
+        committed.reached().await;
+        let first = first.await.unwrap().unwrap();
+        drop(committed);
+        assert_eq!(
+            problem_type(first).await,
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "urn:idem:problem:idempotency-store-unavailable".to_owned()
+            ),
+            "{kind:?}"
+        );
+        let retry = app.oneshot(keyed_post("/pay", &key, "")).await.unwrap();
+        assert_eq!(retry.status(), StatusCode::CREATED, "{kind:?}");
+        assert_eq!(retry.headers()["idempotent-replayed"], "true", "{kind:?}");
+        let body = axum::body::to_bytes(retry.into_body(), 1 << 16).await.unwrap();
+        assert_eq!(&body[..], b"paid", "{kind:?}");
+    }
+}

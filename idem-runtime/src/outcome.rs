@@ -136,14 +136,16 @@ pub(crate) async fn complete(
             }
             Err(StoreError::LockLost) => {
                 // An earlier attempt that failed may have completed the
-                // record after all (its answer lost): the retry is told
-                // which, a replay or the other execution's answer.
-                record(Outcome::LockLost);
+                // record after all (its answer lost), or another execution
+                // took over: which, nobody can tell, so not a takeover's
+                // 503. The retry is told which, a replay or the other
+                // execution's answer.
+                record(Outcome::NotRecorded);
                 tracing::error!(
-                    "cannot complete: an earlier attempt may have completed the record, or another \
-                     execution took this operation over"
+                    "cannot tell whether the answer was recorded: an earlier attempt may have completed the \
+                     record, or another execution took this operation over"
                 );
-                return Err(Problem::LeaseLost.into_response());
+                return Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response());
             }
             // Retried even past the lock's deadline (the keeper no longer
             // ends the lease while the execution settles): every try is
