@@ -196,8 +196,9 @@ impl Problem {
                 Unavailable::NotCompleted => "the request could not be completed; retry later with the same key",
             }
             .into(),
-            Problem::LeaseLost => "another execution of this request took over; retry later with the same key \
-                                   to get its answer"
+            Problem::LeaseLost => "this execution lost its lock on the request's operation, which another \
+                                   execution may have taken over; retry later with the same key to get the \
+                                   operation's answer"
                 .into(),
             Problem::Misconfigured => "the server is not configured correctly for this endpoint; the request \
                                        was not processed"
