@@ -3202,3 +3202,177 @@ async fn a_completion_committed_but_unanswered_is_not_called_a_takeover() {
         assert_eq!(&body[..], b"paid", "{kind:?}");
     }
 }
+
+/// A PostgreSQL store whose lock extensions all fail (a store that cannot
+/// extend), and whose first rejection waits for the test, then fails
+/// without effect, as does the second at once; later ones go through.
+struct RejectsHeld {
+    store: idem::PgStore,
+    rejects: std::sync::atomic::AtomicUsize,
+    reached: Notify,
+    gate: Notify,
+}
+
+impl IdempotencyStore for RejectsHeld {
+    fn reject<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        match self.rejects.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 => Box::pin(async move {
+                self.reached.notify_one();
+                self.gate.notified().await;
+                Err(StoreError::unavailable("the first rejection did not get through"))
+            }),
+            1 => Box::pin(async {
+                Err(StoreError::unavailable(
+                    "the second rejection did not get through",
+                ))
+            }),
+            _ => self.store.reject(id, token),
+        }
+    }
+    fn extend_lock<'a>(
+        &'a self,
+        _: &'a RecordId,
+        _: &'a str,
+        _: Duration,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async { Err(StoreError::unavailable("extensions do not get through")) })
+    }
+    forward_to_store!(reserve, complete, release, checkpoint, purge_expired, hand_back);
+}
+
+/// A rejection the store never confirms is not given: its execution's lock
+/// may have run out meanwhile (its extensions failed too) and another
+/// execution taken the operation over, for which the conflict need not
+/// hold. Here it did: the first execution answers 409 (out of stock), its
+/// lock runs out while its rejection's writes fail, and the retry takes
+/// over and answers 201 (stock arrived). The first client gets 503
+/// `idempotency-store-unavailable`, never the 409 that contradicts the
+/// operation's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_unconfirmed_rejection_is_not_given() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.reject_unconfirmed", lock_timeout = "2s")]
+    async fn reserve_stock(op: Operation) -> (StatusCode, &'static str) {
+        if op.attempt() == 1 {
+            (StatusCode::CONFLICT, "out of stock")
+        } else {
+            (StatusCode::CREATED, "reserved")
+        }
+    }
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 8)
+        .await
+        .with_timeout(Duration::from_secs(1));
+    let pool = store.pool().clone();
+    let held = Arc::new(RejectsHeld {
+        store,
+        rejects: std::sync::atomic::AtomicUsize::new(0),
+        reached: Notify::new(),
+        gate: Notify::new(),
+    });
+    let app = Router::new()
+        .route("/stock", post(reserve_stock))
+        .layer(Idem::from_arc(held.clone()).single_tenant().layer());
+    let key = idem_testkit::unique("k-reject-unconfirmed");
+    let reached = held.reached.notified();
+    let first = tokio::spawn(app.clone().oneshot(keyed_post("/stock", &key, "")));
+    reached.await;
+    // The first execution's lock runs out (nothing extends it).
+    let expired = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{schema}\".idempotency_keys SET lock_expires_at = now() - interval '1 second' \
+         WHERE key = $1"
+    )))
+    .bind(&key)
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(expired.rows_affected(), 1);
+    let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
+    let second = tokio::spawn(app.clone().oneshot(keyed_post("/stock", &key, "")));
+    returned.reached().await;
+    // Taken over: now the first execution's rejection fails, twice.
+    held.gate.notify_one();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(
+        problem_type(first).await,
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "urn:idem:problem:idempotency-store-unavailable".to_owned()
+        )
+    );
+    returned.resume();
+    assert_eq!(second.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    let retry = app.oneshot(keyed_post("/stock", &key, "")).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+}
+
+/// A handler told its lease is lost (its lock could not be extended before
+/// the deadline, so another execution may take over) has what it answers
+/// then neither given nor stored, a rejection or a failure as much as a
+/// success: its client gets 503 `idempotency-lease-lost`. Nobody took over
+/// here, so its key is let go as it answered, and the retry runs.
+#[tokio::test]
+async fn a_handler_told_its_lease_is_lost_has_no_answer_given() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.told_then_answers", lock_timeout = "150ms")]
+    async fn told(op: Operation, body: String) -> (StatusCode, &'static str) {
+        op.lease_lost().await;
+        match body.as_str() {
+            "reject" => (StatusCode::CONFLICT, "stopped: lease lost"),
+            _ => (StatusCode::SERVICE_UNAVAILABLE, "stopped: lease lost"),
+        }
+    }
+    let store = FailsExtensions {
+        store: idem::MemoryStore::new(),
+    };
+    let app = Router::new()
+        .route("/told", post(told))
+        .layer(Idem::new(store).single_tenant().layer());
+    for body in ["reject", "fail"] {
+        let key = idem_testkit::unique("k-told-then-answers");
+        let first = app
+            .clone()
+            .oneshot(keyed_post("/told", &key, body))
+            .await
+            .unwrap();
+        assert_eq!(
+            problem_type(first).await,
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "urn:idem:problem:idempotency-lease-lost".to_owned()
+            ),
+            "{body}"
+        );
+    }
+}
+
+/// A memory store whose lock extensions all fail.
+struct FailsExtensions {
+    store: idem::MemoryStore,
+}
+
+impl IdempotencyStore for FailsExtensions {
+    fn extend_lock<'a>(
+        &'a self,
+        _: &'a RecordId,
+        _: &'a str,
+        _: Duration,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async { Err(StoreError::unavailable("extensions do not get through")) })
+    }
+    forward_to_store!(
+        reserve,
+        complete,
+        release,
+        reject,
+        checkpoint,
+        purge_expired,
+        hand_back
+    );
+}

@@ -178,10 +178,12 @@ pub(crate) enum LetGo {
 /// A failed execution (`fail`) or a rejected request (`reject`): rolls back
 /// the handler's transaction, lets the key go as `how` says, and answers
 /// `response`, unless another execution took the operation over, whose
-/// answer is the one that counts. When the rollback could not undo all the
-/// handler wrote (SQLite had ended the transaction by itself), the key goes
-/// back as failed and the client gets 503: the outcome is not known.
-/// Boxed: see [`record_completion`].
+/// answer is the one that counts, or the handler answered after it was
+/// told its lease is lost (503 `idempotency-lease-lost` for both), or a
+/// rejection the store did not confirm (503: see below). When the rollback
+/// could not undo all the handler wrote (SQLite had ended the transaction
+/// by itself), the key goes back as failed and the client gets 503: the
+/// outcome is not known. Boxed: see [`record_completion`].
 pub(crate) fn let_go<'a>(
     engine: &'a Arc<Engine>,
     info: &'a OperationInfo,
@@ -205,7 +207,8 @@ async fn letting_go(
     // statement the handler left running): a deadline that passes
     // meanwhile is not a loss unless the release below is not confirmed.
     // Let go even when the lease was lost first: the write is fenced.
-    let _ = info.settle();
+    // `told`: the lease was lost while the handler ran, and it was told.
+    let told = !info.settle();
     let mut lost = false;
     if let Some(tx) = tx {
         if !tx.rollback().await {
@@ -264,6 +267,24 @@ async fn letting_go(
         record(Outcome::LockLost);
         tracing::error!("cannot release: another execution took this operation over");
         return Problem::LeaseLost.into_response();
+    }
+    if told {
+        // What it answered once told is not the operation's answer (often
+        // an early stop), as for a success (see `refuse_lost`); its key
+        // went back all the same, so the retry runs.
+        record(Outcome::LockLost);
+        tracing::error!("the handler answered after it was told its lease is lost; its answer is not given");
+        return Problem::LeaseLost.into_response();
+    }
+    if how == LetGo::Reject && outcome.is_err() {
+        // Not confirmed: the lock may have run out meanwhile (the store
+        // fails, so its extensions may too) and another execution taken
+        // the operation over, for which a conflict need not hold. The
+        // rejection goes on in the background; the retry gets the answer
+        // that counts. (A failure's answer asks for that retry itself.)
+        record(Outcome::NotRecorded);
+        tracing::error!("the rejection could not be recorded; its answer is not given");
+        return Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response();
     }
     response
 }
