@@ -2885,6 +2885,22 @@ mod settling {
     }
 }
 
+/// An order, refused (422) when it is for nothing.
+#[derive(serde::Deserialize, serde::Serialize)]
+struct Order {
+    quantity: u32,
+}
+
+/// 422 for an order of nothing, else 201.
+#[idempotent(scope = "lease.order")]
+async fn order(axum::Json(o): axum::Json<Order>) -> StatusCode {
+    if o.quantity == 0 {
+        StatusCode::UNPROCESSABLE_ENTITY
+    } else {
+        StatusCode::CREATED
+    }
+}
+
 /// A memory store whose first rejection fails (the database unreachable
 /// for that one statement); every other call goes through.
 struct RejectFailsOnce {
@@ -2922,18 +2938,6 @@ impl IdempotencyStore for RejectFailsOnce {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejection_whose_write_fails_still_frees_the_key() {
     use tower::ServiceExt as _;
-    #[derive(serde::Deserialize, serde::Serialize)]
-    struct Order {
-        quantity: u32,
-    }
-    #[idempotent(scope = "lease.reject_fails_once")]
-    async fn order(axum::Json(o): axum::Json<Order>) -> StatusCode {
-        if o.quantity == 0 {
-            StatusCode::UNPROCESSABLE_ENTITY
-        } else {
-            StatusCode::CREATED
-        }
-    }
     let store = RejectFailsOnce {
         store: idem::MemoryStore::new(),
         rejects: std::sync::atomic::AtomicUsize::new(0),
@@ -2942,13 +2946,7 @@ async fn a_rejection_whose_write_fails_still_frees_the_key() {
         .route("/order", post(order))
         .layer(Idem::new(store).single_tenant().layer());
     let key = idem_testkit::unique("k-reject-fails-once");
-    let request = |body: &'static str| {
-        axum::http::Request::post("/order")
-            .header("idempotency-key", &key)
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Body::from(body))
-            .unwrap()
-    };
+    let request = |body: &'static str| json_post("/order", &key, body);
     let refused = app.clone().oneshot(request(r#"{"quantity": 0}"#)).await.unwrap();
     assert_eq!(refused.status(), StatusCode::UNPROCESSABLE_ENTITY);
     assert!(refused.headers().get("idempotent-replayed").is_none());
@@ -2968,43 +2966,13 @@ async fn a_rejection_whose_write_fails_still_frees_the_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejection_committed_but_unanswered_still_answers_the_rejection() {
     use tower::ServiceExt as _;
-    #[derive(serde::Deserialize, serde::Serialize)]
-    struct Order {
-        quantity: u32,
-    }
-    #[idempotent(scope = "lease.reject_unanswered")]
-    async fn order(axum::Json(o): axum::Json<Order>) -> StatusCode {
-        if o.quantity == 0 {
-            StatusCode::UNPROCESSABLE_ENTITY
-        } else {
-            StatusCode::CREATED
-        }
-    }
     for kind in [StoreKind::Sqlite, StoreKind::Postgres] {
         let timeout = Duration::from_millis(300);
-        let (store, _dir): (Arc<dyn IdempotencyStore>, _) = match kind {
-            StoreKind::Sqlite => {
-                let (store, dir) = idem_testkit::sqlite_store().await;
-                (Arc::new(store.with_timeout(timeout)), Some(dir))
-            }
-            _ => {
-                let Some(url) = idem_testkit::pg_url() else { return };
-                let schema = idem_testkit::pg_schema(&url).await;
-                let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
-                (Arc::new(store.with_timeout(timeout)), None)
-            }
+        let Some((app, _dir)) = sql_app(kind, timeout, "/order", post(order)).await else {
+            return;
         };
-        let app = Router::new()
-            .route("/order", post(order))
-            .layer(Idem::from_arc(store.clone()).single_tenant().layer());
         let key = idem_testkit::unique("k-reject-unanswered");
-        let request = |body: &'static str| {
-            axum::http::Request::post("/order")
-                .header("idempotency-key", &key)
-                .header(header::CONTENT_TYPE, "application/json")
-                .body(Body::from(body))
-                .unwrap()
-        };
+        let request = |body: &'static str| json_post("/order", &key, body);
         // Held past the store's timeout right after the rejection
         // committed: the store answers with a timeout, and the runtime
         // tries the rejection again.
@@ -3026,6 +2994,49 @@ async fn a_rejection_committed_but_unanswered_still_answers_the_rejection() {
         let corrected = app.oneshot(request(r#"{"quantity": 2}"#)).await.unwrap();
         assert_eq!(corrected.status(), StatusCode::CREATED, "{kind:?}");
     }
+}
+
+/// A SQLite store on a temporary file or a PostgreSQL store in a schema of
+/// its own, with the given store timeout; `None` without `DATABASE_URL`.
+async fn sql_store(
+    kind: StoreKind,
+    timeout: Duration,
+) -> Option<(Arc<dyn IdempotencyStore>, Option<tempfile::TempDir>)> {
+    Some(match kind {
+        StoreKind::Sqlite => {
+            let (store, dir) = idem_testkit::sqlite_store().await;
+            (Arc::new(store.with_timeout(timeout)), Some(dir))
+        }
+        _ => {
+            let url = idem_testkit::pg_url()?;
+            let schema = idem_testkit::pg_schema(&url).await;
+            let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+            (Arc::new(store.with_timeout(timeout)), None)
+        }
+    })
+}
+
+/// `route` at `path`, alone under an `Idem` layer on a [`sql_store`].
+async fn sql_app(
+    kind: StoreKind,
+    timeout: Duration,
+    path: &str,
+    route: axum::routing::MethodRouter,
+) -> Option<(Router, Option<tempfile::TempDir>)> {
+    let (store, dir) = sql_store(kind, timeout).await?;
+    let app = Router::new()
+        .route(path, route)
+        .layer(Idem::from_arc(store).single_tenant().layer());
+    Some((app, dir))
+}
+
+/// A keyed JSON POST.
+fn json_post(path: &str, key: &str, body: &'static str) -> axum::http::Request<Body> {
+    axum::http::Request::post(path)
+        .header("idempotency-key", key)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body))
+        .unwrap()
 }
 
 /// The `type` of a problem answer, read from its body.
@@ -3071,28 +3082,10 @@ async fn a_rejection_that_cannot_tell_whether_it_took_effect_is_not_called_a_tak
         // Long enough for the corrected request to reserve and run while
         // the first rejection's answer is held.
         let timeout = Duration::from_secs(2);
-        let (store, _dir): (Arc<dyn IdempotencyStore>, _) = match kind {
-            StoreKind::Sqlite => {
-                let (store, dir) = idem_testkit::sqlite_store().await;
-                (Arc::new(store.with_timeout(timeout)), Some(dir))
-            }
-            _ => {
-                let Some(url) = idem_testkit::pg_url() else { return };
-                let schema = idem_testkit::pg_schema(&url).await;
-                let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
-                (Arc::new(store.with_timeout(timeout)), None)
-            }
+        let Some((app, _dir)) = sql_app(kind, timeout, "/order", post(order)).await else {
+            return;
         };
-        let app = Router::new()
-            .route("/order", post(order))
-            .layer(Idem::from_arc(store.clone()).single_tenant().layer());
-        let request = |key: &str, body: &'static str| {
-            axum::http::Request::post("/order")
-                .header("idempotency-key", key)
-                .header(header::CONTENT_TYPE, "application/json")
-                .body(Body::from(body))
-                .unwrap()
-        };
+        let request = |key: &str, body: &'static str| json_post("/order", key, body);
 
         // Checkpointed, then refused: released as failed, answer lost.
         let key = idem_testkit::unique("k-reject-unclear-released");
@@ -3166,21 +3159,9 @@ async fn a_completion_committed_but_unanswered_is_not_called_a_takeover() {
     }
     for kind in [StoreKind::Sqlite, StoreKind::Postgres] {
         let timeout = Duration::from_millis(300);
-        let (store, _dir): (Arc<dyn IdempotencyStore>, _) = match kind {
-            StoreKind::Sqlite => {
-                let (store, dir) = idem_testkit::sqlite_store().await;
-                (Arc::new(store.with_timeout(timeout)), Some(dir))
-            }
-            _ => {
-                let Some(url) = idem_testkit::pg_url() else { return };
-                let schema = idem_testkit::pg_schema(&url).await;
-                let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
-                (Arc::new(store.with_timeout(timeout)), None)
-            }
+        let Some((app, _dir)) = sql_app(kind, timeout, "/pay", post(pay)).await else {
+            return;
         };
-        let app = Router::new()
-            .route("/pay", post(pay))
-            .layer(Idem::from_arc(store.clone()).single_tenant().layer());
         let key = idem_testkit::unique("k-complete-unanswered");
         let mut committed = pause::arm(pause::COMPLETE_AFTER, &key);
         let first = tokio::spawn(app.clone().oneshot(keyed_post("/pay", &key, "")));
