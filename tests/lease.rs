@@ -3357,3 +3357,98 @@ impl IdempotencyStore for FailsExtensions {
         hand_back
     );
 }
+
+/// A memory store that is down while `down` is set: its rejections and
+/// lock extensions fail then; everything else goes through.
+struct DownForRejections {
+    store: idem::MemoryStore,
+    down: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl IdempotencyStore for DownForRejections {
+    fn reject<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Box::pin(async { Err(StoreError::unavailable("the store is down")) });
+        }
+        self.store.reject(id, token)
+    }
+    fn extend_lock<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a str,
+        lock_timeout: Duration,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), StoreError>> {
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Box::pin(async { Err(StoreError::unavailable("the store is down")) });
+        }
+        self.store.extend_lock(id, token, lock_timeout)
+    }
+    forward_to_store!(reserve, complete, release, checkpoint, purge_expired, hand_back);
+}
+
+/// A rejection the store refuses for longer than the lock timeout keeps
+/// trying, more slowly, for as long as its record would keep the key: once
+/// the store is back, the key is freed and the corrected request runs.
+/// Giving up with the lock, as a release does, left the record bound to
+/// the refused request until it expired (the corrected request got 422
+/// `idempotency-key-reused`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejection_refused_past_the_lock_timeout_still_frees_the_key() {
+    use tower::ServiceExt as _;
+    #[idempotent(scope = "lease.reject_outage", lock_timeout = "300ms")]
+    async fn order_briefly(axum::Json(o): axum::Json<Order>) -> StatusCode {
+        if o.quantity == 0 {
+            StatusCode::UNPROCESSABLE_ENTITY
+        } else {
+            StatusCode::CREATED
+        }
+    }
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let store = DownForRejections {
+        store: idem::MemoryStore::new(),
+        down: down.clone(),
+    };
+    let app = Router::new()
+        .route("/order", post(order_briefly))
+        .layer(Idem::new(store).single_tenant().layer());
+    let key = idem_testkit::unique("k-reject-outage");
+    let refused = app
+        .clone()
+        .oneshot(json_post("/order", &key, r#"{"quantity": 0}"#))
+        .await
+        .unwrap();
+    assert_eq!(
+        problem_type(refused).await,
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "urn:idem:problem:idempotency-store-unavailable".to_owned()
+        )
+    );
+    // Down for three lock timeouts: the first background retries end.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let ran = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let corrected = app
+                .clone()
+                .oneshot(json_post("/order", &key, r#"{"quantity": 2}"#))
+                .await
+                .unwrap();
+            match corrected.status() {
+                StatusCode::CREATED => return,
+                // Still bound to the refused request, until the rejection lands.
+                StatusCode::UNPROCESSABLE_ENTITY => tokio::time::sleep(Duration::from_millis(50)).await,
+                other => panic!("the corrected request got {other}"),
+            }
+        }
+    })
+    .await;
+    assert!(
+        ran.is_ok(),
+        "the key stayed bound to the refused request after the store came back"
+    );
+}
