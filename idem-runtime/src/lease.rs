@@ -16,8 +16,6 @@ use tracing::Instrument as _;
 #[derive(Clone, Copy)]
 pub(crate) struct LeaseClock {
     pub(crate) lock_timeout: Duration,
-    /// The record's TTL: how long it keeps its key (see `OperationInfo`).
-    pub(crate) ttl: Duration,
     /// The lock deadline, or earlier: the store's clock set it after this.
     pub(crate) deadline: Instant,
 }

@@ -30,9 +30,6 @@ pub(crate) struct Shared {
     pub(crate) store: Arc<dyn IdempotencyStore>,
     pub(crate) id: RecordId,
     pub(crate) lease: Lease,
-    /// The record's TTL: a rejection not yet recorded keeps trying this
-    /// long, as long as the record would keep the key bound.
-    pub(crate) ttl: std::time::Duration,
     /// Set once the lease is lost: taken over, or not extended in time.
     /// Never unset. A flag and a `Notify` (neither allocates) rather than a
     /// watch channel, which allocated its state for every execution and
@@ -67,17 +64,11 @@ impl std::ops::Deref for OperationInfo {
 }
 
 impl OperationInfo {
-    pub(crate) fn new(
-        store: Arc<dyn IdempotencyStore>,
-        id: RecordId,
-        lease: Lease,
-        ttl: std::time::Duration,
-    ) -> Self {
+    pub(crate) fn new(store: Arc<dyn IdempotencyStore>, id: RecordId, lease: Lease) -> Self {
         OperationInfo(Arc::new(Shared {
             store,
             id,
             lease,
-            ttl,
             lost: std::sync::atomic::AtomicBool::new(false),
             lost_told: tokio::sync::Notify::new(),
             phase: std::sync::atomic::AtomicU8::new(RUNNING),
@@ -421,12 +412,7 @@ mod tests {
             operation_id: "op".into(),
         };
         let store: Arc<dyn IdempotencyStore> = Arc::new(crate::MemoryStore::new());
-        OperationInfo::new(
-            store,
-            RecordId::new("", "s", "k"),
-            lease,
-            std::time::Duration::from_secs(60),
-        )
+        OperationInfo::new(store, RecordId::new("", "s", "k"), lease)
     }
 
     /// `until_lost` resolves whether the lease was lost before it was

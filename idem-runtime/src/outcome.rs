@@ -246,10 +246,7 @@ async fn letting_go(
             // record expired.
             Err(e) if e != StoreError::LockLost => {
                 unclear = true;
-                let keep = Back::Rejected {
-                    for_as_long_as: info.ttl,
-                };
-                Box::pin(retried(engine, id, token, lock_timeout, keep)).await
+                Box::pin(retried(engine, id, token, lock_timeout, Back::Rejected)).await
             }
             other => other,
         },
@@ -335,14 +332,8 @@ enum Back {
     /// An execution ran and failed: released as failed.
     Ran,
     /// An execution ran and its answer was a rejection: the key freed (see
-    /// [`crate::IdempotencyStore::reject`]). Unlike a release, which the
-    /// lock's running out makes moot, an unrecorded rejection leaves the
-    /// key bound to the refused request (a retry then takes over, and a
-    /// later attempt's rejection keeps it bound): past the lock timeout it
-    /// keeps trying, more slowly, `for_as_long_as` the record would keep
-    /// the key (its TTL). Fenced by the token: once another execution
-    /// holds the record, it stops.
-    Rejected { for_as_long_as: Duration },
+    /// [`crate::IdempotencyStore::reject`]).
+    Rejected,
     /// Nothing ran: as it was found.
     NeverRan { taken_over: bool },
 }
@@ -356,7 +347,7 @@ impl Back {
     ) -> Result<(), StoreError> {
         match self {
             Back::Ran => store.release(id, token).await,
-            Back::Rejected { .. } => store.reject(id, token).await,
+            Back::Rejected => store.reject(id, token).await,
             Back::NeverRan { taken_over } => store.hand_back(id, token, taken_over).await,
         }
     }
@@ -383,38 +374,11 @@ async fn retried(
             tokio::spawn(
                 async move {
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    let tried = crate::store::retry_until(until, || how.to(&*store, &id, &token)).await;
-                    if let (Back::Rejected { for_as_long_as }, Err(e)) = (how, tried) {
-                        if e != StoreError::LockLost {
-                            keep_rejecting(&*store, &id, &token, until + for_as_long_as).await;
-                        }
-                    }
+                    let _ = crate::store::retry_until(until, || how.to(&*store, &id, &token)).await;
                 }
                 .in_current_span(),
             );
         }
     }
     first
-}
-
-/// A rejection still not recorded once the lock ran out: tried every
-/// second, doubling to every 10 s, until `end`, or until the store answers
-/// (done, or `LockLost`: another execution holds the record).
-async fn keep_rejecting(store: &dyn crate::IdempotencyStore, id: &RecordId, token: &str, end: Instant) {
-    tracing::warn!("the rejection is still not recorded; trying again until the record would expire");
-    let mut pause = Duration::from_secs(1);
-    while Instant::now() < end {
-        tokio::time::sleep(pause.min(end - Instant::now())).await;
-        match store.reject(id, token).await {
-            Ok(()) => {
-                tracing::info!("the rejection is recorded at last: the key is free");
-                return;
-            }
-            Err(StoreError::LockLost) => return,
-            Err(_) => pause = (pause * 2).min(Duration::from_secs(10)),
-        }
-    }
-    tracing::error!(
-        "the rejection was never recorded: the key stays bound to the refused request until it expires"
-    );
 }

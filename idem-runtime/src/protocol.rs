@@ -337,7 +337,6 @@ pub(crate) async fn protect(
                 tracing::Span::current().record("attempt", lease.attempt);
                 let clock = LeaseClock {
                     lock_timeout: request.lock_timeout,
-                    ttl: request.ttl,
                     // The store set the deadline after `asked`: counting from
                     // it errs on the safe side.
                     deadline: asked + request.lock_timeout,
@@ -495,7 +494,7 @@ pub(crate) async fn execute(
         unrun(&engine, &id, &lease, clock.lock_timeout).await;
         return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
     }
-    let info = OperationInfo::new(engine.store.clone(), id, lease, clock.ttl);
+    let info = OperationInfo::new(engine.store.clone(), id, lease);
     let handler = handler(Some(Operation { info: info.clone() }));
     if info.lease.is_takeover() {
         tracing::warn!(
