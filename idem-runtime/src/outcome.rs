@@ -261,7 +261,8 @@ async fn letting_go(
         // retry gets the answer that counts.
         record(Outcome::NotRecorded);
         tracing::error!(
-            "cannot tell whether the rejection was recorded: its first try failed, and the second found              the lock no longer held"
+            "cannot tell whether the rejection was recorded: its first try failed, and the second found the \
+             lock no longer held"
         );
         return Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response();
     }
