@@ -3024,10 +3024,14 @@ async fn sql_app(
     route: axum::routing::MethodRouter,
 ) -> Option<(Router, Option<tempfile::TempDir>)> {
     let (store, dir) = sql_store(kind, timeout).await?;
-    let app = Router::new()
+    Some((one_route(Idem::from_arc(store), path, route), dir))
+}
+
+/// `route` at `path`, alone under `idem`'s layer, for a single tenant.
+fn one_route(idem: Idem, path: &str, route: axum::routing::MethodRouter) -> Router {
+    Router::new()
         .route(path, route)
-        .layer(Idem::from_arc(store).single_tenant().layer());
-    Some((app, dir))
+        .layer(idem.single_tenant().layer())
 }
 
 /// A keyed JSON POST.
@@ -3256,9 +3260,7 @@ async fn postgres_an_unconfirmed_rejection_is_not_given() {
         reached: Notify::new(),
         gate: Notify::new(),
     });
-    let app = Router::new()
-        .route("/stock", post(reserve_stock))
-        .layer(Idem::from_arc(held.clone()).single_tenant().layer());
+    let app = one_route(Idem::from_arc(held.clone()), "/stock", post(reserve_stock));
     let key = idem_testkit::unique("k-reject-unconfirmed");
     let reached = held.reached.notified();
     let first = tokio::spawn(app.clone().oneshot(keyed_post("/stock", &key, "")));
@@ -3312,9 +3314,7 @@ async fn a_handler_told_its_lease_is_lost_has_no_answer_given() {
     let store = FailsExtensions {
         store: idem::MemoryStore::new(),
     };
-    let app = Router::new()
-        .route("/told", post(told))
-        .layer(Idem::new(store).single_tenant().layer());
+    let app = one_route(Idem::new(store), "/told", post(told));
     for body in ["reject", "fail"] {
         let key = idem_testkit::unique("k-told-then-answers");
         let first = app
