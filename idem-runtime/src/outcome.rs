@@ -10,6 +10,7 @@ use crate::protocol::{record, Outcome};
 use crate::store::{BoxFuture, RecordId, StoreError, StoredResponse};
 use crate::tx::{PendingTx, TxFailure};
 use axum::response::{IntoResponse as _, Response};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -17,19 +18,23 @@ use tracing::Instrument as _;
 
 /// Records the completion, in the handler's transaction if it opened one.
 /// `Err` is the answer the client gets instead of the handler's.
-pub(crate) async fn record_completion(
-    engine: &Arc<Engine>,
-    info: &OperationInfo,
+// Not an async fn, which would copy its arguments into its state twice.
+#[allow(clippy::manual_async_fn)]
+pub(crate) fn record_completion<'a>(
+    engine: &'a Arc<Engine>,
+    info: &'a OperationInfo,
     lock_timeout: Duration,
-    stored: &StoredResponse,
+    stored: &'a StoredResponse,
     tx: Option<PendingTx>,
-) -> Result<(), Response> {
-    if !info.settle() {
-        return Err(refuse_lost(engine, info, lock_timeout, tx).await);
+) -> impl Future<Output = Result<(), Response>> + Send + 'a {
+    async move {
+        if !info.settle() {
+            return Err(refuse_lost(engine, info, lock_timeout, tx).await);
+        }
+        let recorded = completing(engine, info, lock_timeout, stored, tx).await;
+        info.settled(recorded.is_ok());
+        recorded
     }
-    let recorded = completing(engine, info, lock_timeout, stored, tx).await;
-    info.settled(recorded.is_ok());
-    recorded
 }
 
 /// The answer of an execution whose lease was lost before its outcome was
@@ -51,67 +56,72 @@ pub(crate) async fn refuse_lost(
 }
 
 /// [`record_completion`]'s write, once the execution settles.
-async fn completing(
-    engine: &Arc<Engine>,
-    info: &OperationInfo,
+// Not an async fn, which would copy its arguments into its state twice.
+#[allow(clippy::manual_async_fn)]
+fn completing<'a>(
+    engine: &'a Arc<Engine>,
+    info: &'a OperationInfo,
     lock_timeout: Duration,
-    stored: &StoredResponse,
+    stored: &'a StoredResponse,
     tx: Option<PendingTx>,
-) -> Result<(), Response> {
-    let Some(tx) = tx else {
-        return complete(engine, info, lock_timeout, stored).await;
-    };
-    // Boxed, as is every step that only some executions take: an
-    // execution's state is as large as its largest step, so those steps
-    // would make every execution's allocation larger and its moves longer.
-    match Box::pin(tx.complete(&info.id, &info.lease.token, stored)).await {
-        Ok(()) => Ok(()),
-        Err(TxFailure::NotCommitted(StoreError::LockLost)) => {
-            record(Outcome::LockLost);
-            tracing::error!(
-                "cannot complete: another execution took this operation over; this execution's writes \
+) -> impl Future<Output = Result<(), Response>> + Send + 'a {
+    async move {
+        let Some(tx) = tx else {
+            return complete(engine, info, lock_timeout, stored).await;
+        };
+        // Boxed, as is every step that only some executions take: an
+        // execution's state is as large as its largest step, so those steps
+        // would make every execution's allocation larger and its moves longer.
+        match Box::pin(tx.complete(&info.id, &info.lease.token, stored)).await {
+            Ok(()) => Ok(()),
+            Err(TxFailure::NotCommitted(StoreError::LockLost)) => {
+                record(Outcome::LockLost);
+                tracing::error!(
+                    "cannot complete: another execution took this operation over; this execution's writes \
                  were rolled back"
-            );
-            Err(Problem::LeaseLost.into_response())
-        }
-        Err(TxFailure::NotCommitted(e)) => {
-            // Nothing of this execution committed: the retry runs it again.
-            record(Outcome::Released);
-            tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back");
-            if give_back(engine, &info.id, &info.lease.token, lock_timeout).await == Err(StoreError::LockLost)
-            {
-                return Err(Problem::LeaseLost.into_response());
+                );
+                Err(Problem::LeaseLost.into_response())
             }
-            Err(Problem::StoreUnavailable(Unavailable::RolledBack).into_response())
-        }
-        Err(failure @ (TxFailure::Lost | TxFailure::Unclear(_))) => {
-            // Some of the handler's writes may be gone and some may have
-            // committed (SQLite ended its transaction by itself, or whether
-            // it did cannot be told): the answer is not the operation's, and
-            // nothing says the writes were undone. The retry continues the
-            // operation (attempt + 1).
-            record(Outcome::TransactionLost);
-            match failure {
-                TxFailure::Unclear(e) => tracing::error!(
-                    error = %e,
-                    "cannot tell whether SQLite ended the handler's transaction; nothing recorded"
-                ),
-                _ => tracing::error!(
-                    "SQLite ended the handler's transaction by itself (a ROLLBACK from a trigger or a \
+            Err(TxFailure::NotCommitted(e)) => {
+                // Nothing of this execution committed: the retry runs it again.
+                record(Outcome::Released);
+                tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back");
+                if give_back(engine, &info.id, &info.lease.token, lock_timeout).await
+                    == Err(StoreError::LockLost)
+                {
+                    return Err(Problem::LeaseLost.into_response());
+                }
+                Err(Problem::StoreUnavailable(Unavailable::RolledBack).into_response())
+            }
+            Err(failure @ (TxFailure::Lost | TxFailure::Unclear(_))) => {
+                // Some of the handler's writes may be gone and some may have
+                // committed (SQLite ended its transaction by itself, or whether
+                // it did cannot be told): the answer is not the operation's, and
+                // nothing says the writes were undone. The retry continues the
+                // operation (attempt + 1).
+                record(Outcome::TransactionLost);
+                match failure {
+                    TxFailure::Unclear(e) => tracing::error!(
+                        error = %e,
+                        "cannot tell whether SQLite ended the handler's transaction; nothing recorded"
+                    ),
+                    _ => tracing::error!(
+                        "SQLite ended the handler's transaction by itself (a ROLLBACK from a trigger or a \
                      conflict clause, a full disk, an I/O error): its writes before that were rolled \
                      back, any after it committed on their own; nothing recorded"
-                ),
+                    ),
+                }
+                let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+                Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
             }
-            let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
-            Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
-        }
-        Err(TxFailure::Unknown(e)) => {
-            // Committed or not, nobody knows. Giving the key back is fenced:
-            // if the commit took effect, the record is completed and stays so.
-            record(Outcome::CommitUnknown);
-            tracing::error!(error = %e, "the commit of the handler's transaction failed");
-            let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
-            Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
+            Err(TxFailure::Unknown(e)) => {
+                // Committed or not, nobody knows. Giving the key back is fenced:
+                // if the commit took effect, the record is completed and stays so.
+                record(Outcome::CommitUnknown);
+                tracing::error!(error = %e, "the commit of the handler's transaction failed");
+                let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+                Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
+            }
         }
     }
 }
@@ -119,51 +129,55 @@ async fn completing(
 /// Completes the record, retrying a store that fails for a moment. When it
 /// cannot, the answer is not given (it would never be replayed): the key is
 /// given back and the client told to retry.
-pub(crate) async fn complete(
-    engine: &Arc<Engine>,
-    info: &OperationInfo,
+// Not an async fn, which would copy its arguments into its state twice.
+#[allow(clippy::manual_async_fn)]
+pub(crate) fn complete<'a>(
+    engine: &'a Arc<Engine>,
+    info: &'a OperationInfo,
     lock_timeout: Duration,
-    stored: &StoredResponse,
-) -> Result<(), Response> {
-    let mut pause = Duration::from_millis(100);
-    for attempt in 1..=4 {
-        match engine.store.complete(&info.id, &info.lease.token, stored).await {
-            Ok(()) => return Ok(()),
-            Err(StoreError::LockLost) if attempt == 1 => {
-                record(Outcome::LockLost);
-                tracing::error!("cannot complete: another execution took this operation over");
-                return Err(Problem::LeaseLost.into_response());
-            }
-            Err(StoreError::LockLost) => {
-                // An earlier attempt that failed may have completed the
-                // record after all (its answer lost), or another execution
-                // took over: which, nobody can tell, so not a takeover's
-                // 503. The retry is told which, a replay or the other
-                // execution's answer.
-                record(Outcome::NotRecorded);
-                tracing::error!(
+    stored: &'a StoredResponse,
+) -> impl Future<Output = Result<(), Response>> + Send + 'a {
+    async move {
+        let mut pause = Duration::from_millis(100);
+        for attempt in 1..=4 {
+            match engine.store.complete(&info.id, &info.lease.token, stored).await {
+                Ok(()) => return Ok(()),
+                Err(StoreError::LockLost) if attempt == 1 => {
+                    record(Outcome::LockLost);
+                    tracing::error!("cannot complete: another execution took this operation over");
+                    return Err(Problem::LeaseLost.into_response());
+                }
+                Err(StoreError::LockLost) => {
+                    // An earlier attempt that failed may have completed the
+                    // record after all (its answer lost), or another execution
+                    // took over: which, nobody can tell, so not a takeover's
+                    // 503. The retry is told which, a replay or the other
+                    // execution's answer.
+                    record(Outcome::NotRecorded);
+                    tracing::error!(
                     "cannot tell whether the answer was recorded: an earlier attempt may have completed the \
                      record, or another execution took this operation over"
                 );
-                return Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response());
-            }
-            // Retried even past the lock's deadline (the keeper no longer
-            // ends the lease while the execution settles): every try is
-            // fenced by the token.
-            Err(e) if attempt < 4 => {
-                tracing::warn!(error = %e, attempt, "completing the record failed; retrying");
-                Box::pin(tokio::time::sleep(pause)).await;
-                pause *= 2;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "completing the record failed; giving the key back");
-                break;
+                    return Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response());
+                }
+                // Retried even past the lock's deadline (the keeper no longer
+                // ends the lease while the execution settles): every try is
+                // fenced by the token.
+                Err(e) if attempt < 4 => {
+                    tracing::warn!(error = %e, attempt, "completing the record failed; retrying");
+                    Box::pin(tokio::time::sleep(pause)).await;
+                    pause *= 2;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "completing the record failed; giving the key back");
+                    break;
+                }
             }
         }
+        record(Outcome::NotRecorded);
+        let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
+        Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
     }
-    record(Outcome::NotRecorded);
-    let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
-    Err(Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response())
 }
 
 /// How an execution that produced no answer to keep lets its key go.

@@ -17,6 +17,7 @@ use crate::tx::PendingTx;
 use axum::body::Body;
 use axum::http::header::{HeaderValue, CONTENT_TYPE};
 use axum::response::{IntoResponse as _, Response};
+use futures_util::future::Either;
 use futures_util::{FutureExt as _, StreamExt as _};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -474,66 +475,85 @@ pub(crate) fn record(outcome: Outcome) {
 
 /// Runs the handler, produces its answer and records the outcome, all under
 /// the lease: the lock is extended until the completion is recorded.
-pub(crate) async fn execute(
+///
+/// The record's id and lease go where the handler and the outcome read them
+/// before the future is built, so that the future, which the execution's
+/// task boxes, holds one pointer to them rather than their copies.
+pub(crate) fn execute(
     engine: Arc<Engine>,
     id: RecordId,
     lease: Lease,
     clock: LeaseClock,
     handler: Handler,
-) -> Response {
-    if clock.too_late_to_start(Instant::now()) {
-        // Answered so late (its request was not polled meanwhile, or its
-        // thread or this task was starved) that the lock may have run out
-        // before its first extension, with nothing extending it until now:
-        // another execution may hold the key by then, so this one must not
-        // start. Nothing ran: the key goes back as it was found (fenced by
-        // the token: nothing happens if it was taken over meanwhile), and
-        // the retry really retries.
-        record(Outcome::StoreUnavailable);
-        tracing::warn!("the reservation was answered too close to its lock deadline; giving the key back");
-        unrun(&engine, &id, &lease, clock.lock_timeout).await;
-        return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
-    }
+) -> impl Future<Output = Response> + Send + 'static {
     let info = OperationInfo::new(engine.store.clone(), id, lease);
-    let handler = handler(Some(Operation { info: info.clone() }));
-    if info.lease.is_takeover() {
-        tracing::warn!(
-            attempt = info.lease.attempt,
-            "taking over an operation whose lock ran out"
-        );
+    async move {
+        if clock.too_late_to_start(Instant::now()) {
+            // Answered so late (its request was not polled meanwhile, or its
+            // thread or this task was starved) that the lock may have run out
+            // before its first extension, with nothing extending it until now:
+            // another execution may hold the key by then, so this one must not
+            // start. Nothing ran: the key goes back as it was found (fenced by
+            // the token: nothing happens if it was taken over meanwhile), and
+            // the retry really retries.
+            record(Outcome::StoreUnavailable);
+            tracing::warn!(
+                "the reservation was answered too close to its lock deadline; giving the key back"
+            );
+            unrun(&engine, &info.id, &info.lease, clock.lock_timeout).await;
+            return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
+        }
+        let handler = handler(Some(Operation { info: info.clone() }));
+        if info.lease.is_takeover() {
+            tracing::warn!(
+                attempt = info.lease.attempt,
+                "taking over an operation whose lock ran out"
+            );
+        }
+        let beat = Heartbeat::start(&info, clock);
+        let outcome = AssertUnwindSafe(handler).catch_unwind().await;
+        let tx = handed_over(&info).await;
+        finish(&engine, &info, clock.lock_timeout, outcome, tx, beat).await
     }
-    let beat = Heartbeat::start(&info, clock);
-    let outcome = AssertUnwindSafe(handler).catch_unwind().await;
+}
+
+/// The handler is done: its transaction, if any, is ours now. (One await
+/// for the outcome to wait across, so that it takes no room in the
+/// execution's other states.)
+async fn handed_over(info: &OperationInfo) -> Option<PendingTx> {
     pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
-    // The handler is done: its transaction, if any, is ours now.
-    let tx = info.tx.lock().await.take();
-    finish(&engine, &info, clock.lock_timeout, outcome, tx, beat).await
+    info.tx.lock().await.take()
 }
 
 pub(crate) type Caught = Result<(Response, Option<Classification>), Box<dyn std::any::Any + Send>>;
 
 /// Classifies the outcome, produces the answer and records it; `beat`
 /// keeps the lease until then.
-pub(crate) async fn finish(
-    engine: &Arc<Engine>,
-    info: &OperationInfo,
+///
+/// What needs no waiting (a panic, the classification, the rebased problem)
+/// is worked out before the future is built, so that the future holds only
+/// what is left to await: the execution's future, with this one inside,
+/// stays under the size that the allocator serves from its per-thread cache.
+pub(crate) fn finish<'a>(
+    engine: &'a Arc<Engine>,
+    info: &'a OperationInfo,
     lock_timeout: Duration,
     outcome: Caught,
     tx: Option<PendingTx>,
     beat: Heartbeat,
-) -> Response {
+) -> Either<impl Future<Output = Response> + Send + 'a, impl Future<Output = Response> + Send + 'a> {
     let (response, declared) = match outcome {
         Ok(pair) => pair,
         Err(panic) => {
-            return panicked(
+            let rest = panicked(
                 engine,
                 info,
                 lock_timeout,
                 tx,
                 "the handler",
                 panic_message(&*panic),
-            )
-            .await
+            );
+            return Either::Left(keeping(beat, rest));
         }
     };
     // A problem of the handler's own is stored, and so replayed, as its
@@ -544,118 +564,148 @@ pub(crate) async fn finish(
     };
     let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
     if class == Classification::Reject {
-        return let_go(engine, info, lock_timeout, tx, response, LetGo::Reject).await;
+        return Either::Left(keeping(
+            beat,
+            let_go(engine, info, lock_timeout, tx, response, LetGo::Reject),
+        ));
     }
     if class == Classification::Release {
-        return let_go(engine, info, lock_timeout, tx, response, LetGo::Fail).await;
+        return Either::Left(keeping(
+            beat,
+            let_go(engine, info, lock_timeout, tx, response, LetGo::Fail),
+        ));
     }
     let (parts, body) = response.into_parts();
-    let stream = parts
-        .headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.as_bytes().get(..EVENT_STREAM.len()))
-        .is_some_and(|v| v.eq_ignore_ascii_case(EVENT_STREAM));
-    let collected = match AssertUnwindSafe(collect(body, engine.max_stored_body, stream))
-        .catch_unwind()
-        .await
-    {
-        Ok(collected) => collected,
-        Err(panic) => {
-            return panicked(
-                engine,
-                info,
-                lock_timeout,
-                tx,
-                "the response body",
-                panic_message(&*panic),
-            )
-            .await
-        }
-    };
-    let mut stored = StoredResponse {
-        status: parts.status.as_u16(),
-        headers: engine
-            .replay_headers
-            .iter()
-            .flat_map(|name| parts.headers.get_all(name).iter().map(move |v| (name, v)))
-            .map(|(name, v)| (name.as_str().to_owned(), v.as_bytes().to_vec()))
-            .collect(),
-        body: None,
-    };
-    // `None`: the answer is the stored body, handed over once it is recorded.
-    let answer = match collected {
-        Collected::Whole(bytes) => {
-            // No copy when the body is one buffer that nothing else holds.
-            stored.body = Some(Vec::from(bytes));
-            None
-        }
-        Collected::Streamed { head, rest } if stream => {
-            // An event stream may never end: it is completed at its
-            // headers, and then streams.
-            let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
-            Some(Body::from_stream(head.chain(rest)))
-        }
-        Collected::Streamed { .. } if info.is_lost() => {
-            // Already lost (the handler was told): none of it is given (its
-            // status and first bytes would go out before the completion
-            // that refuses it). A loss from here on, or a takeover the
-            // keeper has not seen, breaks the body (docs/PROTOCOL.md).
-            return Box::pin(refuse_lost(engine, info, lock_timeout, tx)).await;
-        }
-        Collected::Streamed { head, rest } => {
-            tracing::warn!(
-                limit = engine.max_stored_body,
-                "response body larger than the stored limit: a replay gets status and headers only"
-            );
-            let (to_client, from_task) = tokio::sync::mpsc::channel(1);
-            let streamer = stream_then_complete(StreamedAnswer {
-                engine: engine.clone(),
-                info: info.clone(),
-                lock_timeout,
-                stored,
-                tx,
-                beat,
-                head,
-                rest,
-                client: Some(to_client),
-            });
-            tokio::spawn(streamer.in_current_span());
-            // The body ends only on `End`: a streamer that stops without it
-            // breaks the client's connection instead.
-            let body = futures_util::stream::unfold(Some(from_task), |rx| async move {
-                let mut rx = rx?;
-                match rx.recv().await {
-                    Some(Frame::Data(bytes)) => Some((Ok(bytes), Some(rx))),
-                    Some(Frame::End) => None,
-                    Some(Frame::Fail(e)) => Some((Err(e), None)),
-                    None => Some((Err(axum::Error::new(std::io::Error::other(ABANDONED))), None)),
-                }
-            });
-            return Response::from_parts(parts, Body::from_stream(body));
-        }
-        Collected::Failed(e) => {
-            // Without idem the connection would break: so it does here, and
-            // nothing is stored.
-            tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
-            let broken = futures_util::stream::once(async move { Err::<axum::body::Bytes, _>(e) });
-            return let_go(
-                engine,
-                info,
-                lock_timeout,
-                tx,
-                Response::from_parts(parts, Body::from_stream(broken)),
-                LetGo::Fail,
-            )
-            .await;
-        }
-    };
-    if let Err(refusal) = record_completion(engine, info, lock_timeout, &stored, tx).await {
-        return refusal;
-    }
+    Either::Right(complete_answer(engine, info, lock_timeout, parts, body, tx, beat))
+}
+
+/// `rest`, with the lease kept until it is done.
+async fn keeping(beat: Heartbeat, rest: crate::store::BoxFuture<'_, Response>) -> Response {
+    let response = rest.await;
     drop(beat);
-    record(Outcome::executed(info.lease.is_takeover()));
-    let answer = answer.unwrap_or_else(|| Body::from(stored.body.take().unwrap_or_default()));
-    Response::from_parts(parts, answer)
+    response
+}
+
+/// A success's answer: its body produced, then recorded, then given.
+// Not an async fn, which would copy its arguments into its state twice.
+#[allow(clippy::manual_async_fn)]
+fn complete_answer<'a>(
+    engine: &'a Arc<Engine>,
+    info: &'a OperationInfo,
+    lock_timeout: Duration,
+    parts: axum::http::response::Parts,
+    body: Body,
+    tx: Option<PendingTx>,
+    beat: Heartbeat,
+) -> impl Future<Output = Response> + Send + 'a {
+    async move {
+        let stream = parts
+            .headers
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.as_bytes().get(..EVENT_STREAM.len()))
+            .is_some_and(|v| v.eq_ignore_ascii_case(EVENT_STREAM));
+        let collected = match AssertUnwindSafe(collect(body, engine.max_stored_body, stream))
+            .catch_unwind()
+            .await
+        {
+            Ok(collected) => collected,
+            Err(panic) => {
+                return panicked(
+                    engine,
+                    info,
+                    lock_timeout,
+                    tx,
+                    "the response body",
+                    panic_message(&*panic),
+                )
+                .await
+            }
+        };
+        let mut stored = StoredResponse {
+            status: parts.status.as_u16(),
+            headers: engine
+                .replay_headers
+                .iter()
+                .flat_map(|name| parts.headers.get_all(name).iter().map(move |v| (name, v)))
+                .map(|(name, v)| (name.as_str().to_owned(), v.as_bytes().to_vec()))
+                .collect(),
+            body: None,
+        };
+        // `None`: the answer is the stored body, handed over once it is recorded.
+        let answer = match collected {
+            Collected::Whole(bytes) => {
+                // No copy when the body is one buffer that nothing else holds.
+                stored.body = Some(Vec::from(bytes));
+                None
+            }
+            Collected::Streamed { head, rest } if stream => {
+                // An event stream may never end: it is completed at its
+                // headers, and then streams.
+                let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
+                Some(Body::from_stream(head.chain(rest)))
+            }
+            Collected::Streamed { .. } if info.is_lost() => {
+                // Already lost (the handler was told): none of it is given (its
+                // status and first bytes would go out before the completion
+                // that refuses it). A loss from here on, or a takeover the
+                // keeper has not seen, breaks the body (docs/PROTOCOL.md).
+                return Box::pin(refuse_lost(engine, info, lock_timeout, tx)).await;
+            }
+            Collected::Streamed { head, rest } => {
+                tracing::warn!(
+                    limit = engine.max_stored_body,
+                    "response body larger than the stored limit: a replay gets status and headers only"
+                );
+                let (to_client, from_task) = tokio::sync::mpsc::channel(1);
+                let streamer = stream_then_complete(StreamedAnswer {
+                    engine: engine.clone(),
+                    info: info.clone(),
+                    lock_timeout,
+                    stored,
+                    tx,
+                    beat,
+                    head,
+                    rest,
+                    client: Some(to_client),
+                });
+                tokio::spawn(streamer.in_current_span());
+                // The body ends only on `End`: a streamer that stops without it
+                // breaks the client's connection instead.
+                let body = futures_util::stream::unfold(Some(from_task), |rx| async move {
+                    let mut rx = rx?;
+                    match rx.recv().await {
+                        Some(Frame::Data(bytes)) => Some((Ok(bytes), Some(rx))),
+                        Some(Frame::End) => None,
+                        Some(Frame::Fail(e)) => Some((Err(e), None)),
+                        None => Some((Err(axum::Error::new(std::io::Error::other(ABANDONED))), None)),
+                    }
+                });
+                return Response::from_parts(parts, Body::from_stream(body));
+            }
+            Collected::Failed(e) => {
+                // Without idem the connection would break: so it does here, and
+                // nothing is stored.
+                tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
+                let broken = futures_util::stream::once(async move { Err::<axum::body::Bytes, _>(e) });
+                return let_go(
+                    engine,
+                    info,
+                    lock_timeout,
+                    tx,
+                    Response::from_parts(parts, Body::from_stream(broken)),
+                    LetGo::Fail,
+                )
+                .await;
+            }
+        };
+        if let Err(refusal) = record_completion(engine, info, lock_timeout, &stored, tx).await {
+            return refusal;
+        }
+        drop(beat);
+        record(Outcome::executed(info.lease.is_takeover()));
+        let answer = answer.unwrap_or_else(|| Body::from(stored.body.take().unwrap_or_default()));
+        Response::from_parts(parts, answer)
+    }
 }
 
 /// The media type of server-sent events, compared without regard to case.
