@@ -15,8 +15,8 @@ cd "$(dirname "$0")/.."
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 out=target/bench
 mkdir -p "$out"
-cargo build --release --example bench
-bench=target/release/examples/bench
+cargo build --release -p idem-bench
+bench=target/release/bench
 
 if [ "${1:-}" = quick ]; then
     "$bench" --seconds 2 --repeat 1 --csv "$out/bench.csv"

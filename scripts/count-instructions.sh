@@ -26,12 +26,12 @@ inflight="${1:-16}"
 n=2000
 out=target/bench
 mkdir -p "$out"
-cargo build --release --example bench
+cargo build --release -p idem-bench
 printf '%-22s %14s %14s %10s %12s\n' cell "instr/request" "malloc+free" "share" "allocations"
 for cell in "bare" "idem memory first" "idem memory replay" "idem memory 409"; do
     file="$out/callgrind.$(echo "$cell" | tr ' ' '-').out"
     valgrind --tool=callgrind --callgrind-out-file="$file" \
-        target/release/examples/bench --cpu "$n" --inflight "$inflight" --only "$cell" >/dev/null 2>&1
+        target/release/bench --cpu "$n" --inflight "$inflight" --only "$cell" >/dev/null 2>&1
     # 5 rounds of n requests, and 100 replay keys completed first (and, for
     # the 409s, 100 keys held).
     requests=$((5 * n + 100))
@@ -39,7 +39,7 @@ for cell in "bare" "idem memory first" "idem memory replay" "idem memory 409"; d
     # Allocations per request, counted by dhat (setup included, as above).
     dhat="$out/dhat.$(echo "$cell" | tr ' ' '-').json"
     valgrind --tool=dhat --dhat-out-file="$dhat" \
-        target/release/examples/bench --cpu "$n" --inflight "$inflight" --only "$cell" >/dev/null 2>&1
+        target/release/bench --cpu "$n" --inflight "$inflight" --only "$cell" >/dev/null 2>&1
     blocks=$(python3 -c 'import json, sys; print(sum(p["tbk"] for p in json.load(open(sys.argv[1]))["pps"]))' "$dhat")
     callgrind_annotate --threshold=100 "$file" | awk -v cell="$cell" -v req="$requests" -v blocks="$blocks" '
         /PROGRAM TOTALS/ { gsub(",", "", $1); total = $1 }
@@ -57,7 +57,7 @@ if [ -n "${DATABASE_URL:-}" ]; then
         for n in 300 600; do
             file="$out/callgrind.$(echo "$cell" | tr ' ' '-').$n.out"
             valgrind --tool=callgrind --callgrind-out-file="$file" \
-                target/release/examples/bench --cpu "$n" --only "$cell" >/dev/null 2>&1
+                target/release/bench --cpu "$n" --only "$cell" >/dev/null 2>&1
             counts+=("$(callgrind_annotate --threshold=100 "$file" | awk '
                 /PROGRAM TOTALS/ { gsub(",", "", $1); total = $1 }
                 /sha2::sha256::compress256/ { n = $1; gsub(",", "", n); sha += n }

@@ -92,7 +92,7 @@ impl MemoryRecord {
 /// others (the slowest reservation while it grows past a million records:
 /// 3 to 9 ms on a quiet machine, against 270 to 360 ms for one locked map,
 /// where a machine whose own stalls reach 4 to 8 ms gives 3 to 36 ms
-/// against 700 to 1,300; `cargo run --release --example bench -- --growth
+/// against 700 to 1,300; `cargo run --release -p idem-bench -- --growth
 /// 1200000`, which times that floor too). Memory is bounded by the records
 /// within their retention, about 550 bytes each plus the stored body (1.2
 /// million records with 200-byte bodies: 870 MiB resident, as `--growth`

@@ -7,9 +7,9 @@
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1/test \
-//!     cargo run --release --example bench -- --seconds 2 --repeat 3 --csv bench.csv
-//! cargo run --release --example bench -- --growth 1200000   # the memory store growing
-//! cargo run --release --example bench -- --pgbench --repeat 3 # the statements alone (pgbench)
+//!     cargo run --release -p idem-bench -- --seconds 2 --repeat 3 --csv bench.csv
+//! cargo run --release -p idem-bench -- --growth 1200000   # the memory store growing
+//! cargo run --release -p idem-bench -- --pgbench --repeat 3 # the statements alone (pgbench)
 //! ```
 //!
 //! Options: `--seconds S` per cell (default 2), `--max N` requests per cell
@@ -150,7 +150,7 @@ fn args() -> Args {
                 );
                 std::process::exit(0);
             }
-            other => panic!("unknown option {other}; see the header of examples/bench/main.rs"),
+            other => panic!("unknown option {other}; see the header of idem-bench/src/main.rs"),
         }
     }
     a
