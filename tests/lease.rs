@@ -3357,3 +3357,38 @@ impl IdempotencyStore for FailsExtensions {
         hand_back
     );
 }
+
+/// A handler's panic releases its key before anything else happens to
+/// the panic: its payload is dropped only after the release. A payload
+/// whose drop panics in turn (it answers 500 all the same) must not leave
+/// the key locked, so the retry runs.
+#[tokio::test]
+async fn a_panic_payload_is_dropped_after_the_key_is_released() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tower::ServiceExt as _;
+    static PANICKED: AtomicBool = AtomicBool::new(false);
+    /// A panic payload whose drop panics.
+    struct DropPanics;
+    impl Drop for DropPanics {
+        fn drop(&mut self) {
+            panic!("the panic payload's drop panicked");
+        }
+    }
+    #[idempotent(scope = "lease.payload_drop_panics", lock_timeout = "30s")]
+    async fn panics_once() -> StatusCode {
+        if !PANICKED.swap(true, Ordering::SeqCst) {
+            std::panic::panic_any(DropPanics);
+        }
+        StatusCode::CREATED
+    }
+    let app = one_route(Idem::new(idem::MemoryStore::new()), "/panics", post(panics_once));
+    let key = idem_testkit::unique("k-payload-drop-panics");
+    let first = app
+        .clone()
+        .oneshot(keyed_post("/panics", &key, ""))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let retry = app.oneshot(keyed_post("/panics", &key, "")).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED, "the key was released");
+}

@@ -553,7 +553,9 @@ pub(crate) fn finish<'a>(
                 "the handler",
                 panic_message(&*panic),
             );
-            return Either::Left(keeping(beat, rest));
+            // The payload is dropped once the key is let go: its drop is
+            // the handler's code, which may panic again.
+            return Either::Left(keeping(beat, Some(panic), rest));
         }
     };
     // A problem of the handler's own is stored, and so replayed, as its
@@ -566,12 +568,14 @@ pub(crate) fn finish<'a>(
     if class == Classification::Reject {
         return Either::Left(keeping(
             beat,
+            None,
             let_go(engine, info, lock_timeout, tx, response, LetGo::Reject),
         ));
     }
     if class == Classification::Release {
         return Either::Left(keeping(
             beat,
+            None,
             let_go(engine, info, lock_timeout, tx, response, LetGo::Fail),
         ));
     }
@@ -579,9 +583,15 @@ pub(crate) fn finish<'a>(
     Either::Right(complete_answer(engine, info, lock_timeout, parts, body, tx, beat))
 }
 
-/// `rest`, with the lease kept until it is done.
-async fn keeping(beat: Heartbeat, rest: crate::store::BoxFuture<'_, Response>) -> Response {
+/// `rest`, with the lease kept until it is done, and then `panic`, the
+/// handler's panic payload if it panicked, dropped.
+async fn keeping(
+    beat: Heartbeat,
+    panic: Option<Box<dyn std::any::Any + Send>>,
+    rest: crate::store::BoxFuture<'_, Response>,
+) -> Response {
     let response = rest.await;
+    drop(panic);
     drop(beat);
     response
 }
