@@ -614,7 +614,7 @@ async fn a_stale_lock_is_taken_over_with_the_next_attempt(h: Harness) {
         fingerprint: &fp,
         token: idem_testkit::token(),
         ttl: Duration::from_secs(3600),
-        lock_timeout: Duration::from_millis(300),
+        lock_timeout: Duration::from_secs(60),
     };
     let idem::store::Reservation::Reserved(dead) = h.store.reserve(req).await.unwrap() else {
         panic!()
@@ -623,7 +623,13 @@ async fn a_stale_lock_is_taken_over_with_the_next_attempt(h: Harness) {
 
     let early = pay_req(&h, "k-stale", 100, "alice").await;
     assert_eq!(early.status, 409);
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Its lock runs out now: its last heartbeat set the deadline 1 ms on,
+    // and the next request comes at least 50 ms later.
+    h.store
+        .extend_lock(&id, &dead.token, Duration::from_millis(1))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
     let taken = pay_req(&h, "k-stale", 100, "alice").await;
     assert_eq!(taken.status, 201);
     assert_eq!(taken.json()["attempt"], 2);
