@@ -214,12 +214,14 @@ async fn treats_a_record_past_its_ttl_as_absent(f: Fixture) {
 async fn an_answer_is_kept_a_whole_ttl_from_its_completion(f: Fixture) {
     let s = &*f.store;
     let id = RecordId::new("t1", "s", "k-ttl-completion");
-    let ttl = Duration::from_millis(400);
+    // The windows are wide (400 ms at least) so that a loaded machine's
+    // stall between two steps cannot close them.
+    let ttl = Duration::from_millis(1000);
     let lease = take(s, &id, "fp", ttl, LONG).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
     s.complete(&id, &lease.token, &response("slow")).await.unwrap();
     // Past the TTL from the reservation, within it from the completion.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(
         reserve(s, &id, "fp", ttl, LONG).await,
         Reservation::Completed(response("slow"))
@@ -232,11 +234,12 @@ async fn an_answer_is_kept_a_whole_ttl_from_its_completion(f: Fixture) {
 async fn a_crashed_operation_outlives_its_ttl_for_its_retry(f: Fixture) {
     let s = &*f.store;
     let id = RecordId::new("t1", "crash", "k-ttl-crash");
-    let (ttl, lock) = (Duration::from_millis(300), Duration::from_millis(200));
+    let (ttl, lock) = (Duration::from_millis(800), Duration::from_millis(400));
     let dead = take(s, &id, "fp", ttl, lock).await;
     s.checkpoint(&id, &dead.token, "charged").await.unwrap();
-    // Past the TTL and the lock deadline (but not the deadline plus a TTL).
-    tokio::time::sleep(Duration::from_millis(350)).await;
+    // Past the TTL and the lock deadline, but not the deadline plus a TTL:
+    // 300 ms are left for the steps below, even on a loaded machine.
+    tokio::time::sleep(Duration::from_millis(900)).await;
     assert_eq!(s.purge_expired(100).await.unwrap(), 0);
     assert_eq!(
         reserve(s, &id, "fp-other", ttl, lock).await,
