@@ -3392,3 +3392,93 @@ async fn a_panic_payload_is_dropped_after_the_key_is_released() {
     let retry = app.oneshot(keyed_post("/panics", &key, "")).await.unwrap();
     assert_eq!(retry.status(), StatusCode::CREATED, "the key was released");
 }
+
+/// A response body whose drop panics once it has produced its whole answer
+/// leaves no key locked for the lock timeout. Stored whole (small), the
+/// body is dropped while it is read, and its panic is the execution's, as
+/// a body that panics while producing is: 500, the key released, and the
+/// retry runs. Streamed (larger than `max_stored_body`), it is dropped
+/// after its completion is recorded: 201, and the retry is its replay
+/// (status and headers: the body is too large to keep).
+#[tokio::test]
+async fn a_body_whose_drop_panics_leaves_no_key_locked() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tower::ServiceExt as _;
+    /// Yields its bytes once, then ends; its first drop panics.
+    struct Chunks {
+        left: Option<axum::body::Bytes>,
+        panicked: &'static AtomicBool,
+    }
+    impl futures_util::Stream for Chunks {
+        type Item = Result<axum::body::Bytes, std::convert::Infallible>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            std::task::Poll::Ready(self.left.take().map(Ok))
+        }
+    }
+    impl Drop for Chunks {
+        fn drop(&mut self) {
+            if !self.panicked.swap(true, Ordering::SeqCst) {
+                panic!("the body's drop panicked");
+            }
+        }
+    }
+    static SMALL: AtomicBool = AtomicBool::new(false);
+    static LARGE: AtomicBool = AtomicBool::new(false);
+    #[idempotent(scope = "lease.body_drop_panics_small", lock_timeout = "30s")]
+    async fn small() -> Response {
+        let body = Chunks {
+            left: Some(axum::body::Bytes::from_static(b"small")),
+            panicked: &SMALL,
+        };
+        (StatusCode::CREATED, Body::from_stream(body)).into_response()
+    }
+    #[idempotent(scope = "lease.body_drop_panics_large", lock_timeout = "30s")]
+    async fn large() -> Response {
+        let body = Chunks {
+            left: Some(axum::body::Bytes::from(vec![b'x'; 4096])),
+            panicked: &LARGE,
+        };
+        (StatusCode::CREATED, Body::from_stream(body)).into_response()
+    }
+    let idem = Idem::new(idem::MemoryStore::new()).max_stored_body(1024).unwrap();
+    let app = Router::new()
+        .route("/small", post(small))
+        .route("/large", post(large))
+        .layer(idem.single_tenant().layer());
+    let send = |path: &'static str, key: String| {
+        let app = app.clone();
+        async move {
+            let response = app.oneshot(keyed_post(path, &key, "")).await.unwrap();
+            let status = response.status();
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            let body = axum::body::to_bytes(response.into_body(), usize::MAX).await;
+            (status, replayed, body.map(|b| b.len()).ok())
+        }
+    };
+    let key = idem_testkit::unique("k-body-drop-panics-small");
+    assert_eq!(
+        send("/small", key.clone()).await.0,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    assert!(SMALL.load(Ordering::SeqCst), "the body was dropped");
+    assert_eq!(
+        send("/small", key).await,
+        (StatusCode::CREATED, false, Some(5)),
+        "released: the retry ran"
+    );
+    let key = idem_testkit::unique("k-body-drop-panics-large");
+    assert_eq!(
+        send("/large", key.clone()).await,
+        (StatusCode::CREATED, false, Some(4096))
+    );
+    assert!(LARGE.load(Ordering::SeqCst), "the body was dropped");
+    // A replay of an answer too large to keep: its status, no body.
+    assert_eq!(
+        send("/large", key).await,
+        (StatusCode::CREATED, true, Some(0)),
+        "recorded: a replay"
+    );
+}
