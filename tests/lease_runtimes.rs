@@ -3,7 +3,8 @@
 //! runtime has ended or idles undriven. The lease keeper is a thread of the
 //! process that spawns each extension on the execution's own runtime; a
 //! keeper task on the first runtime (as once) left the second's leases
-//! unextended: a retry ran the handler a second time.
+//! unextended: a retry ran the handler a second time. And the limit that
+//! follows: work that blocks a runtime's only thread stops its extensions.
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -160,4 +161,94 @@ async fn slow2() -> StatusCode {
     RUNS2.fetch_add(1, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(1200)).await;
     StatusCode::CREATED
+}
+
+/// The runs of `hog`, and the gate its first run blocks its thread on.
+static HOG_RUNS: AtomicU32 = AtomicU32::new(0);
+static HOG_GATE: (std::sync::Mutex<bool>, std::sync::Condvar) =
+    (std::sync::Mutex::new(false), std::sync::Condvar::new());
+
+/// Its first run blocks its thread (neither `block_in_place` nor
+/// `spawn_blocking`) until the test opens the gate.
+#[idempotent(scope = "probe.hog", lock_timeout = "300ms")]
+async fn hog() -> (StatusCode, String) {
+    let n = HOG_RUNS.fetch_add(1, Ordering::SeqCst) + 1;
+    if n == 1 {
+        let (open, opened) = &HOG_GATE;
+        let mut open = open.lock().unwrap();
+        while !*open {
+            open = opened.wait(open).unwrap();
+        }
+    }
+    (StatusCode::CREATED, format!("run {n}"))
+}
+
+/// What the README says of work that blocks a runtime's every worker: the
+/// keeper runs each extension on the execution's own runtime, so none runs
+/// while the runtime's only thread is blocked, and the lock runs out. A
+/// retry meanwhile (from another runtime) takes the key over and runs the
+/// handler again; the blocked execution's late completion is fenced off by
+/// its token, never stored over the takeover's answer, and its client is
+/// not told it succeeded.
+#[test]
+fn work_that_blocks_a_runtimes_only_thread_stops_its_extensions() {
+    static IDEM3: OnceLock<Idem> = OnceLock::new();
+    let app = || {
+        let idem = IDEM3
+            .get_or_init(|| Idem::new(idem::MemoryStore::new()).single_tenant())
+            .clone();
+        Router::new().route("/hog", post(hog)).layer(idem.layer())
+    };
+    let first = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let response = app().oneshot(req("/hog", "hog-1")).await.unwrap();
+            let status = response.status();
+            let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+                .await
+                .unwrap();
+            (status, body)
+        })
+    });
+    while HOG_RUNS.load(Ordering::SeqCst) == 0 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // At least two lock timeouts while the first run blocks its thread.
+    std::thread::sleep(Duration::from_millis(700));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let send = || {
+        rt.block_on(async {
+            let response = app().oneshot(req("/hog", "hog-1")).await.unwrap();
+            let status = response.status();
+            let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+                .await
+                .unwrap();
+            (status, body)
+        })
+    };
+    let retry = send();
+    assert_eq!(
+        (retry.0, &retry.1[..]),
+        (StatusCode::CREATED, &b"run 2"[..]),
+        "taken over"
+    );
+    let (open, opened) = &HOG_GATE;
+    *open.lock().unwrap() = true;
+    opened.notify_all();
+    let (first_status, first_body) = first.join().unwrap();
+    eprintln!("blocked execution answered {first_status} {first_body:?}");
+    assert_ne!(first_status, StatusCode::CREATED, "its completion was fenced off");
+    let replay = send();
+    assert_eq!(
+        (replay.0, &replay.1[..]),
+        (StatusCode::CREATED, &b"run 2"[..]),
+        "the takeover's answer stays"
+    );
+    assert_eq!(HOG_RUNS.load(Ordering::SeqCst), 2);
 }

@@ -46,9 +46,12 @@ const IDLE: Duration = Duration::from_secs(1);
 /// runtime that execution runs on (its store's connections belong there).
 /// Starting an execution's heartbeat is a registration (a lock and a map
 /// insert), not a task. Being a thread of its own, the keeper is never
-/// held up by a handler that blocks its thread (`block_in_place`, heavy
-/// work), nor tied to one runtime: executions on several runtimes, one
-/// after the other or at once, are all kept.
+/// held up by a handler that blocks its thread, nor tied to one runtime:
+/// executions on several runtimes, one after the other or at once, are all
+/// kept. Each extension runs on its execution's runtime, so it waits for a
+/// free worker there: one that blocks with `block_in_place` hands its
+/// worker's tasks to another thread; work that blocks every worker of a
+/// runtime holds up its extensions with the rest of its I/O.
 static KEEPER: LazyLock<Keeper> = LazyLock::new(Keeper::default);
 
 #[derive(Default)]
