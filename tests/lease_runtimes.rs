@@ -199,39 +199,14 @@ fn work_that_blocks_a_runtimes_only_thread_stops_its_extensions() {
             .clone();
         Router::new().route("/hog", post(hog)).layer(idem.layer())
     };
-    let first = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let response = app().oneshot(req("/hog", "hog-1")).await.unwrap();
-            let status = response.status();
-            let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-                .await
-                .unwrap();
-            (status, body)
-        })
-    });
+    let first = std::thread::spawn(move || answer_on(&current_thread(), app(), "/hog", "hog-1"));
     while HOG_RUNS.load(Ordering::SeqCst) == 0 {
         std::thread::sleep(Duration::from_millis(5));
     }
     // At least two lock timeouts while the first run blocks its thread.
     std::thread::sleep(Duration::from_millis(700));
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let send = || {
-        rt.block_on(async {
-            let response = app().oneshot(req("/hog", "hog-1")).await.unwrap();
-            let status = response.status();
-            let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-                .await
-                .unwrap();
-            (status, body)
-        })
-    };
+    let rt = current_thread();
+    let send = || answer_on(&rt, app(), "/hog", "hog-1");
     let retry = send();
     assert_eq!(
         (retry.0, &retry.1[..]),
@@ -251,4 +226,28 @@ fn work_that_blocks_a_runtimes_only_thread_stops_its_extensions() {
         "the takeover's answer stays"
     );
     assert_eq!(HOG_RUNS.load(Ordering::SeqCst), 2);
+}
+
+fn current_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The status and body `app` answers to a keyed POST, on `rt`.
+fn answer_on(
+    rt: &tokio::runtime::Runtime,
+    app: Router,
+    path: &str,
+    key: &str,
+) -> (StatusCode, axum::body::Bytes) {
+    rt.block_on(async {
+        let response = app.oneshot(req(path, key)).await.unwrap();
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        (status, body)
+    })
 }
