@@ -315,6 +315,93 @@ async fn the_janitor_purges_in_batches_and_spares_live_locks(Sql { store, _dir, 
     assert!(matches!(store.reserve(req).await.unwrap(), Reservation::Reserved(l) if l.attempt == 2));
 }
 
+/// What a task the handler left holding `op` is told when it opens the
+/// operation's transaction once the handler has returned.
+#[derive(Clone)]
+struct Late {
+    db: Db,
+    /// Lets the task go, once the first answer is in.
+    go: Arc<tokio::sync::Semaphore>,
+    /// What the task's transaction and write came to.
+    told: tokio::sync::mpsc::UnboundedSender<Result<(), idem::StoreError>>,
+}
+
+/// Answers at once, leaving a task that holds `op` and, when let go, opens
+/// the operation's transaction and writes one row in it.
+#[idempotent(scope = "effect.late")]
+async fn leave_a_late_writer(State(late): State<Late>, op: Operation) -> StatusCode {
+    tokio::spawn(async move {
+        late.go.acquire().await.unwrap().forget();
+        let id = op.derived_key("late");
+        let written = match &late.db {
+            Db::Pg(..) => match op.pg_transaction().await {
+                Ok(mut conn) => sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO {} (id, note) VALUES ($1, 'late')",
+                    late.db.effects()
+                )))
+                .bind(&id)
+                .execute(&mut *conn)
+                .await
+                .map(drop)
+                .map_err(|e| idem::StoreError::backend(e.to_string())),
+                Err(e) => Err(e),
+            },
+            Db::Sqlite(_) => match op.sqlite_transaction().await {
+                Ok(mut conn) => sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO {} (id, note) VALUES (?1, 'late')",
+                    late.db.effects()
+                )))
+                .bind(&id)
+                .execute(&mut *conn)
+                .await
+                .map(drop)
+                .map_err(|e| idem::StoreError::backend(e.to_string())),
+                Err(e) => Err(e),
+            },
+        };
+        drop(op);
+        let _ = late.told.send(written);
+    });
+    StatusCode::CREATED
+}
+
+/// A transaction opened through `op` once the handler has returned could
+/// never commit with the answer, which is recorded already: it is refused
+/// (`LockLost`, as a checkpoint then is), never opened and silently rolled
+/// back (on SQLite it would also hold the write lock of every other request
+/// until the task let `op` go).
+async fn a_transaction_opened_after_the_handler_returned_is_refused(Sql { store, db, _dir }: Sql) {
+    db.create_table().await;
+    let (told, mut written) = tokio::sync::mpsc::unbounded_channel();
+    let late = Late {
+        db: db.clone(),
+        go: Arc::new(tokio::sync::Semaphore::new(0)),
+        told,
+    };
+    let app = Router::new()
+        .route("/late", post(leave_a_late_writer))
+        .layer(Idem::from_arc(store).single_tenant().layer())
+        .with_state(late.clone());
+    let addr = serve(app).await;
+    let first = post_req("/late", "").key("k-late").send(addr).await;
+    assert_eq!(first.status, 201);
+    late.go.add_permits(1);
+    let written = tokio::time::timeout(Duration::from_secs(10), written.recv())
+        .await
+        .expect("the late writer reports")
+        .unwrap();
+    assert!(
+        matches!(written, Err(idem::StoreError::LockLost)),
+        "opened after the handler returned: {written:?}"
+    );
+    assert_eq!(db.count().await, 0);
+    let replay = post_req("/late", "").key("k-late").send(addr).await;
+    assert_eq!(
+        (replay.status, replay.header("idempotent-replayed")),
+        (201, Some("true"))
+    );
+}
+
 idem_testkit::for_each_store! {
     stores: [sqlite, postgres],
     setup: |kind| sql(kind).await,
@@ -323,6 +410,7 @@ idem_testkit::for_each_store! {
         the_handlers_writes_commit_with_the_completion,
         a_released_outcome_rolls_the_writes_back,
         a_fenced_out_execution_commits_nothing,
+        a_transaction_opened_after_the_handler_returned_is_refused,
         the_janitor_purges_in_batches_and_spares_live_locks,
     ],
 }

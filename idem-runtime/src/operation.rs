@@ -49,10 +49,32 @@ pub(crate) struct Shared {
     phase: std::sync::atomic::AtomicU8,
     /// The recovery point as this execution last set it.
     pub(crate) recovery_point: std::sync::Mutex<Option<String>>,
-    /// The handler's transaction, once it asked for one; the completion
-    /// takes it.
+    /// The handler's transaction, once it asked for one; the execution
+    /// takes it when the handler returns, for the completion.
     #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
-    pub(crate) tx: tokio::sync::Mutex<Option<PendingTx>>,
+    pub(crate) tx: tokio::sync::Mutex<TxSlot>,
+}
+
+/// Where the handler's transaction waits for its execution.
+#[derive(Default)]
+pub(crate) struct TxSlot {
+    /// The transaction the handler opened, if any.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    open: Option<PendingTx>,
+    /// The handler returned and the execution took what there was: a
+    /// transaction opened now (by a task the handler left holding `op`)
+    /// could never commit with the answer.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    closed: bool,
+}
+
+impl TxSlot {
+    /// The handler's transaction, for its execution to finish; none opens
+    /// after this.
+    pub(crate) fn close(&mut self) -> Option<PendingTx> {
+        self.closed = true;
+        self.open.take()
+    }
 }
 
 impl std::ops::Deref for OperationInfo {
@@ -73,7 +95,7 @@ impl OperationInfo {
             lost_told: tokio::sync::Notify::new(),
             phase: std::sync::atomic::AtomicU8::new(RUNNING),
             recovery_point: std::sync::Mutex::new(None),
-            tx: tokio::sync::Mutex::new(None),
+            tx: tokio::sync::Mutex::new(TxSlot::default()),
         }))
     }
 
@@ -291,7 +313,9 @@ impl Operation {
     ///
     /// [`StoreError::Backend`] when the layer's store is not a
     /// [`crate::PgStore`]; [`StoreError::Unavailable`] when no connection
-    /// can be had.
+    /// can be had; [`StoreError::LockLost`] when the lease is lost, or once
+    /// the handler has returned (a task it left holding `op`): a
+    /// transaction opened then could never commit with the answer.
     ///
     /// ```no_run
     /// # use idem::{idempotent, Operation};
@@ -320,7 +344,8 @@ impl Operation {
     ///
     /// [`StoreError::Backend`] when the layer's store is not a
     /// [`crate::SqliteStore`]; [`StoreError::Unavailable`] when the write
-    /// lock cannot be had within the store's timeout.
+    /// lock cannot be had within the store's timeout; [`StoreError::LockLost`]
+    /// as for [`Operation::pg_transaction`].
     ///
     /// ```no_run
     /// # use idem::{idempotent, Operation};
@@ -353,10 +378,13 @@ impl Operation {
             return Err(StoreError::LockLost);
         }
         let mut slot = self.info.tx.lock().await;
-        if slot.is_none() {
-            *slot = Some(begin.await?);
+        if slot.closed {
+            return Err(StoreError::LockLost);
         }
-        tokio::sync::MutexGuard::try_map(slot, |slot| slot.as_mut().and_then(connection))
+        if slot.open.is_none() {
+            slot.open = Some(begin.await?);
+        }
+        tokio::sync::MutexGuard::try_map(slot, |slot| slot.open.as_mut().and_then(connection))
             .map_err(|_| StoreError::backend("the operation holds a transaction of another store"))
     }
 

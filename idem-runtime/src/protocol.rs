@@ -522,7 +522,7 @@ pub(crate) fn execute(
 /// execution's other states.)
 async fn handed_over(info: &OperationInfo) -> Option<PendingTx> {
     pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
-    info.tx.lock().await.take()
+    info.tx.lock().await.close()
 }
 
 pub(crate) type Caught = Result<(Response, Option<Classification>), Box<dyn std::any::Any + Send>>;
