@@ -402,6 +402,46 @@ async fn a_transaction_opened_after_the_handler_returned_is_refused(Sql { store,
     );
 }
 
+/// The other side of that boundary: a task that opens the transaction after
+/// the handler returned but before its execution takes it (held here at
+/// `HANDLER_RETURNED`) writes in the handler's transaction, which commits
+/// with the answer.
+async fn a_transaction_opened_before_the_execution_takes_it_commits(Sql { store, db, _dir }: Sql) {
+    use idem_runtime::pause;
+    db.create_table().await;
+    let (told, mut written) = tokio::sync::mpsc::unbounded_channel();
+    let late = Late {
+        db: db.clone(),
+        go: Arc::new(tokio::sync::Semaphore::new(0)),
+        told,
+    };
+    let app = Router::new()
+        .route("/late", post(leave_a_late_writer))
+        .layer(Idem::from_arc(store).single_tenant().layer())
+        .with_state(late.clone());
+    let addr = serve(app).await;
+    let key = idem_testkit::unique("k-late-open");
+    let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
+    let first = {
+        let key = key.clone();
+        tokio::spawn(async move { post_req("/late", "").key(&key).send(addr).await })
+    };
+    returned.reached().await;
+    late.go.add_permits(1);
+    let written = tokio::time::timeout(Duration::from_secs(10), written.recv())
+        .await
+        .expect("the late writer reports")
+        .unwrap();
+    assert!(
+        written.is_ok(),
+        "opened before the execution took it: {written:?}"
+    );
+    assert_eq!(db.count().await, 0, "not committed before the answer");
+    returned.resume();
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(db.count().await, 1, "committed with the answer");
+}
+
 idem_testkit::for_each_store! {
     stores: [sqlite, postgres],
     setup: |kind| sql(kind).await,
@@ -411,6 +451,7 @@ idem_testkit::for_each_store! {
         a_released_outcome_rolls_the_writes_back,
         a_fenced_out_execution_commits_nothing,
         a_transaction_opened_after_the_handler_returned_is_refused,
+        a_transaction_opened_before_the_execution_takes_it_commits,
         the_janitor_purges_in_batches_and_spares_live_locks,
     ],
 }
