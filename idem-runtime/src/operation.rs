@@ -307,7 +307,9 @@ impl Operation {
     /// The handler's transaction on the PostgreSQL store: its writes commit
     /// together with the completion of this record (a stored outcome), or
     /// are rolled back (a released outcome, a panic, a lost lock). The first
-    /// call opens it; later calls return the same one.
+    /// call opens it; later calls return the same one. Let the connection go
+    /// before the handler returns: the execution waits for it, without a
+    /// bound, to take the transaction for the completion.
     ///
     /// # Errors
     ///
