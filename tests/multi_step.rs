@@ -333,31 +333,27 @@ async fn leave_a_late_writer(State(late): State<Late>, op: Operation) -> StatusC
     tokio::spawn(async move {
         late.go.acquire().await.unwrap().forget();
         let id = op.derived_key("late");
+        // The transaction's connection types differ; the steps do not.
+        macro_rules! write_in {
+            ($transaction:ident, $param:literal) => {
+                match op.$transaction().await {
+                    Ok(mut conn) => sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "INSERT INTO {} (id, note) VALUES ({}, 'late')",
+                        late.db.effects(),
+                        $param
+                    )))
+                    .bind(&id)
+                    .execute(&mut *conn)
+                    .await
+                    .map(drop)
+                    .map_err(|e| idem::StoreError::backend(e.to_string())),
+                    Err(e) => Err(e),
+                }
+            };
+        }
         let written = match &late.db {
-            Db::Pg(..) => match op.pg_transaction().await {
-                Ok(mut conn) => sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "INSERT INTO {} (id, note) VALUES ($1, 'late')",
-                    late.db.effects()
-                )))
-                .bind(&id)
-                .execute(&mut *conn)
-                .await
-                .map(drop)
-                .map_err(|e| idem::StoreError::backend(e.to_string())),
-                Err(e) => Err(e),
-            },
-            Db::Sqlite(_) => match op.sqlite_transaction().await {
-                Ok(mut conn) => sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "INSERT INTO {} (id, note) VALUES (?1, 'late')",
-                    late.db.effects()
-                )))
-                .bind(&id)
-                .execute(&mut *conn)
-                .await
-                .map(drop)
-                .map_err(|e| idem::StoreError::backend(e.to_string())),
-                Err(e) => Err(e),
-            },
+            Db::Pg(..) => write_in!(pg_transaction, "$1"),
+            Db::Sqlite(_) => write_in!(sqlite_transaction, "?1"),
         };
         drop(op);
         let _ = late.told.send(written);
@@ -365,14 +361,11 @@ async fn leave_a_late_writer(State(late): State<Late>, op: Operation) -> StatusC
     StatusCode::CREATED
 }
 
-/// A transaction opened through `op` once the handler has returned could
-/// never commit with the answer, which is recorded already: it is refused
-/// (`LockLost`, as a checkpoint then is), never opened and silently rolled
-/// back (on SQLite it would also hold the write lock of every other request
-/// until the task let `op` go).
-async fn a_transaction_opened_after_the_handler_returned_is_refused(Sql { store, db, _dir }: Sql) {
+/// A server whose handler leaves a late writer, and the handle that lets
+/// that writer go and hears what it came to.
+async fn late_writer(store: Arc<dyn IdempotencyStore>, db: &Db) -> (std::net::SocketAddr, LateWriter) {
     db.create_table().await;
-    let (told, mut written) = tokio::sync::mpsc::unbounded_channel();
+    let (told, written) = tokio::sync::mpsc::unbounded_channel();
     let late = Late {
         db: db.clone(),
         go: Arc::new(tokio::sync::Semaphore::new(0)),
@@ -382,14 +375,35 @@ async fn a_transaction_opened_after_the_handler_returned_is_refused(Sql { store,
         .route("/late", post(leave_a_late_writer))
         .layer(Idem::from_arc(store).single_tenant().layer())
         .with_state(late.clone());
-    let addr = serve(app).await;
+    (serve(app).await, LateWriter { go: late.go, written })
+}
+
+struct LateWriter {
+    go: Arc<tokio::sync::Semaphore>,
+    written: tokio::sync::mpsc::UnboundedReceiver<Result<(), idem::StoreError>>,
+}
+
+impl LateWriter {
+    /// Lets the late writer go, and what its transaction and write came to.
+    async fn lets_go(&mut self) -> Result<(), idem::StoreError> {
+        self.go.add_permits(1);
+        tokio::time::timeout(Duration::from_secs(10), self.written.recv())
+            .await
+            .expect("the late writer reports")
+            .expect("the late writer reports once")
+    }
+}
+
+/// A transaction opened through `op` once the handler has returned could
+/// never commit with the answer, which is recorded already: it is refused
+/// (`LockLost`, as a checkpoint then is), never opened and silently rolled
+/// back (on SQLite it would also hold the write lock of every other request
+/// until the task let `op` go).
+async fn a_transaction_opened_after_the_handler_returned_is_refused(Sql { store, db, _dir }: Sql) {
+    let (addr, mut late) = late_writer(store, &db).await;
     let first = post_req("/late", "").key("k-late").send(addr).await;
     assert_eq!(first.status, 201);
-    late.go.add_permits(1);
-    let written = tokio::time::timeout(Duration::from_secs(10), written.recv())
-        .await
-        .expect("the late writer reports")
-        .unwrap();
+    let written = late.lets_go().await;
     assert!(
         matches!(written, Err(idem::StoreError::LockLost)),
         "opened after the handler returned: {written:?}"
@@ -408,18 +422,7 @@ async fn a_transaction_opened_after_the_handler_returned_is_refused(Sql { store,
 /// with the answer.
 async fn a_transaction_opened_before_the_execution_takes_it_commits(Sql { store, db, _dir }: Sql) {
     use idem_runtime::pause;
-    db.create_table().await;
-    let (told, mut written) = tokio::sync::mpsc::unbounded_channel();
-    let late = Late {
-        db: db.clone(),
-        go: Arc::new(tokio::sync::Semaphore::new(0)),
-        told,
-    };
-    let app = Router::new()
-        .route("/late", post(leave_a_late_writer))
-        .layer(Idem::from_arc(store).single_tenant().layer())
-        .with_state(late.clone());
-    let addr = serve(app).await;
+    let (addr, mut late) = late_writer(store, &db).await;
     let key = idem_testkit::unique("k-late-open");
     let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
     let first = {
@@ -427,11 +430,7 @@ async fn a_transaction_opened_before_the_execution_takes_it_commits(Sql { store,
         tokio::spawn(async move { post_req("/late", "").key(&key).send(addr).await })
     };
     returned.reached().await;
-    late.go.add_permits(1);
-    let written = tokio::time::timeout(Duration::from_secs(10), written.recv())
-        .await
-        .expect("the late writer reports")
-        .unwrap();
+    let written = late.lets_go().await;
     assert!(
         written.is_ok(),
         "opened before the execution took it: {written:?}"
