@@ -316,8 +316,10 @@ impl Operation {
     /// [`StoreError::Backend`] when the layer's store is not a
     /// [`crate::PgStore`]; [`StoreError::Unavailable`] when no connection
     /// can be had; [`StoreError::LockLost`] when the lease is lost, or once
-    /// the handler has returned (a task it left holding `op`): a
-    /// transaction opened then could never commit with the answer.
+    /// the handler has returned and its execution has taken the transaction
+    /// (to a task the handler left holding `op`): a transaction opened then
+    /// could never commit with the answer. (What such a task wrote before,
+    /// in the handler's transaction, commits with the answer.)
     ///
     /// ```no_run
     /// # use idem::{idempotent, Operation};
