@@ -59,12 +59,10 @@ pub(crate) struct Shared {
 #[derive(Default)]
 pub(crate) struct TxSlot {
     /// The transaction the handler opened, if any.
-    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     open: Option<PendingTx>,
     /// The handler returned and the execution took what there was: a
     /// transaction opened now (by a task the handler left holding `op`)
     /// could never commit with the answer.
-    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     closed: bool,
 }
 
