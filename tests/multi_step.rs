@@ -441,6 +441,208 @@ async fn a_transaction_opened_before_the_execution_takes_it_commits(Sql { store,
     assert_eq!(db.count().await, 1, "committed with the answer");
 }
 
+/// What a task that keeps the handler's transaction connection is let do.
+#[derive(Clone)]
+struct Holder {
+    db: Db,
+    /// Lets a `hold` task let the connection go.
+    go: Arc<tokio::sync::Semaphore>,
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+struct HoldIn {
+    /// `feed`: the task writes two rows, sending a line of the answer's
+    /// body after each, and lets the connection go once the body is read.
+    /// `hold`: it writes one row and keeps the connection until let go.
+    then: String,
+}
+
+/// Makes every row's id new: a row that committed when it should not have
+/// is counted, not refused as a duplicate.
+static ROW: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Leaves a task that opens the operation's transaction, writes in it and
+/// keeps its connection after the handler returned (see [`HoldIn`]).
+#[idempotent(scope = "effect.held", fields(then))]
+async fn keep_the_connection(
+    State(h): State<Holder>,
+    op: Operation,
+    Json(input): Json<HoldIn>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let feed = input.then == "feed";
+    let (line, lines) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(1);
+    let (holding, held) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let rows: &[&str] = if feed { &["one", "two"] } else { &["held"] };
+        // The transaction's connection types differ; the steps do not.
+        macro_rules! keep_in {
+            ($transaction:ident, $param:literal) => {{
+                let mut conn = op.$transaction().await.expect("the transaction opens");
+                let _ = holding.send(());
+                for row in rows {
+                    let id = format!(
+                        "{row}-{}",
+                        ROW.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                    );
+                    sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "INSERT INTO {} (id, note) VALUES ({}, '{row}')",
+                        h.db.effects(),
+                        $param
+                    )))
+                    .bind(id)
+                    .execute(&mut *conn)
+                    .await
+                    .expect("the write");
+                    if feed {
+                        let _ = line.send(Ok(format!("{row}\n"))).await;
+                    }
+                }
+                if !feed {
+                    h.go.acquire().await.unwrap().forget();
+                }
+                drop(conn);
+            }};
+        }
+        match &h.db {
+            Db::Pg(..) => keep_in!(pg_transaction, "$1"),
+            Db::Sqlite(_) => keep_in!(sqlite_transaction, "?1"),
+        }
+    });
+    // The handler returns while the task holds the connection.
+    held.await.expect("the task opens the transaction");
+    if !feed {
+        return (StatusCode::CREATED, "held").into_response();
+    }
+    let body = futures_util::stream::unfold(lines, |mut lines| async move {
+        lines.recv().await.map(|line| (line, lines))
+    });
+    (StatusCode::CREATED, axum::body::Body::from_stream(body)).into_response()
+}
+
+/// A server with the handler above twice: `/held` stores answers whole
+/// (a lock timeout of 1 second), `/held-big` stores none of their bodies
+/// (the limit is 4 bytes); and the handle that lets `hold` tasks go.
+async fn keeper_app(
+    store: Arc<dyn IdempotencyStore>,
+    db: &Db,
+) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
+    db.create_table().await;
+    let h = Holder {
+        db: db.clone(),
+        go: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let idem = Idem::from_arc(store)
+        .single_tenant()
+        .lock_timeout(Duration::from_secs(1))
+        .unwrap();
+    let app = Router::new()
+        .route("/held", post(keep_the_connection))
+        .layer(idem.clone().layer())
+        .merge(
+            Router::new()
+                .route("/held-big", post(keep_the_connection))
+                .layer(idem.max_stored_body(4).unwrap().layer()),
+        )
+        .with_state(h.clone());
+    (serve(app).await, h.go)
+}
+
+/// `request`'s answer, which must come within 20 seconds.
+async fn answered(
+    request: idem_testkit::http::Request,
+    addr: std::net::SocketAddr,
+) -> idem_testkit::http::Reply {
+    tokio::time::timeout(Duration::from_secs(20), request.send(addr))
+        .await
+        .expect("the request is answered")
+}
+
+/// A body fed by a task that holds the handler's transaction connection
+/// until the body is read: the execution reads the body before it takes
+/// the transaction, so the task lets go, and its writes commit with the
+/// answer (taking the transaction first, the request would never answer).
+async fn a_body_fed_by_the_transactions_holder_is_read_before_it_is_taken(Sql { store, db, _dir }: Sql) {
+    let (addr, _) = keeper_app(store, &db).await;
+    let first = answered(post_req("/held", r#"{"then":"feed"}"#).key("k-feed"), addr).await;
+    assert_eq!(
+        (first.status, first.body.as_slice()),
+        (201, b"one\ntwo\n".as_slice())
+    );
+    assert_eq!(db.count().await, 2, "committed with the answer");
+    let replay = answered(post_req("/held", r#"{"then":"feed"}"#).key("k-feed"), addr).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(db.count().await, 2);
+}
+
+/// The same, with a body too large to store: it streams to the client, and
+/// the transaction is taken when the body has ended.
+async fn a_streamed_body_fed_by_the_transactions_holder_commits_at_its_end(Sql { store, db, _dir }: Sql) {
+    let (addr, _) = keeper_app(store, &db).await;
+    let first = answered(
+        post_req("/held-big", r#"{"then":"feed"}"#).key("k-feed-big"),
+        addr,
+    )
+    .await;
+    assert_eq!(
+        (first.status, first.body.as_slice()),
+        (201, b"one\ntwo\n".as_slice())
+    );
+    assert_eq!(db.count().await, 2, "committed with the answer");
+    let replay = answered(
+        post_req("/held-big", r#"{"then":"feed"}"#).key("k-feed-big"),
+        addr,
+    )
+    .await;
+    assert_eq!(
+        (replay.status, replay.header("idempotent-replay-body-omitted")),
+        (201, Some("true"))
+    );
+    assert_eq!(db.count().await, 2);
+}
+
+/// A task that keeps the connection a whole lock timeout after the handler
+/// returned: the answer does not wait for it any longer. The client gets
+/// 503 (its retry really retries); the key stays held until the task lets
+/// go, and then its transaction is rolled back and the key released: the
+/// retry runs, and only its row commits.
+async fn a_connection_kept_past_the_lock_timeout_is_rolled_back_when_let_go(Sql { store, db, _dir }: Sql) {
+    let (addr, go) = keeper_app(store, &db).await;
+    let hold = || post_req("/held", r#"{"then":"hold"}"#).key("k-hold");
+    let first = answered(hold(), addr).await;
+    assert_eq!(
+        (first.status, first.problem()),
+        (503, "idempotency-store-unavailable".to_owned()),
+        "{first:?}"
+    );
+    assert_eq!(db.count().await, 0, "nothing committed");
+    if matches!(db, Db::Pg(..)) {
+        // While the task holds the connection, the key stays held. (On
+        // SQLite the open transaction holds every writer: the retry cannot
+        // even reserve.)
+        assert_eq!(answered(hold(), addr).await.status, 409);
+    }
+    // One permit for the first task, one for the retry's.
+    go.add_permits(2);
+    let retried = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let r = hold().send(addr).await;
+            if r.status != 409 && r.status != 503 {
+                break r;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the key is released once the task lets go");
+    assert_eq!(
+        (retried.status, retried.body.as_slice()),
+        (201, b"held".as_slice())
+    );
+    assert_eq!(db.count().await, 1, "the first run's row was rolled back");
+}
+
 idem_testkit::for_each_store! {
     stores: [sqlite, postgres],
     setup: |kind| sql(kind).await,
@@ -451,6 +653,9 @@ idem_testkit::for_each_store! {
         a_fenced_out_execution_commits_nothing,
         a_transaction_opened_after_the_handler_returned_is_refused,
         a_transaction_opened_before_the_execution_takes_it_commits,
+        a_body_fed_by_the_transactions_holder_is_read_before_it_is_taken,
+        a_streamed_body_fed_by_the_transactions_holder_commits_at_its_end,
+        a_connection_kept_past_the_lock_timeout_is_rolled_back_when_let_go,
         the_janitor_purges_in_batches_and_spares_live_locks,
     ],
 }

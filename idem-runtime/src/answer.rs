@@ -5,9 +5,8 @@ use crate::layer::{Engine, BODY_OMITTED_HEADER, REPLAYED_HEADER};
 use crate::lease::Heartbeat;
 use crate::operation::OperationInfo;
 use crate::outcome::{let_go, record_completion, LetGo};
-use crate::protocol::{panic_message, record, Outcome};
+use crate::protocol::{let_go_once_free, panic_message, record, Outcome};
 use crate::store::StoredResponse;
-use crate::tx::PendingTx;
 use axum::body::Body;
 use axum::http::header::{HeaderName, HeaderValue, CONTENT_TYPE};
 use axum::http::StatusCode;
@@ -93,7 +92,6 @@ pub(crate) struct StreamedAnswer {
     pub(crate) lock_timeout: Duration,
     /// Its status and headers, to record once the body ended.
     pub(crate) stored: StoredResponse,
-    pub(crate) tx: Option<PendingTx>,
     pub(crate) beat: Heartbeat,
     pub(crate) head: Vec<axum::body::Bytes>,
     pub(crate) rest: axum::body::BodyDataStream,
@@ -135,11 +133,23 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
         info,
         lock_timeout,
         stored,
-        tx,
         beat,
         mut client,
         ..
     } = s;
+    // The body has ended: a task that fed it while it held the handler's
+    // transaction connection has let it go.
+    let Ok(tx) = info.take_tx(lock_timeout).await else {
+        // The client has its status already: its connection breaks.
+        let _ = let_go_once_free(&engine, &info, lock_timeout, beat);
+        if let Some(c) = &client {
+            let kept = axum::Error::new(std::io::Error::other(
+                "the handler's transaction was kept from its completion; retry with the same key",
+            ));
+            let _ = tokio::time::timeout(lock_timeout, c.send(Frame::Fail(kept))).await;
+        }
+        return;
+    };
     let ending = match broken {
         Some(e) => {
             let _ = let_go(&engine, &info, lock_timeout, tx, Response::default(), LetGo::Fail).await;

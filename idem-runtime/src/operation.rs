@@ -50,30 +50,17 @@ pub(crate) struct Shared {
     /// The recovery point as this execution last set it.
     pub(crate) recovery_point: std::sync::Mutex<Option<String>>,
     /// The handler's transaction, once it asked for one; the execution
-    /// takes it when the handler returns, for the completion.
-    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
-    pub(crate) tx: tokio::sync::Mutex<TxSlot>,
+    /// takes it for the completion ([`OperationInfo::take_tx`]).
+    pub(crate) tx: tokio::sync::Mutex<Option<PendingTx>>,
+    /// Set once the execution took the transaction, or stopped waiting for
+    /// it: a transaction opened after that (by a task the handler left
+    /// holding `op`) could never commit with the answer.
+    tx_closed: std::sync::atomic::AtomicBool,
 }
 
-/// Where the handler's transaction waits for its execution.
-#[derive(Default)]
-pub(crate) struct TxSlot {
-    /// The transaction the handler opened, if any.
-    open: Option<PendingTx>,
-    /// The handler returned and the execution took what there was: a
-    /// transaction opened now (by a task the handler left holding `op`)
-    /// could never commit with the answer.
-    closed: bool,
-}
-
-impl TxSlot {
-    /// The handler's transaction, for its execution to finish; none opens
-    /// after this.
-    pub(crate) fn close(&mut self) -> Option<PendingTx> {
-        self.closed = true;
-        self.open.take()
-    }
-}
+/// A task kept the handler's transaction connection for as long as the
+/// execution waits to take it ([`OperationInfo::take_tx`]).
+pub(crate) struct TxHeld;
 
 impl std::ops::Deref for OperationInfo {
     type Target = Shared;
@@ -93,8 +80,43 @@ impl OperationInfo {
             lost_told: tokio::sync::Notify::new(),
             phase: std::sync::atomic::AtomicU8::new(RUNNING),
             recovery_point: std::sync::Mutex::new(None),
-            tx: tokio::sync::Mutex::new(TxSlot::default()),
+            tx: tokio::sync::Mutex::new(None),
+            tx_closed: std::sync::atomic::AtomicBool::new(false),
         }))
+    }
+
+    /// The handler's transaction, for its execution to finish: taken once
+    /// the handler returned and its answer's body was read (a task that
+    /// feeds the body may hold the transaction's connection until then).
+    /// Waits up to `bound` for a task that still holds the connection;
+    /// [`TxHeld`] past that. None opens after this, either way.
+    pub(crate) fn take_tx(
+        &self,
+        bound: std::time::Duration,
+    ) -> impl std::future::Future<Output = Result<Option<PendingTx>, TxHeld>> + Send + '_ {
+        // Nobody holds the connection, as a rule: taken without waiting.
+        let free = self.tx.try_lock().ok().map(|mut slot| self.close_tx(&mut slot));
+        async move {
+            match free {
+                Some(tx) => Ok(tx),
+                None => Box::pin(self.take_tx_held(bound)).await,
+            }
+        }
+    }
+
+    async fn take_tx_held(&self, bound: std::time::Duration) -> Result<Option<PendingTx>, TxHeld> {
+        match tokio::time::timeout(bound, self.tx.lock()).await {
+            Ok(mut slot) => Ok(self.close_tx(&mut slot)),
+            Err(_) => {
+                self.tx_closed.store(true, SeqCst);
+                Err(TxHeld)
+            }
+        }
+    }
+
+    fn close_tx(&self, slot: &mut Option<PendingTx>) -> Option<PendingTx> {
+        self.tx_closed.store(true, SeqCst);
+        slot.take()
     }
 
     pub(crate) fn is_lost(&self) -> bool {
@@ -305,17 +327,21 @@ impl Operation {
     /// The handler's transaction on the PostgreSQL store: its writes commit
     /// together with the completion of this record (a stored outcome), or
     /// are rolled back (a released outcome, a panic, a lost lock). The first
-    /// call opens it; later calls return the same one. Let the connection go
-    /// before the handler returns: the execution waits for it, without a
-    /// bound, to take the transaction for the completion.
+    /// call opens it; later calls return the same one. The execution takes
+    /// the transaction for the completion once the handler has returned and
+    /// the answer's body has been read; it waits for a task still holding
+    /// the connection then for one lock timeout at most. Past that, the
+    /// client gets 503, and the transaction is rolled back once the task
+    /// lets go (README, "Multi-step operations").
     ///
     /// # Errors
     ///
     /// [`StoreError::Backend`] when the layer's store is not a
     /// [`crate::PgStore`]; [`StoreError::Unavailable`] when no connection
     /// can be had; [`StoreError::LockLost`] when the lease is lost, or once
-    /// the handler has returned and its execution has taken the transaction
-    /// (to a task the handler left holding `op`): a transaction opened then
+    /// the handler has returned and its execution has taken the transaction,
+    /// or stopped waiting for it (to a task the handler left holding `op`):
+    /// a transaction opened then
     /// could never commit with the answer. (What such a task wrote before,
     /// in the handler's transaction, commits with the answer.)
     ///
@@ -380,13 +406,13 @@ impl Operation {
             return Err(StoreError::LockLost);
         }
         let mut slot = self.info.tx.lock().await;
-        if slot.closed {
+        if self.info.tx_closed.load(SeqCst) {
             return Err(StoreError::LockLost);
         }
-        if slot.open.is_none() {
-            slot.open = Some(begin.await?);
+        if slot.is_none() {
+            *slot = Some(begin.await?);
         }
-        tokio::sync::MutexGuard::try_map(slot, |slot| slot.open.as_mut().and_then(connection))
+        tokio::sync::MutexGuard::try_map(slot, |slot| slot.as_mut().and_then(connection))
             .map_err(|_| StoreError::backend("the operation holds a transaction of another store"))
     }
 

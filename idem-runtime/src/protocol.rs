@@ -8,7 +8,7 @@ use crate::classify::Classification;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::layer::{Context, Engine, Tenant};
 use crate::lease::{Heartbeat, LeaseClock};
-use crate::operation::{Operation, OperationInfo};
+use crate::operation::{Operation, OperationInfo, TxHeld};
 use crate::outcome::{hand_back_key, let_go, record_completion, refuse_lost, LetGo};
 use crate::problem::{Problem, Unavailable};
 use crate::request::Spec;
@@ -512,23 +512,17 @@ pub(crate) fn execute(
         }
         let beat = Heartbeat::start(&info, clock);
         let outcome = AssertUnwindSafe(handler).catch_unwind().await;
-        let tx = handed_over(&info).await;
-        finish(&engine, &info, clock.lock_timeout, outcome, tx, beat).await
+        pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
+        finish(&engine, &info, clock.lock_timeout, outcome, beat).await
     }
-}
-
-/// The handler is done: its transaction, if any, is ours now. (One await
-/// for the outcome to wait across, so that it takes no room in the
-/// execution's other states.)
-async fn handed_over(info: &OperationInfo) -> Option<PendingTx> {
-    pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
-    info.tx.lock().await.close()
 }
 
 pub(crate) type Caught = Result<(Response, Option<Classification>), Box<dyn std::any::Any + Send>>;
 
 /// Classifies the outcome, produces the answer and records it; `beat`
-/// keeps the lease until then.
+/// keeps the lease until then. The handler's transaction, if it opened one,
+/// is taken on the way ([`OperationInfo::take_tx`]): after the answer's
+/// body was read when it is recorded, before the key is let go otherwise.
 ///
 /// What needs no waiting (a panic, the classification, the rebased problem)
 /// is worked out before the future is built, so that the future holds only
@@ -539,23 +533,23 @@ pub(crate) fn finish<'a>(
     info: &'a OperationInfo,
     lock_timeout: Duration,
     outcome: Caught,
-    tx: Option<PendingTx>,
     beat: Heartbeat,
 ) -> Either<impl Future<Output = Response> + Send + 'a, impl Future<Output = Response> + Send + 'a> {
     let (response, declared) = match outcome {
         Ok(pair) => pair,
         Err(panic) => {
-            let rest = panicked(
+            tracing::error!(panic = %panic_message(&*panic), "the handler panicked; releasing the key");
+            // The payload is dropped once the key is let go: its drop is
+            // the handler's code, which may panic again.
+            return Either::Left(keeping(
                 engine,
                 info,
                 lock_timeout,
-                tx,
-                "the handler",
-                panic_message(&*panic),
-            );
-            // The payload is dropped once the key is let go: its drop is
-            // the handler's code, which may panic again.
-            return Either::Left(keeping(beat, Some(panic), rest));
+                beat,
+                Some(panic),
+                Problem::HandlerFailed.into_response(),
+                LetGo::Fail,
+            ));
         }
     };
     // A problem of the handler's own is stored, and so replayed, as its
@@ -567,33 +561,79 @@ pub(crate) fn finish<'a>(
     let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
     if class == Classification::Reject {
         return Either::Left(keeping(
+            engine,
+            info,
+            lock_timeout,
             beat,
             None,
-            let_go(engine, info, lock_timeout, tx, response, LetGo::Reject),
+            response,
+            LetGo::Reject,
         ));
     }
     if class == Classification::Release {
         return Either::Left(keeping(
+            engine,
+            info,
+            lock_timeout,
             beat,
             None,
-            let_go(engine, info, lock_timeout, tx, response, LetGo::Fail),
+            response,
+            LetGo::Fail,
         ));
     }
     let (parts, body) = response.into_parts();
-    Either::Right(complete_answer(engine, info, lock_timeout, parts, body, tx, beat))
+    Either::Right(complete_answer(engine, info, lock_timeout, parts, body, beat))
 }
 
-/// `rest`, with the lease kept until it is done, and then `panic`, the
-/// handler's panic payload if it panicked, dropped.
-async fn keeping(
+/// The key let go as `how`, with the lease kept until that is done, and
+/// then `panic`, the handler's panic payload if it panicked, dropped.
+/// Boxed: only some executions take this step.
+fn keeping<'a>(
+    engine: &'a Arc<Engine>,
+    info: &'a OperationInfo,
+    lock_timeout: Duration,
     beat: Heartbeat,
     panic: Option<Box<dyn std::any::Any + Send>>,
-    rest: crate::store::BoxFuture<'_, Response>,
+    response: Response,
+    how: LetGo,
+) -> crate::store::BoxFuture<'a, Response> {
+    Box::pin(async move {
+        let Ok(tx) = info.take_tx(lock_timeout).await else {
+            drop(panic);
+            return let_go_once_free(engine, info, lock_timeout, beat);
+        };
+        let response = let_go(engine, info, lock_timeout, tx, response, how).await;
+        drop(panic);
+        drop(beat);
+        response
+    })
+}
+
+/// A task kept the handler's transaction connection (a task the handler
+/// left holding `op`) for a whole lock timeout after its execution came to
+/// take it: the answer waits no longer. The client gets 503, and its retry
+/// gets 409 until the task lets the connection go; then the transaction is
+/// rolled back and the key released, under the lease until then. Nothing
+/// the task wrote commits: no transaction opens through `op` any more.
+pub(crate) fn let_go_once_free(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    beat: Heartbeat,
 ) -> Response {
-    let response = rest.await;
-    drop(panic);
-    drop(beat);
-    response
+    record(Outcome::Released);
+    tracing::error!(
+        "a task kept the handler's transaction connection for a lock timeout after its execution came to \
+         take it; answering 503: the transaction is rolled back, and the key released, once it lets go"
+    );
+    let (engine, info) = (engine.clone(), info.clone());
+    let releasing = async move {
+        let tx = info.tx.lock().await.take();
+        let _ = let_go(&engine, &info, lock_timeout, tx, Response::default(), LetGo::Fail).await;
+        drop(beat);
+    };
+    tokio::spawn(releasing.in_current_span());
+    Problem::StoreUnavailable(Unavailable::NotCompleted).into_response()
 }
 
 /// A success's answer: its body produced, then recorded, then given.
@@ -605,7 +645,6 @@ fn complete_answer<'a>(
     lock_timeout: Duration,
     parts: axum::http::response::Parts,
     body: Body,
-    tx: Option<PendingTx>,
     beat: Heartbeat,
 ) -> impl Future<Output = Response> + Send + 'a {
     async move {
@@ -614,10 +653,23 @@ fn complete_answer<'a>(
             .get(CONTENT_TYPE)
             .and_then(|v| v.as_bytes().get(..EVENT_STREAM.len()))
             .is_some_and(|v| v.eq_ignore_ascii_case(EVENT_STREAM));
-        let collected = match AssertUnwindSafe(collect(body, engine.max_stored_body, stream))
+        let collected = AssertUnwindSafe(collect(body, engine.max_stored_body, stream))
             .catch_unwind()
-            .await
-        {
+            .await;
+        // The transaction is taken once the body was read, since the task
+        // that feeds it may hold its connection until then; an answer that
+        // streams on takes it when its body ends.
+        let lost = info.is_lost();
+        let streams_on = matches!(collected, Ok(Collected::Streamed { .. })) && !stream && !lost;
+        let tx = if streams_on {
+            None
+        } else {
+            match info.take_tx(lock_timeout).await {
+                Ok(tx) => tx,
+                Err(TxHeld) => return let_go_once_free(engine, info, lock_timeout, beat),
+            }
+        };
+        let collected = match collected {
             Ok(collected) => collected,
             Err(panic) => {
                 return panicked(
@@ -654,7 +706,7 @@ fn complete_answer<'a>(
                 let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
                 Some(Body::from_stream(head.chain(rest)))
             }
-            Collected::Streamed { .. } if info.is_lost() => {
+            Collected::Streamed { .. } if lost => {
                 // Already lost (the handler was told): none of it is given (its
                 // status and first bytes would go out before the completion
                 // that refuses it). A loss from here on, or a takeover the
@@ -672,7 +724,6 @@ fn complete_answer<'a>(
                     info: info.clone(),
                     lock_timeout,
                     stored,
-                    tx,
                     beat,
                     head,
                     rest,
