@@ -599,8 +599,9 @@ fn keeping<'a>(
 ) -> crate::store::BoxFuture<'a, Response> {
     Box::pin(async move {
         let Ok(tx) = info.take_tx(lock_timeout).await else {
+            let response = let_go_once_free(engine, info, lock_timeout, beat);
             drop(panic);
-            return let_go_once_free(engine, info, lock_timeout, beat);
+            return response;
         };
         let response = let_go(engine, info, lock_timeout, tx, response, how).await;
         drop(panic);

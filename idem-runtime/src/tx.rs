@@ -79,10 +79,12 @@ pub(crate) enum TxFailure {
     /// outcome (see [`sqlite_transaction_lost`]): the completion was not
     /// written, the handler's writes before that point were rolled back,
     /// and any it made after committed on their own.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Lost,
     /// Whether SQLite had ended the handler's transaction could not be
     /// told (the check failed or timed out): the completion was not
     /// written, and what the handler wrote may or may not have committed.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Unclear(StoreError),
 }
 
