@@ -453,7 +453,11 @@ struct Holder {
 struct HoldIn {
     /// `feed`: the task writes two rows, sending a line of the answer's
     /// body after each, and lets the connection go once the body is read.
-    /// `hold`: it writes one row and keeps the connection until let go.
+    /// The handler answers 201; with `feed-reject`, 422 (a rejection);
+    /// with `feed-release`, 500.
+    /// `hold`: it writes one row and keeps the connection until let go;
+    /// the handler answers 201. `hold-reject`: the same, and the handler
+    /// answers 422.
     then: String,
 }
 
@@ -470,7 +474,7 @@ async fn keep_the_connection(
     Json(input): Json<HoldIn>,
 ) -> axum::response::Response {
     use axum::response::IntoResponse as _;
-    let feed = input.then == "feed";
+    let feed = input.then.starts_with("feed");
     let (line, lines) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(1);
     let (holding, held) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
@@ -511,13 +515,21 @@ async fn keep_the_connection(
     });
     // The handler returns while the task holds the connection.
     held.await.expect("the task opens the transaction");
+    if input.then == "hold-reject" {
+        return (StatusCode::UNPROCESSABLE_ENTITY, "refused while held").into_response();
+    }
     if !feed {
-        return (StatusCode::CREATED, "held").into_response();
+        return (StatusCode::CREATED, "held by a task").into_response();
     }
     let body = futures_util::stream::unfold(lines, |mut lines| async move {
         lines.recv().await.map(|line| (line, lines))
     });
-    (StatusCode::CREATED, axum::body::Body::from_stream(body)).into_response()
+    let status = match input.then.as_str() {
+        "feed-reject" => StatusCode::UNPROCESSABLE_ENTITY,
+        "feed-release" => StatusCode::INTERNAL_SERVER_ERROR,
+        _ => StatusCode::CREATED,
+    };
+    (status, axum::body::Body::from_stream(body)).into_response()
 }
 
 /// A server with the handler above twice: `/held` stores answers whole
@@ -602,6 +614,49 @@ async fn a_streamed_body_fed_by_the_transactions_holder_commits_at_its_end(Sql {
     assert_eq!(db.count().await, 2);
 }
 
+/// A rejection (422) or a failure (500) whose body is fed by the task that
+/// holds the transaction's connection: the client gets the handler's own
+/// answer at once, not after a lock timeout; the task's writes are rolled
+/// back; the rejection frees the key for a corrected request, the failure
+/// lets its retry run again.
+async fn a_refusal_fed_by_the_transactions_holder_is_passed_on(Sql { store, db, _dir }: Sql) {
+    let (addr, _) = keeper_app(store, &db).await;
+    for (then, status) in [("feed-reject", 422), ("feed-release", 500)] {
+        let key = format!("k-{then}");
+        let body = format!(r#"{{"then":"{then}"}}"#);
+        let before = db.count().await;
+        let started = std::time::Instant::now();
+        let first = answered(post_req("/held", &body).key(&key), addr).await;
+        assert_eq!(
+            (first.status, first.body.as_slice()),
+            (status, b"one\ntwo\n".as_slice()),
+            "{then}: {first:?}"
+        );
+        // Well within the lock timeout (1 s) that a wait for the
+        // connection would have taken.
+        assert!(
+            started.elapsed() < Duration::from_millis(900),
+            "{then}: {:?}",
+            started.elapsed()
+        );
+        assert_eq!(db.count().await, before, "{then}: rolled back");
+        let next = if status == 422 {
+            post_req("/held", r#"{"then":"feed"}"#).key(&key)
+        } else {
+            post_req("/held", &body).key(&key)
+        };
+        let next = answered(next, addr).await;
+        assert_eq!(
+            next.header("idempotent-replayed"),
+            None,
+            "{then}: the key was let go"
+        );
+        assert_eq!(next.body, b"one\ntwo\n", "{then}: {next:?}");
+    }
+    // Only the corrected request after the rejection committed its rows.
+    assert_eq!(db.count().await, 2);
+}
+
 /// A task that keeps the connection a whole lock timeout after the handler
 /// returned: the answer does not wait for it any longer. The client gets
 /// 503 (its retry really retries); the key stays held until the task lets
@@ -616,31 +671,87 @@ async fn a_connection_kept_past_the_lock_timeout_is_rolled_back_when_let_go(Sql 
         (503, "idempotency-store-unavailable".to_owned()),
         "{first:?}"
     );
+    let retried = after_the_holder_lets_go(&db, addr, go, hold, hold).await;
+    assert_eq!(
+        (retried.status, retried.body.as_slice()),
+        (201, b"held by a task".as_slice())
+    );
+    assert_eq!(db.count().await, 1, "the first run's row was rolled back");
+}
+
+/// The same for a rejection (422): the client gets 503 rather than the
+/// rejection; once the task lets go, the rejected run's row is rolled back
+/// and the key let go as a rejection, free for a corrected request.
+async fn a_rejection_whose_connection_is_kept_is_rolled_back_when_let_go(Sql { store, db, _dir }: Sql) {
+    let (addr, go) = keeper_app(store, &db).await;
+    let refused = || post_req("/held", r#"{"then":"hold-reject"}"#).key("k-hold-reject");
+    let first = answered(refused(), addr).await;
+    assert_eq!(
+        (first.status, first.problem()),
+        (503, "idempotency-store-unavailable".to_owned()),
+        "{first:?}"
+    );
+    let corrected = || post_req("/held", r#"{"then":"hold"}"#).key("k-hold-reject");
+    let retried = after_the_holder_lets_go(&db, addr, go, refused, corrected).await;
+    assert_eq!(
+        (retried.status, retried.body.as_slice()),
+        (201, b"held by a task".as_slice()),
+        "the corrected request runs"
+    );
+    assert_eq!(db.count().await, 1, "the rejected run's row was rolled back");
+}
+
+/// The same for a body too large to store, whose status is on its way to
+/// the client when the body ends: the client's connection breaks instead.
+async fn a_streamed_answer_whose_connection_is_kept_breaks_and_is_rolled_back(Sql { store, db, _dir }: Sql) {
+    let (addr, go) = keeper_app(store, &db).await;
+    let hold = || post_req("/held-big", r#"{"then":"hold"}"#).key("k-hold-big");
+    let raw = tokio::time::timeout(Duration::from_secs(20), hold().send_raw(addr))
+        .await
+        .expect("the connection ends");
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 201"), "{text}");
+    assert!(!text.ends_with("0\r\n\r\n"), "a complete answer: {text}");
+    let retried = after_the_holder_lets_go(&db, addr, go, hold, hold).await;
+    assert_eq!(
+        (retried.status, retried.body.as_slice()),
+        (201, b"held by a task".as_slice())
+    );
+    assert_eq!(db.count().await, 1, "the first run's row was rolled back");
+}
+
+/// Once a task kept the connection past the lock timeout: nothing it wrote
+/// has committed; on PostgreSQL a retry gets 409 while it holds on (on
+/// SQLite the open transaction holds every writer: the retry cannot even
+/// reserve); and once it and the retry's task are let go, the key is let
+/// go and `retry`'s answer is the one returned (polled until then).
+async fn after_the_holder_lets_go(
+    db: &Db,
+    addr: std::net::SocketAddr,
+    go: Arc<tokio::sync::Semaphore>,
+    same: impl Fn() -> idem_testkit::http::Request,
+    retry: impl Fn() -> idem_testkit::http::Request,
+) -> idem_testkit::http::Reply {
     assert_eq!(db.count().await, 0, "nothing committed");
     if matches!(db, Db::Pg(..)) {
-        // While the task holds the connection, the key stays held. (On
-        // SQLite the open transaction holds every writer: the retry cannot
-        // even reserve.)
-        assert_eq!(answered(hold(), addr).await.status, 409);
+        assert_eq!(answered(same(), addr).await.status, 409);
     }
     // One permit for the first task, one for the retry's.
     go.add_permits(2);
-    let retried = tokio::time::timeout(Duration::from_secs(20), async {
+    tokio::time::timeout(Duration::from_secs(20), async {
         loop {
-            let r = hold().send(addr).await;
-            if r.status != 409 && r.status != 503 {
+            let r = retry().send(addr).await;
+            // A corrected request meets the held record's other fingerprint
+            // until the key is let go.
+            let reused = r.status == 422 && r.header("content-type") == Some("application/problem+json");
+            if r.status != 409 && r.status != 503 && !reused {
                 break r;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
     .await
-    .expect("the key is released once the task lets go");
-    assert_eq!(
-        (retried.status, retried.body.as_slice()),
-        (201, b"held".as_slice())
-    );
-    assert_eq!(db.count().await, 1, "the first run's row was rolled back");
+    .expect("the key is released once the task lets go")
 }
 
 idem_testkit::for_each_store! {
@@ -655,7 +766,10 @@ idem_testkit::for_each_store! {
         a_transaction_opened_before_the_execution_takes_it_commits,
         a_body_fed_by_the_transactions_holder_is_read_before_it_is_taken,
         a_streamed_body_fed_by_the_transactions_holder_commits_at_its_end,
+        a_refusal_fed_by_the_transactions_holder_is_passed_on,
         a_connection_kept_past_the_lock_timeout_is_rolled_back_when_let_go,
+        a_rejection_whose_connection_is_kept_is_rolled_back_when_let_go,
+        a_streamed_answer_whose_connection_is_kept_breaks_and_is_rolled_back,
         the_janitor_purges_in_batches_and_spares_live_locks,
     ],
 }

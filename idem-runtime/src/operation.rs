@@ -95,7 +95,7 @@ impl OperationInfo {
         bound: std::time::Duration,
     ) -> impl std::future::Future<Output = Result<Option<PendingTx>, TxHeld>> + Send + '_ {
         // Nobody holds the connection, as a rule: taken without waiting.
-        let free = self.tx.try_lock().ok().map(|mut slot| self.close_tx(&mut slot));
+        let free = self.try_take_tx();
         async move {
             match free {
                 Some(tx) => Ok(tx),
@@ -104,7 +104,14 @@ impl OperationInfo {
         }
     }
 
-    async fn take_tx_held(&self, bound: std::time::Duration) -> Result<Option<PendingTx>, TxHeld> {
+    /// [`OperationInfo::take_tx`] without waiting: `None` while a task holds
+    /// the connection (and the slot stays open).
+    pub(crate) fn try_take_tx(&self) -> Option<Option<PendingTx>> {
+        self.tx.try_lock().ok().map(|mut slot| self.close_tx(&mut slot))
+    }
+
+    /// [`OperationInfo::take_tx`]'s wait for a held connection.
+    pub(crate) async fn take_tx_held(&self, bound: std::time::Duration) -> Result<Option<PendingTx>, TxHeld> {
         match tokio::time::timeout(bound, self.tx.lock()).await {
             Ok(mut slot) => Ok(self.close_tx(&mut slot)),
             Err(_) => {

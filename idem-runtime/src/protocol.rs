@@ -598,10 +598,27 @@ fn keeping<'a>(
     how: LetGo,
 ) -> crate::store::BoxFuture<'a, Response> {
     Box::pin(async move {
-        let Ok(tx) = info.take_tx(lock_timeout).await else {
-            let response = let_go_once_free(engine, info, lock_timeout, beat);
-            drop(panic);
-            return response;
+        let mut response = response;
+        let tx = match info.try_take_tx() {
+            Some(tx) => tx,
+            None => {
+                // A task holds the transaction's connection, and it may be
+                // feeding this body: read first (up to the stored limit),
+                // as for a stored answer, and passed on as read.
+                let (parts, body) = response.into_parts();
+                let read = AssertUnwindSafe(collect(body, engine.max_stored_body, false))
+                    .catch_unwind()
+                    .await;
+                response = Response::from_parts(parts, read_again(read));
+                match info.take_tx_held(lock_timeout).await {
+                    Ok(tx) => tx,
+                    Err(TxHeld) => {
+                        let response = let_go_once_free(engine, info, lock_timeout, beat, how);
+                        drop(panic);
+                        return response;
+                    }
+                }
+            }
         };
         let response = let_go(engine, info, lock_timeout, tx, response, how).await;
         drop(panic);
@@ -610,19 +627,49 @@ fn keeping<'a>(
     })
 }
 
+/// A body as [`collect`] read it, whole again for its client: what was
+/// read, then the rest; a failure or a panic breaks it where it happened.
+fn read_again(read: std::thread::Result<Collected>) -> Body {
+    let broken = |e: axum::Error| {
+        Body::from_stream(futures_util::stream::once(async move {
+            Err::<axum::body::Bytes, _>(e)
+        }))
+    };
+    match read {
+        Ok(Collected::Whole(bytes)) => Body::from(bytes),
+        Ok(Collected::Streamed { head, rest }) => {
+            let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
+            Body::from_stream(head.chain(rest))
+        }
+        Ok(Collected::Failed(e)) => broken(e),
+        Err(panic) => {
+            tracing::error!(panic = %panic_message(&*panic), "the response body panicked");
+            broken(axum::Error::new(std::io::Error::other(
+                "the response body panicked",
+            )))
+        }
+    }
+}
+
 /// A task kept the handler's transaction connection (a task the handler
 /// left holding `op`) for a whole lock timeout after its execution came to
 /// take it: the answer waits no longer. The client gets 503, and its retry
 /// gets 409 until the task lets the connection go; then the transaction is
-/// rolled back and the key released, under the lease until then. Nothing
-/// the task wrote commits: no transaction opens through `op` any more.
+/// rolled back and the key let go as `how` (a rejection stays one), under
+/// the lease until then. Nothing the task wrote commits: no transaction
+/// opens through `op` any more.
 pub(crate) fn let_go_once_free(
     engine: &Arc<Engine>,
     info: &OperationInfo,
     lock_timeout: Duration,
     beat: Heartbeat,
+    how: LetGo,
 ) -> Response {
-    record(Outcome::Released);
+    record(if how == LetGo::Reject {
+        Outcome::Rejected
+    } else {
+        Outcome::Released
+    });
     tracing::error!(
         "a task kept the handler's transaction connection for a lock timeout after its execution came to \
          take it; answering 503: the transaction is rolled back, and the key released, once it lets go"
@@ -630,7 +677,7 @@ pub(crate) fn let_go_once_free(
     let (engine, info) = (engine.clone(), info.clone());
     let releasing = async move {
         let tx = info.tx.lock().await.take();
-        let _ = let_go(&engine, &info, lock_timeout, tx, Response::default(), LetGo::Fail).await;
+        let _ = let_go(&engine, &info, lock_timeout, tx, Response::default(), how).await;
         drop(beat);
     };
     tokio::spawn(releasing.in_current_span());
@@ -667,7 +714,7 @@ fn complete_answer<'a>(
         } else {
             match info.take_tx(lock_timeout).await {
                 Ok(tx) => tx,
-                Err(TxHeld) => return let_go_once_free(engine, info, lock_timeout, beat),
+                Err(TxHeld) => return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail),
             }
         };
         let collected = match collected {
