@@ -454,7 +454,8 @@ struct HoldIn {
     /// `feed`: the task writes two rows, sending a line of the answer's
     /// body after each, and lets the connection go once the body is read.
     /// The handler answers 201; with `feed-reject`, 422 (a rejection);
-    /// with `feed-release`, 500.
+    /// with `feed-release`, 500. With `-long` at the end, six rows and
+    /// lines.
     /// `hold`: it writes one row and keeps the connection until let go;
     /// the handler answers 201. `hold-reject`: the same, and the handler
     /// answers 422.
@@ -475,10 +476,15 @@ async fn keep_the_connection(
 ) -> axum::response::Response {
     use axum::response::IntoResponse as _;
     let feed = input.then.starts_with("feed");
+    let long = input.then.ends_with("-long");
     let (line, lines) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(1);
     let (holding, held) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        let rows: &[&str] = if feed { &["one", "two"] } else { &["held"] };
+        let rows: &[&str] = match (feed, long) {
+            (true, true) => &["one", "two", "three", "four", "five", "six"],
+            (true, false) => &["one", "two"],
+            (false, _) => &["held"],
+        };
         // The transaction's connection types differ; the steps do not.
         macro_rules! keep_in {
             ($transaction:ident, $param:literal) => {{
@@ -524,7 +530,7 @@ async fn keep_the_connection(
     let body = futures_util::stream::unfold(lines, |mut lines| async move {
         lines.recv().await.map(|line| (line, lines))
     });
-    let status = match input.then.as_str() {
+    let status = match input.then.trim_end_matches("-long") {
         "feed-reject" => StatusCode::UNPROCESSABLE_ENTITY,
         "feed-release" => StatusCode::INTERNAL_SERVER_ERROR,
         _ => StatusCode::CREATED,
@@ -654,6 +660,235 @@ async fn a_refusal_fed_by_the_transactions_holder_is_passed_on(Sql { store, db, 
     assert_eq!(db.count().await, 2);
 }
 
+/// The same with a body too large to hold (the limit on `/held-big` is 4
+/// bytes): it is passed on as it streams, and the key let go once the task
+/// lets the connection go, its writes rolled back.
+async fn a_long_refusal_fed_by_the_transactions_holder_streams_on(Sql { store, db, _dir }: Sql) {
+    const SIX: &[u8] = b"one\ntwo\nthree\nfour\nfive\nsix\n";
+    let (addr, _) = keeper_app(store, &db).await;
+    for (then, status) in [("feed-reject-long", 422), ("feed-release-long", 500)] {
+        let key = format!("k-{then}");
+        let body = format!(r#"{{"then":"{then}"}}"#);
+        let before = db.count().await;
+        let first = answered(post_req("/held-big", &body).key(&key), addr).await;
+        assert_eq!(
+            (first.status, first.body.as_slice()),
+            (status, SIX),
+            "{then}: {first:?}"
+        );
+        let next = || {
+            if status == 422 {
+                post_req("/held-big", r#"{"then":"feed-long"}"#).key(&key)
+            } else {
+                post_req("/held-big", &body).key(&key)
+            }
+        };
+        let next = once_let_go(addr, next).await;
+        assert_eq!(
+            (next.status, next.body.as_slice()),
+            (if status == 422 { 201 } else { 500 }, SIX)
+        );
+        assert_eq!(
+            db.count().await,
+            before + if status == 422 { 6 } else { 0 },
+            "{then}"
+        );
+    }
+}
+
+/// A panic payload whose `Drop` panics, thrown by a refusal's body while a
+/// task holds the transaction's connection: the key is let go all the same
+/// (the payload is dropped after that), so the retry runs at once instead
+/// of getting 409 for a lock timeout.
+async fn a_refusal_body_panic_while_the_connection_is_held_lets_the_key_go(Sql { store, db, _dir }: Sql) {
+    db.create_table().await;
+    let h = Holder {
+        db: db.clone(),
+        go: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let idem = Idem::from_arc(store).single_tenant();
+    let app = Router::new()
+        .route("/panics", post(body_panics_while_held))
+        .layer(idem.layer())
+        .with_state(h);
+    let addr = serve(app).await;
+    for status in [500u16, 422] {
+        let body = format!(r#"{{"status":{status}}}"#);
+        let key = format!("k-body-panic-{status}");
+        let _ = post_req("/panics", &body).key(&key).send_raw(addr).await;
+        let retry = post_req("/panics", &body).key(&key).send_raw(addr).await;
+        let retry = String::from_utf8_lossy(&retry);
+        assert!(
+            !retry.starts_with("HTTP/1.1 409"),
+            "{status}: the key stayed locked: {retry}"
+        );
+    }
+    assert_eq!(db.count().await, 0, "nothing committed");
+}
+
+/// What makes a panic payload's `Drop` panic in its turn.
+struct DropPanics;
+
+impl Drop for DropPanics {
+    fn drop(&mut self) {
+        panic!("the body's panic payload's drop panicked");
+    }
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+struct StatusIn {
+    status: u16,
+}
+
+/// A task opens the transaction, writes a row and holds the connection
+/// until the body is first polled; the body then panics with a payload
+/// whose `Drop` panics.
+#[idempotent(scope = "effect.body_panic", fields(status))]
+async fn body_panics_while_held(
+    State(h): State<Holder>,
+    op: Operation,
+    Json(input): Json<StatusIn>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let (holding, held) = tokio::sync::oneshot::channel::<()>();
+    let (polled, first_poll) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        macro_rules! keep_in {
+            ($transaction:ident, $param:literal) => {{
+                let mut conn = op.$transaction().await.expect("the transaction opens");
+                let id = format!(
+                    "p-{}",
+                    ROW.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                );
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO {} (id, note) VALUES ({}, 'p')",
+                    h.db.effects(),
+                    $param
+                )))
+                .bind(id)
+                .execute(&mut *conn)
+                .await
+                .expect("the write");
+                let _ = holding.send(());
+                let _ = first_poll.await;
+                drop(conn);
+            }};
+        }
+        match &h.db {
+            Db::Pg(..) => keep_in!(pg_transaction, "$1"),
+            Db::Sqlite(_) => keep_in!(sqlite_transaction, "?1"),
+        }
+    });
+    held.await.expect("the task opens the transaction");
+    let mut polled = Some(polled);
+    let body = futures_util::stream::poll_fn(
+        move |_| -> std::task::Poll<Option<Result<axum::body::Bytes, std::io::Error>>> {
+            if let Some(polled) = polled.take() {
+                let _ = polled.send(());
+            }
+            std::panic::panic_any(DropPanics)
+        },
+    );
+    (
+        StatusCode::from_u16(input.status).unwrap(),
+        axum::body::Body::from_stream(body),
+    )
+        .into_response()
+}
+
+/// The keys whose handler's panic payload was dropped.
+static PAYLOADS_DROPPED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// A panic payload that says when it is dropped.
+struct Flagged(String);
+
+impl Drop for Flagged {
+    fn drop(&mut self) {
+        PAYLOADS_DROPPED.lock().unwrap().push(std::mem::take(&mut self.0));
+    }
+}
+
+/// Panics while a task holds the transaction's connection until let go.
+#[idempotent(scope = "effect.panic_held")]
+async fn panic_while_held(State(h): State<Holder>, op: Operation) -> StatusCode {
+    let (holding, held) = tokio::sync::oneshot::channel::<()>();
+    let key = op.key().to_owned();
+    tokio::spawn(async move {
+        macro_rules! keep_in {
+            ($transaction:ident) => {{
+                let conn = op.$transaction().await.expect("the transaction opens");
+                let _ = holding.send(());
+                h.go.acquire().await.unwrap().forget();
+                drop(conn);
+            }};
+        }
+        match &h.db {
+            Db::Pg(..) => keep_in!(pg_transaction),
+            Db::Sqlite(_) => keep_in!(sqlite_transaction),
+        }
+    });
+    held.await.unwrap();
+    std::panic::panic_any(Flagged(key))
+}
+
+/// A handler that panics while a task keeps the connection past the lock
+/// timeout: its payload (the handler's code) is dropped only once the key
+/// is let go, after the task lets go, as when nothing holds the connection.
+async fn a_panic_payload_outlives_a_connection_kept_past_the_lock_timeout(Sql { store, db, _dir }: Sql) {
+    db.create_table().await;
+    let go = Arc::new(tokio::sync::Semaphore::new(0));
+    let h = Holder {
+        db: db.clone(),
+        go: go.clone(),
+    };
+    let idem = Idem::from_arc(store)
+        .single_tenant()
+        .lock_timeout(Duration::from_secs(1))
+        .unwrap();
+    let app = Router::new()
+        .route("/p", post(panic_while_held))
+        .layer(idem.layer())
+        .with_state(h);
+    let addr = serve(app).await;
+    let key = idem_testkit::unique("k-panic-held");
+    let dropped = || PAYLOADS_DROPPED.lock().unwrap().contains(&key);
+    let first = answered(post_req("/p", "").key(&key), addr).await;
+    assert_eq!(first.status, 503, "{first:?}");
+    assert!(!dropped(), "dropped while the key is held");
+    // One permit for the first task, one for the retry's.
+    go.add_permits(2);
+    let retry = once_let_go(addr, || post_req("/p", "").key(&key)).await;
+    assert_eq!(retry.status, 500, "the retry ran (and panicked): {retry:?}");
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !dropped() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("dropped once the key was let go");
+}
+
+/// `request`'s answer once its key is let go: polled while it gets 409 or
+/// 503, or 422 `idempotency-key-reused` (a corrected request meeting the
+/// held record's other fingerprint), for 20 seconds at most.
+async fn once_let_go(
+    addr: std::net::SocketAddr,
+    request: impl Fn() -> idem_testkit::http::Request,
+) -> idem_testkit::http::Reply {
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let r = request().send(addr).await;
+            let reused = r.status == 422 && r.header("content-type") == Some("application/problem+json");
+            if r.status != 409 && r.status != 503 && !reused {
+                break r;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the key is let go")
+}
+
 /// A task that keeps the connection a whole lock timeout after the handler
 /// returned: the answer does not wait for it any longer. The client gets
 /// 503 (its retry really retries); the key stays held until the task lets
@@ -764,6 +999,9 @@ idem_testkit::for_each_store! {
         a_body_fed_by_the_transactions_holder_is_read_before_it_is_taken,
         a_streamed_body_fed_by_the_transactions_holder_commits_at_its_end,
         a_refusal_fed_by_the_transactions_holder_is_passed_on,
+        a_long_refusal_fed_by_the_transactions_holder_streams_on,
+        a_refusal_body_panic_while_the_connection_is_held_lets_the_key_go,
+        a_panic_payload_outlives_a_connection_kept_past_the_lock_timeout,
         a_connection_kept_past_the_lock_timeout_is_rolled_back_when_let_go,
         a_rejection_whose_connection_is_kept_is_rolled_back_when_let_go,
         a_streamed_answer_whose_connection_is_kept_breaks_and_is_rolled_back,

@@ -121,6 +121,11 @@ impl OperationInfo {
         }
     }
 
+    /// [`OperationInfo::take_tx`] waiting as long as it takes.
+    pub(crate) async fn take_tx_when_free(&self) -> Option<PendingTx> {
+        self.close_tx(&mut *self.tx.lock().await)
+    }
+
     fn close_tx(&self, slot: &mut Option<PendingTx>) -> Option<PendingTx> {
         self.tx_closed.store(true, SeqCst);
         slot.take()

@@ -598,27 +598,8 @@ fn keeping<'a>(
     how: LetGo,
 ) -> crate::store::BoxFuture<'a, Response> {
     Box::pin(async move {
-        let mut response = response;
-        let tx = match info.try_take_tx() {
-            Some(tx) => tx,
-            None => {
-                // A task holds the transaction's connection, and it may be
-                // feeding this body: read first (up to the stored limit),
-                // as for a stored answer, and passed on as read.
-                let (parts, body) = response.into_parts();
-                let read = AssertUnwindSafe(collect(body, engine.max_stored_body, false))
-                    .catch_unwind()
-                    .await;
-                response = Response::from_parts(parts, read_again(read));
-                match info.take_tx_held(lock_timeout).await {
-                    Ok(tx) => tx,
-                    Err(TxHeld) => {
-                        let response = let_go_once_free(engine, info, lock_timeout, beat, how);
-                        drop(panic);
-                        return response;
-                    }
-                }
-            }
+        let Some(tx) = info.try_take_tx() else {
+            return keeping_held(engine, info, lock_timeout, beat, panic, response, how).await;
         };
         let response = let_go(engine, info, lock_timeout, tx, response, how).await;
         drop(panic);
@@ -627,43 +608,71 @@ fn keeping<'a>(
     })
 }
 
-/// A body as [`collect`] read it, whole again for its client: what was
-/// read, then the rest; a failure or a panic breaks it where it happened.
-fn read_again(read: std::thread::Result<Collected>) -> Body {
+/// [`keeping`] while a task holds the transaction's connection, which it
+/// may hold until this very body is read (it may be feeding it): the body
+/// is read first, up to the stored limit, and passed on as read once the
+/// key is let go. A body too large to hold is passed on as it streams, and
+/// the key let go once the task lets the connection go. A panic payload
+/// (the handler's, or its body's) is dropped once the key is let go: its
+/// drop is the handler's code, which may panic again.
+async fn keeping_held(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    beat: Heartbeat,
+    panic: Option<Box<dyn std::any::Any + Send>>,
+    response: Response,
+    how: LetGo,
+) -> Response {
     let broken = |e: axum::Error| {
         Body::from_stream(futures_util::stream::once(async move {
             Err::<axum::body::Bytes, _>(e)
         }))
     };
-    match read {
-        Ok(Collected::Whole(bytes)) => Body::from(bytes),
+    let (parts, body) = response.into_parts();
+    let read = AssertUnwindSafe(collect(body, engine.max_stored_body, false))
+        .catch_unwind()
+        .await;
+    // Of the handler and its body, at most one panicked: a panic's answer
+    // is idem's own problem, whose body does not.
+    let (body, panic) = match read {
+        Ok(Collected::Whole(bytes)) => (Body::from(bytes), panic),
         Ok(Collected::Streamed { head, rest }) => {
             let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
-            Body::from_stream(head.chain(rest))
+            let_go_when_free(engine, info, lock_timeout, beat, how, panic);
+            return Response::from_parts(parts, Body::from_stream(head.chain(rest)));
         }
-        Ok(Collected::Failed(e)) => broken(e),
-        Err(panic) => {
-            tracing::error!(panic = %panic_message(&*panic), "the response body panicked");
-            broken(axum::Error::new(std::io::Error::other(
-                "the response body panicked",
-            )))
+        Ok(Collected::Failed(e)) => (broken(e), panic),
+        Err(body_panic) => {
+            tracing::error!(panic = %panic_message(&*body_panic), "the response body panicked");
+            let e = axum::Error::new(std::io::Error::other("the response body panicked"));
+            (broken(e), Some(body_panic))
         }
-    }
+    };
+    let response = Response::from_parts(parts, body);
+    let Ok(tx) = info.take_tx_held(lock_timeout).await else {
+        return let_go_once_free(engine, info, lock_timeout, beat, how, panic);
+    };
+    let response = let_go(engine, info, lock_timeout, tx, response, how).await;
+    drop(panic);
+    drop(beat);
+    response
 }
 
 /// A task kept the handler's transaction connection (a task the handler
 /// left holding `op`) for a whole lock timeout after its execution came to
 /// take it: the answer waits no longer. The client gets 503, and its retry
-/// gets 409 until the task lets the connection go; then the transaction is
-/// rolled back and the key let go as `how` (a rejection stays one), under
-/// the lease until then. Nothing the task wrote commits: no transaction
-/// opens through `op` any more.
+/// gets 409 until the task lets the connection go; then, as
+/// [`let_go_when_free`] says, the transaction is rolled back and the key
+/// let go as `how` (a rejection stays one). Nothing the task wrote commits:
+/// no transaction opens through `op` any more.
 pub(crate) fn let_go_once_free(
     engine: &Arc<Engine>,
     info: &OperationInfo,
     lock_timeout: Duration,
     beat: Heartbeat,
     how: LetGo,
+    panic: Option<Box<dyn std::any::Any + Send>>,
 ) -> Response {
     record(if how == LetGo::Reject {
         Outcome::Rejected
@@ -674,14 +683,30 @@ pub(crate) fn let_go_once_free(
         "a task kept the handler's transaction connection for a lock timeout after its execution came to \
          take it; answering 503: the transaction is rolled back, and the key released, once it lets go"
     );
+    let_go_when_free(engine, info, lock_timeout, beat, how, panic);
+    Problem::StoreUnavailable(Unavailable::NotCompleted).into_response()
+}
+
+/// Spawns the end of an execution whose transaction's connection a task
+/// still holds: once it lets go, the transaction is rolled back and the
+/// key let go as `how`, under the lease until then; `panic` is dropped
+/// after that.
+fn let_go_when_free(
+    engine: &Arc<Engine>,
+    info: &OperationInfo,
+    lock_timeout: Duration,
+    beat: Heartbeat,
+    how: LetGo,
+    panic: Option<Box<dyn std::any::Any + Send>>,
+) {
     let (engine, info) = (engine.clone(), info.clone());
     let releasing = async move {
-        let tx = info.tx.lock().await.take();
+        let tx = info.take_tx_when_free().await;
         let _ = let_go(&engine, &info, lock_timeout, tx, Response::default(), how).await;
+        drop(panic);
         drop(beat);
     };
     tokio::spawn(releasing.in_current_span());
-    Problem::StoreUnavailable(Unavailable::NotCompleted).into_response()
 }
 
 /// A success's answer: its body produced, then recorded, then given.
@@ -714,7 +739,7 @@ fn complete_answer<'a>(
         } else {
             match info.take_tx(lock_timeout).await {
                 Ok(tx) => tx,
-                Err(TxHeld) => return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail),
+                Err(TxHeld) => return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail, None),
             }
         };
         let collected = match collected {
