@@ -389,12 +389,16 @@ fn two_workers() -> tokio::runtime::Runtime {
 /// A store outlives the runtime of a write that started a group (here its
 /// future polled once, then the runtime dropped): the group's leader was
 /// not on that runtime, and the writes queued later, from another runtime,
-/// are served at once rather than at their timeout.
+/// are served at once rather than at their timeout. (The write permit is
+/// held meanwhile, by a reservation paused before its commit, so that the
+/// group is still under way when the runtime goes: unheld, its leader on
+/// the writers' thread could finish it within that first poll.)
 #[test]
 fn a_write_whose_runtime_went_holds_no_later_write_back() {
     let setup = runtime();
     let (store, _dir) = setup.block_on(idem_testkit::sqlite_store());
     let store = store.with_timeout(Duration::from_secs(30));
+    let (paused, holder) = setup.block_on(hold_the_permit(&store));
     let first = runtime();
     first.block_on(async {
         let (never, body) = (id("never-reserved"), answer("x"));
@@ -403,6 +407,8 @@ fn a_write_whose_runtime_went_holds_no_later_write_back() {
         assert!(write.as_mut().poll(&mut cx).is_pending());
     });
     drop(first);
+    drop(paused);
+    setup.block_on(holder).unwrap();
     runtime().block_on(served_within(&store, Duration::from_secs(5)));
 }
 
