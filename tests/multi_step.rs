@@ -455,7 +455,10 @@ struct HoldIn {
     /// body after each, and lets the connection go once the body is read.
     /// The handler answers 201; with `feed-reject`, 422 (a rejection);
     /// with `feed-release`, 500. With `-long` at the end, six rows and
-    /// lines.
+    /// lines. `feed-sse-reject`: one row and line, then the task keeps the
+    /// connection and the body (an event stream, 422) open until let go.
+    /// `lost-feed-reject`: as `feed-reject`, the handler returning once told
+    /// its lease is lost.
     /// `hold`: it writes one row and keeps the connection until let go;
     /// the handler answers 201. `hold-reject`: the same, and the handler
     /// answers 422.
@@ -475,15 +478,19 @@ async fn keep_the_connection(
     Json(input): Json<HoldIn>,
 ) -> axum::response::Response {
     use axum::response::IntoResponse as _;
-    let feed = input.then.starts_with("feed");
+    let feed = input.then.contains("feed");
     let long = input.then.ends_with("-long");
+    let sse = input.then.contains("sse");
+    let task_op = op.clone();
     let (line, lines) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(1);
     let (holding, held) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        let rows: &[&str] = match (feed, long) {
-            (true, true) => &["one", "two", "three", "four", "five", "six"],
-            (true, false) => &["one", "two"],
-            (false, _) => &["held"],
+        let op = task_op;
+        let rows: &[&str] = match (feed, long, sse) {
+            (true, true, _) => &["one", "two", "three", "four", "five", "six"],
+            (true, false, false) => &["one", "two"],
+            (true, false, true) => &["one"],
+            (false, _, _) => &["held"],
         };
         // The transaction's connection types differ; the steps do not.
         macro_rules! keep_in {
@@ -508,7 +515,7 @@ async fn keep_the_connection(
                         let _ = line.send(Ok(format!("{row}\n"))).await;
                     }
                 }
-                if !feed {
+                if !feed || sse {
                     h.go.acquire().await.unwrap().forget();
                 }
                 drop(conn);
@@ -530,12 +537,24 @@ async fn keep_the_connection(
     let body = futures_util::stream::unfold(lines, |mut lines| async move {
         lines.recv().await.map(|line| (line, lines))
     });
-    let status = match input.then.trim_end_matches("-long") {
-        "feed-reject" => StatusCode::UNPROCESSABLE_ENTITY,
-        "feed-release" => StatusCode::INTERNAL_SERVER_ERROR,
-        _ => StatusCode::CREATED,
+    if input.then.starts_with("lost") {
+        op.lease_lost().await;
+    }
+    let status = if input.then.contains("reject") {
+        StatusCode::UNPROCESSABLE_ENTITY
+    } else if input.then.contains("release") {
+        StatusCode::INTERNAL_SERVER_ERROR
+    } else {
+        StatusCode::CREATED
     };
-    (status, axum::body::Body::from_stream(body)).into_response()
+    let mut response = (status, axum::body::Body::from_stream(body)).into_response();
+    if sse {
+        let stream = axum::http::HeaderValue::from_static("text/event-stream");
+        response
+            .headers_mut()
+            .insert(axum::http::header::CONTENT_TYPE, stream);
+    }
+    response
 }
 
 /// A server with the handler above three times: `/held` stores answers
@@ -661,39 +680,86 @@ async fn a_refusal_fed_by_the_transactions_holder_is_passed_on(Sql { store, db, 
 }
 
 /// The same with a body too large to hold (the limit on `/held-big` is 4
-/// bytes): it is passed on as it streams, and the key let go once the task
-/// lets the connection go, its writes rolled back.
-async fn a_long_refusal_fed_by_the_transactions_holder_streams_on(Sql { store, db, _dir }: Sql) {
+/// bytes), which the task goes on feeding: the execution cannot take the
+/// transaction before the body ends, nor pass the body on before the key
+/// is let go. Within one lock timeout it gives up: 503, and once the task
+/// lets go, the rows are rolled back and the key let go as the handler's
+/// answer said (a corrected request runs after the rejection).
+async fn a_long_refusal_fed_by_the_transactions_holder_ends_in_503(Sql { store, db, _dir }: Sql) {
     const SIX: &[u8] = b"one\ntwo\nthree\nfour\nfive\nsix\n";
     let (addr, _) = keeper_app(store, &db).await;
-    for (then, status) in [("feed-reject-long", 422), ("feed-release-long", 500)] {
+    for then in ["feed-reject-long", "feed-release-long"] {
         let key = format!("k-{then}");
-        let body = format!(r#"{{"then":"{then}"}}"#);
         let before = db.count().await;
+        let body = format!(r#"{{"then":"{then}"}}"#);
         let first = answered(post_req("/held-big", &body).key(&key), addr).await;
         assert_eq!(
-            (first.status, first.body.as_slice()),
-            (status, SIX),
+            (first.status, first.problem()),
+            (503, "idempotency-store-unavailable".to_owned()),
             "{then}: {first:?}"
         );
-        let next = || {
-            if status == 422 {
-                post_req("/held-big", r#"{"then":"feed-long"}"#).key(&key)
-            } else {
-                post_req("/held-big", &body).key(&key)
-            }
-        };
-        let next = once_let_go(addr, next).await;
+        assert_eq!(db.count().await, before, "{then}: nothing committed");
+    }
+    let corrected = || post_req("/held-big", r#"{"then":"feed-long"}"#).key("k-feed-reject-long");
+    let corrected = once_let_go(addr, corrected).await;
+    assert_eq!((corrected.status, corrected.body.as_slice()), (201, SIX));
+    assert_eq!(db.count().await, 6, "only the corrected request's rows");
+}
+
+/// An event stream's refusal fed by a task that keeps the connection and
+/// the stream open: within one lock timeout, 503 (not an answer that never
+/// comes); once the task lets go, the corrected request runs.
+async fn an_event_stream_refusal_fed_by_the_holder_ends_in_503(Sql { store, db, _dir }: Sql) {
+    let (addr, go) = keeper_app(store, &db).await;
+    let key = idem_testkit::unique("k-sse-reject");
+    let first = answered(post_req("/held", r#"{"then":"feed-sse-reject"}"#).key(&key), addr).await;
+    assert_eq!(
+        (first.status, first.problem()),
+        (503, "idempotency-store-unavailable".to_owned()),
+        "{first:?}"
+    );
+    go.add_permits(1);
+    let corrected = once_let_go(addr, || post_req("/held", r#"{"then":"feed"}"#).key(&key)).await;
+    assert_eq!(
+        (corrected.status, corrected.body.as_slice()),
+        (201, b"one\ntwo\n".as_slice())
+    );
+    assert_eq!(db.count().await, 2, "only the corrected request's rows");
+}
+
+/// A refusal fed by the holder from a handler told its lease is lost (its
+/// extension held past the deadline): not given, as on every other path,
+/// whether its body fits the stored limit or not (`/held-big`: 503 once
+/// the wait for the connection runs out), and nothing committed.
+async fn a_held_refusal_after_the_lease_was_lost_is_not_given(Sql { store, db, _dir }: Sql) {
+    use idem_runtime::pause;
+    let (addr, _) = keeper_app(store, &db).await;
+    for (path, then, problem) in [
+        ("/held", "lost-feed-reject", "idempotency-lease-lost"),
+        (
+            "/held-big",
+            "lost-feed-reject-long",
+            "idempotency-store-unavailable",
+        ),
+    ] {
+        let key = idem_testkit::unique("k-lost-reject");
+        let extension = pause::arm(pause::EXTEND_AFTER, &key);
+        let body = format!(r#"{{"then":"{then}"}}"#);
+        let first = tokio::time::timeout(
+            Duration::from_secs(20),
+            post_req(path, &body).key(&key).send_raw(addr),
+        )
+        .await
+        .expect("answered");
+        drop(extension);
+        let first = idem_testkit::http::parse(&first);
         assert_eq!(
-            (next.status, next.body.as_slice()),
-            (if status == 422 { 201 } else { 500 }, SIX)
-        );
-        assert_eq!(
-            db.count().await,
-            before + if status == 422 { 6 } else { 0 },
-            "{then}"
+            (first.status, first.problem()),
+            (503, problem.to_owned()),
+            "{then}: {first:?}"
         );
     }
+    assert_eq!(db.count().await, 0);
 }
 
 /// A panic payload whose `Drop` panics, thrown by a refusal's body while a
@@ -999,7 +1065,9 @@ idem_testkit::for_each_store! {
         a_body_fed_by_the_transactions_holder_is_read_before_it_is_taken,
         a_streamed_body_fed_by_the_transactions_holder_commits_at_its_end,
         a_refusal_fed_by_the_transactions_holder_is_passed_on,
-        a_long_refusal_fed_by_the_transactions_holder_streams_on,
+        a_long_refusal_fed_by_the_transactions_holder_ends_in_503,
+        an_event_stream_refusal_fed_by_the_holder_ends_in_503,
+        a_held_refusal_after_the_lease_was_lost_is_not_given,
         a_refusal_body_panic_while_the_connection_is_held_lets_the_key_go,
         a_panic_payload_outlives_a_connection_kept_past_the_lock_timeout,
         a_connection_kept_past_the_lock_timeout_is_rolled_back_when_let_go,

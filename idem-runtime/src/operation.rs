@@ -115,10 +115,16 @@ impl OperationInfo {
         match tokio::time::timeout(bound, self.tx.lock()).await {
             Ok(mut slot) => Ok(self.close_tx(&mut slot)),
             Err(_) => {
-                self.tx_closed.store(true, SeqCst);
+                self.refuse_tx();
                 Err(TxHeld)
             }
         }
+    }
+
+    /// No transaction opens through `op` from now on: the execution no
+    /// longer waits for the one a task holds.
+    pub(crate) fn refuse_tx(&self) {
+        self.tx_closed.store(true, SeqCst);
     }
 
     /// [`OperationInfo::take_tx`] waiting as long as it takes.

@@ -610,11 +610,13 @@ fn keeping<'a>(
 
 /// [`keeping`] while a task holds the transaction's connection, which it
 /// may hold until this very body is read (it may be feeding it): the body
-/// is read first, up to the stored limit, and passed on as read once the
-/// key is let go. A body too large to hold is passed on as it streams, and
-/// the key let go once the task lets the connection go. A panic payload
-/// (the handler's, or its body's) is dropped once the key is let go: its
-/// drop is the handler's code, which may panic again.
+/// is read first, up to the stored limit, then the connection waited for,
+/// both within one lock timeout; the answer, passed on as read, goes to the
+/// client once the key is let go, as on every other path. Past that bound
+/// (a body that does not end, as an event stream's, or that the task feeds
+/// beyond the limit), [`let_go_once_free`]. A panic payload (the
+/// handler's, or its body's) is dropped once the key is let go: its drop
+/// is the handler's code, which may panic again.
 async fn keeping_held(
     engine: &Arc<Engine>,
     info: &OperationInfo,
@@ -624,23 +626,24 @@ async fn keeping_held(
     response: Response,
     how: LetGo,
 ) -> Response {
+    let deadline = Instant::now() + lock_timeout;
+    let (parts, body) = response.into_parts();
+    let reading = AssertUnwindSafe(collect(body, engine.max_stored_body, false)).catch_unwind();
+    let Ok(read) = tokio::time::timeout_at(deadline, reading).await else {
+        return let_go_once_free(engine, info, lock_timeout, beat, how, panic);
+    };
     let broken = |e: axum::Error| {
         Body::from_stream(futures_util::stream::once(async move {
             Err::<axum::body::Bytes, _>(e)
         }))
     };
-    let (parts, body) = response.into_parts();
-    let read = AssertUnwindSafe(collect(body, engine.max_stored_body, false))
-        .catch_unwind()
-        .await;
     // Of the handler and its body, at most one panicked: a panic's answer
     // is idem's own problem, whose body does not.
     let (body, panic) = match read {
         Ok(Collected::Whole(bytes)) => (Body::from(bytes), panic),
         Ok(Collected::Streamed { head, rest }) => {
             let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
-            let_go_when_free(engine, info, lock_timeout, beat, how, panic);
-            return Response::from_parts(parts, Body::from_stream(head.chain(rest)));
+            (Body::from_stream(head.chain(rest)), panic)
         }
         Ok(Collected::Failed(e)) => (broken(e), panic),
         Err(body_panic) => {
@@ -650,7 +653,8 @@ async fn keeping_held(
         }
     };
     let response = Response::from_parts(parts, body);
-    let Ok(tx) = info.take_tx_held(lock_timeout).await else {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let Ok(tx) = info.take_tx_held(left).await else {
         return let_go_once_free(engine, info, lock_timeout, beat, how, panic);
     };
     let response = let_go(engine, info, lock_timeout, tx, response, how).await;
@@ -683,6 +687,7 @@ pub(crate) fn let_go_once_free(
         "a task kept the handler's transaction connection for a lock timeout after its execution came to \
          take it; answering 503: the transaction is rolled back, and the key released, once it lets go"
     );
+    info.refuse_tx();
     let_go_when_free(engine, info, lock_timeout, beat, how, panic);
     Problem::StoreUnavailable(Unavailable::NotCompleted).into_response()
 }
