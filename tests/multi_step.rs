@@ -590,6 +590,16 @@ async fn keeper_app(
     (serve(app).await, h.go)
 }
 
+/// Asserts `reply` is 503 `idempotency-store-unavailable`: the execution
+/// gave up waiting for the transaction's connection.
+fn not_completed(reply: &idem_testkit::http::Reply) {
+    assert_eq!(
+        (reply.status, reply.problem()),
+        (503, "idempotency-store-unavailable".to_owned()),
+        "{reply:?}"
+    );
+}
+
 /// `request`'s answer, which must come within 20 seconds.
 async fn answered(
     request: idem_testkit::http::Request,
@@ -713,11 +723,7 @@ async fn an_event_stream_refusal_fed_by_the_holder_ends_in_503(Sql { store, db, 
     let (addr, go) = keeper_app(store, &db).await;
     let key = idem_testkit::unique("k-sse-reject");
     let first = answered(post_req("/held", r#"{"then":"feed-sse-reject"}"#).key(&key), addr).await;
-    assert_eq!(
-        (first.status, first.problem()),
-        (503, "idempotency-store-unavailable".to_owned()),
-        "{first:?}"
-    );
+    not_completed(&first);
     go.add_permits(1);
     let corrected = once_let_go(addr, || post_req("/held", r#"{"then":"feed"}"#).key(&key)).await;
     assert_eq!(
@@ -964,11 +970,7 @@ async fn a_connection_kept_past_the_lock_timeout_is_rolled_back_when_let_go(Sql 
     let (addr, go) = keeper_app(store, &db).await;
     let hold = || post_req("/held", r#"{"then":"hold"}"#).key("k-hold");
     let first = answered(hold(), addr).await;
-    assert_eq!(
-        (first.status, first.problem()),
-        (503, "idempotency-store-unavailable".to_owned()),
-        "{first:?}"
-    );
+    not_completed(&first);
     let retried = after_the_holder_lets_go(&db, addr, go, hold, hold).await;
     assert_eq!(
         (retried.status, retried.body.as_slice()),
@@ -984,11 +986,7 @@ async fn a_rejection_whose_connection_is_kept_is_rolled_back_when_let_go(Sql { s
     let (addr, go) = keeper_app(store, &db).await;
     let refused = || post_req("/held", r#"{"then":"hold-reject"}"#).key("k-hold-reject");
     let first = answered(refused(), addr).await;
-    assert_eq!(
-        (first.status, first.problem()),
-        (503, "idempotency-store-unavailable".to_owned()),
-        "{first:?}"
-    );
+    not_completed(&first);
     let corrected = || post_req("/held", r#"{"then":"hold"}"#).key("k-hold-reject");
     let retried = after_the_holder_lets_go(&db, addr, go, refused, corrected).await;
     assert_eq!(

@@ -666,10 +666,11 @@ async fn keeping_held(
 /// A task kept the handler's transaction connection (a task the handler
 /// left holding `op`) for a whole lock timeout after its execution came to
 /// take it: the answer waits no longer. The client gets 503, and its retry
-/// gets 409 until the task lets the connection go; then, as
-/// [`let_go_when_free`] says, the transaction is rolled back and the key
-/// let go as `how` (a rejection stays one). Nothing the task wrote commits:
-/// no transaction opens through `op` any more.
+/// gets 409 until the task lets the connection go; then a task spawned here
+/// rolls the transaction back and lets the key go as `how` (a rejection
+/// stays one), under the lease until then, and drops `panic` after that.
+/// Nothing the task wrote commits: no transaction opens through `op` any
+/// more.
 pub(crate) fn let_go_once_free(
     engine: &Arc<Engine>,
     info: &OperationInfo,
@@ -688,22 +689,6 @@ pub(crate) fn let_go_once_free(
          take it; answering 503: the transaction is rolled back, and the key released, once it lets go"
     );
     info.refuse_tx();
-    let_go_when_free(engine, info, lock_timeout, beat, how, panic);
-    Problem::StoreUnavailable(Unavailable::NotCompleted).into_response()
-}
-
-/// Spawns the end of an execution whose transaction's connection a task
-/// still holds: once it lets go, the transaction is rolled back and the
-/// key let go as `how`, under the lease until then; `panic` is dropped
-/// after that.
-fn let_go_when_free(
-    engine: &Arc<Engine>,
-    info: &OperationInfo,
-    lock_timeout: Duration,
-    beat: Heartbeat,
-    how: LetGo,
-    panic: Option<Box<dyn std::any::Any + Send>>,
-) {
     let (engine, info) = (engine.clone(), info.clone());
     let releasing = async move {
         let tx = info.take_tx_when_free().await;
@@ -712,6 +697,7 @@ fn let_go_when_free(
         drop(beat);
     };
     tokio::spawn(releasing.in_current_span());
+    Problem::StoreUnavailable(Unavailable::NotCompleted).into_response()
 }
 
 /// A success's answer: its body produced, then recorded, then given.
