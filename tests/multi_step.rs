@@ -1544,3 +1544,396 @@ mod sqlite_check_times_out {
         );
     }
 }
+
+// The edges of a refusal while a task holds the transaction's connection:
+// a body slow to come but not fed by the task, one whose drop panics, one
+// larger than the stored limit, a lease lost while it is read, a body that
+// ends as the wait's deadline passes.
+
+#[derive(serde::Deserialize, serde::Serialize)]
+struct EdgeIn {
+    /// `slow-held`: a task opens the transaction, writes a row, and lets the
+    /// connection go as soon as the answer's body is first polled; the
+    /// handler answers 422 with a body ("a", then "b" 3 s later) that the
+    /// task does not feed. `slow-free`: the same body, no transaction.
+    /// `drop-panic`: a task holds the connection until `go`; the handler
+    /// answers 422 with a body that never ends and whose `Drop` panics.
+    /// `fine`: 201 "fine", no transaction.
+    then: String,
+}
+
+/// A body stream whose `Drop` panics (outside an unwinding).
+struct PanicOnDrop<S>(S);
+impl<S: futures_util::Stream + Unpin> futures_util::Stream for PanicOnDrop<S> {
+    type Item = S::Item;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        std::pin::Pin::new(&mut self.0).poll_next(cx)
+    }
+}
+impl<S> Drop for PanicOnDrop<S> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            panic!("the body's drop panics");
+        }
+    }
+}
+
+/// What [`EdgeIn`] says (and `long-held`, `edge-held`, `lost-read`,
+/// `panic-held`, `body-panic-held`: see each test).
+#[idempotent(scope = "effect.probe", fields(then))]
+async fn edge_handler(
+    State(h): State<Holder>,
+    op: Operation,
+    Json(input): Json<EdgeIn>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    if input.then == "fine" {
+        return (StatusCode::CREATED, "fine").into_response();
+    }
+    let held = input.then != "slow-free";
+    let (polled_tx, polled_rx) = tokio::sync::oneshot::channel::<()>();
+    let (line, lines) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(1);
+    let lost_read = input.then == "lost-read";
+    if held {
+        let (holding, is_held) = tokio::sync::oneshot::channel::<()>();
+        let task_op = op.clone();
+        let h2 = h.clone();
+        let by_poll = ["slow-held", "long-held", "sse-held", "edge-held"].contains(&input.then.as_str());
+        tokio::spawn(async move {
+            let op = task_op;
+            macro_rules! keep_in {
+                ($transaction:ident, $param:literal) => {{
+                    let mut conn = op.$transaction().await.expect("the transaction opens");
+                    let id = format!(
+                        "probe-{}",
+                        ROW.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                    );
+                    sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "INSERT INTO {} (id, note) VALUES ({}, 'probe')",
+                        h2.db.effects(),
+                        $param
+                    )))
+                    .bind(id)
+                    .execute(&mut *conn)
+                    .await
+                    .expect("the write");
+                    let _ = holding.send(());
+                    if lost_read {
+                        // Feeds one line, keeps the connection and the body
+                        // open until the lease is lost, then lets both go.
+                        let _ = line.send(Ok("x".to_owned())).await;
+                        op.lease_lost().await;
+                    } else if by_poll {
+                        let _ = polled_rx.await;
+                    } else {
+                        h2.go.acquire().await.unwrap().forget();
+                    }
+                    drop(conn);
+                    drop(line);
+                }};
+            }
+            match &h2.db {
+                Db::Pg(..) => keep_in!(pg_transaction, "$1"),
+                Db::Sqlite(_) => keep_in!(sqlite_transaction, "?1"),
+            }
+        });
+        is_held.await.expect("the task opens the transaction");
+    }
+    if lost_read {
+        let body = futures_util::stream::unfold(lines, |mut lines| async move {
+            lines.recv().await.map(|line| (line, lines))
+        });
+        return (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            axum::body::Body::from_stream(body),
+        )
+            .into_response();
+    }
+    if input.then == "panic-held" {
+        std::panic::panic_any(DropPanics);
+    }
+    if input.then == "body-panic-held" {
+        let body = futures_util::stream::once(async {
+            std::panic::panic_any(DropPanics);
+            #[allow(unreachable_code)]
+            Ok::<_, std::io::Error>(String::new())
+        });
+        return (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            axum::body::Body::from_stream(body),
+        )
+            .into_response();
+    }
+    if input.then == "drop-panic" {
+        let body = PanicOnDrop(futures_util::stream::pending::<Result<String, std::io::Error>>());
+        return (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            axum::body::Body::from_stream(body),
+        )
+            .into_response();
+    }
+    if input.then == "edge-held" {
+        // "a" at once (telling the holder to let go), then "b" and the end
+        // one lock timeout (1 s) after the first read: as the read's
+        // deadline passes.
+        let body = futures_util::stream::unfold(
+            (0u8, Some(polled_tx), None),
+            |(step, mut polled, end)| async move {
+                match step {
+                    0 => {
+                        let end = tokio::time::Instant::now() + Duration::from_secs(1);
+                        if let Some(p) = polled.take() {
+                            let _ = p.send(());
+                        }
+                        Some((Ok::<_, std::io::Error>("a".to_owned()), (1, None, Some(end))))
+                    }
+                    1 => {
+                        tokio::time::sleep_until(end.unwrap()).await;
+                        Some((Ok("b".to_owned()), (2, None, None)))
+                    }
+                    _ => None,
+                }
+            },
+        );
+        return (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            axum::body::Body::from_stream(body),
+        )
+            .into_response();
+    }
+    if input.then == "long-held" {
+        // "ab" (telling the holder to let go), "cdef" (past the 4-byte
+        // limit), then "gh" 2 s later: not fed by the holder.
+        let body = futures_util::stream::unfold((0u8, Some(polled_tx)), |(step, mut polled)| async move {
+            match step {
+                0 => {
+                    if let Some(p) = polled.take() {
+                        let _ = p.send(());
+                    }
+                    Some((Ok::<_, std::io::Error>("ab".to_owned()), (1, None)))
+                }
+                1 => Some((Ok("cdef".to_owned()), (2, None))),
+                2 => {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    Some((Ok("gh".to_owned()), (3, None)))
+                }
+                _ => None,
+            }
+        });
+        return (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            axum::body::Body::from_stream(body),
+        )
+            .into_response();
+    }
+    // "a" at once (telling the holder to let go), "b" 3 s later.
+    let body = futures_util::stream::unfold((0u8, Some(polled_tx)), |(step, mut polled)| async move {
+        match step {
+            0 => {
+                if let Some(p) = polled.take() {
+                    let _ = p.send(());
+                }
+                Some((Ok::<_, std::io::Error>("a".to_owned()), (1, None)))
+            }
+            1 => {
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                Some((Ok("b".to_owned()), (2, None)))
+            }
+            _ => None,
+        }
+    });
+    let mut response = (
+        StatusCode::UNPROCESSABLE_ENTITY,
+        axum::body::Body::from_stream(body),
+    )
+        .into_response();
+    if input.then == "sse-held" {
+        let stream = axum::http::HeaderValue::from_static("text/event-stream");
+        response
+            .headers_mut()
+            .insert(axum::http::header::CONTENT_TYPE, stream);
+    }
+    response
+}
+
+async fn edge_app(
+    store: Arc<dyn IdempotencyStore>,
+    db: &Db,
+) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
+    db.create_table().await;
+    let h = Holder {
+        db: db.clone(),
+        go: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let idem = Idem::from_arc(store)
+        .single_tenant()
+        .lock_timeout(Duration::from_secs(1))
+        .unwrap();
+    let app = Router::new()
+        .route("/probe", post(edge_handler))
+        .layer(idem.clone().layer())
+        .merge(
+            Router::new()
+                .route("/probe-big", post(edge_handler))
+                .layer(idem.max_stored_body(4).unwrap().layer()),
+        )
+        .with_state(h.clone());
+    (serve(app).await, h.go)
+}
+
+/// A refusal whose body the holder does NOT feed, and which the
+/// holder lets go of as soon as the body is first read (long before the
+/// lock timeout): the client should get the handler's 422, as it does
+/// when no task holds the connection.
+async fn unfed_slow_refusal_after_the_holder_let_go(Sql { store, db, _dir }: Sql) {
+    let (addr, _) = edge_app(store, &db).await;
+    let free = answered(post_req("/probe", r#"{"then":"slow-free"}"#).key("p-free"), addr).await;
+    assert_eq!(
+        (free.status, free.body.as_slice()),
+        (422, b"ab".as_slice()),
+        "control: {free:?}"
+    );
+    let held = answered(post_req("/probe", r#"{"then":"slow-held"}"#).key("p-held"), addr).await;
+    let sse = answered(post_req("/probe", r#"{"then":"sse-held"}"#).key("p-sse"), addr).await;
+    assert_eq!(db.count().await, 0, "rolled back");
+    assert_eq!(
+        (held.status, held.body.as_slice()),
+        (422, b"ab".as_slice()),
+        "held then let go: {held:?}"
+    );
+    assert_eq!(
+        (sse.status, sse.body.as_slice()),
+        (422, b"ab".as_slice()),
+        "event stream, held then let go: {sse:?}"
+    );
+}
+
+/// A refusal body whose Drop panics, dropped on the 503 path
+/// (the read ran out of time while a task held the connection): once the
+/// task lets go, the rejection should free the key (the corrected request
+/// runs), and the client should have had 503.
+async fn refusal_body_drop_panic_on_the_503_path(Sql { store, db, _dir }: Sql) {
+    let (addr, go) = edge_app(store, &db).await;
+    let first = answered(post_req("/probe", r#"{"then":"drop-panic"}"#).key("p-drop"), addr).await;
+    not_completed(&first);
+    go.add_permits(1);
+    let corrected = once_let_go(addr, || post_req("/probe", r#"{"then":"fine"}"#).key("p-drop")).await;
+    assert_eq!(db.count().await, 0, "rolled back");
+    assert_eq!(
+        (corrected.status, corrected.body.as_slice()),
+        (201, b"fine".as_slice()),
+        "corrected"
+    );
+}
+
+mod held_connection_edges {
+    use super::*;
+    /// A refusal body larger than the limit (4 bytes), not fed by
+    /// the holder, which lets go at the body's first read: the execution takes
+    /// the transaction, lets the key go, and passes `head.chain(rest)` on
+    /// whole; the key is free for a corrected request.
+    async fn long_unfed_refusal_is_passed_on_whole(Sql { store, db, _dir }: Sql) {
+        let (addr, _) = edge_app(store, &db).await;
+        let held = answered(
+            post_req("/probe-big", r#"{"then":"long-held"}"#).key("p-long"),
+            addr,
+        )
+        .await;
+        assert_eq!(
+            (held.status, held.body.as_slice()),
+            (422, b"abcdefgh".as_slice()),
+            "{held:?}"
+        );
+        assert_eq!(db.count().await, 0, "rolled back");
+        let corrected = answered(post_req("/probe-big", r#"{"then":"fine"}"#).key("p-long"), addr).await;
+        assert_eq!(
+            (corrected.status, corrected.body.as_slice()),
+            (201, b"fine".as_slice()),
+            "{corrected:?}"
+        );
+    }
+
+    /// The lease is lost (its extension held past the deadline)
+    /// while `keeping_held` reads a refusal body the holder feeds; the holder
+    /// lets go once told. The client must get 503 lease-lost, nothing commits,
+    /// and the key is let go.
+    async fn lease_lost_while_keeping_held_reads(Sql { store, db, _dir }: Sql) {
+        use idem_runtime::pause;
+        let (addr, _) = edge_app(store, &db).await;
+        let key = idem_testkit::unique("p-lost-read");
+        let extension = pause::arm(pause::EXTEND_AFTER, &key);
+        let first = answered(post_req("/probe", r#"{"then":"lost-read"}"#).key(&key), addr).await;
+        drop(extension);
+        assert_eq!(
+            (first.status, first.problem()),
+            (503, "idempotency-lease-lost".to_owned()),
+            "{first:?}"
+        );
+        assert_eq!(db.count().await, 0, "rolled back");
+        let corrected = once_let_go(addr, || post_req("/probe", r#"{"then":"fine"}"#).key(&key)).await;
+        assert_eq!(
+            (corrected.status, corrected.body.as_slice()),
+            (201, b"fine".as_slice()),
+            "{corrected:?}"
+        );
+    }
+
+    /// A panic payload whose Drop panics (the handler's, or a
+    /// refusal body's), while a task keeps the connection past the lock
+    /// timeout: 503, and once the task lets go, the key is let go (the same
+    /// request runs again).
+    async fn drop_panicking_payload_on_the_503_path(Sql { store, db, _dir }: Sql) {
+        let (addr, go) = edge_app(store, &db).await;
+        for then in ["panic-held", "body-panic-held"] {
+            let key = idem_testkit::unique("p-payload");
+            let body = format!(r#"{{"then":"{then}"}}"#);
+            let first = answered(post_req("/probe", &body).key(&key), addr).await;
+            assert_eq!(
+                (first.status, first.problem()),
+                (503, "idempotency-store-unavailable".to_owned()),
+                "{then}: {first:?}"
+            );
+            go.add_permits(2);
+            if then == "panic-held" {
+                // Released as failed: the same request runs again (and panics).
+                let retry = once_let_go(addr, || post_req("/probe", &body).key(&key)).await;
+                assert_eq!(retry.status, 500, "{then}: the retry ran: {retry:?}");
+            } else {
+                // A rejection: the key is free for a corrected request.
+                let retry = once_let_go(addr, || post_req("/probe", r#"{"then":"fine"}"#).key(&key)).await;
+                assert_eq!(retry.status, 201, "{then}: the corrected request ran: {retry:?}");
+            }
+            assert_eq!(db.count().await, 0, "{then}: nothing committed");
+        }
+    }
+
+    /// A refusal body (not fed by the holder, which let go at its
+    /// first read) that ends as the read's deadline passes: what comes of it,
+    /// ten times.
+    async fn body_ending_at_the_deadline(Sql { store, db, _dir }: Sql) {
+        let (addr, _) = edge_app(store, &db).await;
+        for _ in 0..3 {
+            let key = idem_testkit::unique("p-edge");
+            let r = answered(post_req("/probe", r#"{"then":"edge-held"}"#).key(&key), addr).await;
+            assert_eq!((r.status, r.body.as_slice()), (422, b"ab".as_slice()), "{r:?}");
+        }
+        assert_eq!(db.count().await, 0);
+    }
+
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| sql(kind).await,
+        worker_threads: 2,
+        cases: [
+            body_ending_at_the_deadline,
+            drop_panicking_payload_on_the_503_path,
+            lease_lost_while_keeping_held_reads,
+            long_unfed_refusal_is_passed_on_whole,
+            unfed_slow_refusal_after_the_holder_let_go,
+            refusal_body_drop_panic_on_the_503_path,
+        ],
+    }
+}

@@ -141,7 +141,7 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
     // transaction connection has let it go.
     let Ok(tx) = info.take_tx(lock_timeout).await else {
         // The client has its status already: its connection breaks.
-        let _ = let_go_once_free(&engine, &info, lock_timeout, beat, LetGo::Fail, None);
+        let _ = let_go_once_free(&engine, &info, lock_timeout, beat, LetGo::Fail, None, None);
         if let Some(c) = &client {
             let kept = axum::Error::new(std::io::Error::other(
                 "the handler's transaction was kept from its completion; retry with the same key",

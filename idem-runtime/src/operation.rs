@@ -132,7 +132,9 @@ impl OperationInfo {
         self.close_tx(&mut *self.tx.lock().await)
     }
 
-    fn close_tx(&self, slot: &mut Option<PendingTx>) -> Option<PendingTx> {
+    /// The transaction out of its slot, under its lock; none opens after
+    /// this.
+    pub(crate) fn close_tx(&self, slot: &mut Option<PendingTx>) -> Option<PendingTx> {
         self.tx_closed.store(true, SeqCst);
         slot.take()
     }

@@ -609,55 +609,78 @@ fn keeping<'a>(
 }
 
 /// [`keeping`] while a task holds the transaction's connection, which it
-/// may hold until this very body is read (it may be feeding it): the body
-/// is read first, up to the stored limit, then the connection waited for,
-/// both within one lock timeout; the answer, passed on as read, goes to the
-/// client once the key is let go, as on every other path. Past that bound
-/// (a body that does not end, as an event stream's, or that the task feeds
-/// beyond the limit), [`let_go_once_free`]. A panic payload (the
-/// handler's, or its body's) is dropped once the key is let go: its drop
-/// is the handler's code, which may panic again.
+/// may hold until this very body is read (it may be feeding it). The body
+/// is read meanwhile, up to the stored limit, until the connection is let
+/// go; the rest, if any, is passed on unread after the let-go, as on every
+/// other path. Within one lock timeout: past it (an event stream kept open,
+/// a body fed beyond the limit), [`let_go_once_free`]. A panic payload
+/// (the handler's, or its body's) is dropped once the key is let go: its
+/// drop is the handler's code, which may panic again.
 async fn keeping_held(
     engine: &Arc<Engine>,
     info: &OperationInfo,
     lock_timeout: Duration,
     beat: Heartbeat,
-    panic: Option<Box<dyn std::any::Any + Send>>,
+    mut panic: Option<Box<dyn std::any::Any + Send>>,
     response: Response,
     how: LetGo,
 ) -> Response {
-    let deadline = Instant::now() + lock_timeout;
+    enum Tail {
+        Open,
+        Ended,
+        Failed(axum::Error),
+    }
     let (parts, body) = response.into_parts();
-    let reading = AssertUnwindSafe(collect(body, engine.max_stored_body, false)).catch_unwind();
-    let Ok(read) = tokio::time::timeout_at(deadline, reading).await else {
-        return let_go_once_free(engine, info, lock_timeout, beat, how, panic);
+    let mut rest = body.into_data_stream();
+    let (mut head, mut len, mut tail) = (Vec::new(), 0usize, Tail::Open);
+    let mut slot = std::pin::pin!(info.tx.lock());
+    let mut deadline = std::pin::pin!(tokio::time::sleep(lock_timeout));
+    let slot = loop {
+        let reading = matches!(tail, Tail::Open) && len <= engine.max_stored_body;
+        tokio::select! {
+            biased;
+            slot = &mut slot => break Some(slot),
+            next = AssertUnwindSafe(rest.next()).catch_unwind(), if reading => match next {
+                Ok(Some(Ok(chunk))) => {
+                    len = len.saturating_add(chunk.len());
+                    head.push(chunk);
+                }
+                Ok(None) => tail = Tail::Ended,
+                Ok(Some(Err(e))) => tail = Tail::Failed(e),
+                Err(body_panic) => {
+                    tracing::error!(panic = %panic_message(&*body_panic), "the response body panicked");
+                    let e = axum::Error::new(std::io::Error::other("the response body panicked"));
+                    tail = Tail::Failed(e);
+                    // Of the handler and its body, at most one panicked: a
+                    // panic's answer is idem's own problem, whose body does not.
+                    panic = panic.or(Some(body_panic));
+                }
+            },
+            () = &mut deadline => break None,
+        }
     };
-    let broken = |e: axum::Error| {
-        Body::from_stream(futures_util::stream::once(async move {
+    let Some(mut slot) = slot else {
+        return let_go_once_free(engine, info, lock_timeout, beat, how, panic, Some(rest));
+    };
+    let tx = info.close_tx(&mut slot);
+    drop(slot);
+    let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
+    let body = match tail {
+        Tail::Open => Body::from_stream(head.chain(rest)),
+        Tail::Ended => Body::from_stream(head),
+        Tail::Failed(e) => Body::from_stream(futures_util::stream::once(async move {
             Err::<axum::body::Bytes, _>(e)
-        }))
+        })),
     };
-    // Of the handler and its body, at most one panicked: a panic's answer
-    // is idem's own problem, whose body does not.
-    let (body, panic) = match read {
-        Ok(Collected::Whole(bytes)) => (Body::from(bytes), panic),
-        Ok(Collected::Streamed { head, rest }) => {
-            let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
-            (Body::from_stream(head.chain(rest)), panic)
-        }
-        Ok(Collected::Failed(e)) => (broken(e), panic),
-        Err(body_panic) => {
-            tracing::error!(panic = %panic_message(&*body_panic), "the response body panicked");
-            let e = axum::Error::new(std::io::Error::other("the response body panicked"));
-            (broken(e), Some(body_panic))
-        }
-    };
-    let response = Response::from_parts(parts, body);
-    let left = deadline.saturating_duration_since(Instant::now());
-    let Ok(tx) = info.take_tx_held(left).await else {
-        return let_go_once_free(engine, info, lock_timeout, beat, how, panic);
-    };
-    let response = let_go(engine, info, lock_timeout, tx, response, how).await;
+    let response = let_go(
+        engine,
+        info,
+        lock_timeout,
+        tx,
+        Response::from_parts(parts, body),
+        how,
+    )
+    .await;
     drop(panic);
     drop(beat);
     response
@@ -670,7 +693,8 @@ async fn keeping_held(
 /// rolls the transaction back and lets the key go as `how` (a rejection
 /// stays one), under the lease until then, and drops `panic` after that.
 /// Nothing the task wrote commits: no transaction opens through `op` any
-/// more.
+/// more. `body`, the rest of an answer's body that may be what the task
+/// waits to feed, is dropped first (its drop caught: the handler's code).
 pub(crate) fn let_go_once_free(
     engine: &Arc<Engine>,
     info: &OperationInfo,
@@ -678,6 +702,7 @@ pub(crate) fn let_go_once_free(
     beat: Heartbeat,
     how: LetGo,
     panic: Option<Box<dyn std::any::Any + Send>>,
+    body: Option<axum::body::BodyDataStream>,
 ) -> Response {
     record(if how == LetGo::Reject {
         Outcome::Rejected
@@ -691,6 +716,16 @@ pub(crate) fn let_go_once_free(
     info.refuse_tx();
     let (engine, info) = (engine.clone(), info.clone());
     let releasing = async move {
+        let mut panic = panic;
+        if let Some(Err(body_panic)) = body.map(|b| std::panic::catch_unwind(AssertUnwindSafe(|| drop(b)))) {
+            tracing::error!(panic = %panic_message(&*body_panic), "the response body panicked when dropped");
+            match panic {
+                // A second payload is not dropped: its drop could panic
+                // again while the first unwinds.
+                Some(_) => std::mem::forget(body_panic),
+                None => panic = Some(body_panic),
+            }
+        }
         let tx = info.take_tx_when_free().await;
         let _ = let_go(&engine, &info, lock_timeout, tx, Response::default(), how).await;
         drop(panic);
@@ -730,7 +765,9 @@ fn complete_answer<'a>(
         } else {
             match info.take_tx(lock_timeout).await {
                 Ok(tx) => tx,
-                Err(TxHeld) => return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail, None),
+                Err(TxHeld) => {
+                    return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail, None, None)
+                }
             }
         };
         let collected = match collected {
