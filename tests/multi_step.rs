@@ -1937,3 +1937,203 @@ mod held_connection_edges {
         ],
     }
 }
+
+/// Refusal bodies that end, fail or never pause while a task holds the
+/// handler's connection: the answer is the one the free path gives.
+mod held_refusal_bodies {
+    use super::*;
+    use axum::response::IntoResponse as _;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// `err-*`: a 422 body "a", then an error. `end-drop-*`: a 422 body "a",
+    /// then its end; its drop panics. `spin-*`: a 422 body of empty chunks,
+    /// always ready, until the holder lets go. With `-held`, a task holds the
+    /// handler's connection (a write in its transaction) until the body is
+    /// polled past "a" (`spin`: until the test lets it go).
+    #[idempotent(scope = "effect.refusal", fields(then))]
+    async fn refusal(
+        State(h): State<Holder>,
+        op: Operation,
+        Json(input): Json<EdgeIn>,
+    ) -> axum::response::Response {
+        if input.then == "fine" {
+            return (StatusCode::CREATED, "fine").into_response();
+        }
+        let held = input.then.ends_with("-held");
+        let spin = input.then.starts_with("spin");
+        let (polled_tx, polled_rx) = tokio::sync::oneshot::channel::<()>();
+        let let_go = Arc::new(AtomicBool::new(false));
+        if held {
+            let (holding, is_held) = tokio::sync::oneshot::channel::<()>();
+            let (h, let_go) = (h.clone(), let_go.clone());
+            tokio::spawn(async move {
+                macro_rules! keep_in {
+                    ($transaction:ident, $param:literal) => {{
+                        let mut conn = op.$transaction().await.expect("the transaction opens");
+                        sqlx::query(sqlx::AssertSqlSafe(format!(
+                            "INSERT INTO {} (id, note) VALUES ({}, 'refusal')",
+                            h.db.effects(),
+                            $param
+                        )))
+                        .bind(format!("refusal-{}", ROW.fetch_add(1, Ordering::SeqCst)))
+                        .execute(&mut *conn)
+                        .await
+                        .expect("the write");
+                        let _ = holding.send(());
+                        if spin {
+                            h.go.acquire().await.unwrap().forget();
+                        } else {
+                            let _ = polled_rx.await;
+                        }
+                        drop(conn);
+                        let_go.store(true, Ordering::SeqCst);
+                    }};
+                }
+                match &h.db {
+                    Db::Pg(..) => keep_in!(pg_transaction, "$1"),
+                    Db::Sqlite(_) => keep_in!(sqlite_transaction, "?1"),
+                }
+            });
+            is_held.await.expect("the task opens the transaction");
+        }
+        if spin {
+            let body = futures_util::stream::poll_fn(move |_| {
+                std::task::Poll::Ready(
+                    (!let_go.load(Ordering::SeqCst))
+                        .then(|| Ok::<_, std::io::Error>(axum::body::Bytes::new())),
+                )
+            });
+            return (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                axum::body::Body::from_stream(body),
+            )
+                .into_response();
+        }
+        let fails = input.then.starts_with("err");
+        let body =
+            futures_util::stream::unfold((0u8, Some(polled_tx)), move |(step, mut polled)| async move {
+                match step {
+                    0 => Some((Ok::<_, std::io::Error>("a".to_owned()), (1, polled))),
+                    1 => {
+                        // Pending a while after "a" (the server sends what it has),
+                        // the same on both paths; then the holder lets go.
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        if let Some(p) = polled.take() {
+                            let _ = p.send(());
+                        }
+                        fails.then(|| (Err(std::io::Error::other("the body fails")), (2, None)))
+                    }
+                    _ => None,
+                }
+            });
+        let body = if fails {
+            axum::body::Body::from_stream(body)
+        } else {
+            axum::body::Body::from_stream(PanicOnDrop(Box::pin(body)))
+        };
+        (StatusCode::UNPROCESSABLE_ENTITY, body).into_response()
+    }
+
+    async fn app(
+        store: Arc<dyn IdempotencyStore>,
+        db: &Db,
+    ) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
+        db.create_table().await;
+        let h = Holder {
+            db: db.clone(),
+            go: Arc::new(tokio::sync::Semaphore::new(0)),
+        };
+        let idem = Idem::from_arc(store)
+            .single_tenant()
+            .lock_timeout(Duration::from_secs(1))
+            .unwrap();
+        let go = h.go.clone();
+        let app = Router::new()
+            .route("/refusal", post(refusal))
+            .layer(idem.layer())
+            .with_state(h);
+        (serve(app).await, go)
+    }
+
+    fn refuse(then: &str, key: &str) -> idem_testkit::http::Request {
+        post_req("/refusal", &format!(r#"{{"then":"{then}"}}"#)).key(key)
+    }
+
+    /// The raw answer (status line, headers, chunks), as the client read it.
+    async fn raw(addr: std::net::SocketAddr, request: idem_testkit::http::Request) -> String {
+        let raw = tokio::time::timeout(Duration::from_secs(20), request.send_raw(addr))
+            .await
+            .expect("answered");
+        String::from_utf8_lossy(&raw).into_owned()
+    }
+
+    /// A refusal body that yields "a" and then fails, while a task holds the
+    /// connection: what was read ("a") is sent before the failure cuts the
+    /// answer, as on the free path.
+    async fn a_failing_refusal_body_keeps_its_head(Sql { store, db, _dir }: Sql) {
+        let (addr, _) = app(store, &db).await;
+        for then in ["err-free", "err-held"] {
+            let answer = raw(addr, refuse(then, &idem_testkit::unique(then))).await;
+            assert!(answer.starts_with("HTTP/1.1 422"), "{then}: {answer}");
+            assert!(
+                answer.contains("\r\n\r\n1\r\na\r\n"),
+                "{then}: the head 'a' is sent: {answer}"
+            );
+            assert!(
+                !answer.ends_with("0\r\n\r\n"),
+                "{then}: the failure cuts the answer: {answer}"
+            );
+        }
+        assert_eq!(db.count().await, 0, "rolled back");
+    }
+
+    /// A refusal body "a" that ends, whose drop panics, while a task holds
+    /// the connection: the client gets the handler's 422, and the key is
+    /// let go as on the free path.
+    async fn an_ended_refusal_body_whose_drop_panics(Sql { store, db, _dir }: Sql) {
+        let (addr, _) = app(store, &db).await;
+        let mut afterwards = Vec::new();
+        for then in ["end-drop-free", "end-drop-held"] {
+            let key = idem_testkit::unique(then);
+            let answer = raw(addr, refuse(then, &key)).await;
+            assert!(
+                answer.starts_with("HTTP/1.1 422"),
+                "{then}: the handler's 422: {answer}"
+            );
+            let next = once_let_go(addr, || refuse("fine", &key)).await;
+            afterwards.push((next.status, next.header("idempotent-replayed").map(str::to_owned)));
+        }
+        assert_eq!(
+            afterwards[0], afterwards[1],
+            "the key is let go as on the free path"
+        );
+        assert_eq!(db.count().await, 0, "rolled back");
+    }
+
+    /// A refusal body of empty chunks, always ready, while a task holds the
+    /// connection: the client gets 503 within about one lock timeout (1 s),
+    /// and the key is free once the task lets go (a rejection's is).
+    async fn always_ready_empty_chunks_do_not_hold_off_the_deadline(Sql { store, db, _dir }: Sql) {
+        let (addr, go) = app(store, &db).await;
+        let key = idem_testkit::unique("spin");
+        let first = tokio::time::timeout(Duration::from_secs(6), refuse("spin-held", &key).send(addr)).await;
+        // Whatever came, the holder lets go (the spinning body then ends).
+        go.add_permits(1);
+        let first = first.expect("answered within one lock timeout and some");
+        not_completed(&first);
+        let next = once_let_go(addr, || refuse("fine", &key)).await;
+        assert_eq!((next.status, next.body.as_slice()), (201, b"fine".as_slice()));
+        assert_eq!(db.count().await, 0, "rolled back");
+    }
+
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| sql(kind).await,
+        worker_threads: 2,
+        cases: [
+            a_failing_refusal_body_keeps_its_head,
+            an_ended_refusal_body_whose_drop_panics,
+            always_ready_empty_chunks_do_not_hold_off_the_deadline,
+        ],
+    }
+}

@@ -638,8 +638,11 @@ async fn keeping_held(
     let slot = loop {
         let reading = matches!(tail, Tail::Open) && len <= engine.max_stored_body;
         tokio::select! {
+            // The deadline before the body: a body always ready (empty
+            // chunks) cannot hold it off.
             biased;
             slot = &mut slot => break Some(slot),
+            () = &mut deadline => break None,
             next = AssertUnwindSafe(rest.next()).catch_unwind(), if reading => match next {
                 Ok(Some(Ok(chunk))) => {
                     len = len.saturating_add(chunk.len());
@@ -656,7 +659,6 @@ async fn keeping_held(
                     panic = panic.or(Some(body_panic));
                 }
             },
-            () = &mut deadline => break None,
         }
     };
     let Some(mut slot) = slot else {
@@ -667,10 +669,31 @@ async fn keeping_held(
     let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
     let body = match tail {
         Tail::Open => Body::from_stream(head.chain(rest)),
-        Tail::Ended => Body::from_stream(head),
-        Tail::Failed(e) => Body::from_stream(futures_util::stream::once(async move {
-            Err::<axum::body::Bytes, _>(e)
-        })),
+        ended => {
+            // The rest is done with: dropped here, its drop caught (the
+            // handler's code), its payload dropped after the let-go.
+            if let Err(drop_panic) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(rest))) {
+                tracing::error!(panic = %panic_message(&*drop_panic), "the response body panicked when dropped");
+                match panic {
+                    // A second payload is not dropped: its drop could panic
+                    // again while the first unwinds.
+                    Some(_) => std::mem::forget(drop_panic),
+                    None => panic = Some(drop_panic),
+                }
+            }
+            // What was read, then the failure where it happened: after a
+            // yield, as it came (a body fails after waiting), so that the
+            // server sends the head before the failure cuts the connection.
+            let failed = futures_util::stream::iter(match ended {
+                Tail::Failed(e) => Some(e),
+                _ => None,
+            })
+            .then(|e| async move {
+                tokio::task::yield_now().await;
+                Err::<axum::body::Bytes, _>(e)
+            });
+            Body::from_stream(head.chain(failed))
+        }
     };
     let response = let_go(
         engine,
