@@ -2137,3 +2137,381 @@ mod held_refusal_bodies {
         ],
     }
 }
+
+/// Refusal bodies whose feeder lets go only once the body is dropped, and
+/// bodies always ready on a current-thread runtime.
+mod held_feeders {
+    use super::*;
+    use axum::response::IntoResponse as _;
+    use futures_util::StreamExt as _;
+    use std::sync::atomic::Ordering;
+
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct FeedIn {
+        /// `take-two`: a task opens the transaction and feeds four lines,
+        /// writing a row before each, into a channel of capacity 1, until
+        /// the body is gone (its send fails); then it lets the connection
+        /// go. The body is the first two lines (`take(2)`): it ends on its
+        /// own, within a few milliseconds, far under `max_stored_body`.
+        /// `spin`: a task holds the connection until `go`; the body yields
+        /// empty chunks, always ready, for 6 s of wall clock, then ends.
+        /// `fail-two`: as `take-two`, its second line an error. `hold`: a
+        /// task holds the connection until `go`; the body is empty.
+        /// `fine`: 201 "fine".
+        then: String,
+        status: u16,
+    }
+
+    #[idempotent(scope = "effect.feeders", fields(then, status))]
+    async fn feeder(
+        State(h): State<Holder>,
+        op: Operation,
+        Json(input): Json<FeedIn>,
+    ) -> axum::response::Response {
+        let status = StatusCode::from_u16(input.status).unwrap();
+        RUNS.lock().unwrap().push((op.key().to_owned(), op.attempt()));
+        let op_key = format!("{}#{}", op.key(), op.attempt());
+        if input.then == "fine" {
+            return (status, "fine").into_response();
+        }
+        let spin = input.then == "spin";
+        let fail_two = input.then == "fail-two";
+        let hold = input.then == "hold";
+        let (line, lines) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(1);
+        let (holding, is_held) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            macro_rules! keep_in {
+                ($transaction:ident, $param:literal) => {{
+                    let mut conn = op.$transaction().await.expect("the transaction opens");
+                    let _ = holding.send(());
+                    let rows: &[&str] = if spin || hold {
+                        &["spin"]
+                    } else {
+                        &["one", "two", "three", "four"]
+                    };
+                    for row in rows {
+                        sqlx::query(sqlx::AssertSqlSafe(format!(
+                            "INSERT INTO {} (id, note) VALUES ({}, '{row}')",
+                            h.db.effects(),
+                            $param
+                        )))
+                        .bind(format!("feed-{row}-{}", ROW.fetch_add(1, Ordering::SeqCst)))
+                        .execute(&mut *conn)
+                        .await
+                        .expect("the write");
+                        let item = if fail_two && *row == "two" {
+                            Err(std::io::Error::other("the feeder reports a failure"))
+                        } else {
+                            Ok(format!("{row}\n"))
+                        };
+                        if !spin && !hold && line.send(item).await.is_err() {
+                            // The body is gone: nothing more to feed.
+                            break;
+                        }
+                    }
+                    if spin || hold {
+                        h.go.acquire().await.unwrap().forget();
+                    }
+                    drop(conn);
+                    drop(line);
+                }};
+            }
+            match &h.db {
+                Db::Pg(..) => keep_in!(pg_transaction, "$1"),
+                Db::Sqlite(_) => keep_in!(sqlite_transaction, "?1"),
+            }
+        });
+        is_held.await.expect("the task opens the transaction");
+        if spin {
+            let until = std::time::Instant::now() + Duration::from_secs(6);
+            let key = op_key;
+            let body = futures_util::stream::poll_fn(move |_| {
+                let spinning = std::time::Instant::now() < until;
+                SPIN.lock()
+                    .unwrap()
+                    .insert(key.clone(), if spinning { 1 } else { 2 });
+                std::task::Poll::Ready(spinning.then(|| Ok::<_, std::io::Error>(axum::body::Bytes::new())))
+            });
+            return (status, axum::body::Body::from_stream(body)).into_response();
+        }
+        let body = futures_util::stream::unfold(lines, |mut lines| async move {
+            lines.recv().await.map(|line| (line, lines))
+        })
+        .take(2);
+        (status, axum::body::Body::from_stream(body)).into_response()
+    }
+
+    /// Per key: 1 while a `spin` body is ready, 2 once it ended.
+    static SPIN: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<String, u8>>> =
+        std::sync::LazyLock::new(Default::default);
+    fn spin_state(key: &str) -> u8 {
+        SPIN.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+
+    /// Every execution of `feeder`: its key and attempt.
+    static RUNS: std::sync::Mutex<Vec<(String, u32)>> = std::sync::Mutex::new(Vec::new());
+
+    async fn app(
+        store: Arc<dyn IdempotencyStore>,
+        db: &Db,
+    ) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
+        db.create_table().await;
+        app_on(store, db).await
+    }
+
+    async fn app_on(
+        store: Arc<dyn IdempotencyStore>,
+        db: &Db,
+    ) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
+        let h = Holder {
+            db: db.clone(),
+            go: Arc::new(tokio::sync::Semaphore::new(0)),
+        };
+        let idem = Idem::from_arc(store)
+            .single_tenant()
+            .lock_timeout(Duration::from_secs(1))
+            .unwrap();
+        let go = h.go.clone();
+        let app = Router::new()
+            .route("/feed", post(feeder))
+            .layer(idem.layer())
+            .with_state(h);
+        (serve(app).await, go)
+    }
+
+    fn req(then: &str, status: u16, key: &str) -> idem_testkit::http::Request {
+        post_req("/feed", &format!(r#"{{"then":"{then}","status":{status}}}"#)).key(key)
+    }
+
+    /// The body (two lines, 8 bytes) ends at once, long before the lock
+    /// timeout; its feeder lets the connection go when the body is dropped
+    /// (its next send fails), as on the success path (`collect` drops the
+    /// ended body, then the transaction is taken). A refusal's body is
+    /// dropped once it ended, too: the client gets the handler's 422 (and
+    /// 500) with "one\ntwo\n", not 503 after a lock timeout.
+    async fn an_ended_refusal_body_is_dropped_so_its_feeder_lets_go(Sql { store, db, _dir }: Sql) {
+        let (addr, _) = app(store, &db).await;
+        let ok = answered(req("take-two", 201, &idem_testkit::unique("feed-ok")), addr).await;
+        assert_eq!(
+            (ok.status, ok.body.as_slice()),
+            (201, b"one\ntwo\n".as_slice()),
+            "control: {ok:?}"
+        );
+        let committed = db.count().await;
+        let mut got = Vec::new();
+        for status in [422u16, 500] {
+            let key = idem_testkit::unique("feed-refuse");
+            let started = std::time::Instant::now();
+            let r = answered(req("take-two", status, &key), addr).await;
+            got.push((
+                status,
+                r.status,
+                String::from_utf8_lossy(&r.body).into_owned(),
+                started.elapsed(),
+            ));
+        }
+        // Whatever came: once the feeder lets go, nothing it wrote commits.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(db.count().await, committed, "refusals rolled back");
+        for (asked, status, body, took) in &got {
+            assert_eq!(
+                (*status, body.as_str()),
+                (*asked, "one\ntwo\n"),
+                "the handler's {asked} with its ended body; got {status} {body:?} after {took:?}"
+            );
+        }
+    }
+
+    /// The same with a body that fails at its second line (the feeder sends
+    /// an error, then goes on feeding until the body is gone): the failed
+    /// body is dropped at once, as hyper drops it on the free path; the
+    /// client gets the handler's 422, its head "one", then the cut.
+    async fn a_failed_refusal_body_is_dropped_so_its_feeder_lets_go(Sql { store, db, _dir }: Sql) {
+        let (addr, _) = app(store, &db).await;
+        let key = idem_testkit::unique("feed-fail");
+        let started = std::time::Instant::now();
+        let raw = tokio::time::timeout(Duration::from_secs(20), req("fail-two", 422, &key).send_raw(addr))
+            .await
+            .expect("answered");
+        let took = started.elapsed();
+        let raw = String::from_utf8_lossy(&raw).into_owned();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(db.count().await, 0, "rolled back");
+        assert!(
+            raw.starts_with("HTTP/1.1 422") && raw.contains("\r\n\r\n4\r\none\n\r\n"),
+            "the handler's 422 with its head; got after {took:?}: {raw}"
+        );
+    }
+
+    /// The client goes away after the handler returned, while a
+    /// task holds the connection (the body pending until it lets go). The
+    /// execution runs in its own task: once the task lets go, the rejection
+    /// is recorded and the key freed for a corrected request.
+    async fn a_client_gone_while_keeping_held_waits(Sql { store, db, _dir }: Sql) {
+        use idem_runtime::pause;
+        let (addr, go) = app(store, &db).await;
+        let key = idem_testkit::unique("feed-gone");
+        let mut returned = pause::arm(pause::HANDLER_RETURNED, &key);
+        let mut rejected = pause::arm(pause::REJECT_AFTER, &key);
+        let client = {
+            let key = key.clone();
+            tokio::spawn(async move { req("hold", 422, &key).send_raw(addr).await })
+        };
+        returned.reached().await;
+        client.abort();
+        let _ = client.await;
+        returned.resume();
+        go.add_permits(1);
+        tokio::time::timeout(Duration::from_secs(10), rejected.reached())
+            .await
+            .expect("the rejection is recorded with the client gone");
+        rejected.resume();
+        let next = answered(req("fine", 201, &key), addr).await;
+        assert_eq!(
+            (next.status, next.body.as_slice()),
+            (201, b"fine".as_slice()),
+            "{next:?}"
+        );
+        assert_eq!(db.count().await, 0, "rolled back");
+    }
+
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| sql(kind).await,
+        worker_threads: 2,
+        cases: [
+            a_client_gone_while_keeping_held_waits,
+            an_ended_refusal_body_is_dropped_so_its_feeder_lets_go,
+            a_failed_refusal_body_is_dropped_so_its_feeder_lets_go,
+        ],
+    }
+
+    /// A refusal body always ready (empty chunks for 6 s) while a task
+    /// holds the connection, on a current-thread runtime: the wait gives
+    /// the runtime its turn, so the deadline fires and the client gets 503
+    /// within about one lock timeout (1 s), not when the body stops.
+    fn always_ready_body_on_a_current_thread_runtime(kind: idem_testkit::StoreKind) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let Some(Sql { store, db, _dir }) = sql(kind).await else {
+                return;
+            };
+            let (addr, go) = app(store, &db).await;
+            let key = idem_testkit::unique("feed-spin");
+            let started = std::time::Instant::now();
+            let first = answered(req("spin", 422, &key), addr).await;
+            let took = started.elapsed();
+            go.add_permits(1);
+            let next = once_let_go(addr, || req("fine", 201, &key)).await;
+            assert_eq!(next.status, 201);
+            assert_eq!(db.count().await, 0, "rolled back");
+            not_completed(&first);
+            assert!(
+                took < Duration::from_millis(3000),
+                "503 within one lock timeout (1 s) and some; came after {took:?}"
+            );
+        });
+    }
+
+    /// A body always ready (empty chunks for 6 s, lock timeout 1 s) on a
+    /// current-thread runtime, while its execution reads it: a refusal's
+    /// while a task holds the connection, and a success's (`collect`). The
+    /// lease's extensions run on that runtime, which the read gives its
+    /// turn: a second server on the same database, asking again and again
+    /// meanwhile, gets 409 and never takes the living execution over (the
+    /// handler runs once).
+    fn an_always_ready_body_keeps_its_lease(status: u16) {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let Some(Sql { store, db, _dir }) = sql(idem_testkit::StoreKind::Postgres).await else { return };
+            let Db::Pg(_, schema) = &db else { unreachable!() };
+            let (addr, go) = app(store, &db).await;
+            let key = idem_testkit::unique("feed-take");
+            let (start, started) = std::sync::mpsc::channel::<()>();
+            let first_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let other = {
+                let (url, schema, db, key) = (url.clone(), schema.clone(), db.clone(), key.clone());
+                let first_done = first_done.clone();
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_multi_thread()
+                        .worker_threads(2)
+                        .enable_all()
+                        .build()
+                        .unwrap();
+                    rt.block_on(async move {
+                        let store = idem_testkit::pg_store_in(&url, &schema, 10).await;
+                        let (addr2, go2) = app_on(Arc::new(store), &db).await;
+                        started.recv().unwrap();
+                        // Once the first execution's body spins: the same
+                        // request, again and again, until one is not 409 or
+                        // the first request was answered.
+                        let first = format!("{key}#1");
+                        while spin_state(&first) == 0 {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        let last = loop {
+                            let r = answered(req("spin", status, &key), addr2).await;
+                            if r.status != 409 || first_done.load(Ordering::SeqCst) {
+                                break (r.status, first_done.load(Ordering::SeqCst));
+                            }
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        };
+                        go2.add_permits(1);
+                        last
+                    })
+                })
+            };
+            start.send(()).unwrap();
+            let first = answered(req("spin", status, &key), addr).await;
+            first_done.store(true, Ordering::SeqCst);
+            // Awaited without blocking this runtime (its heartbeats run on it).
+            let second = tokio::task::spawn_blocking(move || other.join().unwrap()).await.unwrap();
+            go.add_permits(1);
+            let runs: Vec<u32> = RUNS
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(k, _)| *k == key)
+                .map(|(_, a)| *a)
+                .collect();
+            // The second server asked until the first request was answered,
+            // and got 409 all along (its last ask, as the first was answered:
+            // 409, or a success's replay).
+            assert!(
+                runs == [1] && second.1 && (second.0 == 409 || second.0 == 201 && status == 201),
+                "first answered {} {:?}; the second server's same request got {} (the first answered by then: {}); the handler ran with attempts {runs:?}",
+                first.status,
+                first.problem(),
+                second.0,
+                second.1
+            );
+        });
+    }
+
+    #[test]
+    fn an_always_ready_refusal_body_keeps_its_lease() {
+        an_always_ready_body_keeps_its_lease(422)
+    }
+
+    #[test]
+    fn an_always_ready_success_body_keeps_its_lease() {
+        an_always_ready_body_keeps_its_lease(201)
+    }
+
+    #[test]
+    fn always_ready_body_on_a_current_thread_runtime_postgres() {
+        always_ready_body_on_a_current_thread_runtime(idem_testkit::StoreKind::Postgres)
+    }
+
+    #[test]
+    fn always_ready_body_on_a_current_thread_runtime_sqlite() {
+        always_ready_body_on_a_current_thread_runtime(idem_testkit::StoreKind::Sqlite)
+    }
+}

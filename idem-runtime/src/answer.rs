@@ -64,6 +64,10 @@ pub(crate) async fn collect(body: Body, limit: usize, stream: bool) -> Collected
                 if len > limit {
                     return Collected::Streamed { head, rest };
                 }
+                // A body always ready (empty chunks) never returns Pending:
+                // the runtime gets its turn here, to drive the lease's
+                // extensions (on a current-thread runtime, nothing else would).
+                tokio::task::consume_budget().await;
             }
             Err(e) => return Collected::Failed(e),
         }

@@ -643,21 +643,33 @@ async fn keeping_held(
             biased;
             slot = &mut slot => break Some(slot),
             () = &mut deadline => break None,
-            next = AssertUnwindSafe(rest.next()).catch_unwind(), if reading => match next {
-                Ok(Some(Ok(chunk))) => {
-                    len = len.saturating_add(chunk.len());
-                    head.push(chunk);
+            next = AssertUnwindSafe(rest.next()).catch_unwind(), if reading => {
+                match next {
+                    Ok(Some(Ok(chunk))) => {
+                        len = len.saturating_add(chunk.len());
+                        head.push(chunk);
+                        // A body always ready never returns Pending: the
+                        // runtime gets its turn here, to drive the deadline
+                        // and the lease's extensions (on a current-thread
+                        // runtime, nothing else would).
+                        tokio::task::consume_budget().await;
+                        continue;
+                    }
+                    Ok(None) => tail = Tail::Ended,
+                    Ok(Some(Err(e))) => tail = Tail::Failed(e),
+                    Err(body_panic) => {
+                        tracing::error!(panic = %panic_message(&*body_panic), "the response body panicked");
+                        let e = axum::Error::new(std::io::Error::other("the response body panicked"));
+                        tail = Tail::Failed(e);
+                        // Of the handler and its body, at most one panicked: a
+                        // panic's answer is idem's own problem, whose body does not.
+                        panic = panic.or(Some(body_panic));
+                    }
                 }
-                Ok(None) => tail = Tail::Ended,
-                Ok(Some(Err(e))) => tail = Tail::Failed(e),
-                Err(body_panic) => {
-                    tracing::error!(panic = %panic_message(&*body_panic), "the response body panicked");
-                    let e = axum::Error::new(std::io::Error::other("the response body panicked"));
-                    tail = Tail::Failed(e);
-                    // Of the handler and its body, at most one panicked: a
-                    // panic's answer is idem's own problem, whose body does not.
-                    panic = panic.or(Some(body_panic));
-                }
+                // The body is done with: dropped now, as the free path
+                // drops it, since the task may let go only once it is
+                // (its feeding ends).
+                drop_caught(std::mem::replace(&mut rest, Body::empty().into_data_stream()), &mut panic);
             },
         }
     };
@@ -669,31 +681,14 @@ async fn keeping_held(
     let head = futures_util::stream::iter(head.into_iter().map(Ok::<_, axum::Error>));
     let body = match tail {
         Tail::Open => Body::from_stream(head.chain(rest)),
-        ended => {
-            // The rest is done with: dropped here, its drop caught (the
-            // handler's code), its payload dropped after the let-go.
-            if let Err(drop_panic) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(rest))) {
-                tracing::error!(panic = %panic_message(&*drop_panic), "the response body panicked when dropped");
-                match panic {
-                    // A second payload is not dropped: its drop could panic
-                    // again while the first unwinds.
-                    Some(_) => std::mem::forget(drop_panic),
-                    None => panic = Some(drop_panic),
-                }
-            }
-            // What was read, then the failure where it happened: after a
-            // yield, as it came (a body fails after waiting), so that the
-            // server sends the head before the failure cuts the connection.
-            let failed = futures_util::stream::iter(match ended {
-                Tail::Failed(e) => Some(e),
-                _ => None,
-            })
-            .then(|e| async move {
-                tokio::task::yield_now().await;
-                Err::<axum::body::Bytes, _>(e)
-            });
-            Body::from_stream(head.chain(failed))
-        }
+        Tail::Ended => Body::from_stream(head),
+        // What was read, then the failure where it happened: after a
+        // yield, as it came (a body fails after waiting), so that the
+        // server sends the head before the failure cuts the connection.
+        Tail::Failed(e) => Body::from_stream(head.chain(futures_util::stream::once(async move {
+            tokio::task::yield_now().await;
+            Err::<axum::body::Bytes, _>(e)
+        }))),
     };
     let response = let_go(
         engine,
@@ -707,6 +702,20 @@ async fn keeping_held(
     drop(panic);
     drop(beat);
     response
+}
+
+/// Drops what is left of a response body, whose drop is the handler's code
+/// and may panic: the panic is caught and logged, its payload kept in
+/// `panic` to be dropped once the key is let go, or forgotten if one is
+/// there already (its drop could panic again).
+fn drop_caught(body: axum::body::BodyDataStream, panic: &mut Option<Box<dyn std::any::Any + Send>>) {
+    if let Err(drop_panic) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(body))) {
+        tracing::error!(panic = %panic_message(&*drop_panic), "the response body panicked when dropped");
+        match panic {
+            Some(_) => std::mem::forget(drop_panic),
+            None => *panic = Some(drop_panic),
+        }
+    }
 }
 
 /// A task kept the handler's transaction connection (a task the handler
@@ -740,14 +749,8 @@ pub(crate) fn let_go_once_free(
     let (engine, info) = (engine.clone(), info.clone());
     let releasing = async move {
         let mut panic = panic;
-        if let Some(Err(body_panic)) = body.map(|b| std::panic::catch_unwind(AssertUnwindSafe(|| drop(b)))) {
-            tracing::error!(panic = %panic_message(&*body_panic), "the response body panicked when dropped");
-            match panic {
-                // A second payload is not dropped: its drop could panic
-                // again while the first unwinds.
-                Some(_) => std::mem::forget(body_panic),
-                None => panic = Some(body_panic),
-            }
+        if let Some(body) = body {
+            drop_caught(body, &mut panic);
         }
         let tx = info.take_tx_when_free().await;
         let _ = let_go(&engine, &info, lock_timeout, tx, Response::default(), how).await;
