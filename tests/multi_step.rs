@@ -469,6 +469,46 @@ struct HoldIn {
 /// is counted, not refused as a duplicate.
 static ROW: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// The operation's transaction on either SQL store: their connection types
+/// differ, what a test's task does with it does not.
+enum HeldTx<'a> {
+    Pg(idem::TxConnection<'a, sqlx::PgConnection>),
+    Sqlite(idem::TxConnection<'a, sqlx::SqliteConnection>),
+}
+
+impl<'a> HeldTx<'a> {
+    async fn open(op: &'a Operation, db: &Db) -> Self {
+        match db {
+            Db::Pg(..) => Self::Pg(op.pg_transaction().await.expect("the transaction opens")),
+            Db::Sqlite(_) => Self::Sqlite(op.sqlite_transaction().await.expect("the transaction opens")),
+        }
+    }
+
+    /// Writes a row noted `note` (with an id of its own) in the effects table.
+    async fn write(&mut self, db: &Db, note: &str) {
+        let id = format!("{note}-{}", ROW.fetch_add(1, std::sync::atomic::Ordering::SeqCst));
+        let insert = |param: &str| {
+            format!(
+                "INSERT INTO {} (id, note) VALUES ({param}, '{note}')",
+                db.effects()
+            )
+        };
+        match self {
+            Self::Pg(conn) => sqlx::query(sqlx::AssertSqlSafe(insert("$1")))
+                .bind(id)
+                .execute(&mut **conn)
+                .await
+                .map(drop),
+            Self::Sqlite(conn) => sqlx::query(sqlx::AssertSqlSafe(insert("?1")))
+                .bind(id)
+                .execute(&mut **conn)
+                .await
+                .map(drop),
+        }
+        .expect("the write");
+    }
+}
+
 /// Leaves a task that opens the operation's transaction, writes in it and
 /// keeps its connection after the handler returned (see [`HoldIn`]).
 #[idempotent(scope = "effect.held", fields(then))]
@@ -492,39 +532,18 @@ async fn keep_the_connection(
             (true, false, true) => &["one"],
             (false, _, _) => &["held"],
         };
-        // The transaction's connection types differ; the steps do not.
-        macro_rules! keep_in {
-            ($transaction:ident, $param:literal) => {{
-                let mut conn = op.$transaction().await.expect("the transaction opens");
-                let _ = holding.send(());
-                for row in rows {
-                    let id = format!(
-                        "{row}-{}",
-                        ROW.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-                    );
-                    sqlx::query(sqlx::AssertSqlSafe(format!(
-                        "INSERT INTO {} (id, note) VALUES ({}, '{row}')",
-                        h.db.effects(),
-                        $param
-                    )))
-                    .bind(id)
-                    .execute(&mut *conn)
-                    .await
-                    .expect("the write");
-                    if feed {
-                        let _ = line.send(Ok(format!("{row}\n"))).await;
-                    }
-                }
-                if !feed || sse {
-                    h.go.acquire().await.unwrap().forget();
-                }
-                drop(conn);
-            }};
+        let mut conn = HeldTx::open(&op, &h.db).await;
+        let _ = holding.send(());
+        for row in rows {
+            conn.write(&h.db, row).await;
+            if feed {
+                let _ = line.send(Ok(format!("{row}\n"))).await;
+            }
         }
-        match &h.db {
-            Db::Pg(..) => keep_in!(pg_transaction, "$1"),
-            Db::Sqlite(_) => keep_in!(sqlite_transaction, "?1"),
+        if !feed || sse {
+            h.go.acquire().await.unwrap().forget();
         }
+        drop(conn);
     });
     // The handler returns while the task holds the connection.
     held.await.expect("the task opens the transaction");
@@ -825,31 +844,11 @@ async fn body_panics_while_held(
     let (holding, held) = tokio::sync::oneshot::channel::<()>();
     let (polled, first_poll) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        macro_rules! keep_in {
-            ($transaction:ident, $param:literal) => {{
-                let mut conn = op.$transaction().await.expect("the transaction opens");
-                let id = format!(
-                    "p-{}",
-                    ROW.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-                );
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "INSERT INTO {} (id, note) VALUES ({}, 'p')",
-                    h.db.effects(),
-                    $param
-                )))
-                .bind(id)
-                .execute(&mut *conn)
-                .await
-                .expect("the write");
-                let _ = holding.send(());
-                let _ = first_poll.await;
-                drop(conn);
-            }};
-        }
-        match &h.db {
-            Db::Pg(..) => keep_in!(pg_transaction, "$1"),
-            Db::Sqlite(_) => keep_in!(sqlite_transaction, "?1"),
-        }
+        let mut conn = HeldTx::open(&op, &h.db).await;
+        conn.write(&h.db, "p").await;
+        let _ = holding.send(());
+        let _ = first_poll.await;
+        drop(conn);
     });
     held.await.expect("the task opens the transaction");
     let mut polled = Some(polled);
@@ -886,18 +885,10 @@ async fn panic_while_held(State(h): State<Holder>, op: Operation) -> StatusCode 
     let (holding, held) = tokio::sync::oneshot::channel::<()>();
     let key = op.key().to_owned();
     tokio::spawn(async move {
-        macro_rules! keep_in {
-            ($transaction:ident) => {{
-                let conn = op.$transaction().await.expect("the transaction opens");
-                let _ = holding.send(());
-                h.go.acquire().await.unwrap().forget();
-                drop(conn);
-            }};
-        }
-        match &h.db {
-            Db::Pg(..) => keep_in!(pg_transaction),
-            Db::Sqlite(_) => keep_in!(sqlite_transaction),
-        }
+        let conn = HeldTx::open(&op, &h.db).await;
+        let _ = holding.send(());
+        h.go.acquire().await.unwrap().forget();
+        drop(conn);
     });
     held.await.unwrap();
     std::panic::panic_any(Flagged(key))
@@ -1604,41 +1595,21 @@ async fn edge_handler(
         let by_poll = ["slow-held", "long-held", "sse-held", "edge-held"].contains(&input.then.as_str());
         tokio::spawn(async move {
             let op = task_op;
-            macro_rules! keep_in {
-                ($transaction:ident, $param:literal) => {{
-                    let mut conn = op.$transaction().await.expect("the transaction opens");
-                    let id = format!(
-                        "probe-{}",
-                        ROW.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-                    );
-                    sqlx::query(sqlx::AssertSqlSafe(format!(
-                        "INSERT INTO {} (id, note) VALUES ({}, 'probe')",
-                        h2.db.effects(),
-                        $param
-                    )))
-                    .bind(id)
-                    .execute(&mut *conn)
-                    .await
-                    .expect("the write");
-                    let _ = holding.send(());
-                    if lost_read {
-                        // Feeds one line, keeps the connection and the body
-                        // open until the lease is lost, then lets both go.
-                        let _ = line.send(Ok("x".to_owned())).await;
-                        op.lease_lost().await;
-                    } else if by_poll {
-                        let _ = polled_rx.await;
-                    } else {
-                        h2.go.acquire().await.unwrap().forget();
-                    }
-                    drop(conn);
-                    drop(line);
-                }};
+            let mut conn = HeldTx::open(&op, &h2.db).await;
+            conn.write(&h2.db, "probe").await;
+            let _ = holding.send(());
+            if lost_read {
+                // Feeds one line, keeps the connection and the body
+                // open until the lease is lost, then lets both go.
+                let _ = line.send(Ok("x".to_owned())).await;
+                op.lease_lost().await;
+            } else if by_poll {
+                let _ = polled_rx.await;
+            } else {
+                h2.go.acquire().await.unwrap().forget();
             }
-            match &h2.db {
-                Db::Pg(..) => keep_in!(pg_transaction, "$1"),
-                Db::Sqlite(_) => keep_in!(sqlite_transaction, "?1"),
-            }
+            drop(conn);
+            drop(line);
         });
         is_held.await.expect("the task opens the transaction");
     }
@@ -1938,6 +1909,27 @@ mod held_connection_edges {
     }
 }
 
+/// A server with `route` alone at `path` (a lock timeout of 1 second), on a
+/// table already made, and the handle that lets `hold` tasks go.
+async fn one_route_app(
+    store: Arc<dyn IdempotencyStore>,
+    db: &Db,
+    path: &str,
+    route: axum::routing::MethodRouter<Holder>,
+) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
+    let h = Holder {
+        db: db.clone(),
+        go: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let idem = Idem::from_arc(store)
+        .single_tenant()
+        .lock_timeout(Duration::from_secs(1))
+        .unwrap();
+    let go = h.go.clone();
+    let app = Router::new().route(path, route).layer(idem.layer()).with_state(h);
+    (serve(app).await, go)
+}
+
 /// Refusal bodies that end, fail or never pause while a task holds the
 /// handler's connection: the answer is the one the free path gives.
 mod held_refusal_bodies {
@@ -1967,32 +1959,16 @@ mod held_refusal_bodies {
             let (holding, is_held) = tokio::sync::oneshot::channel::<()>();
             let (h, let_go) = (h.clone(), let_go.clone());
             tokio::spawn(async move {
-                macro_rules! keep_in {
-                    ($transaction:ident, $param:literal) => {{
-                        let mut conn = op.$transaction().await.expect("the transaction opens");
-                        sqlx::query(sqlx::AssertSqlSafe(format!(
-                            "INSERT INTO {} (id, note) VALUES ({}, 'refusal')",
-                            h.db.effects(),
-                            $param
-                        )))
-                        .bind(format!("refusal-{}", ROW.fetch_add(1, Ordering::SeqCst)))
-                        .execute(&mut *conn)
-                        .await
-                        .expect("the write");
-                        let _ = holding.send(());
-                        if spin {
-                            h.go.acquire().await.unwrap().forget();
-                        } else {
-                            let _ = polled_rx.await;
-                        }
-                        drop(conn);
-                        let_go.store(true, Ordering::SeqCst);
-                    }};
+                let mut conn = HeldTx::open(&op, &h.db).await;
+                conn.write(&h.db, "refusal").await;
+                let _ = holding.send(());
+                if spin {
+                    h.go.acquire().await.unwrap().forget();
+                } else {
+                    let _ = polled_rx.await;
                 }
-                match &h.db {
-                    Db::Pg(..) => keep_in!(pg_transaction, "$1"),
-                    Db::Sqlite(_) => keep_in!(sqlite_transaction, "?1"),
-                }
+                drop(conn);
+                let_go.store(true, Ordering::SeqCst);
             });
             is_held.await.expect("the task opens the transaction");
         }
@@ -2039,20 +2015,7 @@ mod held_refusal_bodies {
         db: &Db,
     ) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
         db.create_table().await;
-        let h = Holder {
-            db: db.clone(),
-            go: Arc::new(tokio::sync::Semaphore::new(0)),
-        };
-        let idem = Idem::from_arc(store)
-            .single_tenant()
-            .lock_timeout(Duration::from_secs(1))
-            .unwrap();
-        let go = h.go.clone();
-        let app = Router::new()
-            .route("/refusal", post(refusal))
-            .layer(idem.layer())
-            .with_state(h);
-        (serve(app).await, go)
+        one_route_app(store, db, "/refusal", post(refusal)).await
     }
 
     fn refuse(then: &str, key: &str) -> idem_testkit::http::Request {
@@ -2180,46 +2143,30 @@ mod held_feeders {
         let (line, lines) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(1);
         let (holding, is_held) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
-            macro_rules! keep_in {
-                ($transaction:ident, $param:literal) => {{
-                    let mut conn = op.$transaction().await.expect("the transaction opens");
-                    let _ = holding.send(());
-                    let rows: &[&str] = if spin || hold {
-                        &["spin"]
-                    } else {
-                        &["one", "two", "three", "four"]
-                    };
-                    for row in rows {
-                        sqlx::query(sqlx::AssertSqlSafe(format!(
-                            "INSERT INTO {} (id, note) VALUES ({}, '{row}')",
-                            h.db.effects(),
-                            $param
-                        )))
-                        .bind(format!("feed-{row}-{}", ROW.fetch_add(1, Ordering::SeqCst)))
-                        .execute(&mut *conn)
-                        .await
-                        .expect("the write");
-                        let item = if fail_two && *row == "two" {
-                            Err(std::io::Error::other("the feeder reports a failure"))
-                        } else {
-                            Ok(format!("{row}\n"))
-                        };
-                        if !spin && !hold && line.send(item).await.is_err() {
-                            // The body is gone: nothing more to feed.
-                            break;
-                        }
-                    }
-                    if spin || hold {
-                        h.go.acquire().await.unwrap().forget();
-                    }
-                    drop(conn);
-                    drop(line);
-                }};
+            let mut conn = HeldTx::open(&op, &h.db).await;
+            let _ = holding.send(());
+            let rows: &[&str] = if spin || hold {
+                &["spin"]
+            } else {
+                &["one", "two", "three", "four"]
+            };
+            for row in rows {
+                conn.write(&h.db, row).await;
+                let item = if fail_two && *row == "two" {
+                    Err(std::io::Error::other("the feeder reports a failure"))
+                } else {
+                    Ok(format!("{row}\n"))
+                };
+                if !spin && !hold && line.send(item).await.is_err() {
+                    // The body is gone: nothing more to feed.
+                    break;
+                }
             }
-            match &h.db {
-                Db::Pg(..) => keep_in!(pg_transaction, "$1"),
-                Db::Sqlite(_) => keep_in!(sqlite_transaction, "?1"),
+            if spin || hold {
+                h.go.acquire().await.unwrap().forget();
             }
+            drop(conn);
+            drop(line);
         });
         is_held.await.expect("the task opens the transaction");
         if spin {
@@ -2263,20 +2210,7 @@ mod held_feeders {
         store: Arc<dyn IdempotencyStore>,
         db: &Db,
     ) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
-        let h = Holder {
-            db: db.clone(),
-            go: Arc::new(tokio::sync::Semaphore::new(0)),
-        };
-        let idem = Idem::from_arc(store)
-            .single_tenant()
-            .lock_timeout(Duration::from_secs(1))
-            .unwrap();
-        let go = h.go.clone();
-        let app = Router::new()
-            .route("/feed", post(feeder))
-            .layer(idem.layer())
-            .with_state(h);
-        (serve(app).await, go)
+        one_route_app(store, db, "/feed", post(feeder)).await
     }
 
     fn req(then: &str, status: u16, key: &str) -> idem_testkit::http::Request {
