@@ -3398,8 +3398,9 @@ async fn a_panic_payload_is_dropped_after_the_key_is_released() {
 /// body is dropped while it is read, and its panic is the execution's, as
 /// a body that panics while producing is: 500, the key released, and the
 /// retry runs. Streamed (larger than `max_stored_body`), it is dropped
-/// after its completion is recorded: 201, and the retry is its replay
-/// (status and headers: the body is too large to keep).
+/// once it ended whole, its panic caught, and its completion recorded: 201,
+/// and the retry is its replay (status and headers: the body is too large
+/// to keep).
 #[tokio::test]
 async fn a_body_whose_drop_panics_leaves_no_key_locked() {
     use std::sync::atomic::{AtomicBool, Ordering};

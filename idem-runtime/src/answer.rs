@@ -5,7 +5,7 @@ use crate::layer::{Engine, BODY_OMITTED_HEADER, REPLAYED_HEADER};
 use crate::lease::Heartbeat;
 use crate::operation::OperationInfo;
 use crate::outcome::{let_go, record_completion, LetGo};
-use crate::protocol::{let_go_once_free, panic_message, record, Outcome};
+use crate::protocol::{drop_caught, let_go_once_free, panic_message, record, Outcome};
 use crate::store::StoredResponse;
 use axum::body::Body;
 use axum::http::header::{HeaderName, HeaderValue, CONTENT_TYPE};
@@ -116,22 +116,41 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
     for chunk in std::mem::take(&mut s.head) {
         s.hold(&mut held, chunk).await;
     }
+    // A panic's payload (the handler's code) is dropped once the key is let go.
+    let mut panic = None;
     let broken = loop {
         match AssertUnwindSafe(s.rest.next()).catch_unwind().await {
-            Ok(Some(Ok(chunk))) => s.hold(&mut held, chunk).await,
+            Ok(Some(Ok(chunk))) => {
+                s.hold(&mut held, chunk).await;
+                // An empty chunk, or a client gone, sends nothing and so
+                // waits for nothing: a body always ready would never
+                // return Pending. The runtime gets its turn here, to drive
+                // the lease's extensions (on a current-thread runtime,
+                // nothing else would).
+                tokio::task::consume_budget().await;
+            }
             Ok(None) => break None,
             Ok(Some(Err(e))) => {
                 tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
                 break Some(e);
             }
-            Err(panic) => {
-                tracing::error!(panic = %panic_message(&*panic), "the response body panicked; releasing the key");
+            Err(body_panic) => {
+                tracing::error!(panic = %panic_message(&*body_panic), "the response body panicked; releasing the key");
+                panic = Some(body_panic);
                 break Some(axum::Error::new(std::io::Error::other(
                     "the response body panicked",
                 )));
             }
         }
     };
+    // The body is done with: dropped before the transaction is taken, as
+    // `collect` drops it, since a task that feeds it until it is gone lets
+    // the connection go only then. A drop that panics (caught; its payload
+    // dropped at the end) does not undo a body that ended whole.
+    drop_caught(
+        std::mem::replace(&mut s.rest, Body::empty().into_data_stream()),
+        &mut panic,
+    );
     let StreamedAnswer {
         engine,
         info,
@@ -145,7 +164,7 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
     // transaction connection has let it go.
     let Ok(tx) = info.take_tx(lock_timeout).await else {
         // The client has its status already: its connection breaks.
-        let _ = let_go_once_free(&engine, &info, lock_timeout, beat, LetGo::Fail, None, None);
+        let _ = let_go_once_free(&engine, &info, lock_timeout, beat, LetGo::Fail, panic, None);
         if let Some(c) = &client {
             let kept = axum::Error::new(std::io::Error::other(
                 "the handler's transaction was kept from its completion; retry with the same key",
@@ -169,6 +188,7 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
             )))],
         },
     };
+    drop(panic);
     drop(beat);
     for frame in ending {
         let Some(c) = &client else { break };

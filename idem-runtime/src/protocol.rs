@@ -708,7 +708,10 @@ async fn keeping_held(
 /// and may panic: the panic is caught and logged, its payload kept in
 /// `panic` to be dropped once the key is let go, or forgotten if one is
 /// there already (its drop could panic again).
-fn drop_caught(body: axum::body::BodyDataStream, panic: &mut Option<Box<dyn std::any::Any + Send>>) {
+pub(crate) fn drop_caught(
+    body: axum::body::BodyDataStream,
+    panic: &mut Option<Box<dyn std::any::Any + Send>>,
+) {
     if let Err(drop_panic) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(body))) {
         tracing::error!(panic = %panic_message(&*drop_panic), "the response body panicked when dropped");
         match panic {
