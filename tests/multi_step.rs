@@ -457,8 +457,8 @@ struct HoldIn {
     /// with `feed-release`, 500. With `-long` at the end, six rows and
     /// lines. `feed-sse-reject`: one row and line, then the task keeps the
     /// connection and the body (an event stream, 422) open until let go.
-    /// `lost-feed-reject`: as `feed-reject`, the handler returning once told
-    /// its lease is lost.
+    /// `lost-feed`, `lost-feed-reject`: as `feed` and `feed-reject`, the
+    /// handler returning once told its lease is lost.
     /// `hold`: it writes one row and keeps the connection until let go;
     /// the handler answers 201. `hold-reject`: the same, and the handler
     /// answers 422.
@@ -766,6 +766,11 @@ async fn a_held_refusal_after_the_lease_was_lost_is_not_given(Sql { store, db, _
             "lost-feed-reject-long",
             "idempotency-store-unavailable",
         ),
+        // A success too large to store is not streamed once the lease is
+        // lost: its rest is dropped before the transaction is taken, so
+        // the task feeding it lets go, and the answer is the small one's.
+        ("/held", "lost-feed", "idempotency-lease-lost"),
+        ("/held-big", "lost-feed-long", "idempotency-lease-lost"),
     ] {
         let key = idem_testkit::unique("k-lost-reject");
         let extension = pause::arm(pause::EXTEND_AFTER, &key);
@@ -2137,6 +2142,21 @@ mod held_feeders {
         if input.then == "fine" {
             return (status, "fine").into_response();
         }
+        if input.then == "twice" {
+            // The transaction asked for again while its connection is in
+            // hand (a helper given `&op`): refused within a lock timeout.
+            let mut conn = HeldTx::open(&op, &h.db).await;
+            conn.write(&h.db, "twice").await;
+            let again = match &h.db {
+                Db::Pg(..) => op.pg_transaction().await.map(drop),
+                Db::Sqlite(_) => op.sqlite_transaction().await.map(drop),
+            };
+            drop(conn);
+            return match again {
+                Ok(()) => (StatusCode::CREATED, "the same one".to_owned()).into_response(),
+                Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+            };
+        }
         let spin = input.then == "spin";
         let fail_two = input.then == "fail-two";
         let hold = input.then == "hold";
@@ -2309,11 +2329,31 @@ mod held_feeders {
         assert_eq!(db.count().await, 0, "rolled back");
     }
 
+    /// The handler asks for its transaction again while it holds the first
+    /// call's connection: the second call waits one lock timeout (1 s) at
+    /// most, then fails (no hang with the key held); what the handler
+    /// wrote is rolled back with its 503. (On SQLite the open transaction
+    /// holds the write lock the lease's extension needs: waiting a lock
+    /// timeout, the lease is lost first, and the 503 says so.)
+    async fn the_transaction_asked_for_twice_is_refused_in_time(Sql { store, db, _dir }: Sql) {
+        let (addr, _) = app(store, &db).await;
+        let r = answered(req("twice", 201, &idem_testkit::unique("twice")), addr).await;
+        assert_eq!(r.status, 503, "{r:?}");
+        if let Db::Pg(..) = db {
+            assert!(
+                String::from_utf8_lossy(&r.body).contains("stayed in use"),
+                "{r:?}"
+            );
+        }
+        assert_eq!(db.count().await, 0, "rolled back");
+    }
+
     idem_testkit::for_each_store! {
         stores: [sqlite, postgres],
         setup: |kind| sql(kind).await,
         worker_threads: 2,
         cases: [
+            the_transaction_asked_for_twice_is_refused_in_time,
             a_client_gone_while_keeping_held_waits,
             an_ended_refusal_body_is_dropped_so_its_feeder_lets_go,
             a_failed_refusal_body_is_dropped_so_its_feeder_lets_go,

@@ -52,6 +52,9 @@ pub(crate) struct Shared {
     /// The handler's transaction, once it asked for one; the execution
     /// takes it for the completion ([`OperationInfo::take_tx`]).
     pub(crate) tx: tokio::sync::Mutex<Option<PendingTx>>,
+    /// How long [`Operation`]'s transaction calls wait for its connection
+    /// while something else holds it: the lock timeout.
+    tx_wait: std::time::Duration,
     /// Set once the execution took the transaction, or stopped waiting for
     /// it: a transaction opened after that (by a task the handler left
     /// holding `op`) could never commit with the answer.
@@ -71,7 +74,12 @@ impl std::ops::Deref for OperationInfo {
 }
 
 impl OperationInfo {
-    pub(crate) fn new(store: Arc<dyn IdempotencyStore>, id: RecordId, lease: Lease) -> Self {
+    pub(crate) fn new(
+        store: Arc<dyn IdempotencyStore>,
+        id: RecordId,
+        lease: Lease,
+        tx_wait: std::time::Duration,
+    ) -> Self {
         OperationInfo(Arc::new(Shared {
             store,
             id,
@@ -81,6 +89,7 @@ impl OperationInfo {
             phase: std::sync::atomic::AtomicU8::new(RUNNING),
             recovery_point: std::sync::Mutex::new(None),
             tx: tokio::sync::Mutex::new(None),
+            tx_wait,
             tx_closed: std::sync::atomic::AtomicBool::new(false),
         }))
     }
@@ -347,7 +356,10 @@ impl Operation {
     /// The handler's transaction on the PostgreSQL store: its writes commit
     /// together with the completion of this record (a stored outcome), or
     /// are rolled back (a released outcome, a panic, a lost lock). The first
-    /// call opens it; later calls return the same one. The execution takes
+    /// call opens it; later calls return the same one, once the connection
+    /// an earlier call gave is dropped (a call while it is still in hand,
+    /// in this task or another, waits for it one lock timeout at most). The
+    /// execution takes
     /// the transaction for the completion once the handler has returned and
     /// the answer's body has been read; it waits for a task still holding
     /// the connection then for one lock timeout at most. Past that, the
@@ -358,7 +370,8 @@ impl Operation {
     ///
     /// [`StoreError::Backend`] when the layer's store is not a
     /// [`crate::PgStore`]; [`StoreError::Unavailable`] when no connection
-    /// can be had; [`StoreError::LockLost`] when the lease is lost, or once
+    /// can be had, or when an earlier call's connection stays in hand for a
+    /// whole lock timeout; [`StoreError::LockLost`] when the lease is lost, or once
     /// the handler has returned and its execution has taken the transaction,
     /// or stopped waiting for it (to a task the handler left holding `op`):
     /// a transaction opened then
@@ -392,8 +405,9 @@ impl Operation {
     ///
     /// [`StoreError::Backend`] when the layer's store is not a
     /// [`crate::SqliteStore`]; [`StoreError::Unavailable`] when the write
-    /// lock cannot be had within the store's timeout; [`StoreError::LockLost`]
-    /// as for [`Operation::pg_transaction`].
+    /// lock cannot be had within the store's timeout, or when an earlier
+    /// call's connection stays in hand for a whole lock timeout;
+    /// [`StoreError::LockLost`] as for [`Operation::pg_transaction`].
     ///
     /// ```no_run
     /// # use idem::{idempotent, Operation};
@@ -425,7 +439,15 @@ impl Operation {
         if self.info.is_lost() {
             return Err(StoreError::LockLost);
         }
-        let mut slot = self.info.tx.lock().await;
+        // Held by another task of the handler's, for a while; or by the
+        // caller itself (a second call while the first's connection is in
+        // hand), for ever: bounded either way, never a hang.
+        let Ok(mut slot) = tokio::time::timeout(self.info.tx_wait, self.info.tx.lock()).await else {
+            return Err(StoreError::unavailable(
+                "the handler's transaction connection stayed in use (by this caller or another task) for a whole \
+                 lock timeout",
+            ));
+        };
         if self.info.tx_closed.load(SeqCst) {
             return Err(StoreError::LockLost);
         }
@@ -488,7 +510,12 @@ mod tests {
             operation_id: "op".into(),
         };
         let store: Arc<dyn IdempotencyStore> = Arc::new(crate::MemoryStore::new());
-        OperationInfo::new(store, RecordId::new("", "s", "k"), lease)
+        OperationInfo::new(
+            store,
+            RecordId::new("", "s", "k"),
+            lease,
+            std::time::Duration::from_secs(30),
+        )
     }
 
     /// `until_lost` resolves whether the lease was lost before it was

@@ -486,7 +486,7 @@ pub(crate) fn execute(
     clock: LeaseClock,
     handler: Handler,
 ) -> impl Future<Output = Response> + Send + 'static {
-    let info = OperationInfo::new(engine.store.clone(), id, lease);
+    let info = OperationInfo::new(engine.store.clone(), id, lease, clock.lock_timeout);
     async move {
         if clock.too_late_to_start(Instant::now()) {
             // Answered so late (its request was not polled meanwhile, or its
@@ -788,6 +788,19 @@ fn complete_answer<'a>(
         // that feeds it may hold its connection until then; an answer that
         // streams on takes it when its body ends.
         let lost = info.is_lost();
+        let mut collected = collected;
+        // A payload of the rest's drop (the handler's code), dropped on
+        // leaving, once the key is let go.
+        let mut body_panic = None;
+        if let (true, Ok(Collected::Streamed { rest, .. })) = (lost, &mut collected) {
+            // Already lost: none of the rest is given. Dropped before the
+            // transaction is taken, since a task that feeds it until it is
+            // gone lets the connection go only then.
+            drop_caught(
+                std::mem::replace(rest, Body::empty().into_data_stream()),
+                &mut body_panic,
+            );
+        }
         let streams_on = matches!(collected, Ok(Collected::Streamed { .. })) && !stream && !lost;
         let tx = if streams_on {
             None
@@ -795,7 +808,7 @@ fn complete_answer<'a>(
             match info.take_tx(lock_timeout).await {
                 Ok(tx) => tx,
                 Err(TxHeld) => {
-                    return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail, None, None)
+                    return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail, body_panic, None)
                 }
             }
         };
