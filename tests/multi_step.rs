@@ -2489,3 +2489,255 @@ mod held_feeders {
         always_ready_body_on_a_current_thread_runtime(idem_testkit::StoreKind::Sqlite)
     }
 }
+
+/// Review 9 probes.
+/// Answers whose body's drop, or whose panic's payload, panics, on the
+/// paths where the answer is not given or the connection is held; and an
+/// event stream fed by the holder once the lease is lost.
+mod bodies_that_panic_when_dropped {
+    use super::*;
+    use axum::response::IntoResponse as _;
+
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct DropIn {
+        then: String,
+    }
+
+    /// A stream whose `Drop` panics with a payload whose own drop panics.
+    struct PayloadDropPanics<S>(S);
+    impl<S: futures_util::Stream + Unpin> futures_util::Stream for PayloadDropPanics<S> {
+        type Item = S::Item;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<S::Item>> {
+            std::pin::Pin::new(&mut self.0).poll_next(cx)
+        }
+    }
+    impl<S> Drop for PayloadDropPanics<S> {
+        fn drop(&mut self) {
+            if !std::thread::panicking() {
+                std::panic::panic_any(DropPanics);
+            }
+        }
+    }
+
+    #[idempotent(scope = "effect.drops", fields(then))]
+    async fn dropper(
+        State(h): State<Holder>,
+        op: Operation,
+        Json(input): Json<DropIn>,
+    ) -> axum::response::Response {
+        let then = input.then.as_str();
+        if then == "fine" {
+            return (StatusCode::CREATED, "fine").into_response();
+        }
+        if then.starts_with("lost-drop") {
+            // Free path (no transaction): once told the lease is lost, a
+            // body "x" that ends, and whose drop panics.
+            op.lease_lost().await;
+            let body = PanicOnDrop(futures_util::stream::iter([Ok::<_, std::io::Error>(
+                "x".to_owned(),
+            )]));
+            let status = if then == "lost-drop-201" {
+                StatusCode::CREATED
+            } else {
+                StatusCode::UNPROCESSABLE_ENTITY
+            };
+            return (status, axum::body::Body::from_stream(body)).into_response();
+        }
+        if then == "held-success-body-panic" {
+            // A task holds the connection until `go`; the success's body
+            // panics with a payload whose drop panics.
+            let (holding, is_held) = tokio::sync::oneshot::channel::<()>();
+            let h2 = h.clone();
+            let task_op = op.clone();
+            tokio::spawn(async move {
+                let op = task_op;
+                let mut conn = HeldTx::open(&op, &h2.db).await;
+                conn.write(&h2.db, "r9").await;
+                let _ = holding.send(());
+                h2.go.acquire().await.unwrap().forget();
+                drop(conn);
+            });
+            is_held.await.unwrap();
+            let body = futures_util::stream::once(async {
+                std::panic::panic_any(DropPanics);
+                #[allow(unreachable_code)]
+                Ok::<_, std::io::Error>(String::new())
+            });
+            return (StatusCode::CREATED, axum::body::Body::from_stream(body)).into_response();
+        }
+        if then == "big-drop-payload" {
+            // Over the 4-byte limit, ends whole; its drop panics with a
+            // payload whose drop panics.
+            let body = PayloadDropPanics(futures_util::stream::iter([
+                Ok::<_, std::io::Error>("abcd".to_owned()),
+                Ok("efgh".to_owned()),
+            ]));
+            return (StatusCode::CREATED, axum::body::Body::from_stream(body)).into_response();
+        }
+        if then == "sse-lost-feed" {
+            // A task opens the transaction, writes, and feeds events until
+            // the body is gone; the handler answers 200 text/event-stream
+            // once told its lease is lost.
+            let (line, lines) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(1);
+            let (holding, is_held) = tokio::sync::oneshot::channel::<()>();
+            let h2 = h.clone();
+            let task_op = op.clone();
+            tokio::spawn(async move {
+                let op = task_op;
+                let mut conn = HeldTx::open(&op, &h2.db).await;
+                conn.write(&h2.db, "sse").await;
+                let _ = holding.send(());
+                loop {
+                    if line.send(Ok("data: x\n\n".to_owned())).await.is_err() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                drop(conn);
+            });
+            is_held.await.unwrap();
+            op.lease_lost().await;
+            let body = futures_util::stream::unfold(lines, |mut lines| async move {
+                lines.recv().await.map(|line| (line, lines))
+            });
+            let mut r = (StatusCode::OK, axum::body::Body::from_stream(body)).into_response();
+            r.headers_mut().insert(
+                axum::http::header::CONTENT_TYPE,
+                axum::http::HeaderValue::from_static("text/event-stream"),
+            );
+            return r;
+        }
+        unreachable!("{then}")
+    }
+
+    async fn app(
+        store: Arc<dyn IdempotencyStore>,
+        db: &Db,
+    ) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
+        db.create_table().await;
+        let h = Holder {
+            db: db.clone(),
+            go: Arc::new(tokio::sync::Semaphore::new(0)),
+        };
+        let idem = Idem::from_arc(store)
+            .single_tenant()
+            .lock_timeout(Duration::from_secs(1))
+            .unwrap();
+        let app = Router::new()
+            .route("/p", post(dropper))
+            .layer(idem.clone().layer())
+            .merge(
+                Router::new()
+                    .route("/p-big", post(dropper))
+                    .layer(idem.max_stored_body(4).unwrap().layer()),
+            )
+            .with_state(h.clone());
+        (serve(app).await, h.go)
+    }
+
+    fn req(path: &str, then: &str, key: &str) -> idem_testkit::http::Request {
+        post_req(path, &format!(r#"{{"then":"{then}"}}"#)).key(key)
+    }
+
+    /// Free path: the lease lost (extension held past its deadline), the
+    /// handler answers once told, with a body that ends and whose drop
+    /// panics. The answer is not given, and its drop is caught: 503
+    /// lease-lost for a success and for a refusal (422) alike.
+    async fn a_lost_answer_whose_body_panics_when_dropped(Sql { store, db, _dir }: Sql) {
+        use idem_runtime::pause;
+        let (addr, _) = app(store, &db).await;
+        let mut got = Vec::new();
+        for then in ["lost-drop-201", "lost-drop-422"] {
+            let key = idem_testkit::unique(then);
+            let extension = pause::arm(pause::EXTEND_AFTER, &key);
+            let r = answered(req("/p", then, &key), addr).await;
+            drop(extension);
+            got.push((then, r.status, r.problem()));
+        }
+        for (then, status, problem) in &got {
+            assert_eq!(
+                (*status, problem.as_str()),
+                (503, "idempotency-lease-lost"),
+                "{then}: all: {got:?}"
+            );
+        }
+    }
+
+    /// A success's body panics (payload whose drop panics) while a task
+    /// keeps the connection past the lock timeout: as for a refusal's body
+    /// (drop_panicking_payload_on_the_503_path), the client should get 503
+    /// store-unavailable, the payload dropped once the key is let go.
+    async fn a_held_success_whose_body_panics(Sql { store, db, _dir }: Sql) {
+        let (addr, go) = app(store, &db).await;
+        let key = idem_testkit::unique("held-body-panic");
+        let first = answered(req("/p", "held-success-body-panic", &key), addr).await;
+        go.add_permits(3);
+        // The key is let go all the same: the same request runs again
+        // (its task lets go at once; its body panics again: 500).
+        let retry = once_let_go(addr, || req("/p", "held-success-body-panic", &key)).await;
+        assert_eq!(
+            (first.status, first.problem(), retry.status, db.count().await),
+            (503, "idempotency-store-unavailable".to_owned(), 500, 0),
+            "{first:?}"
+        );
+    }
+
+    /// A success over the stored limit whose body ends whole and whose drop
+    /// panics (a payload whose drop panics): the answer is recorded, and
+    /// the client gets the whole body (the payload is dropped last).
+    async fn a_streamed_body_whose_drop_panics_is_sent_whole(Sql { store, db, _dir }: Sql) {
+        let (addr, _) = app(store, &db).await;
+        let key = idem_testkit::unique("big-drop");
+        let raw = tokio::time::timeout(
+            Duration::from_secs(20),
+            req("/p-big", "big-drop-payload", &key).send_raw(addr),
+        )
+        .await
+        .expect("answered");
+        let raw = String::from_utf8_lossy(&raw).into_owned();
+        assert!(
+            raw.starts_with("HTTP/1.1 201") && raw.ends_with("0\r\n\r\n") && raw.contains("efgh"),
+            "the whole body: {raw:?}"
+        );
+        let replay = answered(req("/p-big", "big-drop-payload", &key), addr).await;
+        assert_eq!(
+            (replay.status, replay.header("idempotent-replayed")),
+            (201, Some("true")),
+            "recorded: {replay:?}"
+        );
+    }
+
+    /// An event stream fed by the transaction's holder until it is gone,
+    /// answered once the lease is lost: 503 lease-lost at once, nothing
+    /// commits.
+    async fn a_lost_event_stream_fed_by_the_holder(Sql { store, db, _dir }: Sql) {
+        use idem_runtime::pause;
+        let (addr, _) = app(store, &db).await;
+        let key = idem_testkit::unique("sse-lost");
+        let extension = pause::arm(pause::EXTEND_AFTER, &key);
+        let started = std::time::Instant::now();
+        let r = answered(req("/p", "sse-lost-feed", &key), addr).await;
+        let took = started.elapsed();
+        drop(extension);
+        assert_eq!(
+            (r.status, r.problem(), db.count().await),
+            (503, "idempotency-lease-lost".to_owned(), 0),
+            "after {took:?}: {r:?}"
+        );
+    }
+
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| sql(kind).await,
+        worker_threads: 2,
+        cases: [
+            a_lost_event_stream_fed_by_the_holder,
+            a_lost_answer_whose_body_panics_when_dropped,
+            a_held_success_whose_body_panics,
+            a_streamed_body_whose_drop_panics_is_sent_whole,
+        ],
+    }
+}

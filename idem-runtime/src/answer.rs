@@ -188,7 +188,6 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
             )))],
         },
     };
-    drop(panic);
     drop(beat);
     for frame in ending {
         let Some(c) = &client else { break };
@@ -199,6 +198,8 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
             client = None;
         }
     }
+    // Last: its drop may panic again, which must not cut the client off.
+    drop(panic);
 }
 
 impl StreamedAnswer {

@@ -6,7 +6,7 @@
 use crate::layer::Engine;
 use crate::operation::OperationInfo;
 use crate::problem::{Problem, Unavailable};
-use crate::protocol::{record, Outcome};
+use crate::protocol::{drop_unsent, record, Outcome};
 use crate::store::{BoxFuture, RecordId, StoreError, StoredResponse};
 use crate::tx::{PendingTx, TxFailure};
 use axum::response::{IntoResponse as _, Response};
@@ -238,7 +238,10 @@ async fn letting_go(
                  own; released as failed"
             );
             how = LetGo::Fail;
-            response = Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response();
+            drop_unsent(std::mem::replace(
+                &mut response,
+                Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response(),
+            ));
         }
     }
     record(if lost {
@@ -278,11 +281,13 @@ async fn letting_go(
             "cannot tell whether the rejection was recorded: its first try failed, and the second found the \
              lock no longer held"
         );
+        drop_unsent(response);
         return Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response();
     }
     if outcome == Err(StoreError::LockLost) {
         record(Outcome::LockLost);
         tracing::error!("cannot release: another execution took this operation over");
+        drop_unsent(response);
         return Problem::LeaseLost.into_response();
     }
     if told {
@@ -291,6 +296,7 @@ async fn letting_go(
         // went back all the same, so the retry runs.
         record(Outcome::LockLost);
         tracing::error!("the handler answered after it was told its lease is lost; its answer is not given");
+        drop_unsent(response);
         return Problem::LeaseLost.into_response();
     }
     if how == LetGo::Reject && outcome.is_err() {
@@ -301,6 +307,7 @@ async fn letting_go(
         // that counts. (A failure's answer asks for that retry itself.)
         record(Outcome::NotRecorded);
         tracing::error!("the rejection could not be recorded; its answer is not given");
+        drop_unsent(response);
         return Problem::StoreUnavailable(Unavailable::OutcomeUnknown).into_response();
     }
     response

@@ -704,6 +704,18 @@ async fn keeping_held(
     response
 }
 
+/// Drops an answer that is not given (the handler's code: its drop may
+/// panic), once the key is let go: a panic caught and logged, and its
+/// payload dropped the same way (forgotten if that panics too).
+pub(crate) fn drop_unsent(response: Response) {
+    if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(response))) {
+        tracing::error!(panic = %panic_message(&*payload), "an answer not given panicked when dropped");
+        if let Err(again) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+            std::mem::forget(again);
+        }
+    }
+}
+
 /// Drops what is left of a response body, whose drop is the handler's code
 /// and may panic: the panic is caught and logged, its payload kept in
 /// `panic` to be dropped once the key is let go, or forgotten if one is
@@ -808,7 +820,14 @@ fn complete_answer<'a>(
             match info.take_tx(lock_timeout).await {
                 Ok(tx) => tx,
                 Err(TxHeld) => {
-                    return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail, body_panic, None)
+                    // What the body left (a panic's payload, the rest of an
+                    // event stream) goes with the let-go: dropped after it.
+                    let (panic, rest) = match collected {
+                        Err(payload) => (Some(payload), None),
+                        Ok(Collected::Streamed { rest, .. }) => (body_panic, Some(rest)),
+                        Ok(_) => (body_panic, None),
+                    };
+                    return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail, panic, rest);
                 }
             }
         };
