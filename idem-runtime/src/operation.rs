@@ -54,6 +54,7 @@ pub(crate) struct Shared {
     pub(crate) tx: tokio::sync::Mutex<Option<PendingTx>>,
     /// How long [`Operation`]'s transaction calls wait for its connection
     /// while something else holds it: the lock timeout.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     tx_wait: std::time::Duration,
     /// Set once the execution took the transaction, or stopped waiting for
     /// it: a transaction opened after that (by a task the handler left
