@@ -2741,3 +2741,142 @@ mod bodies_that_panic_when_dropped {
         ],
     }
 }
+
+/// Review 10 probes: user code dropped by idem outside its catches.
+/// Answers not given (the lease lost while the execution waits for the
+/// connection; a refusal held past the lock timeout) whose body or whose
+/// response extension panics when dropped: dropped caught, the 503 stands.
+mod answers_not_given {
+    use super::*;
+    use axum::response::IntoResponse as _;
+
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct NotGivenIn {
+        then: String,
+    }
+
+    /// A response extension whose drop panics.
+    #[derive(Clone)]
+    struct ExtPanicsOnDrop;
+    impl Drop for ExtPanicsOnDrop {
+        fn drop(&mut self) {
+            if !std::thread::panicking() {
+                panic!("the response extension's drop panics");
+            }
+        }
+    }
+
+    fn event_stream(body: axum::body::Body) -> axum::response::Response {
+        let mut r = (StatusCode::OK, body).into_response();
+        r.headers_mut().insert(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("text/event-stream"),
+        );
+        r
+    }
+
+    /// `*-held-*`: a task holds the transaction until `go`, the handler
+    /// answers 422 at once. Otherwise a task holds it until the lease is
+    /// lost (the test holds the extension back), and the handler answers at
+    /// once, so that the loss comes while the execution waits for the
+    /// connection. `-control`: nothing panics when dropped.
+    #[idempotent(scope = "effect.not_given", fields(then))]
+    async fn not_given(
+        State(h): State<Holder>,
+        op: Operation,
+        Json(input): Json<NotGivenIn>,
+    ) -> axum::response::Response {
+        let then = input.then.as_str();
+        if then == "fine" {
+            return (StatusCode::CREATED, "fine").into_response();
+        }
+        let held = then.starts_with("ext-held");
+        let (holding, is_held) = tokio::sync::oneshot::channel::<()>();
+        let (h2, task_op) = (h.clone(), op.clone());
+        tokio::spawn(async move {
+            let op = task_op;
+            let mut conn = HeldTx::open(&op, &h2.db).await;
+            conn.write(&h2.db, "not-given").await;
+            let _ = holding.send(());
+            if held {
+                h2.go.acquire().await.unwrap().forget();
+            } else {
+                op.lease_lost().await;
+            }
+            drop(conn);
+        });
+        is_held.await.unwrap();
+        let items = || futures_util::stream::iter([Ok::<_, std::io::Error>("data: x\n\n".to_owned())]);
+        let mut r = match then {
+            "ext-held" | "ext-held-control" => (StatusCode::UNPROCESSABLE_ENTITY, "no").into_response(),
+            "sse-lost" => event_stream(axum::body::Body::from_stream(PanicOnDrop(items()))),
+            "sse-lost-control" => event_stream(axum::body::Body::from_stream(items())),
+            "ext-lost" | "ext-lost-control" => (StatusCode::CREATED, "x").into_response(),
+            _ => unreachable!("{then}"),
+        };
+        if then.starts_with("ext") && !then.ends_with("-control") {
+            r.extensions_mut().insert(ExtPanicsOnDrop);
+        }
+        r
+    }
+
+    async fn app(
+        store: Arc<dyn IdempotencyStore>,
+        db: &Db,
+    ) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
+        db.create_table().await;
+        one_route_app(store, db, "/not-given", post(not_given)).await
+    }
+
+    fn req(then: &str, key: &str) -> idem_testkit::http::Request {
+        post_req("/not-given", &format!(r#"{{"then":"{then}"}}"#)).key(key)
+    }
+
+    /// The lease lost while the execution waits for the connection: the
+    /// completion is refused (503 lease-lost), and the answer not given
+    /// (an event stream whose body panics when dropped; a 201 whose
+    /// extension does) is dropped caught: 503 lease-lost as for the control.
+    async fn an_answer_not_given_on_a_lost_lease(Sql { store, db, _dir }: Sql) {
+        use idem_runtime::pause;
+        let (addr, _) = app(store, &db).await;
+        for then in ["sse-lost-control", "sse-lost", "ext-lost-control", "ext-lost"] {
+            let key = idem_testkit::unique(then);
+            let extension = pause::arm(pause::EXTEND_AFTER, &key);
+            let r = answered(req(then, &key), addr).await;
+            drop(extension);
+            assert_eq!(
+                (r.status, r.problem()),
+                (503, "idempotency-lease-lost".to_owned()),
+                "{then}: {r:?}"
+            );
+        }
+        assert_eq!(db.count().await, 0, "rolled back");
+    }
+
+    /// A refusal (422) while a task keeps the connection past the lock
+    /// timeout, its response carrying an extension whose drop panics: 503
+    /// store-unavailable as for the control, and the key let go once the
+    /// task lets go.
+    async fn a_held_refusal_whose_extension_panics_when_dropped(Sql { store, db, _dir }: Sql) {
+        let (addr, go) = app(store, &db).await;
+        for then in ["ext-held-control", "ext-held"] {
+            let key = idem_testkit::unique(then);
+            let r = answered(req(then, &key), addr).await;
+            go.add_permits(1);
+            not_completed(&r);
+            let next = once_let_go(addr, || req("fine", &key)).await;
+            assert_eq!(next.status, 201, "{then}: {next:?}");
+        }
+        assert_eq!(db.count().await, 0, "rolled back");
+    }
+
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| sql(kind).await,
+        worker_threads: 2,
+        cases: [
+            an_answer_not_given_on_a_lost_lease,
+            a_held_refusal_whose_extension_panics_when_dropped,
+        ],
+    }
+}

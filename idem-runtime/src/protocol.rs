@@ -674,6 +674,9 @@ async fn keeping_held(
         }
     };
     let Some(mut slot) = slot else {
+        // Its status and headers are not given either (their extensions
+        // are the handler's code).
+        drop_unsent(Response::from_parts(parts, Body::empty()));
         return let_go_once_free(engine, info, lock_timeout, beat, how, panic, Some(rest));
     };
     let tx = info.close_tx(&mut slot);
@@ -827,6 +830,7 @@ fn complete_answer<'a>(
                         Ok(Collected::Streamed { rest, .. }) => (body_panic, Some(rest)),
                         Ok(_) => (body_panic, None),
                     };
+                    drop_unsent(Response::from_parts(parts, Body::empty()));
                     return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail, panic, rest);
                 }
             }
@@ -834,7 +838,7 @@ fn complete_answer<'a>(
         let collected = match collected {
             Ok(collected) => collected,
             Err(panic) => {
-                return panicked(
+                let refused = panicked(
                     engine,
                     info,
                     lock_timeout,
@@ -842,7 +846,9 @@ fn complete_answer<'a>(
                     "the response body",
                     panic_message(&*panic),
                 )
-                .await
+                .await;
+                drop_unsent(Response::from_parts(parts, Body::empty()));
+                return refused;
             }
         };
         let mut stored = StoredResponse {
@@ -873,7 +879,9 @@ fn complete_answer<'a>(
                 // status and first bytes would go out before the completion
                 // that refuses it). A loss from here on, or a takeover the
                 // keeper has not seen, breaks the body (docs/PROTOCOL.md).
-                return Box::pin(refuse_lost(engine, info, lock_timeout, tx)).await;
+                let refused = Box::pin(refuse_lost(engine, info, lock_timeout, tx)).await;
+                drop_unsent(Response::from_parts(parts, Body::empty()));
+                return refused;
             }
             Collected::Streamed { head, rest } => {
                 tracing::warn!(
@@ -922,6 +930,7 @@ fn complete_answer<'a>(
             }
         };
         if let Err(refusal) = record_completion(engine, info, lock_timeout, &stored, tx).await {
+            drop_unsent(Response::from_parts(parts, answer.unwrap_or_else(Body::empty)));
             return refusal;
         }
         drop(beat);
