@@ -2880,3 +2880,87 @@ mod answers_not_given {
         ],
     }
 }
+
+/// The handler's arguments, made by its extractors before idem decides,
+/// are dropped unrun on a replay, a 409 and a refused key: a drop that
+/// panics (the user's code) is caught, and the answer stays what it is.
+mod unrun_arguments {
+    use super::*;
+
+    /// An extractor whose drop panics when the request says `x-trip: 1`
+    /// (a header outside the fingerprint).
+    struct Tripwire(bool);
+    impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Tripwire {
+        type Rejection = std::convert::Infallible;
+        async fn from_request_parts(
+            parts: &mut axum::http::request::Parts,
+            _: &S,
+        ) -> Result<Self, Self::Rejection> {
+            Ok(Tripwire(parts.headers.contains_key("x-trip")))
+        }
+    }
+    impl Drop for Tripwire {
+        fn drop(&mut self) {
+            if self.0 && !std::thread::panicking() {
+                panic!("the extractor's drop panics");
+            }
+        }
+    }
+
+    /// Its body uses the argument, so that it is the handler's (an unused
+    /// one stays in the generated wrapper, dropped when it returns).
+    #[idempotent(scope = "effect.unrun", fields(then))]
+    async fn tripped(trip: Tripwire, Json(_input): Json<EdgeIn>) -> StatusCode {
+        let _used = trip;
+        StatusCode::CREATED
+    }
+
+    async fn app(store: Arc<dyn IdempotencyStore>) -> std::net::SocketAddr {
+        let idem = Idem::from_arc(store).single_tenant();
+        serve(Router::new().route("/trip", post(tripped)).layer(idem.layer())).await
+    }
+
+    fn req() -> idem_testkit::http::Request {
+        post_req("/trip", r#"{"then":"fine"}"#)
+    }
+
+    async fn a_replay_a_409_and_a_missing_key_drop_the_arguments_caught(Sql { store, db: _, _dir }: Sql) {
+        use idem_runtime::pause;
+        let addr = app(store).await;
+        let key = idem_testkit::unique("unrun");
+        // The first execution holds the key after its handler returned.
+        let mut paused = pause::arm(pause::HANDLER_RETURNED, &key);
+        let first = {
+            let key = key.clone();
+            tokio::spawn(async move { answered(req().key(&key), addr).await })
+        };
+        paused.reached().await;
+        let in_progress = answered(req().key(&key).header("x-trip", "1"), addr).await;
+        paused.resume();
+        assert_eq!(first.await.unwrap().status, 201);
+        assert_eq!(
+            (in_progress.status, in_progress.problem()),
+            (409, "idempotency-request-in-progress".to_owned()),
+            "{in_progress:?}"
+        );
+        let replay = answered(req().key(&key).header("x-trip", "1"), addr).await;
+        assert_eq!(
+            (replay.status, replay.header("idempotent-replayed")),
+            (201, Some("true")),
+            "{replay:?}"
+        );
+        let keyless = answered(req().header("x-trip", "1"), addr).await;
+        assert_eq!(
+            (keyless.status, keyless.problem()),
+            (400, "idempotency-key-missing".to_owned()),
+            "{keyless:?}"
+        );
+    }
+
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| sql(kind).await,
+        worker_threads: 2,
+        cases: [a_replay_a_409_and_a_missing_key_drop_the_arguments_caught],
+    }
+}

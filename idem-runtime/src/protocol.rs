@@ -137,6 +137,7 @@ fn start(
     fingerprint: crate::fingerprint::Printed,
     handler: Handler,
 ) -> Started<impl Future<Output = Response> + Send + 'static> {
+    let handler = Unrun(handler);
     let Some(engine) = ctx.idem.as_ref().map(|idem| idem.inner.clone()) else {
         tracing::error!(
             scope = spec.scope,
@@ -161,7 +162,7 @@ fn start(
                 outcome = Outcome::Unprotected.as_str()
             );
             return Started::Unprotected {
-                handler: handler(None).instrument(span),
+                handler: handler.run(None).instrument(span),
                 base,
             };
         }
@@ -276,7 +277,7 @@ pub(crate) async fn protect(
     spec: &'static Spec,
     fingerprint: crate::fingerprint::Printed,
     key: IdempotencyKey,
-    handler: Handler,
+    handler: Unrun,
 ) -> Response {
     let tenant = match (tenant, engine.single_tenant) {
         (Some(t), _) if !Tenant::storable(t.as_str()) => {
@@ -484,7 +485,7 @@ pub(crate) fn execute(
     id: RecordId,
     lease: Lease,
     clock: LeaseClock,
-    handler: Handler,
+    handler: Unrun,
 ) -> impl Future<Output = Response> + Send + 'static {
     let info = OperationInfo::new(engine.store.clone(), id, lease, clock.lock_timeout);
     async move {
@@ -503,7 +504,7 @@ pub(crate) fn execute(
             unrun(&engine, &info.id, &info.lease, clock.lock_timeout).await;
             return Problem::StoreUnavailable(Unavailable::NotProcessed).into_response();
         }
-        let handler = handler(Some(Operation { info: info.clone() }));
+        let handler = handler.run(Some(Operation { info: info.clone() }));
         if info.lease.is_takeover() {
             tracing::warn!(
                 attempt = info.lease.attempt,
@@ -711,12 +712,45 @@ async fn keeping_held(
 /// panic), once the key is let go: a panic caught and logged, and its
 /// payload dropped the same way (forgotten if that panics too).
 pub(crate) fn drop_unsent(response: Response) {
-    if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(response))) {
-        tracing::error!(panic = %panic_message(&*payload), "an answer not given panicked when dropped");
+    drop_quietly(response, "an answer not given");
+}
+
+/// Drops `value`, the user's code, its panic caught and logged as `what`'s,
+/// and the panic's payload dropped the same way (forgotten if that panics
+/// too).
+fn drop_quietly<T>(value: T, what: &'static str) {
+    if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(value))) {
+        tracing::error!(panic = %panic_message(&*payload), "{what} panicked when dropped");
         if let Err(again) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(payload))) {
             std::mem::forget(again);
         }
     }
+}
+
+/// The handler, not run yet. What its extractors made is the user's code,
+/// whose drop may panic: dropped unrun (a replay, a 409, a refused key),
+/// the panic is caught, and the answer stays what it is.
+pub(crate) struct Unrun(Handler);
+
+impl Unrun {
+    fn run(mut self, op: Option<Operation>) -> HandlerFuture {
+        std::mem::replace(&mut self.0, spent())(op)
+    }
+}
+
+impl Drop for Unrun {
+    fn drop(&mut self) {
+        drop_quietly(
+            std::mem::replace(&mut self.0, spent()),
+            "the handler's arguments (not run)",
+        );
+    }
+}
+
+/// What is left of a handler once it ran: nothing (a closure and a future
+/// of no size: boxing them allocates nothing), never called.
+fn spent() -> Handler {
+    Box::new(|_| Box::pin(std::future::pending()))
 }
 
 /// Drops what is left of a response body, whose drop is the handler's code
