@@ -2498,11 +2498,6 @@ mod bodies_that_panic_when_dropped {
     use super::*;
     use axum::response::IntoResponse as _;
 
-    #[derive(serde::Deserialize, serde::Serialize)]
-    struct DropIn {
-        then: String,
-    }
-
     /// A stream whose `Drop` panics with a payload whose own drop panics.
     struct PayloadDropPanics<S>(S);
     impl<S: futures_util::Stream + Unpin> futures_util::Stream for PayloadDropPanics<S> {
@@ -2526,7 +2521,7 @@ mod bodies_that_panic_when_dropped {
     async fn dropper(
         State(h): State<Holder>,
         op: Operation,
-        Json(input): Json<DropIn>,
+        Json(input): Json<EdgeIn>,
     ) -> axum::response::Response {
         let then = input.then.as_str();
         if then == "fine" {
@@ -2750,11 +2745,6 @@ mod answers_not_given {
     use super::*;
     use axum::response::IntoResponse as _;
 
-    #[derive(serde::Deserialize, serde::Serialize)]
-    struct NotGivenIn {
-        then: String,
-    }
-
     /// A response extension whose drop panics.
     #[derive(Clone)]
     struct ExtPanicsOnDrop;
@@ -2784,7 +2774,7 @@ mod answers_not_given {
     async fn not_given(
         State(h): State<Holder>,
         op: Operation,
-        Json(input): Json<NotGivenIn>,
+        Json(input): Json<EdgeIn>,
     ) -> axum::response::Response {
         let then = input.then.as_str();
         if then == "fine" {
