@@ -1740,24 +1740,7 @@ async fn edge_app(
     db: &Db,
 ) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
     db.create_table().await;
-    let h = Holder {
-        db: db.clone(),
-        go: Arc::new(tokio::sync::Semaphore::new(0)),
-    };
-    let idem = Idem::from_arc(store)
-        .single_tenant()
-        .lock_timeout(Duration::from_secs(1))
-        .unwrap();
-    let app = Router::new()
-        .route("/probe", post(edge_handler))
-        .layer(idem.clone().layer())
-        .merge(
-            Router::new()
-                .route("/probe-big", post(edge_handler))
-                .layer(idem.max_stored_body(4).unwrap().layer()),
-        )
-        .with_state(h.clone());
-    (serve(app).await, h.go)
+    small_and_big_app(store, db, "/probe", post(edge_handler)).await
 }
 
 /// A refusal whose body the holder does NOT feed, and which the
@@ -1912,6 +1895,37 @@ mod held_connection_edges {
             refusal_body_drop_panic_on_the_503_path,
         ],
     }
+}
+
+/// A server with `route` at `path`, answers stored whole, and at
+/// `{path}-big`, where no body is stored (the limit is 4 bytes); a lock
+/// timeout of 1 second, on a table already made; and the handle that lets
+/// `hold` tasks go.
+async fn small_and_big_app(
+    store: Arc<dyn IdempotencyStore>,
+    db: &Db,
+    path: &str,
+    route: axum::routing::MethodRouter<Holder>,
+) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
+    let h = Holder {
+        db: db.clone(),
+        go: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let idem = Idem::from_arc(store)
+        .single_tenant()
+        .lock_timeout(Duration::from_secs(1))
+        .unwrap();
+    let go = h.go.clone();
+    let app = Router::new()
+        .route(path, route.clone())
+        .layer(idem.clone().layer())
+        .merge(
+            Router::new()
+                .route(&format!("{path}-big"), route)
+                .layer(idem.max_stored_body(4).unwrap().layer()),
+        )
+        .with_state(h);
+    (serve(app).await, go)
 }
 
 /// A server with `route` alone at `path` (a lock timeout of 1 second), on a
@@ -2613,24 +2627,7 @@ mod bodies_that_panic_when_dropped {
         db: &Db,
     ) -> (std::net::SocketAddr, Arc<tokio::sync::Semaphore>) {
         db.create_table().await;
-        let h = Holder {
-            db: db.clone(),
-            go: Arc::new(tokio::sync::Semaphore::new(0)),
-        };
-        let idem = Idem::from_arc(store)
-            .single_tenant()
-            .lock_timeout(Duration::from_secs(1))
-            .unwrap();
-        let app = Router::new()
-            .route("/p", post(dropper))
-            .layer(idem.clone().layer())
-            .merge(
-                Router::new()
-                    .route("/p-big", post(dropper))
-                    .layer(idem.max_stored_body(4).unwrap().layer()),
-            )
-            .with_state(h.clone());
-        (serve(app).await, h.go)
+        small_and_big_app(store, db, "/p", post(dropper)).await
     }
 
     fn req(path: &str, then: &str, key: &str) -> idem_testkit::http::Request {

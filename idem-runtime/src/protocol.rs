@@ -719,10 +719,22 @@ pub(crate) fn drop_unsent(response: Response) {
 /// and the panic's payload dropped the same way (forgotten if that panics
 /// too).
 fn drop_quietly<T>(value: T, what: &'static str) {
-    if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(value))) {
-        tracing::error!(panic = %panic_message(&*payload), "{what} panicked when dropped");
-        if let Err(again) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(payload))) {
-            std::mem::forget(again);
+    let mut payload = None;
+    keep_drop_panic(value, what, &mut payload);
+    if let Err(again) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+        std::mem::forget(again);
+    }
+}
+
+/// Drops `value`, the user's code: its panic caught and logged as `what`'s,
+/// its payload kept in `panic` (to be dropped once the key is let go), or
+/// forgotten if one is there already (its drop could panic again).
+fn keep_drop_panic<T>(value: T, what: &'static str, panic: &mut Option<Box<dyn std::any::Any + Send>>) {
+    if let Err(drop_panic) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(value))) {
+        tracing::error!(panic = %panic_message(&*drop_panic), "{what} panicked when dropped");
+        match panic {
+            Some(_) => std::mem::forget(drop_panic),
+            None => *panic = Some(drop_panic),
         }
     }
 }
@@ -754,20 +766,12 @@ fn spent() -> Handler {
 }
 
 /// Drops what is left of a response body, whose drop is the handler's code
-/// and may panic: the panic is caught and logged, its payload kept in
-/// `panic` to be dropped once the key is let go, or forgotten if one is
-/// there already (its drop could panic again).
+/// and may panic: see [`keep_drop_panic`].
 pub(crate) fn drop_caught(
     body: axum::body::BodyDataStream,
     panic: &mut Option<Box<dyn std::any::Any + Send>>,
 ) {
-    if let Err(drop_panic) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(body))) {
-        tracing::error!(panic = %panic_message(&*drop_panic), "the response body panicked when dropped");
-        match panic {
-            Some(_) => std::mem::forget(drop_panic),
-            None => *panic = Some(drop_panic),
-        }
-    }
+    keep_drop_panic(body, "the response body", panic);
 }
 
 /// A task kept the handler's transaction connection (a task the handler
