@@ -3394,13 +3394,12 @@ async fn a_panic_payload_is_dropped_after_the_key_is_released() {
 }
 
 /// A response body whose drop panics once it has produced its whole answer
-/// leaves no key locked for the lock timeout. Stored whole (small), the
-/// body is dropped while it is read, and its panic is the execution's, as
-/// a body that panics while producing is: 500, the key released, and the
-/// retry runs. Streamed (larger than `max_stored_body`), it is dropped
-/// once it ended whole, its panic caught, and its completion recorded: 201,
-/// and the retry is its replay (status and headers: the body is too large
-/// to keep).
+/// leaves no key locked, and does not undo that answer: the handler ran
+/// and its answer is whole, so a retry that ran it again could charge
+/// twice. Stored whole (small) or streamed (larger than `max_stored_body`),
+/// the body is dropped once it ended, its panic caught, and its completion
+/// recorded: 201, and the retry is its replay (the small body in full; the
+/// large one status and headers, since it is too large to keep).
 #[tokio::test]
 async fn a_body_whose_drop_panics_leaves_no_key_locked() {
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -3461,14 +3460,14 @@ async fn a_body_whose_drop_panics_leaves_no_key_locked() {
     };
     let key = idem_testkit::unique("k-body-drop-panics-small");
     assert_eq!(
-        send("/small", key.clone()).await.0,
-        StatusCode::INTERNAL_SERVER_ERROR
+        send("/small", key.clone()).await,
+        (StatusCode::CREATED, false, Some(5))
     );
     assert!(SMALL.load(Ordering::SeqCst), "the body was dropped");
     assert_eq!(
         send("/small", key).await,
-        (StatusCode::CREATED, false, Some(5)),
-        "released: the retry ran"
+        (StatusCode::CREATED, true, Some(5)),
+        "recorded: a replay of the whole answer"
     );
     let key = idem_testkit::unique("k-body-drop-panics-large");
     assert_eq!(
@@ -3482,4 +3481,112 @@ async fn a_body_whose_drop_panics_leaves_no_key_locked() {
         (StatusCode::CREATED, true, Some(0)),
         "recorded: a replay"
     );
+}
+
+/// A body that ended whole and panics when dropped, in each shape `collect`
+/// reads: empty, one buffer that says it is the end, and several chunks.
+/// Its answer is recorded on every store: 201 once, then its replay in
+/// full; the handler ran once.
+#[tokio::test]
+async fn a_whole_body_whose_drop_panics_is_recorded_in_every_shape() {
+    use std::collections::VecDeque;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use tower::ServiceExt as _;
+    /// Its frames, then its end; `is_end_stream` tells the end only when
+    /// `says_end`. Its first drop panics.
+    struct Frames {
+        left: VecDeque<axum::body::Bytes>,
+        says_end: bool,
+        panicked: Arc<AtomicBool>,
+    }
+    impl hyper::body::Body for Frames {
+        type Data = axum::body::Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+            std::task::Poll::Ready(self.left.pop_front().map(|b| Ok(hyper::body::Frame::data(b))))
+        }
+        fn is_end_stream(&self) -> bool {
+            self.says_end && self.left.is_empty()
+        }
+    }
+    impl Drop for Frames {
+        fn drop(&mut self) {
+            if !self.panicked.swap(true, Ordering::SeqCst) {
+                panic!("the body's drop panicked");
+            }
+        }
+    }
+    #[derive(Clone)]
+    struct Shape {
+        parts: &'static [&'static str],
+        says_end: bool,
+        ran: Arc<AtomicUsize>,
+        panicked: Arc<AtomicBool>,
+    }
+    #[idempotent(scope = "lease.whole_body_drop_panics", lock_timeout = "30s")]
+    async fn answer(State(shape): State<Shape>) -> Response {
+        shape.ran.fetch_add(1, Ordering::SeqCst);
+        let body = Frames {
+            left: shape
+                .parts
+                .iter()
+                .map(|p| axum::body::Bytes::from_static(p.as_bytes()))
+                .collect(),
+            says_end: shape.says_end,
+            panicked: shape.panicked.clone(),
+        };
+        (StatusCode::CREATED, Body::new(body)).into_response()
+    }
+    for kind in [StoreKind::Memory, StoreKind::Sqlite, StoreKind::Postgres] {
+        let Some(fixture) = kind.fixture().await else {
+            return;
+        };
+        for (parts, says_end) in [
+            (&[][..], false),
+            (&["whole"][..], true),
+            (&["who", "", "le"][..], false),
+        ] {
+            let shape = Shape {
+                parts,
+                says_end,
+                ran: Arc::new(AtomicUsize::new(0)),
+                panicked: Arc::new(AtomicBool::new(false)),
+            };
+            let app = Router::new()
+                .route("/answer", post(answer))
+                .with_state(shape.clone())
+                .layer(Idem::from_arc(fixture.store.clone()).single_tenant().layer());
+            let key = idem_testkit::unique("k-whole-body-drop-panics");
+            let whole = parts.concat();
+            for replayed in [false, true] {
+                let response = app
+                    .clone()
+                    .oneshot(keyed_post("/answer", &key, ""))
+                    .await
+                    .unwrap();
+                let status = response.status();
+                let was_replayed = response.headers().contains_key("idempotent-replayed");
+                let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    (status, was_replayed, &body[..]),
+                    (StatusCode::CREATED, replayed, whole.as_bytes()),
+                    "{kind:?} {parts:?}: the answer is recorded, then replayed"
+                );
+            }
+            assert!(
+                shape.panicked.load(Ordering::SeqCst),
+                "{kind:?} {parts:?}: dropped"
+            );
+            assert_eq!(
+                shape.ran.load(Ordering::SeqCst),
+                1,
+                "{kind:?} {parts:?}: ran once"
+            );
+        }
+    }
 }

@@ -30,7 +30,15 @@ pub(crate) enum Collected {
 }
 
 /// Reads `body` up to `limit` bytes, holding no more than that in memory.
-pub(crate) async fn collect(body: Body, limit: usize, stream: bool) -> Collected {
+/// A body that ended whole is dropped here, its drop caught: a panic there
+/// (the handler's code) does not undo an answer that is whole; its payload
+/// goes to `panic`, to be dropped once the answer is recorded.
+pub(crate) async fn collect(
+    body: Body,
+    limit: usize,
+    stream: bool,
+    panic: &mut Option<Box<dyn std::any::Any + Send>>,
+) -> Collected {
     let mut rest = body.into_data_stream();
     if stream {
         return Collected::Streamed {
@@ -41,7 +49,10 @@ pub(crate) async fn collect(body: Body, limit: usize, stream: bool) -> Collected
     // Most bodies are one buffer (`Json`, `String`, `Bytes`): kept as it
     // is, not copied, when nothing follows it.
     let first = match rest.next().await {
-        None => return Collected::Whole(axum::body::Bytes::new()),
+        None => {
+            drop_caught(rest, panic);
+            return Collected::Whole(axum::body::Bytes::new());
+        }
         Some(Err(e)) => return Collected::Failed(e),
         Some(Ok(first)) if first.len() > limit => {
             return Collected::Streamed {
@@ -52,6 +63,7 @@ pub(crate) async fn collect(body: Body, limit: usize, stream: bool) -> Collected
         Some(Ok(first)) => first,
     };
     if axum::body::HttpBody::is_end_stream(&rest) {
+        drop_caught(rest, panic);
         return Collected::Whole(first);
     }
     let (mut head, mut len) = (Vec::new(), first.len());
@@ -72,6 +84,7 @@ pub(crate) async fn collect(body: Body, limit: usize, stream: bool) -> Collected
             Err(e) => return Collected::Failed(e),
         }
     }
+    drop_caught(rest, panic);
     let mut whole = Vec::with_capacity(len);
     for chunk in head {
         whole.extend_from_slice(&chunk);
@@ -280,29 +293,38 @@ mod tests {
     #[tokio::test]
     async fn a_body_of_one_buffer_is_kept_as_it_is_not_copied() {
         let sent = Bytes::from(b"{\"id\":1}".to_vec());
-        let kept = whole(collect(Body::from(sent.clone()), 64, false).await);
+        let kept = whole(collect(Body::from(sent.clone()), 64, false, &mut None).await);
         assert_eq!(kept, sent);
         assert_eq!(kept.as_ptr(), sent.as_ptr(), "the buffer was copied");
     }
 
     #[tokio::test]
     async fn a_body_of_several_chunks_is_joined_in_order() {
-        let kept = whole(collect(chunks(&[b"ab", b"", b"cd", b"e"]), 5, false).await);
+        let kept = whole(collect(chunks(&[b"ab", b"", b"cd", b"e"]), 5, false, &mut None).await);
         assert_eq!(&kept[..], b"abcde");
-        assert_eq!(whole(collect(chunks(&[b"", b"x"]), 5, false).await), "x");
-        assert_eq!(whole(collect(Body::empty(), 5, false).await), "");
+        assert_eq!(
+            whole(collect(chunks(&[b"", b"x"]), 5, false, &mut None).await),
+            "x"
+        );
+        assert_eq!(whole(collect(Body::empty(), 5, false, &mut None).await), "");
     }
 
     #[tokio::test]
     async fn a_body_over_the_limit_is_streamed_with_what_was_read() {
         // Exactly the limit, in one buffer or in two: kept whole.
-        assert_eq!(whole(collect(Body::from("abcd"), 4, false).await), "abcd");
-        assert_eq!(whole(collect(chunks(&[b"ab", b"cd"]), 4, false).await), "abcd");
+        assert_eq!(
+            whole(collect(Body::from("abcd"), 4, false, &mut None).await),
+            "abcd"
+        );
+        assert_eq!(
+            whole(collect(chunks(&[b"ab", b"cd"]), 4, false, &mut None).await),
+            "abcd"
+        );
         for (body, read, sent) in [
             (Body::from("abcde"), 1, &b"abcde"[..]),
             (chunks(&[b"ab", b"cde", b"f"]), 2, b"abcdef"),
         ] {
-            match collect(body, 4, false).await {
+            match collect(body, 4, false, &mut None).await {
                 Collected::Streamed { head, rest } => {
                     assert_eq!(head.len(), read);
                     let mut all = head.concat();
@@ -324,7 +346,10 @@ mod tests {
                 .into_iter()
                 .map(|p| p.map(Bytes::from_static).map_err(std::io::Error::other));
             let body = Body::from_stream(futures_util::stream::iter(frames.collect::<Vec<_>>()));
-            assert!(matches!(collect(body, 64, false).await, Collected::Failed(_)));
+            assert!(matches!(
+                collect(body, 64, false, &mut None).await,
+                Collected::Failed(_)
+            ));
         }
     }
 }

@@ -834,7 +834,10 @@ fn complete_answer<'a>(
             .get(CONTENT_TYPE)
             .and_then(|v| v.as_bytes().get(..EVENT_STREAM.len()))
             .is_some_and(|v| v.eq_ignore_ascii_case(EVENT_STREAM));
-        let collected = AssertUnwindSafe(collect(body, engine.max_stored_body, stream))
+        // A payload of the body's drop (the handler's code), dropped on
+        // leaving, once the key is let go or the answer recorded.
+        let mut body_panic = None;
+        let collected = AssertUnwindSafe(collect(body, engine.max_stored_body, stream, &mut body_panic))
             .catch_unwind()
             .await;
         // The transaction is taken once the body was read, since the task
@@ -842,9 +845,6 @@ fn complete_answer<'a>(
         // streams on takes it when its body ends.
         let lost = info.is_lost();
         let mut collected = collected;
-        // A payload of the rest's drop (the handler's code), dropped on
-        // leaving, once the key is let go.
-        let mut body_panic = None;
         if let (true, Ok(Collected::Streamed { rest, .. })) = (lost, &mut collected) {
             // Already lost: none of the rest is given. Dropped before the
             // transaction is taken, since a task that feeds it until it is
