@@ -3484,20 +3484,29 @@ async fn a_body_whose_drop_panics_leaves_no_key_locked() {
 }
 
 /// A body that ended whole and panics when dropped, in each shape `collect`
-/// reads: empty, one buffer that says it is the end, and several chunks.
-/// Its answer is recorded on every store: 201 once, then its replay in
-/// full; the handler ran once.
+/// reads: empty, one buffer that says it is the end, and several chunks;
+/// and one whose panic's payload panics too when dropped. Its answer is
+/// recorded on every store: 201 once, then its replay in full; the handler
+/// ran once.
 #[tokio::test]
 async fn a_whole_body_whose_drop_panics_is_recorded_in_every_shape() {
     use std::collections::VecDeque;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use tower::ServiceExt as _;
     /// Its frames, then its end; `is_end_stream` tells the end only when
-    /// `says_end`. Its first drop panics.
+    /// `says_end`. Its first drop panics, with a payload whose own drop
+    /// panics when `payload_panics`.
     struct Frames {
         left: VecDeque<axum::body::Bytes>,
         says_end: bool,
+        payload_panics: bool,
         panicked: Arc<AtomicBool>,
+    }
+    struct PayloadPanics;
+    impl Drop for PayloadPanics {
+        fn drop(&mut self) {
+            panic!("the panic payload's drop panicked");
+        }
     }
     impl hyper::body::Body for Frames {
         type Data = axum::body::Bytes;
@@ -3515,6 +3524,9 @@ async fn a_whole_body_whose_drop_panics_is_recorded_in_every_shape() {
     impl Drop for Frames {
         fn drop(&mut self) {
             if !self.panicked.swap(true, Ordering::SeqCst) {
+                if self.payload_panics {
+                    std::panic::panic_any(PayloadPanics);
+                }
                 panic!("the body's drop panicked");
             }
         }
@@ -3523,6 +3535,7 @@ async fn a_whole_body_whose_drop_panics_is_recorded_in_every_shape() {
     struct Shape {
         parts: &'static [&'static str],
         says_end: bool,
+        payload_panics: bool,
         ran: Arc<AtomicUsize>,
         panicked: Arc<AtomicBool>,
     }
@@ -3536,6 +3549,7 @@ async fn a_whole_body_whose_drop_panics_is_recorded_in_every_shape() {
                 .map(|p| axum::body::Bytes::from_static(p.as_bytes()))
                 .collect(),
             says_end: shape.says_end,
+            payload_panics: shape.payload_panics,
             panicked: shape.panicked.clone(),
         };
         (StatusCode::CREATED, Body::new(body)).into_response()
@@ -3544,14 +3558,16 @@ async fn a_whole_body_whose_drop_panics_is_recorded_in_every_shape() {
         let Some(fixture) = kind.fixture().await else {
             return;
         };
-        for (parts, says_end) in [
-            (&[][..], false),
-            (&["whole"][..], true),
-            (&["who", "", "le"][..], false),
+        for (parts, says_end, payload_panics) in [
+            (&[][..], false, false),
+            (&["whole"][..], true, false),
+            (&["who", "", "le"][..], false, false),
+            (&["whole"][..], true, true),
         ] {
             let shape = Shape {
                 parts,
                 says_end,
+                payload_panics,
                 ran: Arc::new(AtomicUsize::new(0)),
                 panicked: Arc::new(AtomicBool::new(false)),
             };

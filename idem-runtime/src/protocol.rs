@@ -973,6 +973,10 @@ fn complete_answer<'a>(
         }
         drop(beat);
         record(Outcome::executed(info.lease.is_takeover()));
+        // Recorded: a payload whose own drop panics does not undo that.
+        if let Some(payload) = body_panic.take() {
+            drop_quietly(payload, "the response body's panic");
+        }
         let answer = answer.unwrap_or_else(|| Body::from(stored.body.take().unwrap_or_default()));
         Response::from_parts(parts, answer)
     }
