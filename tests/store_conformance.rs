@@ -257,6 +257,52 @@ async fn a_crashed_operation_outlives_its_ttl_for_its_retry(f: Fixture) {
     assert_eq!(retry.operation_id, dead.operation_id);
 }
 
+/// Durations past what a clock can tell (`Duration::MAX`: the stores are
+/// public, no layer accepts it) mean "never": every call takes them, none
+/// panics or fails, and such a record is neither purged nor taken back
+/// while it stands.
+async fn durations_past_the_clocks_range_mean_never(f: Fixture) {
+    let s = &*f.store;
+    let (ms, never) = (Duration::from_millis(1), Duration::MAX);
+    // Locked for ever, retained a millisecond: once its retention has
+    // passed, its lock's deadline plus its TTL is what is judged.
+    let locked = RecordId::new("t1", "s", "locked-for-ever");
+    let lease = take(s, &locked, "fp", ms, never).await;
+    // Past its retention (a deadline, not an ordering).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(matches!(
+        reserve(s, &locked, "fp", ms, never).await,
+        Reservation::InProgress { .. }
+    ));
+    assert_eq!(s.purge_expired(100).await.unwrap(), 0);
+    s.extend_lock(&locked, &lease.token, never).await.unwrap();
+    s.checkpoint(&locked, &lease.token, "point").await.unwrap();
+    // Retained for ever from its completion.
+    let kept = RecordId::new("t1", "s", "kept-for-ever");
+    let first = take(s, &kept, "fp", never, ms).await;
+    s.complete(&kept, &first.token, &response("kept")).await.unwrap();
+    assert_eq!(
+        reserve(s, &kept, "fp", never, never).await,
+        Reservation::Completed(response("kept"))
+    );
+    // Held and retained for ever, released: taken again at once, the
+    // operation continued.
+    let released = RecordId::new("t1", "s", "released");
+    let first = take(s, &released, "fp", never, never).await;
+    s.checkpoint(&released, &first.token, "point").await.unwrap();
+    s.release(&released, &first.token).await.unwrap();
+    let again = take(s, &released, "fp", never, never).await;
+    assert_eq!(
+        (again.attempt, again.recovery_point.as_deref()),
+        (2, Some("point"))
+    );
+    assert!(matches!(
+        reserve(s, &released, "fp", never, never).await,
+        Reservation::InProgress { .. }
+    ));
+    assert_eq!(s.purge_expired(100).await.unwrap(), 0);
+}
+
 /// A lock past its deadline is taken over: new token, attempt + 1, recovery
 /// point and operation id kept; the old token can then do nothing.
 async fn takes_over_a_stale_lock_and_fences_the_old_owner(f: Fixture) {
@@ -586,6 +632,7 @@ idem_testkit::for_each_store! {
         an_answer_is_kept_a_whole_ttl_from_its_completion,
         a_crashed_operation_outlives_its_ttl_for_its_retry,
         an_extended_lock_is_not_taken_over,
+        durations_past_the_clocks_range_mean_never,
         isolates_tenants_and_scopes,
         purges_in_batches_and_never_a_live_lock,
         twenty_concurrent_reservers_get_exactly_one,

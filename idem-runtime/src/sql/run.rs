@@ -673,9 +673,15 @@ pub(crate) async fn bounded<T>(
     }
 }
 
-/// Milliseconds as the stores bind them.
+/// The longest a SQL store retains a record or holds a lock: 10,000
+/// years, "never" in practice. A longer duration (only through the public
+/// store API: no layer accepts one) is bound as this one, which the
+/// databases' timestamps can still tell, rather than failing the call.
+pub(crate) const LONGEST: Duration = Duration::from_secs(10_000 * 365 * 86_400);
+
+/// Milliseconds as the stores bind them, at most [`LONGEST`].
 pub(crate) fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(d.min(LONGEST).as_millis()).unwrap_or(i64::MAX)
 }
 
 /// How an existing row that the caller did not take is answered: the

@@ -9,6 +9,23 @@ use std::hash::BuildHasher as _;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+/// `at` plus `d`, or, past what the clock can tell (a duration no layer
+/// accepts: the store is public), the latest instant it can: "never", for
+/// a deadline or an expiry, rather than a panic.
+fn after(at: Instant, d: Duration) -> Instant {
+    if let Some(t) = at.checked_add(d) {
+        return t;
+    }
+    let (mut t, mut step) = (at, d);
+    while !step.is_zero() {
+        match t.checked_add(step) {
+            Some(next) => t = next,
+            None => step /= 2,
+        }
+    }
+    t
+}
+
 #[derive(Debug, Clone)]
 struct MemoryRecord {
     fingerprint: String,
@@ -37,7 +54,7 @@ impl MemoryRecord {
     /// As if absent, and purgeable: a completed record past its TTL; one in
     /// progress only once also a whole TTL past its lock deadline.
     fn gone(&self, now: Instant) -> bool {
-        self.expires_at <= now && (self.response.is_some() || self.lock_deadline + self.ttl <= now)
+        self.expires_at <= now && (self.response.is_some() || after(self.lock_deadline, self.ttl) <= now)
     }
 
     /// What the janitor removes: gone, and not locked.
@@ -54,13 +71,7 @@ impl MemoryRecord {
         if self.response.is_some() {
             return self.expires_at;
         }
-        match self.lock_deadline.checked_add(self.ttl) {
-            Some(lock_and_ttl) => self.expires_at.max(lock_and_ttl),
-            // Past any instant this clock can tell (a TTL no layer
-            // accepts): never purgeable, which `Slot::purgeable`, checking
-            // the rule itself once this is due, holds to.
-            None => self.expires_at.max(self.lock_deadline),
-        }
+        self.expires_at.max(after(self.lock_deadline, self.ttl))
     }
 
     /// Its row of the state table.
@@ -298,8 +309,8 @@ impl MemoryStore {
                     attempt: 1,
                     operation_id: random_token(),
                     recovery_point: None,
-                    lock_deadline: now + req.lock_timeout,
-                    expires_at: now + req.ttl,
+                    lock_deadline: after(now, req.lock_timeout),
+                    expires_at: after(now, req.ttl),
                     ttl: req.ttl,
                     response: None,
                 },
@@ -309,7 +320,7 @@ impl MemoryStore {
                 MemoryRecord {
                     token: Some(req.token.to_owned()),
                     attempt: r.attempt + 1,
-                    lock_deadline: now + req.lock_timeout,
+                    lock_deadline: after(now, req.lock_timeout),
                     ..r.clone()
                 },
                 state == RecordState::Stale,
@@ -361,7 +372,7 @@ impl IdempotencyStore for MemoryStore {
                     r.response = Some(response.clone());
                     r.token = None;
                     // The answer is kept a whole TTL from its completion.
-                    r.expires_at = now + r.ttl;
+                    r.expires_at = after(now, r.ttl);
                 });
             })?;
             pause_point!(crate::pause::COMPLETE_AFTER, &id.key);
@@ -450,7 +461,7 @@ impl IdempotencyStore for MemoryStore {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             self.fenced(id, token, |place, now| {
-                place.update(|r| r.lock_deadline = now + lock_timeout);
+                place.update(|r| r.lock_deadline = after(now, lock_timeout));
             })?;
             pause_point!(crate::pause::EXTEND_AFTER, &id.key);
             Ok(())

@@ -171,9 +171,14 @@ pub struct ReserveRequest<'a> {
     /// random bits, chosen by the caller): a reservation whose answer never
     /// arrives (a timeout, a cancellation) is undone by releasing it.
     pub token: &'a str,
-    /// How long the record is kept, counted from its first reservation.
+    /// How long the record is kept, counted from its first reservation
+    /// (and again from its completion). A duration past what a store's
+    /// clock can tell (`Duration::MAX`, or past 10,000 years in the SQL
+    /// stores) means "never".
     pub ttl: Duration,
-    /// How long the lock holds before another request may take over.
+    /// How long the lock holds before another request may take over; a
+    /// duration past what a store's clock can tell means "never", as for
+    /// [`ttl`](Self::ttl).
     pub lock_timeout: Duration,
 }
 
