@@ -683,6 +683,41 @@ async fn postgres_unreachable_is_unavailable_within_the_timeout() {
     }
 }
 
+/// A purge call is bounded by one store timeout in all, however its
+/// statements share it: with each statement that sets `purge_at` or
+/// deletes taking 0.7 of the timeout, the call is `Unavailable` once the
+/// timeout has passed, not answered after both.
+#[tokio::test]
+async fn postgres_a_purge_call_is_bounded_by_one_store_timeout() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let timeout = Duration::from_secs(1);
+    let store = idem::PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap()
+        .with_timeout(timeout);
+    store.migrate().await.unwrap();
+    // Every UPDATE and DELETE on the table takes 0.7 s, rows or none.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION \"{schema}\".slow() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN PERFORM pg_sleep(0.7); RETURN NULL; END $$; \
+         CREATE TRIGGER slow BEFORE UPDATE OR DELETE ON \"{schema}\".idempotency_keys \
+         FOR EACH STATEMENT EXECUTE FUNCTION \"{schema}\".slow()"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let purged = store.purge_expired(100).await;
+    let took = started.elapsed();
+    assert!(
+        matches!(&purged, Err(e) if e.is_unavailable()),
+        "{purged:?} after {took:?}"
+    );
+    assert!(took < 2 * timeout, "took {took:?}");
+}
+
 /// Two OS processes reserve the same 50 keys in one SQLite file at once:
 /// every key is won exactly once.
 #[test]

@@ -18,7 +18,7 @@ pub(crate) use migrate::{check_schema, found, migrate_in, migrations, refuse_fou
 #[cfg(feature = "postgres")]
 pub(crate) use run::columns_are;
 pub(crate) use run::{
-    bounded, complete_with, encode_err, fenced, judge_row, map_err, millis, reserve_detached, set_purge_at,
+    bounded, complete_with, encode_err, fenced, judge_row, map_err, millis, purge_within, reserve_detached,
     sized_arguments,
 };
 #[cfg(feature = "postgres")]

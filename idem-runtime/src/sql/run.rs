@@ -246,27 +246,24 @@ macro_rules! fenced_ops {
         }
 
         fn purge_expired(&self, batch: u32) -> $crate::store::BoxFuture<'_, Result<u64, $crate::StoreError>> {
-            Box::pin(async move {
-                $crate::sql::set_purge_at(self.timeout, batch, || async {
-                    let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge_set.as_str()))
-                        .bind(i64::from(batch))
-                        .execute(&self.pool)
-                        .await
-                        .map_err($crate::sql::map_err)?;
-                    Ok(done.rows_affected())
-                })
-                .await?;
-                $crate::sql::bounded(self.timeout, async move {
-                    let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
-                        .bind(i64::from(batch))
-                        .execute(&self.pool)
-                        .await
-                        .map_err($crate::sql::map_err)?;
+            let statement = move |sql: fn(&$crate::sql::Statements) -> &str| async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(sql(&self.sql)))
+                    .bind(i64::from(batch))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                Ok(done.rows_affected())
+            };
+            Box::pin($crate::sql::purge_within(
+                self.timeout,
+                batch,
+                move || statement(|sql| &sql.purge_set),
+                move || async move {
+                    let purged = statement(|sql| &sql.purge).await?;
                     pause_point!($crate::pause::PURGE_AFTER, &self.sql.table);
-                    Ok(done.rows_affected())
-                })
-                .await
-            })
+                    Ok(purged)
+                },
+            ))
         }
     };
 }
@@ -636,27 +633,36 @@ fn plain_headers(json: &str) -> Option<Vec<(String, Vec<u8>)>> {
     Some(headers)
 }
 
-/// Sets `purge_at` on rows that have none yet (from before migration 5, or
-/// an earlier build's): `statement` sets it on up to `batch` rows and says
-/// how many; it runs, each run bounded by `timeout`, until one sets fewer or
-/// `timeout` has passed in all (an earlier build may still be writing such
-/// rows), so that a purge call always ends.
-pub(crate) async fn set_purge_at<F, Fut>(
+/// One purge call, bounded by `timeout` in all (past it,
+/// [`StoreError::Unavailable`]). First `set_purge_at` sets `purge_at` on
+/// up to `batch` rows that have none yet (from before migration 5, or an
+/// earlier build's) and says how many: it runs until one run sets fewer,
+/// or half the time has passed (an earlier build may still be writing
+/// such rows), so that the purge always gets its turn; then `purge`
+/// removes up to `batch` purgeable rows, within what is left.
+pub(crate) async fn purge_within<S, SFut, P, PFut>(
     timeout: Duration,
     batch: u32,
-    mut statement: F,
-) -> Result<(), StoreError>
+    mut set_purge_at: S,
+    purge: P,
+) -> Result<u64, StoreError>
 where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<u64, StoreError>>,
+    S: FnMut() -> SFut,
+    SFut: Future<Output = Result<u64, StoreError>>,
+    P: FnOnce() -> PFut,
+    PFut: Future<Output = Result<u64, StoreError>>,
 {
     let started = std::time::Instant::now();
-    loop {
-        let set = bounded(timeout, statement()).await?;
-        if set < u64::from(batch) || started.elapsed() >= timeout {
-            return Ok(());
+    bounded(timeout, async move {
+        loop {
+            let set = set_purge_at().await?;
+            if set < u64::from(batch) || started.elapsed() >= timeout / 2 {
+                break;
+            }
         }
-    }
+        purge().await
+    })
+    .await
 }
 
 /// Bounds a store operation by `limit`: past it, [`StoreError::Unavailable`].

@@ -494,15 +494,16 @@ impl IdempotencyStore for SqliteStore {
                         .map_err(sql::map_err)
                 })
             };
-            sql::set_purge_at(self.timeout, batch, || async {
-                Ok(batched(|sql| &sql.purge_set).await?.rows_affected())
-            })
-            .await?;
-            sql::bounded(self.timeout, async move {
-                let done = batched(|sql| &sql.purge).await?;
-                pause_point!(crate::pause::PURGE_AFTER, &self.sql.table);
-                Ok(done.rows_affected())
-            })
+            sql::purge_within(
+                self.timeout,
+                batch,
+                || async { Ok(batched(|sql| &sql.purge_set).await?.rows_affected()) },
+                || async move {
+                    let done = batched(|sql| &sql.purge).await?;
+                    pause_point!(crate::pause::PURGE_AFTER, &self.sql.table);
+                    Ok(done.rows_affected())
+                },
+            )
             .await
         })
     }
