@@ -2951,3 +2951,73 @@ mod unrun_arguments {
         cases: [a_replay_a_409_and_a_missing_key_drop_the_arguments_caught],
     }
 }
+
+/// A completion in the handler's transaction and its commit share one
+/// store timeout (contract section 10), not one each: a commit due once
+/// it has passed is not sent. The handler's writes roll back, the key is
+/// given back, the client gets a 503, and its retry runs the operation
+/// once.
+mod the_completion_and_its_commit_share_one_timeout {
+    use super::*;
+    use idem_runtime::pause;
+
+    const TIMEOUT: Duration = Duration::from_secs(1);
+
+    /// [`sql`], its store bounded by [`TIMEOUT`].
+    async fn bounded_sql(kind: StoreKind) -> Option<Sql> {
+        let (store, db, dir): (Arc<dyn IdempotencyStore>, _, _) = match kind {
+            StoreKind::Sqlite => {
+                let (store, dir) = idem_testkit::sqlite_store().await;
+                let db = Db::Sqlite(store.pool().clone());
+                (Arc::new(store.with_timeout(TIMEOUT)), db, Some(dir))
+            }
+            StoreKind::Postgres => {
+                let url = idem_testkit::pg_url()?;
+                let schema = idem_testkit::pg_schema(&url).await;
+                let store = idem_testkit::pg_store_in(&url, &schema, 10).await;
+                let db = Db::Pg(store.pool().clone(), schema);
+                (Arc::new(store.with_timeout(TIMEOUT)), db, None)
+            }
+            StoreKind::Memory => unreachable!("the handler's rows are written in a SQL transaction"),
+        };
+        Some(Sql { store, db, _dir: dir })
+    }
+
+    async fn a_commit_due_past_the_timeout_is_not_sent(Sql { store, db, _dir }: Sql) {
+        let addr = harness(store, db.clone()).await;
+        let key = idem_testkit::unique("k-tx-deadline");
+        let mut paused = pause::arm(pause::TX_BEFORE_COMMIT, &key);
+        let request = || post_req("/effects", r#"{"then":"ok"}"#).key(&key);
+        let first = {
+            let request = request();
+            tokio::spawn(async move { request.send(addr).await })
+        };
+        paused.reached().await;
+        // The completion is written; the store's timeout, counted from
+        // its start, passes before the commit (a deadline, not an
+        // ordering).
+        tokio::time::sleep(TIMEOUT + Duration::from_millis(100)).await;
+        paused.resume();
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 503, "{first:?}");
+        assert_eq!(first.problem(), "idempotency-store-unavailable");
+        assert_eq!(db.count().await, 0, "nothing committed");
+
+        let retry = request().send(addr).await;
+        assert_eq!(retry.status, 201, "{retry:?}");
+        assert_eq!(retry.header("idempotent-replayed"), None);
+        assert_eq!(db.count().await, 1);
+        let replay = request().send(addr).await;
+        assert_eq!(
+            (replay.header("idempotent-replayed"), &replay.body),
+            (Some("true"), &retry.body)
+        );
+    }
+
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| bounded_sql(kind).await,
+        worker_threads: 2,
+        cases: [a_commit_due_past_the_timeout_is_not_sent],
+    }
+}

@@ -36,6 +36,9 @@ pub const SQLITE_RESERVE_AFTER_PEEK: &str = "sqlite.reserve.after_peek";
 pub const SQLITE_RESERVE_BEFORE_COMMIT: &str = "sqlite.reserve.before_commit";
 /// A completion committed, before it returns.
 pub const COMPLETE_AFTER: &str = "complete.after";
+/// A completion in the handler's transaction is written; the commit has
+/// not started.
+pub const TX_BEFORE_COMMIT: &str = "tx.before_commit";
 /// PostgreSQL: a completion took the store's turn to write, before its
 /// statement: the completions that come meanwhile queue for the next group.
 pub const COMPLETE_TURN: &str = "complete.turn";

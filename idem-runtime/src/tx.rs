@@ -2,7 +2,7 @@
 //! of its record commit together, or not at all.
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-use crate::sql::bounded;
+use crate::sql::{bounded, Deadline};
 use crate::store::{RecordId, StoreError, StoredResponse};
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 use crate::IdempotencyStore;
@@ -115,10 +115,12 @@ async fn sqlite_transaction_lost(conn: &mut sqlx::SqliteConnection) -> Result<bo
 /// savepoint of the handler's whose rollback failed) is opened again with
 /// sqlx's own statements and rolled back through sqlx, level by level, so
 /// that the connection goes back to the pool neither inside a transaction
-/// nor counted inside one.
+/// nor counted inside one. Waited for within what is left of `deadline`;
+/// past it, it goes on in the background (see [`unwind_later`]) rather
+/// than being cut short.
 #[cfg(feature = "sqlite")]
-async fn end_lost(tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite: &crate::SqliteStore) {
-    log_rollback(unwind(tx, lite.timeout()).await);
+async fn end_lost(tx: sqlx::Transaction<'static, sqlx::Sqlite>, deadline: Deadline) {
+    let _ = tokio::time::timeout(deadline.left(), unwind_later(tx)).await;
 }
 
 /// How long a connection left busy may take to be unwound in the
@@ -131,11 +133,12 @@ const UNWIND_LATER: std::time::Duration = std::time::Duration::from_secs(60);
 /// time (a statement the handler abandoned still holds the connection,
 /// waiting on another process's lock). Whether SQLite had ended the
 /// transaction or not, it is rolled back, and the connection goes back to
-/// the pool once it is as sqlx counts it.
+/// the pool once it is as sqlx counts it. The returned handle tells when;
+/// dropping it leaves the task running.
 #[cfg(feature = "sqlite")]
-fn unwind_later(tx: sqlx::Transaction<'static, sqlx::Sqlite>) {
+fn unwind_later(tx: sqlx::Transaction<'static, sqlx::Sqlite>) -> tokio::task::JoinHandle<()> {
     let unwinding = async move { log_rollback(unwind(tx, UNWIND_LATER).await) };
-    drop(tokio::spawn(tracing::Instrument::in_current_span(unwinding)));
+    tokio::spawn(tracing::Instrument::in_current_span(unwinding))
 }
 
 /// Rolls back whatever transaction is open on `tx`'s connection, then opens
@@ -173,17 +176,19 @@ impl PendingTx {
         match *self.0 {
             #[cfg(feature = "postgres")]
             Open::Pg(mut tx, pg) => {
-                // Each step is bounded: past the timeout the completion did not
-                // happen (the transaction rolls back when dropped), while a
-                // commit that does not answer may have happened.
-                bounded(pg.timeout(), pg.complete_with(&mut *tx, id, token, response))
+                // Both steps within one store timeout: past it before the
+                // commit, the completion did not happen (the transaction
+                // rolls back when dropped); during the commit, it may have.
+                let deadline = Deadline::start(pg.timeout());
+                deadline
+                    .bound(pg.complete_with(&mut *tx, id, token, response))
                     .await
                     .map_err(TxFailure::NotCommitted)?;
-                bounded(pg.timeout(), async {
-                    tx.commit().await.map_err(crate::sql::map_err)
-                })
-                .await
-                .map_err(TxFailure::Unknown)
+                pause_point!(crate::pause::TX_BEFORE_COMMIT, &id.key);
+                deadline
+                    .bound(async { tx.commit().await.map_err(crate::sql::map_err) })
+                    .await
+                    .map_err(TxFailure::Unknown)
             }
             // Committed, and its connection given back, on a runtime that
             // stays driven (see `OnWriters`).
@@ -222,20 +227,21 @@ impl PendingTx {
 /// [`PendingTx::rollback`] on SQLite.
 #[cfg(feature = "sqlite")]
 async fn rollback_sqlite(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite: crate::SqliteStore) -> bool {
-    let lost = bounded(lite.timeout(), sqlite_transaction_lost(&mut tx)).await;
+    // The check and the rollback within one store timeout.
+    let deadline = Deadline::start(lite.timeout());
+    let lost = deadline.bound(sqlite_transaction_lost(&mut tx)).await;
     if let Err(e) = &lost {
         tracing::warn!(error = %e, "cannot tell whether SQLite ended the handler's transaction");
     }
     if lost == Ok(true) {
-        end_lost(tx, &lite).await;
+        end_lost(tx, deadline).await;
     } else if lost.is_err() {
-        unwind_later(tx);
+        drop(unwind_later(tx));
     } else {
         log_rollback(
-            bounded(lite.timeout(), async {
-                tx.rollback().await.map_err(crate::sql::map_err)
-            })
-            .await,
+            deadline
+                .bound(async { tx.rollback().await.map_err(crate::sql::map_err) })
+                .await,
         );
     }
     lost == Ok(false)
@@ -257,23 +263,29 @@ async fn complete_sqlite(
     token: &str,
     response: &StoredResponse,
 ) -> Result<(), TxFailure> {
-    match bounded(lite.timeout(), sqlite_transaction_lost(&mut tx)).await {
+    // The check, the completion and the commit within one store timeout.
+    let deadline = Deadline::start(lite.timeout());
+    match deadline.bound(sqlite_transaction_lost(&mut tx)).await {
         Ok(false) => {}
         Ok(true) => {
-            end_lost(tx, &lite).await;
+            end_lost(tx, deadline).await;
             return Err(TxFailure::Lost);
         }
         // Whether SQLite had ended it is not known: what the
         // handler wrote after such an end may have committed.
         Err(e) => {
-            unwind_later(tx);
+            drop(unwind_later(tx));
             return Err(TxFailure::Unclear(e));
         }
     }
-    if let Err(e) = bounded(lite.timeout(), lite.complete_with(&mut *tx, id, token, response)).await {
-        unwind_later(tx);
+    if let Err(e) = deadline
+        .bound(lite.complete_with(&mut *tx, id, token, response))
+        .await
+    {
+        drop(unwind_later(tx));
         return Err(TxFailure::NotCommitted(e));
     }
+    pause_point!(crate::pause::TX_BEFORE_COMMIT, &id.key);
     // Committed through sqlx's transaction manager, on the
     // connection, so that the transaction stays in hand when the
     // commit fails: SQLite may then have rolled it back by itself
@@ -283,12 +295,11 @@ async fn complete_sqlite(
     // rolls nothing back.
     use sqlx_core::transaction::TransactionManager as _;
     type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
-    let committed = bounded(lite.timeout(), async {
-        Manager::commit(&mut tx).await.map_err(crate::sql::map_err)
-    })
-    .await;
+    let committed = deadline
+        .bound(async { Manager::commit(&mut tx).await.map_err(crate::sql::map_err) })
+        .await;
     if committed.is_err() {
-        unwind_later(tx);
+        drop(unwind_later(tx));
     }
     committed.map_err(TxFailure::Unknown)
 }

@@ -17,6 +17,8 @@ pub use migrate::Migration;
 pub(crate) use migrate::{check_schema, found, migrate_in, migrations, refuse_found_elsewhere, schema_error};
 #[cfg(feature = "postgres")]
 pub(crate) use run::columns_are;
+#[cfg(feature = "axum")]
+pub(crate) use run::Deadline;
 pub(crate) use run::{
     bounded, complete_with, encode_err, fenced, judge_row, map_err, millis, purge_within, reserve_detached,
     sized_arguments,

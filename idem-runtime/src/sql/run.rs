@@ -652,17 +652,18 @@ where
     P: FnOnce() -> PFut,
     PFut: Future<Output = Result<u64, StoreError>>,
 {
-    let started = std::time::Instant::now();
-    bounded(timeout, async move {
-        loop {
-            let set = set_purge_at().await?;
-            if set < u64::from(batch) || started.elapsed() >= timeout / 2 {
-                break;
+    let deadline = Deadline::start(timeout);
+    deadline
+        .bound(async move {
+            loop {
+                let set = set_purge_at().await?;
+                if set < u64::from(batch) || deadline.elapsed() >= timeout / 2 {
+                    break;
+                }
             }
-        }
-        purge().await
-    })
-    .await
+            purge().await
+        })
+        .await
 }
 
 /// Bounds a store operation by `limit`: past it, [`StoreError::Unavailable`].
@@ -670,12 +671,57 @@ pub(crate) async fn bounded<T>(
     limit: Duration,
     fut: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
-    match tokio::time::timeout(limit, fut).await {
-        Ok(result) => result,
-        Err(_) => Err(StoreError::unavailable(format!(
-            "no answer within {} ms",
-            limit.as_millis()
-        ))),
+    Deadline::start(limit).bound(fut).await
+}
+
+/// One store timeout shared by the steps of one call (a completion and
+/// its commit, say): each step is bounded by what is left of it, so that
+/// the call as a whole is bounded by the timeout, not each step.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Deadline {
+    started: tokio::time::Instant,
+    limit: Duration,
+}
+
+impl Deadline {
+    /// `limit` from now.
+    pub(crate) fn start(limit: Duration) -> Self {
+        Deadline {
+            started: tokio::time::Instant::now(),
+            limit,
+        }
+    }
+
+    /// How long since it started.
+    pub(crate) fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// What is left of it.
+    pub(crate) fn left(&self) -> Duration {
+        self.limit.saturating_sub(self.elapsed())
+    }
+
+    /// Runs `fut` within what is left: past it,
+    /// [`StoreError::Unavailable`], naming the whole limit. A step due
+    /// once nothing is left is not started at all (a commit past the
+    /// deadline is not sent).
+    pub(crate) async fn bound<T>(
+        &self,
+        fut: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let left = self.left();
+        let answer = if left.is_zero() {
+            None
+        } else {
+            tokio::time::timeout(left, fut).await.ok()
+        };
+        answer.unwrap_or_else(|| {
+            Err(StoreError::unavailable(format!(
+                "no answer within {} ms",
+                self.limit.as_millis()
+            )))
+        })
     }
 }
 
