@@ -3001,6 +3001,8 @@ mod the_completion_and_its_commit_share_one_timeout {
         let first = first.await.unwrap();
         assert_eq!(first.status, 503, "{first:?}");
         assert_eq!(first.problem(), "idempotency-store-unavailable");
+        let detail = first.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("rolled back"), "{detail}");
         assert_eq!(db.count().await, 0, "nothing committed");
 
         let retry = request().send(addr).await;
@@ -3019,5 +3021,135 @@ mod the_completion_and_its_commit_share_one_timeout {
         setup: |kind| bounded_sql(kind).await,
         worker_threads: 2,
         cases: [a_commit_due_past_the_timeout_is_not_sent],
+    }
+}
+
+/// PostgreSQL: a commit that was sent, then outlived the store timeout
+/// (a deferred constraint trigger waits on an advisory lock the test
+/// holds), lands after the client got its 503 "could not be recorded".
+/// A retry while it waits gets a 409; once it lands, the retry replays
+/// the answer; the handler ran once.
+mod a_commit_that_lands_past_the_timeout {
+    use super::*;
+    use idem_runtime::pause;
+    use sqlx::Connection as _;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const TIMEOUT: Duration = Duration::from_secs(1);
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+
+    #[idempotent(scope = "gated.create")]
+    async fn gated(State(schema): State<String>, op: Operation) -> Result<(StatusCode, String), StatusCode> {
+        RUNS.fetch_add(1, Ordering::SeqCst);
+        let mut conn = op
+            .pg_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO \"{schema}\".gated (id) VALUES ($1)"
+        )))
+        .bind(op.derived_key("gated"))
+        .execute(&mut *conn)
+        .await
+        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        Ok((StatusCode::CREATED, "made".to_owned()))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_is_replayed_once_it_lands() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 10)
+            .await
+            .with_timeout(TIMEOUT);
+        let pool = store.pool().clone();
+        let gate: i64 = 0x1de_0000 + i64::from(std::process::id() % 10_000);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE \"{schema}\".gated (id TEXT PRIMARY KEY); \
+             CREATE FUNCTION \"{schema}\".gate() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN PERFORM pg_advisory_xact_lock_shared({gate}); RETURN NULL; END $$; \
+             CREATE CONSTRAINT TRIGGER gate AFTER INSERT ON \"{schema}\".gated \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION \"{schema}\".gate()"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let app = Router::new()
+            .route("/gated", post(gated))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(schema.clone());
+        let addr = serve(app).await;
+        let landed = || {
+            let (pool, schema) = (pool.clone(), schema.clone());
+            async move {
+                let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT count(*) FROM \"{schema}\".gated"
+                )))
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                n
+            }
+        };
+
+        // The gate, held by a connection of the test's own.
+        let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(gate)
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        let key = idem_testkit::unique("k-late-commit");
+        let request = || post_req("/gated", "").key(&key);
+        let mut paused = pause::arm(pause::TX_BEFORE_COMMIT, &key);
+        let first = {
+            let request = request();
+            tokio::spawn(async move { request.send(addr).await })
+        };
+        paused.reached().await;
+        paused.resume();
+        // The commit is sent, waits at the gate, and the timeout cuts it.
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 503, "{first:?}");
+        let detail = first.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("could not be recorded"), "{detail}");
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND query ILIKE 'commit%' AND datname = current_database()",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(waiting, 1, "the commit waits at the gate");
+        assert_eq!(landed().await, 0);
+
+        let during = request().send(addr).await;
+        assert_eq!(during.status, 409, "{during:?}");
+
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(gate)
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        // Until the commit has landed (a condition, polled).
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while landed().await == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the commit lands once the gate opens");
+        let after = request().send(addr).await;
+        assert_eq!(
+            (
+                after.status,
+                after.header("idempotent-replayed"),
+                after.body.as_slice()
+            ),
+            (201, Some("true"), &b"made"[..]),
+            "{after:?}"
+        );
+        assert_eq!(RUNS.load(Ordering::SeqCst), 1, "the handler ran once");
+        assert_eq!(landed().await, 1);
     }
 }

@@ -185,6 +185,11 @@ impl PendingTx {
                     .await
                     .map_err(TxFailure::NotCommitted)?;
                 pause_point!(crate::pause::TX_BEFORE_COMMIT, &id.key);
+                // A commit due once the timeout has passed is not sent:
+                // nothing commits (the transaction rolls back when dropped).
+                if let Some(e) = deadline.passed() {
+                    return Err(TxFailure::NotCommitted(e));
+                }
                 deadline
                     .bound(async { tx.commit().await.map_err(crate::sql::map_err) })
                     .await
@@ -286,6 +291,12 @@ async fn complete_sqlite(
         return Err(TxFailure::NotCommitted(e));
     }
     pause_point!(crate::pause::TX_BEFORE_COMMIT, &id.key);
+    // A commit due once the timeout has passed is not sent: nothing
+    // commits.
+    if let Some(e) = deadline.passed() {
+        drop(unwind_later(tx));
+        return Err(TxFailure::NotCommitted(e));
+    }
     // Committed through sqlx's transaction manager, on the
     // connection, so that the transaction stays in hand when the
     // commit fails: SQLite may then have rolled it back by itself

@@ -702,26 +702,30 @@ impl Deadline {
         self.limit.saturating_sub(self.elapsed())
     }
 
+    /// The error of a step due once nothing is left, if nothing is: such
+    /// a step is not started at all.
+    pub(crate) fn passed(&self) -> Option<StoreError> {
+        self.left().is_zero().then(|| self.error())
+    }
+
+    fn error(&self) -> StoreError {
+        StoreError::unavailable(format!("no answer within {} ms", self.limit.as_millis()))
+    }
+
     /// Runs `fut` within what is left: past it,
     /// [`StoreError::Unavailable`], naming the whole limit. A step due
-    /// once nothing is left is not started at all (a commit past the
-    /// deadline is not sent).
+    /// once nothing is left is not started at all (see [`passed`](Self::passed)).
     pub(crate) async fn bound<T>(
         &self,
         fut: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let left = self.left();
-        let answer = if left.is_zero() {
-            None
-        } else {
-            tokio::time::timeout(left, fut).await.ok()
-        };
-        answer.unwrap_or_else(|| {
-            Err(StoreError::unavailable(format!(
-                "no answer within {} ms",
-                self.limit.as_millis()
-            )))
-        })
+        if let Some(e) = self.passed() {
+            return Err(e);
+        }
+        match tokio::time::timeout(self.left(), fut).await {
+            Ok(result) => result,
+            Err(_) => Err(self.error()),
+        }
     }
 }
 
