@@ -1961,3 +1961,103 @@ async fn postgres_a_store_without_a_bound_completes() {
     }
     all_completed(&store, &ids).await;
 }
+
+/// The backfill of `purge_at` takes at most half of a purge call's store
+/// timeout, each of its statements cut there: with each taking 0.45 of
+/// the timeout, the delete 0.2 of it, and an earlier build writing rows
+/// without `purge_at` between calls (two each), every call answers, and
+/// the expired row goes.
+#[tokio::test]
+async fn postgres_the_backfill_takes_at_most_half_of_a_purge_call() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let timeout = Duration::from_secs(1);
+    let store = idem::PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap()
+        .with_timeout(timeout);
+    store.migrate().await.unwrap();
+    let t = format!("\"{schema}\".idempotency_keys");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION \"{schema}\".slow_set() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN PERFORM pg_sleep(0.45); RETURN NULL; END $$; \
+         CREATE FUNCTION \"{schema}\".slow_delete() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN PERFORM pg_sleep(0.2); RETURN NULL; END $$; \
+         CREATE TRIGGER slow_set BEFORE UPDATE ON {t} FOR EACH STATEMENT EXECUTE FUNCTION \"{schema}\".slow_set(); \
+         CREATE TRIGGER slow_delete BEFORE DELETE ON {t} FOR EACH STATEMENT EXECUTE FUNCTION \"{schema}\".slow_delete(); \
+         INSERT INTO {t} (tenant, scope, key, fingerprint, state, operation_id, attempt, lock_expires_at, \
+         created_at, expires_at, purge_at) VALUES ('t', 's', 'expired', 'fp', 'completed', 'op', 1, \
+         now() - interval '1 hour', now() - interval '2 hours', now() - interval '1 hour', now() - interval '1 hour')"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut answers = Vec::new();
+    for call in 0..4 {
+        // An earlier build's rows, without `purge_at`, live for an hour.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {t} (tenant, scope, key, fingerprint, state, operation_id, attempt, lock_expires_at, \
+             created_at, expires_at) SELECT 't', 's', 'old-{call}-' || n, 'fp', 'completed', 'op', 1, \
+             now() + interval '1 hour', now(), now() + interval '1 hour' FROM generate_series(1, 2) AS n"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let started = Instant::now();
+        let purged = store.purge_expired(1).await;
+        answers.push((
+            purged.as_ref().map_err(|e| e.to_string()).cloned(),
+            started.elapsed(),
+        ));
+    }
+    let left: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {t} WHERE key = 'expired'"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "the expired row was never purged: {answers:?}");
+    assert!(
+        answers.iter().all(|(a, _)| a.is_ok()),
+        "a backfill of at most half the timeout leaves the 0.2 s delete room: {answers:?}"
+    );
+    assert_eq!(
+        answers.iter().filter(|(a, _)| a == &Ok(1)).count(),
+        1,
+        "{answers:?}"
+    );
+}
+
+/// A purge of a batch of 0 (the public store API; the janitor asks at least
+/// 1) removes nothing and answers at once in every store, one without a
+/// timeout included.
+#[tokio::test]
+async fn a_purge_of_batch_zero_ends() {
+    let mem = idem::MemoryStore::new();
+    assert_eq!(mem.purge_expired(0).await.unwrap(), 0);
+    let (lite, _dir) = idem_testkit::sqlite_store().await;
+    let bounded = lite.clone().with_timeout(Duration::from_secs(2));
+    let started = Instant::now();
+    assert_eq!(bounded.purge_expired(0).await, Ok(0));
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    let unbounded = lite.with_timeout(Duration::MAX);
+    let answer = tokio::time::timeout(Duration::from_secs(5), unbounded.purge_expired(0)).await;
+    assert_eq!(
+        answer,
+        Ok(Ok(0)),
+        "sqlite, no timeout: purge_expired(0) still running after 5 s"
+    );
+    if let Some(url) = idem_testkit::pg_url() {
+        let schema = idem_testkit::pg_schema(&url).await;
+        let pg = idem_testkit::pg_store_in(&url, &schema, 2)
+            .await
+            .with_timeout(Duration::MAX);
+        let answer = tokio::time::timeout(Duration::from_secs(5), pg.purge_expired(0)).await;
+        assert_eq!(answer, Ok(Ok(0)), "postgres, no timeout");
+    }
+}

@@ -637,9 +637,11 @@ fn plain_headers(json: &str) -> Option<Vec<(String, Vec<u8>)>> {
 /// [`StoreError::Unavailable`]). First `set_purge_at` sets `purge_at` on
 /// up to `batch` rows that have none yet (from before migration 5, or an
 /// earlier build's) and says how many: it runs until one run sets fewer,
-/// or half the time has passed (an earlier build may still be writing
-/// such rows), so that the purge always gets its turn; then `purge`
-/// removes up to `batch` purgeable rows, within what is left.
+/// or half the timeout has passed, each run within what is left of that
+/// half (an earlier build may still be writing such rows, and a run cut
+/// there is taken up by the next call), so that the purge always gets
+/// the other half; then `purge` removes up to `batch` purgeable rows,
+/// within what is left. A batch of 0 removes nothing and runs nothing.
 pub(crate) async fn purge_within<S, SFut, P, PFut>(
     timeout: Duration,
     batch: u32,
@@ -652,13 +654,21 @@ where
     P: FnOnce() -> PFut,
     PFut: Future<Output = Result<u64, StoreError>>,
 {
+    if batch == 0 {
+        return Ok(0);
+    }
     let deadline = Deadline::start(timeout);
+    let backfill = Deadline::start(timeout / 2);
     deadline
         .bound(async move {
-            loop {
-                let set = set_purge_at().await?;
-                if set < u64::from(batch) || deadline.elapsed() >= timeout / 2 {
-                    break;
+            while !backfill.left().is_zero() {
+                match tokio::time::timeout(backfill.left(), set_purge_at()).await {
+                    Ok(set) if set.as_ref().is_ok_and(|&set| set < u64::from(batch)) => break,
+                    Ok(set) => {
+                        set?;
+                    }
+                    // The backfill's half is spent.
+                    Err(_) => break,
                 }
             }
             purge().await
