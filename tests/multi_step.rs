@@ -133,29 +133,35 @@ struct Sql {
 
 /// A fresh SQL store of `kind`; `None` for PostgreSQL without `DATABASE_URL`.
 async fn sql(kind: StoreKind) -> Option<Sql> {
-    match kind {
+    sql_within(kind, None).await
+}
+
+/// [`sql`], its store bounded by `timeout` if one is given.
+async fn sql_within(kind: StoreKind, timeout: Option<Duration>) -> Option<Sql> {
+    let (store, db, dir): (Arc<dyn IdempotencyStore>, _, _) = match kind {
         StoreKind::Sqlite => {
             let (store, dir) = idem_testkit::sqlite_store().await;
             let db = Db::Sqlite(store.pool().clone());
-            Some(Sql {
-                store: Arc::new(store),
-                db,
-                _dir: Some(dir),
-            })
+            let store = match timeout {
+                Some(t) => store.with_timeout(t),
+                None => store,
+            };
+            (Arc::new(store), db, Some(dir))
         }
         StoreKind::Postgres => {
             let url = idem_testkit::pg_url()?;
             let schema = idem_testkit::pg_schema(&url).await;
             let store = idem_testkit::pg_store_in(&url, &schema, 10).await;
             let db = Db::Pg(store.pool().clone(), schema);
-            Some(Sql {
-                store: Arc::new(store),
-                db,
-                _dir: None,
-            })
+            let store = match timeout {
+                Some(t) => store.with_timeout(t),
+                None => store,
+            };
+            (Arc::new(store), db, None)
         }
         StoreKind::Memory => unreachable!("the handler's rows are written in a SQL transaction"),
-    }
+    };
+    Some(Sql { store, db, _dir: dir })
 }
 
 async fn the_handlers_writes_commit_with_the_completion(Sql { store, db, _dir }: Sql) {
@@ -2963,26 +2969,6 @@ mod the_completion_and_its_commit_share_one_timeout {
 
     const TIMEOUT: Duration = Duration::from_secs(1);
 
-    /// [`sql`], its store bounded by [`TIMEOUT`].
-    async fn bounded_sql(kind: StoreKind) -> Option<Sql> {
-        let (store, db, dir): (Arc<dyn IdempotencyStore>, _, _) = match kind {
-            StoreKind::Sqlite => {
-                let (store, dir) = idem_testkit::sqlite_store().await;
-                let db = Db::Sqlite(store.pool().clone());
-                (Arc::new(store.with_timeout(TIMEOUT)), db, Some(dir))
-            }
-            StoreKind::Postgres => {
-                let url = idem_testkit::pg_url()?;
-                let schema = idem_testkit::pg_schema(&url).await;
-                let store = idem_testkit::pg_store_in(&url, &schema, 10).await;
-                let db = Db::Pg(store.pool().clone(), schema);
-                (Arc::new(store.with_timeout(TIMEOUT)), db, None)
-            }
-            StoreKind::Memory => unreachable!("the handler's rows are written in a SQL transaction"),
-        };
-        Some(Sql { store, db, _dir: dir })
-    }
-
     async fn a_commit_due_past_the_timeout_is_not_sent(Sql { store, db, _dir }: Sql) {
         let addr = harness(store, db.clone()).await;
         let key = idem_testkit::unique("k-tx-deadline");
@@ -3018,7 +3004,7 @@ mod the_completion_and_its_commit_share_one_timeout {
 
     idem_testkit::for_each_store! {
         stores: [sqlite, postgres],
-        setup: |kind| bounded_sql(kind).await,
+        setup: |kind| sql_within(kind, Some(TIMEOUT)).await,
         worker_threads: 2,
         cases: [a_commit_due_past_the_timeout_is_not_sent],
     }

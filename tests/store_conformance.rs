@@ -683,21 +683,30 @@ async fn postgres_unreachable_is_unavailable_within_the_timeout() {
     }
 }
 
+/// A migrated PostgreSQL store in a schema of its own, bounded by
+/// `timeout`, with its pool and schema; `None` without `DATABASE_URL`.
+async fn pg_store_within(timeout: Duration) -> Option<(sqlx::PgPool, String, idem::PgStore)> {
+    let url = idem_testkit::pg_url()?;
+    let schema = idem_testkit::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let store = idem::PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap()
+        .with_timeout(timeout);
+    store.migrate().await.unwrap();
+    Some((pool, schema, store))
+}
+
 /// A purge call is bounded by one store timeout in all, however its
 /// statements share it: with each statement that sets `purge_at` or
 /// deletes taking 0.7 of the timeout, the call is `Unavailable` once the
 /// timeout has passed, not answered after both.
 #[tokio::test]
 async fn postgres_a_purge_call_is_bounded_by_one_store_timeout() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let timeout = Duration::from_secs(1);
-    let store = idem::PgStore::new(pool.clone())
-        .with_table(Some(&schema), "idempotency_keys")
-        .unwrap()
-        .with_timeout(timeout);
-    store.migrate().await.unwrap();
+    let Some((pool, schema, store)) = pg_store_within(timeout).await else {
+        return;
+    };
     // Every UPDATE and DELETE on the table takes 0.7 s, rows or none.
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE FUNCTION \"{schema}\".slow() RETURNS trigger LANGUAGE plpgsql AS \
@@ -1969,15 +1978,10 @@ async fn postgres_a_store_without_a_bound_completes() {
 /// the expired row goes.
 #[tokio::test]
 async fn postgres_the_backfill_takes_at_most_half_of_a_purge_call() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let timeout = Duration::from_secs(1);
-    let store = idem::PgStore::new(pool.clone())
-        .with_table(Some(&schema), "idempotency_keys")
-        .unwrap()
-        .with_timeout(timeout);
-    store.migrate().await.unwrap();
+    let Some((pool, schema, store)) = pg_store_within(timeout).await else {
+        return;
+    };
     let t = format!("\"{schema}\".idempotency_keys");
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE FUNCTION \"{schema}\".slow_set() RETURNS trigger LANGUAGE plpgsql AS \
