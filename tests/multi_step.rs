@@ -3138,4 +3138,143 @@ mod a_commit_that_lands_past_the_timeout {
         assert_eq!(RUNS.load(Ordering::SeqCst), 1, "the handler ran once");
         assert_eq!(landed().await, 1);
     }
+
+    static SIDE_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+    /// Writes its row into `side`, an attached database in SQLite's
+    /// rollback-journal mode, whose lock a test connection can hold.
+    #[idempotent(scope = "side.create")]
+    async fn side(op: Operation) -> Result<(StatusCode, String), StatusCode> {
+        SIDE_RUNS.fetch_add(1, Ordering::SeqCst);
+        let mut conn = op
+            .sqlite_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        sqlx::query("INSERT INTO side.t (id) VALUES (?1)")
+            .bind(op.derived_key("side"))
+            .execute(&mut *conn)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        Ok((StatusCode::CREATED, "made".to_owned()))
+    }
+
+    /// The same on SQLite, on a pool of one connection: the COMMIT waits
+    /// in SQLite's busy handler for a read a test connection holds on the
+    /// attached database, the timeout cuts the wait, and the COMMIT lands
+    /// once the read ends. Afterwards the connection is as sqlx counts it:
+    /// a transaction the application drops on it is rolled back, and a
+    /// new operation's completion commits. (A COMMIT cut in flight used to
+    /// leave sqlx's worker set to skip the next rollback-on-drop: the
+    /// application's next dropped transaction stayed open, and every
+    /// completion written in it was lost, so its operation ran again.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_is_replayed_once_it_lands_and_its_connection_stays_sound() {
+        use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+        use sqlx::Executor as _;
+        let dir = tempfile::tempdir().unwrap();
+        let (main_db, side_db) = (dir.path().join("main.db"), dir.path().join("side.db"));
+        let side_file = SqliteConnectOptions::new().filename(&side_db);
+        let mut c = sqlx::SqliteConnection::connect_with(&side_file.clone().create_if_missing(true))
+            .await
+            .unwrap();
+        c.execute("CREATE TABLE t (id TEXT PRIMARY KEY)").await.unwrap();
+        c.close().await.unwrap();
+        let attach = format!("ATTACH DATABASE '{}' AS side", side_db.display());
+        let main_file = SqliteConnectOptions::new()
+            .filename(&main_db)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(30));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .after_connect(move |conn, _| {
+                let attach = attach.clone();
+                Box::pin(async move { conn.execute(sqlx::AssertSqlSafe(attach)).await.map(drop) })
+            })
+            .connect_with(main_file.clone())
+            .await
+            .unwrap();
+        sqlx::query("CREATE TABLE audit (note TEXT NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let store = idem::SqliteStore::new(pool.clone()).with_timeout(TIMEOUT);
+        store.migrate().await.unwrap();
+        let app = Router::new()
+            .route("/side", post(side))
+            .layer(Idem::new(store).single_tenant().layer());
+        let addr = serve(app).await;
+
+        let key = idem_testkit::unique("k-late-commit");
+        let request = || post_req("/side", "").key(&key);
+        let mut paused = pause::arm(pause::TX_BEFORE_COMMIT, &key);
+        let first = {
+            let request = request();
+            tokio::spawn(async move { request.send(addr).await })
+        };
+        paused.reached().await;
+        // The completion is written, the commit not yet sent: a read on
+        // the side database, which the COMMIT must write, holds it.
+        let mut reader = sqlx::SqliteConnection::connect_with(&side_file).await.unwrap();
+        reader.execute("BEGIN").await.unwrap();
+        let _: i64 = sqlx::query_scalar("SELECT count(*) FROM t")
+            .fetch_one(&mut reader)
+            .await
+            .unwrap();
+        paused.resume();
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 503, "{first:?}");
+        let detail = first.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("could not be recorded"), "{detail}");
+        reader.execute("COMMIT").await.unwrap();
+        // Until the answer is replayed (a condition, polled).
+        let replay = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                let r = request().send(addr).await;
+                if r.status != 409 {
+                    break r;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the commit lands once the read ends");
+        assert_eq!(
+            (
+                replay.status,
+                replay.header("idempotent-replayed"),
+                replay.body.as_slice()
+            ),
+            (201, Some("true"), &b"made"[..]),
+            "{replay:?}"
+        );
+        assert_eq!(SIDE_RUNS.load(Ordering::SeqCst), 1, "the handler ran once");
+
+        // The application's own transaction on the pool's one connection,
+        // dropped (as on an early `?` return): rolled back.
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("INSERT INTO audit (note) VALUES ('dropped')")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        drop(tx);
+        let audit: i64 = sqlx::query_scalar("SELECT count(*) FROM audit")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(audit, 0, "the dropped transaction was rolled back");
+        // A new operation's answer and effect commit: another connection
+        // sees both.
+        let next = idem_testkit::unique("k-next");
+        let answer = post_req("/side", "").key(&next).send(addr).await;
+        assert_eq!(answer.status, 201, "{answer:?}");
+        let mut other = sqlx::SqliteConnection::connect_with(&main_file).await.unwrap();
+        let state: String = sqlx::query_scalar("SELECT state FROM idempotency_keys WHERE key = ?1")
+            .bind(&next)
+            .fetch_one(&mut other)
+            .await
+            .unwrap();
+        assert_eq!(state, "completed");
+        assert_eq!(SIDE_RUNS.load(Ordering::SeqCst), 2);
+    }
 }

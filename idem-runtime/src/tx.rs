@@ -304,15 +304,31 @@ async fn complete_sqlite(
     // back to the pool so (every `BEGIN` on it would fail). Once
     // committed, sqlx counts none: dropping the transaction then
     // rolls nothing back.
+    //
+    // The commit runs to its end in a task of its own, and the caller
+    // waits for it within what is left of the timeout: a commit cut in
+    // flight still commits in sqlx's worker, which then skips the next
+    // rollback that a dropped transaction asks of the connection, and the
+    // unwinding never asks that way; the application's next dropped
+    // transaction on the connection would stay open, and every write
+    // after it (completions included) would be lost with it.
     use sqlx_core::transaction::TransactionManager as _;
     type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
-    let committed = deadline
-        .bound(async { Manager::commit(&mut tx).await.map_err(crate::sql::map_err) })
-        .await;
-    if committed.is_err() {
-        drop(unwind_later(tx));
-    }
-    committed.map_err(TxFailure::Unknown)
+    let commit = tokio::spawn(async move {
+        let committed = Manager::commit(&mut tx).await.map_err(crate::sql::map_err);
+        if committed.is_err() {
+            drop(unwind_later(tx));
+        }
+        committed
+    });
+    deadline
+        .bound(async {
+            commit
+                .await
+                .unwrap_or_else(|e| Err(StoreError::unavailable(format!("the commit's task ended: {e}"))))
+        })
+        .await
+        .map_err(TxFailure::Unknown)
 }
 
 #[cfg(test)]
