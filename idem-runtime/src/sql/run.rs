@@ -638,10 +638,12 @@ fn plain_headers(json: &str) -> Option<Vec<(String, Vec<u8>)>> {
 /// up to `batch` rows that have none yet (from before migration 5, or an
 /// earlier build's) and says how many: it runs until one run sets fewer,
 /// or half the timeout has passed, each run within what is left of that
-/// half (an earlier build may still be writing such rows, and a run cut
-/// there is taken up by the next call), so that the purge always gets
-/// the other half; then `purge` removes up to `batch` purgeable rows,
-/// within what is left. A batch of 0 removes nothing and runs nothing.
+/// half (an earlier build may still be writing such rows, and the next
+/// call takes up what is left), so that the purge starts with the other
+/// half; then `purge` removes up to `batch` purgeable rows, within what
+/// is left. A run no longer waited for is not stopped: it ends on its
+/// connection (on SQLite holding the write lock), and the purge may wait
+/// for it. A batch of 0 removes nothing and runs nothing.
 pub(crate) async fn purge_within<S, SFut, P, PFut>(
     timeout: Duration,
     batch: u32,
