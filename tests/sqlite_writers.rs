@@ -841,3 +841,117 @@ mod handler_transaction_on_an_idle_runtime {
         });
     }
 }
+
+/// A group whose commit fails (SQLite ended its transaction by itself: a
+/// trigger's `RAISE(ROLLBACK)` here, a full disk or an I/O error in life)
+/// is rolled back on its connection; when the leader's runtime shuts down
+/// while that rollback is in sqlx's worker, the connection still goes back
+/// to the pool as sqlx counts it. (The cut rollback used to leave the
+/// worker set to skip the next rollback of a dropped transaction: the
+/// application's next dropped transaction on the pool's one connection
+/// stayed open, and every write after it, the store's included, failed
+/// or was never committed.) The rollback is held in the worker by a
+/// rollback hook that waits for the test once the runtime is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_group_whose_rollback_outlives_its_runtime_leaves_the_connection_sound() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{mpsc, Arc, Mutex};
+    let dir = tempfile::tempdir().unwrap();
+    let file = SqliteConnectOptions::new()
+        .filename(dir.path().join("groups.db"))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(30));
+    // Once armed (1): the first rollback is the trigger's, the second the
+    // group's own, which waits in the hook until the test lets it go.
+    let rollbacks = Arc::new(AtomicUsize::new(0));
+    let (reached, held) = mpsc::channel::<()>();
+    let (release, released) = mpsc::channel::<()>();
+    let hook = Arc::new(Mutex::new((Some(reached), Some(released))));
+    let pool = {
+        let (rollbacks, hook) = (rollbacks.clone(), hook.clone());
+        SqlitePoolOptions::new()
+            .max_connections(1)
+            .after_connect(move |conn, _| {
+                let (rollbacks, hook) = (rollbacks.clone(), hook.clone());
+                Box::pin(async move {
+                    conn.lock_handle().await?.set_rollback_hook(move || {
+                        if rollbacks.load(Ordering::SeqCst) == 0
+                            || rollbacks.fetch_add(1, Ordering::SeqCst) != 2
+                        {
+                            return;
+                        }
+                        let (reached, released) = {
+                            let mut hook = hook.lock().unwrap();
+                            (hook.0.take(), hook.1.take())
+                        };
+                        let _ = reached.map(|r| r.send(()));
+                        let _ = released.map(|r| r.recv_timeout(Duration::from_secs(30)));
+                    });
+                    Ok(())
+                })
+            })
+            .connect_with(file.clone())
+            .await
+            .unwrap()
+    };
+    sqlx::query("CREATE TABLE audit (note TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = SqliteStore::new(pool.clone()).with_timeout(Duration::from_secs(1));
+    store.migrate().await.unwrap();
+    sqlx::query(
+        "CREATE TRIGGER boom BEFORE INSERT ON idempotency_keys WHEN NEW.key LIKE 'boom%' \
+         BEGIN SELECT RAISE(ROLLBACK, 'boom'); END",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    rollbacks.store(1, Ordering::SeqCst);
+    // The group's leader runs on a runtime of its own, which shuts down
+    // while the group's rollback is held in the worker.
+    let doomed = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let boom = store.clone();
+    doomed.spawn(async move {
+        let id = id("boom-1");
+        let _ = boom.reserve(req(&id, "tok-boom")).await;
+    });
+    tokio::task::spawn_blocking(move || held.recv_timeout(Duration::from_secs(20)))
+        .await
+        .unwrap()
+        .expect("the group's rollback reached the hook");
+    tokio::task::spawn_blocking(move || doomed.shutdown_timeout(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    release.send(()).unwrap();
+
+    // The application's own transaction on the pool's one connection,
+    // dropped (an early `?` return): rolled back.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO audit (note) VALUES ('dropped')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    drop(tx);
+    let audit: i64 = sqlx::query_scalar("SELECT count(*) FROM audit")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(audit, 0, "the dropped transaction was rolled back");
+    // The store's next write commits: another connection sees it.
+    let after = id("after");
+    let reserved = store.reserve(req(&after, "tok-after")).await;
+    assert!(matches!(reserved, Ok(Reservation::Reserved(_))), "{reserved:?}");
+    let mut other = sqlx::SqliteConnection::connect_with(&file).await.unwrap();
+    let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE key = 'after'")
+        .fetch_one(&mut other)
+        .await
+        .unwrap();
+    assert_eq!(seen, 1, "the next reservation committed");
+}

@@ -150,12 +150,10 @@ async fn unwind(
     mut tx: sqlx::Transaction<'static, sqlx::Sqlite>,
     limit: std::time::Duration,
 ) -> Result<(), StoreError> {
-    use sqlx_core::transaction::TransactionManager;
-    type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
     bounded(limit, async {
         let depth = crate::sql::sqlite::reopen_counted(&mut tx).await?;
         for _ in 1..depth {
-            Manager::rollback(&mut tx).await.map_err(crate::sql::map_err)?;
+            crate::sql::sqlite::rollback_level(&mut tx).await?;
         }
         tx.rollback().await.map_err(crate::sql::map_err)
     })

@@ -651,12 +651,39 @@ pub(crate) async fn reopen_counted(conn: &mut sqlx::SqliteConnection) -> Result<
 /// Leaves `conn` with no transaction open and none counted, after one
 /// ended in a failure (see [`reopen_counted`]).
 async fn settle(conn: &mut sqlx::SqliteConnection) -> Result<(), StoreError> {
-    use sqlx_core::transaction::TransactionManager as _;
-    type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
     for _ in 0..reopen_counted(conn).await? {
-        Manager::rollback(conn).await.map_err(sql::map_err)?;
+        rollback_level(conn).await?;
     }
     Ok(())
+}
+
+/// Rolls back the innermost level sqlx counts on `conn`, as sqlx's
+/// transaction manager does; dropped part-way (its runtime shutting down,
+/// a timeout), it asks for that rollback the way a dropped transaction
+/// does. sqlx's worker, once it has rolled back for an answer nobody
+/// waits for any more, skips the next rollback asked that way: with none
+/// asked, it would skip the rollback of the application's next dropped
+/// transaction on the connection, which would stay open with every write
+/// after it. (An owned `Transaction` dropped part-way asks by itself.)
+pub(crate) async fn rollback_level(conn: &mut sqlx::SqliteConnection) -> Result<(), StoreError> {
+    use sqlx_core::transaction::TransactionManager as _;
+    type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
+    /// Asks for the rollback on drop, unless taken out first.
+    struct AskOnDrop<'c>(Option<&'c mut sqlx::SqliteConnection>);
+    impl Drop for AskOnDrop<'_> {
+        fn drop(&mut self) {
+            if let Some(conn) = self.0.take() {
+                Manager::start_rollback(conn);
+            }
+        }
+    }
+    let mut asking = AskOnDrop(Some(conn));
+    let Some(conn) = asking.0.as_deref_mut() else {
+        return Ok(());
+    };
+    let rolled_back = Manager::rollback(conn).await;
+    asking.0 = None;
+    rolled_back.map_err(sql::map_err)
 }
 
 /// The writes of reservations and completions that wait while the write
