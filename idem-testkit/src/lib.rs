@@ -17,5 +17,6 @@ mod stores;
 
 pub use names::{token, unique};
 pub use stores::{
-    pg_schema, pg_store, pg_store_in, pg_url, sqlite_in_memory_store, sqlite_store, Fixture, StoreKind,
+    dropped_transaction_rolls_back, pg_schema, pg_store, pg_store_in, pg_url, sqlite_in_memory_store,
+    sqlite_store, Fixture, StoreKind,
 };

@@ -150,3 +150,29 @@ pub async fn sqlite_store() -> (SqliteStore, tempfile::TempDir) {
     store.migrate().await.unwrap();
     (store, dir)
 }
+
+/// Whether a transaction the application drops on `pool` (sqlx's rollback
+/// on drop, as on an early `?` return) is rolled back: on a pool of one
+/// connection, whether that connection is as sqlx counts it, neither
+/// inside a transaction left open nor set to skip a rollback.
+pub async fn dropped_transaction_rolls_back(pool: &sqlx::SqlitePool) -> bool {
+    let count = || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM testkit_dropped")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        n
+    };
+    sqlx::query("CREATE TABLE IF NOT EXISTS testkit_dropped (note TEXT NOT NULL)")
+        .execute(pool)
+        .await
+        .unwrap();
+    let before = count().await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO testkit_dropped (note) VALUES ('dropped')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    drop(tx);
+    count().await == before
+}
