@@ -7,6 +7,8 @@ use idem::{IdempotencyStore, SqliteStore};
 use idem_runtime::pause;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::Connection as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(3600);
@@ -842,102 +844,186 @@ mod handler_transaction_on_an_idle_runtime {
     }
 }
 
-/// A group whose commit fails (SQLite ended its transaction by itself: a
-/// trigger's `RAISE(ROLLBACK)` here, a full disk or an I/O error in life)
-/// is rolled back on its connection; when the leader's runtime shuts down
-/// while that rollback is in sqlx's worker, the connection still goes back
-/// to the pool as sqlx counts it. (The cut rollback used to leave the
-/// worker set to skip the next rollback of a dropped transaction: the
-/// application's next dropped transaction on the pool's one connection
-/// stayed open, and every write after it, the store's included, failed
-/// or was never committed.) The rollback is held in the worker by a
-/// rollback hook that waits for the test once the runtime is gone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_group_whose_rollback_outlives_its_runtime_leaves_the_connection_sound() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::{mpsc, Arc, Mutex};
+/// Where a failed group's leader is held when its runtime shuts down: the
+/// `k`-th of SQLite's progress calls after SQLite ended the group's
+/// transaction by itself (a trigger's `RAISE(ROLLBACK)` here, a full disk
+/// or an I/O error in life), counted until the rollback that puts the
+/// connection right (`settle`) is done.
+#[derive(Default)]
+struct Cut {
+    /// 1: armed; 2: SQLite ended the transaction, counting; 3: the
+    /// connection's final rollback came.
+    phase: AtomicUsize,
+    calls: AtomicUsize,
+    calls_to_the_final_rollback: AtomicUsize,
+    hold_at: AtomicUsize,
+    reached: Mutex<Option<mpsc::Sender<()>>>,
+    released: Mutex<Option<mpsc::Receiver<()>>>,
+}
+
+/// A failed group whose leader's runtime shuts down with sqlx's worker
+/// held at `cut`'s point (`hold_at` 0: never held, the group ends), then
+/// the pool's one connection checked: no transaction left open, a dropped
+/// transaction rolled back, a write outside a transaction and the store's
+/// next reservation committed (seen from another connection). Not held,
+/// it answers how many progress calls came up to the final rollback.
+async fn a_failed_group_cut_at(hold_at: usize) -> Result<usize, String> {
+    use sqlx::sqlite::SqlitePool;
     let dir = tempfile::tempdir().unwrap();
     let file = SqliteConnectOptions::new()
         .filename(dir.path().join("groups.db"))
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(30));
-    // Once armed (1): the first rollback is the trigger's, the second the
-    // group's own, which waits in the hook until the test lets it go.
-    let rollbacks = Arc::new(AtomicUsize::new(0));
+    let cut = Arc::new(Cut::default());
+    cut.hold_at.store(hold_at, Ordering::SeqCst);
     let (reached, held) = mpsc::channel::<()>();
     let (release, released) = mpsc::channel::<()>();
-    let hook = Arc::new(Mutex::new((Some(reached), Some(released))));
-    let pool = {
-        let (rollbacks, hook) = (rollbacks.clone(), hook.clone());
-        SqlitePoolOptions::new()
-            .max_connections(1)
-            .after_connect(move |conn, _| {
-                let (rollbacks, hook) = (rollbacks.clone(), hook.clone());
-                Box::pin(async move {
-                    conn.lock_handle().await?.set_rollback_hook(move || {
-                        if rollbacks.load(Ordering::SeqCst) == 0
-                            || rollbacks.fetch_add(1, Ordering::SeqCst) != 2
-                        {
-                            return;
-                        }
-                        let (reached, released) = {
-                            let mut hook = hook.lock().unwrap();
-                            (hook.0.take(), hook.1.take())
-                        };
+    *cut.reached.lock().unwrap() = Some(reached);
+    *cut.released.lock().unwrap() = Some(released);
+    let hooks = cut.clone();
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .after_connect(move |conn, _| {
+            let cut = hooks.clone();
+            Box::pin(async move {
+                let mut handle = conn.lock_handle().await?;
+                let on_rollback = cut.clone();
+                handle.set_rollback_hook(move || match on_rollback.phase.load(Ordering::SeqCst) {
+                    1 => on_rollback.phase.store(2, Ordering::SeqCst),
+                    2 => {
+                        let calls = on_rollback.calls.load(Ordering::SeqCst);
+                        on_rollback
+                            .calls_to_the_final_rollback
+                            .store(calls, Ordering::SeqCst);
+                        on_rollback.phase.store(3, Ordering::SeqCst);
+                    }
+                    _ => {}
+                });
+                handle.set_progress_handler(1, move || {
+                    if cut.phase.load(Ordering::SeqCst) == 2
+                        && cut.calls.fetch_add(1, Ordering::SeqCst) + 1 == cut.hold_at.load(Ordering::SeqCst)
+                    {
+                        let reached = cut.reached.lock().unwrap().take();
+                        let released = cut.released.lock().unwrap().take();
                         let _ = reached.map(|r| r.send(()));
                         let _ = released.map(|r| r.recv_timeout(Duration::from_secs(30)));
-                    });
-                    Ok(())
-                })
+                    }
+                    true
+                });
+                Ok(())
             })
-            .connect_with(file.clone())
-            .await
-            .unwrap()
-    };
+        })
+        .connect_with(file.clone())
+        .await
+        .unwrap();
     let store = SqliteStore::new(pool.clone()).with_timeout(Duration::from_secs(1));
     store.migrate().await.unwrap();
-    sqlx::query(
-        "CREATE TRIGGER boom BEFORE INSERT ON idempotency_keys WHEN NEW.key LIKE 'boom%' \
+    sqlx::raw_sql(
+        "CREATE TABLE audit (note TEXT NOT NULL); \
+         CREATE TRIGGER boom BEFORE INSERT ON idempotency_keys WHEN NEW.key LIKE 'boom%' \
          BEGIN SELECT RAISE(ROLLBACK, 'boom'); END",
     )
     .execute(&pool)
     .await
     .unwrap();
 
-    rollbacks.store(1, Ordering::SeqCst);
-    // The group's leader runs on a runtime of its own, which shuts down
-    // while the group's rollback is held in the worker.
+    cut.phase.store(1, Ordering::SeqCst);
+    // The group's leader runs on a runtime of its own.
     let doomed = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .unwrap();
+    let (done, answered) = mpsc::channel::<()>();
     let boom = store.clone();
     doomed.spawn(async move {
         let id = id("boom-1");
         let _ = boom.reserve(req(&id, "tok-boom")).await;
+        let _ = done.send(());
     });
-    tokio::task::spawn_blocking(move || held.recv_timeout(Duration::from_secs(20)))
+    let waited = if hold_at == 0 { answered } else { held };
+    tokio::task::spawn_blocking(move || waited.recv_timeout(Duration::from_secs(20)))
         .await
         .unwrap()
-        .expect("the group's rollback reached the hook");
+        .map_err(|_| format!("not held at {hold_at}, nor answered"))?;
     tokio::task::spawn_blocking(move || doomed.shutdown_timeout(Duration::from_secs(10)))
         .await
         .unwrap();
+    if hold_at == 0 {
+        return Ok(cut.calls_to_the_final_rollback.load(Ordering::SeqCst));
+    }
     release.send(()).unwrap();
 
-    // The application's own transaction on the pool's one connection,
-    // dropped: rolled back.
-    assert!(idem_testkit::dropped_transaction_rolls_back(&pool).await);
-    // The store's next write commits: another connection sees it.
-    let after = id("after");
-    let reserved = store.reserve(req(&after, "tok-after")).await;
-    assert!(matches!(reserved, Ok(Reservation::Reserved(_))), "{reserved:?}");
-    let mut other = sqlx::SqliteConnection::connect_with(&file).await.unwrap();
-    let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE key = 'after'")
-        .fetch_one(&mut other)
+    let seen_elsewhere = |sql: &'static str| {
+        let file = file.clone();
+        async move {
+            let mut other = sqlx::SqliteConnection::connect_with(&file).await.unwrap();
+            let n: i64 = sqlx::query_scalar(sql).fetch_one(&mut other).await.unwrap();
+            n
+        }
+    };
+    let open = |pool: SqlitePool| async move {
+        let mut conn = pool.acquire().await.unwrap();
+        let began = sqlx::raw_sql("BEGIN").execute(&mut *conn).await.is_ok();
+        if began {
+            sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+        }
+        !began
+    };
+    let mut wrong = Vec::new();
+    if open(pool.clone()).await {
+        wrong.push("a transaction was left open");
+    }
+    if !idem_testkit::dropped_transaction_rolls_back(&pool).await {
+        wrong.push("a dropped transaction was not rolled back");
+    }
+    sqlx::query("INSERT INTO audit (note) VALUES ('kept')")
+        .execute(&pool)
         .await
         .unwrap();
-    assert_eq!(seen, 1, "the next reservation committed");
+    if seen_elsewhere("SELECT count(*) FROM audit").await != 1 {
+        wrong.push("a write outside a transaction did not commit");
+    }
+    let after = id("after");
+    let reserved =
+        tokio::time::timeout(Duration::from_secs(5), store.reserve(req(&after, "tok-after"))).await;
+    if !matches!(reserved, Ok(Ok(Reservation::Reserved(_))))
+        || seen_elsewhere("SELECT count(*) FROM idempotency_keys WHERE key = 'after'").await != 1
+    {
+        wrong.push("the store's next reservation did not commit");
+    }
+    pool.close().await;
+    if wrong.is_empty() {
+        Ok(hold_at)
+    } else {
+        Err(format!("held at {hold_at}: {wrong:?}"))
+    }
+}
+
+/// A group whose commit fails is rolled back on its connection; when the
+/// leader's runtime shuts down at any point from SQLite's own end of the
+/// transaction to the final rollback (the job's statement, the failed
+/// commit, the transaction's rollback on drop, each statement that puts
+/// sqlx's count right), the connection still goes back to the pool sound.
+/// (Cut before the final rollback, it went back counted inside a
+/// transaction: every `BEGIN` on it failed, and what was written on it
+/// outside a transaction never committed; cut during that rollback, sqlx's
+/// worker skipped the rollback of the application's next dropped
+/// transaction.) Each point is one run, the worker held there by a
+/// progress handler while the runtime shuts down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_group_cut_by_its_runtime_shutting_down_leaves_the_connection_sound() {
+    let calls = a_failed_group_cut_at(0).await.unwrap();
+    assert!(calls > 14, "{calls} progress calls up to the final rollback");
+    let wrong: Vec<String> = {
+        let mut wrong = Vec::new();
+        for hold_at in 1..=calls {
+            if let Err(e) = a_failed_group_cut_at(hold_at).await {
+                wrong.push(e);
+            }
+        }
+        wrong
+    };
+    assert!(wrong.is_empty(), "{wrong:#?}");
 }

@@ -686,6 +686,33 @@ pub(crate) async fn rollback_level(conn: &mut sqlx::SqliteConnection) -> Result<
     rolled_back.map_err(sql::map_err)
 }
 
+/// A group's connection. Dropped before its group is done (its leader's
+/// runtime shutting down, a job's panic), it is put right in a task of its
+/// own before it goes back to the pool, as after a failed commit
+/// ([`settle`]): SQLite may have ended the group's transaction by itself,
+/// which sqlx still counts, at any step the cut came after, and going
+/// back so, every `BEGIN` on it would fail and what was written on it
+/// outside a transaction would never commit. (The group's transaction,
+/// dropped first, has asked for its rollback by then.) Outside a runtime,
+/// it is closed instead.
+struct GroupConnection(Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>);
+
+impl Drop for GroupConnection {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.0.take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(async move {
+                if settle(&mut conn).await.is_err() {
+                    conn.close_on_drop();
+                }
+            })),
+            Err(_) => conn.close_on_drop(),
+        }
+    }
+}
+
 /// The writes of reservations and completions that wait while the write
 /// lock is held, committed together when it is free: one transaction, one
 /// sync of the log, for all of them.
@@ -1017,13 +1044,16 @@ impl SqliteStore {
         }
         let mut jobs = jobs.into_iter().peekable();
         while jobs.peek().is_some() {
-            let mut conn = match self.pool.acquire().await {
-                Ok(conn) => conn,
+            let mut group_conn = match self.pool.acquire().await {
+                Ok(conn) => GroupConnection(Some(conn)),
                 Err(e) => return Self::fail_all(jobs, sql::map_err(e)).await,
+            };
+            let Some(conn) = group_conn.0.as_mut() else {
+                return;
             };
             let mut answers = Vec::new();
             let committed = {
-                let mut tx = match sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE").await {
+                let mut tx = match sqlx::Connection::begin_with(&mut **conn, "BEGIN IMMEDIATE").await {
                     Ok(tx) => tx,
                     Err(e) => return Self::fail_all(jobs, sql::map_err(e)).await,
                 };
@@ -1042,9 +1072,11 @@ impl SqliteStore {
             // and every `BEGIN` on the connection would fail. The count is
             // put right; a connection that cannot be is closed (which, for
             // a database in memory, would lose it: the last resort).
-            if committed.is_err() && settle(&mut conn).await.is_err() {
+            if committed.is_err() && settle(conn).await.is_err() {
                 conn.close_on_drop();
             }
+            // Done: back to the pool as it is.
+            drop(group_conn.0.take());
             for answer in answers {
                 answer(committed.clone());
             }
