@@ -1,8 +1,10 @@
 //! Same-transaction completion: a handler's own writes and the completion
 //! of its record commit together, or not at all.
 
+#[cfg(feature = "postgres")]
+use crate::sql::bounded;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-use crate::sql::{bounded, Deadline};
+use crate::sql::Deadline;
 use crate::store::{RecordId, StoreError, StoredResponse};
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 use crate::IdempotencyStore;
@@ -123,41 +125,60 @@ async fn end_lost(tx: sqlx::Transaction<'static, sqlx::Sqlite>, deadline: Deadli
     let _ = tokio::time::timeout(deadline.left(), unwind_later(tx)).await;
 }
 
-/// How long a connection left busy may take to be unwound in the
-/// background (see [`unwind_later`]).
+/// How long the unwinding of a connection left busy waits before a
+/// warning says it still waits (it goes on waiting: see [`unwind_later`]).
 #[cfg(feature = "sqlite")]
-const UNWIND_LATER: std::time::Duration = std::time::Duration::from_secs(60);
+const UNWIND_SLOW: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// [`end_lost`], in a task of its own and not bounded by the store's
-/// timeout: for a transaction whose check or completion did not answer in
-/// time (a statement the handler abandoned still holds the connection,
-/// waiting on another process's lock). Whether SQLite had ended the
-/// transaction or not, it is rolled back, and the connection goes back to
-/// the pool once it is as sqlx counts it. The returned handle tells when;
-/// dropping it leaves the task running.
+/// [`end_lost`], in a task of its own and not bounded at all: for a
+/// transaction whose check or completion did not answer in time (a
+/// statement the handler abandoned still holds the connection, waiting on
+/// another process's lock). Whether SQLite had ended the transaction or
+/// not, it is rolled back, and the connection goes back to the pool once
+/// it is as sqlx counts it. The returned handle tells when; dropping it
+/// leaves the task running.
+///
+/// Not bounded, because the unwinding cannot be cut without harm: its
+/// statements wait behind the abandoned one in sqlx's worker, and cut
+/// there, the transaction's drop asks for one rollback, which comes after
+/// the unwinding's own `ROLLBACK` has ended SQLite's transaction, and
+/// fails: the connection would go back counted inside a transaction (every
+/// `BEGIN` on it failing, and every write on it after the application's
+/// next dropped transaction never committed). Nor would a bound gain
+/// anything: until the abandoned statement ends, the connection serves no
+/// one.
 #[cfg(feature = "sqlite")]
 fn unwind_later(tx: sqlx::Transaction<'static, sqlx::Sqlite>) -> tokio::task::JoinHandle<()> {
-    let unwinding = async move { log_rollback(unwind(tx, UNWIND_LATER).await) };
+    let unwinding = async move {
+        let mut unwinding = std::pin::pin!(unwind(tx));
+        let unwound = match tokio::time::timeout(UNWIND_SLOW, &mut unwinding).await {
+            Ok(unwound) => unwound,
+            Err(_) => {
+                tracing::warn!(
+                    waited = ?UNWIND_SLOW,
+                    "a SQLite connection is still busy with a statement its handler gave up on; \
+                     it goes back to the pool once that ends and the handler's transaction is rolled back"
+                );
+                unwinding.await
+            }
+        };
+        log_rollback(unwound);
+    };
     tokio::spawn(tracing::Instrument::in_current_span(unwinding))
 }
 
 /// Rolls back whatever transaction is open on `tx`'s connection, then opens
 /// again what sqlx still counts (with sqlx's own statements) and rolls it
 /// back through sqlx, level by level: the connection ends neither inside a
-/// transaction nor counted inside one.
+/// transaction nor counted inside one. Not to be cut part-way (see
+/// [`unwind_later`]).
 #[cfg(feature = "sqlite")]
-async fn unwind(
-    mut tx: sqlx::Transaction<'static, sqlx::Sqlite>,
-    limit: std::time::Duration,
-) -> Result<(), StoreError> {
-    bounded(limit, async {
-        let depth = crate::sql::sqlite::reopen_counted(&mut tx).await?;
-        for _ in 1..depth {
-            crate::sql::sqlite::rollback_level(&mut tx).await?;
-        }
-        tx.rollback().await.map_err(crate::sql::map_err)
-    })
-    .await
+async fn unwind(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>) -> Result<(), StoreError> {
+    let depth = crate::sql::sqlite::reopen_counted(&mut tx).await?;
+    for _ in 1..depth {
+        crate::sql::sqlite::rollback_level(&mut tx).await?;
+    }
+    tx.rollback().await.map_err(crate::sql::map_err)
 }
 
 impl PendingTx {
