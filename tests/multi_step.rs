@@ -3279,3 +3279,407 @@ mod a_commit_that_lands_past_the_timeout {
         assert_eq!(SIDE_RUNS.load(Ordering::SeqCst), 2);
     }
 }
+
+/// A PostgreSQL handler transaction whose own begin, or a nested begin of
+/// the handler's, is cut between its statement and the answer. sqlx counts
+/// a level only once its answer came, and a cut begin asks the rollback of
+/// the level it counted before: none for idem's `BEGIN` (the connection
+/// stays inside a transaction nobody ends), the enclosing transaction for a
+/// nested `SAVEPOINT` (the handler's transaction ends, and what it writes
+/// after commits on its own).
+mod pg_begins_cut {
+    use super::*;
+    use futures_util::FutureExt as _;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::sync::{oneshot, watch};
+
+    /// A TCP proxy to PostgreSQL that, once armed, holds back the server's
+    /// answers from the next simple-query `BEGIN` on, until let go.
+    struct Proxy {
+        armed: AtomicBool,
+        held: watch::Sender<bool>,
+    }
+
+    async fn proxy(upstream: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<Proxy>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let p = Arc::new(Proxy {
+            armed: AtomicBool::new(false),
+            held: watch::channel(false).0,
+        });
+        let shared = p.clone();
+        tokio::spawn(async move {
+            loop {
+                let (client, _) = listener.accept().await.unwrap();
+                let server = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let up = shared.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 65536];
+                    loop {
+                        let n = match cr.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        let begin = b"Q\0\0\0\x0aBEGIN\0";
+                        if buf[..n].windows(begin.len()).any(|w| w == begin)
+                            && up.armed.swap(false, Ordering::SeqCst)
+                        {
+                            up.held.send_replace(true);
+                        }
+                        if sw.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                let down = shared.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 65536];
+                    let mut held = down.held.subscribe();
+                    loop {
+                        let n = match sr.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        let _ = held.wait_for(|h| !*h).await;
+                        if cw.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, p)
+    }
+
+    static BEGIN_FAILED: Mutex<Option<oneshot::Sender<String>>> = Mutex::new(None);
+    static PAID: AtomicUsize = AtomicUsize::new(0);
+
+    #[idempotent(scope = "begin_cut.tx")]
+    async fn tx_open(op: Operation) -> StatusCode {
+        match op.pg_transaction().await {
+            Ok(_) => StatusCode::CREATED,
+            Err(e) => {
+                if let Some(tx) = BEGIN_FAILED.lock().unwrap().take() {
+                    let _ = tx.send(e.to_string());
+                }
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+        }
+    }
+
+    #[idempotent(scope = "begin_cut.pay")]
+    async fn pay() -> StatusCode {
+        PAID.fetch_add(1, Ordering::SeqCst);
+        StatusCode::CREATED
+    }
+
+    #[idempotent(scope = "begin_cut.plain")]
+    async fn plain() -> StatusCode {
+        StatusCode::CREATED
+    }
+
+    fn begin_app(store: idem::PgStore) -> Router {
+        Router::new()
+            .route("/tx", post(tx_open))
+            .route("/pay", post(pay))
+            .layer(Idem::new(store).single_tenant().layer())
+    }
+
+    /// idem's `BEGIN` answered past the store's timeout, on a pool of one
+    /// connection: the next operation on that connection is recorded (seen
+    /// from another connection) and replayed by another server, never run
+    /// twice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_handlers_begin_answered_past_the_timeout_leaves_no_transaction_open() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let direct: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        let upstream = tokio::net::lookup_host((direct.get_host().to_owned(), direct.get_port()))
+            .await
+            .unwrap()
+            .next()
+            .unwrap();
+        let (proxied, p) = proxy(upstream).await;
+        let via_proxy = direct
+            .clone()
+            .host("127.0.0.1")
+            .port(proxied.port())
+            .ssl_mode(sqlx::postgres::PgSslMode::Disable);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(via_proxy)
+            .await
+            .unwrap();
+        let store = idem::PgStore::new(pool.clone())
+            .with_table(Some(&schema), "idempotency_keys")
+            .unwrap()
+            .with_timeout(Duration::from_secs(1));
+        store.migrate().await.unwrap();
+        let a = serve(begin_app(store)).await;
+
+        let (failed_tx, failed_rx) = oneshot::channel();
+        *BEGIN_FAILED.lock().unwrap() = Some(failed_tx);
+        p.armed.store(true, Ordering::SeqCst);
+        let first = tokio::spawn(async move { post_req("/tx", "").key("k-tx").send(a).await });
+        let why = failed_rx.await.unwrap();
+        assert!(why.contains("no answer within"), "{why}");
+        // Its answer let through only once the begin was given up on.
+        p.held.send_replace(false);
+        assert_eq!(first.await.unwrap().status, 503);
+
+        let paid = post_req("/pay", "").key("k-pay").send(a).await;
+        assert_eq!(paid.status, 201);
+        let check = sqlx::PgPool::connect(&url).await.unwrap();
+        let seen: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT state FROM \"{schema}\".idempotency_keys WHERE key = 'k-pay'"
+        )))
+        .fetch_optional(&check)
+        .await
+        .unwrap();
+        assert_eq!(
+            seen.as_deref(),
+            Some("completed"),
+            "told 201, its record not committed"
+        );
+
+        // That server's process ends; another, on the same table, replays.
+        pool.close().await;
+        let b = serve(begin_app(idem_testkit::pg_store_in(&url, &schema, 5).await)).await;
+        let again = post_req("/pay", "").key("k-pay").send(b).await;
+        assert_eq!(again.status, 201);
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+        assert_eq!(
+            PAID.load(Ordering::SeqCst),
+            1,
+            "the handler ran twice for one key"
+        );
+    }
+
+    type Gate = (oneshot::Sender<()>, oneshot::Receiver<()>);
+    static NESTED_GATE: Mutex<Option<Gate>> = Mutex::new(None);
+
+    async fn insert(conn: &mut sqlx::PgConnection, table: &str, id: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (id, note) VALUES ($1, 'x')"
+        )))
+        .bind(id)
+        .execute(conn)
+        .await
+        .map(drop)
+    }
+
+    /// Writes, gives up on a nested begin queued behind a statement it
+    /// gave up on too (a row the test holds), then writes again and
+    /// answers 201.
+    #[idempotent(scope = "begin_cut.nested")]
+    async fn nested(State(db): State<Db>, op: Operation) -> StatusCode {
+        use sqlx::Connection as _;
+        let table = db.effects();
+        let mut conn = op.pg_transaction().await.unwrap();
+        insert(&mut conn, &table, "before").await.unwrap();
+        let pending = insert(&mut conn, &table, "blocked").now_or_never().is_none();
+        assert!(pending, "the insert waits on the test's row");
+        let gave_up = tokio::time::timeout(Duration::ZERO, conn.begin()).await.is_err();
+        assert!(gave_up, "the nested begin was given up on");
+        let (at_cut, go) = NESTED_GATE.lock().unwrap().take().unwrap();
+        at_cut.send(()).unwrap();
+        go.await.unwrap();
+        insert(&mut conn, &table, "after").await.unwrap();
+        StatusCode::CREATED
+    }
+
+    /// The handler's transaction ended under it by sqlx: its 201 is not
+    /// given nor recorded (503, released as failed), and the test's check
+    /// sees exactly what committed: the write made after the end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nested_begin_given_up_on_is_not_answered_as_recorded() {
+        use sqlx::Connection as _;
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 5).await;
+        let db = Db::Pg(store.pool().clone(), schema.clone());
+        db.create_table().await;
+        let app = Router::new()
+            .route("/nested", post(nested))
+            .route("/plain", post(plain))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(db.clone());
+        let addr = serve(app).await;
+        let mut blocker = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+        insert(&mut blocker, &db.effects(), "blocked").await.unwrap();
+        let (at_cut_tx, at_cut_rx) = oneshot::channel();
+        let (go_tx, go_rx) = oneshot::channel();
+        *NESTED_GATE.lock().unwrap() = Some((at_cut_tx, go_rx));
+        let first = tokio::spawn(async move { post_req("/nested", "").key("k-nested").send(addr).await });
+        at_cut_rx.await.unwrap();
+        sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+        go_tx.send(()).unwrap();
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 503, "{}", String::from_utf8_lossy(&first.body));
+        let Db::Pg(pool, _) = &db else { unreachable!() };
+        let rows: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT id FROM {} ORDER BY id",
+            db.effects()
+        )))
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        assert_eq!(rows, vec!["after"]);
+        let record: (String, Option<String>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT state, lock_token FROM \"{schema}\".idempotency_keys WHERE key = 'k-nested'"
+        )))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        assert_ne!(
+            record.0, "completed",
+            "a 201 recorded without the handler's transaction"
+        );
+        assert_eq!(record.1, None, "the key was given back");
+        // The store's connections serve the next operations.
+        for i in 0..10 {
+            let r = post_req("/plain", "")
+                .key(&format!("k-after-{i}"))
+                .send(addr)
+                .await;
+            assert_eq!(r.status, 201);
+        }
+    }
+
+    /// Leaves a nested transaction of its own open (forgotten: neither
+    /// committed nor dropped) after a write, and answers 201.
+    #[idempotent(scope = "begin_cut.leaked")]
+    async fn leaked(State(db): State<Db>, op: Operation) -> StatusCode {
+        use sqlx::Connection as _;
+        let table = db.effects();
+        let mut conn = op.pg_transaction().await.unwrap();
+        insert(&mut conn, &table, "outer").await.unwrap();
+        let mut inner = conn.begin().await.unwrap();
+        insert(&mut inner, &table, "inner").await.unwrap();
+        std::mem::forget(inner);
+        StatusCode::CREATED
+    }
+
+    /// A nested transaction left open: nothing of the handler's commits,
+    /// its 201 is not given (503, the key given back), and the pool's one
+    /// connection serves the next operations outside any transaction.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nested_transaction_left_open_rolls_everything_back() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
+        let db = Db::Pg(store.pool().clone(), schema.clone());
+        db.create_table().await;
+        let app = Router::new()
+            .route("/leaked", post(leaked))
+            .route("/plain", post(plain))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(db.clone());
+        let addr = serve(app).await;
+        let first = post_req("/leaked", "").key("k-leaked").send(addr).await;
+        assert_eq!(first.status, 503, "{}", String::from_utf8_lossy(&first.body));
+        for i in 0..5 {
+            let r = post_req("/plain", "")
+                .key(&format!("k-next-{i}"))
+                .send(addr)
+                .await;
+            assert_eq!(r.status, 201);
+        }
+        let check = sqlx::PgPool::connect(&url).await.unwrap();
+        assert_eq!(db.count().await, 0, "the handler's writes committed");
+        let completed: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM \"{schema}\".idempotency_keys WHERE key LIKE 'k-next-%' AND state = 'completed'"
+        )))
+        .fetch_one(&check)
+        .await
+        .unwrap();
+        assert_eq!(completed, 5, "the next operations' records were not committed");
+        let lock: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT lock_token FROM \"{schema}\".idempotency_keys WHERE key = 'k-leaked'"
+        )))
+        .fetch_one(&check)
+        .await
+        .unwrap();
+        assert_eq!(lock, None, "the key was not given back");
+    }
+}
+
+/// A handler transaction raised to REPEATABLE READ whose snapshot is older
+/// than an extension of its own lease: the completion, an update of the
+/// row the extension changed, cannot serialize. What the README says: 503,
+/// nothing of the handler's committed, the key given back.
+mod pg_isolation {
+    use super::*;
+    use idem_runtime::pause;
+    use std::sync::Mutex;
+    use tokio::sync::oneshot;
+
+    type Gate = (oneshot::Sender<()>, oneshot::Receiver<()>);
+    static GATE: Mutex<Option<Gate>> = Mutex::new(None);
+
+    #[idempotent(scope = "isolation.rr")]
+    async fn repeatable_read(State(db): State<Db>, op: Operation) -> StatusCode {
+        let mut conn = op.pg_transaction().await.unwrap();
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (id, note) VALUES ('rr', 'x')",
+            db.effects()
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        let (started, go) = GATE.lock().unwrap().take().unwrap();
+        started.send(()).unwrap();
+        go.await.unwrap();
+        StatusCode::CREATED
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_repeatable_read_handler_spanning_an_extension_is_rolled_back() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 5).await;
+        let db = Db::Pg(store.pool().clone(), schema.clone());
+        db.create_table().await;
+        let app = Router::new()
+            .route("/rr", post(repeatable_read))
+            .layer(
+                Idem::new(store)
+                    .single_tenant()
+                    .lock_timeout(Duration::from_secs(3))
+                    .unwrap()
+                    .layer(),
+            )
+            .with_state(db.clone());
+        let addr = serve(app).await;
+        let (started_tx, started_rx) = oneshot::channel();
+        let (go_tx, go_rx) = oneshot::channel();
+        *GATE.lock().unwrap() = Some((started_tx, go_rx));
+        let mut extension = pause::arm(pause::EXTEND_AFTER, "k-rr");
+        let req = tokio::spawn(async move { post_req("/rr", "").key("k-rr").send(addr).await });
+        // The snapshot is taken; then an extension of the lease commits.
+        started_rx.await.unwrap();
+        extension.reached().await;
+        extension.resume();
+        go_tx.send(()).unwrap();
+        let r = req.await.unwrap();
+        assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(db.count().await, 0, "the handler's write committed");
+        let Db::Pg(pool, _) = &db else { unreachable!() };
+        let lock: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT lock_token FROM \"{schema}\".idempotency_keys WHERE key = 'k-rr'"
+        )))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        assert_eq!(lock, None, "the key was not given back");
+    }
+}

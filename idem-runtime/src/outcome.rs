@@ -95,8 +95,8 @@ fn completing<'a>(
             }
             Err(failure @ (TxFailure::Lost | TxFailure::Unclear(_))) => {
                 // Some of the handler's writes may be gone and some may have
-                // committed (SQLite ended its transaction by itself, or whether
-                // it did cannot be told): the answer is not the operation's, and
+                // committed (its transaction ended before its outcome, or
+                // whether it did cannot be told): the answer is not the operation's, and
                 // nothing says the writes were undone. The retry continues the
                 // operation (attempt + 1).
                 record(Outcome::TransactionLost);
@@ -106,9 +106,10 @@ fn completing<'a>(
                         "cannot tell whether SQLite ended the handler's transaction; nothing recorded"
                     ),
                     _ => tracing::error!(
-                        "SQLite ended the handler's transaction by itself (a ROLLBACK from a trigger or a \
-                     conflict clause, a full disk, an I/O error): its writes before that were rolled \
-                     back, any after it committed on their own; nothing recorded"
+                        "the handler's transaction ended before its outcome (SQLite ending it by itself on a \
+                     ROLLBACK from a trigger or a conflict clause, a full disk, an I/O error; or a nested \
+                     transaction given up on part-way, which ends the enclosing one): some of its writes \
+                     may have been rolled back and some committed on their own; nothing recorded"
                     ),
                 }
                 let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
@@ -233,9 +234,10 @@ async fn letting_go(
             // is not given.
             lost = true;
             tracing::error!(
-                "SQLite ended the handler's transaction by itself (a ROLLBACK from a trigger or a \
-                 conflict clause, a full disk, an I/O error): any writes after that committed on their \
-                 own; released as failed"
+                "the handler's transaction ended before its outcome (SQLite ending it by itself on a \
+                 ROLLBACK from a trigger or a conflict clause, a full disk, an I/O error; or a nested \
+                 transaction given up on part-way, which ends the enclosing one): any writes after that \
+                 committed on their own; released as failed"
             );
             how = LetGo::Fail;
             drop_unsent(std::mem::replace(

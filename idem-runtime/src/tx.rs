@@ -48,6 +48,35 @@ impl PendingTx {
     }
 }
 
+/// How many transactions sqlx counts open on a PostgreSQL connection. A
+/// handler's transaction is at one: idem's own. At none, it was ended
+/// before its outcome: a nested transaction of the handler's given up on
+/// between its `SAVEPOINT` and the answer makes sqlx roll back the level it
+/// counted before (the enclosing transaction, at one), and a nested commit
+/// whose count had drifted so commits it; what the handler wrote after that
+/// committed on its own, and a completion written there would commit
+/// without the handler's writes. Above one, the handler left a nested
+/// transaction of its own open (leaked, never committed nor dropped).
+#[cfg(feature = "postgres")]
+fn pg_depth(conn: &sqlx::PgConnection) -> usize {
+    use sqlx_core::transaction::TransactionManager as _;
+    <sqlx::Postgres as sqlx::Database>::TransactionManager::get_transaction_depth(conn)
+}
+
+/// Queues the rollback of every level sqlx counts on `conn`, innermost
+/// first, as dropped transactions do: they run before its next statement
+/// (the pool's check when the connection goes back), and sqlx counts none
+/// from now on, so the connection goes back neither inside a transaction
+/// nor counted inside one.
+#[cfg(feature = "postgres")]
+fn pg_queue_rollbacks(conn: &mut sqlx::PgConnection) {
+    use sqlx_core::transaction::TransactionManager as _;
+    type Manager = <sqlx::Postgres as sqlx::Database>::TransactionManager;
+    while Manager::get_transaction_depth(conn) > 0 {
+        Manager::start_rollback(conn);
+    }
+}
+
 #[cfg(feature = "sqlite")]
 impl PendingTx {
     pub(crate) async fn begin_sqlite(store: &dyn IdempotencyStore) -> Result<Self, StoreError> {
@@ -77,11 +106,13 @@ pub(crate) enum TxFailure {
     NotCommitted(StoreError),
     /// The commit itself failed: whether it took effect is unknown.
     Unknown(StoreError),
-    /// SQLite ended the handler's transaction by itself before the
-    /// outcome (see [`sqlite_transaction_lost`]): the completion was not
-    /// written, the handler's writes before that point were rolled back,
-    /// and any it made after committed on their own.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    /// The handler's transaction had ended before the outcome (SQLite
+    /// ended it by itself, see [`sqlite_transaction_lost`]; on PostgreSQL
+    /// a nested transaction of the handler's given up on part-way, see
+    /// `pg_depth`): the completion was not written, and of the handler's
+    /// writes some may have been rolled back and some committed on their
+    /// own.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     Lost,
     /// Whether SQLite had ended the handler's transaction could not be
     /// told (the check failed or timed out): the completion was not
@@ -195,6 +226,19 @@ impl PendingTx {
         match *self.0 {
             #[cfg(feature = "postgres")]
             Open::Pg(mut tx, pg) => {
+                // Still the transaction idem began, and at its one level
+                // (see `pg_depth`).
+                match pg_depth(&tx) {
+                    1 => {}
+                    0 => return Err(TxFailure::Lost),
+                    _ => {
+                        pg_queue_rollbacks(&mut tx);
+                        return Err(TxFailure::NotCommitted(StoreError::backend(
+                            "the handler left a nested transaction of its own open; its whole transaction was \
+                             rolled back",
+                        )));
+                    }
+                }
                 // Both steps within one store timeout: past it before the
                 // commit, the completion did not happen (the transaction
                 // rolls back when dropped); during the commit, it may have.
@@ -225,21 +269,31 @@ impl PendingTx {
 
     /// Rolls the handler's writes back, within the store's timeout (past
     /// it the connection is dropped, which rolls back all the same). False
-    /// when they could not all be: SQLite had ended the transaction by
-    /// itself, and what the handler wrote after that committed on its own
-    /// (see [`sqlite_transaction_lost`]), or whether it had cannot be told.
+    /// when they could not all be: the transaction had ended before (SQLite
+    /// ended it by itself, see [`sqlite_transaction_lost`]; or on
+    /// PostgreSQL, see `pg_depth`), and what the handler wrote after that
+    /// committed on its own, or whether it had cannot be told.
     pub(crate) async fn rollback(self) -> bool {
         match *self.0 {
             #[cfg(feature = "postgres")]
-            Open::Pg(tx, pg) => {
-                log_rollback(
-                    bounded(pg.timeout(), async {
-                        tx.rollback().await.map_err(crate::sql::map_err)
-                    })
-                    .await,
-                );
-                true
-            }
+            Open::Pg(mut tx, pg) => match pg_depth(&tx) {
+                // Ended before (see `pg_depth`): what it wrote after that
+                // committed on its own.
+                0 => false,
+                1 => {
+                    log_rollback(
+                        bounded(pg.timeout(), async {
+                            tx.rollback().await.map_err(crate::sql::map_err)
+                        })
+                        .await,
+                    );
+                    true
+                }
+                _ => {
+                    pg_queue_rollbacks(&mut tx);
+                    true
+                }
+            },
             // Rolled back, and its connection given back, on a runtime that
             // stays driven (see `OnWriters`).
             #[cfg(feature = "sqlite")]

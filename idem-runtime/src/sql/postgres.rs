@@ -624,10 +624,25 @@ impl PgStore {
 
     /// Opens a transaction for a handler's own writes, committed together
     /// with the completion.
+    ///
+    /// Begun in a task of its own, waited for within the store's timeout
+    /// (or until the caller gives up): a begin cut after its `BEGIN` was
+    /// sent and before the answer came would leave the connection inside a
+    /// transaction that sqlx does not count (it counts a level once
+    /// answered, and a cut begin asks no rollback at level none), and back
+    /// in the pool so, every later statement on it (reservations and
+    /// completions included) would run in that transaction and never
+    /// commit. Past the timeout the task still ends its begin, and the
+    /// transaction, dropped, is rolled back.
     #[cfg(feature = "axum")]
     pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        crate::sql::bounded(self.timeout, async {
-            self.pool.begin().await.map_err(sql::map_err)
+        let pool = self.pool.clone();
+        let begun = tokio::spawn(async move { pool.begin().await });
+        crate::sql::bounded(self.timeout, async move {
+            begun
+                .await
+                .map_err(|e| StoreError::unavailable(format!("the begin's task ended: {e}")))?
+                .map_err(sql::map_err)
         })
         .await
     }
