@@ -3459,6 +3459,68 @@ mod pg_begins_cut {
         );
     }
 
+    /// `migrate()` given up on while its `BEGIN` waits for its answer (a
+    /// timeout of the caller's at start-up), on a pool of one connection:
+    /// the store's next reservation on that connection commits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_migration_given_up_on_during_its_begin_leaves_no_transaction_open() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let direct: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        let upstream = tokio::net::lookup_host((direct.get_host().to_owned(), direct.get_port()))
+            .await
+            .unwrap()
+            .next()
+            .unwrap();
+        let (proxied, p) = proxy(upstream).await;
+        let via_proxy = direct
+            .clone()
+            .host("127.0.0.1")
+            .port(proxied.port())
+            .ssl_mode(sqlx::postgres::PgSslMode::Disable);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(via_proxy)
+            .await
+            .unwrap();
+        let store = idem::PgStore::new(pool.clone())
+            .with_table(Some(&schema), "idempotency_keys")
+            .unwrap();
+        store.migrate().await.unwrap();
+        p.armed.store(true, Ordering::SeqCst);
+        let mut migrating = Box::pin(store.migrate());
+        // Given up on once its BEGIN is held (polled until then).
+        while !*p.held.borrow() {
+            assert!(migrating.as_mut().now_or_never().is_none(), "the migration ended");
+            tokio::task::yield_now().await;
+        }
+        drop(migrating);
+        p.held.send_replace(false);
+        let id = RecordId::new("t", "migrate.cut", "k");
+        let reserved = store
+            .reserve(ReserveRequest {
+                id: &id,
+                fingerprint: "f",
+                token: "tok",
+                ttl: Duration::from_secs(3600),
+                lock_timeout: Duration::from_secs(60),
+            })
+            .await
+            .unwrap();
+        assert!(matches!(reserved, Reservation::Reserved(_)), "{reserved:?}");
+        let check = sqlx::PgPool::connect(&url).await.unwrap();
+        let seen: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM \"{schema}\".idempotency_keys WHERE key = 'k'"
+        )))
+        .fetch_one(&check)
+        .await
+        .unwrap();
+        assert_eq!(
+            seen, 1,
+            "the reservation on the pool's connection never committed"
+        );
+    }
+
     type Gate = (oneshot::Sender<()>, oneshot::Receiver<()>);
     static NESTED_GATE: Mutex<Option<Gate>> = Mutex::new(None);
 

@@ -386,7 +386,7 @@ impl PgStore {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut pauses = MIGRATION_PAUSES.iter();
         loop {
-            let mut tx = self.pool.begin().await.map_err(sql::map_err)?;
+            let mut tx = begin_to_its_answer(&self.pool).await?;
             // Errors here, a wait for the migration lock that the session's
             // own `lock_timeout` ended included, are returned as they are.
             sqlx::query("SELECT pg_advisory_xact_lock(7319002151)")
@@ -625,27 +625,31 @@ impl PgStore {
     /// Opens a transaction for a handler's own writes, committed together
     /// with the completion.
     ///
-    /// Begun in a task of its own, waited for within the store's timeout
-    /// (or until the caller gives up): a begin cut after its `BEGIN` was
-    /// sent and before the answer came would leave the connection inside a
-    /// transaction that sqlx does not count (it counts a level once
-    /// answered, and a cut begin asks no rollback at level none), and back
-    /// in the pool so, every later statement on it (reservations and
-    /// completions included) would run in that transaction and never
-    /// commit. Past the timeout the task still ends its begin, and the
-    /// transaction, dropped, is rolled back.
+    /// Within the store's timeout; begun to its answer all the same (see
+    /// [`begin_to_its_answer`]).
     #[cfg(feature = "axum")]
     pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        let pool = self.pool.clone();
-        let begun = tokio::spawn(async move { pool.begin().await });
-        crate::sql::bounded(self.timeout, async move {
-            begun
-                .await
-                .map_err(|e| StoreError::unavailable(format!("the begin's task ended: {e}")))?
-                .map_err(sql::map_err)
-        })
-        .await
+        crate::sql::bounded(self.timeout, begin_to_its_answer(&self.pool)).await
     }
+}
+
+/// Begins a transaction on one of `pool`'s connections, in a task of its
+/// own that runs to the answer of its `BEGIN` whether or not the caller
+/// waits that long. Cut after its `BEGIN` was sent and before the answer
+/// came, sqlx's begin would ask no rollback (it counts a level only once
+/// answered, and asks the rollback of the level it counted before: none),
+/// and the connection would go back to the pool inside a transaction that
+/// nobody ends: every later statement on it, reservations and completions
+/// included, would run in that transaction and never commit. Given up on,
+/// the task drops the transaction once begun, which rolls it back.
+async fn begin_to_its_answer(
+    pool: &sqlx::PgPool,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
+    let pool = pool.clone();
+    tokio::spawn(async move { pool.begin().await })
+        .await
+        .map_err(|e| StoreError::unavailable(format!("the begin's task ended: {e}")))?
+        .map_err(sql::map_err)
 }
 
 /// The completions that arrive while one is being written. The first
