@@ -3296,7 +3296,8 @@ mod pg_begins_cut {
     use tokio::sync::{oneshot, watch};
 
     /// A TCP proxy to PostgreSQL that, once armed, holds back the server's
-    /// answers from the next simple-query `BEGIN` on, until let go.
+    /// answers from the next simple query that begins with `BEGIN` on, until
+    /// let go.
     struct Proxy {
         armed: AtomicBool,
         held: watch::Sender<bool>,
@@ -3324,10 +3325,11 @@ mod pg_begins_cut {
                             Ok(0) | Err(_) => return,
                             Ok(n) => n,
                         };
-                        let begin = b"Q\0\0\0\x0aBEGIN\0";
-                        if buf[..n].windows(begin.len()).any(|w| w == begin)
-                            && up.armed.swap(false, Ordering::SeqCst)
-                        {
+                        // A simple query (`Q`, its length) that begins with `BEGIN`.
+                        let begins = buf[..n]
+                            .windows(10)
+                            .any(|w| w[0] == b'Q' && w[1] == 0 && &w[5..] == b"BEGIN");
+                        if begins && up.armed.swap(false, Ordering::SeqCst) {
                             up.held.send_replace(true);
                         }
                         if sw.write_all(&buf[..n]).await.is_err() {
@@ -3627,11 +3629,11 @@ mod pg_begins_cut {
         StatusCode::CREATED
     }
 
-    /// A nested transaction left open: nothing of the handler's commits,
-    /// its 201 is not given (503, the key given back), and the pool's one
+    /// A nested transaction left open: what it holds is the handler's
+    /// transaction's, and commits with the answer; the pool's one
     /// connection serves the next operations outside any transaction.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_nested_transaction_left_open_rolls_everything_back() {
+    async fn a_nested_transaction_left_open_commits_with_the_answer() {
         let Some(url) = idem_testkit::pg_url() else { return };
         let schema = idem_testkit::pg_schema(&url).await;
         let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
@@ -3644,7 +3646,7 @@ mod pg_begins_cut {
             .with_state(db.clone());
         let addr = serve(app).await;
         let first = post_req("/leaked", "").key("k-leaked").send(addr).await;
-        assert_eq!(first.status, 503, "{}", String::from_utf8_lossy(&first.body));
+        assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
         for i in 0..5 {
             let r = post_req("/plain", "")
                 .key(&format!("k-next-{i}"))
@@ -3653,7 +3655,7 @@ mod pg_begins_cut {
             assert_eq!(r.status, 201);
         }
         let check = sqlx::PgPool::connect(&url).await.unwrap();
-        assert_eq!(db.count().await, 0, "the handler's writes committed");
+        assert_eq!(db.count().await, 2, "the handler's writes did not commit");
         let completed: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "SELECT count(*) FROM \"{schema}\".idempotency_keys WHERE key LIKE 'k-next-%' AND state = 'completed'"
         )))
@@ -3661,13 +3663,13 @@ mod pg_begins_cut {
         .await
         .unwrap();
         assert_eq!(completed, 5, "the next operations' records were not committed");
-        let lock: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT lock_token FROM \"{schema}\".idempotency_keys WHERE key = 'k-leaked'"
+        let state: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT state FROM \"{schema}\".idempotency_keys WHERE key = 'k-leaked'"
         )))
         .fetch_one(&check)
         .await
         .unwrap();
-        assert_eq!(lock, None, "the key was not given back");
+        assert_eq!(state, "completed");
     }
 }
 
@@ -3742,6 +3744,364 @@ mod pg_isolation {
         .fetch_one(pool)
         .await
         .unwrap();
+        assert_eq!(lock, None, "the key was not given back");
+    }
+}
+
+/// A handler that gives up on a nested begin twice: the first ends idem's
+/// transaction (sqlx rolls back the level it counted before), the second
+/// runs at sqlx's level none, sends a plain `BEGIN` and asks nothing when
+/// cut. The connection must not go back to the pool inside that
+/// transaction, whether the handler succeeds or rejects.
+mod pg_begins_cut_twice {
+    use axum::extract::State;
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use axum::Router;
+    use futures_util::FutureExt as _;
+    use idem::{idempotent, Idem, Operation};
+    use idem_testkit::http::{post as post_req, serve};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+    use tokio::sync::oneshot;
+
+    struct Probe {
+        table: String,
+        at_cut: Mutex<Option<oneshot::Sender<()>>>,
+        answer: StatusCode,
+        paid: AtomicUsize,
+    }
+
+    async fn insert(conn: &mut sqlx::PgConnection, table: &str, id: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (id, note) VALUES ($1, 'x')"
+        )))
+        .bind(id)
+        .execute(conn)
+        .await
+        .map(drop)
+    }
+
+    /// Writes, gives up on a statement (blocked by the test's row lock), then
+    /// retries a nested begin that times out: twice. Answers as asked.
+    #[idempotent(scope = "cut_twice.cut")]
+    async fn cut_twice(State(p): State<Arc<Probe>>, op: Operation) -> StatusCode {
+        use sqlx::Connection as _;
+        let mut conn = op.pg_transaction().await.unwrap();
+        insert(&mut conn, &p.table, "before").await.unwrap();
+        assert!(
+            insert(&mut conn, &p.table, "blocked").now_or_never().is_none(),
+            "the insert waits on the test's row"
+        );
+        for attempt in 0..2 {
+            let gave_up = tokio::time::timeout(Duration::ZERO, conn.begin()).await.is_err();
+            assert!(gave_up, "begin attempt {attempt} was given up on");
+        }
+        p.at_cut.lock().unwrap().take().unwrap().send(()).unwrap();
+        p.answer
+    }
+
+    #[idempotent(scope = "cut_twice.pay")]
+    async fn pay(State(p): State<Arc<Probe>>) -> StatusCode {
+        p.paid.fetch_add(1, Ordering::SeqCst);
+        StatusCode::CREATED
+    }
+
+    async fn run(answer: StatusCode) {
+        use sqlx::Connection as _;
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        // A pool of one connection: the next operation runs on the same one.
+        let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
+        let pool = store.pool().clone();
+        let table = format!("\"{schema}\".effects");
+        let check = sqlx::PgPool::connect(&url).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {table} (id TEXT PRIMARY KEY, note TEXT NOT NULL)"
+        )))
+        .execute(&check)
+        .await
+        .unwrap();
+        let (at_cut_tx, at_cut_rx) = oneshot::channel();
+        let probe = Arc::new(Probe {
+            table: table.clone(),
+            at_cut: Mutex::new(Some(at_cut_tx)),
+            answer,
+            paid: AtomicUsize::new(0),
+        });
+        let app = |store: idem::PgStore, probe: Arc<Probe>| {
+            Router::new()
+                .route("/cut", post(cut_twice))
+                .route("/pay", post(pay))
+                .layer(Idem::new(store).single_tenant().layer())
+                .with_state(probe)
+        };
+        let a = serve(app(store, probe.clone())).await;
+
+        let mut blocker = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+        insert(&mut blocker, &table, "blocked").await.unwrap();
+        let first = tokio::spawn(async move { post_req("/cut", "").key("k-cut").send(a).await });
+        at_cut_rx.await.unwrap();
+        sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+        let first = first.await.unwrap();
+        // The handler's transaction ended under it: its answer is not
+        // given; what it wrote before the end was rolled back.
+        assert_eq!(first.status, 503, "{}", String::from_utf8_lossy(&first.body));
+
+        let paid = post_req("/pay", "").key("k-pay").send(a).await;
+        assert_eq!(paid.status, 201);
+        // The pool's one connection, as the server sees it.
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        let state: Option<String> = sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE pid = $1")
+            .bind(pid)
+            .fetch_one(&check)
+            .await
+            .unwrap();
+        assert_eq!(
+            state.as_deref(),
+            Some("idle"),
+            "the pool's connection was left inside a transaction"
+        );
+        let seen: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT state FROM \"{schema}\".idempotency_keys WHERE key = 'k-pay'"
+        )))
+        .fetch_optional(&check)
+        .await
+        .unwrap();
+
+        // That server's process ends; another, on the same table, gets the retry.
+        pool.close().await;
+        let b = serve(app(
+            idem_testkit::pg_store_in(&url, &schema, 5).await,
+            probe.clone(),
+        ))
+        .await;
+        let again = post_req("/pay", "").key("k-pay").send(b).await;
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+        assert_eq!(
+            seen.as_deref(),
+            Some("completed"),
+            "told 201, its record not committed"
+        );
+        assert_eq!(
+            probe.paid.load(Ordering::SeqCst),
+            1,
+            "the handler ran twice for one key"
+        );
+    }
+
+    /// The completion path (the handler answers 201).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_cut_begin_leaves_no_transaction_open_on_a_success() {
+        run(StatusCode::CREATED).await;
+    }
+
+    /// The rollback path (the handler answers a 4xx rejection).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_cut_begin_leaves_no_transaction_open_on_a_rejection() {
+        run(StatusCode::UNPROCESSABLE_ENTITY).await;
+    }
+}
+
+/// sqlx's count of levels after cut begins and forgotten nested
+/// transactions: idem's mark, not that count, says whether the transaction
+/// is still idem's.
+mod pg_counts_that_drift {
+    use axum::extract::State;
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use axum::Router;
+    use futures_util::FutureExt as _;
+    use idem::{idempotent, Idem, Operation};
+    use idem_testkit::http::{post as post_req, serve};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+    use tokio::sync::oneshot;
+
+    struct Probe {
+        table: String,
+        at_cut: Mutex<Option<oneshot::Sender<()>>>,
+        go: Mutex<Option<oneshot::Receiver<()>>>,
+    }
+
+    async fn insert(conn: &mut sqlx::PgConnection, table: &str, id: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (id, note) VALUES ($1, 'x')"
+        )))
+        .bind(id)
+        .execute(conn)
+        .await
+        .map(drop)
+    }
+
+    /// The existing `leaked` handler of tests/multi_step.rs, one level deeper,
+    /// with one nested begin given up on inside the forgotten transactions. (A
+    /// begin given up on asks two rollbacks: its own guard's, and the
+    /// `Transaction`'s drop, whose `open` is already true; at depth 3 they are
+    /// `ROLLBACK TO SAVEPOINT _sqlx_savepoint_2` and `_1`, and sqlx counts 1.)
+    #[idempotent(scope = "drift.forgotten")]
+    async fn cut_then_forgotten(State(p): State<Arc<Probe>>, op: Operation) -> StatusCode {
+        use sqlx::Connection as _;
+        let mut conn = op.pg_transaction().await.unwrap();
+        insert(&mut conn, &p.table, "outer").await.unwrap();
+        let mut inner = conn.begin().await.unwrap();
+        insert(&mut inner, &p.table, "inner").await.unwrap();
+        let mut inner2 = inner.begin().await.unwrap();
+        insert(&mut inner2, &p.table, "inner2").await.unwrap();
+        if insert(&mut inner2, &p.table, "blocked").now_or_never().is_some() {
+            return StatusCode::CONFLICT; // not blocked: only on a retry
+        }
+        let gave_up = tokio::time::timeout(Duration::ZERO, inner2.begin())
+            .await
+            .is_err();
+        assert!(gave_up, "the nested begin was given up on");
+        std::mem::forget(inner2);
+        std::mem::forget(inner);
+        p.at_cut.lock().unwrap().take().unwrap().send(()).unwrap();
+        StatusCode::CREATED
+    }
+
+    /// Cut at depth 1 (sqlx ends the transaction), writes (on its own), then
+    /// leaves a transaction open two levels deep.
+    #[idempotent(scope = "drift.left_open")]
+    async fn ended_then_left_open(State(p): State<Arc<Probe>>, op: Operation) -> StatusCode {
+        use sqlx::Connection as _;
+        let mut conn = op.pg_transaction().await.unwrap();
+        insert(&mut conn, &p.table, "before").await.unwrap();
+        assert!(
+            insert(&mut conn, &p.table, "blocked").now_or_never().is_none(),
+            "the insert waits on the test's row"
+        );
+        let gave_up = tokio::time::timeout(Duration::ZERO, conn.begin()).await.is_err();
+        assert!(gave_up, "the nested begin was given up on");
+        p.at_cut.lock().unwrap().take().unwrap().send(()).unwrap();
+        let go = p.go.lock().unwrap().take().unwrap();
+        go.await.unwrap();
+        insert(&mut conn, &p.table, "after").await.unwrap();
+        let mut t = conn.begin().await.unwrap();
+        let t2 = t.begin().await.unwrap();
+        std::mem::forget(t2);
+        std::mem::forget(t);
+        StatusCode::CREATED
+    }
+
+    struct Setup {
+        url: String,
+        schema: String,
+        table: String,
+        check: sqlx::PgPool,
+        addr: std::net::SocketAddr,
+        blocker: sqlx::PgConnection,
+        at_cut: oneshot::Receiver<()>,
+        go: Option<oneshot::Sender<()>>,
+    }
+
+    async fn setup() -> Option<Setup> {
+        use sqlx::Connection as _;
+        let url = idem_testkit::pg_url()?;
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 5).await;
+        let table = format!("\"{schema}\".effects");
+        let check = sqlx::PgPool::connect(&url).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {table} (id TEXT PRIMARY KEY, note TEXT NOT NULL)"
+        )))
+        .execute(&check)
+        .await
+        .unwrap();
+        let (at_cut_tx, at_cut) = oneshot::channel();
+        let (go, go_rx) = oneshot::channel();
+        let probe = Arc::new(Probe {
+            table: table.clone(),
+            at_cut: Mutex::new(Some(at_cut_tx)),
+            go: Mutex::new(Some(go_rx)),
+        });
+        let app = Router::new()
+            .route("/forgotten", post(cut_then_forgotten))
+            .route("/left-open", post(ended_then_left_open))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(probe);
+        let addr = serve(app).await;
+        let mut blocker = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+        insert(&mut blocker, &table, "blocked").await.unwrap();
+        Some(Setup {
+            url,
+            schema,
+            table,
+            check,
+            addr,
+            blocker,
+            at_cut,
+            go: Some(go),
+        })
+    }
+
+    async fn rows(s: &Setup) -> Vec<String> {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT id FROM {} ORDER BY id",
+            s.table
+        )))
+        .fetch_all(&s.check)
+        .await
+        .unwrap()
+    }
+
+    async fn record(s: &Setup, key: &str) -> Option<(String, Option<String>)> {
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT state, lock_token FROM \"{}\".idempotency_keys WHERE key = $1",
+            s.schema
+        )))
+        .bind(key)
+        .fetch_optional(&s.check)
+        .await
+        .unwrap()
+    }
+
+    /// A begin cut three levels deep makes sqlx roll back the two nested
+    /// levels (it counts one); the transactions then forgotten. idem's
+    /// transaction is still open: what it holds commits with the answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nested_levels_rolled_back_by_a_cut_begin_then_forgotten_commit_what_is_left() {
+        let Some(mut s) = setup().await else { return };
+        let addr = s.addr;
+        let first = tokio::spawn(async move { post_req("/forgotten", "").key("k-f").send(addr).await });
+        (&mut s.at_cut).await.unwrap();
+        sqlx::query("ROLLBACK").execute(&mut s.blocker).await.unwrap();
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
+        assert_eq!(rows(&s).await, vec!["outer"]);
+        assert_eq!(record(&s, "k-f").await, Some(("completed".to_owned(), None)));
+        let again = post_req("/forgotten", "").key("k-f").send(s.addr).await;
+        assert_eq!(again.status, 201);
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+        let _ = &s.url;
+    }
+
+    /// sqlx ended idem's transaction (a cut begin at its level), a write
+    /// committed on its own, and the handler left a new transaction open
+    /// two levels deep (sqlx counts two): the answer says the outcome could
+    /// not be recorded, never that the changes were rolled back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_ended_transaction_is_never_answered_as_rolled_back() {
+        let Some(mut s) = setup().await else { return };
+        let addr = s.addr;
+        let first = tokio::spawn(async move { post_req("/left-open", "").key("k-l").send(addr).await });
+        (&mut s.at_cut).await.unwrap();
+        sqlx::query("ROLLBACK").execute(&mut s.blocker).await.unwrap();
+        let _ = s.go.take().unwrap().send(());
+        let first = first.await.unwrap();
+        let body = String::from_utf8_lossy(&first.body).into_owned();
+        assert_eq!(first.status, 503, "{body}");
+        assert!(body.contains("could not be recorded"), "{body}");
+        assert_eq!(rows(&s).await, vec!["after"]);
+        let (state, lock) = record(&s, "k-l").await.unwrap();
+        assert_ne!(state, "completed");
         assert_eq!(lock, None, "the key was not given back");
     }
 }

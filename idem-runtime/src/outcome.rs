@@ -103,7 +103,8 @@ fn completing<'a>(
                 match failure {
                     TxFailure::Unclear(e) => tracing::error!(
                         error = %e,
-                        "cannot tell whether SQLite ended the handler's transaction; nothing recorded"
+                        "cannot tell whether the handler's transaction was still idem's (on SQLite: whether SQLite ended \
+                         it by itself); nothing recorded"
                     ),
                     _ => tracing::error!(
                         "the handler's transaction ended before its outcome (SQLite ending it by itself on a \

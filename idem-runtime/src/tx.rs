@@ -1,8 +1,6 @@
 //! Same-transaction completion: a handler's own writes and the completion
 //! of its record commit together, or not at all.
 
-#[cfg(feature = "postgres")]
-use crate::sql::bounded;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 use crate::sql::Deadline;
 use crate::store::{RecordId, StoreError, StoredResponse};
@@ -48,33 +46,85 @@ impl PendingTx {
     }
 }
 
-/// How many transactions sqlx counts open on a PostgreSQL connection. A
-/// handler's transaction is at one: idem's own. At none, it was ended
-/// before its outcome: a nested transaction of the handler's given up on
-/// between its `SAVEPOINT` and the answer makes sqlx roll back the level it
-/// counted before (the enclosing transaction, at one), and a nested commit
-/// whose count had drifted so commits it; what the handler wrote after that
-/// committed on its own, and a completion written there would commit
-/// without the handler's writes. Above one, the handler left a nested
-/// transaction of its own open (leaked, never committed nor dropped).
+/// Where a handler's PostgreSQL transaction stands, told by idem's mark
+/// (`SET LOCAL idem.handler = 'on'`, set with its `BEGIN`, and gone with
+/// the transaction). sqlx's own count of the levels open cannot tell it: a
+/// begin of the handler's cut between its statement and the answer makes
+/// sqlx roll back the levels it counted before, often the whole transaction
+/// (what the handler writes after that commits on its own), and at none
+/// asks nothing while the server opens a transaction of its own; and a
+/// handler may leave a nested transaction open (forgotten), which sqlx goes
+/// on counting.
+#[cfg(feature = "postgres")]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum PgStands {
+    /// The transaction idem began (what savepoints opened after the mark
+    /// hold is the transaction's).
+    Open,
+    /// A transaction that a statement failed (PostgreSQL refuses all
+    /// others until it rolls back, and it commits nothing), which sqlx
+    /// counts as idem's one level: taken as idem's. (The mark cannot be
+    /// read there; only a cut begin of the handler's followed by a nested
+    /// transaction left open makes that count lie.)
+    Failed,
+    /// Not the transaction idem began: that one ended, and what the handler
+    /// wrote after its end committed on its own (or is in another
+    /// transaction, which idem rolls back).
+    Ended,
+}
+
+/// Reads idem's mark to tell where the handler's transaction stands (see
+/// [`PgStands`]).
+#[cfg(feature = "postgres")]
+async fn pg_stands(conn: &mut sqlx::PgConnection) -> Result<PgStands, StoreError> {
+    match sqlx::query_scalar::<_, Option<String>>("SELECT current_setting('idem.handler', true)")
+        .fetch_one(&mut *conn)
+        .await
+    {
+        Ok(Some(mark)) if mark == "on" => Ok(PgStands::Open),
+        Ok(_) => Ok(PgStands::Ended),
+        // "current transaction is aborted".
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(if pg_depth(conn) == 1 {
+            PgStands::Failed
+        } else {
+            PgStands::Ended
+        }),
+        Err(e) => Err(crate::sql::map_err(e)),
+    }
+}
+
+/// How many levels sqlx counts open on a PostgreSQL connection.
 #[cfg(feature = "postgres")]
 fn pg_depth(conn: &sqlx::PgConnection) -> usize {
     use sqlx_core::transaction::TransactionManager as _;
     <sqlx::Postgres as sqlx::Database>::TransactionManager::get_transaction_depth(conn)
 }
 
-/// Queues the rollback of every level sqlx counts on `conn`, innermost
-/// first, as dropped transactions do: they run before its next statement
-/// (the pool's check when the connection goes back), and sqlx counts none
-/// from now on, so the connection goes back neither inside a transaction
-/// nor counted inside one.
+/// Lets a handler's PostgreSQL transaction go without committing it, the
+/// connection back to the pool outside any transaction. Dropped, it asks
+/// sqlx's rollback of each level sqlx counts, which run before the
+/// connection's next statement (the pool's check when it goes back): from
+/// one level, a `ROLLBACK` that ends whatever transaction the server has
+/// open; from more, a `ROLLBACK TO SAVEPOINT` first, which fails if the
+/// server has no such savepoint, and the pool then closes the connection.
+/// At none, sqlx asks nothing, while the server may be inside a transaction
+/// (one a cut begin of the handler's opened): a `ROLLBACK` of idem's ends
+/// it first, in a task of its own, run to its end.
 #[cfg(feature = "postgres")]
-fn pg_queue_rollbacks(conn: &mut sqlx::PgConnection) {
-    use sqlx_core::transaction::TransactionManager as _;
-    type Manager = <sqlx::Postgres as sqlx::Database>::TransactionManager;
-    while Manager::get_transaction_depth(conn) > 0 {
-        Manager::start_rollback(conn);
+fn pg_let_go(mut tx: sqlx::Transaction<'static, sqlx::Postgres>) {
+    if pg_depth(&tx) > 0 {
+        drop(tx);
+        return;
     }
+    drop(tokio::spawn(tracing::Instrument::in_current_span(async move {
+        log_rollback(
+            sqlx::raw_sql("ROLLBACK")
+                .execute(&mut *tx)
+                .await
+                .map(drop)
+                .map_err(crate::sql::map_err),
+        );
+    })));
 }
 
 #[cfg(feature = "sqlite")]
@@ -225,39 +275,7 @@ impl PendingTx {
         let _ = (id, token, response);
         match *self.0 {
             #[cfg(feature = "postgres")]
-            Open::Pg(mut tx, pg) => {
-                // Still the transaction idem began, and at its one level
-                // (see `pg_depth`).
-                match pg_depth(&tx) {
-                    1 => {}
-                    0 => return Err(TxFailure::Lost),
-                    _ => {
-                        pg_queue_rollbacks(&mut tx);
-                        return Err(TxFailure::NotCommitted(StoreError::backend(
-                            "the handler left a nested transaction of its own open; its whole transaction was \
-                             rolled back",
-                        )));
-                    }
-                }
-                // Both steps within one store timeout: past it before the
-                // commit, the completion did not happen (the transaction
-                // rolls back when dropped); during the commit, it may have.
-                let deadline = Deadline::start(pg.timeout());
-                deadline
-                    .bound(pg.complete_with(&mut *tx, id, token, response))
-                    .await
-                    .map_err(TxFailure::NotCommitted)?;
-                pause_point!(crate::pause::TX_BEFORE_COMMIT, &id.key);
-                // A commit due once the timeout has passed is not sent:
-                // nothing commits (the transaction rolls back when dropped).
-                if let Some(e) = deadline.passed() {
-                    return Err(TxFailure::NotCommitted(e));
-                }
-                deadline
-                    .bound(async { tx.commit().await.map_err(crate::sql::map_err) })
-                    .await
-                    .map_err(TxFailure::Unknown)
-            }
+            Open::Pg(tx, pg) => complete_pg(tx, pg, id, token, response).await,
             // Committed, and its connection given back, on a runtime that
             // stays driven (see `OnWriters`).
             #[cfg(feature = "sqlite")]
@@ -276,30 +294,111 @@ impl PendingTx {
     pub(crate) async fn rollback(self) -> bool {
         match *self.0 {
             #[cfg(feature = "postgres")]
-            Open::Pg(mut tx, pg) => match pg_depth(&tx) {
-                // Ended before (see `pg_depth`): what it wrote after that
-                // committed on its own.
-                0 => false,
-                1 => {
-                    log_rollback(
-                        bounded(pg.timeout(), async {
-                            tx.rollback().await.map_err(crate::sql::map_err)
-                        })
-                        .await,
-                    );
-                    true
-                }
-                _ => {
-                    pg_queue_rollbacks(&mut tx);
-                    true
-                }
-            },
+            Open::Pg(tx, pg) => rollback_pg(tx, pg).await,
             // Rolled back, and its connection given back, on a runtime that
             // stays driven (see `OnWriters`).
             #[cfg(feature = "sqlite")]
             Open::Sqlite(tx, lite) => crate::sql::sqlite::OnWriters::new(rollback_sqlite(tx, lite)).await,
         }
     }
+}
+
+/// [`PendingTx::complete`] on PostgreSQL.
+#[cfg(feature = "postgres")]
+async fn complete_pg(
+    mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    pg: crate::PgStore,
+    id: &RecordId,
+    token: &str,
+    response: &StoredResponse,
+) -> Result<(), TxFailure> {
+    // The check, the completion and the commit within one store timeout:
+    // past it before the commit, the completion did not happen; during the
+    // commit, it may have.
+    let deadline = Deadline::start(pg.timeout());
+    match deadline.bound(pg_stands(&mut tx)).await {
+        Ok(PgStands::Open) => {}
+        Ok(PgStands::Failed) => {
+            pg_let_go(tx);
+            return Err(TxFailure::NotCommitted(StoreError::backend(
+                "a statement of the handler's failed its transaction",
+            )));
+        }
+        Ok(PgStands::Ended) => {
+            pg_let_go(tx);
+            return Err(TxFailure::Lost);
+        }
+        Err(e) => {
+            pg_let_go(tx);
+            return Err(TxFailure::Unclear(e));
+        }
+    }
+    if let Err(e) = deadline
+        .bound(pg.complete_with(&mut *tx, id, token, response))
+        .await
+    {
+        pg_let_go(tx);
+        return Err(TxFailure::NotCommitted(e));
+    }
+    pause_point!(crate::pause::TX_BEFORE_COMMIT, &id.key);
+    // A commit due once the timeout has passed is not sent: nothing
+    // commits.
+    if let Some(e) = deadline.passed() {
+        pg_let_go(tx);
+        return Err(TxFailure::NotCommitted(e));
+    }
+    if pg_depth(&tx) == 1 {
+        return deadline
+            .bound(async { tx.commit().await.map_err(crate::sql::map_err) })
+            .await
+            .map_err(TxFailure::Unknown);
+    }
+    // sqlx counts other than the one level of idem's transaction (a nested
+    // transaction the handler left open, or a count a cut begin moved): its
+    // commit would release a savepoint, or send nothing. `COMMIT` ends the
+    // transaction whatever its savepoints; the levels sqlx still counts are
+    // let go after it (see `pg_let_go`).
+    let committed = deadline
+        .bound(async {
+            sqlx::raw_sql("COMMIT")
+                .execute(&mut *tx)
+                .await
+                .map(drop)
+                .map_err(crate::sql::map_err)
+        })
+        .await
+        .map_err(TxFailure::Unknown);
+    pg_let_go(tx);
+    committed
+}
+
+/// [`PendingTx::rollback`] on PostgreSQL, after reading idem's mark (see
+/// [`PgStands`]): false when the transaction was no longer idem's.
+#[cfg(feature = "postgres")]
+async fn rollback_pg(mut tx: sqlx::Transaction<'static, sqlx::Postgres>, pg: crate::PgStore) -> bool {
+    let deadline = Deadline::start(pg.timeout());
+    let stands = match deadline.bound(pg_stands(&mut tx)).await {
+        Ok(stands) => stands,
+        // Not told: idem's if sqlx counts its one level, as before the mark.
+        Err(e) if pg_depth(&tx) == 1 => {
+            tracing::warn!(error = %e, "cannot read the handler's transaction's mark; rolling it back");
+            PgStands::Failed
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot tell whether the handler's transaction is still idem's");
+            PgStands::Ended
+        }
+    };
+    if stands != PgStands::Ended && pg_depth(&tx) == 1 {
+        log_rollback(
+            deadline
+                .bound(async { tx.rollback().await.map_err(crate::sql::map_err) })
+                .await,
+        );
+    } else {
+        pg_let_go(tx);
+    }
+    stands != PgStands::Ended
 }
 
 /// [`PendingTx::rollback`] on SQLite.

@@ -386,7 +386,7 @@ impl PgStore {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut pauses = MIGRATION_PAUSES.iter();
         loop {
-            let mut tx = begin_to_its_answer(&self.pool).await?;
+            let mut tx = begin_to_its_answer(&self.pool, None).await?;
             // Errors here, a wait for the migration lock that the session's
             // own `lock_timeout` ended included, are returned as they are.
             sqlx::query("SELECT pg_advisory_xact_lock(7319002151)")
@@ -626,14 +626,23 @@ impl PgStore {
     /// with the completion.
     ///
     /// Within the store's timeout; begun to its answer all the same (see
-    /// [`begin_to_its_answer`]).
+    /// [`begin_to_its_answer`]). Its first statement after `BEGIN` sets
+    /// idem's mark (`SET LOCAL idem.handler = 'on'`, in the same round
+    /// trip), by which the completion tells that the transaction is still
+    /// the one begun here (see `crate::tx`); it takes no snapshot, so the
+    /// handler may still set the transaction's isolation level.
     #[cfg(feature = "axum")]
     pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        crate::sql::bounded(self.timeout, begin_to_its_answer(&self.pool)).await
+        crate::sql::bounded(self.timeout, begin_to_its_answer(&self.pool, Some(HANDLER_BEGIN))).await
     }
 }
 
-/// Begins a transaction on one of `pool`'s connections, in a task of its
+/// How a handler's transaction begins: with idem's mark (see
+/// `crate::tx`), in the same round trip.
+#[cfg(feature = "axum")]
+const HANDLER_BEGIN: &str = "BEGIN; SET LOCAL idem.handler = 'on'";
+
+/// Begins a transaction (with `statement`, or a plain `BEGIN`) on one of `pool`'s connections, in a task of its
 /// own that runs to the answer of its `BEGIN` whether or not the caller
 /// waits that long. Cut after its `BEGIN` was sent and before the answer
 /// came, sqlx's begin would ask no rollback (it counts a level only once
@@ -644,12 +653,18 @@ impl PgStore {
 /// the task drops the transaction once begun, which rolls it back.
 async fn begin_to_its_answer(
     pool: &sqlx::PgPool,
+    statement: Option<&'static str>,
 ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
     let pool = pool.clone();
-    tokio::spawn(async move { pool.begin().await })
-        .await
-        .map_err(|e| StoreError::unavailable(format!("the begin's task ended: {e}")))?
-        .map_err(sql::map_err)
+    tokio::spawn(async move {
+        match statement {
+            Some(statement) => pool.begin_with(statement).await,
+            None => pool.begin().await,
+        }
+    })
+    .await
+    .map_err(|e| StoreError::unavailable(format!("the begin's task ended: {e}")))?
+    .map_err(sql::map_err)
 }
 
 /// The completions that arrive while one is being written. The first
