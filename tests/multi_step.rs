@@ -4105,3 +4105,61 @@ mod pg_counts_that_drift {
         assert_eq!(lock, None, "the key was not given back");
     }
 }
+
+/// A handler that runs `RESET ALL` in its transaction (which resets idem's
+/// mark too): its writes commit with its 201, and its rejection is given
+/// with nothing committed, as before the mark.
+mod pg_reset_all {
+    use super::*;
+
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        status: u16,
+    }
+
+    #[idempotent(scope = "reset_all.pay")]
+    async fn resets(State(db): State<Db>, op: Operation, Json(a): Json<Answer>) -> StatusCode {
+        let mut conn = op.pg_transaction().await.unwrap();
+        sqlx::raw_sql("RESET ALL").execute(&mut *conn).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (id, note) VALUES ($1, 'x')",
+            db.effects()
+        )))
+        .bind(op.key().to_owned())
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        StatusCode::from_u16(a.status).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handler_that_resets_its_settings_keeps_its_answers() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
+        let db = Db::Pg(store.pool().clone(), schema.clone());
+        db.create_table().await;
+        let app = Router::new()
+            .route("/resets", post(resets))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(db.clone());
+        let addr = serve(app).await;
+        let ok = post_req("/resets", r#"{"status":201}"#)
+            .key("k-ok")
+            .send(addr)
+            .await;
+        assert_eq!(ok.status, 201, "{}", String::from_utf8_lossy(&ok.body));
+        assert_eq!(db.count().await, 1);
+        let replay = post_req("/resets", r#"{"status":201}"#)
+            .key("k-ok")
+            .send(addr)
+            .await;
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        let refused = post_req("/resets", r#"{"status":422}"#)
+            .key("k-no")
+            .send(addr)
+            .await;
+        assert_eq!(refused.status, 422, "{}", String::from_utf8_lossy(&refused.body));
+        assert_eq!(db.count().await, 1, "a rejection's write committed");
+    }
+}

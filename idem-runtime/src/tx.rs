@@ -59,7 +59,8 @@ impl PendingTx {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum PgStands {
     /// The transaction idem began (what savepoints opened after the mark
-    /// hold is the transaction's).
+    /// hold is the transaction's), or one whose mark the handler reset
+    /// (`RESET ALL`) while sqlx counts idem's one level.
     Open,
     /// A transaction that a statement failed (PostgreSQL refuses all
     /// others until it rolls back, and it commits nothing), which sqlx
@@ -82,6 +83,14 @@ async fn pg_stands(conn: &mut sqlx::PgConnection) -> Result<PgStands, StoreError
         .await
     {
         Ok(Some(mark)) if mark == "on" => Ok(PgStands::Open),
+        // Set once on this connection and now empty: reset by the
+        // handler's `RESET ALL`, or gone with idem's transaction. Taken as
+        // idem's while sqlx counts its one level, which with sqlx's own
+        // begins, commits and rollbacks (cut ones included) it does only in
+        // idem's transaction: only a nested transaction forgotten after a
+        // cut begin, or the handler's own `COMMIT` or `ROLLBACK`, makes
+        // that count lie.
+        Ok(Some(mark)) if mark.is_empty() && pg_depth(conn) == 1 => Ok(PgStands::Open),
         Ok(_) => Ok(PgStands::Ended),
         // "current transaction is aborted".
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(if pg_depth(conn) == 1 {
