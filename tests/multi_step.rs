@@ -3357,6 +3357,45 @@ mod pg_begins_cut {
         (addr, p)
     }
 
+    /// A server of `routes` on a store in a schema of its own (a pool of
+    /// `connections`), with its effects table; its schema's name.
+    pub(super) async fn served(
+        url: &str,
+        connections: u32,
+        routes: Router<Db>,
+    ) -> (std::net::SocketAddr, Db, String) {
+        let schema = idem_testkit::pg_schema(url).await;
+        let store = idem_testkit::pg_store_in(url, &schema, connections).await;
+        let db = Db::Pg(store.pool().clone(), schema.clone());
+        db.create_table().await;
+        let app = routes
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(db.clone());
+        (serve(app).await, db, schema)
+    }
+
+    /// A pool of one connection to the database at `url`, through a
+    /// [`proxy`] of its own.
+    async fn proxied_pool(url: &str) -> (sqlx::PgPool, Arc<Proxy>) {
+        let direct: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        let upstream = tokio::net::lookup_host((direct.get_host().to_owned(), direct.get_port()))
+            .await
+            .unwrap()
+            .next()
+            .unwrap();
+        let (proxied, p) = proxy(upstream).await;
+        let via_proxy = direct
+            .host("127.0.0.1")
+            .port(proxied.port())
+            .ssl_mode(sqlx::postgres::PgSslMode::Disable);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(via_proxy)
+            .await
+            .unwrap();
+        (pool, p)
+    }
+
     static BEGIN_FAILED: Mutex<Option<oneshot::Sender<String>>> = Mutex::new(None);
     static PAID: AtomicUsize = AtomicUsize::new(0);
 
@@ -3399,23 +3438,7 @@ mod pg_begins_cut {
     async fn the_handlers_begin_answered_past_the_timeout_leaves_no_transaction_open() {
         let Some(url) = idem_testkit::pg_url() else { return };
         let schema = idem_testkit::pg_schema(&url).await;
-        let direct: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
-        let upstream = tokio::net::lookup_host((direct.get_host().to_owned(), direct.get_port()))
-            .await
-            .unwrap()
-            .next()
-            .unwrap();
-        let (proxied, p) = proxy(upstream).await;
-        let via_proxy = direct
-            .clone()
-            .host("127.0.0.1")
-            .port(proxied.port())
-            .ssl_mode(sqlx::postgres::PgSslMode::Disable);
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .connect_with(via_proxy)
-            .await
-            .unwrap();
+        let (pool, p) = proxied_pool(&url).await;
         let store = idem::PgStore::new(pool.clone())
             .with_table(Some(&schema), "idempotency_keys")
             .unwrap()
@@ -3468,23 +3491,7 @@ mod pg_begins_cut {
     async fn a_migration_given_up_on_during_its_begin_leaves_no_transaction_open() {
         let Some(url) = idem_testkit::pg_url() else { return };
         let schema = idem_testkit::pg_schema(&url).await;
-        let direct: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
-        let upstream = tokio::net::lookup_host((direct.get_host().to_owned(), direct.get_port()))
-            .await
-            .unwrap()
-            .next()
-            .unwrap();
-        let (proxied, p) = proxy(upstream).await;
-        let via_proxy = direct
-            .clone()
-            .host("127.0.0.1")
-            .port(proxied.port())
-            .ssl_mode(sqlx::postgres::PgSslMode::Disable);
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .connect_with(via_proxy)
-            .await
-            .unwrap();
+        let (pool, p) = proxied_pool(&url).await;
         let store = idem::PgStore::new(pool.clone())
             .with_table(Some(&schema), "idempotency_keys")
             .unwrap();
@@ -3526,7 +3533,11 @@ mod pg_begins_cut {
     type Gate = (oneshot::Sender<()>, oneshot::Receiver<()>);
     static NESTED_GATE: Mutex<Option<Gate>> = Mutex::new(None);
 
-    async fn insert(conn: &mut sqlx::PgConnection, table: &str, id: &str) -> Result<(), sqlx::Error> {
+    pub(super) async fn insert(
+        conn: &mut sqlx::PgConnection,
+        table: &str,
+        id: &str,
+    ) -> Result<(), sqlx::Error> {
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO {table} (id, note) VALUES ($1, 'x')"
         )))
@@ -3563,16 +3574,10 @@ mod pg_begins_cut {
     async fn a_nested_begin_given_up_on_is_not_answered_as_recorded() {
         use sqlx::Connection as _;
         let Some(url) = idem_testkit::pg_url() else { return };
-        let schema = idem_testkit::pg_schema(&url).await;
-        let store = idem_testkit::pg_store_in(&url, &schema, 5).await;
-        let db = Db::Pg(store.pool().clone(), schema.clone());
-        db.create_table().await;
-        let app = Router::new()
+        let routes = Router::new()
             .route("/nested", post(nested))
-            .route("/plain", post(plain))
-            .layer(Idem::new(store).single_tenant().layer())
-            .with_state(db.clone());
-        let addr = serve(app).await;
+            .route("/plain", post(plain));
+        let (addr, db, schema) = served(&url, 5, routes).await;
         let mut blocker = sqlx::PgConnection::connect(&url).await.unwrap();
         sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
         insert(&mut blocker, &db.effects(), "blocked").await.unwrap();
@@ -3635,16 +3640,10 @@ mod pg_begins_cut {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_nested_transaction_left_open_commits_with_the_answer() {
         let Some(url) = idem_testkit::pg_url() else { return };
-        let schema = idem_testkit::pg_schema(&url).await;
-        let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
-        let db = Db::Pg(store.pool().clone(), schema.clone());
-        db.create_table().await;
-        let app = Router::new()
+        let routes = Router::new()
             .route("/leaked", post(leaked))
-            .route("/plain", post(plain))
-            .layer(Idem::new(store).single_tenant().layer())
-            .with_state(db.clone());
-        let addr = serve(app).await;
+            .route("/plain", post(plain));
+        let (addr, db, schema) = served(&url, 1, routes).await;
         let first = post_req("/leaked", "").key("k-leaked").send(addr).await;
         assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
         for i in 0..5 {
@@ -3773,15 +3772,7 @@ mod pg_begins_cut_twice {
         paid: AtomicUsize,
     }
 
-    async fn insert(conn: &mut sqlx::PgConnection, table: &str, id: &str) -> Result<(), sqlx::Error> {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO {table} (id, note) VALUES ($1, 'x')"
-        )))
-        .bind(id)
-        .execute(conn)
-        .await
-        .map(drop)
-    }
+    use super::pg_begins_cut::insert;
 
     /// Writes, gives up on a statement (blocked by the test's row lock), then
     /// retries a nested begin that times out: twice. Answers as asked.
@@ -3929,15 +3920,7 @@ mod pg_counts_that_drift {
         go: Mutex<Option<oneshot::Receiver<()>>>,
     }
 
-    async fn insert(conn: &mut sqlx::PgConnection, table: &str, id: &str) -> Result<(), sqlx::Error> {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO {table} (id, note) VALUES ($1, 'x')"
-        )))
-        .bind(id)
-        .execute(conn)
-        .await
-        .map(drop)
-    }
+    use super::pg_begins_cut::insert;
 
     /// The existing `leaked` handler of tests/multi_step.rs, one level deeper,
     /// with one nested begin given up on inside the forgotten transactions. (A
@@ -4135,15 +4118,8 @@ mod pg_reset_all {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_handler_that_resets_its_settings_keeps_its_answers() {
         let Some(url) = idem_testkit::pg_url() else { return };
-        let schema = idem_testkit::pg_schema(&url).await;
-        let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
-        let db = Db::Pg(store.pool().clone(), schema.clone());
-        db.create_table().await;
-        let app = Router::new()
-            .route("/resets", post(resets))
-            .layer(Idem::new(store).single_tenant().layer())
-            .with_state(db.clone());
-        let addr = serve(app).await;
+        let (addr, db, _) =
+            super::pg_begins_cut::served(&url, 1, Router::new().route("/resets", post(resets))).await;
         let ok = post_req("/resets", r#"{"status":201}"#)
             .key("k-ok")
             .send(addr)
