@@ -167,10 +167,10 @@ pub(crate) enum TxFailure {
     Unknown(StoreError),
     /// The handler's transaction had ended before the outcome (SQLite
     /// ended it by itself, see [`sqlite_transaction_lost`]; on PostgreSQL
-    /// a nested transaction of the handler's given up on part-way, see
-    /// `pg_depth`): the completion was not written, and of the handler's
-    /// writes some may have been rolled back and some committed on their
-    /// own.
+    /// idem's mark was gone, see `PgStands`: a begin of the handler's given
+    /// up on part-way ends it): the completion was not written, and of the
+    /// handler's writes some may have been rolled back and some committed
+    /// on their own.
     #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     Lost,
     /// Whether SQLite had ended the handler's transaction could not be
@@ -298,7 +298,7 @@ impl PendingTx {
     /// it the connection is dropped, which rolls back all the same). False
     /// when they could not all be: the transaction had ended before (SQLite
     /// ended it by itself, see [`sqlite_transaction_lost`]; or on
-    /// PostgreSQL, see `pg_depth`), and what the handler wrote after that
+    /// PostgreSQL, see `PgStands`), and what the handler wrote after that
     /// committed on its own, or whether it had cannot be told.
     pub(crate) async fn rollback(self) -> bool {
         match *self.0 {
