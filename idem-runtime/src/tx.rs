@@ -173,10 +173,10 @@ pub(crate) enum TxFailure {
     /// on their own.
     #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     Lost,
-    /// Whether SQLite had ended the handler's transaction could not be
+    /// Whether the handler's transaction was still idem's could not be
     /// told (the check failed or timed out): the completion was not
     /// written, and what the handler wrote may or may not have committed.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     Unclear(StoreError),
 }
 

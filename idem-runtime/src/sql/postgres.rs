@@ -642,9 +642,9 @@ impl PgStore {
 #[cfg(feature = "axum")]
 const HANDLER_BEGIN: &str = "BEGIN; SET LOCAL idem.handler = 'on'";
 
-/// Begins a transaction (with `statement`, or a plain `BEGIN`) on one of `pool`'s connections, in a task of its
-/// own that runs to the answer of its `BEGIN` whether or not the caller
-/// waits that long. Cut after its `BEGIN` was sent and before the answer
+/// Begins a transaction (with `statement`, or a plain `BEGIN`) on one of
+/// `pool`'s connections, in a task of its own that runs to the answer of
+/// its `BEGIN` whether or not the caller waits that long. Cut after its `BEGIN` was sent and before the answer
 /// came, sqlx's begin would ask no rollback (it counts a level only once
 /// answered, and asks the rollback of the level it counted before: none),
 /// and the connection would go back to the pool inside a transaction that
