@@ -3624,6 +3624,11 @@ mod pg_begins_cut {
     /// committed nor dropped) after a write, and answers 201.
     #[idempotent(scope = "begin_cut.leaked")]
     async fn leaked(State(db): State<Db>, op: Operation) -> StatusCode {
+        leave_open(&db, &op).await;
+        StatusCode::CREATED
+    }
+
+    async fn leave_open(db: &Db, op: &Operation) {
         use sqlx::Connection as _;
         let table = db.effects();
         let mut conn = op.pg_transaction().await.unwrap();
@@ -3631,7 +3636,6 @@ mod pg_begins_cut {
         let mut inner = conn.begin().await.unwrap();
         insert(&mut inner, &table, "inner").await.unwrap();
         std::mem::forget(inner);
-        StatusCode::CREATED
     }
 
     /// A nested transaction left open: what it holds is the handler's
@@ -3669,6 +3673,93 @@ mod pg_begins_cut {
         .await
         .unwrap();
         assert_eq!(state, "completed");
+    }
+
+    /// Leaves a nested transaction open after a write as `leaked` does,
+    /// and answers 500: released as failed.
+    #[idempotent(scope = "begin_cut.leaked_failing")]
+    async fn leaked_failing(State(db): State<Db>, op: Operation) -> StatusCode {
+        leave_open(&db, &op).await;
+        StatusCode::INTERNAL_SERVER_ERROR
+    }
+
+    /// Writes, then fails a statement inside a nested transaction it leaves
+    /// open, and answers 201: nothing of it can commit.
+    #[idempotent(scope = "begin_cut.failed_in_leaked")]
+    async fn failed_in_leaked(State(db): State<Db>, op: Operation) -> StatusCode {
+        use sqlx::Connection as _;
+        let table = db.effects();
+        let mut conn = op.pg_transaction().await.unwrap();
+        insert(&mut conn, &table, "outer").await.unwrap();
+        let mut inner = conn.begin().await.unwrap();
+        assert!(
+            insert(&mut inner, &table, "outer").await.is_err(),
+            "a duplicate key"
+        );
+        std::mem::forget(inner);
+        StatusCode::CREATED
+    }
+
+    /// A nested transaction left open under an execution that does not
+    /// commit (a failure, or a statement failed inside it): the whole
+    /// transaction is rolled back, not its last level only, so the pool's
+    /// one connection goes back outside any transaction: the key is given
+    /// back, and the next operations on that connection are recorded, seen
+    /// from another connection.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nested_transaction_left_open_is_rolled_back_whole_when_nothing_commits() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        for (route, status) in [("/leaked_failing", 500), ("/failed_in_leaked", 503)] {
+            let routes = Router::new()
+                .route("/leaked_failing", post(leaked_failing))
+                .route("/failed_in_leaked", post(failed_in_leaked))
+                .route("/plain", post(plain));
+            let (addr, db, schema) = served(&url, 1, routes).await;
+            let first = post_req(route, "").key("k-leaked").send(addr).await;
+            assert_eq!(
+                first.status,
+                status,
+                "{route}: {}",
+                String::from_utf8_lossy(&first.body)
+            );
+            for i in 0..3 {
+                let r = post_req("/plain", "")
+                    .key(&format!("k-next-{i}"))
+                    .send(addr)
+                    .await;
+                assert_eq!(r.status, 201, "{route}");
+            }
+            let check = sqlx::PgPool::connect(&url).await.unwrap();
+            let records: Vec<(String, String, Option<String>)> = sqlx::query_as(sqlx::AssertSqlSafe(
+                format!("SELECT key, state, lock_token FROM \"{schema}\".idempotency_keys ORDER BY key"),
+            ))
+            .fetch_all(&check)
+            .await
+            .unwrap();
+            let states: Vec<(&str, &str, bool)> = records
+                .iter()
+                .map(|(k, s, t)| (k.as_str(), s.as_str(), t.is_some()))
+                .collect();
+            assert_eq!(
+                states,
+                [
+                    ("k-leaked", "in_progress", false),
+                    ("k-next-0", "completed", false),
+                    ("k-next-1", "completed", false),
+                    ("k-next-2", "completed", false),
+                ],
+                "{route}: the key given back and the next operations committed"
+            );
+            let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM {}",
+                db.effects()
+            )))
+            .fetch_one(&check)
+            .await
+            .unwrap();
+            assert_eq!(rows, 0, "{route}: the handler's writes committed");
+            check.close().await;
+        }
     }
 }
 
@@ -4137,5 +4228,74 @@ mod pg_reset_all {
             .await;
         assert_eq!(refused.status, 422, "{}", String::from_utf8_lossy(&refused.body));
         assert_eq!(db.count().await, 1, "a rejection's write committed");
+    }
+}
+
+/// idem's mark is a value drawn for each transaction: a value the setting
+/// has outside it (a `SET` for the session, which outlives its transaction
+/// on the pooled connection) never passes for it.
+mod pg_session_mark {
+    use super::pg_begins_cut::{insert, served};
+    use super::*;
+
+    /// Writes, fails a statement, then begins a nested transaction, which
+    /// fails in the failed transaction, and sqlx's begin then rolls back
+    /// the handler's transaction; writes again (on its own), 201.
+    #[idempotent(scope = "session_mark.ends")]
+    async fn ends(State(db): State<Db>, op: Operation) -> StatusCode {
+        use sqlx::Connection as _;
+        let table = db.effects();
+        let mut conn = op.pg_transaction().await.unwrap();
+        insert(&mut conn, &table, "before").await.unwrap();
+        assert!(
+            insert(&mut conn, &table, "before").await.is_err(),
+            "a duplicate key"
+        );
+        assert!(conn.begin().await.is_err(), "a begin in a failed transaction");
+        insert(&mut conn, &table, "after").await.unwrap();
+        StatusCode::CREATED
+    }
+
+    /// On a pool of one connection whose session has the setting at what a
+    /// fixed mark would be (set there by a statement of the application's
+    /// own), a handler's transaction ended under it: not answered as
+    /// recorded (503, the key given back), and nothing of its transaction
+    /// committed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_mark_set_for_the_session_does_not_pass_for_idems() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let routes = Router::new().route("/ends", post(ends));
+        let (addr, db, schema) = served(&url, 1, routes).await;
+        let Db::Pg(pool, _) = &db else { unreachable!() };
+        sqlx::query("SET idem.handler = 'on'")
+            .execute(pool)
+            .await
+            .unwrap();
+        let second = post_req("/ends", "").key("k-ends").send(addr).await;
+        let body = String::from_utf8_lossy(&second.body).into_owned();
+        assert_eq!(second.status, 503, "{body}");
+        assert!(body.contains("could not be recorded"), "{body}");
+        let check = sqlx::PgPool::connect(&url).await.unwrap();
+        let (state, lock): (String, Option<String>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT state, lock_token FROM \"{schema}\".idempotency_keys WHERE key = 'k-ends'"
+        )))
+        .fetch_one(&check)
+        .await
+        .unwrap();
+        assert_ne!(
+            state, "completed",
+            "a 201 recorded without the handler's transaction"
+        );
+        assert_eq!(lock, None, "the key was not given back");
+        let rows: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT id FROM {} ORDER BY id",
+            db.effects()
+        )))
+        .fetch_all(&check)
+        .await
+        .unwrap();
+        // What the handler wrote after sqlx ended its transaction committed
+        // on its own (the README's caveat); the rest did not.
+        assert_eq!(rows, ["after"]);
     }
 }

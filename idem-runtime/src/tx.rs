@@ -17,7 +17,12 @@ pub(crate) struct PendingTx(Box<Open>);
 enum Open {
     /// With the store it was opened on, which also completes the record.
     #[cfg(feature = "postgres")]
-    Pg(sqlx::Transaction<'static, sqlx::Postgres>, crate::PgStore),
+    /// With idem's mark in it (see [`PgStands`]).
+    Pg(
+        sqlx::Transaction<'static, sqlx::Postgres>,
+        crate::PgStore,
+        crate::fingerprint::HexStr<32>,
+    ),
     #[cfg(feature = "sqlite")]
     Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>, crate::SqliteStore),
 }
@@ -34,12 +39,13 @@ impl PendingTx {
         let pg = any
             .downcast_ref::<crate::PgStore>()
             .ok_or_else(|| StoreError::backend("pg_transaction needs the layer's store to be a PgStore"))?;
-        Ok(PendingTx(Box::new(Open::Pg(pg.begin_tx().await?, pg.clone()))))
+        let (tx, mark) = pg.begin_tx().await?;
+        Ok(PendingTx(Box::new(Open::Pg(tx, pg.clone(), mark))))
     }
 
     pub(crate) fn pg(&mut self) -> Option<&mut sqlx::PgConnection> {
         match &mut *self.0 {
-            Open::Pg(tx, _) => Some(&mut **tx),
+            Open::Pg(tx, ..) => Some(&mut **tx),
             #[allow(unreachable_patterns)]
             _ => None,
         }
@@ -47,8 +53,8 @@ impl PendingTx {
 }
 
 /// Where a handler's PostgreSQL transaction stands, told by idem's mark
-/// (`SET LOCAL idem.handler = 'on'`, set with its `BEGIN`, and gone with
-/// the transaction). sqlx's own count of the levels open cannot tell it: a
+/// (`SET LOCAL idem.handler` to 128 random bits drawn for the transaction,
+/// set with its `BEGIN`, and gone with the transaction). sqlx's own count of the levels open cannot tell it: a
 /// begin of the handler's cut between its statement and the answer makes
 /// sqlx roll back the levels it counted before, often the whole transaction
 /// (what the handler writes after that commits on its own), and at none
@@ -77,12 +83,15 @@ enum PgStands {
 /// Reads idem's mark to tell where the handler's transaction stands (see
 /// [`PgStands`]).
 #[cfg(feature = "postgres")]
-async fn pg_stands(conn: &mut sqlx::PgConnection) -> Result<PgStands, StoreError> {
+async fn pg_stands(
+    conn: &mut sqlx::PgConnection,
+    mark: crate::fingerprint::HexStr<32>,
+) -> Result<PgStands, StoreError> {
     match sqlx::query_scalar::<_, Option<String>>("SELECT current_setting('idem.handler', true)")
         .fetch_one(&mut *conn)
         .await
     {
-        Ok(Some(mark)) if mark == "on" => Ok(PgStands::Open),
+        Ok(Some(found)) if found == mark.as_str() => Ok(PgStands::Open),
         // Set once on this connection and now empty: reset by the
         // handler's `RESET ALL`, or gone with idem's transaction. Taken as
         // idem's while sqlx counts its one level, which with sqlx's own
@@ -90,7 +99,7 @@ async fn pg_stands(conn: &mut sqlx::PgConnection) -> Result<PgStands, StoreError
         // idem's transaction: only a nested transaction forgotten after a
         // cut begin, or the handler's own `COMMIT` or `ROLLBACK`, makes
         // that count lie.
-        Ok(Some(mark)) if mark.is_empty() && pg_depth(conn) == 1 => Ok(PgStands::Open),
+        Ok(Some(found)) if found.is_empty() && pg_depth(conn) == 1 => Ok(PgStands::Open),
         Ok(_) => Ok(PgStands::Ended),
         // "current transaction is aborted".
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(if pg_depth(conn) == 1 {
@@ -110,21 +119,18 @@ fn pg_depth(conn: &sqlx::PgConnection) -> usize {
 }
 
 /// Lets a handler's PostgreSQL transaction go without committing it, the
-/// connection back to the pool outside any transaction. Dropped, it asks
-/// sqlx's rollback of each level sqlx counts, which run before the
-/// connection's next statement (the pool's check when it goes back): from
-/// one level, a `ROLLBACK` that ends whatever transaction the server has
-/// open; from more, a `ROLLBACK TO SAVEPOINT` first, which fails if the
-/// server has no such savepoint, and the pool then closes the connection.
-/// At none, sqlx asks nothing, while the server may be inside a transaction
-/// (one a cut begin of the handler's opened): a `ROLLBACK` of idem's ends
-/// it first, in a task of its own, run to its end.
+/// connection back to the pool outside any transaction. A `ROLLBACK` of
+/// idem's first, in a task of its own, run to its end: it ends whatever
+/// transaction the server has open, savepoints and all, however many levels
+/// sqlx counts (none, when a cut begin of the handler's opened it unseen; or
+/// more than one, a nested transaction the handler left open, where sqlx's
+/// own rollback of a dropped transaction would end its last level only and
+/// leave the rest open on a pooled connection). Then the transaction is
+/// dropped: from one level, sqlx's `ROLLBACK` finds none to end (a warning);
+/// from more, its `ROLLBACK TO SAVEPOINT` fails, and the pool closes the
+/// connection.
 #[cfg(feature = "postgres")]
 fn pg_let_go(mut tx: sqlx::Transaction<'static, sqlx::Postgres>) {
-    if pg_depth(&tx) > 0 {
-        drop(tx);
-        return;
-    }
     drop(tokio::spawn(tracing::Instrument::in_current_span(async move {
         log_rollback(
             sqlx::raw_sql("ROLLBACK")
@@ -133,6 +139,7 @@ fn pg_let_go(mut tx: sqlx::Transaction<'static, sqlx::Postgres>) {
                 .map(drop)
                 .map_err(crate::sql::map_err),
         );
+        drop(tx);
     })));
 }
 
@@ -284,7 +291,7 @@ impl PendingTx {
         let _ = (id, token, response);
         match *self.0 {
             #[cfg(feature = "postgres")]
-            Open::Pg(tx, pg) => complete_pg(tx, pg, id, token, response).await,
+            Open::Pg(tx, pg, mark) => complete_pg(tx, pg, mark, id, token, response).await,
             // Committed, and its connection given back, on a runtime that
             // stays driven (see `OnWriters`).
             #[cfg(feature = "sqlite")]
@@ -303,7 +310,7 @@ impl PendingTx {
     pub(crate) async fn rollback(self) -> bool {
         match *self.0 {
             #[cfg(feature = "postgres")]
-            Open::Pg(tx, pg) => rollback_pg(tx, pg).await,
+            Open::Pg(tx, pg, mark) => rollback_pg(tx, pg, mark).await,
             // Rolled back, and its connection given back, on a runtime that
             // stays driven (see `OnWriters`).
             #[cfg(feature = "sqlite")]
@@ -317,6 +324,7 @@ impl PendingTx {
 async fn complete_pg(
     mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
     pg: crate::PgStore,
+    mark: crate::fingerprint::HexStr<32>,
     id: &RecordId,
     token: &str,
     response: &StoredResponse,
@@ -325,7 +333,7 @@ async fn complete_pg(
     // past it before the commit, the completion did not happen; during the
     // commit, it may have.
     let deadline = Deadline::start(pg.timeout());
-    match deadline.bound(pg_stands(&mut tx)).await {
+    match deadline.bound(pg_stands(&mut tx, mark)).await {
         Ok(PgStands::Open) => {}
         Ok(PgStands::Failed) => {
             pg_let_go(tx);
@@ -384,9 +392,13 @@ async fn complete_pg(
 /// [`PendingTx::rollback`] on PostgreSQL, after reading idem's mark (see
 /// [`PgStands`]): false when the transaction was no longer idem's.
 #[cfg(feature = "postgres")]
-async fn rollback_pg(mut tx: sqlx::Transaction<'static, sqlx::Postgres>, pg: crate::PgStore) -> bool {
+async fn rollback_pg(
+    mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    pg: crate::PgStore,
+    mark: crate::fingerprint::HexStr<32>,
+) -> bool {
     let deadline = Deadline::start(pg.timeout());
-    let stands = match deadline.bound(pg_stands(&mut tx)).await {
+    let stands = match deadline.bound(pg_stands(&mut tx, mark)).await {
         Ok(stands) => stands,
         // Not told: idem's if sqlx counts its one level, as before the mark.
         Err(e) if pg_depth(&tx) == 1 => {

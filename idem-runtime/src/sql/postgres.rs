@@ -623,24 +623,35 @@ impl PgStore {
     }
 
     /// Opens a transaction for a handler's own writes, committed together
-    /// with the completion.
+    /// with the completion; with the transaction, idem's mark in it.
     ///
     /// Within the store's timeout; begun to its answer all the same (see
     /// [`begin_to_its_answer`]). Its first statement after `BEGIN` sets
-    /// idem's mark (`SET LOCAL idem.handler = 'on'`, in the same round
-    /// trip), by which the completion tells that the transaction is still
-    /// the one begun here (see `crate::tx`); it takes no snapshot, so the
-    /// handler may still set the transaction's isolation level.
+    /// idem's mark (`SET LOCAL idem.handler` to 128 random bits drawn for
+    /// this transaction, in the same round trip), by which the completion
+    /// tells that the transaction is still the one begun here (see
+    /// `crate::tx`): a value the mark had before, or has outside this
+    /// transaction (a handler's `SET` of it for the session), is never
+    /// taken for it. It takes no snapshot, so the handler may still set the
+    /// transaction's isolation level.
     #[cfg(feature = "axum")]
-    pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        crate::sql::bounded(self.timeout, begin_to_its_answer(&self.pool, Some(HANDLER_BEGIN))).await
+    pub(crate) async fn begin_tx(
+        &self,
+    ) -> Result<
+        (
+            sqlx::Transaction<'static, sqlx::Postgres>,
+            crate::fingerprint::HexStr<32>,
+        ),
+        StoreError,
+    > {
+        let mark = random_token_inline();
+        // Hexadecimal digits only: nothing to quote.
+        let begin = format!("BEGIN; SET LOCAL idem.handler = '{}'", mark.as_str());
+        crate::sql::bounded(self.timeout, begin_to_its_answer(&self.pool, Some(begin)))
+            .await
+            .map(|tx| (tx, mark))
     }
 }
-
-/// How a handler's transaction begins: with idem's mark (see
-/// `crate::tx`), in the same round trip.
-#[cfg(feature = "axum")]
-const HANDLER_BEGIN: &str = "BEGIN; SET LOCAL idem.handler = 'on'";
 
 /// Begins a transaction (with `statement`, or a plain `BEGIN`) on one of
 /// `pool`'s connections, in a task of its own that runs to the answer of
@@ -653,12 +664,12 @@ const HANDLER_BEGIN: &str = "BEGIN; SET LOCAL idem.handler = 'on'";
 /// the task drops the transaction once begun, which rolls it back.
 async fn begin_to_its_answer(
     pool: &sqlx::PgPool,
-    statement: Option<&'static str>,
+    statement: Option<String>,
 ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
     let pool = pool.clone();
     tokio::spawn(async move {
         match statement {
-            Some(statement) => pool.begin_with(statement).await,
+            Some(statement) => pool.begin_with(sqlx::AssertSqlSafe(statement)).await,
             None => pool.begin().await,
         }
     })
