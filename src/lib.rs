@@ -17,7 +17,7 @@ pub use idem_runtime::TxConnection;
 
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use idem_runtime::{PgStore, DEFAULT_OPERATION_TIMEOUT};
+pub use idem_runtime::{PgStore, DEFAULT_OPERATION_TIMEOUT, DEFAULT_REPLAY_CACHE};
 
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]

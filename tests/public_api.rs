@@ -21,8 +21,8 @@ use idem::{
     idempotent, parse_duration, problem, purge_expired, BodyFormat, Classification, Classify, ConfigError,
     FingerprintBody, Idem, IdempotencyStore, Janitor, MemoryStore, Operation, PgStore, Problem, SqliteStore,
     StoreError, Tenant, TxConnection, Unavailable, BODY_OMITTED_HEADER, DEFAULT_BUSY_TIMEOUT,
-    DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_STORED_BODY, DEFAULT_OPERATION_TIMEOUT, DEFAULT_TTL,
-    LOCK_TIMEOUT_RANGE, MAX_STORED_BODY_LIMIT, PROBLEM_TYPE_PREFIX, REPLAYED_HEADER, TTL_RANGE,
+    DEFAULT_LOCK_TIMEOUT, DEFAULT_MAX_STORED_BODY, DEFAULT_OPERATION_TIMEOUT, DEFAULT_REPLAY_CACHE,
+    DEFAULT_TTL, LOCK_TIMEOUT_RANGE, MAX_STORED_BODY_LIMIT, PROBLEM_TYPE_PREFIX, REPLAYED_HEADER, TTL_RANGE,
 };
 
 /// The names `src/lib.rs` re-exports at the root, one by one.
@@ -36,6 +36,7 @@ const ROOT: &[&str] = &[
     "DEFAULT_LOCK_TIMEOUT",
     "DEFAULT_MAX_STORED_BODY",
     "DEFAULT_OPERATION_TIMEOUT",
+    "DEFAULT_REPLAY_CACHE",
     "DEFAULT_TTL",
     "FingerprintBody",
     "Idem",

@@ -836,10 +836,12 @@ async fn postgres_connect_replaces_terminated_connections_unseen() {
     let schema = idem_testkit::pg_schema(&url).await;
     let name = idem_testkit::unique("idem_ping");
     let sep = if url.contains('?') { '&' } else { '?' };
+    // Every replay read from the database: each is a statement.
     let store = idem::PgStore::connect(&format!("{url}{sep}application_name={name}"))
         .unwrap()
         .with_table(Some(&schema), "idempotency_keys")
-        .unwrap();
+        .unwrap()
+        .with_replay_cache(Duration::ZERO);
     store.migrate().await.unwrap();
     let id = RecordId::new("t", "s", "ping");
     let lease = take(&store, &id, "fp", LONG, LONG).await;
@@ -900,28 +902,131 @@ async fn postgres_connect_replaces_terminated_connections_unseen() {
 
 /// Expiry is judged by the database's clock: moving the record's times
 /// back in the database (as if its clock ran ahead of this server's) is
-/// all it takes, while this process's clock has not moved.
+/// all it takes, while this process's clock has not moved. With answers
+/// kept in memory (the default), a replay right after the move is still
+/// answered from memory, and the record counts as absent once the store's
+/// bound on keeping it has passed, measured by this process's monotonic
+/// clock; with none kept, at once.
 #[tokio::test]
 async fn postgres_the_database_clock_decides_expiry() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
-    let id = RecordId::new("t", "clock", "k");
-    let first = take(&store, &id, "fp", LONG, LONG).await;
-    store.complete(&id, &first.token, &response("old")).await.unwrap();
+    for kept in [Duration::ZERO, idem::DEFAULT_REPLAY_CACHE] {
+        let store = idem_testkit::pg_store_in(&url, &schema, 2)
+            .await
+            .with_replay_cache(kept);
+        let id = RecordId::new("t", "clock", format!("k-{}", kept.as_millis()));
+        let first = take(&store, &id, "fp", LONG, LONG).await;
+        store.complete(&id, &first.token, &response("old")).await.unwrap();
+        assert_eq!(
+            reserve(&store, &id, "fp", LONG, LONG).await,
+            Reservation::Completed(response("old"))
+        );
+        let moved_at = Instant::now();
+        let shift = format!(
+            "UPDATE \"{schema}\".idempotency_keys SET created_at = now() - interval '2 hours', \
+             expires_at = now() - interval '1 second' WHERE key = $1"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(shift))
+            .bind(&id.key)
+            .execute(store.pool())
+            .await
+            .unwrap();
+        if !kept.is_zero() {
+            assert_eq!(
+                reserve(&store, &id, "fp", LONG, LONG).await,
+                Reservation::Completed(response("old")),
+                "answered from memory"
+            );
+            // A duration, not an ordering: the bound on keeping it.
+            tokio::time::sleep_until((moved_at + kept).into()).await;
+        }
+        let again = take(&store, &id, "fp", LONG, LONG).await;
+        assert_eq!(again.attempt, 1, "a new operation");
+        assert_ne!(again.operation_id, first.operation_id);
+    }
+}
+
+/// A completed record's answer kept in memory after a lookup read it: the
+/// stored answer, for that record only (tenant, scope and key), judged as
+/// the store judges it (another fingerprint: a mismatch), in this store
+/// and its clones only, and never past the record's retention by the
+/// database's clock, however long the bound.
+#[tokio::test]
+async fn postgres_kept_answers_are_per_record_and_end_with_the_record() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2)
+        .await
+        .with_replay_cache(Duration::from_secs(3600));
+    let id = RecordId::new("t1", "kept", "k");
+    let lease = take(&store, &id, "fp", LONG, LONG).await;
+    store
+        .complete(&id, &lease.token, &response("kept"))
+        .await
+        .unwrap();
     assert_eq!(
         reserve(&store, &id, "fp", LONG, LONG).await,
-        Reservation::Completed(response("old"))
+        Reservation::Completed(response("kept"))
     );
-    let shift = format!(
-        "UPDATE \"{schema}\".idempotency_keys SET created_at = now() - interval '2 hours', \
-         expires_at = now() - interval '1 second'"
-    );
-    sqlx::query(sqlx::AssertSqlSafe(shift))
+    // Gone from the table (by hand): what follows is answered from memory.
+    let delete = format!("DELETE FROM \"{schema}\".idempotency_keys WHERE key = 'k'");
+    sqlx::query(sqlx::AssertSqlSafe(delete.clone()))
         .execute(store.pool())
         .await
         .unwrap();
-    let again = take(&store, &id, "fp", LONG, LONG).await;
+    let clone = store.clone();
+    assert_eq!(
+        reserve(&clone, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("kept"))
+    );
+    assert_eq!(
+        reserve(&store, &id, "other", LONG, LONG).await,
+        Reservation::Mismatch
+    );
+    for other in [
+        RecordId::new("t2", "kept", "k"),
+        RecordId::new("t1", "kept2", "k"),
+        RecordId::new("t1", "kept", "k2"),
+    ] {
+        take(&store, &other, "fp", LONG, LONG).await;
+    }
+    // Another process's store reads the table.
+    let elsewhere = idem_testkit::pg_store_in(&url, &schema, 2).await;
+    take(&elsewhere, &id, "fp", LONG, LONG).await;
+
+    // A record kept for 2 seconds: answered from memory until the
+    // database's clock says it expired, then a new operation.
+    sqlx::query(sqlx::AssertSqlSafe(delete))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let short = RecordId::new("t1", "kept", "short");
+    let ttl = Duration::from_secs(2);
+    let first = take(&store, &short, "fp", ttl, LONG).await;
+    store
+        .complete(&short, &first.token, &response("short"))
+        .await
+        .unwrap();
+    assert_eq!(
+        reserve(&store, &short, "fp", ttl, LONG).await,
+        Reservation::Completed(response("short"))
+    );
+    let expired =
+        format!("SELECT expires_at <= now() FROM \"{schema}\".idempotency_keys WHERE key = 'short'");
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let gone: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(expired.clone()))
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        if gone {
+            break;
+        }
+        assert!(Instant::now() < until, "the record never expired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let again = take(&store, &short, "fp", ttl, LONG).await;
     assert_eq!(again.attempt, 1, "a new operation");
     assert_ne!(again.operation_id, first.operation_id);
 }

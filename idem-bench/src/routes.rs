@@ -211,6 +211,8 @@ pub(crate) fn app(stores: Stores, gate: Gate) -> Router {
     app = protected(app, "/sqlite", Idem::new(stores.sqlite));
     app = protected(app, "/memory", Idem::new(stores.memory));
     if let Some((pg, hand)) = stores.postgres {
+        let from_db = pg.clone().with_replay_cache(std::time::Duration::ZERO);
+        app = protected(app, "/postgres-db", Idem::new(from_db));
         app = protected(app, "/postgres", Idem::new(pg))
             .route("/hand/first", post(hand_first).with_state(hand.clone()))
             .route("/hand/replay", post(hand_replay).with_state(hand));

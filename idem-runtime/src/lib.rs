@@ -75,7 +75,7 @@ pub use tx::TxConnection;
 
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use sql::postgres::{PgStore, DEFAULT_OPERATION_TIMEOUT};
+pub use sql::postgres::{PgStore, DEFAULT_OPERATION_TIMEOUT, DEFAULT_REPLAY_CACHE};
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use sql::sqlite::{SqliteStore, DEFAULT_BUSY_TIMEOUT};

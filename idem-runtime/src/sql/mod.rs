@@ -10,6 +10,8 @@ mod run;
 
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
+#[cfg(feature = "postgres")]
+mod replays;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
 

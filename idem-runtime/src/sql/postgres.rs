@@ -16,6 +16,10 @@ pub const POSTGRES_MIGRATIONS: &[sql::Migration] = sql::migrations!("postgres");
 /// The default bound on one store operation, connection included.
 pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a completed record's answer is answered from memory by default
+/// (see [`PgStore::with_replay_cache`]).
+pub const DEFAULT_REPLAY_CACHE: Duration = Duration::from_secs(1);
+
 /// Idempotency records in PostgreSQL: the store for several servers.
 ///
 /// Taking a key starts with one statement under the primary key (tenant,
@@ -33,8 +37,8 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(2);
 /// | path | round trips |
 /// | --- | --- |
 /// | first request (reserve, then complete or release) | 2 |
-/// | replay of a completed record | 1 |
-/// | conflict (in progress, or fingerprint mismatch; a mismatch on a record whose lock is past its deadline: 2) | 1 |
+/// | replay of a completed record | 1; none while its answer is kept ([`PgStore::with_replay_cache`]) |
+/// | conflict (in progress, or fingerprint mismatch; a mismatch on a record whose lock is past its deadline: 2) | 1; none for a mismatch on a kept answer |
 /// | takeover after the lock deadline, retry of a released key, or an expired key reserved afresh (reserve, then complete) | 3 |
 ///
 /// A request that races the very insert that created the row may need one
@@ -75,6 +79,10 @@ pub struct PgStore {
     /// store's clones ([`with_timeout`](Self::with_timeout) and
     /// [`with_table`](Self::with_table) start their own).
     completions: std::sync::Arc<Completions>,
+    /// Completed records' answers, kept a moment after a lookup read them
+    /// ([`with_replay_cache`](Self::with_replay_cache)), shared by the
+    /// store's clones of the same table.
+    replays: std::sync::Arc<sql::replays::Replays>,
     timeout: Duration,
 }
 
@@ -177,7 +185,37 @@ impl PgStore {
     /// # }
     /// ```
     pub fn with_table(self, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
-        Self::build(self.pool, schema, table).map(|s| s.with_timeout(self.timeout))
+        let keep = self.replays.keep();
+        Self::build(self.pool, schema, table).map(|s| s.with_timeout(self.timeout).with_replay_cache(keep))
+    }
+
+    /// How long a completed record's answer, once a reservation has read
+    /// it, is answered from this process's memory (for the store and its
+    /// clones): the replays of a retry storm then cost no round trip.
+    /// Default: one second. `Duration::ZERO` reads every replay from the
+    /// database.
+    ///
+    /// A completed record does not change until it expires, so a kept
+    /// answer is the stored one, byte for byte, and it is never answered
+    /// past the record's retention (counted by the database's clock at the
+    /// lookup, from before the lookup was sent). What a process cannot see
+    /// is a record deleted or edited by hand: each answers its copy for at
+    /// most this long. While the database is unreachable, a kept answer
+    /// is still replayed (it is the stored one) where a lookup would
+    /// answer 503. At most 8,192 answers of up to 16 KiB each and 16 MiB
+    /// in all are kept; larger answers are always read.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # let store = idem::PgStore::connect("postgres://127.0.0.1/app").unwrap();
+    /// // Every replay from the database, for a table edited by hand.
+    /// let store = store.with_replay_cache(Duration::ZERO);
+    /// # }
+    /// ```
+    pub fn with_replay_cache(mut self, keep: Duration) -> Self {
+        self.replays = std::sync::Arc::new(sql::replays::Replays::new(keep));
+        self
     }
 
     /// Bounds every operation (connection included) by `timeout`; past it the
@@ -341,6 +379,7 @@ impl PgStore {
             complete_group: complete_group.into(),
             complete_free: complete_free.into(),
             completions: std::sync::Arc::default(),
+            replays: std::sync::Arc::new(sql::replays::Replays::new(DEFAULT_REPLAY_CACHE)),
             timeout: DEFAULT_OPERATION_TIMEOUT,
         })
     }
@@ -819,6 +858,12 @@ impl Drop for GroupWriter {
 
 impl IdempotencyStore for PgStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
+        if let Some(kept) = self.replays.find(req.id, req.fingerprint) {
+            return Box::pin(async move {
+                pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+                Ok(kept)
+            });
+        }
         // On the caller's runtime: the pool's connections are registered
         // with the runtime that opened them.
         Box::pin(sql::reserve_detached(
@@ -840,6 +885,8 @@ impl PgStore {
         // replay allocates nothing for it.
         let operation_id = random_token_inline();
         let get_err = |e: sqlx::Error| StoreError::backend(e.to_string());
+        // Before the lookup is sent: a kept answer's time is counted from here.
+        let sent = std::time::Instant::now();
         // First the lookup: a record to answer from is judged here, and a
         // fresh key is taken by the function in the same round trip.
         let row = self
@@ -850,7 +897,11 @@ impl PgStore {
         if let Some(taken) = taken {
             return self.taken(&taken, &req).await;
         }
-        if let Some(answer) = judge_found(&row, req.fingerprint)? {
+        if let Some((answer, left)) = judge_found(&row, req.fingerprint)? {
+            if let (Reservation::Completed(stored), Some(left)) = (&answer, left) {
+                self.replays
+                    .keep_answer(req.id, req.fingerprint, stored, sent, left);
+            }
             pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
             return Ok(answer);
         }
@@ -1026,7 +1077,12 @@ impl sqlx::Decode<'_, sqlx::Postgres> for Micros {
 /// as its migrations made them (such as a NULL expiry): SQL compares
 /// whatever is there, as it did before this lookup. (The lookup casts the
 /// status and the times to the types read here, whatever the columns'.)
-fn judge_found(row: &sqlx::postgres::PgRow, fingerprint: &str) -> Result<Option<Reservation>, StoreError> {
+/// With a completed record found, the retention it has left by the
+/// database's clock (`None` for the rest).
+fn judge_found(
+    row: &sqlx::postgres::PgRow,
+    fingerprint: &str,
+) -> Result<Option<(Reservation, Option<Duration>)>, StoreError> {
     use crate::store::RecordState;
     use sqlx::Row as _;
     let (Ok(Some(state)), Ok(stored_fp), Ok(Some(Micros(now)))) = (
@@ -1053,7 +1109,11 @@ fn judge_found(row: &sqlx::postgres::PgRow, fingerprint: &str) -> Result<Option<
             row.try_get(3).map_err(get_err)?,
             row.try_get(4).map_err(get_err)?,
         )?;
-        return Ok(Some(sql::judge_existing(same, Some(stored), Duration::ZERO)));
+        let left = Duration::from_micros(u64::try_from(i128::from(expires) - i128::from(now)).unwrap_or(0));
+        return Ok(Some((
+            sql::judge_existing(same, Some(stored), Duration::ZERO),
+            Some(left),
+        )));
     }
     let Ok(Some(Micros(lock))) = row.try_get::<Option<Micros>, _>(5) else {
         return Ok(None);
@@ -1062,7 +1122,7 @@ fn judge_found(row: &sqlx::postgres::PgRow, fingerprint: &str) -> Result<Option<
         // The lock left in whole milliseconds, rounded up, as SQL gives it.
         let left_ms = (i128::from(lock) - i128::from(now) + 999) / 1000;
         let left = Duration::from_millis(u64::try_from(left_ms).unwrap_or(u64::MAX));
-        return Ok(Some(sql::judge_existing(same, None, left)));
+        return Ok(Some((sql::judge_existing(same, None, left), None)));
     }
     Ok(None)
 }
