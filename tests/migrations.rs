@@ -737,7 +737,8 @@ async fn postgres_the_check_drop_drops_only_the_first_schemas_check() {
 
 /// Replays, conflicts and mismatches are the lookup alone: the reservation
 /// function runs only for the two fresh keys (PostgreSQL's own count of its
-/// calls, `track_functions`).
+/// calls, `track_functions`). Every replay and mismatch is read from the
+/// database (no answer kept in memory), so that each is a lookup.
 #[tokio::test]
 async fn postgres_replays_and_conflicts_never_call_the_reservation_function() {
     let Some(url) = idem_testkit::pg_url() else { return };
@@ -749,7 +750,8 @@ async fn postgres_replays_and_conflicts_never_call_the_reservation_function() {
         .unwrap();
     let store = PgStore::new(pool.clone())
         .with_table(Some(&schema), "idempotency_keys")
-        .unwrap();
+        .unwrap()
+        .with_replay_cache(Duration::ZERO);
     let (done, held) = (RecordId::new("t", "s", "done"), RecordId::new("t", "s", "held"));
     let Reservation::Reserved(lease) = store.reserve(req(&done, "fp")).await.unwrap() else {
         panic!("a fresh key is taken")

@@ -202,8 +202,11 @@ impl PgStore {
     /// is a record deleted or edited by hand: each answers its copy for at
     /// most this long. While the database is unreachable, a kept answer
     /// is still replayed (it is the stored one) where a lookup would
-    /// answer 503. At most 8,192 answers of up to 16 KiB each and 16 MiB
-    /// in all are kept; larger answers are always read.
+    /// answer 503; and a jump forward of the database's clock, or a
+    /// suspend of the host (the monotonic clock stops), may let a kept
+    /// answer outlive the record's retention by up to this long. At most
+    /// 8,192 answers of up to 16 KiB each (body and headers) and 16 MiB in
+    /// all are kept; larger answers are always read.
     ///
     /// ```
     /// # use std::time::Duration;

@@ -14,14 +14,15 @@
 
 use crate::store::{RecordId, Reservation, StoredResponse};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The most entries kept at once.
 pub(crate) const MAX_ENTRIES: usize = 8192;
 /// The most bytes of answers kept at once (by [`size`]).
 pub(crate) const MAX_BYTES: usize = 16 << 20;
-/// The largest answer kept: larger ones are always read from the store.
+/// The largest answer kept (by [`size`]: its body, its headers and its
+/// texts): larger ones are always read from the store.
 pub(crate) const MAX_ANSWER_BYTES: usize = 16 << 10;
 /// How often a full cache is swept of its expired entries, at most.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
@@ -43,7 +44,9 @@ struct Kept {
 #[derive(Debug)]
 struct Entry {
     fingerprint: Box<str>,
-    answer: StoredResponse,
+    /// Copied out of the map after the lock is let go: a hit holds it
+    /// only for the lookup.
+    answer: Arc<StoredResponse>,
     until: Instant,
     bytes: usize,
 }
@@ -91,19 +94,21 @@ impl Replays {
     }
 
     fn find_at(&self, id: &RecordId, fingerprint: &str, now: Instant) -> Option<Reservation> {
-        let mut kept = self.lock();
-        let entry = kept.entries.get(id)?;
-        if now >= entry.until {
-            if let Some(gone) = kept.entries.remove(id) {
-                kept.bytes = kept.bytes.saturating_sub(gone.bytes);
+        let answer = {
+            let mut kept = self.lock();
+            let entry = kept.entries.get(id)?;
+            if now >= entry.until {
+                if let Some(gone) = kept.entries.remove(id) {
+                    kept.bytes = kept.bytes.saturating_sub(gone.bytes);
+                }
+                return None;
             }
-            return None;
-        }
-        Some(if *entry.fingerprint == *fingerprint {
-            Reservation::Completed(entry.answer.clone())
-        } else {
-            Reservation::Mismatch
-        })
+            if *entry.fingerprint != *fingerprint {
+                return Some(Reservation::Mismatch);
+            }
+            Arc::clone(&entry.answer)
+        };
+        Some(Reservation::Completed(StoredResponse::clone(&answer)))
     }
 
     /// Keeps the answer of a completed record that a lookup sent at `sent`
@@ -116,7 +121,11 @@ impl Replays {
         sent: Instant,
         left: Duration,
     ) {
-        if self.keep.is_zero() || answer.body.as_ref().map_or(0, Vec::len) > MAX_ANSWER_BYTES {
+        if self.keep.is_zero() {
+            return;
+        }
+        let bytes = size(id, fingerprint, answer);
+        if bytes > MAX_ANSWER_BYTES {
             return;
         }
         let Some(until) = sent.checked_add(self.keep.min(left)) else {
@@ -126,7 +135,6 @@ impl Replays {
         if until <= now {
             return;
         }
-        let bytes = size(id, fingerprint, answer);
         let mut kept = self.lock();
         if let Some(old) = kept.entries.get(id) {
             // Another reservation kept it first: the same answer.
@@ -146,7 +154,7 @@ impl Replays {
         }
         let entry = Entry {
             fingerprint: fingerprint.into(),
-            answer: answer.clone(),
+            answer: Arc::new(answer.clone()),
             until,
             bytes,
         };
@@ -236,6 +244,27 @@ mod tests {
             Duration::from_secs(60),
         );
         assert!(on.find(&id("big"), "fp").is_none());
+        // Its headers count as much as its body.
+        let mut headers = answer(3);
+        headers
+            .headers
+            .push(("location".into(), vec![b'/'; MAX_ANSWER_BYTES]));
+        on.keep_answer(
+            &id("long"),
+            "fp",
+            &headers,
+            Instant::now(),
+            Duration::from_secs(60),
+        );
+        assert!(on.find(&id("long"), "fp").is_none());
+        let many = StoredResponse {
+            headers: (0..MAX_ANSWER_BYTES / 64)
+                .map(|i| (format!("x-{i}"), vec![b'v'; 32]))
+                .collect(),
+            ..answer(3)
+        };
+        on.keep_answer(&id("many"), "fp", &many, Instant::now(), Duration::from_secs(60));
+        assert!(on.find(&id("many"), "fp").is_none());
         for i in 0..MAX_ENTRIES + 10 {
             on.keep_answer(
                 &id(&i.to_string()),
