@@ -3364,8 +3364,20 @@ mod pg_begins_cut {
         connections: u32,
         routes: Router<Db>,
     ) -> (std::net::SocketAddr, Db, String) {
+        served_within(url, connections, Duration::from_secs(10), routes).await
+    }
+
+    /// [`served`], with the store's bound on each operation.
+    async fn served_within(
+        url: &str,
+        connections: u32,
+        timeout: Duration,
+        routes: Router<Db>,
+    ) -> (std::net::SocketAddr, Db, String) {
         let schema = idem_testkit::pg_schema(url).await;
-        let store = idem_testkit::pg_store_in(url, &schema, connections).await;
+        let store = idem_testkit::pg_store_in(url, &schema, connections)
+            .await
+            .with_timeout(timeout);
         let db = Db::Pg(store.pool().clone(), schema.clone());
         db.create_table().await;
         let app = routes
@@ -3698,6 +3710,112 @@ mod pg_begins_cut {
         );
         std::mem::forget(inner);
         StatusCode::CREATED
+    }
+
+    static GIVEN_UP_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+    /// Leaves a nested transaction open after a write, then gives up on a
+    /// statement that waits on a row the test holds, and answers 500.
+    #[idempotent(scope = "begin_cut.given_up_in_leaked")]
+    async fn given_up_in_leaked(State(db): State<Db>, op: Operation) -> StatusCode {
+        leave_open(&db, &op).await;
+        let mut conn = op.pg_transaction().await.unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        GIVEN_UP_PID.store(pid, Ordering::SeqCst);
+        let pending = insert(&mut conn, &db.effects(), "blocked")
+            .now_or_never()
+            .is_none();
+        assert!(pending, "the insert waits on the test's row");
+        StatusCode::INTERNAL_SERVER_ERROR
+    }
+
+    /// The same, when a statement the handler gave up on fails after the
+    /// answer (cancelled here, as a `lock_timeout` or a deadlock would end
+    /// it): its failure, read before idem's `ROLLBACK` is sent, does not
+    /// stand for that `ROLLBACK`'s answer. The whole transaction is rolled
+    /// back, and the pool's connections are fit for what follows.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nested_transaction_left_open_over_a_statement_given_up_on_is_rolled_back_whole() {
+        use sqlx::Connection as _;
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let routes = Router::new()
+            .route("/given_up", post(given_up_in_leaked))
+            .route("/plain", post(plain));
+        let (addr, db, schema) = served_within(&url, 2, Duration::from_secs(1), routes).await;
+        let mut blocker = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+        insert(&mut blocker, &db.effects(), "blocked").await.unwrap();
+        // The mark cannot be read behind the statement (the store's bound
+        // runs out), and sqlx counts two levels: whether the transaction
+        // is still idem's cannot be told.
+        let first = post_req("/given_up", "").key("k-given-up").send(addr).await;
+        let body = String::from_utf8_lossy(&first.body).into_owned();
+        assert_eq!(first.status, 503, "{body}");
+        assert!(body.contains("could not be recorded"), "{body}");
+        let check = sqlx::PgPool::connect(&url).await.unwrap();
+        let pid = GIVEN_UP_PID.load(Ordering::SeqCst);
+        let state = |pid: i32| {
+            let check = check.clone();
+            async move {
+                sqlx::query_scalar::<_, Option<String>>("SELECT state FROM pg_stat_activity WHERE pid = $1")
+                    .bind(pid)
+                    .fetch_optional(&check)
+                    .await
+                    .unwrap()
+                    .flatten()
+            }
+        };
+        assert_eq!(
+            state(pid).await.as_deref(),
+            Some("active"),
+            "the statement given up on still waits"
+        );
+        let cancelled: bool = sqlx::query_scalar("SELECT pg_cancel_backend($1)")
+            .bind(pid)
+            .fetch_one(&check)
+            .await
+            .unwrap();
+        assert!(cancelled);
+        // Until the backend no longer runs the statement (a condition, not
+        // an ordering).
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while state(pid).await.as_deref() == Some("active") {
+            assert!(std::time::Instant::now() < until, "the statement never ended");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+        for i in 0..3 {
+            let key = format!("k-next-{i}");
+            let r = post_req("/plain", "").key(&key).send(addr).await;
+            assert_eq!(r.status, 201);
+            let state: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT state FROM \"{schema}\".idempotency_keys WHERE key = $1"
+            )))
+            .bind(&key)
+            .fetch_optional(&check)
+            .await
+            .unwrap();
+            assert_eq!(
+                state.as_deref(),
+                Some("completed"),
+                "{key}: a 201 that did not commit"
+            );
+        }
+        assert_eq!(db.count().await, 0, "the handler's writes committed");
+        let (record, lock): (String, Option<String>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT state, lock_token FROM \"{schema}\".idempotency_keys WHERE key = 'k-given-up'"
+        )))
+        .fetch_one(&check)
+        .await
+        .unwrap();
+        assert_eq!(
+            (record.as_str(), lock),
+            ("in_progress", None),
+            "the key given back"
+        );
     }
 
     /// A nested transaction left open under an execution that does not

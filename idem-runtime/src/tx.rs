@@ -129,19 +129,42 @@ fn pg_depth(conn: &sqlx::PgConnection) -> usize {
 /// dropped: from one level, sqlx's `ROLLBACK` finds none to end (a warning);
 /// from more, its `ROLLBACK TO SAVEPOINT` fails, and the pool closes the
 /// connection.
+///
+/// A statement given up on before (the handler's, or idem's check cut by
+/// its bound) may still have its answer to come: sqlx reads it before it
+/// sends the next statement, and a failure there is returned as that
+/// statement's own, which is then never sent. So the `ROLLBACK` is sent
+/// again until it is answered itself (each try reads one such failure), or
+/// the connection is found broken (the pool's check then closes it).
 #[cfg(feature = "postgres")]
 fn pg_let_go(mut tx: sqlx::Transaction<'static, sqlx::Postgres>) {
     drop(tokio::spawn(tracing::Instrument::in_current_span(async move {
-        log_rollback(
-            sqlx::raw_sql("ROLLBACK")
+        let mut tries = 0;
+        let rolled_back = loop {
+            tries += 1;
+            match sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await {
+                Ok(_) => break Ok(()),
+                // An earlier statement's failure, read first.
+                Err(sqlx::Error::Database(_)) if tries < PG_LET_GO_TRIES => {}
+                Err(e) => break Err(crate::sql::map_err(e)),
+            }
+        };
+        if rolled_back.is_err() {
+            // Not known to be outside a transaction: ended by the server
+            // with the session, not given back to the pool so.
+            let _ = sqlx::raw_sql("SELECT pg_terminate_backend(pg_backend_pid())")
                 .execute(&mut *tx)
-                .await
-                .map(drop)
-                .map_err(crate::sql::map_err),
-        );
+                .await;
+        }
+        log_rollback(rolled_back);
         drop(tx);
     })));
 }
+
+/// How many answers [`pg_let_go`] reads before its own `ROLLBACK`'s, at
+/// most: one per statement given up on, of which a handler leaves few.
+#[cfg(feature = "postgres")]
+const PG_LET_GO_TRIES: u32 = 64;
 
 #[cfg(feature = "sqlite")]
 impl PendingTx {
