@@ -3545,6 +3545,16 @@ mod pg_begins_cut {
     type Gate = (oneshot::Sender<()>, oneshot::Receiver<()>);
     static NESTED_GATE: Mutex<Option<Gate>> = Mutex::new(None);
 
+    /// A connection of the test's whose open transaction holds the row
+    /// `blocked` of the effects table: a handler's insert of it waits.
+    async fn holding_blocked(url: &str, db: &Db) -> sqlx::PgConnection {
+        use sqlx::Connection as _;
+        let mut blocker = sqlx::PgConnection::connect(url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+        insert(&mut blocker, &db.effects(), "blocked").await.unwrap();
+        blocker
+    }
+
     pub(super) async fn insert(
         conn: &mut sqlx::PgConnection,
         table: &str,
@@ -3584,15 +3594,12 @@ mod pg_begins_cut {
     /// sees exactly what committed: the write made after the end.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_nested_begin_given_up_on_is_not_answered_as_recorded() {
-        use sqlx::Connection as _;
         let Some(url) = idem_testkit::pg_url() else { return };
         let routes = Router::new()
             .route("/nested", post(nested))
             .route("/plain", post(plain));
         let (addr, db, schema) = served(&url, 5, routes).await;
-        let mut blocker = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
-        insert(&mut blocker, &db.effects(), "blocked").await.unwrap();
+        let mut blocker = holding_blocked(&url, &db).await;
         let (at_cut_tx, at_cut_rx) = oneshot::channel();
         let (go_tx, go_rx) = oneshot::channel();
         *NESTED_GATE.lock().unwrap() = Some((at_cut_tx, go_rx));
@@ -3739,15 +3746,12 @@ mod pg_begins_cut {
     /// back, and the pool's connections are fit for what follows.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_nested_transaction_left_open_over_a_statement_given_up_on_is_rolled_back_whole() {
-        use sqlx::Connection as _;
         let Some(url) = idem_testkit::pg_url() else { return };
         let routes = Router::new()
             .route("/given_up", post(given_up_in_leaked))
             .route("/plain", post(plain));
         let (addr, db, schema) = served_within(&url, 2, Duration::from_secs(1), routes).await;
-        let mut blocker = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
-        insert(&mut blocker, &db.effects(), "blocked").await.unwrap();
+        let mut blocker = holding_blocked(&url, &db).await;
         // The mark cannot be read behind the statement (the store's bound
         // runs out), and sqlx counts two levels: whether the transaction
         // is still idem's cannot be told.
