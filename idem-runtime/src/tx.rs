@@ -54,8 +54,9 @@ impl PendingTx {
 
 /// Where a handler's PostgreSQL transaction stands, told by idem's mark
 /// (`SET LOCAL idem.handler` to 128 random bits drawn for the transaction,
-/// set with its `BEGIN`, and gone with the transaction). sqlx's own count of the levels open cannot tell it: a
-/// begin of the handler's cut between its statement and the answer makes
+/// set with its `BEGIN`, and gone with the transaction). sqlx's own count
+/// of the levels open cannot tell it: a begin of the handler's cut between
+/// its statement and the answer makes
 /// sqlx roll back the levels it counted before, often the whole transaction
 /// (what the handler writes after that commits on its own), and at none
 /// asks nothing while the server opens a transaction of its own; and a
@@ -134,8 +135,11 @@ fn pg_depth(conn: &sqlx::PgConnection) -> usize {
 /// its bound) may still have its answer to come: sqlx reads it before it
 /// sends the next statement, and a failure there is returned as that
 /// statement's own, which is then never sent. So the `ROLLBACK` is sent
-/// again until it is answered itself (each try reads one such failure), or
-/// the connection is found broken (the pool's check then closes it).
+/// again until it is answered itself (each try reads one such failure).
+/// When it cannot be (the connection broken, or [`PG_LET_GO_TRIES`]
+/// failures read), the session is ended by the server instead
+/// (`pg_terminate_backend` of its own), and the pool's check closes the
+/// connection.
 #[cfg(feature = "postgres")]
 fn pg_let_go(mut tx: sqlx::Transaction<'static, sqlx::Postgres>) {
     drop(tokio::spawn(tracing::Instrument::in_current_span(async move {
