@@ -1031,6 +1031,189 @@ async fn postgres_kept_answers_are_per_record_and_end_with_the_record() {
     assert_ne!(again.operation_id, first.operation_id);
 }
 
+/// Runs `set` on the row of `id` in `schema`'s table, by hand (as an
+/// operator would), and says how many rows it changed.
+async fn edit_by_hand(store: &idem::PgStore, schema: &str, id: &RecordId, set: &str) -> u64 {
+    let sql = format!(
+        "UPDATE \"{schema}\".idempotency_keys SET {set} WHERE tenant = $1 AND scope = $2 AND key = $3"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(&id.tenant)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .execute(store.pool())
+        .await
+        .unwrap()
+        .rows_affected()
+}
+
+/// Moves the lock of `key` past its deadline by hand: the database would
+/// let any request take it over. What a request gets then says whether it
+/// was answered from what the process knows (a 409) or by the database (a
+/// takeover).
+async fn stale_by_hand(store: &idem::PgStore, schema: &str, id: &RecordId) {
+    let stale = "lock_expires_at = now() - interval '1 second'";
+    assert_eq!(edit_by_hand(store, schema, id, stale).await, 1);
+}
+
+fn is_takeover(found: &Reservation) -> bool {
+    matches!(found, Reservation::Reserved(lease) if lease.is_takeover())
+}
+
+/// A conflict with an execution of this process is answered from what the
+/// process knows, from its reservation (a 409 with the lock left, a
+/// mismatch for another fingerprint, in the store and its clones; never in
+/// another process), until the execution's first write: from the
+/// completion, release, rejection or hand-back on, the database answers,
+/// at once.
+#[tokio::test]
+async fn postgres_a_conflict_with_this_process_execution_is_answered_from_memory_until_its_write() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    // A bound longer than the lock: the lock's deadline ends what is known.
+    let store = idem_testkit::pg_store_in(&url, &schema, 2)
+        .await
+        .with_replay_cache(LONG);
+    let lock = Duration::from_secs(30);
+    let id = |key: &str| RecordId::new("t1", "running", key);
+
+    let lease = take(&store, &id("a"), "fp", LONG, lock).await;
+    stale_by_hand(&store, &schema, &id("a")).await;
+    let Reservation::InProgress { retry_after } = reserve(&store.clone(), &id("a"), "fp", LONG, lock).await
+    else {
+        panic!("a conflict with this process's execution, answered from what it knows");
+    };
+    assert!(
+        retry_after > Duration::from_secs(20) && retry_after <= lock,
+        "{retry_after:?}"
+    );
+    assert_eq!(
+        reserve(&store, &id("a"), "other", LONG, lock).await,
+        Reservation::Mismatch
+    );
+    // Another tenant's record under the same key is another record.
+    take(&store, &RecordId::new("t2", "running", "a"), "fp", LONG, lock).await;
+    let live = "lock_expires_at = now() + interval '30 seconds'";
+    assert_eq!(edit_by_hand(&store, &schema, &id("a"), live).await, 1);
+    // Completed: replayed at once.
+    store
+        .complete(&id("a"), &lease.token, &response("a"))
+        .await
+        .unwrap();
+    assert_eq!(
+        reserve(&store, &id("a"), "fp", LONG, lock).await,
+        Reservation::Completed(response("a"))
+    );
+
+    // Released as failed: the same request retries it at once.
+    let b = take(&store, &id("b"), "fp", LONG, lock).await;
+    store.release(&id("b"), &b.token).await.unwrap();
+    let again = take(&store, &id("b"), "fp", LONG, lock).await;
+    assert_eq!(again.attempt, 2);
+    // Rejected: the key is free at once.
+    let c = take(&store, &id("c"), "fp", LONG, lock).await;
+    store.reject(&id("c"), &c.token).await.unwrap();
+    assert_eq!(take(&store, &id("c"), "other", LONG, lock).await.attempt, 1);
+    // Handed back: as it was found, at once.
+    let d = take(&store, &id("d"), "fp", LONG, lock).await;
+    store.hand_back(&id("d"), &d.token, false).await.unwrap();
+    assert_eq!(take(&store, &id("d"), "fp", LONG, lock).await.attempt, 1);
+
+    // Another process's store knows nothing of this one's executions: the
+    // database answers it (here the lock moved by hand: a takeover).
+    let e = take(&store, &id("e"), "fp", LONG, lock).await;
+    stale_by_hand(&store, &schema, &id("e")).await;
+    let elsewhere = idem_testkit::pg_store_in(&url, &schema, 2).await;
+    assert!(is_takeover(
+        &reserve(&elsewhere, &id("e"), "fp", LONG, lock).await
+    ));
+    // Its lock lost, this execution's heartbeat fails, and what this
+    // process knew of it goes: the database answers (the other process's
+    // execution holds it now).
+    assert_eq!(
+        store.extend_lock(&id("e"), &e.token, lock).await,
+        Err(StoreError::LockLost)
+    );
+    stale_by_hand(&store, &schema, &id("e")).await;
+    assert!(is_takeover(&reserve(&store, &id("e"), "fp", LONG, lock).await));
+}
+
+/// The completion drops what the process knows of its execution before
+/// its statement is sent: stopped there, a conflict is the database's to
+/// answer (here, a lock moved past its deadline by hand: a takeover, which
+/// then fences the completion out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_completion_about_to_be_sent_leaves_conflicts_to_the_database() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 4)
+        .await
+        .with_replay_cache(LONG);
+    let (ids, _leases, _holders, turn, first) = hold_the_first_completion(&store, &url, &["sent"]).await;
+    stale_by_hand(&store, &schema, &ids[0]).await;
+    assert!(is_takeover(&reserve(&store, &ids[0], "fp", LONG, LONG).await));
+    turn.resume();
+    assert_eq!(first.await.unwrap(), Err(StoreError::LockLost));
+}
+
+/// Past the bound, a conflict with this process's execution is read from
+/// the database, whose answer confirms it for the bound again (the record
+/// still in progress under its token), as a successful heartbeat does; a
+/// record found under another token (edited by hand) drops it.
+#[tokio::test]
+async fn postgres_this_process_execution_is_confirmed_by_the_database_past_the_bound() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let bound = idem::DEFAULT_REPLAY_CACHE;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
+    let lock = Duration::from_secs(30);
+    let id = |key: &str| RecordId::new("t1", "confirmed", key);
+    let a = take(&store, &id("a"), "fp", LONG, lock).await;
+    let b = take(&store, &id("b"), "fp", LONG, lock).await;
+    let c = take(&store, &id("c"), "fp", LONG, lock).await;
+    let _ = (&a, &c);
+    // Not a wait for an ordering: the bound must pass.
+    tokio::time::sleep(bound + Duration::from_millis(50)).await;
+
+    // `a`: read from the database (in progress under its token), and so
+    // confirmed.
+    assert!(matches!(
+        reserve(&store, &id("a"), "fp", LONG, lock).await,
+        Reservation::InProgress { .. }
+    ));
+    stale_by_hand(&store, &schema, &id("a")).await;
+    assert!(matches!(
+        reserve(&store, &id("a"), "fp", LONG, lock).await,
+        Reservation::InProgress { .. }
+    ));
+    // `b`: confirmed by its heartbeat.
+    store.extend_lock(&id("b"), &b.token, lock).await.unwrap();
+    stale_by_hand(&store, &schema, &id("b")).await;
+    assert!(matches!(
+        reserve(&store, &id("b"), "fp", LONG, lock).await,
+        Reservation::InProgress { .. }
+    ));
+    // `c`: found under another token, dropped; the database answers from
+    // then on.
+    assert_eq!(
+        edit_by_hand(&store, &schema, &id("c"), "lock_token = 'edited'").await,
+        1
+    );
+    assert!(matches!(
+        reserve(&store, &id("c"), "fp", LONG, lock).await,
+        Reservation::InProgress { .. }
+    ));
+    stale_by_hand(&store, &schema, &id("c")).await;
+    assert!(is_takeover(&reserve(&store, &id("c"), "fp", LONG, lock).await));
+    // And with a zero bound nothing is known: the database answers.
+    let off = idem_testkit::pg_store_in(&url, &schema, 2)
+        .await
+        .with_replay_cache(Duration::ZERO);
+    take(&off, &id("d"), "fp", LONG, lock).await;
+    stale_by_hand(&off, &schema, &id("d")).await;
+    assert!(is_takeover(&reserve(&off, &id("d"), "fp", LONG, lock).await));
+}
+
 #[tokio::test]
 async fn sqlite_the_database_clock_decides_expiry() {
     let (store, _dir) = idem_testkit::sqlite_store().await;
@@ -1321,7 +1504,11 @@ async fn postgres_a_table_whose_columns_were_changed_by_hand_is_answered_as_befo
         ),
     ] {
         let schema = idem_testkit::pg_schema(&url).await;
-        let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
+        // The lookup is what is tested, on rows edited by hand: a store
+        // that keeps nothing in memory reads each answer.
+        let store = idem_testkit::pg_store_in(&url, &schema, 2)
+            .await
+            .with_replay_cache(Duration::ZERO);
         let table = format!("\"{schema}\".idempotency_keys");
         sqlx::raw_sql(sqlx::AssertSqlSafe(alter.replace("{t}", &table)))
             .execute(store.pool())

@@ -377,6 +377,9 @@ async fn complete_pg(
             return Err(TxFailure::Unclear(e));
         }
     }
+    // Before the completion is sent: its conflicts are no longer answered
+    // from memory.
+    pg.finish_running(id, token);
     if let Err(e) = deadline
         .bound(pg.complete_with(&mut *tx, id, token, response))
         .await

@@ -498,7 +498,7 @@ impl Statements {
             stored: format!(
                 "SELECT fingerprint, state, CAST(response_status AS BIGINT) AS response_status, \
                  response_headers, response_body, CAST(lock_expires_at AS TIMESTAMPTZ) AS lock_expires_at, \
-                 CAST(expires_at AS TIMESTAMPTZ) AS expires_at FROM {t} WHERE {id}"
+                 CAST(expires_at AS TIMESTAMPTZ) AS expires_at, lock_token FROM {t} WHERE {id}"
             ),
             // The answer is kept a whole TTL from its completion.
             complete: format!(

@@ -38,7 +38,7 @@ pub const DEFAULT_REPLAY_CACHE: Duration = Duration::from_secs(1);
 /// | --- | --- |
 /// | first request (reserve, then complete or release) | 2 |
 /// | replay of a completed record | 1; none while its answer is kept ([`PgStore::with_replay_cache`]) |
-/// | conflict (in progress, or fingerprint mismatch; a mismatch on a record whose lock is past its deadline: 2) | 1; none for a mismatch on a kept answer |
+/// | conflict (in progress, or fingerprint mismatch; a mismatch on a record whose lock is past its deadline: 2) | 1; none for a conflict with an execution of this process, or a mismatch on a kept answer ([`PgStore::with_replay_cache`]) |
 /// | takeover after the lock deadline, retry of a released key, or an expired key reserved afresh (reserve, then complete) | 3 |
 ///
 /// A request that races the very insert that created the row may need one
@@ -191,9 +191,10 @@ impl PgStore {
 
     /// How long a completed record's answer, once a reservation has read
     /// it, is answered from this process's memory (for the store and its
-    /// clones): the replays of a retry storm then cost no round trip.
-    /// Default: one second. `Duration::ZERO` reads every replay from the
-    /// database.
+    /// clones): the replays of a retry storm then cost no round trip; and
+    /// so are the conflicts with the process's own executions (below).
+    /// Default: one second. `Duration::ZERO` reads every replay and every
+    /// conflict from the database.
     ///
     /// A completed record does not change until it expires, so a kept
     /// answer is the stored one, byte for byte, and it is never answered
@@ -207,6 +208,19 @@ impl PgStore {
     /// answer outlive the record's retention by up to this long. At most
     /// 8,192 answers of up to 16 KiB each (body and headers) and 16 MiB in
     /// all are kept; larger answers are always read.
+    ///
+    /// The same bound covers the store's own executions: from the
+    /// reservation that handed an execution its lease until that
+    /// execution's first write to the record (its completion, release or
+    /// hand-back: dropped before the write is sent), a conflicting request
+    /// to this store or its clones is answered from memory, a 409 with the
+    /// lock left or a mismatch, for the bound at most and never past the
+    /// lock's deadline (counted from before the reservation was sent). A
+    /// heartbeat that succeeds, or a lookup that finds the record still in
+    /// progress under the execution's token, confirms it for the bound
+    /// again; a heartbeat that fails, or a lookup that finds another token,
+    /// drops it. A record in progress freed by hand is answered 409 by this
+    /// process for up to the bound.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -342,7 +356,7 @@ impl PgStore {
         let lookup = format!(
             "SELECT p.fingerprint, p.state, p.response_status, p.response_headers, p.response_body, \
              p.lock_expires_at, p.expires_at, now() AS now, CASE WHEN p.state IS NULL \
-             THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END AS taken \
+             THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END AS taken, p.lock_token \
              FROM (VALUES (1)) AS one (x) LEFT JOIN ({stored}) AS p ON TRUE",
             stored = sql.stored,
             function = sql.reserve_function,
@@ -658,6 +672,13 @@ impl PgStore {
         self.completions.lock().waiting.len()
     }
 
+    /// The execution holding `id` under `token` is about to write to it
+    /// (see [`sql::replays::Replays::finish`]).
+    #[cfg(feature = "axum")]
+    pub(crate) fn finish_running(&self, id: &crate::store::RecordId, token: &str) {
+        self.replays.finish(id, token);
+    }
+
     /// The bound on one store operation.
     #[cfg(feature = "axum")]
     pub(crate) fn timeout(&self) -> Duration {
@@ -867,15 +888,23 @@ impl IdempotencyStore for PgStore {
                 Ok(kept)
             });
         }
-        // On the caller's runtime: the pool's connections are registered
-        // with the runtime that opened them.
-        Box::pin(sql::reserve_detached(
-            self,
-            self.timeout,
-            None,
-            req,
-            |store, req| Box::pin(async move { store.reserve_once(req.request()).await }),
-        ))
+        // Before anything is sent: the lock of a key taken is counted from here.
+        let sent = std::time::Instant::now();
+        Box::pin(async move {
+            // On the caller's runtime: the pool's connections are registered
+            // with the runtime that opened them.
+            let reserved = sql::reserve_detached(self, self.timeout, None, req, |store, req| {
+                Box::pin(async move { store.reserve_once(req.request()).await })
+            })
+            .await?;
+            // Known only once its caller has it: a reservation whose caller
+            // gave up on it is handed back, and never known here.
+            if let Reservation::Reserved(lease) = &reserved {
+                self.replays
+                    .run(req.id, req.fingerprint, &lease.token, sent, req.lock_timeout);
+            }
+            Ok(reserved)
+        })
     }
 
     sql::fenced_ops!();
@@ -901,9 +930,19 @@ impl PgStore {
             return self.taken(&taken, &req).await;
         }
         if let Some((answer, left)) = judge_found(&row, req.fingerprint)? {
-            if let (Reservation::Completed(stored), Some(left)) = (&answer, left) {
-                self.replays
-                    .keep_answer(req.id, req.fingerprint, stored, sent, left);
+            match (&answer, left) {
+                (Reservation::Completed(stored), Holds::Retention(left)) => {
+                    self.replays
+                        .keep_answer(req.id, req.fingerprint, stored, sent, left);
+                }
+                // In progress (a conflict, or a mismatch with it): what
+                // this process knows of its own execution of it is
+                // confirmed, or dropped if another holds it now.
+                (_, Holds::Lock(left)) => {
+                    let token: Option<&str> = sqlx::Row::try_get(&row, 9).ok().flatten();
+                    self.replays.found_running(req.id, token, sent, left);
+                }
+                _ => {}
             }
             pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
             return Ok(answer);
@@ -1032,7 +1071,7 @@ fn lock_not_available(e: &StoreError) -> bool {
 }
 
 /// The lookup's columns, in this order, read by position.
-const LOOKUP_COLUMNS: [&str; 9] = [
+const LOOKUP_COLUMNS: [&str; 10] = [
     "fingerprint",
     "state",
     "response_status",
@@ -1042,6 +1081,7 @@ const LOOKUP_COLUMNS: [&str; 9] = [
     "expires_at",
     "now",
     "taken",
+    "lock_token",
 ];
 
 /// A `timestamptz` as PostgreSQL sends it: microseconds from its epoch,
@@ -1069,6 +1109,22 @@ impl sqlx::Decode<'_, sqlx::Postgres> for Micros {
     }
 }
 
+/// How long what a lookup found holds, by the database's clock from when
+/// the lookup ran.
+#[derive(Clone, Copy, Debug)]
+enum Holds {
+    /// A completed record's retention left.
+    Retention(Duration),
+    /// A lock's time left before its deadline.
+    Lock(Duration),
+}
+
+/// From `from` to `to`, in microseconds of the database's clock; zero when
+/// `to` is not later.
+fn micros_between(from: i64, to: i64) -> Duration {
+    Duration::from_micros(u64::try_from(i128::from(to) - i128::from(from)).unwrap_or(0))
+}
+
 /// The answer the lookup's record gives, where it is one SQL's judgement
 /// would give by plain comparisons with the same clock: a completed record
 /// before its expiry (a replay, or a mismatch), and one in progress under
@@ -1080,12 +1136,11 @@ impl sqlx::Decode<'_, sqlx::Postgres> for Micros {
 /// as its migrations made them (such as a NULL expiry): SQL compares
 /// whatever is there, as it did before this lookup. (The lookup casts the
 /// status and the times to the types read here, whatever the columns'.)
-/// With a completed record found, the retention it has left by the
-/// database's clock (`None` for the rest).
+/// With how long what it found holds by the database's clock.
 fn judge_found(
     row: &sqlx::postgres::PgRow,
     fingerprint: &str,
-) -> Result<Option<(Reservation, Option<Duration>)>, StoreError> {
+) -> Result<Option<(Reservation, Holds)>, StoreError> {
     use crate::store::RecordState;
     use sqlx::Row as _;
     let (Ok(Some(state)), Ok(stored_fp), Ok(Some(Micros(now)))) = (
@@ -1112,10 +1167,9 @@ fn judge_found(
             row.try_get(3).map_err(get_err)?,
             row.try_get(4).map_err(get_err)?,
         )?;
-        let left = Duration::from_micros(u64::try_from(i128::from(expires) - i128::from(now)).unwrap_or(0));
         return Ok(Some((
             sql::judge_existing(same, Some(stored), Duration::ZERO),
-            Some(left),
+            Holds::Retention(micros_between(now, expires)),
         )));
     }
     let Ok(Some(Micros(lock))) = row.try_get::<Option<Micros>, _>(5) else {
@@ -1125,7 +1179,10 @@ fn judge_found(
         // The lock left in whole milliseconds, rounded up, as SQL gives it.
         let left_ms = (i128::from(lock) - i128::from(now) + 999) / 1000;
         let left = Duration::from_millis(u64::try_from(left_ms).unwrap_or(u64::MAX));
-        return Ok(Some((sql::judge_existing(same, None, left), None)));
+        return Ok(Some((
+            sql::judge_existing(same, None, left),
+            Holds::Lock(micros_between(now, lock)),
+        )));
     }
     Ok(None)
 }

@@ -1,33 +1,47 @@
-//! Completed records' answers, kept in the process's memory for a moment
-//! after a reservation read them, so that a retry storm's replays are
-//! answered without a round trip (PostgreSQL's store; see
-//! [`crate::PgStore::with_replay_cache`]).
+//! What a PostgreSQL store knows of its records without asking the
+//! database, for a moment (see [`crate::PgStore::with_replay_cache`]):
 //!
-//! A completed record does not change until it expires or is deleted: its
-//! answer, fingerprint and expiry are fixed by its completion. An entry is
-//! kept for the shorter of the store's bound (one second by default) and
-//! the record's retention left, as the database's clock measured it when
-//! the lookup ran, counted from before the lookup was sent: it is never
-//! answered from past the record's expiry. What it cannot see is a record
-//! deleted or edited by hand (an operator freeing a key): each process
-//! answers its copy for at most the bound.
+//! - **Answers.** A completed record does not change until it expires or is
+//!   deleted: its answer, fingerprint and expiry are fixed by its
+//!   completion. Its answer, once a lookup read it, is kept for the shorter
+//!   of the store's bound (one second by default) and the record's
+//!   retention left, as the database's clock measured it when the lookup
+//!   ran, counted from before the lookup was sent: it is never answered
+//!   from past the record's expiry.
+//! - **Running executions.** A record this process's execution reserved
+//!   stays in progress, under its token, until that execution writes to it
+//!   (completes, releases, hands it back), and nobody may take it over
+//!   before its lock deadline. So, from its reservation until the first of
+//!   those writes is sent, a conflicting request is answered here: a 409
+//!   for the same fingerprint, a mismatch for another. The entry is dropped
+//!   *before* the write is sent (a request that finds none reads the
+//!   database), and its lock deadline is the one the database set, counted
+//!   from before the statement that set it was sent (so never later than
+//!   the database's). A heartbeat that fails drops it; one that succeeds,
+//!   or a lookup that finds the record still in progress under its token,
+//!   confirms it for the bound again; a lookup that finds another token
+//!   drops it.
+//!
+//! What neither can see is a record deleted or edited by hand (an operator
+//! freeing a key): each process answers what it knows for at most the
+//! bound.
 
 use crate::store::{RecordId, Reservation, StoredResponse};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// The most entries kept at once.
+/// The most entries kept at once (answers and running executions).
 pub(crate) const MAX_ENTRIES: usize = 8192;
-/// The most bytes of answers kept at once (by [`size`]).
+/// The most bytes kept at once (by [`size`]).
 pub(crate) const MAX_BYTES: usize = 16 << 20;
 /// The largest answer kept (by [`size`]: its body, its headers and its
 /// texts): larger ones are always read from the store.
 pub(crate) const MAX_ANSWER_BYTES: usize = 16 << 10;
-/// How often a full cache is swept of its expired entries, at most.
+/// How often a full map is swept of its expired entries, at most.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
-/// The answers, shared by a store's clones.
+/// What the store knows, shared by its clones.
 #[derive(Debug)]
 pub(crate) struct Replays {
     keep: Duration,
@@ -44,28 +58,53 @@ struct Kept {
 #[derive(Debug)]
 struct Entry {
     fingerprint: Box<str>,
-    /// Copied out of the map after the lock is let go: a hit holds it
-    /// only for the lookup.
-    answer: Arc<StoredResponse>,
+    known: Known,
+    /// Answered from until then (and, for a running execution, while its
+    /// lock holds).
     until: Instant,
     bytes: usize,
 }
 
+#[derive(Debug)]
+enum Known {
+    /// A completed record's answer. Copied out of the map after the lock
+    /// is let go: a hit holds it only for the lookup.
+    Answer(Arc<StoredResponse>),
+    /// A record this process's execution holds under `token`, its lock
+    /// valid until `lock_until` at least.
+    Running { token: Box<str>, lock_until: Instant },
+}
+
+impl Entry {
+    /// Past any use: an answer past its time, a lock past its deadline.
+    fn gone(&self, now: Instant) -> bool {
+        match &self.known {
+            Known::Answer(_) => now >= self.until,
+            Known::Running { lock_until, .. } => now >= *lock_until,
+        }
+    }
+}
+
 /// What an entry counts against [`MAX_BYTES`]: its texts and a share for
 /// the map.
-fn size(id: &RecordId, fingerprint: &str, answer: &StoredResponse) -> usize {
-    let headers: usize = answer.headers.iter().map(|(n, v)| n.len() + v.len() + 48).sum();
-    id.tenant.len()
-        + id.scope.len()
-        + id.key.len()
-        + fingerprint.len()
-        + headers
-        + answer.body.as_ref().map_or(0, Vec::len)
-        + 160
+fn size(id: &RecordId, fingerprint: &str, answer: Option<&StoredResponse>) -> usize {
+    let answer = answer.map_or(0, |answer| {
+        let headers: usize = answer.headers.iter().map(|(n, v)| n.len() + v.len() + 48).sum();
+        headers + answer.body.as_ref().map_or(0, Vec::len)
+    });
+    id.tenant.len() + id.scope.len() + id.key.len() + fingerprint.len() + answer + 160
+}
+
+/// `at + by`, or, past what an `Instant` can tell, a hundred years on
+/// (a lock that never expires); `at` itself where even that cannot be told.
+fn later(at: Instant, by: Duration) -> Instant {
+    at.checked_add(by)
+        .or_else(|| at.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(at)
 }
 
 impl Replays {
-    /// Answers kept for `keep` at most; `Duration::ZERO` keeps none.
+    /// Kept for `keep` at most; `Duration::ZERO` keeps nothing.
     pub(crate) fn new(keep: Duration) -> Self {
         Replays {
             keep,
@@ -73,7 +112,7 @@ impl Replays {
         }
     }
 
-    /// How long answers are kept, at most.
+    /// How long anything is kept, at most.
     pub(crate) fn keep(&self) -> Duration {
         self.keep
     }
@@ -84,8 +123,9 @@ impl Replays {
         self.kept.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The answer to a reservation of `id` with `fingerprint`, when a
-    /// completed record of it is kept: its replay, or a mismatch.
+    /// The answer to a reservation of `id` with `fingerprint`, when it is
+    /// known here: a kept answer's replay, a 409 for a record this
+    /// process's execution holds, or a mismatch with either.
     pub(crate) fn find(&self, id: &RecordId, fingerprint: &str) -> Option<Reservation> {
         if self.keep.is_zero() {
             return None;
@@ -97,22 +137,70 @@ impl Replays {
         let answer = {
             let mut kept = self.lock();
             let entry = kept.entries.get(id)?;
-            if now >= entry.until {
+            if entry.gone(now) {
                 if let Some(gone) = kept.entries.remove(id) {
                     kept.bytes = kept.bytes.saturating_sub(gone.bytes);
                 }
                 return None;
             }
+            // A running execution not confirmed for the bound: the
+            // database is asked (and its lookup may confirm it again).
+            if now >= entry.until {
+                return None;
+            }
             if *entry.fingerprint != *fingerprint {
                 return Some(Reservation::Mismatch);
             }
-            Arc::clone(&entry.answer)
+            match &entry.known {
+                Known::Answer(answer) => Arc::clone(answer),
+                Known::Running { lock_until, .. } => {
+                    // The lock left in whole milliseconds, rounded up, as
+                    // the database's answer gives it.
+                    let left = lock_until.saturating_duration_since(now);
+                    let ms = left.as_nanos().div_ceil(1_000_000);
+                    return Some(Reservation::InProgress {
+                        retry_after: Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX)),
+                    });
+                }
+            }
         };
         Some(Reservation::Completed(StoredResponse::clone(&answer)))
     }
 
+    /// Whether `bytes` more fit, sweeping a full map (at most every
+    /// [`SWEEP_EVERY`]) to make room.
+    fn room(kept: &mut Kept, bytes: usize, now: Instant) -> bool {
+        let full = |kept: &Kept| kept.entries.len() >= MAX_ENTRIES || kept.bytes + bytes > MAX_BYTES;
+        if !full(kept) {
+            return true;
+        }
+        if kept.next_sweep.is_some_and(|at| now < at) {
+            return false;
+        }
+        kept.next_sweep = Some(now + SWEEP_EVERY);
+        kept.entries.retain(|_, e| !e.gone(now));
+        kept.bytes = kept.entries.values().map(|e| e.bytes).sum();
+        !full(kept)
+    }
+
+    fn insert(kept: &mut Kept, id: &RecordId, entry: Entry) {
+        let bytes = entry.bytes;
+        if let Some(old) = kept.entries.insert(id.clone(), entry) {
+            kept.bytes = kept.bytes.saturating_sub(old.bytes);
+        }
+        kept.bytes += bytes;
+    }
+
+    fn remove(kept: &mut Kept, id: &RecordId) {
+        if let Some(old) = kept.entries.remove(id) {
+            kept.bytes = kept.bytes.saturating_sub(old.bytes);
+        }
+    }
+
     /// Keeps the answer of a completed record that a lookup sent at `sent`
-    /// read, with `left` of its retention by the database's clock.
+    /// read, with `left` of its retention by the database's clock. It
+    /// replaces what was known of a running execution: the record
+    /// completed since.
     pub(crate) fn keep_answer(
         &self,
         id: &RecordId,
@@ -124,7 +212,7 @@ impl Replays {
         if self.keep.is_zero() {
             return;
         }
-        let bytes = size(id, fingerprint, answer);
+        let bytes = size(id, fingerprint, Some(answer));
         if bytes > MAX_ANSWER_BYTES {
             return;
         }
@@ -136,35 +224,156 @@ impl Replays {
             return;
         }
         let mut kept = self.lock();
-        if let Some(old) = kept.entries.get(id) {
+        let known = kept
+            .entries
+            .get(id)
+            .map(|old| matches!(old.known, Known::Answer(_)) && old.until >= until);
+        match known {
             // Another reservation kept it first: the same answer.
-            if old.until >= until {
-                return;
-            }
-        } else if kept.entries.len() >= MAX_ENTRIES || kept.bytes + bytes > MAX_BYTES {
-            if kept.next_sweep.is_some_and(|at| now < at) {
-                return;
-            }
-            kept.next_sweep = Some(now + SWEEP_EVERY);
-            kept.entries.retain(|_, e| e.until > now);
-            kept.bytes = kept.entries.values().map(|e| e.bytes).sum();
-            if kept.entries.len() >= MAX_ENTRIES || kept.bytes + bytes > MAX_BYTES {
-                return;
-            }
+            Some(true) => return,
+            Some(false) => {}
+            None if !Self::room(&mut kept, bytes, now) => return,
+            None => {}
         }
         let entry = Entry {
             fingerprint: fingerprint.into(),
-            answer: Arc::new(answer.clone()),
+            known: Known::Answer(Arc::new(answer.clone())),
             until,
             bytes,
         };
-        if let Some(old) = kept.entries.insert(id.clone(), entry) {
-            kept.bytes = kept.bytes.saturating_sub(old.bytes);
-        }
-        kept.bytes += bytes;
+        Self::insert(&mut kept, id, entry);
     }
 
-    /// How many answers are kept now (expired ones not yet swept included).
+    /// Knows that this process's execution reserved `id` under `token`
+    /// with `fingerprint`, by a reservation sent at `sent` whose lock
+    /// holds `lock_timeout` from the database's clock then. It replaces
+    /// whatever was known of `id`: the reservation is newer.
+    pub(crate) fn run(
+        &self,
+        id: &RecordId,
+        fingerprint: &str,
+        token: &str,
+        sent: Instant,
+        lock_timeout: Duration,
+    ) {
+        if self.keep.is_zero() {
+            return;
+        }
+        let now = Instant::now();
+        let lock_until = later(sent, lock_timeout);
+        let until = later(sent, self.keep.min(lock_timeout));
+        let mut kept = self.lock();
+        if until <= now {
+            // Nothing to answer from: what was known of `id` is older.
+            Self::remove(&mut kept, id);
+            return;
+        }
+        let bytes = size(id, fingerprint, None) + token.len();
+        if !kept.entries.contains_key(id) && !Self::room(&mut kept, bytes, now) {
+            return;
+        }
+        let entry = Entry {
+            fingerprint: fingerprint.into(),
+            known: Known::Running {
+                token: token.into(),
+                lock_until,
+            },
+            until,
+            bytes,
+        };
+        Self::insert(&mut kept, id, entry);
+    }
+
+    /// Runs `f` on the entry (its time to answer until, its lock
+    /// deadline) of the running execution of `id` under `token`, when
+    /// one is known.
+    fn running_with(&self, id: &RecordId, token: &str, f: impl FnOnce(&mut Instant, &mut Instant)) {
+        let mut kept = self.lock();
+        if let Some(Entry {
+            known: Known::Running {
+                token: held,
+                lock_until,
+            },
+            until,
+            ..
+        }) = kept.entries.get_mut(id)
+        {
+            if **held == *token {
+                f(until, lock_until);
+            }
+        }
+    }
+
+    /// The record `token` holds was found in progress under it (by a
+    /// heartbeat's write, or a lookup) by a statement sent at `sent`, its
+    /// lock holding `left` from then: known again for the bound.
+    pub(crate) fn confirm(&self, id: &RecordId, token: &str, sent: Instant, left: Duration) {
+        let until = later(sent, self.keep.min(left));
+        let confirmed = later(sent, left);
+        self.running_with(id, token, |known_until, lock_until| {
+            *lock_until = (*lock_until).max(confirmed);
+            *known_until = (*known_until).max(until).min(*lock_until);
+        });
+    }
+
+    /// A write that may move the lock of the record `token` holds to
+    /// `lock_timeout` from when it runs is sent at `sent`: its deadline is
+    /// taken as no later than that from now on.
+    pub(crate) fn shorten(&self, id: &RecordId, token: &str, sent: Instant, lock_timeout: Duration) {
+        let at_most = later(sent, lock_timeout);
+        self.running_with(id, token, |known_until, lock_until| {
+            *lock_until = (*lock_until).min(at_most);
+            *known_until = (*known_until).min(*lock_until);
+        });
+    }
+
+    /// A lookup sent at `sent` found `id` in progress under `token` (if
+    /// the lookup could read it), its lock holding `left` from then: the
+    /// running execution under that token is confirmed; one under another
+    /// token lost its lock, and is dropped.
+    pub(crate) fn found_running(&self, id: &RecordId, token: Option<&str>, sent: Instant, left: Duration) {
+        let ours = {
+            let mut kept = self.lock();
+            match kept.entries.get(id) {
+                Some(Entry {
+                    known: Known::Running { token: held, .. },
+                    ..
+                }) if Some(&**held) == token => true,
+                Some(Entry {
+                    known: Known::Running { .. },
+                    ..
+                }) => {
+                    Self::remove(&mut kept, id);
+                    false
+                }
+                _ => false,
+            }
+        };
+        if let (true, Some(token)) = (ours, token) {
+            self.confirm(id, token, sent, left);
+        }
+    }
+
+    /// The execution holding `id` under `token` is about to write to it
+    /// (complete, release, hand back), or lost it: nothing is answered
+    /// from what was known of it any more.
+    pub(crate) fn finish(&self, id: &RecordId, token: &str) {
+        if self.keep.is_zero() {
+            return;
+        }
+        let mut kept = self.lock();
+        if let Some(Entry {
+            known: Known::Running { token: held, .. },
+            ..
+        }) = kept.entries.get(id)
+        {
+            if **held == *token {
+                Self::remove(&mut kept, id);
+            }
+        }
+    }
+
+    /// How many entries are kept now (expired ones not yet swept included).
     #[cfg(test)]
     fn len(&self) -> usize {
         self.lock().entries.len()
@@ -278,5 +487,121 @@ mod tests {
         let kept = on.lock().bytes;
         assert!(kept <= MAX_BYTES);
         assert_eq!(kept, on.lock().entries.values().map(|e| e.bytes).sum::<usize>());
+    }
+
+    fn in_progress(found: Option<Reservation>) -> Option<Duration> {
+        match found {
+            Some(Reservation::InProgress { retry_after }) => Some(retry_after),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_running_execution_answers_its_conflicts_until_it_writes() {
+        let known = Replays::new(Duration::from_secs(1));
+        let sent = Instant::now();
+        known.run(&id("a"), "fp", "t1", sent, Duration::from_secs(30));
+        // Its lock left, as the database counts it from the reservation.
+        let at = sent + Duration::from_millis(500);
+        assert_eq!(
+            in_progress(known.find_at(&id("a"), "fp", at)),
+            Some(Duration::from_millis(29_500))
+        );
+        assert!(matches!(
+            known.find_at(&id("a"), "other", at),
+            Some(Reservation::Mismatch)
+        ));
+        assert!(known.find_at(&id("b"), "fp", at).is_none());
+        // Another token's write is not this execution's.
+        known.finish(&id("a"), "t2");
+        assert!(in_progress(known.find_at(&id("a"), "fp", at)).is_some());
+        known.finish(&id("a"), "t1");
+        assert!(known.find_at(&id("a"), "fp", at).is_none());
+        assert_eq!(known.len(), 0);
+    }
+
+    #[test]
+    fn a_running_execution_is_answered_for_the_bound_and_within_its_lock_only() {
+        let known = Replays::new(Duration::from_secs(1));
+        let sent = Instant::now();
+        known.run(&id("a"), "fp", "t1", sent, Duration::from_secs(30));
+        assert!(in_progress(known.find_at(&id("a"), "fp", sent + Duration::from_millis(999))).is_some());
+        // Past the bound, the database is asked; what is known stays, to be
+        // confirmed by its answer.
+        let past = sent + Duration::from_secs(1);
+        assert!(known.find_at(&id("a"), "fp", past).is_none());
+        assert_eq!(known.len(), 1);
+        known.confirm(&id("a"), "t1", past, Duration::from_secs(20));
+        assert_eq!(
+            in_progress(known.find_at(&id("a"), "fp", past + Duration::from_millis(900))),
+            // The later of the deadlines confirmed (30 s from `sent`).
+            Some(Duration::from_millis(28_100))
+        );
+        assert!(known
+            .find_at(&id("a"), "fp", past + Duration::from_secs(1))
+            .is_none());
+        // A lock that holds less than the bound is answered from for as long.
+        let short = Instant::now();
+        known.run(&id("s"), "fp", "t1", short, Duration::from_millis(200));
+        assert!(in_progress(known.find_at(&id("s"), "fp", short + Duration::from_millis(199))).is_some());
+        assert!(known
+            .find_at(&id("s"), "fp", short + Duration::from_millis(200))
+            .is_none());
+        // A lock moved to now (a hand-back to a stale lock) ends it at once.
+        let now = Instant::now();
+        known.run(&id("z"), "fp", "t1", now, Duration::from_secs(30));
+        known.shorten(&id("z"), "t1", now, Duration::ZERO);
+        assert!(known.find_at(&id("z"), "fp", now).is_none());
+        known.confirm(&id("z"), "t2", now, Duration::from_secs(30));
+        assert!(known.find_at(&id("z"), "fp", now).is_none());
+    }
+
+    #[test]
+    fn a_lookup_that_finds_another_token_drops_the_running_execution() {
+        let known = Replays::new(Duration::from_secs(1));
+        let sent = Instant::now();
+        known.run(&id("a"), "fp", "t1", sent, Duration::from_secs(30));
+        known.run(&id("b"), "fp", "t1", sent, Duration::from_secs(30));
+        known.found_running(&id("a"), Some("t2"), sent, Duration::from_secs(30));
+        known.found_running(&id("b"), None, sent, Duration::from_secs(30));
+        assert!(known.find_at(&id("a"), "fp", sent).is_none());
+        assert!(known.find_at(&id("b"), "fp", sent).is_none());
+        assert_eq!(known.len(), 0);
+        // Its own token confirms it.
+        known.run(&id("c"), "fp", "t1", sent, Duration::from_secs(30));
+        let later = sent + Duration::from_millis(1500);
+        known.found_running(
+            &id("c"),
+            Some("t1"),
+            sent + Duration::from_secs(1),
+            Duration::from_secs(29),
+        );
+        assert!(in_progress(known.find_at(&id("c"), "fp", later)).is_some());
+    }
+
+    #[test]
+    fn the_newer_of_an_answer_and_a_reservation_is_what_is_known() {
+        let known = Replays::new(Duration::from_secs(1));
+        let sent = Instant::now();
+        known.run(&id("a"), "fp", "t1", sent, Duration::from_secs(30));
+        // Completed since (by a takeover elsewhere): the answer replaces it.
+        known.keep_answer(&id("a"), "fp", &answer(3), sent, Duration::from_secs(60));
+        assert!(matches!(
+            known.find_at(&id("a"), "fp", sent),
+            Some(Reservation::Completed(_))
+        ));
+        // Expired and taken again here: the reservation replaces the answer.
+        known.run(&id("a"), "fp2", "t2", sent, Duration::from_secs(30));
+        assert!(in_progress(known.find_at(&id("a"), "fp2", sent)).is_some());
+        let kept = known.lock().bytes;
+        assert_eq!(
+            kept,
+            known.lock().entries.values().map(|e| e.bytes).sum::<usize>()
+        );
+        // With a zero bound nothing is known.
+        let off = Replays::new(Duration::ZERO);
+        off.run(&id("a"), "fp", "t1", Instant::now(), Duration::from_secs(30));
+        assert!(off.find(&id("a"), "fp").is_none());
+        assert_eq!(off.len(), 0);
     }
 }

@@ -167,6 +167,9 @@ macro_rules! fenced_ops {
             token: &'a str,
             response: &'a $crate::store::StoredResponse,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            // Before the write is sent: a conflict is answered from memory
+            // only while the record cannot have changed.
+            self.replays.finish(id, token);
             Box::pin($crate::sql::bounded(self.timeout, async move {
                 self.complete_grouped(id, token, response).await?;
                 pause_point!($crate::pause::COMPLETE_AFTER, &id.key);
@@ -179,6 +182,7 @@ macro_rules! fenced_ops {
             id: &'a $crate::store::RecordId,
             token: &'a str,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            self.replays.finish(id, token);
             Box::pin($crate::sql::bounded(self.timeout, async move {
                 $crate::sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
                 pause_point!($crate::pause::RELEASE_AFTER, &id.key);
@@ -191,6 +195,7 @@ macro_rules! fenced_ops {
             id: &'a $crate::store::RecordId,
             token: &'a str,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            self.replays.finish(id, token);
             Box::pin($crate::sql::bounded(self.timeout, async move {
                 self.reject_statements(id, token).await?;
                 pause_point!($crate::pause::REJECT_AFTER, &id.key);
@@ -204,6 +209,7 @@ macro_rules! fenced_ops {
             token: &'a str,
             taken_over: bool,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            self.replays.finish(id, token);
             Box::pin($crate::sql::bounded(
                 self.timeout,
                 self.hand_back_statements(id, token, taken_over),
@@ -238,8 +244,21 @@ macro_rules! fenced_ops {
             token: &'a str,
             lock_timeout: std::time::Duration,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
+            // The lock is taken to end no later than the write would move
+            // it to; confirmed when the write succeeds, dropped when it
+            // does not (the lock may be lost).
+            let sent = std::time::Instant::now();
+            self.replays.shorten(id, token, sent, lock_timeout);
             Box::pin($crate::sql::bounded(self.timeout, async move {
-                $crate::sql::fenced(self.extend_write(id, token, lock_timeout).await?)?;
+                let extended = self
+                    .extend_write(id, token, lock_timeout)
+                    .await
+                    .and_then($crate::sql::fenced);
+                match extended {
+                    Ok(()) => self.replays.confirm(id, token, sent, lock_timeout),
+                    Err(_) => self.replays.finish(id, token),
+                }
+                extended?;
                 pause_point!($crate::pause::EXTEND_AFTER, &id.key);
                 Ok(())
             }))
