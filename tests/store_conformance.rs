@@ -1214,6 +1214,62 @@ async fn postgres_this_process_execution_is_confirmed_by_the_database_past_the_b
     assert!(is_takeover(&reserve(&off, &id("d"), "fp", LONG, lock).await));
 }
 
+/// An execution reserved through a store and ended through a clone with
+/// another bound (`with_replay_cache`) is ended in both: they share what
+/// they know, so the store replays the completion at once.
+#[tokio::test]
+async fn postgres_an_execution_ended_through_a_clone_with_another_bound_is_ended_in_both() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2)
+        .await
+        .with_replay_cache(LONG);
+    let lock = Duration::from_secs(30);
+    for (key, bound) in [("k-short", Duration::from_secs(1)), ("k-none", Duration::ZERO)] {
+        let id = RecordId::new("t", "clones", key);
+        let lease = take(&store, &id, "fp", LONG, lock).await;
+        let clone = store.clone().with_replay_cache(bound);
+        clone.complete(&id, &lease.token, &response(key)).await.unwrap();
+        assert_eq!(
+            reserve(&store, &id, "fp", LONG, lock).await,
+            Reservation::Completed(response(key)),
+            "{key}"
+        );
+    }
+}
+
+/// A heartbeat asking for a shorter lock than the reservation's may move
+/// the deadline earlier: what the process knows of its execution is
+/// dropped before it is sent, and the database answers from then on (here
+/// a lock then moved past its deadline by hand: a takeover). One asking
+/// for the same lock keeps it.
+#[tokio::test]
+async fn postgres_a_heartbeat_asking_for_a_shorter_lock_leaves_conflicts_to_the_database() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2)
+        .await
+        .with_replay_cache(LONG);
+    let lock = Duration::from_secs(30);
+    let id = |key: &str| RecordId::new("t1", "shorter", key);
+    let same = take(&store, &id("same"), "fp", LONG, lock).await;
+    store.extend_lock(&id("same"), &same.token, lock).await.unwrap();
+    stale_by_hand(&store, &schema, &id("same")).await;
+    assert!(matches!(
+        reserve(&store, &id("same"), "fp", LONG, lock).await,
+        Reservation::InProgress { .. }
+    ));
+    let shorter = take(&store, &id("shorter"), "fp", LONG, lock).await;
+    store
+        .extend_lock(&id("shorter"), &shorter.token, Duration::from_secs(20))
+        .await
+        .unwrap();
+    stale_by_hand(&store, &schema, &id("shorter")).await;
+    assert!(is_takeover(
+        &reserve(&store, &id("shorter"), "fp", LONG, lock).await
+    ));
+}
+
 #[tokio::test]
 async fn sqlite_the_database_clock_decides_expiry() {
     let (store, _dir) = idem_testkit::sqlite_store().await;

@@ -82,7 +82,7 @@ pub struct PgStore {
     /// Completed records' answers, kept a moment after a lookup read them
     /// ([`with_replay_cache`](Self::with_replay_cache)), shared by the
     /// store's clones of the same table.
-    replays: std::sync::Arc<sql::replays::Replays>,
+    replays: sql::replays::Replays,
     timeout: Duration,
 }
 
@@ -216,11 +216,14 @@ impl PgStore {
     /// to this store or its clones is answered from memory, a 409 with the
     /// lock left or a mismatch, for the bound at most and never past the
     /// lock's deadline (counted from before the reservation was sent). A
-    /// heartbeat that succeeds, or a lookup that finds the record still in
-    /// progress under the execution's token, confirms it for the bound
-    /// again; a heartbeat that fails, or a lookup that finds another token,
-    /// drops it. A record in progress freed by hand is answered 409 by this
-    /// process for up to the bound.
+    /// heartbeat written moves the deadline on; a lookup that finds the
+    /// record still in progress under the execution's token confirms it
+    /// for the bound again; a heartbeat that fails (or asks for a shorter
+    /// lock than before), or a lookup that finds another token, drops it.
+    /// A record in progress freed by hand is answered 409 by this process
+    /// for up to the bound. The clones made by this method share what is
+    /// known with the store (an execution may be ended through either);
+    /// [`with_table`](Self::with_table) starts anew.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -231,7 +234,9 @@ impl PgStore {
     /// # }
     /// ```
     pub fn with_replay_cache(mut self, keep: Duration) -> Self {
-        self.replays = std::sync::Arc::new(sql::replays::Replays::new(keep));
+        // The same map: an execution reserved through one clone may be
+        // ended through another.
+        self.replays = self.replays.with_keep(keep);
         self
     }
 
@@ -396,7 +401,7 @@ impl PgStore {
             complete_group: complete_group.into(),
             complete_free: complete_free.into(),
             completions: std::sync::Arc::default(),
-            replays: std::sync::Arc::new(sql::replays::Replays::new(DEFAULT_REPLAY_CACHE)),
+            replays: sql::replays::Replays::new(DEFAULT_REPLAY_CACHE),
             timeout: DEFAULT_OPERATION_TIMEOUT,
         })
     }

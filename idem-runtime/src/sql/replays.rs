@@ -17,10 +17,13 @@
 //!   *before* the write is sent (a request that finds none reads the
 //!   database), and its lock deadline is the one the database set, counted
 //!   from before the statement that set it was sent (so never later than
-//!   the database's). A heartbeat that fails drops it; one that succeeds,
-//!   or a lookup that finds the record still in progress under its token,
-//!   confirms it for the bound again; a lookup that finds another token
-//!   drops it.
+//!   the database's, in the database's whole milliseconds). A heartbeat
+//!   that fails drops it, and so does one asking for a shorter lock than
+//!   any before; one written moves its deadline on; a lookup that finds
+//!   the record still in progress under its token confirms it for the
+//!   bound again (within the deadline known); a lookup that finds another
+//!   token drops it. The map is shared by a store's clones, whatever their
+//!   bound: an execution may be ended through any of them.
 //!
 //! What neither can see is a record deleted or edited by hand (an operator
 //! freeing a key): each process answers what it knows for at most the
@@ -41,11 +44,13 @@ pub(crate) const MAX_ANSWER_BYTES: usize = 16 << 10;
 /// How often a full map is swept of its expired entries, at most.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
-/// What the store knows, shared by its clones.
-#[derive(Debug)]
+/// What the store knows: its bound, and the map it shares with its
+/// clones, those with another bound included (an execution may be ended
+/// through any of them).
+#[derive(Clone, Debug)]
 pub(crate) struct Replays {
     keep: Duration,
-    kept: Mutex<Kept>,
+    kept: Arc<Mutex<Kept>>,
 }
 
 #[derive(Debug, Default)]
@@ -71,8 +76,13 @@ enum Known {
     /// is let go: a hit holds it only for the lookup.
     Answer(Arc<StoredResponse>),
     /// A record this process's execution holds under `token`, its lock
-    /// valid until `lock_until` at least.
-    Running { token: Box<str>, lock_until: Instant },
+    /// valid until `lock_until` at least, moved on by lock timeouts of
+    /// `lock_timeout` at least (the longest asked for so far).
+    Running {
+        token: Box<str>,
+        lock_until: Instant,
+        lock_timeout: Duration,
+    },
 }
 
 impl Entry {
@@ -103,12 +113,27 @@ fn later(at: Instant, by: Duration) -> Instant {
         .unwrap_or(at)
 }
 
+/// A lock timeout as the database adds it to its clock: in whole
+/// milliseconds, rounded down, at most 10,000 years (as `millis` binds it).
+fn as_stored(lock_timeout: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(super::millis(lock_timeout)).unwrap_or(0))
+}
+
 impl Replays {
-    /// Kept for `keep` at most; `Duration::ZERO` keeps nothing.
+    /// Kept for `keep` at most, in a map of its own; `Duration::ZERO`
+    /// keeps nothing.
     pub(crate) fn new(keep: Duration) -> Self {
         Replays {
             keep,
-            kept: Mutex::default(),
+            kept: Arc::default(),
+        }
+    }
+
+    /// The same map, answered from for `keep` at most by this one.
+    pub(crate) fn with_keep(&self, keep: Duration) -> Self {
+        Replays {
+            keep,
+            kept: Arc::clone(&self.kept),
         }
     }
 
@@ -256,14 +281,12 @@ impl Replays {
         sent: Instant,
         lock_timeout: Duration,
     ) {
-        if self.keep.is_zero() {
-            return;
-        }
         let now = Instant::now();
+        let lock_timeout = as_stored(lock_timeout);
         let lock_until = later(sent, lock_timeout);
         let until = later(sent, self.keep.min(lock_timeout));
         let mut kept = self.lock();
-        if until <= now {
+        if self.keep.is_zero() || until <= now {
             // Nothing to answer from: what was known of `id` is older.
             Self::remove(&mut kept, id);
             return;
@@ -277,6 +300,7 @@ impl Replays {
             known: Known::Running {
                 token: token.into(),
                 lock_until,
+                lock_timeout,
             },
             until,
             bytes,
@@ -284,73 +308,98 @@ impl Replays {
         Self::insert(&mut kept, id, entry);
     }
 
-    /// Runs `f` on the entry (its time to answer until, its lock
-    /// deadline) of the running execution of `id` under `token`, when
-    /// one is known.
-    fn running_with(&self, id: &RecordId, token: &str, f: impl FnOnce(&mut Instant, &mut Instant)) {
+    /// Runs `f` on the entry of the running execution of `id` under
+    /// `token` (its time to answer until, its lock deadline, its longest
+    /// lock timeout), when one is known; `f` says whether to keep it.
+    fn running_with(
+        &self,
+        id: &RecordId,
+        token: &str,
+        f: impl FnOnce(&mut Instant, &mut Instant, &mut Duration) -> bool,
+    ) {
         let mut kept = self.lock();
-        if let Some(Entry {
-            known: Known::Running {
-                token: held,
-                lock_until,
-            },
-            until,
-            ..
-        }) = kept.entries.get_mut(id)
-        {
-            if **held == *token {
-                f(until, lock_until);
-            }
+        let keep = match kept.entries.get_mut(id) {
+            Some(Entry {
+                known:
+                    Known::Running {
+                        token: held,
+                        lock_until,
+                        lock_timeout,
+                    },
+                until,
+                ..
+            }) if **held == *token => f(until, lock_until, lock_timeout),
+            _ => true,
+        };
+        if !keep {
+            Self::remove(&mut kept, id);
         }
     }
 
-    /// The record `token` holds was found in progress under it (by a
-    /// heartbeat's write, or a lookup) by a statement sent at `sent`, its
-    /// lock holding `left` from then: known again for the bound.
-    pub(crate) fn confirm(&self, id: &RecordId, token: &str, sent: Instant, left: Duration) {
-        let until = later(sent, self.keep.min(left));
-        let confirmed = later(sent, left);
-        self.running_with(id, token, |known_until, lock_until| {
-            *lock_until = (*lock_until).max(confirmed);
-            *known_until = (*known_until).max(until).min(*lock_until);
+    /// A heartbeat of the record `token` holds, asking for `lock_timeout`,
+    /// is about to be sent. Its deadline (the database's clock then, plus
+    /// that) is no earlier than the one known only when `lock_timeout` is
+    /// no shorter than any asked for before: otherwise what is known is
+    /// dropped, and the database answers until the execution ends.
+    pub(crate) fn extending(&self, id: &RecordId, token: &str, lock_timeout: Duration) {
+        let asked = as_stored(lock_timeout);
+        self.running_with(id, token, |_, _, longest| {
+            if asked < *longest {
+                return false;
+            }
+            *longest = asked;
+            true
         });
     }
 
-    /// A write that may move the lock of the record `token` holds to
-    /// `lock_timeout` from when it runs is sent at `sent`: its deadline is
-    /// taken as no later than that from now on.
-    pub(crate) fn shorten(&self, id: &RecordId, token: &str, sent: Instant, lock_timeout: Duration) {
-        let at_most = later(sent, lock_timeout);
-        self.running_with(id, token, |known_until, lock_until| {
-            *lock_until = (*lock_until).min(at_most);
-            *known_until = (*known_until).min(*lock_until);
+    /// The heartbeat sent at `sent` (after [`Replays::extending`]) moved
+    /// the lock of the record `token` holds to `lock_timeout` from the
+    /// database's clock then: its deadline moves on, and it is known for
+    /// the bound again.
+    pub(crate) fn extended(&self, id: &RecordId, token: &str, sent: Instant, lock_timeout: Duration) {
+        let asked = as_stored(lock_timeout);
+        let (moved, confirmed) = (later(sent, asked), later(sent, self.keep.min(asked)));
+        self.running_with(id, token, |until, lock_until, longest| {
+            if asked < *longest {
+                // Another heartbeat asked for longer meanwhile: which of
+                // them the database ran last is not known.
+                return false;
+            }
+            *lock_until = (*lock_until).max(moved);
+            *until = (*until).max(confirmed).min(*lock_until);
+            true
         });
     }
 
     /// A lookup sent at `sent` found `id` in progress under `token` (if
-    /// the lookup could read it), its lock holding `left` from then: the
-    /// running execution under that token is confirmed; one under another
-    /// token lost its lock, and is dropped.
+    /// it could read it), its lock holding `left` from then: the running
+    /// execution under that token is still the record's, and is known for
+    /// the bound again, within the deadline already known (the lookup may
+    /// have read the record before a heartbeat moved its deadline); one
+    /// under another token lost its lock, and is dropped.
     pub(crate) fn found_running(&self, id: &RecordId, token: Option<&str>, sent: Instant, left: Duration) {
-        let ours = {
-            let mut kept = self.lock();
-            match kept.entries.get(id) {
-                Some(Entry {
-                    known: Known::Running { token: held, .. },
-                    ..
-                }) if Some(&**held) == token => true,
-                Some(Entry {
-                    known: Known::Running { .. },
-                    ..
-                }) => {
-                    Self::remove(&mut kept, id);
-                    false
+        let confirmed = later(sent, self.keep.min(left));
+        let mut kept = self.lock();
+        let ours = match kept.entries.get_mut(id) {
+            Some(Entry {
+                known:
+                    Known::Running {
+                        token: held,
+                        lock_until,
+                        ..
+                    },
+                until,
+                ..
+            }) => {
+                if Some(&**held) == token {
+                    *until = (*until).max(confirmed.min(*lock_until));
                 }
-                _ => false,
+                Some(&**held) == token
             }
+            _ => true,
         };
-        if let (true, Some(token)) = (ours, token) {
-            self.confirm(id, token, sent, left);
+        if !ours {
+            Self::remove(&mut kept, id);
         }
     }
 
@@ -358,9 +407,7 @@ impl Replays {
     /// (complete, release, hand back), or lost it: nothing is answered
     /// from what was known of it any more.
     pub(crate) fn finish(&self, id: &RecordId, token: &str) {
-        if self.keep.is_zero() {
-            return;
-        }
+        // Whatever this one's bound: a clone with another may know it.
         let mut kept = self.lock();
         if let Some(Entry {
             known: Known::Running { token: held, .. },
@@ -527,33 +574,96 @@ mod tests {
         known.run(&id("a"), "fp", "t1", sent, Duration::from_secs(30));
         assert!(in_progress(known.find_at(&id("a"), "fp", sent + Duration::from_millis(999))).is_some());
         // Past the bound, the database is asked; what is known stays, to be
-        // confirmed by its answer.
+        // confirmed by its answer, within the deadline already known.
         let past = sent + Duration::from_secs(1);
         assert!(known.find_at(&id("a"), "fp", past).is_none());
         assert_eq!(known.len(), 1);
-        known.confirm(&id("a"), "t1", past, Duration::from_secs(20));
+        known.found_running(&id("a"), Some("t1"), past, Duration::from_secs(3600));
         assert_eq!(
             in_progress(known.find_at(&id("a"), "fp", past + Duration::from_millis(900))),
-            // The later of the deadlines confirmed (30 s from `sent`).
             Some(Duration::from_millis(28_100))
         );
         assert!(known
             .find_at(&id("a"), "fp", past + Duration::from_secs(1))
             .is_none());
-        // A lock that holds less than the bound is answered from for as long.
+        // A heartbeat written moves the deadline on, from before it was sent.
+        let beat = sent + Duration::from_secs(10);
+        known.extending(&id("a"), "t1", Duration::from_secs(30));
+        known.extended(&id("a"), "t1", beat, Duration::from_secs(30));
+        assert_eq!(
+            in_progress(known.find_at(&id("a"), "fp", beat + Duration::from_millis(500))),
+            Some(Duration::from_millis(29_500))
+        );
+        // A lock that holds less than the bound is answered from for as
+        // long, in the database's whole milliseconds.
         let short = Instant::now();
-        known.run(&id("s"), "fp", "t1", short, Duration::from_millis(200));
+        known.run(&id("s"), "fp", "t1", short, Duration::from_micros(200_990));
         assert!(in_progress(known.find_at(&id("s"), "fp", short + Duration::from_millis(199))).is_some());
         assert!(known
             .find_at(&id("s"), "fp", short + Duration::from_millis(200))
             .is_none());
-        // A lock moved to now (a hand-back to a stale lock) ends it at once.
-        let now = Instant::now();
-        known.run(&id("z"), "fp", "t1", now, Duration::from_secs(30));
-        known.shorten(&id("z"), "t1", now, Duration::ZERO);
-        assert!(known.find_at(&id("z"), "fp", now).is_none());
-        known.confirm(&id("z"), "t2", now, Duration::from_secs(30));
-        assert!(known.find_at(&id("z"), "fp", now).is_none());
+    }
+
+    #[test]
+    fn a_heartbeat_that_may_move_the_deadline_earlier_drops_the_running_execution() {
+        let known = Replays::new(Duration::from_secs(1));
+        let sent = Instant::now();
+        for key in ["zero", "shorter", "raced"] {
+            known.run(&id(key), "fp", "t1", sent, Duration::from_secs(30));
+        }
+        // A hand-back to a stale lock, or any shorter lock timeout.
+        known.extending(&id("zero"), "t1", Duration::ZERO);
+        known.extending(&id("shorter"), "t1", Duration::from_millis(29_999));
+        // Two heartbeats at once, the longer asked for first: which ran
+        // last is not known once the shorter one is written.
+        known.extending(&id("raced"), "t1", Duration::from_secs(60));
+        known.extending(&id("raced"), "t1", Duration::from_secs(40));
+        for key in ["zero", "shorter", "raced"] {
+            assert!(known.find_at(&id(key), "fp", sent).is_none(), "{key}");
+        }
+        assert_eq!(known.len(), 0);
+        // Another token's heartbeat is not this execution's.
+        known.run(&id("a"), "fp", "t1", sent, Duration::from_secs(30));
+        known.extending(&id("a"), "t2", Duration::ZERO);
+        known.extended(&id("a"), "t2", sent, Duration::from_secs(3600));
+        assert_eq!(
+            in_progress(known.find_at(&id("a"), "fp", sent)),
+            Some(Duration::from_secs(30))
+        );
+    }
+
+    #[test]
+    fn a_lookup_read_before_a_heartbeat_never_moves_the_deadline() {
+        let known = Replays::new(Duration::from_secs(60));
+        let sent = Instant::now();
+        known.run(&id("a"), "fp", "t1", sent, Duration::from_secs(30));
+        // A lookup that read a deadline an hour away (a row edited, or a
+        // heartbeat since undone): the known deadline stays.
+        known.found_running(&id("a"), Some("t1"), sent, Duration::from_secs(3600));
+        assert!(known
+            .find_at(&id("a"), "fp", sent + Duration::from_secs(30))
+            .is_none());
+    }
+
+    #[test]
+    fn clones_with_another_bound_share_what_is_known() {
+        let known = Replays::new(Duration::from_secs(1));
+        let off = known.with_keep(Duration::ZERO);
+        let sent = Instant::now();
+        known.run(&id("a"), "fp", "t1", sent, Duration::from_secs(30));
+        // Answered only by the one with a bound, ended through either.
+        assert!(off.find(&id("a"), "fp").is_none());
+        assert!(known.find(&id("a"), "fp").is_some());
+        off.finish(&id("a"), "t1");
+        assert!(known.find(&id("a"), "fp").is_none());
+        // Reserved through the one without: nothing older is answered.
+        known.run(&id("b"), "fp", "t1", sent, Duration::from_secs(30));
+        off.run(&id("b"), "fp", "t2", sent, Duration::from_secs(30));
+        assert!(known.find(&id("b"), "fp").is_none());
+        // A new map for another table.
+        let other = Replays::new(Duration::from_secs(1));
+        known.run(&id("c"), "fp", "t1", sent, Duration::from_secs(30));
+        assert!(other.find(&id("c"), "fp").is_none());
     }
 
     #[test]

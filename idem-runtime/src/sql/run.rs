@@ -244,18 +244,20 @@ macro_rules! fenced_ops {
             token: &'a str,
             lock_timeout: std::time::Duration,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
-            // The lock is taken to end no later than the write would move
-            // it to; confirmed when the write succeeds, dropped when it
-            // does not (the lock may be lost).
+            // What the process knows of its execution: dropped before a
+            // heartbeat that may move the deadline earlier, moved on by
+            // one written, dropped after one that failed (the lock may be
+            // lost). One given up on (the timeout) leaves it as it was: the
+            // statement, if it still runs, moves the deadline no earlier.
             let sent = std::time::Instant::now();
-            self.replays.shorten(id, token, sent, lock_timeout);
+            self.replays.extending(id, token, lock_timeout);
             Box::pin($crate::sql::bounded(self.timeout, async move {
                 let extended = self
                     .extend_write(id, token, lock_timeout)
                     .await
                     .and_then($crate::sql::fenced);
                 match extended {
-                    Ok(()) => self.replays.confirm(id, token, sent, lock_timeout),
+                    Ok(()) => self.replays.extended(id, token, sent, lock_timeout),
                     Err(_) => self.replays.finish(id, token),
                 }
                 extended?;
