@@ -1270,6 +1270,92 @@ async fn postgres_a_heartbeat_asking_for_a_shorter_lock_leaves_conflicts_to_the_
     ));
 }
 
+/// A heartbeat counts the deadline from when it computes the row it
+/// writes, not from when its statement arrived: one that waited for
+/// another transaction's write of the row (another heartbeat's) computes
+/// it again after that write. So a heartbeat written after another never
+/// sets an earlier deadline, and the deadline a process counts from before
+/// its last heartbeat was sent is never later than the database's.
+#[tokio::test]
+async fn postgres_a_heartbeat_counts_the_deadline_from_when_it_writes() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
+    let id = RecordId::new("t", "beat", "k");
+    let lock = Duration::from_secs(30);
+    let lease = take(&store, &id, "fp", LONG, lock).await;
+    let holder = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut held = holder.begin().await.unwrap();
+    // Another write of the row, not committed yet (as a heartbeat sent
+    // earlier would be).
+    let write =
+        format!("UPDATE \"{schema}\".idempotency_keys SET recovery_point = recovery_point WHERE key = 'k'");
+    sqlx::query(sqlx::AssertSqlSafe(write))
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let beat = tokio::spawn({
+        let (store, id, token) = (store.clone(), id.clone(), lease.token.clone());
+        async move { store.extend_lock(&id, &token, lock).await }
+    });
+    // Waiting on the row: seen by the database, not hoped for.
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                   AND query LIKE 'UPDATE%SET lock_expires_at%'";
+    let until = Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, i64>(waiting)
+        .fetch_one(&holder)
+        .await
+        .unwrap()
+        == 0
+    {
+        assert!(Instant::now() < until, "the heartbeat never waited on the row");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Time passes while it waits: a deadline counted from its arrival
+    // would be this much short of a lock timeout from its writing.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    held.commit().await.unwrap();
+    beat.await.unwrap().unwrap();
+    let left: f64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT date_part('epoch', lock_expires_at - clock_timestamp())::float8 \
+         FROM \"{schema}\".idempotency_keys WHERE key = 'k'"
+    )))
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert!(
+        left > 29.7,
+        "the deadline is {left} s away, not the lock timeout's 30 from the write"
+    );
+}
+
+/// A store on the same table named the same way (`with_table`) shares what
+/// the process knows; another table does not.
+#[tokio::test]
+async fn postgres_with_table_shares_what_is_known_for_the_same_table_only() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2)
+        .await
+        .with_replay_cache(LONG);
+    let lock = Duration::from_secs(30);
+    let id = RecordId::new("t", "tables", "k");
+    let lease = take(&store, &id, "fp", LONG, lock).await;
+    let same = store
+        .clone()
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    same.complete(&id, &lease.token, &response("k")).await.unwrap();
+    assert_eq!(
+        reserve(&store, &id, "fp", LONG, lock).await,
+        Reservation::Completed(response("k"))
+    );
+    // Another table: nothing known of this one's records.
+    let other = store.clone().with_table(Some(&schema), "other_keys").unwrap();
+    other.migrate().await.unwrap();
+    take(&other, &id, "fp", LONG, lock).await;
+}
+
 #[tokio::test]
 async fn sqlite_the_database_clock_decides_expiry() {
     let (store, _dir) = idem_testkit::sqlite_store().await;

@@ -87,6 +87,15 @@ pub(crate) struct Dialect {
     /// The time now, even inside a transaction (PostgreSQL's `now()` is the
     /// transaction's start), the same everywhere in one statement.
     clock: &'static str,
+    /// The time as the statement computes the row it writes
+    /// (PostgreSQL's `clock_timestamp()`, computed again after waiting for
+    /// another transaction's write of the row; `now()` is the statement's
+    /// start, before any wait): of two writes of one row, the later one's
+    /// is later. What a heartbeat counts its deadline from, so that one
+    /// sent earlier but written later (it waited on a lock, or was given
+    /// up on at the store's timeout and ran on) never moves the deadline
+    /// earlier than a later one set it.
+    latest: &'static str,
     /// The length of time from `b` to `a`, addable to a time column: an
     /// exact one (PostgreSQL's timestamp difference counts calendar days,
     /// which a time zone with daylight saving stretches).
@@ -125,6 +134,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     purge_floor: "'epoch'::timestamptz",
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
     clock: "statement_timestamp()",
+    latest: "clock_timestamp()",
     span: |a, b| format!("(EXTRACT(EPOCH FROM ({a} - {b})) * interval '1 second')"),
     kept_span: |a, b| format!("(date_part('epoch', {a} - {b}) * interval '1 second')"),
     required_columns: |schema, table, known| {
@@ -156,6 +166,8 @@ pub(crate) const SQLITE: Dialect = Dialect {
     purge_floor: "1",
     epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     clock: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    // Computed as the statement runs, under the write lock.
+    latest: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     span: |a, b| format!("({a} - {b})"),
     kept_span: |a, b| format!("({a} - {b})"),
     required_columns: |_, table, known| {
@@ -517,7 +529,11 @@ impl Statements {
             reject: format!("DELETE FROM {t} WHERE {owned} AND attempt = 1 AND recovery_point IS NULL"),
             present: format!("SELECT 1 FROM {t} WHERE {id}"),
             checkpoint: format!("UPDATE {t} SET recovery_point = {} WHERE {owned}", p(5)),
-            extend: format!("UPDATE {t} SET lock_expires_at = {now} + {} WHERE {owned}", ms(5)),
+            extend: format!(
+                "UPDATE {t} SET lock_expires_at = {latest} + {} WHERE {owned}",
+                ms(5),
+                latest = d.latest
+            ),
             has_reserve_function: d.reserve_function.then(|| {
                 format!(
                     "SELECT to_regprocedure({function_ref}) \

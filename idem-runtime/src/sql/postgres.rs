@@ -185,8 +185,15 @@ impl PgStore {
     /// # }
     /// ```
     pub fn with_table(self, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
-        let keep = self.replays.keep();
-        Self::build(self.pool, schema, table).map(|s| s.with_timeout(self.timeout).with_replay_cache(keep))
+        let built = Self::build(self.pool, schema, table)?.with_timeout(self.timeout);
+        // What is known in memory is per table: the same table, named
+        // the same, shares it (an execution may be ended through either).
+        let replays = if built.sql.table == self.sql.table {
+            self.replays
+        } else {
+            sql::replays::Replays::new(self.replays.keep())
+        };
+        Ok(PgStore { replays, ..built })
     }
 
     /// How long a completed record's answer, once a reservation has read
@@ -218,12 +225,14 @@ impl PgStore {
     /// lock's deadline (counted from before the reservation was sent). A
     /// heartbeat written moves the deadline on; a lookup that finds the
     /// record still in progress under the execution's token confirms it
-    /// for the bound again; a heartbeat that fails (or asks for a shorter
-    /// lock than before), or a lookup that finds another token, drops it.
-    /// A record in progress freed by hand is answered 409 by this process
-    /// for up to the bound. The clones made by this method share what is
-    /// known with the store (an execution may be ended through either);
-    /// [`with_table`](Self::with_table) starts anew.
+    /// for the bound again; a heartbeat that fails (or asks for another
+    /// lock timeout than the reservation's), or a lookup that finds another
+    /// token, drops it. A record in progress freed by hand is answered 409
+    /// by this process for up to the bound. The clones made by this method
+    /// share what is known with the store (an execution may be ended
+    /// through either), each answering for its own bound;
+    /// [`with_table`](Self::with_table) shares it for the same table named
+    /// the same way only.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -943,9 +952,9 @@ impl PgStore {
                 // In progress (a conflict, or a mismatch with it): what
                 // this process knows of its own execution of it is
                 // confirmed, or dropped if another holds it now.
-                (_, Holds::Lock(left)) => {
+                (_, Holds::Lock) => {
                     let token: Option<&str> = sqlx::Row::try_get(&row, 9).ok().flatten();
-                    self.replays.found_running(req.id, token, sent, left);
+                    self.replays.found_running(req.id, token, sent);
                 }
                 _ => {}
             }
@@ -1120,8 +1129,8 @@ impl sqlx::Decode<'_, sqlx::Postgres> for Micros {
 enum Holds {
     /// A completed record's retention left.
     Retention(Duration),
-    /// A lock's time left before its deadline.
-    Lock(Duration),
+    /// A lock before its deadline.
+    Lock,
 }
 
 /// From `from` to `to`, in microseconds of the database's clock; zero when
@@ -1184,10 +1193,7 @@ fn judge_found(
         // The lock left in whole milliseconds, rounded up, as SQL gives it.
         let left_ms = (i128::from(lock) - i128::from(now) + 999) / 1000;
         let left = Duration::from_millis(u64::try_from(left_ms).unwrap_or(u64::MAX));
-        return Ok(Some((
-            sql::judge_existing(same, None, left),
-            Holds::Lock(micros_between(now, lock)),
-        )));
+        return Ok(Some((sql::judge_existing(same, None, left), Holds::Lock)));
     }
     Ok(None)
 }

@@ -18,12 +18,13 @@
 //!   database), and its lock deadline is the one the database set, counted
 //!   from before the statement that set it was sent (so never later than
 //!   the database's, in the database's whole milliseconds). A heartbeat
-//!   that fails drops it, and so does one asking for a shorter lock than
-//!   any before; one written moves its deadline on; a lookup that finds
-//!   the record still in progress under its token confirms it for the
-//!   bound again (within the deadline known); a lookup that finds another
-//!   token drops it. The map is shared by a store's clones, whatever their
-//!   bound: an execution may be ended through any of them.
+//!   that fails drops it, and so does one asking for another lock timeout
+//!   than the reservation's; one written moves its deadline on; a lookup
+//!   that finds the record still in progress under its token confirms it
+//!   again (within the deadline known); a lookup that finds another token
+//!   drops it. The map is shared by a store's clones, whatever their
+//!   bound (an execution may be ended through any of them); each answers
+//!   for its own bound from an entry's last confirmation.
 //!
 //! What neither can see is a record deleted or edited by hand (an operator
 //! freeing a key): each process answers what it knows for at most the
@@ -46,7 +47,8 @@ const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
 /// What the store knows: its bound, and the map it shares with its
 /// clones, those with another bound included (an execution may be ended
-/// through any of them).
+/// through any of them). Each answers from an entry for its own bound at
+/// most, counted from the entry's last confirmation.
 #[derive(Clone, Debug)]
 pub(crate) struct Replays {
     keep: Duration,
@@ -58,26 +60,33 @@ struct Kept {
     entries: HashMap<RecordId, Entry>,
     bytes: usize,
     next_sweep: Option<Instant>,
+    /// The longest bound of the stores sharing the map: an entry past it
+    /// since its last confirmation is of no use to any of them.
+    keep_max: Duration,
 }
 
 #[derive(Debug)]
 struct Entry {
     fingerprint: Box<str>,
     known: Known,
-    /// Answered from until then (and, for a running execution, while its
-    /// lock holds).
-    until: Instant,
+    /// When the database last said so: from before the statement that
+    /// said it was sent. Answered from for a store's bound after that.
+    confirmed: Instant,
     bytes: usize,
 }
 
 #[derive(Debug)]
 enum Known {
-    /// A completed record's answer. Copied out of the map after the lock
-    /// is let go: a hit holds it only for the lookup.
-    Answer(Arc<StoredResponse>),
+    /// A completed record's answer, until the record's retention `ends`.
+    /// Copied out of the map after the lock is let go: a hit holds it
+    /// only for the lookup.
+    Answer {
+        answer: Arc<StoredResponse>,
+        ends: Instant,
+    },
     /// A record this process's execution holds under `token`, its lock
-    /// valid until `lock_until` at least, moved on by lock timeouts of
-    /// `lock_timeout` at least (the longest asked for so far).
+    /// valid until `lock_until` at least, extended by heartbeats of
+    /// `lock_timeout` (that of the reservation, as the database adds it).
     Running {
         token: Box<str>,
         lock_until: Instant,
@@ -86,12 +95,25 @@ enum Known {
 }
 
 impl Entry {
-    /// Past any use: an answer past its time, a lock past its deadline.
-    fn gone(&self, now: Instant) -> bool {
+    /// When what is known ends whatever the bound: the record's retention,
+    /// or the lock's deadline.
+    fn ends(&self) -> Instant {
         match &self.known {
-            Known::Answer(_) => now >= self.until,
-            Known::Running { lock_until, .. } => now >= *lock_until,
+            Known::Answer { ends, .. } => *ends,
+            Known::Running { lock_until, .. } => *lock_until,
         }
+    }
+
+    /// Past any use: past its end, or (an answer) past every bound. A
+    /// running execution past the bounds stays, to be confirmed again.
+    fn gone(&self, now: Instant, keep_max: Duration) -> bool {
+        now >= self.ends()
+            || matches!(self.known, Known::Answer { .. }) && now >= later(self.confirmed, keep_max)
+    }
+
+    /// Whether a store whose bound is `keep` answers from it at `now`.
+    fn answers(&self, now: Instant, keep: Duration) -> bool {
+        now < self.ends() && now < later(self.confirmed, keep)
     }
 }
 
@@ -123,18 +145,26 @@ impl Replays {
     /// Kept for `keep` at most, in a map of its own; `Duration::ZERO`
     /// keeps nothing.
     pub(crate) fn new(keep: Duration) -> Self {
+        let kept = Kept {
+            keep_max: keep,
+            ..Kept::default()
+        };
         Replays {
             keep,
-            kept: Arc::default(),
+            kept: Arc::new(Mutex::new(kept)),
         }
     }
 
     /// The same map, answered from for `keep` at most by this one.
     pub(crate) fn with_keep(&self, keep: Duration) -> Self {
-        Replays {
+        let shared = Replays {
             keep,
             kept: Arc::clone(&self.kept),
-        }
+        };
+        let mut kept = shared.lock();
+        kept.keep_max = kept.keep_max.max(keep);
+        drop(kept);
+        shared
     }
 
     /// How long anything is kept, at most.
@@ -161,23 +191,22 @@ impl Replays {
     fn find_at(&self, id: &RecordId, fingerprint: &str, now: Instant) -> Option<Reservation> {
         let answer = {
             let mut kept = self.lock();
+            let keep_max = kept.keep_max;
             let entry = kept.entries.get(id)?;
-            if entry.gone(now) {
-                if let Some(gone) = kept.entries.remove(id) {
-                    kept.bytes = kept.bytes.saturating_sub(gone.bytes);
-                }
+            if entry.gone(now, keep_max) {
+                Self::remove(&mut kept, id);
                 return None;
             }
-            // A running execution not confirmed for the bound: the
-            // database is asked (and its lookup may confirm it again).
-            if now >= entry.until {
+            // Not confirmed within this store's bound: the database is
+            // asked (and its lookup may confirm it again).
+            if !entry.answers(now, self.keep) {
                 return None;
             }
             if *entry.fingerprint != *fingerprint {
                 return Some(Reservation::Mismatch);
             }
             match &entry.known {
-                Known::Answer(answer) => Arc::clone(answer),
+                Known::Answer { answer, .. } => Arc::clone(answer),
                 Known::Running { lock_until, .. } => {
                     // The lock left in whole milliseconds, rounded up, as
                     // the database's answer gives it.
@@ -203,7 +232,8 @@ impl Replays {
             return false;
         }
         kept.next_sweep = Some(now + SWEEP_EVERY);
-        kept.entries.retain(|_, e| !e.gone(now));
+        let keep_max = kept.keep_max;
+        kept.entries.retain(|_, e| !e.gone(now, keep_max));
         kept.bytes = kept.entries.values().map(|e| e.bytes).sum();
         !full(kept)
     }
@@ -241,20 +271,20 @@ impl Replays {
         if bytes > MAX_ANSWER_BYTES {
             return;
         }
-        let Some(until) = sent.checked_add(self.keep.min(left)) else {
+        let Some(ends) = sent.checked_add(left) else {
             return;
         };
         let now = Instant::now();
-        if until <= now {
+        if ends.min(later(sent, self.keep)) <= now {
             return;
         }
         let mut kept = self.lock();
         let known = kept
             .entries
             .get(id)
-            .map(|old| matches!(old.known, Known::Answer(_)) && old.until >= until);
+            .map(|old| matches!(old.known, Known::Answer { .. }) && old.confirmed >= sent);
         match known {
-            // Another reservation kept it first: the same answer.
+            // Another reservation kept it first, as lately: the same answer.
             Some(true) => return,
             Some(false) => {}
             None if !Self::room(&mut kept, bytes, now) => return,
@@ -262,8 +292,11 @@ impl Replays {
         }
         let entry = Entry {
             fingerprint: fingerprint.into(),
-            known: Known::Answer(Arc::new(answer.clone())),
-            until,
+            known: Known::Answer {
+                answer: Arc::new(answer.clone()),
+                ends,
+            },
+            confirmed: sent,
             bytes,
         };
         Self::insert(&mut kept, id, entry);
@@ -284,9 +317,8 @@ impl Replays {
         let now = Instant::now();
         let lock_timeout = as_stored(lock_timeout);
         let lock_until = later(sent, lock_timeout);
-        let until = later(sent, self.keep.min(lock_timeout));
         let mut kept = self.lock();
-        if self.keep.is_zero() || until <= now {
+        if self.keep.is_zero() || lock_until.min(later(sent, self.keep)) <= now {
             // Nothing to answer from: what was known of `id` is older.
             Self::remove(&mut kept, id);
             return;
@@ -302,20 +334,20 @@ impl Replays {
                 lock_until,
                 lock_timeout,
             },
-            until,
+            confirmed: sent,
             bytes,
         };
         Self::insert(&mut kept, id, entry);
     }
 
     /// Runs `f` on the entry of the running execution of `id` under
-    /// `token` (its time to answer until, its lock deadline, its longest
+    /// `token` (when the database last said so, its lock deadline, its
     /// lock timeout), when one is known; `f` says whether to keep it.
     fn running_with(
         &self,
         id: &RecordId,
         token: &str,
-        f: impl FnOnce(&mut Instant, &mut Instant, &mut Duration) -> bool,
+        f: impl FnOnce(&mut Instant, &mut Instant, Duration) -> bool,
     ) {
         let mut kept = self.lock();
         let keep = match kept.entries.get_mut(id) {
@@ -326,9 +358,9 @@ impl Replays {
                         lock_until,
                         lock_timeout,
                     },
-                until,
+                confirmed,
                 ..
-            }) if **held == *token => f(until, lock_until, lock_timeout),
+            }) if **held == *token => f(confirmed, lock_until, *lock_timeout),
             _ => true,
         };
         if !keep {
@@ -337,64 +369,51 @@ impl Replays {
     }
 
     /// A heartbeat of the record `token` holds, asking for `lock_timeout`,
-    /// is about to be sent. Its deadline (the database's clock then, plus
-    /// that) is no earlier than the one known only when `lock_timeout` is
-    /// no shorter than any asked for before: otherwise what is known is
-    /// dropped, and the database answers until the execution ends.
+    /// is about to be sent. Each heartbeat sets the deadline to its own
+    /// time of writing plus its lock timeout (PostgreSQL's
+    /// `clock_timestamp()`: of two writes of one row the later one's is
+    /// later), so the deadline only moves on while every one asks for the
+    /// reservation's lock timeout; one asking for another drops what is
+    /// known, and the database answers until the execution ends.
     pub(crate) fn extending(&self, id: &RecordId, token: &str, lock_timeout: Duration) {
         let asked = as_stored(lock_timeout);
-        self.running_with(id, token, |_, _, longest| {
-            if asked < *longest {
-                return false;
-            }
-            *longest = asked;
-            true
-        });
+        self.running_with(id, token, |_, _, reserved| asked == reserved);
     }
 
     /// The heartbeat sent at `sent` (after [`Replays::extending`]) moved
-    /// the lock of the record `token` holds to `lock_timeout` from the
-    /// database's clock then: its deadline moves on, and it is known for
-    /// the bound again.
+    /// the lock of the record `token` holds on: its deadline is that
+    /// heartbeat's lock timeout from then at least (any later write of it
+    /// is later), and the database said so then.
     pub(crate) fn extended(&self, id: &RecordId, token: &str, sent: Instant, lock_timeout: Duration) {
         let asked = as_stored(lock_timeout);
-        let (moved, confirmed) = (later(sent, asked), later(sent, self.keep.min(asked)));
-        self.running_with(id, token, |until, lock_until, longest| {
-            if asked < *longest {
-                // Another heartbeat asked for longer meanwhile: which of
-                // them the database ran last is not known.
+        self.running_with(id, token, |confirmed, lock_until, reserved| {
+            if asked != reserved {
                 return false;
             }
-            *lock_until = (*lock_until).max(moved);
-            *until = (*until).max(confirmed).min(*lock_until);
+            *lock_until = (*lock_until).max(later(sent, asked));
+            *confirmed = (*confirmed).max(sent);
             true
         });
     }
 
     /// A lookup sent at `sent` found `id` in progress under `token` (if
-    /// it could read it), its lock holding `left` from then: the running
-    /// execution under that token is still the record's, and is known for
-    /// the bound again, within the deadline already known (the lookup may
-    /// have read the record before a heartbeat moved its deadline); one
-    /// under another token lost its lock, and is dropped.
-    pub(crate) fn found_running(&self, id: &RecordId, token: Option<&str>, sent: Instant, left: Duration) {
-        let confirmed = later(sent, self.keep.min(left));
+    /// it could read it): the running execution under that token is still
+    /// the record's, as of then, within the deadline already known (the
+    /// lookup may have read the record before a heartbeat moved its
+    /// deadline). One under another token lost its lock, and is dropped.
+    pub(crate) fn found_running(&self, id: &RecordId, token: Option<&str>, sent: Instant) {
         let mut kept = self.lock();
         let ours = match kept.entries.get_mut(id) {
             Some(Entry {
-                known:
-                    Known::Running {
-                        token: held,
-                        lock_until,
-                        ..
-                    },
-                until,
+                known: Known::Running { token: held, .. },
+                confirmed,
                 ..
             }) => {
-                if Some(&**held) == token {
-                    *until = (*until).max(confirmed.min(*lock_until));
+                let ours = Some(&**held) == token;
+                if ours {
+                    *confirmed = (*confirmed).max(sent);
                 }
-                Some(&**held) == token
+                ours
             }
             _ => true,
         };
@@ -578,7 +597,7 @@ mod tests {
         let past = sent + Duration::from_secs(1);
         assert!(known.find_at(&id("a"), "fp", past).is_none());
         assert_eq!(known.len(), 1);
-        known.found_running(&id("a"), Some("t1"), past, Duration::from_secs(3600));
+        known.found_running(&id("a"), Some("t1"), past);
         assert_eq!(
             in_progress(known.find_at(&id("a"), "fp", past + Duration::from_millis(900))),
             Some(Duration::from_millis(28_100))
@@ -639,7 +658,7 @@ mod tests {
         known.run(&id("a"), "fp", "t1", sent, Duration::from_secs(30));
         // A lookup that read a deadline an hour away (a row edited, or a
         // heartbeat since undone): the known deadline stays.
-        known.found_running(&id("a"), Some("t1"), sent, Duration::from_secs(3600));
+        known.found_running(&id("a"), Some("t1"), sent);
         assert!(known
             .find_at(&id("a"), "fp", sent + Duration::from_secs(30))
             .is_none());
@@ -672,20 +691,15 @@ mod tests {
         let sent = Instant::now();
         known.run(&id("a"), "fp", "t1", sent, Duration::from_secs(30));
         known.run(&id("b"), "fp", "t1", sent, Duration::from_secs(30));
-        known.found_running(&id("a"), Some("t2"), sent, Duration::from_secs(30));
-        known.found_running(&id("b"), None, sent, Duration::from_secs(30));
+        known.found_running(&id("a"), Some("t2"), sent);
+        known.found_running(&id("b"), None, sent);
         assert!(known.find_at(&id("a"), "fp", sent).is_none());
         assert!(known.find_at(&id("b"), "fp", sent).is_none());
         assert_eq!(known.len(), 0);
         // Its own token confirms it.
         known.run(&id("c"), "fp", "t1", sent, Duration::from_secs(30));
         let later = sent + Duration::from_millis(1500);
-        known.found_running(
-            &id("c"),
-            Some("t1"),
-            sent + Duration::from_secs(1),
-            Duration::from_secs(29),
-        );
+        known.found_running(&id("c"), Some("t1"), sent + Duration::from_secs(1));
         assert!(in_progress(known.find_at(&id("c"), "fp", later)).is_some());
     }
 
@@ -713,5 +727,33 @@ mod tests {
         off.run(&id("a"), "fp", "t1", Instant::now(), Duration::from_secs(30));
         assert!(off.find(&id("a"), "fp").is_none());
         assert_eq!(off.len(), 0);
+    }
+
+    #[test]
+    fn each_store_answers_for_its_own_bound() {
+        let slow = Replays::new(Duration::from_secs(60));
+        let fast = slow.with_keep(Duration::from_millis(50));
+        let sent = Instant::now();
+        slow.keep_answer(&id("a"), "fp", &answer(3), sent, Duration::from_secs(3600));
+        slow.run(&id("b"), "fp", "t1", sent, Duration::from_secs(300));
+        let at = sent + Duration::from_millis(100);
+        assert!(fast.find_at(&id("a"), "fp", at).is_none());
+        assert!(fast.find_at(&id("b"), "fp", at).is_none());
+        assert!(matches!(
+            slow.find_at(&id("a"), "fp", at),
+            Some(Reservation::Completed(_))
+        ));
+        assert!(in_progress(slow.find_at(&id("b"), "fp", at)).is_some());
+        // Confirmed again (a lookup, a heartbeat): the short bound counts
+        // from then.
+        fast.found_running(&id("b"), Some("t1"), at);
+        assert!(in_progress(fast.find_at(&id("b"), "fp", at + Duration::from_millis(49))).is_some());
+        assert!(fast
+            .find_at(&id("b"), "fp", at + Duration::from_millis(50))
+            .is_none());
+        // An answer past every bound is of no use to any: it goes.
+        let late = sent + Duration::from_secs(61);
+        assert!(slow.find_at(&id("a"), "fp", late).is_none());
+        assert!(!slow.lock().entries.contains_key(&id("a")));
     }
 }
