@@ -21,6 +21,21 @@ pub(crate) struct LeaseClock {
 }
 
 impl LeaseClock {
+    /// The clock of a lock of `lock_timeout` that a store set at `asked`
+    /// or later. Counted in whole milliseconds, rounded down, as the SQL
+    /// stores add it to their clock (a lock timeout of 100.9 ms is a 100 ms
+    /// lock there): never later than the store's deadline. The heartbeats
+    /// ask for the same.
+    pub(crate) fn new(asked: Instant, lock_timeout: Duration) -> Self {
+        let lock_timeout = Duration::from_millis(u64::try_from(lock_timeout.as_millis()).unwrap_or(u64::MAX));
+        LeaseClock {
+            lock_timeout,
+            deadline: asked
+                .checked_add(lock_timeout)
+                .unwrap_or_else(|| far_future(asked)),
+        }
+    }
+
     /// Whether an execution starting at `now` has too little of its lock
     /// left for its first extension to land in time: under a tenth of the
     /// lock timeout, or under three of the keeper's shortest beats (it
@@ -30,6 +45,18 @@ impl LeaseClock {
     pub(crate) fn too_late_to_start(&self, now: Instant) -> bool {
         let margin = (self.lock_timeout / 10).max(SHORTEST_BEAT * 3);
         now + margin > self.deadline
+    }
+}
+
+/// A hundred years after `at`, or as far as an `Instant` can tell: a lock
+/// that never runs out.
+fn far_future(at: Instant) -> Instant {
+    let mut by = Duration::from_secs(100 * 365 * 86_400);
+    loop {
+        if let Some(far) = at.checked_add(by) {
+            return far;
+        }
+        by /= 2;
     }
 }
 
@@ -277,5 +304,25 @@ async fn beat(id: u64, info: OperationInfo, clock: LeaseClock) {
 fn lease_lost(info: &OperationInfo) {
     if info.lease_ended() {
         tracing::error!("the lock could not be extended before its deadline: the lease counts as lost");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lock timeout with a fraction of a millisecond is a lock of the
+    /// whole milliseconds in the SQL stores: the clock runs out no later.
+    #[test]
+    fn the_clock_counts_whole_milliseconds_as_the_stores_do() {
+        let asked = Instant::now();
+        let clock = LeaseClock::new(asked, Duration::from_nanos(100_999_999));
+        assert_eq!(clock.lock_timeout, Duration::from_millis(100));
+        assert_eq!(clock.deadline, asked + Duration::from_millis(100));
+        let whole = LeaseClock::new(asked, Duration::from_millis(101));
+        assert_eq!(whole.deadline, asked + Duration::from_millis(101));
+        // A lock that never runs out, as far as the clock can tell.
+        let never = LeaseClock::new(asked, Duration::MAX);
+        assert!(never.deadline > asked + Duration::from_secs(365 * 86_400));
     }
 }

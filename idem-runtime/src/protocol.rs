@@ -337,12 +337,9 @@ pub(crate) async fn protect(
         match reservation {
             Reservation::Reserved(lease) => {
                 tracing::Span::current().record("attempt", lease.attempt);
-                let clock = LeaseClock {
-                    lock_timeout: request.lock_timeout,
-                    // The store set the deadline after `asked`: counting from
-                    // it errs on the safe side.
-                    deadline: asked + request.lock_timeout,
-                };
+                // The store set the deadline after `asked`: counting from
+                // it errs on the safe side.
+                let clock = LeaseClock::new(asked, request.lock_timeout);
                 // The execution runs in a task of its own: the handler runs
                 // the same way whether its client stays or leaves (it never
                 // sees the request task's task-locals), and it goes on
