@@ -1031,6 +1031,17 @@ async fn postgres_kept_answers_are_per_record_and_end_with_the_record() {
     assert_ne!(again.operation_id, first.operation_id);
 }
 
+/// A fresh schema, and a store on it whose bound on what it knows
+/// (`with_replay_cache`) is longer than any lock of these tests: the lock's
+/// deadline, or the execution's write, ends what it knows.
+async fn knowing_store(url: &str) -> (String, idem::PgStore) {
+    let schema = idem_testkit::pg_schema(url).await;
+    let store = idem_testkit::pg_store_in(url, &schema, 2)
+        .await
+        .with_replay_cache(LONG);
+    (schema, store)
+}
+
 /// Runs `set` on the row of `id` in `schema`'s table, by hand (as an
 /// operator would), and says how many rows it changed.
 async fn edit_by_hand(store: &idem::PgStore, schema: &str, id: &RecordId, set: &str) -> u64 {
@@ -1069,11 +1080,7 @@ fn is_takeover(found: &Reservation) -> bool {
 #[tokio::test]
 async fn postgres_a_conflict_with_this_process_execution_is_answered_from_memory_until_its_write() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    // A bound longer than the lock: the lock's deadline ends what is known.
-    let store = idem_testkit::pg_store_in(&url, &schema, 2)
-        .await
-        .with_replay_cache(LONG);
+    let (schema, store) = knowing_store(&url).await;
     let lock = Duration::from_secs(30);
     let id = |key: &str| RecordId::new("t1", "running", key);
 
@@ -1220,10 +1227,7 @@ async fn postgres_this_process_execution_is_confirmed_by_the_database_past_the_b
 #[tokio::test]
 async fn postgres_an_execution_ended_through_a_clone_with_another_bound_is_ended_in_both() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 2)
-        .await
-        .with_replay_cache(LONG);
+    let (_schema, store) = knowing_store(&url).await;
     let lock = Duration::from_secs(30);
     for (key, bound) in [("k-short", Duration::from_secs(1)), ("k-none", Duration::ZERO)] {
         let id = RecordId::new("t", "clones", key);
@@ -1246,10 +1250,7 @@ async fn postgres_an_execution_ended_through_a_clone_with_another_bound_is_ended
 #[tokio::test]
 async fn postgres_a_heartbeat_asking_for_a_shorter_lock_leaves_conflicts_to_the_database() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 2)
-        .await
-        .with_replay_cache(LONG);
+    let (schema, store) = knowing_store(&url).await;
     let lock = Duration::from_secs(30);
     let id = |key: &str| RecordId::new("t1", "shorter", key);
     let same = take(&store, &id("same"), "fp", LONG, lock).await;
@@ -1334,10 +1335,7 @@ async fn postgres_a_heartbeat_counts_the_deadline_from_when_it_writes() {
 #[tokio::test]
 async fn postgres_with_table_shares_what_is_known_for_the_same_table_only() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 2)
-        .await
-        .with_replay_cache(LONG);
+    let (schema, store) = knowing_store(&url).await;
     let lock = Duration::from_secs(30);
     let id = RecordId::new("t", "tables", "k");
     let lease = take(&store, &id, "fp", LONG, lock).await;
