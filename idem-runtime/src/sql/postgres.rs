@@ -79,9 +79,10 @@ pub struct PgStore {
     /// store's clones ([`with_timeout`](Self::with_timeout) and
     /// [`with_table`](Self::with_table) start their own).
     completions: std::sync::Arc<Completions>,
-    /// Completed records' answers, kept a moment after a lookup read them
-    /// ([`with_replay_cache`](Self::with_replay_cache)), shared by the
-    /// store's clones of the same table.
+    /// Completed records' answers, kept a moment after a lookup read them,
+    /// and this store's running executions
+    /// ([`with_replay_cache`](Self::with_replay_cache)): this store's
+    /// bound, and a map shared by its clones of the same table.
     replays: sql::replays::Replays,
     timeout: Duration,
 }
