@@ -2497,3 +2497,303 @@ async fn a_purge_of_batch_zero_ends() {
         assert_eq!(answer, Ok(Ok(0)), "postgres, no timeout");
     }
 }
+
+/// Holds both of `store`'s turns to look up: the reservations of `keys`
+/// (two records completed first, so that their lookups insert nothing),
+/// each stopped at `pause::RESERVE_TURN`, before its statement. The
+/// lookups after them queue until the test resumes one. Returns the
+/// pauses and the two reservations' tasks.
+async fn hold_the_lookup_turns(
+    store: &idem::PgStore,
+) -> (
+    [idem_runtime::pause::Pause; 2],
+    [tokio::task::JoinHandle<Result<Reservation, StoreError>>; 2],
+) {
+    let mut pauses = Vec::new();
+    let mut tasks = Vec::new();
+    for k in ["turn-1", "turn-2"] {
+        let id = RecordId::new("t", "lookups", idem_testkit::unique(k));
+        let lease = take(store, &id, "fp", LONG, LONG).await;
+        store.complete(&id, &lease.token, &response(k)).await.unwrap();
+        let mut pause = idem_runtime::pause::arm(idem_runtime::pause::RESERVE_TURN, &id.key);
+        tasks.push(reserve_in_task(store, &id, "fp"));
+        tokio::time::timeout(Duration::from_secs(10), pause.reached())
+            .await
+            .expect("the lookup never took a turn");
+        pauses.push(pause);
+    }
+    let (Ok(pauses), Ok(tasks)) = (pauses.try_into(), tasks.try_into()) else {
+        unreachable!("two of each")
+    };
+    (pauses, tasks)
+}
+
+/// Spawns the reservation of `id` with `fingerprint` (and a fresh token).
+fn reserve_in_task(
+    store: &idem::PgStore,
+    id: &RecordId,
+    fingerprint: &str,
+) -> tokio::task::JoinHandle<Result<Reservation, StoreError>> {
+    let (store, id, fingerprint) = (store.clone(), id.clone(), fingerprint.to_owned());
+    tokio::spawn(async move { store.reserve(req(&id, &fingerprint, LONG, LONG)).await })
+}
+
+/// Spawns the reservation of each (id, fingerprint) in turn, each queued
+/// for a group before the next is spawned.
+async fn queue_reservations(
+    store: &idem::PgStore,
+    reservations: &[(&RecordId, &str)],
+) -> Vec<tokio::task::JoinHandle<Result<Reservation, StoreError>>> {
+    let before = store.waiting_lookups();
+    let mut tasks = Vec::new();
+    for (n, (id, fingerprint)) in reservations.iter().enumerate() {
+        tasks.push(reserve_in_task(store, id, fingerprint));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while store.waiting_lookups() != before + n + 1 {
+            assert!(
+                Instant::now() < deadline,
+                "{} lookups never waited",
+                before + n + 1
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    tasks
+}
+
+/// A record's lock token and the clock its reservation was written at.
+async fn taken_at(store: &idem::PgStore, id: &RecordId) -> (Option<String>, String) {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT lock_token, created_at::text FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
+        table_of(store)
+    )))
+    .bind(&id.tenant)
+    .bind(&id.scope)
+    .bind(&id.key)
+    .fetch_one(store.pool())
+    .await
+    .unwrap()
+}
+
+/// Reservations that arrive while the store's turns to look up are held
+/// wait, and are then looked up together by one statement, each answered
+/// as its lookup alone would be: fresh keys taken under their own tokens
+/// (by one statement: one clock for both), a completed record replayed, a
+/// record in progress a conflict, another fingerprint a mismatch. Two
+/// reservations of one key are never in one group: the second waits for
+/// the next, and finds the record the first took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_reservations_that_queue_are_looked_up_as_one_group() {
+    let Some((_url, store)) = pg_group_store(8).await else {
+        return;
+    };
+    // Every answer from the database: none kept, no execution known.
+    let store = store.with_replay_cache(Duration::ZERO);
+    let id = |k: &str| RecordId::new("t", "lookups", idem_testkit::unique(k));
+    let (b, c, done, running, other) = (id("b"), id("c"), id("done"), id("running"), id("other"));
+    for record in [&done, &other] {
+        let lease = take(&store, record, "fp", LONG, LONG).await;
+        store
+            .complete(record, &lease.token, &response(&record.key))
+            .await
+            .unwrap();
+    }
+    take(&store, &running, "fp", LONG, LONG).await;
+    let (turns, held) = hold_the_lookup_turns(&store).await;
+    let queued = queue_reservations(
+        &store,
+        &[
+            (&c, "fp"),
+            (&b, "fp"),
+            (&c, "fp"),
+            (&done, "fp"),
+            (&running, "fp"),
+            (&other, "another fingerprint"),
+        ],
+    )
+    .await;
+    // One turn goes to the group; the other stays held until the group
+    // has answered, so that the second reservation of c waits for the
+    // group after it.
+    let [first, second] = turns;
+    first.resume();
+    let mut answers = Vec::new();
+    for task in queued {
+        answers.push(task.await.unwrap().expect("an answer"));
+    }
+    second.resume();
+    for task in held {
+        assert!(matches!(task.await.unwrap(), Ok(Reservation::Completed(_))));
+    }
+    let lease = |r: &Reservation| match r {
+        Reservation::Reserved(lease) => lease.clone(),
+        other => panic!("expected a reservation, got {other:?}"),
+    };
+    let (c_lease, b_lease) = (lease(&answers[0]), lease(&answers[1]));
+    assert!(
+        matches!(answers[2], Reservation::InProgress { .. }),
+        "the second reservation of a key is a conflict: {:?}",
+        answers[2]
+    );
+    assert_eq!(answers[3], Reservation::Completed(response(&done.key)));
+    assert!(
+        matches!(answers[4], Reservation::InProgress { .. }),
+        "{:?}",
+        answers[4]
+    );
+    assert_eq!(answers[5], Reservation::Mismatch);
+    let (b_row, c_row) = (taken_at(&store, &b).await, taken_at(&store, &c).await);
+    assert_eq!(
+        b_row.0.as_deref(),
+        Some(b_lease.token.as_str()),
+        "b under its own token"
+    );
+    assert_eq!(
+        c_row.0.as_deref(),
+        Some(c_lease.token.as_str()),
+        "c under its own token"
+    );
+    assert_eq!(b_row.1, c_row.1, "b and c taken by one statement");
+    assert_eq!(store.waiting_lookups(), 0);
+}
+
+/// A group whose statement the database refuses (here a trigger refuses
+/// one record) rolls back whole, and each of its reservations is then
+/// looked up alone: the refused one fails, the others are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_group_the_database_refuses_is_looked_up_alone_by_each() {
+    let Some((_url, store)) = pg_group_store(8).await else {
+        return;
+    };
+    let store = store.with_replay_cache(Duration::ZERO);
+    let table = table_of(&store);
+    let schema = table.split('.').next().unwrap();
+    for ddl in [
+        format!(
+            "CREATE FUNCTION {schema}.refuse_poison() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF NEW.key LIKE 'poison%' THEN RAISE EXCEPTION 'poison refused'; END IF; RETURN NEW; END $$"
+        ),
+        format!("CREATE TRIGGER refuse_poison BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.refuse_poison()"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
+    }
+    let id = |k: &str| RecordId::new("t", "lookups", idem_testkit::unique(k));
+    let (a, poison, z) = (id("a"), id("poison"), id("z"));
+    let (turns, held) = hold_the_lookup_turns(&store).await;
+    let queued = queue_reservations(&store, &[(&a, "fp"), (&poison, "fp"), (&z, "fp")]).await;
+    for turn in turns {
+        turn.resume();
+    }
+    for task in held {
+        assert!(matches!(task.await.unwrap(), Ok(Reservation::Completed(_))));
+    }
+    let [a_answer, poison_answer, z_answer]: [_; 3] = queued.try_into().unwrap();
+    assert!(matches!(a_answer.await.unwrap(), Ok(Reservation::Reserved(_))));
+    let refused = poison_answer.await.unwrap();
+    assert!(
+        matches!(&refused, Err(StoreError::Backend { .. }))
+            && format!("{refused:?}").contains("poison refused"),
+        "{refused:?}"
+    );
+    assert!(matches!(z_answer.await.unwrap(), Ok(Reservation::Reserved(_))));
+    let (a_row, z_row) = (taken_at(&store, &a).await, taken_at(&store, &z).await);
+    assert_ne!(a_row.1, z_row.1, "a and z taken alone, each by its own statement");
+    assert_eq!(store.waiting_lookups(), 0);
+}
+
+/// A group whose statement waits (here for the table's lock, held by a
+/// test connection) does not hold up the lookups queued behind it past its
+/// callers' bound: they give up with 503's error, the queue goes on (a
+/// replay queued behind it is answered while the lock is still held), and
+/// once the statement commits, the keys it took for callers that gave up
+/// are handed back: a retry takes them at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_group_that_waits_holds_up_no_one_past_the_bound_and_gives_back_what_it_took() {
+    let Some((url, store)) = pg_group_store(8).await else {
+        return;
+    };
+    let store = store
+        .with_replay_cache(Duration::ZERO)
+        .with_timeout(Duration::from_millis(500));
+    let id = |k: &str| RecordId::new("t", "lookups", idem_testkit::unique(k));
+    let (x, y, done) = (id("x"), id("y"), id("done"));
+    let lease = take(&store, &done, "fp", LONG, LONG).await;
+    store
+        .complete(&done, &lease.token, &response("done"))
+        .await
+        .unwrap();
+    let ([first, second], held) = hold_the_lookup_turns(&store).await;
+    let holders = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut holder = holders.begin().await.unwrap();
+    // Inserts wait for it; lookups that insert nothing do not.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "LOCK TABLE {} IN SHARE MODE",
+        table_of(&store)
+    )))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let [x_answer, y_answer]: [_; 2] = queue_reservations(&store, &[(&x, "fp"), (&y, "fp")])
+        .await
+        .try_into()
+        .unwrap();
+    // The replay queued below waits past x's and y's bound, not past its
+    // own: it queues a margin later than they did.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The first turn's lookup answers; its turn goes to the group of x
+    // and y, which waits for the table's lock.
+    // (Each paused lookup's caller may have given up meanwhile: its
+    // turn is held until its statement answers all the same.)
+    first.resume();
+    let [first_task, second_task] = held;
+    let _ = first_task.await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.waiting_lookups() != 0 {
+        assert!(Instant::now() < deadline, "the group was never taken");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // Both turns held (the group's and the second paused lookup's): a
+    // replay queues, and is answered once the group's bound has passed,
+    // while the lock is still held.
+    let [replay]: [_; 1] = queue_reservations(&store, &[(&done, "fp")])
+        .await
+        .try_into()
+        .unwrap();
+    let replayed = tokio::time::timeout(Duration::from_secs(10), replay)
+        .await
+        .expect("the queue went on past the waiting group")
+        .unwrap();
+    assert_eq!(replayed, Ok(Reservation::Completed(response("done"))));
+    for answer in [x_answer, y_answer] {
+        let given_up = tokio::time::timeout(Duration::from_secs(10), answer)
+            .await
+            .expect("the callers' bound ends their wait")
+            .unwrap();
+        assert!(
+            matches!(given_up, Err(StoreError::Unavailable { .. })),
+            "{given_up:?}"
+        );
+    }
+    second.resume();
+    let _ = second_task.await.unwrap();
+    holder.commit().await.unwrap();
+    // The group's statement commits now; x and y are given back by the
+    // callers' reservations, which run on to their answer.
+    let store = store.with_timeout(Duration::from_secs(10));
+    for key in [&x, &y] {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match store.reserve(req(key, "fp", LONG, LONG)).await.unwrap() {
+                Reservation::Reserved(_) => break,
+                other => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "{} never given back: {other:?}",
+                        key.key
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+}

@@ -34,6 +34,9 @@ pub const SQLITE_RESERVE_AFTER_PEEK: &str = "sqlite.reserve.after_peek";
 /// SQLite: the reservation's upsert ran; its transaction (holding the write
 /// lock) is not committed yet.
 pub const SQLITE_RESERVE_BEFORE_COMMIT: &str = "sqlite.reserve.before_commit";
+/// PostgreSQL: a reservation took the store's turn to look up, before its
+/// statement: the reservations that come meanwhile queue for the next group.
+pub const RESERVE_TURN: &str = "reserve.turn";
 /// A completion committed, before it returns.
 pub const COMPLETE_AFTER: &str = "complete.after";
 /// A completion in the handler's transaction is written; the commit has

@@ -50,6 +50,9 @@ pub const DEFAULT_REPLAY_CACHE: Duration = Duration::from_secs(1);
 /// by one statement with one commit, each answered with its own outcome (see
 /// docs/PROTOCOL.md, "PostgreSQL's grouped completions"). Under concurrency a
 /// first request's completion so shares its round trip and its commit.
+/// Reservations' lookups are grouped alike, two at once per store (see
+/// docs/PROTOCOL.md, "PostgreSQL's grouped lookups"): under concurrency a
+/// lookup, and the insert of a fresh key in it, shares its round trip.
 ///
 /// ```no_run
 /// use idem::PgStore;
@@ -70,6 +73,9 @@ pub struct PgStore {
     /// The record judged in SQL, and taken when it may be: for a record
     /// the lookup found but cannot answer from.
     reserve: std::sync::Arc<str>,
+    /// Looks up every record of a group: `lookup` for each element of
+    /// its binds as arrays, one row each, in the arrays' order.
+    lookup_group: std::sync::Arc<str>,
     /// Completes every record of a group: `complete`'s binds as arrays.
     complete_group: std::sync::Arc<str>,
     /// `complete` on a row no other transaction holds, else nothing: the
@@ -79,6 +85,9 @@ pub struct PgStore {
     /// store's clones ([`with_timeout`](Self::with_timeout) and
     /// [`with_table`](Self::with_table) start their own).
     completions: std::sync::Arc<Completions>,
+    /// The reservations' lookups that wait for the one being run, shared
+    /// like `completions`.
+    lookups: std::sync::Arc<Lookups>,
     /// Completed records' answers, kept a moment after a lookup read them,
     /// and this store's running executions
     /// ([`with_replay_cache`](Self::with_replay_cache)): this store's
@@ -262,9 +271,10 @@ impl PgStore {
     /// ```
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
-        // Its completions queue apart: a group is bounded by the timeout of
-        // the store that writes it.
+        // Its completions and lookups queue apart: a group is bounded by
+        // the timeout of the store that runs it.
         self.completions = std::sync::Arc::default();
+        self.lookups = std::sync::Arc::default();
         self
     }
 
@@ -376,6 +386,21 @@ impl PgStore {
             stored = sql.stored,
             function = sql.reserve_function,
         );
+        // The lookup of a group of records, one per element of the arrays,
+        // in the arrays' order (the order of the nested loop that the
+        // lateral join is, so that every group takes its fresh keys in the
+        // same order), each row numbered by its element. The alias cannot
+        // be a table's name, which is a checked identifier.
+        let mut lateral = lookup.clone();
+        for (n, column) in (1..9).zip(LOOKUP_GROUP_COLUMNS).rev() {
+            lateral = lateral.replace(&format!("${n}"), &format!("\"idem-group\".{column}"));
+        }
+        let lookup_group = format!(
+            "SELECT l.*, \"idem-group\".i FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], \
+             $5::text[], $6::text[], $7::int8[], $8::int8[]) WITH ORDINALITY AS \"idem-group\" ({columns}, i) \
+             CROSS JOIN LATERAL ({lateral}) AS l ORDER BY \"idem-group\".i",
+            columns = LOOKUP_GROUP_COLUMNS.join(", "),
+        );
         // The completion of a group of records, one per element of the
         // arrays: `complete`, each record fenced by its own token, with the
         // same clock for all, on the rows no other transaction holds
@@ -407,10 +432,12 @@ impl PgStore {
             pool,
             sql: std::sync::Arc::new(sql),
             lookup: lookup.into(),
+            lookup_group: lookup_group.into(),
             reserve: reserve.into(),
             complete_group: complete_group.into(),
             complete_free: complete_free.into(),
             completions: std::sync::Arc::default(),
+            lookups: std::sync::Arc::default(),
             replays: sql::replays::Replays::new(DEFAULT_REPLAY_CACHE),
             timeout: DEFAULT_OPERATION_TIMEOUT,
         })
@@ -895,6 +922,308 @@ impl Drop for GroupWriter {
     }
 }
 
+/// The reservations' lookups that arrive while others are being run, as
+/// [`Completions`] are for completions: a lookup is sent at once, as the
+/// one statement it is, while fewer than [`LOOKUP_TURNS`] are being run;
+/// those that arrive meanwhile queue, and when one is answered a task runs everything
+/// queued by then (up to [`GROUP_MAX`], one per record) as one statement,
+/// then again for what queued during that one, until none is left. A
+/// fresh key's record is inserted by that statement, so a group of first
+/// requests shares one round trip and one commit, where each paid its own.
+/// Each lookup is answered with its own row, judged by its own caller as a
+/// lookup sent alone is; a group's statement that the database refuses
+/// (it rolled back whole) is run again alone by each of its callers. A
+/// group's statement runs to its answer in a task of its own, never
+/// cancelled (it may insert records); once its most pressed caller has
+/// given up, the queue goes on without it. A record a group took for a
+/// caller that is gone is handed back.
+#[derive(Default)]
+struct Lookups {
+    queue: std::sync::Mutex<LookupQueue>,
+}
+
+impl Lookups {
+    /// A panic under this lock cannot leave the queue half-changed: each
+    /// change is one push, one drain or one assignment.
+    fn lock(&self) -> std::sync::MutexGuard<'_, LookupQueue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[derive(Default)]
+struct LookupQueue {
+    /// How many lookups, or tasks running groups, hold a turn.
+    busy: usize,
+    waiting: Vec<LookupWaiting>,
+}
+
+/// A lookup waiting for its group: the binds of `lookup`.
+struct LookupWaiting {
+    id: crate::store::RecordId,
+    fingerprint: String,
+    token: String,
+    operation_id: String,
+    ttl_ms: i64,
+    lock_ms: i64,
+    /// When its caller stops waiting.
+    deadline: tokio::time::Instant,
+    answer: tokio::sync::oneshot::Sender<LookedUp>,
+}
+
+/// What a group tells a lookup that waited for it.
+enum LookedUp {
+    /// The lookup's row, as the lookup alone returns it.
+    Row(sqlx::postgres::PgRow),
+    /// The group's statement failed, its outcome unknown (the database
+    /// unreachable), or the caller's time ran out before it was sent.
+    Failed(StoreError),
+    /// Not run by a group: its caller sends the lookup alone.
+    Alone,
+}
+
+/// The turn of the lookup sent at once: when it ends, the queue goes on.
+struct LookupTurn<'a>(&'a PgStore);
+
+impl Drop for LookupTurn<'_> {
+    fn drop(&mut self) {
+        self.0.pass_on_lookups();
+    }
+}
+
+/// The task that runs the queued lookups, group after group, until none is
+/// left, holding the turn of the lookup that started it. Dropped before
+/// that (its runtime shutting down, or a panic), it frees its turn, and
+/// when no other turn is held drops the waiting lookups, whose callers are
+/// answered with an error at once.
+struct GroupReader {
+    store: PgStore,
+    done: bool,
+}
+
+impl GroupReader {
+    async fn run(mut self) {
+        loop {
+            let group: Vec<LookupWaiting> = {
+                let mut queue = self.store.lookups.lock();
+                let now = tokio::time::Instant::now();
+                let (late, waiting): (Vec<_>, Vec<_>) = queue
+                    .waiting
+                    .drain(..)
+                    .filter(|w| !w.answer.is_closed())
+                    .partition(|w| w.deadline <= now);
+                let mut group: Vec<LookupWaiting> = Vec::new();
+                for w in waiting {
+                    // One lookup of a record a group: the next waits for
+                    // the next group, and finds the record this one wrote.
+                    if group.len() < GROUP_MAX && !group.iter().any(|g| g.id == w.id) {
+                        group.push(w);
+                    } else {
+                        queue.waiting.push(w);
+                    }
+                }
+                if group.is_empty() {
+                    queue.busy -= 1;
+                    self.done = true;
+                }
+                drop(queue);
+                for w in late {
+                    let _ = w.answer.send(LookedUp::Failed(StoreError::unavailable(format!(
+                        "no answer within {} ms",
+                        self.store.timeout.as_millis()
+                    ))));
+                }
+                if self.done {
+                    return;
+                }
+                group
+            };
+            // No later than its most pressed member's caller waits; given
+            // up on, the statement still runs to its answer in its task.
+            let deadline = group.iter().map(|w| w.deadline).min();
+            let deadline = deadline.unwrap_or_else(|| deadline_after(self.store.timeout));
+            let running = tokio::spawn(self.store.clone().read_group(group));
+            let _ = tokio::time::timeout_at(deadline, running).await;
+        }
+    }
+}
+
+impl Drop for GroupReader {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut queue = self.store.lookups.lock();
+            queue.busy -= 1;
+            if queue.busy == 0 {
+                queue.waiting.clear();
+            }
+        }
+    }
+}
+
+impl PgStore {
+    /// A reservation's lookup: sent at once while a turn is free; otherwise
+    /// it waits for the next group (see [`Lookups`]).
+    async fn look_up(
+        &self,
+        req: &ReserveRequest<'_>,
+        operation_id: &str,
+    ) -> Result<sqlx::postgres::PgRow, StoreError> {
+        // On a current-thread runtime, which may stop being driven once its
+        // caller has an answer, no task of a group is started: such a
+        // lookup is sent alone, and never queues.
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if !multi_thread {
+            return self.run_reserving(&self.lookup, req, operation_id).await;
+        }
+        let waiting = {
+            let mut queue = self.lookups.lock();
+            if queue.busy >= LOOKUP_TURNS {
+                let (answer, answered) = tokio::sync::oneshot::channel();
+                queue.waiting.push(LookupWaiting {
+                    id: req.id.clone(),
+                    fingerprint: req.fingerprint.to_owned(),
+                    token: req.token.to_owned(),
+                    operation_id: operation_id.to_owned(),
+                    ttl_ms: millis(req.ttl),
+                    lock_ms: millis(req.lock_timeout),
+                    deadline: deadline_after(self.timeout),
+                    answer,
+                });
+                Some(answered)
+            } else {
+                queue.busy += 1;
+                None
+            }
+        };
+        match waiting {
+            Some(answered) => match answered.await {
+                Ok(LookedUp::Row(row)) => Ok(row),
+                Ok(LookedUp::Failed(e)) => Err(e),
+                Ok(LookedUp::Alone) => self.run_reserving(&self.lookup, req, operation_id).await,
+                // Its group may have been sent: not known to have taken
+                // nothing (the caller hands the key back, fenced by its token).
+                Err(_) => Err(StoreError::unavailable(
+                    "the task running this reservation's group ended before answering it",
+                )),
+            },
+            None => {
+                // Whether answered, failed, or given up on, the lookups
+                // that queued meanwhile go on without it.
+                let _turn = LookupTurn(self);
+                pause_point!(crate::pause::RESERVE_TURN, &req.id.key);
+                self.run_reserving(&self.lookup, req, operation_id).await
+            }
+        }
+    }
+
+    /// Passes the lookups that queued behind the one just run (or given up
+    /// on) to a task that runs them, or frees the turn when none did.
+    /// Outside a runtime (which no store call is) they are answered with
+    /// an error.
+    fn pass_on_lookups(&self) {
+        let mut queue = self.lookups.lock();
+        if queue.waiting.is_empty() {
+            queue.busy -= 1;
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                drop(queue);
+                // Made before the task starts, so that a task dropped
+                // unstarted still frees the turn and answers the waiting.
+                let reader = GroupReader {
+                    store: self.clone(),
+                    done: false,
+                };
+                runtime.spawn(reader.run());
+            }
+            Err(_) => {
+                queue.busy -= 1;
+                if queue.busy == 0 {
+                    queue.waiting.clear();
+                }
+            }
+        }
+    }
+
+    /// Runs one group's lookups as one statement and answers each with its
+    /// row. A group of one is sent alone by its caller, as the plain
+    /// statement; so is every one of a group whose statement the database
+    /// refused (rolled back whole: say, a trigger refused one record, or
+    /// PostgreSQL ended a deadlock with it). A record taken for a caller
+    /// that is gone is handed back.
+    async fn read_group(self, mut group: Vec<LookupWaiting>) {
+        if group.len() == 1 {
+            for w in group {
+                let _ = w.answer.send(LookedUp::Alone);
+            }
+            return;
+        }
+        // In the same order in every group, so that two groups (of two
+        // processes) inserting the same fresh keys wait for each other's
+        // in one order, never for each other.
+        group.sort_by(|a, b| {
+            (&a.id.tenant, &a.id.scope, &a.id.key).cmp(&(&b.id.tenant, &b.id.scope, &b.id.key))
+        });
+        let texts = |f: fn(&LookupWaiting) -> &str| group.iter().map(f).collect::<Vec<&str>>();
+        let read = sqlx::query(sqlx::AssertSqlSafe(&*self.lookup_group))
+            .bind(texts(|w| w.id.tenant.as_str()))
+            .bind(texts(|w| &w.id.scope))
+            .bind(texts(|w| &w.id.key))
+            .bind(texts(|w| &w.fingerprint))
+            .bind(texts(|w| &w.token))
+            .bind(texts(|w| &w.operation_id))
+            .bind(group.iter().map(|w| w.ttl_ms).collect::<Vec<i64>>())
+            .bind(group.iter().map(|w| w.lock_ms).collect::<Vec<i64>>())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(sql::map_err);
+        let mut rows = match read {
+            Ok(rows) => rows,
+            Err(e) if e.is_unavailable() => {
+                for w in group {
+                    let _ = w.answer.send(LookedUp::Failed(e.clone()));
+                }
+                return;
+            }
+            Err(_) => {
+                for w in group {
+                    let _ = w.answer.send(LookedUp::Alone);
+                }
+                return;
+            }
+        };
+        let mut gone = Vec::new();
+        for (i, w) in (1_i64..).zip(group) {
+            let at = rows
+                .iter()
+                .position(|row| sqlx::Row::try_get::<i64, _>(row, LOOKUP_COLUMNS.len()).ok() == Some(i));
+            let Some(row) = at.map(|at| rows.swap_remove(at)) else {
+                let _ = w.answer.send(LookedUp::Failed(StoreError::backend(
+                    "the group's lookup returned no row for this record",
+                )));
+                continue;
+            };
+            if let Err(LookedUp::Row(row)) = w.answer.send(LookedUp::Row(row)) {
+                let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, 8).ok().flatten();
+                if let Some(lease) = taken.and_then(|t| lease_from_taken(&t, &w.token)) {
+                    gone.push((w.id, w.token, lease.is_takeover()));
+                }
+            }
+        }
+        for (id, token, taken_over) in gone {
+            let until = tokio::time::Instant::now() + self.timeout;
+            let _ = crate::store::retry_until(until, || self.hand_back(&id, &token, taken_over)).await;
+        }
+    }
+
+    /// How many reservations wait for the lookup being run (for tests).
+    #[doc(hidden)]
+    pub fn waiting_lookups(&self) -> usize {
+        self.lookups.lock().waiting.len()
+    }
+}
+
 impl IdempotencyStore for PgStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
         if let Some(kept) = self.replays.find(req.id, req.fingerprint) {
@@ -936,9 +1265,7 @@ impl PgStore {
         let sent = std::time::Instant::now();
         // First the lookup: a record to answer from is judged here, and a
         // fresh key is taken by the function in the same round trip.
-        let row = self
-            .run_reserving(&self.lookup, &req, operation_id.as_str())
-            .await?;
+        let row = self.look_up(&req, operation_id.as_str()).await?;
         debug_assert!(sql::columns_are(&row, 0, &LOOKUP_COLUMNS));
         let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, 8).map_err(get_err)?;
         if let Some(taken) = taken {
@@ -1084,6 +1411,26 @@ fn lock_not_available(e: &StoreError) -> bool {
         .and_then(|db| db.code())
         .is_some_and(|code| code == "55P03")
 }
+
+/// How many lookups (or groups of them) one store runs at once; the rest
+/// queue for the next group. Two, measured (BENCHMARKS.md, "What changed"):
+/// with one, a group of fresh keys waits for the commit of the group before
+/// it, and first requests at 16 clients lost a sixth of their throughput;
+/// with eight or more, lookups rarely queue, and little is grouped.
+const LOOKUP_TURNS: usize = 2;
+
+/// The lookup group's binds, as columns of its arrays: those of `lookup`,
+/// in their order.
+const LOOKUP_GROUP_COLUMNS: [&str; 8] = [
+    "tenant",
+    "scope",
+    "key",
+    "fingerprint",
+    "token",
+    "operation",
+    "ttl_ms",
+    "lock_ms",
+];
 
 /// The lookup's columns, in this order, read by position.
 const LOOKUP_COLUMNS: [&str; 10] = [
