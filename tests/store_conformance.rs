@@ -2498,6 +2498,18 @@ async fn a_purge_of_batch_zero_ends() {
     }
 }
 
+/// A store of its own schema that keeps nothing in memory: every
+/// reservation is a lookup (see [`hold_the_lookup_turns`]).
+async fn pg_lookup_store() -> Option<(String, idem::PgStore)> {
+    let (url, store) = pg_group_store(8).await?;
+    Some((url, store.with_replay_cache(Duration::ZERO)))
+}
+
+/// A fresh id of the scope these tests use.
+fn lookup_id(k: &str) -> RecordId {
+    RecordId::new("t", "lookups", idem_testkit::unique(k))
+}
+
 /// Holds both of `store`'s turns to look up: the reservations of `keys`
 /// (two records completed first, so that their lookups insert nothing),
 /// each stopped at `pause::RESERVE_TURN`, before its statement. The
@@ -2512,7 +2524,7 @@ async fn hold_the_lookup_turns(
     let mut pauses = Vec::new();
     let mut tasks = Vec::new();
     for k in ["turn-1", "turn-2"] {
-        let id = RecordId::new("t", "lookups", idem_testkit::unique(k));
+        let id = lookup_id(k);
         let lease = take(store, &id, "fp", LONG, LONG).await;
         store.complete(&id, &lease.token, &response(k)).await.unwrap();
         let mut pause = idem_runtime::pause::arm(idem_runtime::pause::RESERVE_TURN, &id.key);
@@ -2584,12 +2596,11 @@ async fn taken_at(store: &idem::PgStore, id: &RecordId) -> (Option<String>, Stri
 /// the next, and finds the record the first took.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_reservations_that_queue_are_looked_up_as_one_group() {
-    let Some((_url, store)) = pg_group_store(8).await else {
+    // Every answer from the database: none kept, no execution known.
+    let Some((_url, store)) = pg_lookup_store().await else {
         return;
     };
-    // Every answer from the database: none kept, no execution known.
-    let store = store.with_replay_cache(Duration::ZERO);
-    let id = |k: &str| RecordId::new("t", "lookups", idem_testkit::unique(k));
+    let id = lookup_id;
     let (b, c, done, running, other) = (id("b"), id("c"), id("done"), id("running"), id("other"));
     for record in [&done, &other] {
         let lease = take(&store, record, "fp", LONG, LONG).await;
@@ -2662,10 +2673,9 @@ async fn postgres_reservations_that_queue_are_looked_up_as_one_group() {
 /// looked up alone: the refused one fails, the others are taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_group_the_database_refuses_is_looked_up_alone_by_each() {
-    let Some((_url, store)) = pg_group_store(8).await else {
+    let Some((_url, store)) = pg_lookup_store().await else {
         return;
     };
-    let store = store.with_replay_cache(Duration::ZERO);
     let table = table_of(&store);
     let schema = table.split('.').next().unwrap();
     for ddl in [
@@ -2677,8 +2687,7 @@ async fn postgres_a_group_the_database_refuses_is_looked_up_alone_by_each() {
     ] {
         sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
     }
-    let id = |k: &str| RecordId::new("t", "lookups", idem_testkit::unique(k));
-    let (a, poison, z) = (id("a"), id("poison"), id("z"));
+    let (a, poison, z) = (lookup_id("a"), lookup_id("poison"), lookup_id("z"));
     let (turns, held) = hold_the_lookup_turns(&store).await;
     let queued = queue_reservations(&store, &[(&a, "fp"), (&poison, "fp"), (&z, "fp")]).await;
     for turn in turns {
@@ -2709,14 +2718,11 @@ async fn postgres_a_group_the_database_refuses_is_looked_up_alone_by_each() {
 /// are handed back: a retry takes them at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_group_that_waits_holds_up_no_one_past_the_bound_and_gives_back_what_it_took() {
-    let Some((url, store)) = pg_group_store(8).await else {
+    let Some((url, store)) = pg_lookup_store().await else {
         return;
     };
-    let store = store
-        .with_replay_cache(Duration::ZERO)
-        .with_timeout(Duration::from_millis(500));
-    let id = |k: &str| RecordId::new("t", "lookups", idem_testkit::unique(k));
-    let (x, y, done) = (id("x"), id("y"), id("done"));
+    let store = store.with_timeout(Duration::from_millis(500));
+    let (x, y, done) = (lookup_id("x"), lookup_id("y"), lookup_id("done"));
     let lease = take(&store, &done, "fp", LONG, LONG).await;
     store
         .complete(&done, &lease.token, &response("done"))
