@@ -2803,3 +2803,138 @@ async fn postgres_a_group_that_waits_holds_up_no_one_past_the_bound_and_gives_ba
         }
     }
 }
+
+/// Until `n` lookups (statements starting `SELECT`) on `store`'s table
+/// wait for a lock (a condition, not an ordering).
+async fn until_lookups_wait(pool: &sqlx::PgPool, store: &idem::PgStore, n: i64) {
+    let table = table_of(store);
+    let schema = table.split('.').next().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE 'SELECT%' AND query LIKE '%' || $1 || '%'",
+        )
+        .bind(schema)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{n} lookups never waited (saw {waiting})"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A transaction on `pool` holding `store`'s table in SHARE mode (what a
+/// plain `CREATE INDEX` takes): inserts wait for it, reads do not.
+async fn hold_the_table(
+    pool: &sqlx::PgPool,
+    store: &idem::PgStore,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "LOCK TABLE {} IN SHARE MODE",
+        table_of(store)
+    )))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    holder
+}
+
+/// Two first requests whose lookups wait for the table's lock hold the
+/// store's two turns only for `TURN_HELD_MAX`: a replay that needs no lock,
+/// coming right after, is answered within its bound, not refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_lookups_that_wait_for_a_lock_do_not_hold_up_a_replay() {
+    let Some((url, store)) = pg_lookup_store().await else {
+        return;
+    };
+    let store = store.with_timeout(Duration::from_millis(500));
+    let (done, f1, f2) = (lookup_id("done"), lookup_id("f1"), lookup_id("f2"));
+    let lease = take(&store, &done, "fp", LONG, LONG).await;
+    store
+        .complete(&done, &lease.token, &response("done"))
+        .await
+        .unwrap();
+    let holders = sqlx::PgPool::connect(&url).await.unwrap();
+    let holder = hold_the_table(&holders, &store).await;
+    let _f1 = reserve_in_task(&store, &f1, "fp");
+    let _f2 = reserve_in_task(&store, &f2, "fp");
+    until_lookups_wait(&holders, &store, 2).await;
+    let replay = store.reserve(req(&done, "fp", LONG, LONG)).await;
+    holder.rollback().await.unwrap();
+    assert_eq!(replay, Ok(Reservation::Completed(response("done"))));
+}
+
+/// Two first requests whose keys another transaction inserted and has not
+/// committed wait for it, and hold the store's two turns only for
+/// `TURN_HELD_MAX`: an unrelated fresh key is taken meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_lookups_that_wait_for_a_row_do_not_hold_up_other_keys() {
+    let Some((url, store)) = pg_lookup_store().await else {
+        return;
+    };
+    let store = store.with_timeout(Duration::from_millis(500));
+    let (k1, k2, other) = (lookup_id("k1"), lookup_id("k2"), lookup_id("other"));
+    let holders = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut holder = holders.begin().await.unwrap();
+    for k in [&k1, &k2] {
+        sqlx::query(sqlx::AssertSqlSafe(store.request_statements().lookup.to_owned()))
+            .bind(&k.tenant)
+            .bind(&k.scope)
+            .bind(&k.key)
+            .bind("fp")
+            .bind("holder-token")
+            .bind("holder-op")
+            .bind(3_600_000_i64)
+            .bind(3_600_000_i64)
+            .execute(&mut *holder)
+            .await
+            .unwrap();
+    }
+    let _t1 = reserve_in_task(&store, &k1, "fp");
+    let _t2 = reserve_in_task(&store, &k2, "fp");
+    until_lookups_wait(&holders, &store, 2).await;
+    let taken = store.reserve(req(&other, "fp", LONG, LONG)).await;
+    holder.rollback().await.unwrap();
+    assert!(matches!(taken, Ok(Reservation::Reserved(_))), "{taken:?}");
+}
+
+/// A replay grouped with a fresh key whose insert waits for the table's
+/// lock is not held up by it: the group's statement waits for a lock at
+/// most `GROUP_LOCK_WAIT`, then each of its lookups runs alone, and the
+/// replay is answered within its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_replay_grouped_with_an_insert_that_waits_is_answered() {
+    let Some((url, store)) = pg_lookup_store().await else {
+        return;
+    };
+    let store = store.with_timeout(Duration::from_millis(500));
+    let (done, fresh) = (lookup_id("done"), lookup_id("fresh"));
+    let lease = take(&store, &done, "fp", LONG, LONG).await;
+    store
+        .complete(&done, &lease.token, &response("done"))
+        .await
+        .unwrap();
+    let ([first, second], held) = hold_the_lookup_turns(&store).await;
+    let holders = sqlx::PgPool::connect(&url).await.unwrap();
+    let holder = hold_the_table(&holders, &store).await;
+    let [_fresh, replay]: [_; 2] = queue_reservations(&store, &[(&fresh, "fp"), (&done, "fp")])
+        .await
+        .try_into()
+        .unwrap();
+    first.resume();
+    let replay = replay.await.unwrap();
+    holder.rollback().await.unwrap();
+    second.resume();
+    for task in held {
+        let _ = task.await.unwrap();
+    }
+    assert_eq!(replay, Ok(Reservation::Completed(response("done"))));
+}

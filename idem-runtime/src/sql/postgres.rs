@@ -391,7 +391,21 @@ impl PgStore {
         // lateral join is, so that every group takes its fresh keys in the
         // same order), each row numbered by its element. The alias cannot
         // be a table's name, which is a checked identifier.
-        let mut lateral = lookup.clone();
+        // A fresh key's insert in a group waits for a lock no longer than
+        // `GROUP_LOCK_WAIT` (set for the statement's own transaction, just
+        // before the function is called): past it the group is refused, and
+        // each of its lookups runs alone, so that one key's wait (a
+        // concurrent insert of it, a `CREATE INDEX` holding the table) holds
+        // up no other.
+        let mut lateral = lookup.replacen(
+            "CASE WHEN p.state IS NULL THEN",
+            &format!(
+                "CASE WHEN p.state IS NULL AND set_config('lock_timeout', '{}ms', true) IS NOT NULL THEN",
+                GROUP_LOCK_WAIT.as_millis()
+            ),
+            1,
+        );
+        debug_assert!(lateral.contains("set_config"));
         for (n, column) in (1..9).zip(LOOKUP_GROUP_COLUMNS).rev() {
             lateral = lateral.replace(&format!("${n}"), &format!("\"idem-group\".{column}"));
         }
@@ -1037,10 +1051,12 @@ impl GroupReader {
                 }
                 group
             };
-            // No later than its most pressed member's caller waits; given
-            // up on, the statement still runs to its answer in its task.
+            // No later than its most pressed member's caller waits, nor
+            // past `TURN_HELD_MAX`; given up on, the statement still runs
+            // to its answer in its task.
             let deadline = group.iter().map(|w| w.deadline).min();
             let deadline = deadline.unwrap_or_else(|| deadline_after(self.store.timeout));
+            let deadline = deadline.min(tokio::time::Instant::now() + TURN_HELD_MAX);
             let running = tokio::spawn(self.store.clone().read_group(group));
             let _ = tokio::time::timeout_at(deadline, running).await;
         }
@@ -1107,11 +1123,20 @@ impl PgStore {
                 )),
             },
             None => {
-                // Whether answered, failed, or given up on, the lookups
-                // that queued meanwhile go on without it.
-                let _turn = LookupTurn(self);
+                // Whether answered, failed, given up on, or still waiting
+                // after `TURN_HELD_MAX`, the lookups that queued meanwhile
+                // go on without it.
+                let mut turn = Some(LookupTurn(self));
                 pause_point!(crate::pause::RESERVE_TURN, &req.id.key);
-                self.run_reserving(&self.lookup, req, operation_id).await
+                let held_until = tokio::time::Instant::now() + TURN_HELD_MAX;
+                let mut running = std::pin::pin!(self.run_reserving(&self.lookup, req, operation_id));
+                tokio::select! {
+                    row = &mut running => row,
+                    () = tokio::time::sleep_until(held_until) => {
+                        drop(turn.take());
+                        running.await
+                    }
+                }
             }
         }
     }
@@ -1180,7 +1205,7 @@ impl PgStore {
             .map_err(sql::map_err);
         let mut rows = match read {
             Ok(rows) => rows,
-            Err(e) if e.is_unavailable() => {
+            Err(e) if e.is_unavailable() && !lock_not_available(&e) => {
                 for w in group {
                     let _ = w.answer.send(LookedUp::Failed(e.clone()));
                 }
@@ -1418,6 +1443,15 @@ fn lock_not_available(e: &StoreError) -> bool {
 /// it, and first requests at 16 clients lost a sixth of their throughput;
 /// with eight or more, lookups rarely queue, and little is grouped.
 const LOOKUP_TURNS: usize = 2;
+
+/// The longest a turn to look up is held while its statement runs on,
+/// and the longest a group's statement waits for a lock: lookups queued
+/// behind a statement that waits (a lock, a stalled disk) are run by then,
+/// without it.
+const TURN_HELD_MAX: Duration = Duration::from_millis(100);
+
+/// See [`TURN_HELD_MAX`].
+const GROUP_LOCK_WAIT: Duration = TURN_HELD_MAX;
 
 /// The lookup group's binds, as columns of its arrays: those of `lookup`,
 /// in their order.
