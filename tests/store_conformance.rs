@@ -2883,21 +2883,7 @@ async fn postgres_lookups_that_wait_for_a_row_do_not_hold_up_other_keys() {
     let store = store.with_timeout(Duration::from_millis(500));
     let (k1, k2, other) = (lookup_id("k1"), lookup_id("k2"), lookup_id("other"));
     let holders = sqlx::PgPool::connect(&url).await.unwrap();
-    let mut holder = holders.begin().await.unwrap();
-    for k in [&k1, &k2] {
-        sqlx::query(sqlx::AssertSqlSafe(store.request_statements().lookup.to_owned()))
-            .bind(&k.tenant)
-            .bind(&k.scope)
-            .bind(&k.key)
-            .bind("fp")
-            .bind("holder-token")
-            .bind("holder-op")
-            .bind(3_600_000_i64)
-            .bind(3_600_000_i64)
-            .execute(&mut *holder)
-            .await
-            .unwrap();
-    }
+    let holder = insert_uncommitted(&holders, &store, &[&k1, &k2]).await;
     let _t1 = reserve_in_task(&store, &k1, "fp");
     let _t2 = reserve_in_task(&store, &k2, "fp");
     until_lookups_wait(&holders, &store, 2).await;
@@ -2937,4 +2923,104 @@ async fn postgres_a_replay_grouped_with_an_insert_that_waits_is_answered() {
         let _ = task.await.unwrap();
     }
     assert_eq!(replay, Ok(Reservation::Completed(response("done"))));
+}
+
+/// A transaction on `pool` that has inserted the records of `ids` (as a
+/// reservation would) and not committed: inserts of them wait for it.
+async fn insert_uncommitted(
+    pool: &sqlx::PgPool,
+    store: &idem::PgStore,
+    ids: &[&RecordId],
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut holder = pool.begin().await.unwrap();
+    for k in ids {
+        sqlx::query(sqlx::AssertSqlSafe(store.request_statements().lookup.to_owned()))
+            .bind(&k.tenant)
+            .bind(&k.scope)
+            .bind(&k.key)
+            .bind("fp")
+            .bind("holder-token")
+            .bind("holder-op")
+            .bind(3_600_000_i64)
+            .bind(3_600_000_i64)
+            .execute(&mut *holder)
+            .await
+            .unwrap();
+    }
+    holder
+}
+
+/// The lock waits of a group count together: a replay grouped with ten
+/// fresh keys, each inserted and not committed by a transaction of its own
+/// that ends 60 ms after the group starts waiting for it (no wait reaching
+/// `GROUP_LOCK_WAIT` alone), is answered within its bound: the group is
+/// refused once its waits add up to it, and each lookup runs alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_groups_lock_waits_add_up_to_one_bound() {
+    let Some((url, store)) = pg_lookup_store().await else {
+        return;
+    };
+    let store = store.with_timeout(Duration::from_millis(500));
+    let done = lookup_id("done");
+    let lease = take(&store, &done, "fp", LONG, LONG).await;
+    store
+        .complete(&done, &lease.token, &response("done"))
+        .await
+        .unwrap();
+    let fresh: Vec<RecordId> = (0..10).map(|i| lookup_id(&format!("f{i}"))).collect();
+    let holders = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(12)
+        .connect(&url)
+        .await
+        .unwrap();
+    let mut held = Vec::new();
+    for k in &fresh {
+        let mut tx = insert_uncommitted(&holders, &store, &[k]).await;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        held.push((pid, Some(tx)));
+    }
+    let ([first, second], turns) = hold_the_lookup_turns(&store).await;
+    let mut queue: Vec<(&RecordId, &str)> = fresh.iter().map(|k| (k, "fp")).collect();
+    queue.push((&done, "fp"));
+    let replay = queue_reservations(&store, &queue).await.pop().unwrap();
+    first.resume();
+    let table = table_of(&store);
+    let schema = table.split('.').next().unwrap();
+    // Each transaction the group waits for ends 60 ms later.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !replay.is_finished() && held.iter().any(|(_, tx)| tx.is_some()) {
+        assert!(Instant::now() < deadline, "the replay never answered");
+        let blockers: Vec<i32> = sqlx::query_scalar(
+            "SELECT unnest(pg_blocking_pids(pid)) FROM pg_stat_activity \
+             WHERE query LIKE '%idem-group%' AND query LIKE '%' || $1 || '%'",
+        )
+        .bind(schema)
+        .fetch_all(&holders)
+        .await
+        .unwrap();
+        let blocking = held
+            .iter_mut()
+            .find(|(pid, tx)| tx.is_some() && blockers.contains(pid));
+        match blocking {
+            Some((_, tx)) => {
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                tx.take().unwrap().rollback().await.unwrap();
+            }
+            None => tokio::time::sleep(Duration::from_millis(2)).await,
+        }
+    }
+    for (_, tx) in held {
+        if let Some(tx) = tx {
+            tx.rollback().await.unwrap();
+        }
+    }
+    let replayed = replay.await.unwrap();
+    second.resume();
+    for task in turns {
+        let _ = task.await.unwrap();
+    }
+    assert_eq!(replayed, Ok(Reservation::Completed(response("done"))));
 }

@@ -391,16 +391,19 @@ impl PgStore {
         // lateral join is, so that every group takes its fresh keys in the
         // same order), each row numbered by its element. The alias cannot
         // be a table's name, which is a checked identifier.
-        // A fresh key's insert in a group waits for a lock no longer than
-        // `GROUP_LOCK_WAIT` (set for the statement's own transaction, just
-        // before the function is called): past it the group is refused, and
-        // each of its lookups runs alone, so that one key's wait (a
-        // concurrent insert of it, a `CREATE INDEX` holding the table) holds
-        // up no other.
+        // A group's inserts wait for locks no longer than `GROUP_LOCK_WAIT`
+        // in all, counted from the statement's start: before each call of
+        // the function, the lock timeout of the statement's own transaction
+        // is set to what is left of it (at least 1 ms: 0 would mean no
+        // bound). Past it the group is refused, and each of its lookups
+        // runs alone, so that no key's wait (a concurrent insert of it, a
+        // `CREATE INDEX` holding the table), nor many short ones, holds up
+        // the others.
         let mut lateral = lookup.replacen(
             "CASE WHEN p.state IS NULL THEN",
             &format!(
-                "CASE WHEN p.state IS NULL AND set_config('lock_timeout', '{}ms', true) IS NOT NULL THEN",
+                "CASE WHEN p.state IS NULL AND set_config('lock_timeout', greatest(1, {} - floor(extract(epoch \
+                 FROM clock_timestamp() - statement_timestamp()) * 1000))::bigint || 'ms', true) IS NOT NULL THEN",
                 GROUP_LOCK_WAIT.as_millis()
             ),
             1,
@@ -1036,7 +1039,7 @@ impl GroupReader {
                     }
                 }
                 if group.is_empty() {
-                    queue.busy -= 1;
+                    queue.busy = queue.busy.saturating_sub(1);
                     self.done = true;
                 }
                 drop(queue);
@@ -1067,7 +1070,7 @@ impl Drop for GroupReader {
     fn drop(&mut self) {
         if !self.done {
             let mut queue = self.store.lookups.lock();
-            queue.busy -= 1;
+            queue.busy = queue.busy.saturating_sub(1);
             if queue.busy == 0 {
                 queue.waiting.clear();
             }
@@ -1148,7 +1151,7 @@ impl PgStore {
     fn pass_on_lookups(&self) {
         let mut queue = self.lookups.lock();
         if queue.waiting.is_empty() {
-            queue.busy -= 1;
+            queue.busy = queue.busy.saturating_sub(1);
             return;
         }
         match tokio::runtime::Handle::try_current() {
@@ -1163,7 +1166,7 @@ impl PgStore {
                 runtime.spawn(reader.run());
             }
             Err(_) => {
-                queue.busy -= 1;
+                queue.busy = queue.busy.saturating_sub(1);
                 if queue.busy == 0 {
                     queue.waiting.clear();
                 }
@@ -1205,7 +1208,7 @@ impl PgStore {
             .map_err(sql::map_err);
         let mut rows = match read {
             Ok(rows) => rows,
-            Err(e) if e.is_unavailable() && !lock_not_available(&e) => {
+            Err(e) if e.is_unavailable() => {
                 for w in group {
                     let _ = w.answer.send(LookedUp::Failed(e.clone()));
                 }
