@@ -952,8 +952,10 @@ impl Drop for GroupWriter {
 /// (it rolled back whole) is run again alone by each of its callers. A
 /// group's statement runs to its answer in a task of its own, never
 /// cancelled (it may insert records); once its most pressed caller has
-/// given up, the queue goes on without it. A record a group took for a
-/// caller that is gone is handed back.
+/// given up, or [`TURN_HELD_MAX`] has passed, the queue goes on without
+/// it, as it does past a lookup sent alone that still runs by then. A
+/// group's inserts wait for locks [`GROUP_LOCK_WAIT`] in all at most. A
+/// record a group took for a caller that is gone is handed back.
 #[derive(Default)]
 struct Lookups {
     queue: std::sync::Mutex<LookupQueue>,
