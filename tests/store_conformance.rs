@@ -3024,3 +3024,49 @@ async fn postgres_a_groups_lock_waits_add_up_to_one_bound() {
     }
     assert_eq!(replayed, Ok(Reservation::Completed(response("done"))));
 }
+
+/// A group's records that exist are read apart from its fresh keys'
+/// inserts: a replay grouped with an insert that is slow for a reason no
+/// lock timeout bounds (here a trigger that sleeps; a stalled disk, a
+/// synchronous standby) is answered within its bound, as it is alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_replay_grouped_with_a_slow_insert_is_answered() {
+    let Some((_url, store)) = pg_lookup_store().await else {
+        return;
+    };
+    let store = store.with_timeout(Duration::from_millis(500));
+    let table = table_of(&store);
+    let schema = table.split('.').next().unwrap();
+    for ddl in [
+        format!(
+            "CREATE FUNCTION {schema}.slow_insert() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF NEW.key LIKE 'slow%' THEN PERFORM pg_sleep(1); END IF; RETURN NEW; END $$"
+        ),
+        format!(
+            "CREATE TRIGGER slow_insert BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.slow_insert()"
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
+    }
+    let (done, slow, fresh) = (lookup_id("done"), lookup_id("slow"), lookup_id("fresh"));
+    let lease = take(&store, &done, "fp", LONG, LONG).await;
+    store
+        .complete(&done, &lease.token, &response("done"))
+        .await
+        .unwrap();
+    let ([first, second], held) = hold_the_lookup_turns(&store).await;
+    let [slow_task, replay, fresh_task]: [_; 3] =
+        queue_reservations(&store, &[(&slow, "fp"), (&done, "fp"), (&fresh, "fp")])
+            .await
+            .try_into()
+            .unwrap();
+    first.resume();
+    assert_eq!(
+        replay.await.unwrap(),
+        Ok(Reservation::Completed(response("done")))
+    );
+    second.resume();
+    for task in held.into_iter().chain([slow_task, fresh_task]) {
+        let _ = task.await.unwrap();
+    }
+}

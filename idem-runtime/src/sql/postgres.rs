@@ -76,6 +76,8 @@ pub struct PgStore {
     /// Looks up every record of a group: `lookup` for each element of
     /// its binds as arrays, one row each, in the arrays' order.
     lookup_group: std::sync::Arc<str>,
+    /// `lookup_group` reading only: each record's row, nothing taken.
+    peek_group: std::sync::Arc<str>,
     /// Completes every record of a group: `complete`'s binds as arrays.
     complete_group: std::sync::Arc<str>,
     /// `complete` on a row no other transaction holds, else nothing: the
@@ -399,7 +401,7 @@ impl PgStore {
         // runs alone, so that no key's wait (a concurrent insert of it, a
         // `CREATE INDEX` holding the table), nor many short ones, holds up
         // the others.
-        let mut lateral = lookup.replacen(
+        let lateral = lookup.replacen(
             "CASE WHEN p.state IS NULL THEN",
             &format!(
                 "CASE WHEN p.state IS NULL AND set_config('lock_timeout', greatest(1, {} - floor(extract(epoch \
@@ -409,15 +411,26 @@ impl PgStore {
             1,
         );
         debug_assert!(lateral.contains("set_config"));
-        for (n, column) in (1..9).zip(LOOKUP_GROUP_COLUMNS).rev() {
-            lateral = lateral.replace(&format!("${n}"), &format!("\"idem-group\".{column}"));
-        }
-        let lookup_group = format!(
-            "SELECT l.*, \"idem-group\".i FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], \
-             $5::text[], $6::text[], $7::int8[], $8::int8[]) WITH ORDINALITY AS \"idem-group\" ({columns}, i) \
-             CROSS JOIN LATERAL ({lateral}) AS l ORDER BY \"idem-group\".i",
-            columns = LOOKUP_GROUP_COLUMNS.join(", "),
+        let group_of = |lateral: &str| {
+            let mut lateral = lateral.to_owned();
+            for (n, column) in (1..9).zip(LOOKUP_GROUP_COLUMNS).rev() {
+                lateral = lateral.replace(&format!("${n}"), &format!("\"idem-group\".{column}"));
+            }
+            format!(
+                "SELECT l.*, \"idem-group\".i FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], \
+                 $5::text[], $6::text[], $7::int8[], $8::int8[]) WITH ORDINALITY AS \"idem-group\" ({columns}, i) \
+                 CROSS JOIN LATERAL ({lateral}) AS l ORDER BY \"idem-group\".i",
+                columns = LOOKUP_GROUP_COLUMNS.join(", "),
+            )
+        };
+        let lookup_group = group_of(&lateral);
+        // The same, reading only: nothing is taken.
+        let taking = format!(
+            "CASE WHEN p.state IS NULL THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END",
+            function = sql.reserve_function,
         );
+        debug_assert!(lookup.contains(&taking));
+        let peek_group = group_of(&lookup.replacen(&taking, "NULL::text[]", 1));
         // The completion of a group of records, one per element of the
         // arrays: `complete`, each record fenced by its own token, with the
         // same clock for all, on the rows no other transaction holds
@@ -450,6 +463,7 @@ impl PgStore {
             sql: std::sync::Arc::new(sql),
             lookup: lookup.into(),
             lookup_group: lookup_group.into(),
+            peek_group: peek_group.into(),
             reserve: reserve.into(),
             complete_group: complete_group.into(),
             complete_free: complete_free.into(),
@@ -978,15 +992,20 @@ struct LookupQueue {
 
 /// A lookup waiting for its group: the binds of `lookup`.
 struct LookupWaiting {
+    binds: LookupBinds,
+    /// When its caller stops waiting.
+    deadline: tokio::time::Instant,
+    answer: tokio::sync::oneshot::Sender<LookedUp>,
+}
+
+/// A lookup's binds.
+struct LookupBinds {
     id: crate::store::RecordId,
     fingerprint: String,
     token: String,
     operation_id: String,
     ttl_ms: i64,
     lock_ms: i64,
-    /// When its caller stops waiting.
-    deadline: tokio::time::Instant,
-    answer: tokio::sync::oneshot::Sender<LookedUp>,
 }
 
 /// What a group tells a lookup that waited for it.
@@ -1034,7 +1053,7 @@ impl GroupReader {
                 for w in waiting {
                     // One lookup of a record a group: the next waits for
                     // the next group, and finds the record this one wrote.
-                    if group.len() < GROUP_MAX && !group.iter().any(|g| g.id == w.id) {
+                    if group.len() < GROUP_MAX && !group.iter().any(|g| g.binds.id == w.binds.id) {
                         group.push(w);
                     } else {
                         queue.waiting.push(w);
@@ -1101,12 +1120,14 @@ impl PgStore {
             if queue.busy >= LOOKUP_TURNS {
                 let (answer, answered) = tokio::sync::oneshot::channel();
                 queue.waiting.push(LookupWaiting {
-                    id: req.id.clone(),
-                    fingerprint: req.fingerprint.to_owned(),
-                    token: req.token.to_owned(),
-                    operation_id: operation_id.to_owned(),
-                    ttl_ms: millis(req.ttl),
-                    lock_ms: millis(req.lock_timeout),
+                    binds: LookupBinds {
+                        id: req.id.clone(),
+                        fingerprint: req.fingerprint.to_owned(),
+                        token: req.token.to_owned(),
+                        operation_id: operation_id.to_owned(),
+                        ttl_ms: millis(req.ttl),
+                        lock_ms: millis(req.lock_timeout),
+                    },
                     deadline: deadline_after(self.timeout),
                     answer,
                 });
@@ -1180,8 +1201,11 @@ impl PgStore {
     /// row. A group of one is sent alone by its caller, as the plain
     /// statement; so is every one of a group whose statement the database
     /// refused (rolled back whole: say, a trigger refused one record, or
-    /// PostgreSQL ended a deadlock with it). A record taken for a caller
-    /// that is gone is handed back.
+    /// PostgreSQL ended a deadlock with it). A statement still running
+    /// after [`TURN_HELD_MAX`] does not hold up the group's records that
+    /// exist: they are read apart, and each that the lookup alone would
+    /// answer from is answered then. A record taken for a caller that is
+    /// answered already or gone is handed back.
     async fn read_group(self, mut group: Vec<LookupWaiting>) {
         if group.len() == 1 {
             for w in group {
@@ -1193,10 +1217,119 @@ impl PgStore {
         // processes) inserting the same fresh keys wait for each other's
         // in one order, never for each other.
         group.sort_by(|a, b| {
-            (&a.id.tenant, &a.id.scope, &a.id.key).cmp(&(&b.id.tenant, &b.id.scope, &b.id.key))
+            let (a, b) = (&a.binds.id, &b.binds.id);
+            (&a.tenant, &a.scope, &a.key).cmp(&(&b.tenant, &b.scope, &b.key))
         });
-        let texts = |f: fn(&LookupWaiting) -> &str| group.iter().map(f).collect::<Vec<&str>>();
-        let read = sqlx::query(sqlx::AssertSqlSafe(&*self.lookup_group))
+        let (binds, answers): (Vec<LookupBinds>, Vec<_>) =
+            group.into_iter().map(|w| (w.binds, w.answer)).unzip();
+        let binds = std::sync::Arc::new(binds);
+        let mut answers: Vec<Option<tokio::sync::oneshot::Sender<LookedUp>>> =
+            answers.into_iter().map(Some).collect();
+        // In a task of its own, so that a slow statement is not waited for
+        // to answer the records that exist.
+        let mut statement = tokio::spawn({
+            let (store, binds) = (self.clone(), binds.clone());
+            async move { store.run_group(&store.lookup_group, &binds).await }
+        });
+        let read = match tokio::time::timeout(TURN_HELD_MAX, &mut statement).await {
+            Ok(read) => read,
+            Err(_) => {
+                // Still running (an insert that waits for what no lock
+                // timeout bounds: a trigger's work, a stalled disk, a
+                // synchronous standby): the records that exist are read
+                // apart, and each that the lookup alone would answer from
+                // (a replay, a conflict, a mismatch) is answered now. One
+                // that the statement takes all the same is handed back below.
+                if let Ok(mut peeked) = self.run_group(&self.peek_group, &binds).await {
+                    for (i, (b, answer)) in (1_i64..).zip(binds.iter().zip(answers.iter_mut())) {
+                        let Some(row) = row_numbered(&mut peeked, i) else {
+                            continue;
+                        };
+                        if matches!(judge_found(&row, &b.fingerprint), Ok(Some(_))) {
+                            if let Some(answer) = answer.take() {
+                                let _ = answer.send(LookedUp::Row(row));
+                            }
+                        }
+                    }
+                }
+                (&mut statement).await
+            }
+        };
+        let read = read.unwrap_or_else(|e| {
+            Err(StoreError::unavailable(format!(
+                "the task running a group's lookups ended: {e}"
+            )))
+        });
+        let mut rows = match read {
+            Ok(rows) => rows,
+            Err(e) => {
+                let unavailable = e.is_unavailable();
+                let mut gone = Vec::new();
+                for (b, answer) in binds.iter().zip(answers) {
+                    match answer {
+                        Some(answer) => {
+                            let _ = answer.send(if unavailable {
+                                LookedUp::Failed(e.clone())
+                            } else {
+                                LookedUp::Alone
+                            });
+                        }
+                        // Answered already; the statement may have taken
+                        // its key (its outcome is not known): handed back,
+                        // fenced by its token, as it was found not known.
+                        None if unavailable => gone.push((b, true)),
+                        None => {}
+                    }
+                }
+                return self.hand_back_all(gone).await;
+            }
+        };
+        let mut gone = Vec::new();
+        for (i, (b, answer)) in (1_i64..).zip(binds.iter().zip(answers)) {
+            let Some(row) = row_numbered(&mut rows, i) else {
+                if let Some(answer) = answer {
+                    let _ = answer.send(LookedUp::Failed(StoreError::backend(
+                        "the group's lookup returned no row for this record",
+                    )));
+                }
+                continue;
+            };
+            // Answered already, or its caller gone: a key taken for it is
+            // given back.
+            let unsent = match answer {
+                Some(answer) => match answer.send(LookedUp::Row(row)) {
+                    Ok(()) => continue,
+                    Err(LookedUp::Row(row)) => row,
+                    Err(_) => continue,
+                },
+                None => row,
+            };
+            let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&unsent, 8).ok().flatten();
+            if let Some(lease) = taken.and_then(|t| lease_from_taken(&t, &b.token)) {
+                gone.push((b, lease.is_takeover()));
+            }
+        }
+        self.hand_back_all(gone).await;
+    }
+
+    /// Hands back each key a group took for a lookup that is answered
+    /// already or gone, fenced by its token.
+    async fn hand_back_all(&self, gone: Vec<(&LookupBinds, bool)>) {
+        for (b, taken_over) in gone {
+            let until = tokio::time::Instant::now() + self.timeout;
+            let _ = crate::store::retry_until(until, || self.hand_back(&b.id, &b.token, taken_over)).await;
+        }
+    }
+
+    /// Runs `statement`, [`Self::peek_group`]'s or [`Self::lookup_group`]'s,
+    /// with the binds of `group`'s lookups as arrays, in their order.
+    async fn run_group(
+        &self,
+        statement: &str,
+        group: &[LookupBinds],
+    ) -> Result<Vec<sqlx::postgres::PgRow>, StoreError> {
+        let texts = |f: fn(&LookupBinds) -> &str| group.iter().map(f).collect::<Vec<&str>>();
+        sqlx::query(sqlx::AssertSqlSafe(statement))
             .bind(texts(|w| w.id.tenant.as_str()))
             .bind(texts(|w| &w.id.scope))
             .bind(texts(|w| &w.id.key))
@@ -1207,44 +1340,7 @@ impl PgStore {
             .bind(group.iter().map(|w| w.lock_ms).collect::<Vec<i64>>())
             .fetch_all(&self.pool)
             .await
-            .map_err(sql::map_err);
-        let mut rows = match read {
-            Ok(rows) => rows,
-            Err(e) if e.is_unavailable() => {
-                for w in group {
-                    let _ = w.answer.send(LookedUp::Failed(e.clone()));
-                }
-                return;
-            }
-            Err(_) => {
-                for w in group {
-                    let _ = w.answer.send(LookedUp::Alone);
-                }
-                return;
-            }
-        };
-        let mut gone = Vec::new();
-        for (i, w) in (1_i64..).zip(group) {
-            let at = rows
-                .iter()
-                .position(|row| sqlx::Row::try_get::<i64, _>(row, LOOKUP_COLUMNS.len()).ok() == Some(i));
-            let Some(row) = at.map(|at| rows.swap_remove(at)) else {
-                let _ = w.answer.send(LookedUp::Failed(StoreError::backend(
-                    "the group's lookup returned no row for this record",
-                )));
-                continue;
-            };
-            if let Err(LookedUp::Row(row)) = w.answer.send(LookedUp::Row(row)) {
-                let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(&row, 8).ok().flatten();
-                if let Some(lease) = taken.and_then(|t| lease_from_taken(&t, &w.token)) {
-                    gone.push((w.id, w.token, lease.is_takeover()));
-                }
-            }
-        }
-        for (id, token, taken_over) in gone {
-            let until = tokio::time::Instant::now() + self.timeout;
-            let _ = crate::store::retry_until(until, || self.hand_back(&id, &token, taken_over)).await;
-        }
+            .map_err(sql::map_err)
     }
 
     /// How many reservations wait for the lookup being run (for tests).
@@ -1252,6 +1348,15 @@ impl PgStore {
     pub fn waiting_lookups(&self) -> usize {
         self.lookups.lock().waiting.len()
     }
+}
+
+/// The row of a group's statement numbered `i` (by its element of the
+/// arrays), taken out of `rows`.
+fn row_numbered(rows: &mut Vec<sqlx::postgres::PgRow>, i: i64) -> Option<sqlx::postgres::PgRow> {
+    let at = rows
+        .iter()
+        .position(|row| sqlx::Row::try_get::<i64, _>(row, LOOKUP_COLUMNS.len()).ok() == Some(i))?;
+    Some(rows.swap_remove(at))
 }
 
 impl IdempotencyStore for PgStore {
