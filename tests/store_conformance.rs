@@ -3035,19 +3035,7 @@ async fn postgres_a_replay_grouped_with_a_slow_insert_is_answered() {
         return;
     };
     let store = store.with_timeout(Duration::from_millis(500));
-    let table = table_of(&store);
-    let schema = table.split('.').next().unwrap();
-    for ddl in [
-        format!(
-            "CREATE FUNCTION {schema}.slow_insert() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN IF NEW.key LIKE 'slow%' THEN PERFORM pg_sleep(1); END IF; RETURN NEW; END $$"
-        ),
-        format!(
-            "CREATE TRIGGER slow_insert BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.slow_insert()"
-        ),
-    ] {
-        sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
-    }
+    slow_inserts(&store, 1.0).await;
     let (done, slow, fresh) = (lookup_id("done"), lookup_id("slow"), lookup_id("fresh"));
     let lease = take(&store, &done, "fp", LONG, LONG).await;
     store
@@ -3068,5 +3056,147 @@ async fn postgres_a_replay_grouped_with_a_slow_insert_is_answered() {
     second.resume();
     for task in held.into_iter().chain([slow_task, fresh_task]) {
         let _ = task.await.unwrap();
+    }
+}
+
+/// A trigger on `store`'s table that sleeps `seconds` before inserting a
+/// key that starts with `slow`: an insert slowed by what no lock timeout
+/// bounds (a stalled disk, a synchronous standby).
+async fn slow_inserts(store: &idem::PgStore, seconds: f64) {
+    let table = table_of(store);
+    let schema = table.split('.').next().unwrap();
+    for ddl in [
+        format!(
+            "CREATE FUNCTION {schema}.slow_insert() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF NEW.key LIKE 'slow%' THEN PERFORM pg_sleep({seconds}); END IF; RETURN NEW; END $$"
+        ),
+        format!(
+            "CREATE TRIGGER slow_insert BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.slow_insert()"
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
+    }
+}
+
+/// Until a statement on `store`'s table whose text is like `query_like`
+/// waits for `wait_event` (a condition, not an ordering).
+async fn until_waiting_on(pool: &sqlx::PgPool, store: &idem::PgStore, wait_event: &str, query_like: &str) {
+    let table = table_of(store);
+    let schema = table.split('.').next().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event = $1 AND query LIKE $2 \
+             AND query LIKE '%' || $3 || '%'",
+        )
+        .bind(wait_event)
+        .bind(query_like)
+        .bind(schema)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if n > 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never saw {wait_event} on {query_like}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A group's slow statement that commits its fresh keys before the read
+/// apart takes its snapshot (the pool busy: the read waits for a
+/// connection, and gets the statement's once it is done) is not read back
+/// as conflicts of themselves: each fresh key is taken, as alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_slow_groups_own_inserts_are_not_read_back_as_conflicts() {
+    let Some((_url, store)) = pg_lookup_store().await else {
+        return;
+    };
+    slow_inserts(&store, 0.3).await;
+    let (slow, fresh) = (lookup_id("slow"), lookup_id("fresh"));
+    let ([first, second], held) = hold_the_lookup_turns(&store).await;
+    let queued = queue_reservations(&store, &[(&slow, "fp"), (&fresh, "fp")]).await;
+    // All but one of the pool's 8 connections in use elsewhere.
+    let mut busy = Vec::new();
+    for _ in 0..7 {
+        busy.push(store.pool().acquire().await.unwrap());
+    }
+    first.resume();
+    let mut answers = Vec::new();
+    for task in queued {
+        answers.push(task.await.unwrap());
+    }
+    drop(busy);
+    second.resume();
+    for task in held {
+        let _ = task.await.unwrap();
+    }
+    for answer in &answers {
+        assert!(matches!(answer, Ok(Reservation::Reserved(_))), "{answer:?}");
+    }
+}
+
+/// The read apart does not hold up the slow statement's own answers: a
+/// read queued behind a migration's lock, which itself queued behind the
+/// slow insert, is not waited for once the statement has answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_slow_groups_answers_are_not_held_up_by_the_read_apart() {
+    let Some((url, store)) = pg_lookup_store().await else {
+        return;
+    };
+    let store = store.with_timeout(Duration::from_secs(1));
+    slow_inserts(&store, 0.3).await;
+    let (slow, fresh) = (lookup_id("slow"), lookup_id("fresh"));
+    let ([first, second], held) = hold_the_lookup_turns(&store).await;
+    let queued = queue_reservations(&store, &[(&slow, "fp"), (&fresh, "fp")]).await;
+    // The read waits for a connection until the migration's lock has queued.
+    let mut busy = Vec::new();
+    for _ in 0..7 {
+        busy.push(store.pool().acquire().await.unwrap());
+    }
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    first.resume();
+    until_waiting_on(&watcher, &store, "PgSleep", "%idem-group%").await;
+    let (granted, is_granted) = tokio::sync::oneshot::channel::<()>();
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let migration = {
+        let (url, table) = (url.clone(), table_of(&store));
+        tokio::spawn(async move {
+            let pool = sqlx::PgPool::connect(&url).await.unwrap();
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
+            )))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            let _ = granted.send(());
+            let _ = released.await;
+            tx.rollback().await.unwrap();
+        })
+    };
+    until_waiting_on(&watcher, &store, "relation", "LOCK TABLE%").await;
+    drop(busy.pop());
+    // The statement has committed once the migration holds the table.
+    tokio::time::timeout(Duration::from_secs(10), is_granted)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut answers = Vec::new();
+    for task in queued {
+        answers.push(task.await.unwrap());
+    }
+    let _ = release.send(());
+    migration.await.unwrap();
+    drop(busy);
+    second.resume();
+    for task in held {
+        let _ = task.await.unwrap();
+    }
+    for answer in &answers {
+        assert!(matches!(answer, Ok(Reservation::Reserved(_))), "{answer:?}");
     }
 }

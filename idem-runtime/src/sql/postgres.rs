@@ -1238,21 +1238,40 @@ impl PgStore {
                 // timeout bounds: a trigger's work, a stalled disk, a
                 // synchronous standby): the records that exist are read
                 // apart, and each that the lookup alone would answer from
-                // (a replay, a conflict, a mismatch) is answered now. One
+                // (a replay, a conflict, a mismatch) is answered then;
+                // whichever answers first, the read or the statement. One
                 // that the statement takes all the same is handed back below.
-                if let Ok(mut peeked) = self.run_group(&self.peek_group, &binds).await {
-                    for (i, (b, answer)) in (1_i64..).zip(binds.iter().zip(answers.iter_mut())) {
-                        let Some(row) = row_numbered(&mut peeked, i) else {
-                            continue;
-                        };
-                        if matches!(judge_found(&row, &b.fingerprint), Ok(Some(_))) {
-                            if let Some(answer) = answer.take() {
-                                let _ = answer.send(LookedUp::Row(row));
+                let mut peek = std::pin::pin!(self.run_group(&self.peek_group, &binds));
+                let peeked = tokio::select! {
+                    biased;
+                    read = &mut statement => Err(read),
+                    peeked = &mut peek => Ok(peeked),
+                };
+                match peeked {
+                    Err(read) => read,
+                    Ok(peeked) => {
+                        if let (Ok(mut peeked), false) = (peeked, statement.is_finished()) {
+                            for (i, (b, answer)) in (1_i64..).zip(binds.iter().zip(answers.iter_mut())) {
+                                let Some(row) = row_numbered(&mut peeked, i) else {
+                                    continue;
+                                };
+                                // A record under this lookup's own token is
+                                // the one the statement took for it: its
+                                // answer is the statement's.
+                                let token: Option<String> = sqlx::Row::try_get(&row, 9).ok().flatten();
+                                if token.as_deref() == Some(b.token.as_str()) {
+                                    continue;
+                                }
+                                if matches!(judge_found(&row, &b.fingerprint), Ok(Some(_))) {
+                                    if let Some(answer) = answer.take() {
+                                        let _ = answer.send(LookedUp::Row(row));
+                                    }
+                                }
                             }
                         }
+                        (&mut statement).await
                     }
                 }
-                (&mut statement).await
             }
         };
         let read = read.unwrap_or_else(|e| {
