@@ -1811,15 +1811,22 @@ async fn hold_row(
 /// Until `n` statements on `store`'s table wait on a row lock (a
 /// condition, not an ordering).
 async fn until_lock_waits(pool: &sqlx::PgPool, store: &idem::PgStore, n: i64) {
+    until_statements_wait(pool, store, "UPDATE%", n).await;
+}
+
+/// Until `n` statements on `store`'s table whose text is like `like` wait
+/// for a lock (a condition, not an ordering).
+async fn until_statements_wait(pool: &sqlx::PgPool, store: &idem::PgStore, like: &str, n: i64) {
     let table = table_of(store);
     let schema = table.split('.').next().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-             AND query LIKE 'UPDATE%' AND query LIKE '%' || $1 || '%'",
+             AND query LIKE $2 AND query LIKE '%' || $1 || '%'",
         )
         .bind(schema)
+        .bind(like)
         .fetch_one(pool)
         .await
         .unwrap();
@@ -2505,6 +2512,18 @@ async fn pg_lookup_store() -> Option<(String, idem::PgStore)> {
     Some((url, store.with_replay_cache(Duration::ZERO)))
 }
 
+/// [`pg_lookup_store`] whose operations are bounded by half a second.
+async fn pg_lookup_store_bounded() -> Option<(String, idem::PgStore)> {
+    let (url, store) = pg_lookup_store().await?;
+    Some((url, store.with_timeout(Duration::from_millis(500))))
+}
+
+/// Takes `id` and completes it with `response("done")`.
+async fn complete_as_done(store: &idem::PgStore, id: &RecordId) {
+    let lease = take(store, id, "fp", LONG, LONG).await;
+    store.complete(id, &lease.token, &response("done")).await.unwrap();
+}
+
 /// A fresh id of the scope these tests use.
 fn lookup_id(k: &str) -> RecordId {
     RecordId::new("t", "lookups", idem_testkit::unique(k))
@@ -2718,16 +2737,11 @@ async fn postgres_a_group_the_database_refuses_is_looked_up_alone_by_each() {
 /// are handed back: a retry takes them at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_group_that_waits_holds_up_no_one_past_the_bound_and_gives_back_what_it_took() {
-    let Some((url, store)) = pg_lookup_store().await else {
+    let Some((url, store)) = pg_lookup_store_bounded().await else {
         return;
     };
-    let store = store.with_timeout(Duration::from_millis(500));
     let (x, y, done) = (lookup_id("x"), lookup_id("y"), lookup_id("done"));
-    let lease = take(&store, &done, "fp", LONG, LONG).await;
-    store
-        .complete(&done, &lease.token, &response("done"))
-        .await
-        .unwrap();
+    complete_as_done(&store, &done).await;
     let ([first, second], held) = hold_the_lookup_turns(&store).await;
     let holders = sqlx::PgPool::connect(&url).await.unwrap();
     let mut holder = holders.begin().await.unwrap();
@@ -2807,27 +2821,7 @@ async fn postgres_a_group_that_waits_holds_up_no_one_past_the_bound_and_gives_ba
 /// Until `n` lookups (statements starting `SELECT`) on `store`'s table
 /// wait for a lock (a condition, not an ordering).
 async fn until_lookups_wait(pool: &sqlx::PgPool, store: &idem::PgStore, n: i64) {
-    let table = table_of(store);
-    let schema = table.split('.').next().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-             AND query LIKE 'SELECT%' AND query LIKE '%' || $1 || '%'",
-        )
-        .bind(schema)
-        .fetch_one(pool)
-        .await
-        .unwrap();
-        if waiting >= n {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{n} lookups never waited (saw {waiting})"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_statements_wait(pool, store, "SELECT%", n).await;
 }
 
 /// A transaction on `pool` holding `store`'s table in SHARE mode (what a
@@ -2852,16 +2846,11 @@ async fn hold_the_table(
 /// coming right after, is answered within its bound, not refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_lookups_that_wait_for_a_lock_do_not_hold_up_a_replay() {
-    let Some((url, store)) = pg_lookup_store().await else {
+    let Some((url, store)) = pg_lookup_store_bounded().await else {
         return;
     };
-    let store = store.with_timeout(Duration::from_millis(500));
     let (done, f1, f2) = (lookup_id("done"), lookup_id("f1"), lookup_id("f2"));
-    let lease = take(&store, &done, "fp", LONG, LONG).await;
-    store
-        .complete(&done, &lease.token, &response("done"))
-        .await
-        .unwrap();
+    complete_as_done(&store, &done).await;
     let holders = sqlx::PgPool::connect(&url).await.unwrap();
     let holder = hold_the_table(&holders, &store).await;
     let _f1 = reserve_in_task(&store, &f1, "fp");
@@ -2877,10 +2866,9 @@ async fn postgres_lookups_that_wait_for_a_lock_do_not_hold_up_a_replay() {
 /// `TURN_HELD_MAX`: an unrelated fresh key is taken meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_lookups_that_wait_for_a_row_do_not_hold_up_other_keys() {
-    let Some((url, store)) = pg_lookup_store().await else {
+    let Some((url, store)) = pg_lookup_store_bounded().await else {
         return;
     };
-    let store = store.with_timeout(Duration::from_millis(500));
     let (k1, k2, other) = (lookup_id("k1"), lookup_id("k2"), lookup_id("other"));
     let holders = sqlx::PgPool::connect(&url).await.unwrap();
     let holder = insert_uncommitted(&holders, &store, &[&k1, &k2]).await;
@@ -2898,16 +2886,11 @@ async fn postgres_lookups_that_wait_for_a_row_do_not_hold_up_other_keys() {
 /// replay is answered within its bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_replay_grouped_with_an_insert_that_waits_is_answered() {
-    let Some((url, store)) = pg_lookup_store().await else {
+    let Some((url, store)) = pg_lookup_store_bounded().await else {
         return;
     };
-    let store = store.with_timeout(Duration::from_millis(500));
     let (done, fresh) = (lookup_id("done"), lookup_id("fresh"));
-    let lease = take(&store, &done, "fp", LONG, LONG).await;
-    store
-        .complete(&done, &lease.token, &response("done"))
-        .await
-        .unwrap();
+    complete_as_done(&store, &done).await;
     let ([first, second], held) = hold_the_lookup_turns(&store).await;
     let holders = sqlx::PgPool::connect(&url).await.unwrap();
     let holder = hold_the_table(&holders, &store).await;
@@ -2957,16 +2940,11 @@ async fn insert_uncommitted(
 /// refused once its waits add up to it, and each lookup runs alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_groups_lock_waits_add_up_to_one_bound() {
-    let Some((url, store)) = pg_lookup_store().await else {
+    let Some((url, store)) = pg_lookup_store_bounded().await else {
         return;
     };
-    let store = store.with_timeout(Duration::from_millis(500));
     let done = lookup_id("done");
-    let lease = take(&store, &done, "fp", LONG, LONG).await;
-    store
-        .complete(&done, &lease.token, &response("done"))
-        .await
-        .unwrap();
+    complete_as_done(&store, &done).await;
     let fresh: Vec<RecordId> = (0..10).map(|i| lookup_id(&format!("f{i}"))).collect();
     let holders = sqlx::postgres::PgPoolOptions::new()
         .max_connections(12)
@@ -3031,17 +3009,12 @@ async fn postgres_a_groups_lock_waits_add_up_to_one_bound() {
 /// synchronous standby) is answered within its bound, as it is alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_replay_grouped_with_a_slow_insert_is_answered() {
-    let Some((_url, store)) = pg_lookup_store().await else {
+    let Some((_url, store)) = pg_lookup_store_bounded().await else {
         return;
     };
-    let store = store.with_timeout(Duration::from_millis(500));
     slow_inserts(&store, 1.0).await;
     let (done, slow, fresh) = (lookup_id("done"), lookup_id("slow"), lookup_id("fresh"));
-    let lease = take(&store, &done, "fp", LONG, LONG).await;
-    store
-        .complete(&done, &lease.token, &response("done"))
-        .await
-        .unwrap();
+    complete_as_done(&store, &done).await;
     let ([first, second], held) = hold_the_lookup_turns(&store).await;
     let [slow_task, replay, fresh_task]: [_; 3] =
         queue_reservations(&store, &[(&slow, "fp"), (&done, "fp"), (&fresh, "fp")])
