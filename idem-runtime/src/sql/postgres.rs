@@ -380,39 +380,31 @@ impl PgStore {
         // record to answer from is judged in Rust by plain comparisons of
         // those times ([`judge_found`]); any other (to be taken, or edited
         // by hand) goes to `reserve`, which judges it in SQL.
-        let lookup = format!(
-            "SELECT p.fingerprint, p.state, p.response_status, p.response_headers, p.response_body, \
-             p.lock_expires_at, p.expires_at, now() AS now, CASE WHEN p.state IS NULL \
-             THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END AS taken, p.lock_token \
-             FROM (VALUES (1)) AS one (x) LEFT JOIN ({stored}) AS p ON TRUE",
-            stored = sql.stored,
-            function = sql.reserve_function,
-        );
+        //
+        // `taken` is what the lookup takes where there is no record: the
+        // reservation function (`when` guards the call), or nothing.
+        let lookup_taking = |taken: &str| {
+            format!(
+                "SELECT p.fingerprint, p.state, p.response_status, p.response_headers, p.response_body, \
+                 p.lock_expires_at, p.expires_at, now() AS now, {taken} AS taken, p.lock_token \
+                 FROM (VALUES (1)) AS one (x) LEFT JOIN ({stored}) AS p ON TRUE",
+                stored = sql.stored,
+            )
+        };
+        let take_when = |when: &str| {
+            format!(
+                "CASE WHEN p.state IS NULL{when} THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END",
+                function = sql.reserve_function,
+            )
+        };
+        let lookup = lookup_taking(&take_when(""));
         // The lookup of a group of records, one per element of the arrays,
         // in the arrays' order (the order of the nested loop that the
         // lateral join is, so that every group takes its fresh keys in the
         // same order), each row numbered by its element. The alias cannot
         // be a table's name, which is a checked identifier.
-        // A group's inserts wait for locks no longer than `GROUP_LOCK_WAIT`
-        // in all, counted from the statement's start: before each call of
-        // the function, the lock timeout of the statement's own transaction
-        // is set to what is left of it (at least 1 ms: 0 would mean no
-        // bound). Past it the group is refused, and each of its lookups
-        // runs alone, so that no key's wait (a concurrent insert of it, a
-        // `CREATE INDEX` holding the table), nor many short ones, holds up
-        // the others.
-        let lateral = lookup.replacen(
-            "CASE WHEN p.state IS NULL THEN",
-            &format!(
-                "CASE WHEN p.state IS NULL AND set_config('lock_timeout', greatest(1, {} - floor(extract(epoch \
-                 FROM clock_timestamp() - statement_timestamp()) * 1000))::bigint || 'ms', true) IS NOT NULL THEN",
-                GROUP_LOCK_WAIT.as_millis()
-            ),
-            1,
-        );
-        debug_assert!(lateral.contains("set_config"));
-        let group_of = |lateral: &str| {
-            let mut lateral = lateral.to_owned();
+        let group_of = |lookup: &str| {
+            let mut lateral = lookup.to_owned();
             for (n, column) in (1..9).zip(LOOKUP_GROUP_COLUMNS).rev() {
                 lateral = lateral.replace(&format!("${n}"), &format!("\"idem-group\".{column}"));
             }
@@ -423,14 +415,21 @@ impl PgStore {
                 columns = LOOKUP_GROUP_COLUMNS.join(", "),
             )
         };
-        let lookup_group = group_of(&lateral);
+        // A group's inserts wait for locks no longer than `GROUP_LOCK_WAIT`
+        // in all, counted from the statement's start: before each call of
+        // the function, the lock timeout of the statement's own transaction
+        // is set to what is left of it (at least 1 ms: 0 would mean no
+        // bound). Past it the group is refused, and each of its lookups
+        // runs alone, so that no key's wait (a concurrent insert of it, a
+        // `CREATE INDEX` holding the table), nor many short ones, holds up
+        // the others.
+        let lookup_group = group_of(&lookup_taking(&take_when(&format!(
+            " AND set_config('lock_timeout', greatest(1, {} - floor(extract(epoch \
+             FROM clock_timestamp() - statement_timestamp()) * 1000))::bigint || 'ms', true) IS NOT NULL",
+            GROUP_LOCK_WAIT.as_millis()
+        ))));
         // The same, reading only: nothing is taken.
-        let taking = format!(
-            "CASE WHEN p.state IS NULL THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END",
-            function = sql.reserve_function,
-        );
-        debug_assert!(lookup.contains(&taking));
-        let peek_group = group_of(&lookup.replacen(&taking, "NULL::text[]", 1));
+        let peek_group = group_of(&lookup_taking("NULL::text[]"));
         // The completion of a group of records, one per element of the
         // arrays: `complete`, each record fenced by its own token, with the
         // same clock for all, on the rows no other transaction holds
