@@ -247,6 +247,8 @@ struct Setup {
     addr: SocketAddr,
     gate: routes::Gate,
     pg: Option<(sqlx::PgPool, String)>,
+    /// The database's round trip and one-row commit, measured before the cells.
+    pg_latency: Option<PgLatency>,
     _dir: tempfile::TempDir,
 }
 
@@ -260,6 +262,7 @@ async fn setup(a: &Args) -> Setup {
         .ok()
         .filter(|u| u.starts_with("postgres"));
     let mut pg = None;
+    let mut pg_latency = None;
     let postgres = match url {
         Some(url) => {
             let pool = sqlx::postgres::PgPoolOptions::new()
@@ -273,6 +276,7 @@ async fn setup(a: &Args) -> Setup {
                 prefill(&pool, &schema, a.prefill).await;
             }
             let hand = routes::Hand::new(pool.clone(), &schema);
+            pg_latency = Some(pg_latency_of(&pool, &schema).await);
             pg = Some((pool, schema));
             Some((store, hand))
         }
@@ -296,7 +300,57 @@ async fn setup(a: &Args) -> Setup {
         addr,
         gate,
         pg,
+        pg_latency,
         _dir: dir,
+    }
+}
+
+/// What one statement costs on this machine's database before any of its
+/// work: a round trip (`SELECT 1`) and a one-row commit (an `INSERT` on its
+/// own, so one flush of the write-ahead log), in microseconds.
+#[derive(Clone, Copy, Debug)]
+struct PgLatency {
+    round_trip: (f64, f64),
+    commit: (f64, f64),
+}
+
+/// Times `COMMIT_PROBES` of each, one at a time on one connection: their
+/// medians and 90th percentiles. The grouped statements save commits and
+/// round trips, so how much they gain depends on these: a machine whose
+/// disk flushes in tens of microseconds gains little from them.
+async fn pg_latency_of(pool: &sqlx::PgPool, schema: &str) -> PgLatency {
+    const COMMIT_PROBES: usize = 300;
+    let mut conn = pool.acquire().await.expect("a connection");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {schema}.commit_probe (n INTEGER NOT NULL)"
+    )))
+    .execute(&mut *conn)
+    .await
+    .expect("the commit probe's table");
+    let insert = format!("INSERT INTO {schema}.commit_probe (n) VALUES ($1)");
+    let (mut round_trips, mut commits) = (Vec::new(), Vec::new());
+    for i in 0..COMMIT_PROBES {
+        let started = std::time::Instant::now();
+        sqlx::query("SELECT 1")
+            .execute(&mut *conn)
+            .await
+            .expect("SELECT 1");
+        round_trips.push(started.elapsed().as_secs_f64() * 1e6);
+        let started = std::time::Instant::now();
+        sqlx::query(sqlx::AssertSqlSafe(insert.as_str()))
+            .bind(i as i32)
+            .execute(&mut *conn)
+            .await
+            .expect("a one-row commit");
+        commits.push(started.elapsed().as_secs_f64() * 1e6);
+    }
+    let spread = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[v.len() * 9 / 10])
+    };
+    PgLatency {
+        round_trip: spread(round_trips),
+        commit: spread(commits),
     }
 }
 
@@ -574,6 +628,12 @@ fn main() {
         if a.spin { ", the client spinning" } else { "" },
         a.pool
     );
+    if let Some(l) = s.pg_latency {
+        println!(
+            "# PostgreSQL: a round trip (SELECT 1) {:.0} us, a one-row commit {:.0} us (medians; p90 {:.0} and {:.0} us)",
+            l.round_trip.0, l.commit.0, l.round_trip.1, l.commit.1
+        );
+    }
     let held = client_rt.block_on(prepare(s.addr, &run, &variants, &s.gate));
     // Warm-up: each variant once, unmeasured.
     for v in &variants {
