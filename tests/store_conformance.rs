@@ -1928,8 +1928,16 @@ async fn queue_the_second_and_third(
 /// Each record's state and the clock its completion was written at
 /// (`created_at`, which the completion sets to its statement's time).
 async fn written_at(store: &idem::PgStore, id: &RecordId) -> (String, String) {
+    column_and_clock(store, id, "state").await
+}
+
+/// A record's `column` and its `created_at`, as text.
+async fn column_and_clock<T>(store: &idem::PgStore, id: &RecordId, column: &str) -> (T, String)
+where
+    T: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send + Unpin,
+{
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT state, created_at::text FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
+        "SELECT {column}, created_at::text FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
         table_of(store)
     )))
     .bind(&id.tenant)
@@ -2559,6 +2567,27 @@ async fn hold_the_lookup_turns(
     (pauses, tasks)
 }
 
+/// Lets the second of [`hold_the_lookup_turns`]'s lookups go on, and waits
+/// for both (the first was let go before).
+async fn let_the_turns_go(
+    second: idem_runtime::pause::Pause,
+    held: [tokio::task::JoinHandle<Result<Reservation, StoreError>>; 2],
+) {
+    second.resume();
+    for task in held {
+        let _ = task.await.unwrap();
+    }
+}
+
+/// Every connection of `store`'s pool but one, held until dropped.
+async fn all_connections_but_one(store: &idem::PgStore) -> Vec<sqlx::pool::PoolConnection<sqlx::Postgres>> {
+    let mut busy = Vec::new();
+    for _ in 1..store.pool().options().get_max_connections() {
+        busy.push(store.pool().acquire().await.unwrap());
+    }
+    busy
+}
+
 /// Spawns the reservation of `id` with `fingerprint` (and a fresh token).
 fn reserve_in_task(
     store: &idem::PgStore,
@@ -2594,16 +2623,7 @@ async fn queue_reservations(
 
 /// A record's lock token and the clock its reservation was written at.
 async fn taken_at(store: &idem::PgStore, id: &RecordId) -> (Option<String>, String) {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT lock_token, created_at::text FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
-        table_of(store)
-    )))
-    .bind(&id.tenant)
-    .bind(&id.scope)
-    .bind(&id.key)
-    .fetch_one(store.pool())
-    .await
-    .unwrap()
+    column_and_clock(store, id, "lock_token").await
 }
 
 /// Reservations that arrive while the store's turns to look up are held
@@ -2901,10 +2921,7 @@ async fn postgres_a_replay_grouped_with_an_insert_that_waits_is_answered() {
     first.resume();
     let replay = replay.await.unwrap();
     holder.rollback().await.unwrap();
-    second.resume();
-    for task in held {
-        let _ = task.await.unwrap();
-    }
+    let_the_turns_go(second, held).await;
     assert_eq!(replay, Ok(Reservation::Completed(response("done"))));
 }
 
@@ -2996,10 +3013,7 @@ async fn postgres_a_groups_lock_waits_add_up_to_one_bound() {
         }
     }
     let replayed = replay.await.unwrap();
-    second.resume();
-    for task in turns {
-        let _ = task.await.unwrap();
-    }
+    let_the_turns_go(second, turns).await;
     assert_eq!(replayed, Ok(Reservation::Completed(response("done"))));
 }
 
@@ -3092,21 +3106,15 @@ async fn postgres_a_slow_groups_own_inserts_are_not_read_back_as_conflicts() {
     let (slow, fresh) = (lookup_id("slow"), lookup_id("fresh"));
     let ([first, second], held) = hold_the_lookup_turns(&store).await;
     let queued = queue_reservations(&store, &[(&slow, "fp"), (&fresh, "fp")]).await;
-    // All but one of the pool's 8 connections in use elsewhere.
-    let mut busy = Vec::new();
-    for _ in 0..7 {
-        busy.push(store.pool().acquire().await.unwrap());
-    }
+    // All but one of the pool's connections in use elsewhere.
+    let busy = all_connections_but_one(&store).await;
     first.resume();
     let mut answers = Vec::new();
     for task in queued {
         answers.push(task.await.unwrap());
     }
     drop(busy);
-    second.resume();
-    for task in held {
-        let _ = task.await.unwrap();
-    }
+    let_the_turns_go(second, held).await;
     for answer in &answers {
         assert!(matches!(answer, Ok(Reservation::Reserved(_))), "{answer:?}");
     }
@@ -3126,10 +3134,7 @@ async fn postgres_a_slow_groups_answers_are_not_held_up_by_the_read_apart() {
     let ([first, second], held) = hold_the_lookup_turns(&store).await;
     let queued = queue_reservations(&store, &[(&slow, "fp"), (&fresh, "fp")]).await;
     // The read waits for a connection until the migration's lock has queued.
-    let mut busy = Vec::new();
-    for _ in 0..7 {
-        busy.push(store.pool().acquire().await.unwrap());
-    }
+    let mut busy = all_connections_but_one(&store).await;
     let watcher = sqlx::PgPool::connect(&url).await.unwrap();
     first.resume();
     until_waiting_on(&watcher, &store, "PgSleep", "%idem-group%").await;
@@ -3165,10 +3170,7 @@ async fn postgres_a_slow_groups_answers_are_not_held_up_by_the_read_apart() {
     let _ = release.send(());
     migration.await.unwrap();
     drop(busy);
-    second.resume();
-    for task in held {
-        let _ = task.await.unwrap();
-    }
+    let_the_turns_go(second, held).await;
     for answer in &answers {
         assert!(matches!(answer, Ok(Reservation::Reserved(_))), "{answer:?}");
     }
