@@ -1249,24 +1249,8 @@ impl PgStore {
                 match peeked {
                     Err(read) => read,
                     Ok(peeked) => {
-                        if let (Ok(mut peeked), false) = (peeked, statement.is_finished()) {
-                            for (i, (b, answer)) in (1_i64..).zip(binds.iter().zip(answers.iter_mut())) {
-                                let Some(row) = row_numbered(&mut peeked, i) else {
-                                    continue;
-                                };
-                                // A record under this lookup's own token is
-                                // the one the statement took for it: its
-                                // answer is the statement's.
-                                let token: Option<String> = sqlx::Row::try_get(&row, 9).ok().flatten();
-                                if token.as_deref() == Some(b.token.as_str()) {
-                                    continue;
-                                }
-                                if matches!(judge_found(&row, &b.fingerprint), Ok(Some(_))) {
-                                    if let Some(answer) = answer.take() {
-                                        let _ = answer.send(LookedUp::Row(row));
-                                    }
-                                }
-                            }
+                        if let (Ok(peeked), false) = (peeked, statement.is_finished()) {
+                            answer_read_apart(&binds, &mut answers, peeked);
                         }
                         (&mut statement).await
                     }
@@ -1365,6 +1349,32 @@ impl PgStore {
     #[doc(hidden)]
     pub fn waiting_lookups(&self) -> usize {
         self.lookups.lock().waiting.len()
+    }
+}
+
+/// Answers each lookup of a group, still unanswered, whose record the read
+/// apart (`peeked`, [`PgStore::peek_group`]'s rows) shows it would answer
+/// from alone: a replay, a conflict, a mismatch. A record under the lookup's
+/// own token is the one the group's statement took for it: its answer is
+/// the statement's.
+fn answer_read_apart(
+    binds: &[LookupBinds],
+    answers: &mut [Option<tokio::sync::oneshot::Sender<LookedUp>>],
+    mut peeked: Vec<sqlx::postgres::PgRow>,
+) {
+    for (i, (b, answer)) in (1_i64..).zip(binds.iter().zip(answers.iter_mut())) {
+        let Some(row) = row_numbered(&mut peeked, i) else {
+            continue;
+        };
+        let token: Option<String> = sqlx::Row::try_get(&row, 9).ok().flatten();
+        if token.as_deref() == Some(b.token.as_str()) {
+            continue;
+        }
+        if matches!(judge_found(&row, &b.fingerprint), Ok(Some(_))) {
+            if let Some(answer) = answer.take() {
+                let _ = answer.send(LookedUp::Row(row));
+            }
+        }
     }
 }
 
