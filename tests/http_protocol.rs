@@ -90,7 +90,18 @@ impl Classify for PaymentError {
     }
 }
 
-type Created = (StatusCode, HeaderMap, Json<serde_json::Value>);
+type Created = (StatusCode, HeaderMap, JsonText);
+
+/// A JSON answer whose bytes are exactly the handler's: odd spacing, keys
+/// out of order, `4.50`, escapes. Parsing and writing it again would give
+/// other bytes, so a replay that is not the stored bytes shows.
+struct JsonText(String);
+
+impl IntoResponse for JsonText {
+    fn into_response(self) -> Response {
+        ([(header::CONTENT_TYPE, "application/json")], self.0).into_response()
+    }
+}
 
 async fn pay(app: &App, p: PaymentIn, attempt: u32) -> Result<Created, PaymentError> {
     let n = {
@@ -122,12 +133,14 @@ async fn pay(app: &App, p: PaymentIn, attempt: u32) -> Result<Created, PaymentEr
     headers.insert("x-not-stored", HeaderValue::from_static("1"));
     headers.insert(header::ETAG, HeaderValue::from_str(&format!("\"v{n}\"")).unwrap());
     let body = if p.recipient == "big" {
-        serde_json::json!({"blob": "x".repeat(4096)})
+        format!(r#"{{"blob":"{}"}}"#, "x".repeat(4096))
     } else {
-        // Odd spacing and key order: the replay must return these bytes.
-        serde_json::json!({"id": format!("pay_{n}"), "amount": p.amount, "attempt": attempt, "status": "succeeded"})
+        format!(
+            "{{ \"status\" :\"succeeded\",\"id\":  \"pay_{n}\",\n  \"amount\": {}, \"attempt\":{attempt}, \"fee\": 4.50, \"note\":\"caf\\u00e9\" }}",
+            p.amount
+        )
     };
-    Ok((StatusCode::CREATED, headers, Json(body)))
+    Ok((StatusCode::CREATED, headers, JsonText(body)))
 }
 
 #[idempotent(scope = "payment.create", fields(amount, currency, recipient))]
@@ -163,6 +176,45 @@ async fn create_slow(State(app): State<App>, Json(p): Json<PaymentIn>) -> Result
     // Until the test lets it go (or 20 s have passed, for a second
     // execution that took it over), far longer than its lock timeout:
     // only the lease keeps it owned.
+    app.slow_started.notify_one();
+    let _ = tokio::time::timeout(Duration::from_secs(20), app.slow_release.notified()).await;
+    pay(&app, p, 1).await
+}
+
+/// Refuses with 401 a request that carries `x-deny`: an extractor that
+/// fails before the key is reserved.
+struct Allowed;
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Allowed {
+    type Rejection = (StatusCode, &'static str);
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        if parts.headers.contains_key("x-deny") {
+            return Err((StatusCode::UNAUTHORIZED, "denied"));
+        }
+        Ok(Allowed)
+    }
+}
+
+#[idempotent(scope = "payment.guarded", fields(amount))]
+async fn create_guarded(
+    State(app): State<App>,
+    _: Allowed,
+    op: Operation,
+    Json(p): Json<PaymentIn>,
+) -> Result<Created, PaymentError> {
+    pay(&app, p, op.attempt()).await
+}
+
+/// Held until the test lets it go, like `create_slow`; a retry waits 300 ms.
+#[idempotent(scope = "payment.wait_briefly", fields(amount), wait = "300ms")]
+async fn create_waiting_briefly(
+    State(app): State<App>,
+    Json(p): Json<PaymentIn>,
+) -> Result<Created, PaymentError> {
     app.slow_started.notify_one();
     let _ = tokio::time::timeout(Duration::from_secs(20), app.slow_release.notified()).await;
     pay(&app, p, 1).await
@@ -221,6 +273,8 @@ fn router(app: App, idem: Idem) -> Router {
         .route("/custom", post(create_custom_header))
         .route("/slow", post(create_slow))
         .route("/flaky", post(create_flaky))
+        .route("/guarded", post(create_guarded))
+        .route("/wait-briefly", post(create_waiting_briefly))
         .layer(idem.layer())
         .layer(middleware::from_fn(auth))
         .with_state(app)
@@ -332,6 +386,13 @@ async fn replays_the_stored_response_byte_for_byte(h: Harness) {
     assert_eq!(first.status, 201);
     assert_eq!(first.header("idempotent-replayed"), None);
     assert_eq!(first.header("set-cookie"), Some("session=secret"));
+    // The handler's own bytes, which no JSON writer would give again.
+    let written = String::from_utf8_lossy(&first.body).into_owned();
+    assert!(
+        written.contains("\"id\":  \"pay_1\",\n")
+            && written.contains("\"fee\": 4.50, \"note\":\"caf\\u00e9\" }"),
+        "{written}"
+    );
     let replay = pay_req(&h, "k-replay", 4990, "alice").await;
     assert_eq!(replay.status, 201);
     assert_eq!(replay.body, first.body);
@@ -414,6 +475,58 @@ async fn wait_replays_the_first_execution_once_it_completes(h: Harness) {
     assert_eq!(h.app.ran("slow"), 1);
 }
 
+async fn a_wait_that_runs_out_answers_409_with_retry_after(h: Harness) {
+    let addr = h.addr;
+    let first = tokio::spawn(async move {
+        post_req("/wait-briefly", &body(100, "alice"))
+            .bearer("acct_1")
+            .key("k-wait-out")
+            .send(addr)
+            .await
+    });
+    h.app.started().await;
+    let asked = std::time::Instant::now();
+    let second = post_req("/wait-briefly", &body(100, "alice"))
+        .bearer("acct_1")
+        .key("k-wait-out")
+        .send(h.addr)
+        .await;
+    let waited = asked.elapsed();
+    assert_eq!(second.status, 409, "{second:?}");
+    assert_eq!(second.problem(), "idempotency-request-in-progress");
+    assert!(second.header("retry-after").is_some());
+    // It waited its 300 ms, and no longer than the first execution is held
+    // (20 s): the wait ran out, the first execution did not end it.
+    assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    assert!(waited < Duration::from_secs(15), "{waited:?}");
+    h.app.slow_release.notify_one();
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(h.app.ran("alice"), 1);
+}
+
+async fn a_failed_extractor_stores_nothing(h: Harness) {
+    let denied = post_req("/guarded", &body(100, "alice"))
+        .bearer("acct_1")
+        .key("k-denied")
+        .header("x-deny", "1")
+        .send(h.addr)
+        .await;
+    assert_eq!(denied.status, 401, "{denied:?}");
+    assert_eq!(h.app.ran("alice"), 0);
+    // Nothing was reserved: another body may use the key, as its first
+    // attempt, and its answer is its own, not a replay.
+    let allowed = post_req("/guarded", &body(200, "alice"))
+        .bearer("acct_1")
+        .key("k-denied")
+        .send(h.addr)
+        .await;
+    assert_eq!(allowed.status, 201, "{allowed:?}");
+    assert_eq!(allowed.header("idempotent-replayed"), None);
+    assert_eq!(allowed.json()["attempt"], 1);
+    assert_eq!(allowed.json()["amount"], 200);
+    assert_eq!(h.app.ran("alice"), 1);
+}
+
 async fn tenants_and_scopes_with_the_same_key_are_isolated(h: Harness) {
     let a = post_req("/payments", &body(100, "alice"))
         .bearer("acct_a")
@@ -477,6 +590,11 @@ async fn a_validation_error_is_released_and_the_fixed_request_may_use_the_key(h:
 async fn a_panic_is_released_and_the_server_keeps_serving(h: Harness) {
     let r = pay_req(&h, "k-panic", 100, "panic").await;
     assert_eq!(r.status, 500);
+    // Released as failed, not as rejected: the key stays bound to its body.
+    let changed = pay_req(&h, "k-panic", 101, "panic").await;
+    assert_eq!(changed.status, 422, "{changed:?}");
+    assert_eq!(changed.problem(), "idempotency-key-reused");
+    assert_eq!(h.app.ran("panic"), 1);
     let again = pay_req(&h, "k-panic", 100, "panic").await;
     assert_eq!(again.status, 500);
     assert_eq!(h.app.ran("panic"), 2);
@@ -810,6 +928,8 @@ idem_testkit::for_each_store! {
         an_undeclared_field_change_still_replays,
         a_request_in_progress_is_409_with_retry_after,
         wait_replays_the_first_execution_once_it_completes,
+        a_wait_that_runs_out_answers_409_with_retry_after,
+        a_failed_extractor_stores_nothing,
         tenants_and_scopes_with_the_same_key_are_isolated,
         a_business_rejection_is_stored,
         the_error_type_can_override_the_classification,
