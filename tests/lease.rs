@@ -1349,6 +1349,9 @@ impl IdempotencyStore for Faulty {
         assert_ne!(req.id.key, "boom", "the store panicked");
         let lost = self.answers_lost.load(std::sync::atomic::Ordering::SeqCst);
         Box::pin(async move {
+            if req.id.key == "refused" {
+                return Err(StoreError::backend("the store refused the record"));
+            }
             let answer = self.store.reserve(req).await;
             if lost {
                 return Err(StoreError::unavailable("the answer was lost after the commit"));
@@ -1476,6 +1479,31 @@ async fn a_panic_outside_the_handler_is_the_requests_500() {
     assert_eq!(r.problem(), "handler-failed");
     let r = post_req("/boom", "").key("fine").send(addr).await;
     assert_eq!(r.status, 201, "{r:?}");
+}
+
+/// A store error that is not a connection's (the store answered, and
+/// refused) is refused the same way as one that is: 503, handler not run,
+/// never run unprotected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_refuses_the_reservation_answers_503_and_runs_nothing() {
+    static RAN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    #[idempotent(scope = "lease.refused")]
+    async fn refused() -> StatusCode {
+        RAN.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        StatusCode::CREATED
+    }
+    let app = Router::new()
+        .route("/refused", post(refused))
+        .layer(Idem::new(Faulty::new(false)).single_tenant().layer());
+    let addr = idem_testkit::http::serve(app).await;
+    let r = post_req("/refused", "").key("refused").send(addr).await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.problem(), "idempotency-store-unavailable");
+    assert!(r.header("retry-after").is_some(), "{r:?}");
+    assert_eq!(RAN.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let r = post_req("/refused", "").key("fine").send(addr).await;
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(RAN.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
 /// Runs of `counted`, by key.
