@@ -114,6 +114,66 @@ async fn stored_records_hold_no_credentials_and_replays_set_no_cookie() {
     }
 }
 
+/// No byte of a request's body is stored, on either SQL store: the body's
+/// text is in no column of its record (nor anywhere in SQLite's files),
+/// though the answer is stored and replayed; and a record is kept for the
+/// default retention, 24 hours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_holds_no_request_body_and_is_kept_24_hours_by_default() {
+    const MARK: &str = "RAW-BODY-7F3A9C";
+    let body = format!(r#"{{"note":"{MARK}"}}"#);
+    let day_ms = 24 * 3600 * 1000;
+    let send = |addr| {
+        let body = body.clone();
+        async move {
+            let first = req("/things", &body).key("k-raw").send(addr).await;
+            assert_eq!(first.status, 201, "{first:?}");
+            let replay = req("/things", &body).key("k-raw").send(addr).await;
+            assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+            assert_eq!(replay.body, first.body);
+            // The answer says how long the note was, never the note.
+            assert!(!String::from_utf8_lossy(&first.body).contains(MARK));
+        }
+    };
+
+    let (store, dir) = idem_testkit::sqlite_store().await;
+    send(serve(router(Arc::new(store.clone()))).await).await;
+    let kept: i64 = sqlx::query_scalar("SELECT expires_at - created_at FROM idempotency_keys")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(kept, day_ms);
+    let mut files = 0;
+    for file in std::fs::read_dir(dir.path()).unwrap() {
+        let bytes = std::fs::read(file.unwrap().path()).unwrap();
+        files += 1;
+        assert!(
+            !bytes.windows(MARK.len()).any(|w| w == MARK.as_bytes()),
+            "the body's text is in SQLite's files"
+        );
+    }
+    assert!(files >= 1);
+
+    let Some(url) = idem_testkit::pg_url() else {
+        return;
+    };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+    send(serve(router(Arc::new(store.clone()))).await).await;
+    // The whole row as text (`bytea` as hex), and the stored body as text.
+    let (row, answer, kept): (String, String, f64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT t::text, convert_from(response_body, 'UTF8'), \
+         extract(epoch FROM expires_at - created_at)::float8 * 1000 FROM \"{schema}\".idempotency_keys t"
+    )))
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert!(answer.starts_with("created "), "{answer}");
+    let hex: String = MARK.bytes().map(|b| format!("{b:02x}")).collect();
+    assert!(!row.contains(MARK) && !row.contains(&hex), "{row}");
+    assert_eq!(kept, day_ms as f64);
+}
+
 /// A log writer that keeps every line.
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
