@@ -125,6 +125,25 @@ fn value<T: Parse>(input: ParseStream<'_>) -> syn::Result<T> {
     input.parse()
 }
 
+/// A flag written with a value (`optional = true`): `message` at the `=`,
+/// and the value skipped, so that parsing goes on.
+fn no_value(input: ParseStream<'_>, errors: &mut Errors, message: &str) -> syn::Result<()> {
+    if input.peek(Token![=]) {
+        let eq: Token![=] = input.parse()?;
+        input.parse::<syn::Expr>()?;
+        errors.push(syn::Error::new(eq.span, message));
+    }
+    Ok(())
+}
+
+/// A list written as a value (`fields = "amount"`): `message` at the `=`.
+fn list_not_value(input: ParseStream<'_>, message: &str) -> syn::Result<()> {
+    match input.parse::<Option<Token![=]>>()? {
+        Some(eq) => Err(syn::Error::new(eq.span, message)),
+        None => Ok(()),
+    }
+}
+
 /// The durations each argument allows, in milliseconds, and how the
 /// message writes them: the runtime's `TTL_RANGE` and `LOCK_TIMEOUT_RANGE`
 /// (tests/settings.rs and tests/ui pin the same words for both).
@@ -192,6 +211,10 @@ impl Parse for IdempotentArgs {
                 errors.set_once(&mut args.scope, (k, lit), k.span, "scope");
             } else if lookahead.peek(kw::fields) {
                 let k: kw::fields = input.parse()?;
+                list_not_value(
+                    input,
+                    "`fields` takes a list of body fields, such as `fields(amount, currency)`",
+                )?;
                 let content;
                 syn::parenthesized!(content in input);
                 let list: Punctuated<FieldPath, Token![,]> = Punctuated::parse_terminated(&content)?;
@@ -255,6 +278,11 @@ impl Parse for IdempotentArgs {
                 errors.set_once(&mut args.header, (k, lit), k.span, "header");
             } else if lookahead.peek(kw::optional) {
                 let k: kw::optional = input.parse()?;
+                no_value(
+                    input,
+                    &mut errors,
+                    "`optional` takes no value: write `optional` alone",
+                )?;
                 errors.set_once(&mut args.optional, k, k.span, "optional");
             } else if lookahead.peek(kw::ttl) {
                 let k: kw::ttl = input.parse()?;
@@ -273,6 +301,10 @@ impl Parse for IdempotentArgs {
                 }
             } else if lookahead.peek(kw::ignore) {
                 let k: kw::ignore = input.parse()?;
+                list_not_value(
+                    input,
+                    "`ignore` takes a list of names, such as `ignore(\"page\")`",
+                )?;
                 let content;
                 syn::parenthesized!(content in input);
                 let list: Punctuated<LitStr, Token![,]> = Punctuated::parse_terminated(&content)?;

@@ -29,7 +29,7 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     };
     let func: syn::ItemFn = match syn::parse2(item.clone()) {
         Ok(f) => f,
-        Err(e) => return with_error(item, e),
+        Err(e) => return with_error(item.clone(), not_a_function(&item).unwrap_or(e)),
     };
     let mut errors = std::mem::take(&mut args.errors);
     let handler = errors.ok(Handler::analyze(
@@ -41,7 +41,7 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         if !matches!(h.body, Some((_, BodyKind::Extracted))) {
             errors.push(syn::Error::new(
                 fields_kw.span,
-                "`fields(...)` names fields of the request body, but this handler has no `Json<T>` parameter",
+                "`fields(...)` names fields of a JSON request body, but this handler does not read its body as `Json<T>`",
             ));
         }
     }
@@ -50,6 +50,19 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         (Err(e), _) => with_error(item, e),
         // `analyze` fails only with an error, so this arm is never taken.
         (Ok(()), None) => item,
+    }
+}
+
+// Input:  an item that is not a function, such as `struct S;`
+// Output: the error that says where the attribute goes, at the item; `None`
+//         for anything else that did not parse (syn's own error says more).
+fn not_a_function(item: &TokenStream) -> Option<syn::Error> {
+    match syn::parse2::<syn::Item>(item.clone()) {
+        Ok(syn::Item::Fn(_)) | Err(_) => None,
+        Ok(other) => Some(syn::Error::new_spanned(
+            other.to_token_stream().into_iter().next()?,
+            "`#[idempotent]` goes on an `async fn` handler",
+        )),
     }
 }
 
@@ -473,7 +486,9 @@ fn split_return_type(ty: &Type) -> (Type, Type, Vec<(syn::Ident, TokenStream)>, 
 //                     use ::idem::__private::{ViaErr as _, ViaSelf as _, ViaStatus as _};
 //                     (&&&::idem::__private::Probe(&__idem_out)).__idem_classify()
 //                 };
-//                 (::idem::__private::IntoResponse::into_response(__idem_out), __idem_class)
+//                 #[allow(unused_braces)]
+//                 let __idem_answer = ::idem::__private::IntoResponse::into_response({ __idem_out });
+//                 (__idem_answer, __idem_class)
 //             })
 //             .await
 fn run_call(
@@ -481,6 +496,7 @@ fn run_call(
     keying: &Keying,
     body_binding: Option<&TokenStream>,
     block: TokenStream,
+    output: &ReturnType,
 ) -> TokenStream {
     let Names {
         private,
@@ -497,6 +513,14 @@ fn run_call(
         Keying::Optional(_) => quote!(run_optional),
     };
     let operation_binding = operation_binding(names, keying);
+    // A return type that is no answer is an error at that type: the
+    // argument, a block spanned there, is what the error points at.
+    let span = match output {
+        ReturnType::Type(_, ty) => ty.span(),
+        ReturnType::Default => Span::call_site(),
+    };
+    let answer = mixed("__idem_answer");
+    let response = quote_spanned!(span=> #private::IntoResponse::into_response({ #out }));
     quote! {
         #private::#run(#ctx, #spec, #fp, move |#op| async move {
             #operation_binding
@@ -507,7 +531,9 @@ fn run_call(
                 use #private::{ViaErr as _, ViaSelf as _, ViaStatus as _};
                 (&&&#private::Probe(&#out)).__idem_classify()
             };
-            (#private::IntoResponse::into_response(#out), #class)
+            #[allow(unused_braces)]
+            let #answer = #response;
+            (#answer, #class)
         })
         .await
     }
@@ -557,6 +583,7 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
         &handler.keying,
         body.as_ref().map(|body| &body.binding),
         pinned_block(&names, &sig.output, block),
+        &sig.output,
     );
     let syn::Signature {
         constness,
