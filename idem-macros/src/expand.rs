@@ -54,16 +54,28 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 }
 
 // Input:  an item that is not a function, such as `struct S;`
-// Output: the error that says where the attribute goes, at the item; `None`
-//         for anything else that did not parse (syn's own error says more).
+// Output: the error that says where the attribute goes, at the item's
+//         keyword; `None` for anything else that did not parse, such as a
+//         function without a body (syn's own error says more).
 fn not_a_function(item: &TokenStream) -> Option<syn::Error> {
-    match syn::parse2::<syn::Item>(item.clone()) {
-        Ok(syn::Item::Fn(_)) | Err(_) => None,
-        Ok(other) => Some(syn::Error::new_spanned(
-            other.to_token_stream().into_iter().next()?,
-            "`#[idempotent]` goes on an `async fn` handler",
-        )),
-    }
+    use syn::Item;
+    let keyword = match syn::parse2::<Item>(item.clone()).ok()? {
+        Item::Struct(i) => i.struct_token.span,
+        Item::Enum(i) => i.enum_token.span,
+        Item::Union(i) => i.union_token.span,
+        Item::Const(i) => i.const_token.span,
+        Item::Static(i) => i.static_token.span,
+        Item::Type(i) => i.type_token.span,
+        Item::Trait(i) => i.trait_token.span,
+        Item::Impl(i) => i.impl_token.span,
+        Item::Mod(i) => i.mod_token.span,
+        Item::Use(i) => i.use_token.span,
+        _ => return None,
+    };
+    Some(syn::Error::new(
+        keyword,
+        "`#[idempotent]` goes on an `async fn` handler",
+    ))
 }
 
 fn mixed(name: &str) -> Ident {
@@ -486,9 +498,7 @@ fn split_return_type(ty: &Type) -> (Type, Type, Vec<(syn::Ident, TokenStream)>, 
 //                     use ::idem::__private::{ViaErr as _, ViaSelf as _, ViaStatus as _};
 //                     (&&&::idem::__private::Probe(&__idem_out)).__idem_classify()
 //                 };
-//                 #[allow(unused_braces)]
-//                 let __idem_answer = ::idem::__private::IntoResponse::into_response({ __idem_out });
-//                 (__idem_answer, __idem_class)
+//                 (::idem::__private::IntoResponse::into_response(__idem_out), __idem_class)
 //             })
 //             .await
 fn run_call(
@@ -514,13 +524,14 @@ fn run_call(
     };
     let operation_binding = operation_binding(names, keying);
     // A return type that is no answer is an error at that type: the
-    // argument, a block spanned there, is what the error points at.
+    // argument, the output's own name located there, is what the error
+    // points at.
     let span = match output {
         ReturnType::Type(_, ty) => ty.span(),
         ReturnType::Default => Span::call_site(),
     };
-    let answer = mixed("__idem_answer");
-    let response = quote_spanned!(span=> #private::IntoResponse::into_response({ #out }));
+    let out_at_type = Ident::new(&out.to_string(), Span::mixed_site().located_at(span));
+    let response = quote_spanned!(span=> #private::IntoResponse::into_response(#out_at_type));
     quote! {
         #private::#run(#ctx, #spec, #fp, move |#op| async move {
             #operation_binding
@@ -531,9 +542,7 @@ fn run_call(
                 use #private::{ViaErr as _, ViaSelf as _, ViaStatus as _};
                 (&&&#private::Probe(&#out)).__idem_classify()
             };
-            #[allow(unused_braces)]
-            let #answer = #response;
-            (#answer, #class)
+            (#response, #class)
         })
         .await
     }
