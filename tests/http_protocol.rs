@@ -433,16 +433,28 @@ async fn an_undeclared_field_change_still_replays(h: Harness) {
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
 }
 
-async fn a_request_in_progress_is_409_with_retry_after(h: Harness) {
+/// A first request to `path` under `key`, sent in a task of its own, once
+/// its handler has started.
+async fn first_in_flight(
+    h: &Harness,
+    path: &'static str,
+    key: &'static str,
+    recipient: &'static str,
+) -> tokio::task::JoinHandle<Reply> {
     let addr = h.addr;
     let first = tokio::spawn(async move {
-        post_req("/payments", &body(100, "slow"))
+        post_req(path, &body(100, recipient))
             .bearer("acct_1")
-            .key("k-409")
+            .key(key)
             .send(addr)
             .await
     });
     h.app.started().await;
+    first
+}
+
+async fn a_request_in_progress_is_409_with_retry_after(h: Harness) {
+    let first = first_in_flight(&h, "/payments", "k-409", "slow").await;
     let second = pay_req(&h, "k-409", 100, "slow").await;
     assert_eq!(second.status, 409);
     assert_eq!(second.problem(), "idempotency-request-in-progress");
@@ -453,15 +465,7 @@ async fn a_request_in_progress_is_409_with_retry_after(h: Harness) {
 }
 
 async fn wait_replays_the_first_execution_once_it_completes(h: Harness) {
-    let addr = h.addr;
-    let first = tokio::spawn(async move {
-        post_req("/waiting", &body(100, "slow"))
-            .bearer("acct_1")
-            .key("k-wait")
-            .send(addr)
-            .await
-    });
-    h.app.started().await;
+    let first = first_in_flight(&h, "/waiting", "k-wait", "slow").await;
     let second = post_req("/waiting", &body(100, "slow"))
         .bearer("acct_1")
         .key("k-wait")
@@ -476,15 +480,7 @@ async fn wait_replays_the_first_execution_once_it_completes(h: Harness) {
 }
 
 async fn a_wait_that_runs_out_answers_409_with_retry_after(h: Harness) {
-    let addr = h.addr;
-    let first = tokio::spawn(async move {
-        post_req("/wait-briefly", &body(100, "alice"))
-            .bearer("acct_1")
-            .key("k-wait-out")
-            .send(addr)
-            .await
-    });
-    h.app.started().await;
+    let first = first_in_flight(&h, "/wait-briefly", "k-wait-out", "alice").await;
     let asked = std::time::Instant::now();
     let second = post_req("/wait-briefly", &body(100, "alice"))
         .bearer("acct_1")
@@ -495,10 +491,11 @@ async fn a_wait_that_runs_out_answers_409_with_retry_after(h: Harness) {
     assert_eq!(second.status, 409, "{second:?}");
     assert_eq!(second.problem(), "idempotency-request-in-progress");
     assert!(second.header("retry-after").is_some());
-    // It waited its 300 ms, and no longer than the first execution is held
-    // (20 s): the wait ran out, the first execution did not end it.
+    // It waited its 300 ms, and then not much longer (ten times as long
+    // is this bound, for a loaded machine): the wait ran out, the first
+    // execution (held 20 s) did not end it.
     assert!(waited >= Duration::from_millis(300), "{waited:?}");
-    assert!(waited < Duration::from_secs(15), "{waited:?}");
+    assert!(waited < Duration::from_secs(3), "{waited:?}");
     h.app.slow_release.notify_one();
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(h.app.ran("alice"), 1);
