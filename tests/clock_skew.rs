@@ -13,30 +13,38 @@ use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::{IdempotencyStore, PgStore};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// The build of libfaketime for programs with threads.
-const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+/// The build of libfaketime for programs with threads, where Debian puts
+/// it for this machine's architecture.
+fn libfaketime() -> Option<std::path::PathBuf> {
+    std::fs::read_dir("/usr/lib")
+        .ok()?
+        .flatten()
+        .map(|dir| dir.path().join("faketime/libfaketimeMT.so.1"))
+        .find(|lib| lib.exists())
+}
 const LONG: Duration = Duration::from_secs(3600);
 const SHORT: Duration = Duration::from_secs(1);
 
 #[tokio::test]
 async fn the_database_clock_decides_whatever_this_process_clock_says() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    if !std::path::Path::new(LIBFAKETIME).exists() {
+    let Some(lib) = libfaketime() else {
         assert_ne!(
             std::env::var("IDEM_REQUIRE_FAKETIME").as_deref(),
             Ok("1"),
-            "IDEM_REQUIRE_FAKETIME=1 but {LIBFAKETIME} is missing: apt-get install faketime"
+            "IDEM_REQUIRE_FAKETIME=1 but /usr/lib/*/faketime/libfaketimeMT.so.1 is missing: \
+             apt-get install faketime"
         );
         eprintln!("skipped: install faketime (apt-get install faketime) to run the clock-skew test");
         return;
-    }
+    };
     for shift in ["+25h", "-25h"] {
         // Made here, on the true clock: the schemas of the tests' runs are
         // named after it, and old ones dropped by it.
         let schema = idem_testkit::pg_schema(&url).await;
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "skewed", "--ignored", "--nocapture"])
-            .env("LD_PRELOAD", LIBFAKETIME)
+            .env("LD_PRELOAD", &lib)
             .env("FAKETIME", shift)
             .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
             .env("IDEM_SKEW", shift)
@@ -92,14 +100,7 @@ async fn skewed() {
     let lease = take(&store, &kept, "fp", LONG, LONG).await;
     store.complete(&kept, &lease.token, &answer()).await.unwrap();
     take(&store, &running, "fp", LONG, LONG).await;
-    assert_eq!(
-        reserve(&store, &kept, "fp", LONG, LONG).await,
-        Reservation::Completed(answer())
-    );
-    assert!(matches!(
-        reserve(&store, &running, "fp", LONG, LONG).await,
-        Reservation::InProgress { .. }
-    ));
+    kept_and_running(&store, &kept, &running).await;
     // A lock of a second, and TTLs of a second, each checked right after
     // it is set (a stalled second would pass them): past them in 1.2 s.
     take(&store, &stale, "fp", LONG, SHORT).await;
@@ -126,14 +127,7 @@ async fn skewed() {
     assert_eq!(fresh.attempt, 1);
     // The janitor deletes what the database's clock says is gone, and only that.
     assert_eq!(store.purge_expired(100).await.unwrap(), 1);
-    assert_eq!(
-        reserve(&store, &kept, "fp", LONG, LONG).await,
-        Reservation::Completed(answer())
-    );
-    assert!(matches!(
-        reserve(&store, &running, "fp", LONG, LONG).await,
-        Reservation::InProgress { .. }
-    ));
+    kept_and_running(&store, &kept, &running).await;
     let gone: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT count(*) FROM \"{schema}\".idempotency_keys WHERE key = $1"
     )))
@@ -142,6 +136,19 @@ async fn skewed() {
     .await
     .unwrap();
     assert_eq!(gone, 0);
+}
+
+/// A day's TTL ahead, `kept` is replayed; a lock of an hour ahead,
+/// `running` is in progress.
+async fn kept_and_running(store: &PgStore, kept: &RecordId, running: &RecordId) {
+    assert_eq!(
+        reserve(store, kept, "fp", LONG, LONG).await,
+        Reservation::Completed(answer())
+    );
+    assert!(matches!(
+        reserve(store, running, "fp", LONG, LONG).await,
+        Reservation::InProgress { .. }
+    ));
 }
 
 async fn reserve(store: &PgStore, id: &RecordId, fp: &str, ttl: Duration, lock: Duration) -> Reservation {
