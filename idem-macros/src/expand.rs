@@ -29,7 +29,10 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     };
     let func: syn::ItemFn = match syn::parse2(item.clone()) {
         Ok(f) => f,
-        Err(e) => return with_error(item.clone(), not_a_function(&item).unwrap_or(e)),
+        Err(e) => {
+            let e = not_a_function(&item).unwrap_or(e);
+            return with_error(item, e);
+        }
     };
     let mut errors = std::mem::take(&mut args.errors);
     let handler = errors.ok(Handler::analyze(
