@@ -55,7 +55,19 @@ impl FieldPath {
 
 impl Parse for FieldPath {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
-        let segments = Punctuated::parse_separated_nonempty_with(input, Ident::parse_any)?;
+        let segment = |input: ParseStream<'_>| {
+            // `items.0` (and `pair.0.1`, whose `0.1` is one float token).
+            if input.peek(syn::LitInt) || input.peek(syn::LitFloat) {
+                let index: syn::Lit = input.parse()?;
+                return Err(syn::Error::new(
+                    index.span(),
+                    "a field path names fields, such as `recipient.acct`: a tuple field has no name \
+                     the body's JSON could carry",
+                ));
+            }
+            Ident::parse_any(input)
+        };
+        let segments = Punctuated::parse_separated_nonempty_with(input, segment)?;
         let wire = if input.peek(Token![=]) {
             input.parse::<Token![=]>()?;
             Some(input.parse()?)
