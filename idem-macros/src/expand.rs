@@ -337,7 +337,7 @@ fn json_check(
 //         counts a field by its wire path only where the JSON there is that
 //         value:
 //             let __idem_read: [::idem::__private::FieldJson; 2] = {
-//                 use ::idem::__private::{ViaNothing as _, ViaSerialize as _};
+//                 use ::idem::__private::reading::*;
 //                 [(&&::idem::__private::FieldProbe(&__idem_body.value.0.amount)).__idem_json(), ..]
 //             };
 //         and, for the fingerprint, each one's bytes:
@@ -356,8 +356,7 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStrea
     let count = args.fields.iter().flat_map(|(_, list)| list).count();
     let reading = quote! {
         let #read: [#private::FieldJson; #count] = {
-            #[allow(unused_imports)]
-            use #private::{ViaNothing as _, ViaSerialize as _};
+            use #private::reading::*;
             [#(#reads),*]
         };
     };
@@ -498,7 +497,7 @@ fn split_return_type(ty: &Type) -> (Type, Type, Vec<(syn::Ident, TokenStream)>, 
 //                 let Json(p) = __idem_body.value;
 //                 let __idem_out = async move { .. }.await;
 //                 let __idem_class = {
-//                     use ::idem::__private::{ViaErr as _, ViaSelf as _, ViaStatus as _};
+//                     use ::idem::__private::classifying::*;
 //                     (&&&::idem::__private::Probe(&__idem_out)).__idem_classify()
 //                 };
 //                 (::idem::__private::IntoResponse::into_response(__idem_out), __idem_class)
@@ -541,8 +540,7 @@ fn run_call(
             #body_binding
             let #out = #block.await;
             let #class = {
-                #[allow(unused_imports)]
-                use #private::{ViaErr as _, ViaSelf as _, ViaStatus as _};
+                use #private::classifying::*;
                 (&&&#private::Probe(&#out)).__idem_classify()
             };
             (#response, #class)

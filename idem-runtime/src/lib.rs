@@ -102,15 +102,27 @@ pub mod migrations {
 #[cfg(feature = "axum")]
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::classify::{Probe, ViaErr, ViaSelf, ViaStatus};
+    pub use crate::classify::Probe;
     pub use crate::fingerprint::BodyPrint;
     pub use crate::fingerprint::FingerprintError;
     pub use crate::layer::{Context, CustomKeyHeader, DefaultKeyHeader, KeyHeader};
     pub use crate::protocol::{returning, run, run_optional};
     pub use crate::request::{
-        fingerprint_request, is_json, print_body, raw, FieldJson, FieldProbe, NoBody, Raw, Spec, ViaNothing,
-        ViaSerialize,
+        fingerprint_request, is_json, print_body, raw, FieldJson, FieldProbe, NoBody, Raw, Spec,
     };
     pub use axum::response::{IntoResponse, Response};
     pub use std::time::Duration;
+
+    /// The classification's probe traits, which the expansion imports
+    /// whole: a glob import counts as used when any of its traits is, so
+    /// the expansion needs no `#[allow(unused_imports)]`, which a crate
+    /// that forbids that lint refuses.
+    pub mod classifying {
+        pub use crate::classify::{ViaErr, ViaSelf, ViaStatus};
+    }
+
+    /// The field reads' probe traits, imported whole the same way.
+    pub mod reading {
+        pub use crate::request::{ViaNothing, ViaSerialize};
+    }
 }
