@@ -58,11 +58,14 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 
 // Input:  an item that is not a function, such as `struct S;`
 // Output: the error that says where the attribute goes, at the item's
-//         keyword; `None` for anything else that did not parse, such as a
+//         keyword (at its first token for a kind without one); `None` for
+//         a function, or anything syn reads only as tokens, such as a
 //         function without a body (syn's own error says more).
 fn not_a_function(item: &TokenStream) -> Option<syn::Error> {
     use syn::Item;
-    let keyword = match syn::parse2::<Item>(item.clone()).ok()? {
+    let parsed = syn::parse2::<Item>(item.clone()).ok()?;
+    let at = match &parsed {
+        Item::Fn(_) | Item::Verbatim(_) => return None,
         Item::Struct(i) => i.struct_token.span,
         Item::Enum(i) => i.enum_token.span,
         Item::Union(i) => i.union_token.span,
@@ -70,13 +73,17 @@ fn not_a_function(item: &TokenStream) -> Option<syn::Error> {
         Item::Static(i) => i.static_token.span,
         Item::Type(i) => i.type_token.span,
         Item::Trait(i) => i.trait_token.span,
+        Item::TraitAlias(i) => i.trait_token.span,
         Item::Impl(i) => i.impl_token.span,
         Item::Mod(i) => i.mod_token.span,
         Item::Use(i) => i.use_token.span,
-        _ => return None,
+        Item::ExternCrate(i) => i.extern_token.span,
+        Item::ForeignMod(i) => i.abi.extern_token.span,
+        Item::Macro(i) => i.mac.path.span(),
+        other => other.to_token_stream().into_iter().next()?.span(),
     };
     Some(syn::Error::new(
-        keyword,
+        at,
         "`#[idempotent]` goes on an `async fn` handler",
     ))
 }
