@@ -1324,11 +1324,13 @@ macro_rules! forward_to_store {
 /// it); when told, it fails every heartbeat (a lock extension by a lock
 /// timeout), as the store of a process that crashed: its locks run out;
 /// and, while `answers_lost` is set, a reservation takes effect but its
-/// answer is an error (a timeout after the commit).
+/// answer is an error (a timeout after the commit). It keeps the TTL and
+/// the lock timeout of the last reservation asked of it.
 struct Faulty {
     store: idem::MemoryStore,
     heartbeats_fail: bool,
     answers_lost: Arc<std::sync::atomic::AtomicBool>,
+    asked: Arc<Mutex<Option<(Duration, Duration)>>>,
 }
 
 impl Faulty {
@@ -1337,6 +1339,7 @@ impl Faulty {
             store: idem::MemoryStore::new(),
             heartbeats_fail,
             answers_lost: Arc::default(),
+            asked: Arc::default(),
         }
     }
 }
@@ -1347,6 +1350,7 @@ impl IdempotencyStore for Faulty {
         req: idem::store::ReserveRequest<'a>,
     ) -> futures_util::future::BoxFuture<'a, Result<idem::store::Reservation, StoreError>> {
         assert_ne!(req.id.key, "boom", "the store panicked");
+        *self.asked.lock().unwrap() = Some((req.ttl, req.lock_timeout));
         let lost = self.answers_lost.load(std::sync::atomic::Ordering::SeqCst);
         Box::pin(async move {
             if req.id.key == "refused" {
@@ -1504,6 +1508,28 @@ async fn a_store_that_refuses_the_reservation_answers_503_and_runs_nothing() {
     let r = post_req("/refused", "").key("fine").send(addr).await;
     assert_eq!(r.status, 201, "{r:?}");
     assert_eq!(RAN.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// What a handler without settings asks the store for: the defaults the
+/// README names, a retention of 24 hours and a lock of 60 seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_without_settings_keeps_24_hours_under_a_lock_of_60_seconds() {
+    #[idempotent(scope = "lease.defaults")]
+    async fn defaults() -> StatusCode {
+        StatusCode::CREATED
+    }
+    let store = Faulty::new(false);
+    let asked = store.asked.clone();
+    let app = Router::new()
+        .route("/defaults", post(defaults))
+        .layer(Idem::new(store).single_tenant().layer());
+    let addr = idem_testkit::http::serve(app).await;
+    let r = post_req("/defaults", "").key("k-defaults").send(addr).await;
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(
+        *asked.lock().unwrap(),
+        Some((Duration::from_secs(24 * 3600), Duration::from_secs(60)))
+    );
 }
 
 /// Runs of `counted`, by key.
