@@ -61,8 +61,8 @@ impl Parse for FieldPath {
                 let index: syn::Lit = input.parse()?;
                 return Err(syn::Error::new(
                     index.span(),
-                    "a field path names fields, such as `recipient.acct`: a tuple field has no name \
-                     the body's JSON could carry",
+                    "a field path is field names, such as `recipient.acct`: a number (a tuple \
+                     field's index) names nothing the body's JSON carries",
                 ));
             }
             Ident::parse_any(input)
