@@ -1,0 +1,1371 @@
+//! The PostgreSQL store's performance machinery under the interleavings
+//! that can happen: the answers and running executions it knows in memory
+//! (`with_replay_cache`), and the lookups and completions it groups into
+//! one statement. Each test orders its race with pause points, or with row
+//! and table locks held (or backends terminated) by a test connection; the
+//! waits that remain are for what the database says (an expiry, a lock
+//! deadline, a backend waiting), never for an ordering.
+
+use idem::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
+use idem::{IdempotencyStore, StoreError};
+use std::time::{Duration, Instant};
+
+const LONG: Duration = Duration::from_secs(3600);
+
+fn req<'a>(id: &'a RecordId, fp: &'a str, ttl: Duration, lock: Duration) -> ReserveRequest<'a> {
+    ReserveRequest {
+        id,
+        fingerprint: fp,
+        token: idem_testkit::token(),
+        ttl,
+        lock_timeout: lock,
+    }
+}
+
+async fn reserve(
+    s: &dyn IdempotencyStore,
+    id: &RecordId,
+    fp: &str,
+    ttl: Duration,
+    lock: Duration,
+) -> Reservation {
+    s.reserve(req(id, fp, ttl, lock)).await.expect("reserve")
+}
+
+async fn take(s: &dyn IdempotencyStore, id: &RecordId, fp: &str, ttl: Duration, lock: Duration) -> Lease {
+    match reserve(s, id, fp, ttl, lock).await {
+        Reservation::Reserved(lease) => lease,
+        other => panic!("expected a reservation, got {other:?}"),
+    }
+}
+
+fn response(tag: &str) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: Some(format!("{{\"id\":\"{tag}\"}}").into_bytes()),
+    }
+}
+
+fn table_of(store: &idem::PgStore) -> String {
+    let complete = store.request_statements().complete;
+    complete.split_whitespace().nth(1).unwrap().to_owned()
+}
+
+fn schema_of(store: &idem::PgStore) -> String {
+    table_of(store).split('.').next().unwrap().to_owned()
+}
+
+/// A row's (state, lock_token, response body as text), or None.
+async fn row(store: &idem::PgStore, id: &RecordId) -> Option<(String, Option<String>, Option<String>)> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT state, lock_token, convert_from(response_body, 'UTF8') FROM {} \
+         WHERE tenant = $1 AND scope = $2 AND key = $3",
+        table_of(store)
+    )))
+    .bind(&id.tenant)
+    .bind(&id.scope)
+    .bind(&id.key)
+    .fetch_optional(store.pool())
+    .await
+    .unwrap()
+}
+
+/// Until the database says `cond` (SQL on the row of `id`) holds: a
+/// deadline of the database's clock, not an ordering.
+async fn until_db(store: &idem::PgStore, id: &RecordId, cond: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ok: Option<bool> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT {cond} FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
+            table_of(store)
+        )))
+        .bind(&id.tenant)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .fetch_optional(store.pool())
+        .await
+        .unwrap();
+        if ok == Some(true) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{cond} never held");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn knowing_pair(url: &str) -> (String, idem::PgStore, idem::PgStore) {
+    let schema = idem_testkit::pg_schema(url).await;
+    let a = idem_testkit::pg_store_in(url, &schema, 4)
+        .await
+        .with_replay_cache(LONG);
+    let b = idem_testkit::pg_store_in(url, &schema, 4)
+        .await
+        .with_replay_cache(LONG);
+    (schema, a, b)
+}
+
+// ---------------------------------------------------------------------------
+// 1. Kept answers vs expiry, purge, and a new operation (another process)
+// ---------------------------------------------------------------------------
+
+/// A kept answer (bound: an hour) is never replayed once its record has
+/// expired, was purged, and another process took the key for a new
+/// operation and completed it: this process must replay the new answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_kept_answer_after_expiry_purge_and_new_operation() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (_schema, a, b) = knowing_pair(&url).await;
+    let id = RecordId::new("t", "kept", idem_testkit::unique("k"));
+    let ttl = Duration::from_millis(600);
+    let old = take(&a, &id, "fp", ttl, LONG).await;
+    a.complete(&id, &old.token, &response("old")).await.unwrap();
+    // Read (and so kept) by a lookup.
+    assert_eq!(
+        reserve(&a, &id, "fp", ttl, LONG).await,
+        Reservation::Completed(response("old"))
+    );
+    assert_eq!(reserve(&a, &id, "other", ttl, LONG).await, Reservation::Mismatch);
+    until_db(&a, &id, "expires_at <= now()").await;
+    // The janitor purges it; the other process takes the key afresh.
+    let purged = b.purge_expired(100).await.unwrap();
+    assert!(purged >= 1);
+    let new = take(&b, &id, "fp2", LONG, LONG).await;
+    assert_eq!(new.attempt, 1);
+    // This process: the new operation's in-progress record.
+    let r = reserve(&a, &id, "fp2", LONG, LONG).await;
+    assert!(matches!(r, Reservation::InProgress { .. }), "{r:?}");
+    let r = reserve(&a, &id, "fp", LONG, LONG).await;
+    assert_eq!(r, Reservation::Mismatch);
+    b.complete(&id, &new.token, &response("new")).await.unwrap();
+    assert_eq!(
+        reserve(&a, &id, "fp2", LONG, LONG).await,
+        Reservation::Completed(response("new"))
+    );
+}
+
+// ---------------------------------------------------------------------------
+// 2. Running executions vs release, takeover elsewhere, heartbeats
+// ---------------------------------------------------------------------------
+
+/// This process's execution is released as failed (infra failure): the
+/// retry with the same request really retries (attempt 2), through the
+/// store or a clone with another bound, never a 409 from memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_release_then_retry_is_not_a_409_from_memory() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (_schema, a, _b) = knowing_pair(&url).await;
+    let short = a.clone().with_replay_cache(Duration::from_millis(1));
+    let id = RecordId::new("t", "rel", idem_testkit::unique("k"));
+    let lease = take(&a, &id, "fp", LONG, Duration::from_secs(30)).await;
+    assert!(matches!(
+        reserve(&a, &id, "fp", LONG, LONG).await,
+        Reservation::InProgress { .. }
+    ));
+    short.release(&id, &lease.token).await.unwrap();
+    let again = take(&a, &id, "fp", LONG, Duration::from_secs(30)).await;
+    assert_eq!(again.attempt, 2);
+    // And a hand back through a clone: the key is free for a new one.
+    let id2 = RecordId::new("t", "rel", idem_testkit::unique("k2"));
+    let l2 = take(&a, &id2, "fp", LONG, Duration::from_secs(30)).await;
+    short.hand_back(&id2, &l2.token, false).await.unwrap();
+    assert_eq!(take(&a, &id2, "other", LONG, LONG).await.attempt, 1);
+}
+
+/// This process's execution lost its lock (its deadline passed) and
+/// another process took over and completed: this process replays the
+/// other's answer, and this execution is fenced out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_takeover_elsewhere_then_replay_here() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (_schema, a, b) = knowing_pair(&url).await;
+    let id = RecordId::new("t", "over", idem_testkit::unique("k"));
+    let lock = Duration::from_millis(400);
+    let mine = take(&a, &id, "fp", LONG, lock).await;
+    assert!(matches!(
+        reserve(&a, &id, "fp", LONG, lock).await,
+        Reservation::InProgress { .. }
+    ));
+    until_db(&a, &id, "lock_expires_at <= now()").await;
+    let theirs = take(&b, &id, "fp", LONG, LONG).await;
+    assert!(theirs.is_takeover());
+    // Here: the other's live lock.
+    assert!(matches!(
+        reserve(&a, &id, "fp", LONG, lock).await,
+        Reservation::InProgress { .. }
+    ));
+    assert_eq!(
+        a.extend_lock(&id, &mine.token, lock).await,
+        Err(StoreError::LockLost)
+    );
+    b.complete(&id, &theirs.token, &response("theirs")).await.unwrap();
+    assert_eq!(
+        reserve(&a, &id, "fp", LONG, lock).await,
+        Reservation::Completed(response("theirs"))
+    );
+    assert_eq!(
+        a.complete(&id, &mine.token, &response("mine")).await,
+        Err(StoreError::LockLost)
+    );
+    assert_eq!(
+        row(&a, &id).await.unwrap().2.as_deref(),
+        Some("{\"id\":\"theirs\"}")
+    );
+}
+
+/// A heartbeat that the store gave up on (its timeout) while the lock was
+/// being taken over: the entry kept must not outlive the database's lock
+/// deadline (a 409 from memory past it, where the database would let the
+/// request take over).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_heartbeat_given_up_keeps_no_entry_past_the_deadline() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let a = idem_testkit::pg_store_in(&url, &schema, 4)
+        .await
+        .with_replay_cache(LONG)
+        .with_timeout(Duration::from_millis(300));
+    let id = RecordId::new("t", "beat", idem_testkit::unique("k"));
+    let lock = Duration::from_millis(800);
+    let mine = take(&a, &id, "fp", LONG, lock).await;
+    // Hold the row: the heartbeat waits, and is given up on.
+    let holders = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut holder = holders.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {} WHERE key = $1 FOR UPDATE",
+        table_of(&a)
+    )))
+    .bind(&id.key)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let beat = a.extend_lock(&id, &mine.token, lock).await;
+    assert!(matches!(beat, Err(StoreError::Unavailable { .. })), "{beat:?}");
+    holder.rollback().await.unwrap();
+    // The heartbeat, still queued on the server, now writes; then the
+    // deadline passes by the database's clock.
+    until_db(&a, &id, "lock_expires_at <= now()").await;
+    let r = reserve(&a, &id, "fp", LONG, lock).await;
+    assert!(
+        matches!(&r, Reservation::Reserved(l) if l.is_takeover()),
+        "past the database's deadline the request takes over: {r:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// 3. Grouped lookups
+// ---------------------------------------------------------------------------
+
+fn lookup_id(tenant: &str, scope: &str, k: &str) -> RecordId {
+    RecordId::new(tenant, scope, k)
+}
+
+async fn hold_the_lookup_turns(
+    store: &idem::PgStore,
+) -> (
+    [idem_runtime::pause::Pause; 2],
+    [tokio::task::JoinHandle<Result<Reservation, StoreError>>; 2],
+) {
+    let mut pauses = Vec::new();
+    let mut tasks = Vec::new();
+    for k in ["turn-1", "turn-2"] {
+        let id = RecordId::new("t", "turns", idem_testkit::unique(k));
+        let lease = take(store, &id, "fp", LONG, LONG).await;
+        store.complete(&id, &lease.token, &response(k)).await.unwrap();
+        let mut pause = idem_runtime::pause::arm(idem_runtime::pause::RESERVE_TURN, &id.key);
+        tasks.push(reserve_in_task(store, &id, "fp"));
+        tokio::time::timeout(Duration::from_secs(10), pause.reached())
+            .await
+            .expect("the lookup never took a turn");
+        pauses.push(pause);
+    }
+    let (Ok(pauses), Ok(tasks)) = (pauses.try_into(), tasks.try_into()) else {
+        unreachable!()
+    };
+    (pauses, tasks)
+}
+
+fn reserve_in_task(
+    store: &idem::PgStore,
+    id: &RecordId,
+    fingerprint: &str,
+) -> tokio::task::JoinHandle<Result<Reservation, StoreError>> {
+    let (store, id, fingerprint) = (store.clone(), id.clone(), fingerprint.to_owned());
+    tokio::spawn(async move { store.reserve(req(&id, &fingerprint, LONG, LONG)).await })
+}
+
+/// Like `reserve_in_task`, returning the token too.
+fn reserve_in_task_tok(
+    store: &idem::PgStore,
+    id: &RecordId,
+    fingerprint: &str,
+) -> (
+    &'static str,
+    tokio::task::JoinHandle<Result<Reservation, StoreError>>,
+) {
+    let token = idem_testkit::token();
+    let (store, id, fingerprint) = (store.clone(), id.clone(), fingerprint.to_owned());
+    (
+        token,
+        tokio::spawn(async move {
+            store
+                .reserve(ReserveRequest {
+                    id: &id,
+                    fingerprint: &fingerprint,
+                    token,
+                    ttl: LONG,
+                    lock_timeout: LONG,
+                })
+                .await
+        }),
+    )
+}
+
+async fn until_lookups_waiting(store: &idem::PgStore, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.waiting_lookups() != n {
+        assert!(Instant::now() < deadline, "{n} lookups never waited");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// One group: the same key under two tenants and two scopes (all fresh),
+/// the same key twice (same tenant/scope), a completed record, another
+/// tenant's completed record under the same key with another fingerprint,
+/// and a record whose row a test connection holds FOR UPDATE. Each gets
+/// its own answer, nothing is taken twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_lookup_group_tenants_scopes_duplicates_and_held_row() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 8)
+        .await
+        .with_replay_cache(Duration::ZERO);
+    let k = idem_testkit::unique("same");
+    let t1s1 = lookup_id("t1", "s1", &k);
+    let t2s1 = lookup_id("t2", "s1", &k);
+    let t1s2 = lookup_id("t1", "s2", &k);
+    let done = lookup_id("t3", "s1", &k);
+    let done_other = lookup_id("t4", "s1", &k);
+    let held = lookup_id("t5", "s1", &k);
+    for (id, tag) in [(&done, "done"), (&done_other, "other"), (&held, "held")] {
+        let l = take(&store, id, "fp", LONG, LONG).await;
+        store.complete(id, &l.token, &response(tag)).await.unwrap();
+    }
+    let holders = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut holder = holders.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {} WHERE tenant = 't5' AND key = $1 FOR UPDATE",
+        table_of(&store)
+    )))
+    .bind(&k)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let ([first, second], turns) = hold_the_lookup_turns(&store).await;
+    let mut tasks = Vec::new();
+    let plan: Vec<(&RecordId, &str)> = vec![
+        (&t1s1, "fp"),
+        (&t2s1, "fp"),
+        (&t1s2, "fp"),
+        (&t1s1, "fp"),
+        (&done, "fp"),
+        (&done_other, "fp-x"),
+        (&held, "fp"),
+    ];
+    for (n, (id, fp)) in plan.iter().enumerate() {
+        tasks.push(reserve_in_task_tok(&store, id, fp));
+        until_lookups_waiting(&store, n + 1).await;
+    }
+    first.resume();
+    let mut answers = Vec::new();
+    for (tok, t) in tasks {
+        answers.push((
+            tok,
+            tokio::time::timeout(Duration::from_secs(20), t)
+                .await
+                .unwrap()
+                .unwrap(),
+        ));
+    }
+    second.resume();
+    for t in turns {
+        let _ = t.await.unwrap();
+    }
+    holder.rollback().await.unwrap();
+    for i in [0, 1, 2] {
+        let (tok, a) = &answers[i];
+        assert!(
+            matches!(a, Ok(Reservation::Reserved(l)) if l.attempt == 1),
+            "{i}: {a:?}"
+        );
+        let (state, token, _) = row(&store, plan[i].0).await.unwrap();
+        assert_eq!(
+            (state.as_str(), token.as_deref()),
+            ("in_progress", Some(*tok)),
+            "{i}"
+        );
+    }
+    assert!(
+        matches!(answers[3].1, Ok(Reservation::InProgress { .. })),
+        "{:?}",
+        answers[3].1
+    );
+    assert_eq!(answers[4].1, Ok(Reservation::Completed(response("done"))));
+    assert_eq!(answers[5].1, Ok(Reservation::Mismatch));
+    assert_eq!(answers[6].1, Ok(Reservation::Completed(response("held"))));
+}
+
+/// A trigger that sleeps `seconds` before inserting a key starting `slow`.
+async fn slow_inserts(store: &idem::PgStore, seconds: f64) {
+    let table = table_of(store);
+    let schema = schema_of(store);
+    for ddl in [
+        format!(
+            "CREATE FUNCTION {schema}.slow_insert() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF NEW.key LIKE 'slow%' THEN PERFORM pg_sleep({seconds}); END IF; RETURN NEW; END $$"
+        ),
+        format!(
+            "CREATE TRIGGER slow_insert BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.slow_insert()"
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
+    }
+}
+
+async fn backend_of(pool: &sqlx::PgPool, schema: &str, like: &str, wait_event: Option<&str>) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE state = 'active' AND query LIKE $1 \
+             AND query LIKE '%' || $2 || '%' AND ($3::text IS NULL OR wait_event = $3) LIMIT 1",
+        )
+        .bind(like)
+        .bind(schema)
+        .bind(wait_event)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        if let Some(pid) = pid {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "never saw {like} ({wait_event:?})");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A group's statement (slow: an insert sleeps) is terminated
+/// (`pg_terminate_backend`) after its fresh keys were inserted, uncommitted.
+/// Each caller is answered either 503 or what the database holds; the
+/// existing record is replayed; no key stays taken under a token whose
+/// caller was told 503 once that caller hands it back (as the layer does),
+/// and no key is taken twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_lookup_group_killed_mid_statement() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 8)
+        .await
+        .with_replay_cache(LONG);
+    slow_inserts(&store, 5.0).await;
+    let fresh = lookup_id("t", "kill", &idem_testkit::unique("fresh"));
+    let slow = lookup_id("t", "kill", &idem_testkit::unique("slow"));
+    let done = lookup_id("t", "kill", &idem_testkit::unique("done"));
+    let l = take(&store, &done, "fp", LONG, LONG).await;
+    store.complete(&done, &l.token, &response("done")).await.unwrap();
+    let ([first, second], turns) = hold_the_lookup_turns(&store).await;
+    let mut tasks = Vec::new();
+    for (n, id) in [&fresh, &slow, &done].iter().enumerate() {
+        tasks.push(reserve_in_task_tok(&store, id, "fp"));
+        until_lookups_waiting(&store, n + 1).await;
+    }
+    first.resume();
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    let pid = backend_of(&watcher, &schema, "%idem-group%", Some("PgSleep")).await;
+    // The replay is answered by the read apart meanwhile.
+    let (_, replay) = tasks.pop().unwrap();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), replay)
+            .await
+            .unwrap()
+            .unwrap(),
+        Ok(Reservation::Completed(response("done")))
+    );
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&watcher)
+        .await
+        .unwrap();
+    assert!(killed);
+    let mut answers = Vec::new();
+    for (tok, t) in tasks {
+        answers.push((
+            tok,
+            tokio::time::timeout(Duration::from_secs(20), t)
+                .await
+                .unwrap()
+                .unwrap(),
+        ));
+    }
+    second.resume();
+    for t in turns {
+        let _ = t.await.unwrap();
+    }
+    for ((tok, a), id) in answers.iter().zip([&fresh, &slow]) {
+        match a {
+            Ok(Reservation::Reserved(_)) => {
+                let (state, token, _) = row(&store, id).await.unwrap();
+                assert_eq!((state.as_str(), token.as_deref()), ("in_progress", Some(*tok)));
+            }
+            Err(StoreError::Unavailable { .. }) => {
+                // The layer hands it back, fenced by its token.
+                let _ = store.hand_back(id, tok, true).await;
+                if let Some((state, token, _)) = row(&store, id).await {
+                    assert!(
+                        token.as_deref() != Some(*tok),
+                        "a key stays locked under the token of a caller told 503: {state}"
+                    );
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Retried: a key whose caller was told 503 is taken afresh (handed
+    // back, or never committed); one whose caller holds it is in progress.
+    for ((_, a), id) in answers.iter().zip([&fresh, &slow]) {
+        let r = reserve(&store, id, "fp", LONG, LONG).await;
+        match a {
+            Ok(Reservation::Reserved(_)) => assert!(matches!(r, Reservation::InProgress { .. }), "{r:?}"),
+            _ => assert!(
+                matches!(&r, Reservation::Reserved(l) if !l.is_takeover()),
+                "{r:?}"
+            ),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 4. Grouped completions
+// ---------------------------------------------------------------------------
+
+async fn until_waiting(store: &idem::PgStore, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.waiting_completions() != n {
+        assert!(Instant::now() < deadline, "{n} completions never waited");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn complete_in_task(
+    store: &idem::PgStore,
+    id: &RecordId,
+    token: &str,
+    tag: &str,
+) -> tokio::task::JoinHandle<Result<(), StoreError>> {
+    let (store, id, token, tag) = (store.clone(), id.clone(), token.to_owned(), tag.to_owned());
+    tokio::spawn(async move { store.complete(&id, &token, &response(&tag)).await })
+}
+
+/// One completion group: the same key under two tenants and a scope, a
+/// record deleted by hand before the group, a record held FOR UPDATE by a
+/// test connection, a stale token, the same record twice (same token, two
+/// answers). Each is answered its own outcome; each stored answer is its
+/// own; the held one is written once its row is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_completion_group_mixed_members() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 8)
+        .await
+        .with_replay_cache(LONG);
+    let k = idem_testkit::unique("ck");
+    let first = lookup_id("t0", "s", &idem_testkit::unique("first"));
+    let a = lookup_id("t1", "s1", &k);
+    let b = lookup_id("t2", "s1", &k);
+    let c = lookup_id("t1", "s2", &k);
+    let deleted = lookup_id("t3", "s1", &k);
+    let held = lookup_id("t4", "s1", &k);
+    let stale = lookup_id("t5", "s1", &k);
+    let mut leases = std::collections::HashMap::new();
+    for id in [&first, &a, &b, &c, &deleted, &held, &stale] {
+        leases.insert(id.clone(), take(&store, id, "fp", LONG, LONG).await);
+    }
+    let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &first.key);
+    let first_task = complete_in_task(&store, &first, &leases[&first].token, "first");
+    tokio::time::timeout(Duration::from_secs(10), turn.reached())
+        .await
+        .unwrap();
+    // Deleted by hand (an operator), and a row held by another connection.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM {} WHERE tenant = 't3' AND key = $1",
+        table_of(&store)
+    )))
+    .bind(&k)
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let holders = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut holder = holders.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {} WHERE tenant = 't4' AND key = $1 FOR UPDATE",
+        table_of(&store)
+    )))
+    .bind(&k)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let plan: Vec<(&RecordId, String, &str)> = vec![
+        (&a, leases[&a].token.clone(), "a"),
+        (&b, leases[&b].token.clone(), "b"),
+        (&c, leases[&c].token.clone(), "c"),
+        (&deleted, leases[&deleted].token.clone(), "deleted"),
+        (&held, leases[&held].token.clone(), "held"),
+        (&stale, "not-its-token".to_owned(), "stale"),
+        (&a, leases[&a].token.clone(), "a-again"),
+    ];
+    let mut tasks = Vec::new();
+    for (n, (id, tok, tag)) in plan.iter().enumerate() {
+        tasks.push(complete_in_task(&store, id, tok, tag));
+        until_waiting(&store, n + 1).await;
+    }
+    turn.resume();
+    assert_eq!(first_task.await.unwrap(), Ok(()));
+    // Every completion but the held row's is answered while its row is held.
+    let mut outcomes = Vec::new();
+    let mut held_task = None;
+    for (i, t) in tasks.into_iter().enumerate() {
+        if i == 4 {
+            held_task = Some(t);
+            outcomes.push(Ok(()));
+            continue;
+        }
+        outcomes.push(
+            tokio::time::timeout(Duration::from_secs(20), t)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    let held_task = held_task.unwrap();
+    assert!(
+        !held_task.is_finished(),
+        "the held row's completion did not wait for it"
+    );
+    holder.rollback().await.unwrap();
+    outcomes[4] = tokio::time::timeout(Duration::from_secs(20), held_task)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(outcomes[0], Ok(()));
+    assert_eq!(outcomes[1], Ok(()));
+    assert_eq!(outcomes[2], Ok(()));
+    assert_eq!(outcomes[3], Err(StoreError::LockLost));
+    assert_eq!(outcomes[4], Ok(()));
+    assert_eq!(outcomes[5], Err(StoreError::LockLost));
+    assert_eq!(outcomes[6], Err(StoreError::LockLost), "a record completed once");
+    for (id, tag) in [(&a, "a"), (&b, "b"), (&c, "c"), (&held, "held")] {
+        assert_eq!(
+            reserve(&store, id, "fp", LONG, LONG).await,
+            Reservation::Completed(response(tag)),
+            "{tag}"
+        );
+    }
+    assert!(row(&store, &deleted).await.is_none());
+    assert_eq!(row(&store, &stale).await.unwrap().0, "in_progress");
+}
+
+/// The completion group's statement is terminated (`pg_terminate_backend`)
+/// while it waits for the table (a test connection holds it in SHARE mode):
+/// each member is told it failed, and nothing of the group was stored;
+/// completed again, each stores its answer once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_completion_group_killed() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 8)
+        .await
+        .with_replay_cache(LONG);
+    let ids: Vec<RecordId> = ["first", "b", "c"]
+        .iter()
+        .map(|k| lookup_id("t", "ckill", &idem_testkit::unique(k)))
+        .collect();
+    let mut leases = Vec::new();
+    for id in &ids {
+        leases.push(take(&store, id, "fp", LONG, LONG).await);
+    }
+    let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &ids[0].key);
+    let first_task = complete_in_task(&store, &ids[0], &leases[0].token, "first");
+    tokio::time::timeout(Duration::from_secs(10), turn.reached())
+        .await
+        .unwrap();
+    let b = complete_in_task(&store, &ids[1], &leases[1].token, "b");
+    until_waiting(&store, 1).await;
+    let c = complete_in_task(&store, &ids[2], &leases[2].token, "c");
+    until_waiting(&store, 2).await;
+    let holders = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut holder = holders.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "LOCK TABLE {} IN SHARE MODE",
+        table_of(&store)
+    )))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    turn.resume();
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    let pid = backend_of(&watcher, &schema, "UPDATE%", Some("relation")).await;
+    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&watcher)
+        .await
+        .unwrap();
+    let first_out = first_task.await.unwrap();
+    let pid = backend_of(&watcher, &schema, "WITH c AS%", Some("relation")).await;
+    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&watcher)
+        .await
+        .unwrap();
+    let (b_out, c_out) = (b.await.unwrap(), c.await.unwrap());
+    holder.rollback().await.unwrap();
+    for ((id, out), (lease, tag)) in ids
+        .iter()
+        .zip([first_out, b_out, c_out])
+        .zip(leases.iter().zip(["first", "b", "c"]))
+    {
+        let (state, _, body) = row(&store, id).await.unwrap();
+        match out {
+            Ok(()) => assert_eq!(body.as_deref(), Some(format!("{{\"id\":\"{tag}\"}}").as_str())),
+            Err(StoreError::Unavailable { .. }) => {
+                assert_eq!(state, "in_progress", "{tag}: told it failed, but stored");
+                store.complete(id, &lease.token, &response(tag)).await.unwrap();
+            }
+            other => panic!("{tag}: {other:?}"),
+        }
+        assert_eq!(
+            reserve(&store, id, "fp", LONG, LONG).await,
+            Reservation::Completed(response(tag))
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 5. Over HTTP: two processes, the caches and groups at their defaults
+// ---------------------------------------------------------------------------
+
+mod http {
+    use super::*;
+    use axum::extract::State;
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use axum::{Json, Router};
+    use idem::{idempotent, Idem, Operation};
+    use idem_testkit::http::post as post_req;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    #[derive(Clone, Default)]
+    pub(crate) struct App {
+        runs: Arc<AtomicUsize>,
+        attempts: Arc<std::sync::Mutex<Vec<u32>>>,
+        release: Arc<tokio::sync::Notify>,
+        fail_first: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    #[derive(serde::Deserialize)]
+    pub(crate) struct Body {
+        #[allow(dead_code)]
+        amount: i64,
+    }
+
+    #[idempotent(scope = "race.pay", fields(amount))]
+    async fn pay(State(app): State<App>, op: Operation, Json(_b): Json<Body>) -> (StatusCode, String) {
+        let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        app.attempts.lock().unwrap().push(op.attempt());
+        let _ = tokio::time::timeout(Duration::from_secs(15), app.release.notified()).await;
+        if n == 1 && app.fail_first.load(Ordering::SeqCst) {
+            return (StatusCode::SERVICE_UNAVAILABLE, "down".into());
+        }
+        (
+            StatusCode::CREATED,
+            format!("{{\"run\":{n},\"attempt\":{}}}", op.attempt()),
+        )
+    }
+
+    #[idempotent(scope = "race.quick", fields(amount))]
+    async fn quick(State(app): State<App>, op: Operation, Json(_b): Json<Body>) -> (StatusCode, String) {
+        let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        app.attempts.lock().unwrap().push(op.attempt());
+        (
+            StatusCode::CREATED,
+            format!("{{\"run\":{n},\"attempt\":{}}}", op.attempt()),
+        )
+    }
+
+    fn router(app: App, store: idem::PgStore) -> Router {
+        Router::new()
+            .route("/quick", post(quick))
+            .route("/pay", post(pay))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(app)
+    }
+
+    async fn two_servers(app: &App) -> Option<(std::net::SocketAddr, std::net::SocketAddr, idem::PgStore)> {
+        let url = idem_testkit::pg_url()?;
+        let schema = idem_testkit::pg_schema(&url).await;
+        let a = idem_testkit::pg_store_in(&url, &schema, 8)
+            .await
+            .with_timeout(idem::DEFAULT_OPERATION_TIMEOUT)
+            .with_replay_cache(idem::DEFAULT_REPLAY_CACHE);
+        let b = idem_testkit::pg_store_in(&url, &schema, 8)
+            .await
+            .with_timeout(idem::DEFAULT_OPERATION_TIMEOUT);
+        let sa = idem_testkit::http::serve(router(app.clone(), a.clone())).await;
+        let sb = idem_testkit::http::serve(router(app.clone(), b)).await;
+        Some((sa, sb, a))
+    }
+
+    /// A completion lost after the handler ran: every try of the
+    /// completion is terminated (`pg_terminate_backend`) while the table is
+    /// held. The client gets 503 with Retry-After (never the unrecorded
+    /// answer); the key is released as failed once the table is free, and
+    /// the retry really retries (attempt 2), then replays.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_http_completion_lost_after_the_handler_ran() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 8)
+            .await
+            .with_timeout(Duration::from_millis(500));
+        let app = App::default();
+        let addr = idem_testkit::http::serve(router(app.clone(), store.clone())).await;
+        let key = idem_testkit::unique("lost");
+        let holders = sqlx::PgPool::connect(&url).await.unwrap();
+        let mut holder = holders.begin().await.unwrap();
+        // Reads (the reservation's lookup finds no row and inserts: the
+        // insert must not wait) - so hold only what completions need:
+        // take the key first, then lock.
+        let mut returned = idem_runtime::pause::arm(idem_runtime::pause::HANDLER_RETURNED, &key);
+        let first = {
+            let key = key.clone();
+            tokio::spawn(async move { post_req("/quick", "{\"amount\": 5}").key(&key).send(addr).await })
+        };
+        // The handler returned; its answer is not recorded yet: hold the table.
+        tokio::time::timeout(Duration::from_secs(10), returned.reached())
+            .await
+            .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "LOCK TABLE {} IN SHARE MODE",
+            table_of(&store)
+        )))
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+        returned.resume();
+        // Terminate every completion that waits for the table.
+        let killer = {
+            let (url, schema) = (url.clone(), schema.clone());
+            tokio::spawn(async move {
+                let pool = sqlx::PgPool::connect(&url).await.unwrap();
+                let mut killed = 0usize;
+                let until = Instant::now() + Duration::from_secs(4);
+                while Instant::now() < until {
+                    let n: Vec<bool> = sqlx::query_scalar(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE state = 'active' \
+                         AND query LIKE '%SET state = ''completed''%' AND query LIKE '%' || $1 || '%'",
+                    )
+                    .bind(&schema)
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+                    killed += n.len();
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                killed
+            })
+        };
+        let r = first.await.unwrap();
+        let killed = killer.await.unwrap();
+        assert!(
+            killed > 0,
+            "no completion was terminated: the test did not lose one"
+        );
+        holder.rollback().await.unwrap();
+        assert_ne!(r.status, 201, "the unrecorded answer was sent");
+        assert_eq!(r.status, 503);
+        assert!(r.header("retry-after").is_some());
+        let id = RecordId::new("", "race.quick", key.clone());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let row = row(&store, &id).await;
+            if matches!(&row, Some((s, None, _)) if s == "in_progress")
+                || matches!(&row, Some((s, _, _)) if s == "completed")
+            {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the key was never released: {row:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let again = post_req("/quick", "{\"amount\": 5}").key(&key).send(addr).await;
+        assert_eq!(again.status, 201);
+        let replay = post_req("/quick", "{\"amount\": 5}").key(&key).send(addr).await;
+        assert_eq!((replay.status, replay.body.clone()), (201, again.body.clone()));
+    }
+
+    /// Twenty concurrent requests, one key, one body, over two processes:
+    /// one execution, one success, nineteen 409s; then replays on both.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_http_twenty_over_two_processes() {
+        let app = App::default();
+        let Some((sa, sb, _)) = two_servers(&app).await else {
+            return;
+        };
+        let key = idem_testkit::unique("k20");
+        let mut tasks = Vec::new();
+        for i in 0..20 {
+            let key = key.clone();
+            let addr = if i % 2 == 0 { sa } else { sb };
+            tasks.push(tokio::spawn(async move {
+                post_req("/pay", "{\"amount\": 5}").key(&key).send(addr).await
+            }));
+        }
+        // The 19 others answer while the one execution is held.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while tasks.iter().filter(|t| t.is_finished()).count() < 19 {
+            assert!(Instant::now() < deadline, "the conflicts never answered");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        app.release.notify_waiters();
+        let mut statuses = Vec::new();
+        for t in tasks {
+            statuses.push(t.await.unwrap().status);
+        }
+        statuses.sort_unstable();
+        assert_eq!(app.runs.load(Ordering::SeqCst), 1, "{statuses:?}");
+        assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 1, "{statuses:?}");
+        assert_eq!(statuses.iter().filter(|s| **s == 409).count(), 19, "{statuses:?}");
+        for addr in [sa, sb] {
+            let r = post_req("/pay", "{\"amount\": 5}").key(&key).send(addr).await;
+            assert_eq!(r.status, 201);
+            assert_eq!(r.header("idempotent-replayed"), Some("true"));
+        }
+    }
+
+    /// The execution fails with a 5xx (released as failed) while its
+    /// conflicts were answered 409 from memory: the retry on the same
+    /// server really retries (attempt 2), and replays everywhere after.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_http_failed_execution_is_retried_not_409_from_memory() {
+        let app = App::default();
+        app.fail_first.store(true, Ordering::SeqCst);
+        let Some((sa, sb, _)) = two_servers(&app).await else {
+            return;
+        };
+        let key = idem_testkit::unique("kf");
+        let first = {
+            let key = key.clone();
+            tokio::spawn(async move { post_req("/pay", "{\"amount\": 5}").key(&key).send(sa).await })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while app.runs.load(Ordering::SeqCst) == 0 {
+            assert!(Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // A conflict, from memory on `sa`.
+        assert_eq!(
+            post_req("/pay", "{\"amount\": 5}")
+                .key(&key)
+                .send(sa)
+                .await
+                .status,
+            409
+        );
+        assert_eq!(
+            post_req("/pay", "{\"amount\": 6}")
+                .key(&key)
+                .send(sa)
+                .await
+                .status,
+            422
+        );
+        app.release.notify_waiters();
+        assert_eq!(first.await.unwrap().status, 503);
+        let retry = {
+            let key = key.clone();
+            tokio::spawn(async move { post_req("/pay", "{\"amount\": 5}").key(&key).send(sa).await })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while app.runs.load(Ordering::SeqCst) < 2 && !retry.is_finished() {
+            assert!(Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        app.release.notify_waiters();
+        let r = retry.await.unwrap();
+        assert_eq!(r.status, 201, "{:?}", String::from_utf8_lossy(&r.body));
+        assert_eq!(*app.attempts.lock().unwrap(), vec![1, 2]);
+        for addr in [sa, sb] {
+            let r = post_req("/pay", "{\"amount\": 5}").key(&key).send(addr).await;
+            assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")));
+        }
+    }
+}
+
+/// After a group refused for its lock waits (it set `lock_timeout` for its
+/// own transaction), no pooled connection keeps that `lock_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_group_lock_timeout_does_not_leak_to_the_pool() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 4)
+        .await
+        .with_replay_cache(Duration::ZERO);
+    let fresh = lookup_id("t", "leak", &idem_testkit::unique("fresh"));
+    let other = lookup_id("t", "leak", &idem_testkit::unique("other"));
+    let holders = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut holder = holders.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(store.request_statements().lookup.to_owned()))
+        .bind(&fresh.tenant)
+        .bind(&fresh.scope)
+        .bind(&fresh.key)
+        .bind("fp")
+        .bind("holder-token")
+        .bind("holder-op")
+        .bind(3_600_000_i64)
+        .bind(3_600_000_i64)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let ([first, second], turns) = hold_the_lookup_turns(&store).await;
+    let a = reserve_in_task(&store, &other, "fp");
+    until_lookups_waiting(&store, 1).await;
+    let b = reserve_in_task(&store, &fresh, "fp");
+    until_lookups_waiting(&store, 2).await;
+    first.resume();
+    let a = a.await.unwrap();
+    assert!(matches!(a, Ok(Reservation::Reserved(_))), "{a:?}");
+    holder.rollback().await.unwrap();
+    let b = b.await.unwrap();
+    assert!(matches!(b, Ok(Reservation::Reserved(_))), "{b:?}");
+    second.resume();
+    for t in turns {
+        let _ = t.await.unwrap();
+    }
+    let mut conns = Vec::new();
+    for _ in 0..4 {
+        let mut c = store.pool().acquire().await.unwrap();
+        let lt: String = sqlx::query_scalar("SHOW lock_timeout")
+            .fetch_one(&mut *c)
+            .await
+            .unwrap();
+        assert_eq!(lt, "0", "a pooled connection kept the group's lock_timeout");
+        conns.push(c);
+    }
+}
+
+/// A group of fresh keys with each its own TTL and lock timeout: each
+/// record gets its own, as alone (the binds are per element).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_lookup_group_per_member_ttl_and_lock() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 8)
+        .await
+        .with_replay_cache(Duration::ZERO);
+    let a = lookup_id("t", "ttl", &idem_testkit::unique("a"));
+    let b = lookup_id("t", "ttl", &idem_testkit::unique("b"));
+    let ([first, second], turns) = hold_the_lookup_turns(&store).await;
+    let spawn = |id: &RecordId, ttl: Duration, lock: Duration| {
+        let (store, id) = (store.clone(), id.clone());
+        tokio::spawn(async move { store.reserve(req(&id, "fp", ttl, lock)).await })
+    };
+    let ta = spawn(&a, Duration::from_secs(60), Duration::from_secs(2));
+    until_lookups_waiting(&store, 1).await;
+    let tb = spawn(&b, Duration::from_secs(7200), Duration::from_secs(900));
+    until_lookups_waiting(&store, 2).await;
+    first.resume();
+    assert!(matches!(ta.await.unwrap(), Ok(Reservation::Reserved(_))));
+    assert!(matches!(tb.await.unwrap(), Ok(Reservation::Reserved(_))));
+    second.resume();
+    for t in turns {
+        let _ = t.await.unwrap();
+    }
+    for (id, ttl, lock) in [(&a, 60.0, 2.0), (&b, 7200.0, 900.0)] {
+        let (t, l): (f64, f64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT date_part('epoch', expires_at - created_at)::float8, \
+             date_part('epoch', lock_expires_at - created_at)::float8 FROM {} WHERE key = $1",
+            table_of(&store)
+        )))
+        .bind(&id.key)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        assert_eq!((t, l), (ttl, lock), "{}", id.key);
+    }
+}
+
+/// Many reservers over two stores (one knowing for an hour, one at the
+/// default bound), a few keys, long locks and TTLs, every ending (complete,
+/// release, reject, hand back): at most one holder of a key at a time, at
+/// most one completion per key, every replay is that completion's answer,
+/// and no reservation after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn postgres_stress_two_stores_caches_and_groups() {
+    use std::sync::{Arc, Mutex};
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let a = idem_testkit::pg_store_in(&url, &schema, 6)
+        .await
+        .with_replay_cache(LONG);
+    let b = idem_testkit::pg_store_in(&url, &schema, 6).await;
+    for round in 0..6 {
+        let prefix = idem_testkit::unique("r");
+        let keys: Vec<RecordId> = (0..20)
+            .map(|i| {
+                RecordId::new(
+                    if i % 2 == 0 { "t1" } else { "t2" },
+                    "stress",
+                    format!("{prefix}-k{}", i / 2),
+                )
+            })
+            .collect();
+        #[derive(Default)]
+        struct Book {
+            holder: Option<String>,
+            completed: Option<String>,
+            violations: Vec<String>,
+            counts: [usize; 6],
+            attempted: Vec<String>,
+            replayed: std::collections::BTreeSet<String>,
+        }
+        let book: Arc<Mutex<Vec<Book>>> =
+            Arc::new(Mutex::new((0..keys.len()).map(|_| Book::default()).collect()));
+        let until = Instant::now() + Duration::from_millis(700);
+        let mut tasks = Vec::new();
+        for w in 0..48usize {
+            let store = if w % 2 == 0 { a.clone() } else { b.clone() };
+            let (keys, book) = (keys.clone(), book.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut n = w as u64;
+                while Instant::now() < until {
+                    n = n
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let ki = (n >> 33) as usize % keys.len();
+                    let id = &keys[ki];
+                    let fp = if (n >> 20).is_multiple_of(11) { "fp-other" } else { "fp" };
+                    let token = idem_testkit::token();
+                    let got = store
+                        .reserve(ReserveRequest {
+                            id,
+                            fingerprint: fp,
+                            token,
+                            ttl: LONG,
+                            lock_timeout: LONG,
+                        })
+                        .await;
+                    match got {
+                        Ok(Reservation::Reserved(lease)) => {
+                            {
+                                let mut bk = book.lock().unwrap();
+                                let e = &mut bk[ki];
+                                e.counts[0] += 1;
+                                if let Some(h) = &e.holder {
+                                    e.violations
+                                        .push(format!("{}: reserved by {token} while {h} holds it", id.key));
+                                }
+                                if let Some(c) = &e.completed {
+                                    e.violations
+                                        .push(format!("{}: reserved after completion {c}", id.key));
+                                }
+                                e.holder = Some(token.to_owned());
+                            }
+                            tokio::time::sleep(Duration::from_micros((n >> 40) % 3000)).await;
+                            let how =
+                                [0, 1, 1, 2, 2, 3, 3, 1, 1, 2, 3, 1, 2, 1, 3, 1][((n >> 10) % 16) as usize];
+                            let tag = format!("{}-{token}", id.tenant);
+                            // Let go of the holder mark before the write is sent:
+                            // after it, another may take the key at once.
+                            {
+                                let mut bk = book.lock().unwrap();
+                                bk[ki].holder = None;
+                                if how == 0 {
+                                    bk[ki].attempted.push(format!("{{\"id\":\"{tag}\"}}"));
+                                }
+                            }
+                            let done = {
+                                match how {
+                                    0 => store.complete(id, token, &response(&tag)).await,
+                                    1 => store.release(id, token).await,
+                                    2 => store.reject(id, token).await,
+                                    _ => store.hand_back(id, token, lease.is_takeover()).await,
+                                }
+                            };
+                            let mut bk = book.lock().unwrap();
+                            let e = &mut bk[ki];
+                            match (how, done) {
+                                (0, Ok(())) => {
+                                    e.counts[1] += 1;
+                                    if let Some(c) = &e.completed {
+                                        e.violations
+                                            .push(format!("{}: completed twice ({c}, {tag})", id.key));
+                                    }
+                                    e.completed = Some(tag);
+                                }
+                                (_, Ok(())) => e.counts[2] += 1,
+                                (h, Err(err)) => e
+                                    .violations
+                                    .push(format!("{}: ending {h} failed: {err:?}", id.key)),
+                            }
+                        }
+                        Ok(Reservation::Completed(ans)) => {
+                            let mut bk = book.lock().unwrap();
+                            let e = &mut bk[ki];
+                            e.counts[3] += 1;
+                            let body = String::from_utf8(ans.body.clone().unwrap()).unwrap();
+                            if !e.attempted.contains(&body) {
+                                e.violations
+                                    .push(format!("{}: replayed {body}, never sent", id.key));
+                            }
+                            e.replayed.insert(body);
+                        }
+                        Ok(Reservation::InProgress { .. }) => book.lock().unwrap()[ki].counts[4] += 1,
+                        Ok(Reservation::Mismatch) => book.lock().unwrap()[ki].counts[5] += 1,
+                        Err(e) => book.lock().unwrap()[ki]
+                            .violations
+                            .push(format!("reserve failed: {e:?}")),
+                    }
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let bk = std::mem::take(&mut *book.lock().unwrap());
+        let mut all = Vec::new();
+        let mut totals = [0usize; 6];
+        for (i, e) in bk.iter().enumerate() {
+            let stored = row(&a, &keys[i]).await;
+            if let Some(c) = &e.completed {
+                let body = format!("{{\"id\":\"{c}\"}}");
+                if stored.as_ref().and_then(|r| r.2.clone()) != Some(body.clone()) {
+                    all.push(format!("{}: completed {c}, stored {stored:?}", keys[i].key));
+                }
+                if e.replayed.iter().any(|r| *r != body) {
+                    all.push(format!(
+                        "{}: completed {c}, replayed {:?}",
+                        keys[i].key, e.replayed
+                    ));
+                }
+            } else if !e.replayed.is_empty()
+                && stored
+                    .as_ref()
+                    .and_then(|r| r.2.clone())
+                    .map(|b| e.replayed.iter().any(|r| *r != b))
+                    != Some(false)
+            {
+                all.push(format!(
+                    "{}: replayed {:?}, stored {stored:?}",
+                    keys[i].key, e.replayed
+                ));
+            }
+            for (sum, n) in totals.iter_mut().zip(e.counts) {
+                *sum += n;
+            }
+            all.extend(e.violations.iter().cloned());
+        }
+        assert!(all.is_empty(), "{:#?}", &all[..all.len().min(20)]);
+        // The round ran every path: reservations, completions, endings that
+        // let the key go, replays, conflicts and mismatches.
+        assert!(totals.iter().all(|n| *n > 0), "round {round}: {totals:?}");
+    }
+}
+
+/// Once the database says a completed record has expired, a store that
+/// keeps answers for an hour never replays it again (a new operation
+/// takes the key): checked by a tight loop around the expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_kept_answer_never_replayed_after_db_expiry() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (_schema, a, _b) = knowing_pair(&url).await;
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    for round in 0..5 {
+        let id = RecordId::new("t", "expiry", idem_testkit::unique("k"));
+        let ttl = Duration::from_millis(150 + 37 * round);
+        let l = take(&a, &id, "fp", ttl, LONG).await;
+        a.complete(&id, &l.token, &response("old")).await.unwrap();
+        assert_eq!(
+            reserve(&a, &id, "fp", ttl, LONG).await,
+            Reservation::Completed(response("old"))
+        );
+        let q = format!(
+            "SELECT expires_at <= now() FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
+            table_of(&a)
+        );
+        let mut seen_expired = false;
+        loop {
+            let expired: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(q.clone()))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .fetch_one(&watcher)
+                .await
+                .unwrap();
+            seen_expired |= expired;
+            let r = reserve(&a, &id, "fp", ttl, LONG).await;
+            match r {
+                Reservation::Completed(_) => {
+                    assert!(!seen_expired, "replayed after the database said expired")
+                }
+                Reservation::Reserved(l) => {
+                    assert_eq!(l.attempt, 1);
+                    break;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+}
+
+/// Once the database says this process's execution's lock has passed its
+/// deadline (after a heartbeat moved it once), this process never answers
+/// 409 from memory again: the request takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_running_entry_never_outlives_db_lock_deadline() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (_schema, a, _b) = knowing_pair(&url).await;
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    for round in 0..5u32 {
+        let id = RecordId::new("t", "lockdl", idem_testkit::unique("k"));
+        let lock = Duration::from_millis(150 + 41 * u64::from(round));
+        let l = take(&a, &id, "fp", LONG, lock).await;
+        assert!(matches!(
+            reserve(&a, &id, "fp", LONG, lock).await,
+            Reservation::InProgress { .. }
+        ));
+        tokio::time::sleep(lock / 2).await;
+        a.extend_lock(&id, &l.token, lock).await.unwrap();
+        let q = format!(
+            "SELECT lock_expires_at <= now() FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
+            table_of(&a)
+        );
+        let mut seen_expired = false;
+        loop {
+            let expired: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(q.clone()))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .fetch_one(&watcher)
+                .await
+                .unwrap();
+            seen_expired |= expired;
+            match reserve(&a, &id, "fp", LONG, lock).await {
+                Reservation::InProgress { .. } => assert!(!seen_expired, "409 after the database's deadline"),
+                Reservation::Reserved(l) => {
+                    assert!(l.is_takeover());
+                    break;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+}
