@@ -6,38 +6,12 @@
 //! waits that remain are for what the database says (an expiry, a lock
 //! deadline, a backend waiting), never for an ordering.
 
-use idem::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
+use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::{IdempotencyStore, StoreError};
+use idem_testkit::records::{insert_uncommitted, pg_row, pg_table, req, reserve, take};
 use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(3600);
-
-fn req<'a>(id: &'a RecordId, fp: &'a str, ttl: Duration, lock: Duration) -> ReserveRequest<'a> {
-    ReserveRequest {
-        id,
-        fingerprint: fp,
-        token: idem_testkit::token(),
-        ttl,
-        lock_timeout: lock,
-    }
-}
-
-async fn reserve(
-    s: &dyn IdempotencyStore,
-    id: &RecordId,
-    fp: &str,
-    ttl: Duration,
-    lock: Duration,
-) -> Reservation {
-    s.reserve(req(id, fp, ttl, lock)).await.expect("reserve")
-}
-
-async fn take(s: &dyn IdempotencyStore, id: &RecordId, fp: &str, ttl: Duration, lock: Duration) -> Lease {
-    match reserve(s, id, fp, ttl, lock).await {
-        Reservation::Reserved(lease) => lease,
-        other => panic!("expected a reservation, got {other:?}"),
-    }
-}
 
 fn response(tag: &str) -> StoredResponse {
     StoredResponse {
@@ -47,28 +21,8 @@ fn response(tag: &str) -> StoredResponse {
     }
 }
 
-fn table_of(store: &idem::PgStore) -> String {
-    let complete = store.request_statements().complete;
-    complete.split_whitespace().nth(1).unwrap().to_owned()
-}
-
 fn schema_of(store: &idem::PgStore) -> String {
-    table_of(store).split('.').next().unwrap().to_owned()
-}
-
-/// A row's (state, lock_token, response body as text), or None.
-async fn row(store: &idem::PgStore, id: &RecordId) -> Option<(String, Option<String>, Option<String>)> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT state, lock_token, convert_from(response_body, 'UTF8') FROM {} \
-         WHERE tenant = $1 AND scope = $2 AND key = $3",
-        table_of(store)
-    )))
-    .bind(&id.tenant)
-    .bind(&id.scope)
-    .bind(&id.key)
-    .fetch_optional(store.pool())
-    .await
-    .unwrap()
+    pg_table(store).split('.').next().unwrap().to_owned()
 }
 
 /// Until the database says `cond` (SQL on the row of `id`) holds: a
@@ -78,7 +32,7 @@ async fn until_db(store: &idem::PgStore, id: &RecordId, cond: &str) {
     loop {
         let ok: Option<bool> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "SELECT {cond} FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
-            table_of(store)
+            pg_table(store)
         )))
         .bind(&id.tenant)
         .bind(&id.scope)
@@ -92,6 +46,17 @@ async fn until_db(store: &idem::PgStore, id: &RecordId, cond: &str) {
         assert!(Instant::now() < deadline, "{cond} never held");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// A store in a schema of its own, with `connections` and answers kept
+/// for `keep`; `None` without PostgreSQL.
+async fn fresh_store(connections: u32, keep: Duration) -> Option<(String, String, idem::PgStore)> {
+    let url = idem_testkit::pg_url()?;
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, connections)
+        .await
+        .with_replay_cache(keep);
+    Some((url, schema, store))
 }
 
 async fn knowing_pair(url: &str) -> (String, idem::PgStore, idem::PgStore) {
@@ -208,7 +173,7 @@ async fn postgres_takeover_elsewhere_then_replay_here() {
         Err(StoreError::LockLost)
     );
     assert_eq!(
-        row(&a, &id).await.unwrap().2.as_deref(),
+        pg_row(&a, &id).await.unwrap().2.as_deref(),
         Some("{\"id\":\"theirs\"}")
     );
 }
@@ -233,7 +198,7 @@ async fn postgres_heartbeat_given_up_keeps_no_entry_past_the_deadline() {
     let mut holder = holders.begin().await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT 1 FROM {} WHERE key = $1 FOR UPDATE",
-        table_of(&a)
+        pg_table(&a)
     )))
     .bind(&id.key)
     .execute(&mut *holder)
@@ -336,11 +301,9 @@ async fn until_lookups_waiting(store: &idem::PgStore, n: usize) {
 /// its own answer, nothing is taken twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_lookup_group_tenants_scopes_duplicates_and_held_row() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 8)
-        .await
-        .with_replay_cache(Duration::ZERO);
+    let Some((url, _, store)) = fresh_store(8, Duration::ZERO).await else {
+        return;
+    };
     let k = idem_testkit::unique("same");
     let t1s1 = lookup_id("t1", "s1", &k);
     let t2s1 = lookup_id("t2", "s1", &k);
@@ -356,7 +319,7 @@ async fn postgres_lookup_group_tenants_scopes_duplicates_and_held_row() {
     let mut holder = holders.begin().await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT 1 FROM {} WHERE tenant = 't5' AND key = $1 FOR UPDATE",
-        table_of(&store)
+        pg_table(&store)
     )))
     .bind(&k)
     .execute(&mut *holder)
@@ -399,7 +362,7 @@ async fn postgres_lookup_group_tenants_scopes_duplicates_and_held_row() {
             matches!(a, Ok(Reservation::Reserved(l)) if l.attempt == 1),
             "{i}: {a:?}"
         );
-        let (state, token, _) = row(&store, plan[i].0).await.unwrap();
+        let (state, token, _) = pg_row(&store, plan[i].0).await.unwrap();
         assert_eq!(
             (state.as_str(), token.as_deref()),
             ("in_progress", Some(*tok)),
@@ -418,7 +381,7 @@ async fn postgres_lookup_group_tenants_scopes_duplicates_and_held_row() {
 
 /// A trigger that sleeps `seconds` before inserting a key starting `slow`.
 async fn slow_inserts(store: &idem::PgStore, seconds: f64) {
-    let table = table_of(store);
+    let table = pg_table(store);
     let schema = schema_of(store);
     for ddl in [
         format!(
@@ -462,11 +425,9 @@ async fn backend_of(pool: &sqlx::PgPool, schema: &str, like: &str, wait_event: O
 /// and no key is taken twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_lookup_group_killed_mid_statement() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 8)
-        .await
-        .with_replay_cache(LONG);
+    let Some((url, schema, store)) = fresh_store(8, LONG).await else {
+        return;
+    };
     slow_inserts(&store, 5.0).await;
     let fresh = lookup_id("t", "kill", &idem_testkit::unique("fresh"));
     let slow = lookup_id("t", "kill", &idem_testkit::unique("slow"));
@@ -514,13 +475,13 @@ async fn postgres_lookup_group_killed_mid_statement() {
     for ((tok, a), id) in answers.iter().zip([&fresh, &slow]) {
         match a {
             Ok(Reservation::Reserved(_)) => {
-                let (state, token, _) = row(&store, id).await.unwrap();
+                let (state, token, _) = pg_row(&store, id).await.unwrap();
                 assert_eq!((state.as_str(), token.as_deref()), ("in_progress", Some(*tok)));
             }
             Err(StoreError::Unavailable { .. }) => {
                 // The layer hands it back, fenced by its token.
                 let _ = store.hand_back(id, tok, true).await;
-                if let Some((state, token, _)) = row(&store, id).await {
+                if let Some((state, token, _)) = pg_row(&store, id).await {
                     assert!(
                         token.as_deref() != Some(*tok),
                         "a key stays locked under the token of a caller told 503: {state}"
@@ -573,11 +534,9 @@ fn complete_in_task(
 /// own; the held one is written once its row is free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_completion_group_mixed_members() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 8)
-        .await
-        .with_replay_cache(LONG);
+    let Some((url, _, store)) = fresh_store(8, LONG).await else {
+        return;
+    };
     let k = idem_testkit::unique("ck");
     let first = lookup_id("t0", "s", &idem_testkit::unique("first"));
     let a = lookup_id("t1", "s1", &k);
@@ -598,7 +557,7 @@ async fn postgres_completion_group_mixed_members() {
     // Deleted by hand (an operator), and a row held by another connection.
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DELETE FROM {} WHERE tenant = 't3' AND key = $1",
-        table_of(&store)
+        pg_table(&store)
     )))
     .bind(&k)
     .execute(store.pool())
@@ -608,7 +567,7 @@ async fn postgres_completion_group_mixed_members() {
     let mut holder = holders.begin().await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT 1 FROM {} WHERE tenant = 't4' AND key = $1 FOR UPDATE",
-        table_of(&store)
+        pg_table(&store)
     )))
     .bind(&k)
     .execute(&mut *holder)
@@ -670,8 +629,8 @@ async fn postgres_completion_group_mixed_members() {
             "{tag}"
         );
     }
-    assert!(row(&store, &deleted).await.is_none());
-    assert_eq!(row(&store, &stale).await.unwrap().0, "in_progress");
+    assert!(pg_row(&store, &deleted).await.is_none());
+    assert_eq!(pg_row(&store, &stale).await.unwrap().0, "in_progress");
 }
 
 /// The completion group's statement is terminated (`pg_terminate_backend`)
@@ -680,11 +639,9 @@ async fn postgres_completion_group_mixed_members() {
 /// completed again, each stores its answer once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_completion_group_killed() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 8)
-        .await
-        .with_replay_cache(LONG);
+    let Some((url, schema, store)) = fresh_store(8, LONG).await else {
+        return;
+    };
     let ids: Vec<RecordId> = ["first", "b", "c"]
         .iter()
         .map(|k| lookup_id("t", "ckill", &idem_testkit::unique(k)))
@@ -706,7 +663,7 @@ async fn postgres_completion_group_killed() {
     let mut holder = holders.begin().await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "LOCK TABLE {} IN SHARE MODE",
-        table_of(&store)
+        pg_table(&store)
     )))
     .execute(&mut *holder)
     .await
@@ -733,7 +690,7 @@ async fn postgres_completion_group_killed() {
         .zip([first_out, b_out, c_out])
         .zip(leases.iter().zip(["first", "b", "c"]))
     {
-        let (state, _, body) = row(&store, id).await.unwrap();
+        let (state, _, body) = pg_row(&store, id).await.unwrap();
         match out {
             Ok(()) => assert_eq!(body.as_deref(), Some(format!("{{\"id\":\"{tag}\"}}").as_str())),
             Err(StoreError::Unavailable { .. }) => {
@@ -856,7 +813,7 @@ mod http {
             .unwrap();
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "LOCK TABLE {} IN SHARE MODE",
-            table_of(&store)
+            pg_table(&store)
         )))
         .execute(&mut *holder)
         .await
@@ -897,7 +854,7 @@ mod http {
         let id = RecordId::new("", "race.quick", key.clone());
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let row = row(&store, &id).await;
+            let row = pg_row(&store, &id).await;
             if matches!(&row, Some((s, None, _)) if s == "in_progress")
                 || matches!(&row, Some((s, _, _)) if s == "completed")
             {
@@ -1014,27 +971,13 @@ mod http {
 /// own transaction), no pooled connection keeps that `lock_timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_group_lock_timeout_does_not_leak_to_the_pool() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 4)
-        .await
-        .with_replay_cache(Duration::ZERO);
+    let Some((url, _, store)) = fresh_store(4, Duration::ZERO).await else {
+        return;
+    };
     let fresh = lookup_id("t", "leak", &idem_testkit::unique("fresh"));
     let other = lookup_id("t", "leak", &idem_testkit::unique("other"));
     let holders = sqlx::PgPool::connect(&url).await.unwrap();
-    let mut holder = holders.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(store.request_statements().lookup.to_owned()))
-        .bind(&fresh.tenant)
-        .bind(&fresh.scope)
-        .bind(&fresh.key)
-        .bind("fp")
-        .bind("holder-token")
-        .bind("holder-op")
-        .bind(3_600_000_i64)
-        .bind(3_600_000_i64)
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    let holder = insert_uncommitted(&holders, &store, &[&fresh]).await;
     let ([first, second], turns) = hold_the_lookup_turns(&store).await;
     let a = reserve_in_task(&store, &other, "fp");
     until_lookups_waiting(&store, 1).await;
@@ -1066,11 +1009,9 @@ async fn postgres_group_lock_timeout_does_not_leak_to_the_pool() {
 /// record gets its own, as alone (the binds are per element).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_lookup_group_per_member_ttl_and_lock() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 8)
-        .await
-        .with_replay_cache(Duration::ZERO);
+    let Some((_, _, store)) = fresh_store(8, Duration::ZERO).await else {
+        return;
+    };
     let a = lookup_id("t", "ttl", &idem_testkit::unique("a"));
     let b = lookup_id("t", "ttl", &idem_testkit::unique("b"));
     let ([first, second], turns) = hold_the_lookup_turns(&store).await;
@@ -1093,7 +1034,7 @@ async fn postgres_lookup_group_per_member_ttl_and_lock() {
         let (t, l): (f64, f64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "SELECT date_part('epoch', expires_at - created_at)::float8, \
              date_part('epoch', lock_expires_at - created_at)::float8 FROM {} WHERE key = $1",
-            table_of(&store)
+            pg_table(&store)
         )))
         .bind(&id.key)
         .fetch_one(store.pool())
@@ -1152,7 +1093,11 @@ async fn postgres_stress_two_stores_caches_and_groups() {
                         .wrapping_add(1442695040888963407);
                     let ki = (n >> 33) as usize % keys.len();
                     let id = &keys[ki];
-                    let fp = if (n >> 20).is_multiple_of(11) { "fp-other" } else { "fp" };
+                    let fp = if (n >> 20).is_multiple_of(11) {
+                        "fp-other"
+                    } else {
+                        "fp"
+                    };
                     let token = idem_testkit::token();
                     let got = store
                         .reserve(ReserveRequest {
@@ -1244,7 +1189,7 @@ async fn postgres_stress_two_stores_caches_and_groups() {
         let mut all = Vec::new();
         let mut totals = [0usize; 6];
         for (i, e) in bk.iter().enumerate() {
-            let stored = row(&a, &keys[i]).await;
+            let stored = pg_row(&a, &keys[i]).await;
             if let Some(c) = &e.completed {
                 let body = format!("{{\"id\":\"{c}\"}}");
                 if stored.as_ref().and_then(|r| r.2.clone()) != Some(body.clone()) {
@@ -1299,7 +1244,7 @@ async fn postgres_kept_answer_never_replayed_after_db_expiry() {
         );
         let q = format!(
             "SELECT expires_at <= now() FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
-            table_of(&a)
+            pg_table(&a)
         );
         let mut seen_expired = false;
         loop {
@@ -1346,7 +1291,7 @@ async fn postgres_running_entry_never_outlives_db_lock_deadline() {
         a.extend_lock(&id, &l.token, lock).await.unwrap();
         let q = format!(
             "SELECT lock_expires_at <= now() FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
-            table_of(&a)
+            pg_table(&a)
         );
         let mut seen_expired = false;
         loop {

@@ -3,38 +3,12 @@
 
 use idem::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::{IdempotencyStore, StoreError};
+use idem_testkit::records::{insert_uncommitted, pg_table as table_of, req, reserve, take};
 use idem_testkit::{Fixture, StoreKind};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(3600);
-
-fn req<'a>(id: &'a RecordId, fp: &'a str, ttl: Duration, lock: Duration) -> ReserveRequest<'a> {
-    ReserveRequest {
-        id,
-        fingerprint: fp,
-        token: idem_testkit::token(),
-        ttl,
-        lock_timeout: lock,
-    }
-}
-
-async fn reserve(
-    s: &dyn IdempotencyStore,
-    id: &RecordId,
-    fp: &str,
-    ttl: Duration,
-    lock: Duration,
-) -> Reservation {
-    s.reserve(req(id, fp, ttl, lock)).await.expect("reserve")
-}
-
-async fn take(s: &dyn IdempotencyStore, id: &RecordId, fp: &str, ttl: Duration, lock: Duration) -> Lease {
-    match reserve(s, id, fp, ttl, lock).await {
-        Reservation::Reserved(lease) => lease,
-        other => panic!("expected a reservation, got {other:?}"),
-    }
-}
 
 fn response(tag: &str) -> StoredResponse {
     StoredResponse {
@@ -1782,12 +1756,6 @@ async fn pg_group_store(connections: u32) -> Option<(String, idem::PgStore)> {
     Some((url, store))
 }
 
-/// The store's table, quoted and qualified, as its statements name it.
-fn table_of(store: &idem::PgStore) -> String {
-    let complete = store.request_statements().complete;
-    complete.split_whitespace().nth(1).unwrap().to_owned()
-}
-
 /// A transaction on `pool` (not the store's) holding `id`'s row.
 async fn hold_row(
     pool: &sqlx::PgPool,
@@ -2925,31 +2893,6 @@ async fn postgres_a_replay_grouped_with_an_insert_that_waits_is_answered() {
     assert_eq!(replay, Ok(Reservation::Completed(response("done"))));
 }
 
-/// A transaction on `pool` that has inserted the records of `ids` (as a
-/// reservation would) and not committed: inserts of them wait for it.
-async fn insert_uncommitted(
-    pool: &sqlx::PgPool,
-    store: &idem::PgStore,
-    ids: &[&RecordId],
-) -> sqlx::Transaction<'static, sqlx::Postgres> {
-    let mut holder = pool.begin().await.unwrap();
-    for k in ids {
-        sqlx::query(sqlx::AssertSqlSafe(store.request_statements().lookup.to_owned()))
-            .bind(&k.tenant)
-            .bind(&k.scope)
-            .bind(&k.key)
-            .bind("fp")
-            .bind("holder-token")
-            .bind("holder-op")
-            .bind(3_600_000_i64)
-            .bind(3_600_000_i64)
-            .execute(&mut *holder)
-            .await
-            .unwrap();
-    }
-    holder
-}
-
 /// The lock waits of a group count together: a replay grouped with ten
 /// fresh keys, each inserted and not committed by a transaction of its own
 /// that ends 60 ms after the group starts waiting for it (no wait reaching
@@ -3174,4 +3117,155 @@ async fn postgres_a_slow_groups_answers_are_not_held_up_by_the_read_apart() {
     for answer in &answers {
         assert!(matches!(answer, Ok(Reservation::Reserved(_))), "{answer:?}");
     }
+}
+
+/// A memory-store request of `id` with the token `token`.
+fn memory_req<'a>(id: &'a RecordId, token: &'a str, ttl: Duration, lock: Duration) -> ReserveRequest<'a> {
+    ReserveRequest {
+        id,
+        fingerprint: "F",
+        token,
+        ttl,
+        lock_timeout: lock,
+    }
+}
+
+/// A memory-store record past its TTL whose lock is live is neither
+/// evicted (by the purge, or by the sweeps of full shards) nor taken by a
+/// second request; its completion is stored and replayed.
+#[tokio::test]
+async fn memory_an_expired_record_with_a_live_lock_survives_eviction() {
+    let store = idem::MemoryStore::new();
+    let key = idem_testkit::unique("live");
+    let rid = RecordId::new("t", "evict", key.as_str());
+    let live = memory_req(&rid, "first", Duration::from_millis(1), LONG);
+    assert!(matches!(
+        store.reserve(live).await.unwrap(),
+        Reservation::Reserved(_)
+    ));
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(store.purge_expired(1000).await.unwrap(), 0);
+    // Enough records through every shard to make each sweep, twice: a
+    // first wave expired and released, then a second wave.
+    let short = Duration::from_millis(1);
+    for i in 0..50_000 {
+        let other = RecordId::new("t", "evict", format!("{key}-fill{i}"));
+        let _ = store
+            .reserve(memory_req(&other, "x", short, short))
+            .await
+            .unwrap();
+        let _ = store.release(&other, "x").await;
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    for i in 0..50_000 {
+        let other = RecordId::new("t", "evict", format!("{key}-more{i}"));
+        let _ = store.reserve(memory_req(&other, "y", LONG, LONG)).await.unwrap();
+    }
+    let second = store
+        .reserve(ReserveRequest {
+            token: "second",
+            ..live
+        })
+        .await
+        .unwrap();
+    assert!(matches!(second, Reservation::InProgress { .. }), "{second:?}");
+    let other_body = ReserveRequest {
+        token: "third",
+        fingerprint: "G",
+        ..live
+    };
+    assert_eq!(store.reserve(other_body).await.unwrap(), Reservation::Mismatch);
+    store.complete(&rid, "first", &response(&key)).await.unwrap();
+    assert_eq!(
+        store
+            .reserve(ReserveRequest {
+                token: "fourth",
+                ..live
+            })
+            .await
+            .unwrap(),
+        Reservation::Completed(response(&key))
+    );
+}
+
+/// A memory-store record evicted between its reservation and its
+/// completion: every write of the old token is refused (`LockLost`),
+/// before and after a new request takes the key, whose answer stands.
+#[tokio::test]
+async fn memory_a_record_evicted_before_its_completion_fences_the_old_token() {
+    let store = idem::MemoryStore::new();
+    let rid = RecordId::new("t", "evict", idem_testkit::unique("evicted"));
+    let short = Duration::from_millis(1);
+    assert!(matches!(
+        store.reserve(memory_req(&rid, "t1", short, short)).await.unwrap(),
+        Reservation::Reserved(_)
+    ));
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(store.purge_expired(1000).await.unwrap(), 1);
+    assert_eq!(
+        store.complete(&rid, "t1", &response("old")).await,
+        Err(StoreError::LockLost)
+    );
+    assert_eq!(store.release(&rid, "t1").await, Err(StoreError::LockLost));
+    assert_eq!(
+        store.extend_lock(&rid, "t1", LONG).await,
+        Err(StoreError::LockLost)
+    );
+    let Reservation::Reserved(lease) = store.reserve(memory_req(&rid, "t2", LONG, LONG)).await.unwrap()
+    else {
+        panic!("the key is not taken afresh")
+    };
+    assert_eq!(lease.attempt, 1);
+    assert_eq!(
+        store.complete(&rid, "t1", &response("old")).await,
+        Err(StoreError::LockLost)
+    );
+    assert_eq!(store.reject(&rid, "t1").await, Err(StoreError::LockLost));
+    assert!(matches!(
+        store.reserve(memory_req(&rid, "t3", LONG, LONG)).await.unwrap(),
+        Reservation::InProgress { .. }
+    ));
+    store.complete(&rid, "t2", &response("new")).await.unwrap();
+    assert_eq!(
+        store.reserve(memory_req(&rid, "t4", LONG, LONG)).await.unwrap(),
+        Reservation::Completed(response("new"))
+    );
+}
+
+/// Requests racing the purge of their expired memory-store records: each
+/// is a fresh reservation (attempt 1), never the expired answer, an error
+/// or a half-removed record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_requests_racing_the_purge_of_their_expired_records_start_afresh() {
+    let store = std::sync::Arc::new(idem::MemoryStore::new());
+    let ids: Vec<RecordId> = (0..2000)
+        .map(|i| RecordId::new("t", "evict", idem_testkit::unique(&format!("rp{i}"))))
+        .collect();
+    for id in &ids {
+        let r = memory_req(id, "t", Duration::from_millis(30), LONG);
+        assert!(matches!(
+            store.reserve(r).await.unwrap(),
+            Reservation::Reserved(_)
+        ));
+        store.complete(id, "t", &response(&id.key)).await.unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(40));
+    let purger = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut n = 0;
+            for _ in 0..100 {
+                n += store.purge_expired(50).await.unwrap();
+                tokio::task::yield_now().await;
+            }
+            n
+        })
+    };
+    for id in &ids {
+        match store.reserve(memory_req(id, "again", LONG, LONG)).await.unwrap() {
+            Reservation::Reserved(l) => assert_eq!(l.attempt, 1),
+            other => panic!("an expired record answered {other:?}"),
+        }
+    }
+    assert!(purger.await.unwrap() <= ids.len() as u64);
 }

@@ -9,10 +9,12 @@
 //! - One [`Fixture`] per [`StoreKind`], and [`for_each_store!`] to run a
 //!   suite's cases on each.
 //! - Names that no concurrent test shares: [`unique`], [`token`].
+//! - [`records`]: store calls as the store-level tests write them.
 
 mod each_store;
 pub mod http;
 mod names;
+pub mod records;
 mod stores;
 
 pub use names::{token, unique};
