@@ -27,6 +27,88 @@ pub(crate) enum Collected {
     },
     /// The body failed while it was produced.
     Failed(axum::Error),
+    /// Larger than the limit, read to its end for a client that could not
+    /// tell it broken from whole ([`Reader`]): what of it that client gets
+    /// (nothing for a `HEAD`).
+    Over(Vec<axum::body::Bytes>),
+}
+
+/// What a request's client can tell of its answer's body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reader {
+    /// HTTP/1.1 chunks or a declared length, HTTP/2 frames: a body that
+    /// breaks reaches the client broken.
+    Framed,
+    /// HTTP/1.0 or older: a body without a `Content-Length` ends when the
+    /// connection closes, broken or whole.
+    UntilClose,
+    /// A `HEAD` request: the status and headers, no body at all.
+    Headless,
+}
+
+/// The most of an answer held in memory for an HTTP/1.0 client until it is
+/// recorded ([`drain`]); a larger one streams to it as to any client.
+pub(crate) const MAX_HELD_FOR_HTTP10: usize = crate::layer::MAX_STORED_BODY_LIMIT;
+
+impl Reader {
+    /// The reader of a request with `method` and `version`.
+    pub(crate) fn of(method: &axum::http::Method, version: axum::http::Version) -> Self {
+        if method == axum::http::Method::HEAD {
+            Reader::Headless
+        } else if version <= axum::http::Version::HTTP_10 {
+            Reader::UntilClose
+        } else {
+            Reader::Framed
+        }
+    }
+
+    /// Whether a body with `headers` that breaks reaches this client as
+    /// broken, so that it may stream before its answer is recorded.
+    pub(crate) fn sees_breaks(self, headers: &axum::http::HeaderMap) -> bool {
+        match self {
+            Reader::Framed => true,
+            Reader::UntilClose => headers.contains_key(axum::http::header::CONTENT_LENGTH),
+            Reader::Headless => false,
+        }
+    }
+}
+
+/// Reads to its end the rest of a body larger than the stored limit, for a
+/// client that cannot tell a broken body from a whole one: it gets the
+/// answer once it is recorded (or a problem, never a body that looks whole
+/// and is not). `head` is what was read; the bytes are kept for an
+/// HTTP/1.0 client (up to [`MAX_HELD_FOR_HTTP10`]: past it, the rest
+/// streams, as `Collected::Streamed`) and dropped as they come for a `HEAD`.
+/// A body that ended is dropped here, its drop caught as in [`collect`].
+pub(crate) async fn drain(
+    reader: Reader,
+    head: Vec<axum::body::Bytes>,
+    mut rest: axum::body::BodyDataStream,
+    panic: &mut Option<Box<dyn std::any::Any + Send>>,
+) -> Collected {
+    let keep = reader != Reader::Headless;
+    let mut kept = if keep { head } else { Vec::new() };
+    let mut len = kept
+        .iter()
+        .map(axum::body::Bytes::len)
+        .fold(0usize, usize::saturating_add);
+    while let Some(chunk) = rest.next().await {
+        match chunk {
+            Ok(chunk) if keep => {
+                len = len.saturating_add(chunk.len());
+                kept.push(chunk);
+                if len > MAX_HELD_FOR_HTTP10 {
+                    return Collected::Streamed { head: kept, rest };
+                }
+            }
+            Ok(_) => {}
+            Err(e) => return Collected::Failed(e),
+        }
+        // As in `collect`: a body always ready gives the runtime its turn.
+        tokio::task::consume_budget().await;
+    }
+    drop_caught(rest, panic);
+    Collected::Over(kept)
 }
 
 /// Reads `body` up to `limit` bytes, holding no more than that in memory.
@@ -287,6 +369,7 @@ mod tests {
             Collected::Whole(bytes) => bytes,
             Collected::Streamed { head, .. } => panic!("streamed, {} chunks read", head.len()),
             Collected::Failed(e) => panic!("failed: {e}"),
+            Collected::Over(chunks) => panic!("over the limit, {} chunks read", chunks.len()),
         }
     }
 
@@ -350,6 +433,70 @@ mod tests {
                 collect(body, 64, false, &mut None).await,
                 Collected::Failed(_)
             ));
+        }
+    }
+
+    #[test]
+    fn a_head_and_an_http10_client_without_a_length_cannot_see_a_body_break() {
+        use axum::http::{header::CONTENT_LENGTH, HeaderMap, Method, Version};
+        let none = HeaderMap::new();
+        let mut length = HeaderMap::new();
+        length.insert(CONTENT_LENGTH, HeaderValue::from_static("90"));
+        for (method, version, sees, sees_with_length) in [
+            (Method::POST, Version::HTTP_11, true, true),
+            (Method::GET, Version::HTTP_2, true, true),
+            (Method::POST, Version::HTTP_10, false, true),
+            (Method::POST, Version::HTTP_09, false, true),
+            (Method::HEAD, Version::HTTP_11, false, false),
+            (Method::HEAD, Version::HTTP_10, false, false),
+        ] {
+            let reader = Reader::of(&method, version);
+            assert_eq!(reader.sees_breaks(&none), sees, "{method} {version:?}");
+            assert_eq!(
+                reader.sees_breaks(&length),
+                sees_with_length,
+                "{method} {version:?} with a length"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_drained_body_is_kept_for_http10_and_dropped_for_a_head() {
+        let head = vec![Bytes::from_static(b"ab")];
+        let rest = || chunks(&[b"cd", b"", b"e"]).into_data_stream();
+        match drain(Reader::UntilClose, head.clone(), rest(), &mut None).await {
+            Collected::Over(read) => assert_eq!(read.concat(), b"abcde"),
+            _ => panic!("not read to its end"),
+        }
+        match drain(Reader::Headless, head.clone(), rest(), &mut None).await {
+            Collected::Over(read) => assert!(read.is_empty(), "a HEAD's body was kept"),
+            _ => panic!("not read to its end"),
+        }
+        let broken = Body::from_stream(futures_util::stream::iter(vec![
+            Ok(Bytes::from_static(b"cd")),
+            Err(std::io::Error::other("broken")),
+        ]));
+        assert!(matches!(
+            drain(Reader::UntilClose, head, broken.into_data_stream(), &mut None).await,
+            Collected::Failed(_)
+        ));
+    }
+
+    #[tokio::test]
+    async fn an_http10_answer_past_what_is_held_streams_on() {
+        let big = Bytes::from(vec![b'x'; MAX_HELD_FOR_HTTP10 / 2 + 1]);
+        let rest = Body::from_stream(futures_util::stream::iter(vec![
+            Ok::<_, std::io::Error>(big.clone()),
+            Ok(big.clone()),
+            Ok(Bytes::from_static(b"tail")),
+        ]));
+        match drain(Reader::UntilClose, Vec::new(), rest.into_data_stream(), &mut None).await {
+            Collected::Streamed { head, rest } => {
+                assert_eq!(head.iter().map(Bytes::len).sum::<usize>(), 2 * big.len());
+                let tail: Vec<_> = rest.collect().await;
+                assert_eq!(tail.len(), 1, "the rest is left to stream");
+            }
+            _ => panic!("held past {MAX_HELD_FOR_HTTP10} bytes"),
         }
     }
 }

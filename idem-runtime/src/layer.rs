@@ -488,6 +488,8 @@ pub struct Context<K = DefaultKeyHeader> {
     /// The request target's path and query (shared with the request's,
     /// not copied).
     pub(crate) query: Option<axum::http::uri::PathAndQuery>,
+    /// What the client can tell of the answer's body.
+    pub(crate) reader: crate::answer::Reader,
     header: std::marker::PhantomData<fn() -> K>,
 }
 
@@ -539,6 +541,7 @@ impl<K> Context<K> {
             headers: self.headers,
             path: self.path,
             query: self.query,
+            reader: self.reader,
             header: std::marker::PhantomData,
         }
     }
@@ -587,6 +590,7 @@ impl<S: Send + Sync, K: KeyHeader> FromRequestParts<S> for Context<K> {
                 .path_and_query()
                 .filter(|pq| pq.query().is_some())
                 .cloned(),
+            reader: crate::answer::Reader::of(&parts.method, parts.version),
             header: std::marker::PhantomData,
         })
     }

@@ -3,7 +3,9 @@
 //! classify its outcome, then complete or let go, or answer from the record.
 //! See docs/PROTOCOL.md.
 
-use crate::answer::{collect, replay, stream_then_complete, Collected, Frame, StreamedAnswer, ABANDONED};
+use crate::answer::{
+    collect, drain, replay, stream_then_complete, Collected, Frame, Reader, StreamedAnswer, ABANDONED,
+};
 use crate::classify::Classification;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::layer::{Context, Engine, Tenant};
@@ -15,7 +17,7 @@ use crate::request::Spec;
 use crate::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
 use crate::tx::PendingTx;
 use axum::body::Body;
-use axum::http::header::{HeaderValue, CONTENT_TYPE};
+use axum::http::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use axum::response::{IntoResponse as _, Response};
 use futures_util::future::Either;
 use futures_util::{FutureExt as _, StreamExt as _};
@@ -188,7 +190,9 @@ fn start(
     // From its first poll on the protocol cannot be cancelled: a client
     // that goes away cancels neither the reservation nor the execution.
     Started::Protected {
-        protocol: Box::pin(protect(engine, ctx.tenant, spec, fingerprint, key, handler).instrument(span)),
+        protocol: Box::pin(
+            protect(engine, ctx.tenant, spec, fingerprint, key, handler, ctx.reader).instrument(span),
+        ),
         base,
     }
 }
@@ -278,6 +282,7 @@ pub(crate) async fn protect(
     fingerprint: crate::fingerprint::Printed,
     key: IdempotencyKey,
     handler: Unrun,
+    reader: Reader,
 ) -> Response {
     let tenant = match (tenant, engine.single_tenant) {
         (Some(t), _) if !Tenant::storable(t.as_str()) => {
@@ -349,8 +354,9 @@ pub(crate) async fn protect(
                 // nothing. Boxed: the task then holds a pointer, and the
                 // runtime moves a pointer, not the execution's state, each
                 // time the task starts, finishes or hands over its answer.
-                let execution =
-                    tokio::spawn(Box::pin(execute(engine, id, lease, clock, handler)).in_current_span());
+                let execution = tokio::spawn(
+                    Box::pin(execute(engine, id, lease, clock, handler, reader)).in_current_span(),
+                );
                 return match execution.await {
                     Ok(response) => response,
                     // The handler's and its body's panics are caught inside;
@@ -483,6 +489,7 @@ pub(crate) fn execute(
     lease: Lease,
     clock: LeaseClock,
     handler: Unrun,
+    reader: Reader,
 ) -> impl Future<Output = Response> + Send + 'static {
     let info = OperationInfo::new(engine.store.clone(), id, lease, clock.lock_timeout);
     async move {
@@ -511,7 +518,7 @@ pub(crate) fn execute(
         let beat = Heartbeat::start(&info, clock);
         let outcome = AssertUnwindSafe(handler).catch_unwind().await;
         pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
-        finish(&engine, &info, clock.lock_timeout, outcome, beat).await
+        finish(&engine, &info, clock.lock_timeout, outcome, beat, reader).await
     }
 }
 
@@ -532,6 +539,7 @@ pub(crate) fn finish<'a>(
     lock_timeout: Duration,
     outcome: Caught,
     beat: Heartbeat,
+    reader: Reader,
 ) -> Either<impl Future<Output = Response> + Send + 'a, impl Future<Output = Response> + Send + 'a> {
     let (response, declared) = match outcome {
         Ok(pair) => pair,
@@ -580,7 +588,15 @@ pub(crate) fn finish<'a>(
         ));
     }
     let (parts, body) = response.into_parts();
-    Either::Right(complete_answer(engine, info, lock_timeout, parts, body, beat))
+    Either::Right(complete_answer(
+        engine,
+        info,
+        lock_timeout,
+        parts,
+        body,
+        beat,
+        reader,
+    ))
 }
 
 /// The key let go as `how`, with the lease kept until that is done, and
@@ -821,9 +837,10 @@ fn complete_answer<'a>(
     engine: &'a Arc<Engine>,
     info: &'a OperationInfo,
     lock_timeout: Duration,
-    parts: axum::http::response::Parts,
+    mut parts: axum::http::response::Parts,
     body: Body,
     beat: Heartbeat,
+    reader: Reader,
 ) -> impl Future<Output = Response> + Send + 'a {
     async move {
         let stream = parts
@@ -834,9 +851,21 @@ fn complete_answer<'a>(
         // A payload of the body's drop (the handler's code), dropped on
         // leaving, once the key is let go or the answer recorded.
         let mut body_panic = None;
-        let collected = AssertUnwindSafe(collect(body, engine.max_stored_body, stream, &mut body_panic))
-            .catch_unwind()
-            .await;
+        // A client that could not tell a broken body from a whole one (a
+        // `HEAD`, HTTP/1.0 without a length) gets an answer too large to keep
+        // only once it is recorded: read to its end first.
+        let sees_breaks = reader.sees_breaks(&parts.headers);
+        let collected = AssertUnwindSafe(async {
+            match collect(body, engine.max_stored_body, stream, &mut body_panic).await {
+                // Boxed: the common answers' futures stay as small as they were.
+                Collected::Streamed { head, rest } if !stream && !sees_breaks => {
+                    Box::pin(drain(reader, head, rest, &mut body_panic)).await
+                }
+                collected => collected,
+            }
+        })
+        .catch_unwind()
+        .await;
         // The transaction is taken once the body was read, since the task
         // that feeds it may hold its connection until then; an answer that
         // streams on takes it when its body ends.
@@ -903,6 +932,21 @@ fn complete_answer<'a>(
                 stored.body = Some(Vec::from(bytes));
                 None
             }
+            Collected::Over(read) => {
+                tracing::warn!(
+                    limit = engine.max_stored_body,
+                    "response body larger than the stored limit: a replay gets status and headers only"
+                );
+                // Recorded (status and headers) before any of it goes out,
+                // with its length, which the client can check.
+                let len = read.iter().map(axum::body::Bytes::len).sum::<usize>();
+                if reader == Reader::UntilClose {
+                    parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(len));
+                }
+                Some(Body::from_stream(futures_util::stream::iter(
+                    read.into_iter().map(Ok::<_, axum::Error>),
+                )))
+            }
             Collected::Streamed { head, rest } if stream => {
                 // An event stream may never end: it is completed at its
                 // headers, and then streams.
@@ -952,6 +996,20 @@ fn complete_answer<'a>(
                 // Without idem the connection would break: so it does here, and
                 // nothing is stored.
                 tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
+                if !sees_breaks {
+                    // Its client could not tell a broken body from a whole
+                    // one: it is told the handler failed instead.
+                    drop_unsent(Response::from_parts(parts, Body::empty()));
+                    return let_go(
+                        engine,
+                        info,
+                        lock_timeout,
+                        tx,
+                        Problem::HandlerFailed.into_response(),
+                        LetGo::Fail,
+                    )
+                    .await;
+                }
                 let broken = futures_util::stream::once(async move { Err::<axum::body::Bytes, _>(e) });
                 return let_go(
                     engine,

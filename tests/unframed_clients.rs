@@ -1,0 +1,446 @@
+//! Clients that cannot tell a broken body from a whole one: a `HEAD`
+//! request (axum answers it from the GET handler and sends no body), and an
+//! HTTP/1.0 client, whose body without a `Content-Length` ends when the
+//! connection closes, broken or whole. An answer larger than
+//! `max_stored_body` streams to other clients with its last bytes held back
+//! until it is recorded, so that a failure breaks their body; these get their
+//! answer only once it is recorded (the body read to its end under the
+//! lease), and a failure is a whole problem response, never a whole-looking
+//! 2xx of an execution that is released or taken over.
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use futures_util::StreamExt as _;
+use idem::{idempotent, Idem, IdempotencyStore, Operation};
+use idem_testkit::http::{parse, post as post_req, Reply};
+use idem_testkit::StoreKind;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::sync::{mpsc, Notify};
+
+/// The stored limit of every route here: 80-byte answers stream.
+const LIMIT: usize = 64;
+
+#[derive(Clone)]
+struct App {
+    runs: Arc<Mutex<HashMap<String, u32>>>,
+    gates: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
+    events: mpsc::UnboundedSender<String>,
+}
+
+impl App {
+    fn ran(&self, key: &str) -> u32 {
+        let mut runs = self.runs.lock().unwrap();
+        let n = runs.entry(key.to_owned()).or_default();
+        *n += 1;
+        *n
+    }
+    fn runs(&self, key: &str) -> u32 {
+        self.runs.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+    fn gate(&self, key: &str) -> Arc<Notify> {
+        self.gates
+            .lock()
+            .unwrap()
+            .entry(key.to_owned())
+            .or_default()
+            .clone()
+    }
+}
+
+fn chunk(c: &str, n: usize) -> Result<Bytes, std::io::Error> {
+    Ok(Bytes::from(c.repeat(n)))
+}
+
+/// 80 bytes at once (past the limit), then, on its first run, a failure.
+async fn breaking(app: &App, key: &str) -> Response {
+    let n = app.ran(key);
+    let tail = if n == 1 {
+        Err(std::io::Error::other("broken"))
+    } else {
+        chunk("c", 10)
+    };
+    let body = futures_util::stream::iter([chunk("a", 40), chunk("b", 40), tail]);
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
+#[idempotent(scope = "unframed.breaks")]
+async fn breaks(State(app): State<App>, op: Operation) -> Response {
+    breaking(&app, op.key()).await
+}
+
+#[idempotent(scope = "unframed.breaks_get")]
+async fn breaks_get(State(app): State<App>, op: Operation) -> Response {
+    breaking(&app, op.key()).await
+}
+
+/// 80 bytes at once, then 10 more once the test opens the key's gate;
+/// says when it has run. With `length`, the answer declares its 90 bytes.
+async fn gated_answer(app: &App, key: &str, length: bool) -> Response {
+    app.ran(key);
+    let gate = app.gate(key);
+    let _ = app.events.send(format!("gated {key}"));
+    let last = async move {
+        gate.notified().await;
+        chunk("c", 10)
+    };
+    let body =
+        futures_util::stream::iter([chunk("a", 40), chunk("b", 40)]).chain(futures_util::stream::once(last));
+    let mut r = (StatusCode::CREATED, Body::from_stream(body)).into_response();
+    if length {
+        r.headers_mut().insert(header::CONTENT_LENGTH, 90.into());
+    }
+    r
+}
+
+#[idempotent(scope = "unframed.gated")]
+async fn gated(State(app): State<App>, op: Operation) -> Response {
+    gated_answer(&app, op.key(), false).await
+}
+
+#[idempotent(scope = "unframed.gated_get")]
+async fn gated_get(State(app): State<App>, op: Operation) -> Response {
+    gated_answer(&app, op.key(), false).await
+}
+
+#[idempotent(scope = "unframed.gated_length")]
+async fn gated_length(State(app): State<App>, op: Operation) -> Response {
+    gated_answer(&app, op.key(), true).await
+}
+
+enum Db {
+    Pg(String),
+    Sqlite(sqlx::SqlitePool),
+    Memory,
+}
+
+struct H {
+    addr: SocketAddr,
+    app: App,
+    events: mpsc::UnboundedReceiver<String>,
+    db: Db,
+    _store: Arc<dyn IdempotencyStore>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl H {
+    async fn ran(&mut self, key: &str) {
+        let what = format!("gated {key}");
+        loop {
+            let got = tokio::time::timeout(Duration::from_secs(20), self.events.recv())
+                .await
+                .unwrap_or_else(|_| panic!("not told `{what}` within 20 s"))
+                .unwrap();
+            if got == what {
+                return;
+            }
+        }
+    }
+
+    /// Plays another execution that takes the record of `key` over behind
+    /// the running one's back (its lock token changed).
+    async fn take_over_behind_its_back(&self, key: &str) {
+        let sql = "UPDATE {t} SET lock_token = 'intruder', attempt = attempt + 1, taken_over = 1 \
+                   WHERE key = {k} AND state = 'in_progress'";
+        let done = match &self.db {
+            Db::Pg(schema) => {
+                let pool = sqlx::PgPool::connect(&idem_testkit::pg_url().unwrap())
+                    .await
+                    .unwrap();
+                sqlx::query(sqlx::AssertSqlSafe(
+                    sql.replace("{t}", &format!("\"{schema}\".idempotency_keys"))
+                        .replace("{k}", "$1"),
+                ))
+                .bind(key)
+                .execute(&pool)
+                .await
+                .unwrap()
+                .rows_affected()
+            }
+            Db::Sqlite(pool) => sqlx::query(sqlx::AssertSqlSafe(
+                sql.replace("{t}", "idempotency_keys").replace("{k}", "?1"),
+            ))
+            .bind(key)
+            .execute(pool)
+            .await
+            .unwrap()
+            .rows_affected(),
+            Db::Memory => unreachable!("the memory store has no table"),
+        };
+        assert_eq!(done, 1, "the record of {key} was not in progress");
+    }
+}
+
+async fn start(kind: StoreKind) -> Option<H> {
+    let (store, db, dir): (Arc<dyn IdempotencyStore>, Db, _) = match kind {
+        StoreKind::Postgres => {
+            let url = idem_testkit::pg_url()?;
+            let schema = idem_testkit::pg_schema(&url).await;
+            let store = idem_testkit::pg_store_in(&url, &schema, 8).await;
+            (Arc::new(store), Db::Pg(schema), None)
+        }
+        StoreKind::Sqlite => {
+            let (store, dir) = idem_testkit::sqlite_store().await;
+            let pool = store.pool().clone();
+            (Arc::new(store), Db::Sqlite(pool), Some(dir))
+        }
+        StoreKind::Memory => (Arc::new(idem::MemoryStore::new()), Db::Memory, None),
+    };
+    let (tx, events) = mpsc::unbounded_channel();
+    let app = App {
+        runs: Arc::default(),
+        gates: Arc::default(),
+        events: tx,
+    };
+    let idem = Idem::from_arc(store.clone())
+        .single_tenant()
+        .max_stored_body(LIMIT)
+        .unwrap();
+    let router = Router::new()
+        .route("/breaks", post(breaks))
+        .route("/breaks-get", get(breaks_get))
+        .route("/gated", post(gated))
+        .route("/gated-get", get(gated_get))
+        .route("/gated-length", post(gated_length))
+        .layer(idem.layer())
+        .with_state(app.clone());
+    let addr = idem_testkit::http::serve(router).await;
+    Some(H {
+        addr,
+        app,
+        events,
+        db,
+        _store: store,
+        _dir: dir,
+    })
+}
+
+fn replayed(r: &Reply) -> bool {
+    r.header("idempotent-replayed") == Some("true")
+}
+
+/// A client that sends `request` and reads until the server closes: what
+/// it got, and `Ok` for a clean close (what a whole HTTP/1.0 body or a
+/// HEAD answer looks like), `Err` for a reset.
+async fn exchange(addr: SocketAddr, request: String) -> (Vec<u8>, std::io::Result<usize>) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    let res = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .expect("the server closes within 20 s");
+    (out, res)
+}
+
+fn head_request(path: &str, key: &str) -> String {
+    format!("HEAD {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\nidempotency-key: {key}\r\n\r\n")
+}
+
+fn http10_request(path: &str, key: &str) -> String {
+    format!("POST {path} HTTP/1.0\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: 0\r\n\r\n")
+}
+
+/// The status line's code, and the body after the head.
+fn split(out: &[u8]) -> (u16, &[u8]) {
+    let text = std::str::from_utf8(out.get(9..12).unwrap_or_default()).unwrap_or_default();
+    let at = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(out.len(), |i| i + 4);
+    (text.parse().unwrap_or(0), &out[at..])
+}
+
+/// Sends GET `path` with `key` until it is no longer a 409 (the first
+/// execution's record still in progress), as a client's retry would.
+async fn get_after(addr: SocketAddr, path: &str, key: &str) -> Reply {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let request =
+            format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\nidempotency-key: {key}\r\n\r\n");
+        let r = parse(&exchange(addr, request).await.0);
+        if r.status != 409 || std::time::Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// HEAD: the body fails past the limit. Its client is told the handler
+/// failed (500), not a whole 201, and the key is released: the GET runs
+/// the handler again.
+async fn head_of_a_large_answer_that_fails_is_a_500(h: H) {
+    let (out, _) = exchange(h.addr, head_request("/breaks-get", "k-head-fails")).await;
+    let (status, body) = split(&out);
+    assert_eq!(
+        (status, body),
+        (500, &b""[..]),
+        "{:?}",
+        String::from_utf8_lossy(&out)
+    );
+    let g = get_after(h.addr, "/breaks-get", "k-head-fails").await;
+    assert_eq!((g.status, replayed(&g)), (201, false), "{g:?}");
+    assert_eq!(h.app.runs("k-head-fails"), 2);
+}
+
+/// HEAD: the answer is recorded before its status goes out; the GET
+/// replays it (status and headers: the body was past the limit).
+async fn head_of_a_large_answer_is_answered_once_recorded(mut h: H) {
+    let key = "k-head-whole";
+    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    s.write_all(head_request("/gated-get", key).as_bytes())
+        .await
+        .unwrap();
+    h.ran(key).await;
+    // Its body is not read to its end yet: nothing goes out, a read waits.
+    let mut first = [0u8; 1];
+    let early = tokio::time::timeout(Duration::from_millis(300), s.read(&mut first)).await;
+    assert!(
+        early.is_err(),
+        "the status went out before the answer was recorded"
+    );
+    h.app.gate(key).notify_one();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .expect("the answer")
+        .expect("a clean close");
+    assert_eq!(
+        split(&out),
+        (201, &b""[..]),
+        "{:?}",
+        String::from_utf8_lossy(&out)
+    );
+    let g = get_after(h.addr, "/gated-get", key).await;
+    assert_eq!((g.status, replayed(&g)), (201, true), "{g:?}");
+    assert_eq!(g.header("idempotent-replay-body-omitted"), Some("true"));
+    assert_eq!(h.app.runs(key), 1);
+}
+
+/// HTTP/1.0: the body fails past the limit. Its client is told the
+/// handler failed (500), not a clean close after the first 80 bytes, and
+/// the retry runs again.
+async fn http10_large_answer_that_fails_is_a_500(h: H) {
+    let (out, _) = exchange(h.addr, http10_request("/breaks", "k-10-fails")).await;
+    let (status, body) = split(&out);
+    assert_eq!(status, 500, "{:?}", String::from_utf8_lossy(&out));
+    assert!(!body.starts_with(b"aaaa"), "{:?}", String::from_utf8_lossy(&out));
+    let retry = post_req("/breaks", "").key("k-10-fails").send(h.addr).await;
+    assert_eq!((retry.status, replayed(&retry)), (201, false), "{retry:?}");
+    assert_eq!(h.app.runs("k-10-fails"), 2);
+}
+
+/// HTTP/1.0: nothing of a large answer goes out before it is recorded, and
+/// then all of it.
+async fn http10_large_answer_is_whole_once_recorded(mut h: H) {
+    let key = "k-10-whole";
+    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    s.write_all(http10_request("/gated", key).as_bytes())
+        .await
+        .unwrap();
+    h.ran(key).await;
+    // The handler ran and produced 80 bytes; its last 10 wait for the gate.
+    // Nothing is sent yet (the answer is not recorded): a read waits.
+    let mut first = [0u8; 1];
+    let early = tokio::time::timeout(Duration::from_millis(300), s.read(&mut first)).await;
+    assert!(early.is_err(), "bytes went out before the answer was recorded");
+    h.app.gate(key).notify_one();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .expect("the answer")
+        .expect("a clean close");
+    let (status, body) = split(&out);
+    assert_eq!(status, 201, "{:?}", String::from_utf8_lossy(&out));
+    assert_eq!(
+        body,
+        format!("{}{}{}", "a".repeat(40), "b".repeat(40), "c".repeat(10)).as_bytes()
+    );
+    // With its length, which the client can check.
+    let text = String::from_utf8_lossy(&out).to_ascii_lowercase();
+    assert!(text.contains("content-length: 90\r\n"), "{text:?}");
+    let again = post_req("/gated", "").key(key).send(h.addr).await;
+    assert_eq!((again.status, replayed(&again)), (201, true), "{again:?}");
+}
+
+/// HTTP/1.0 with a `Content-Length` the answer declares: a broken body
+/// shows (fewer bytes than declared), so it streams as to any client: its
+/// first bytes go out before the last are produced.
+async fn http10_large_answer_with_a_length_streams(mut h: H) {
+    let key = "k-10-length";
+    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    s.write_all(http10_request("/gated-length", key).as_bytes())
+        .await
+        .unwrap();
+    h.ran(key).await;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !out.windows(4).any(|w| w == b"aaaa") {
+        let n = tokio::time::timeout(Duration::from_secs(20), s.read(&mut buf))
+            .await
+            .expect("the first bytes before the last are produced")
+            .unwrap();
+        assert!(n > 0, "closed early: {:?}", String::from_utf8_lossy(&out));
+        out.extend_from_slice(&buf[..n]);
+    }
+    h.app.gate(key).notify_one();
+    s.read_to_end(&mut out).await.unwrap();
+    let (status, body) = split(&out);
+    assert_eq!(
+        (status, body.len()),
+        (201, 90),
+        "{:?}",
+        String::from_utf8_lossy(&out)
+    );
+}
+
+/// Taken over while its body is produced (its lock token changed behind
+/// its back): the HEAD and the HTTP/1.0 client are told 503 with
+/// `Retry-After`, not a whole 201 of an answer that is never recorded.
+async fn a_large_answer_taken_over_is_a_503_to_both(mut h: H) {
+    for (key, request) in [
+        ("k-head-taken", head_request("/gated-get", "k-head-taken")),
+        ("k-10-taken", http10_request("/gated", "k-10-taken")),
+    ] {
+        let client = tokio::spawn(exchange(h.addr, request));
+        h.ran(key).await;
+        h.take_over_behind_its_back(key).await;
+        h.app.gate(key).notify_one();
+        let (out, _) = client.await.unwrap();
+        let text = String::from_utf8_lossy(&out).to_ascii_lowercase();
+        assert_eq!(split(&out).0, 503, "{key}: {text:?}");
+        assert!(text.contains("retry-after:"), "{key}: {text:?}");
+    }
+}
+
+mod each {
+    use super::*;
+    idem_testkit::for_each_store! {
+        stores: [memory, sqlite, postgres],
+        setup: |kind| start(kind).await,
+        worker_threads: 4,
+        cases: [
+            head_of_a_large_answer_that_fails_is_a_500,
+            head_of_a_large_answer_is_answered_once_recorded,
+            http10_large_answer_that_fails_is_a_500,
+            http10_large_answer_is_whole_once_recorded,
+            http10_large_answer_with_a_length_streams,
+        ],
+    }
+}
+
+mod taken_over {
+    use super::*;
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| start(kind).await,
+        worker_threads: 4,
+        cases: [a_large_answer_taken_over_is_a_503_to_both],
+    }
+}
