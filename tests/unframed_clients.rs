@@ -5,7 +5,8 @@
 //! `max_stored_body` streams to other clients with its last bytes held back
 //! until it is recorded, so that a failure breaks their body; these get their
 //! answer only once it is recorded (the body read to its end under the
-//! lease), and a failure is a whole problem response, never a whole-looking
+//! lease; past the 64 MiB held for an HTTP/1.0 client, what its replay
+//! gets), and a failure is a whole problem response, never a whole-looking
 //! 2xx of an execution that is released or taken over.
 
 use axum::body::{Body, Bytes};
@@ -115,6 +116,44 @@ async fn gated_length(State(app): State<App>, op: Operation) -> Response {
     gated_answer(&app, op.key(), true).await
 }
 
+/// 65 MiB (past the 64 MiB held for an HTTP/1.0 client) at once, then 10
+/// bytes once the test opens the key's gate, or, with `fail`, a failure on
+/// the first run.
+fn huge_answer(app: &App, key: &str, fail: bool) -> Response {
+    let n = app.ran(key);
+    let gate = app.gate(key);
+    let _ = app.events.send(format!("gated {key}"));
+    let mib = Bytes::from(vec![b'x'; 1 << 20]);
+    let chunks = futures_util::stream::iter((0..65).map(move |_| Ok::<_, std::io::Error>(mib.clone())));
+    let last = async move {
+        if fail && n == 1 {
+            return Err(std::io::Error::other("broken past 64 MiB"));
+        }
+        if !fail {
+            gate.notified().await;
+        }
+        chunk("c", 10)
+    };
+    let mut r = (
+        StatusCode::CREATED,
+        Body::from_stream(chunks.chain(futures_util::stream::once(last))),
+    )
+        .into_response();
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, "application/octet-stream".parse().unwrap());
+    r
+}
+
+#[idempotent(scope = "unframed.huge")]
+async fn huge(State(app): State<App>, op: Operation) -> Response {
+    huge_answer(&app, op.key(), false)
+}
+
+#[idempotent(scope = "unframed.huge_breaks")]
+async fn huge_breaks(State(app): State<App>, op: Operation) -> Response {
+    huge_answer(&app, op.key(), true)
+}
+
 enum Db {
     Pg(String),
     Sqlite(sqlx::SqlitePool),
@@ -209,6 +248,8 @@ async fn start(kind: StoreKind) -> Option<H> {
         .route("/gated", post(gated))
         .route("/gated-get", get(gated_get))
         .route("/gated-length", post(gated_length))
+        .route("/huge", post(huge))
+        .route("/huge-breaks", post(huge_breaks))
         .layer(idem.layer())
         .with_state(app.clone());
     let addr = idem_testkit::http::serve(router).await;
@@ -400,6 +441,58 @@ async fn http10_large_answer_with_a_length_streams(mut h: H) {
     );
 }
 
+/// HTTP/1.0, an answer past the 64 MiB held for it: nothing goes out
+/// before it is recorded, and then what its replay answers, the status and
+/// headers with `Idempotent-Replay-Body-Omitted`, no body and a length of 0
+/// (never a clean close after some of it).
+async fn http10_answer_past_what_is_held_is_answered_as_its_replay(mut h: H) {
+    let key = "k-10-huge";
+    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    s.write_all(http10_request("/huge", key).as_bytes())
+        .await
+        .unwrap();
+    h.ran(key).await;
+    let mut first = [0u8; 1];
+    let early = tokio::time::timeout(Duration::from_millis(300), s.read(&mut first)).await;
+    assert!(early.is_err(), "bytes went out before the answer was recorded");
+    h.app.gate(key).notify_one();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .expect("the answer")
+        .expect("a clean close");
+    let text = String::from_utf8_lossy(&out).to_ascii_lowercase();
+    assert_eq!(split(&out), (201, &b""[..]), "{text:?}");
+    assert!(text.contains("content-length: 0\r\n"), "{text:?}");
+    assert!(
+        text.contains("idempotent-replay-body-omitted: true\r\n"),
+        "{text:?}"
+    );
+    assert!(!text.contains("content-type"), "{text:?}");
+    let again = post_req("/huge", "").key(key).send(h.addr).await;
+    assert_eq!((again.status, replayed(&again)), (201, true), "{again:?}");
+    assert_eq!(again.header("idempotent-replay-body-omitted"), Some("true"));
+    assert_eq!(h.app.runs(key), 1);
+}
+
+/// HTTP/1.0, an answer past the 64 MiB held for it that then fails: a 500,
+/// and the retry runs again.
+async fn http10_answer_past_what_is_held_that_fails_is_a_500(h: H) {
+    let (out, _) = exchange(h.addr, http10_request("/huge-breaks", "k-10-huge-fails")).await;
+    assert_eq!(
+        split(&out).0,
+        500,
+        "{:?}",
+        String::from_utf8_lossy(&out[..out.len().min(300)])
+    );
+    let retry = post_req("/huge-breaks", "")
+        .key("k-10-huge-fails")
+        .send(h.addr)
+        .await;
+    assert_eq!((retry.status, replayed(&retry)), (201, false));
+    assert_eq!(h.app.runs("k-10-huge-fails"), 2);
+}
+
 /// Taken over while its body is produced (its lock token changed behind
 /// its back): the HEAD and the HTTP/1.0 client are told 503 with
 /// `Retry-After`, not a whole 201 of an answer that is never recorded.
@@ -407,6 +500,7 @@ async fn a_large_answer_taken_over_is_a_503_to_both(mut h: H) {
     for (key, request) in [
         ("k-head-taken", head_request("/gated-get", "k-head-taken")),
         ("k-10-taken", http10_request("/gated", "k-10-taken")),
+        ("k-10-huge-taken", http10_request("/huge", "k-10-huge-taken")),
     ] {
         let client = tokio::spawn(exchange(h.addr, request));
         h.ran(key).await;
@@ -431,6 +525,8 @@ mod each {
             http10_large_answer_that_fails_is_a_500,
             http10_large_answer_is_whole_once_recorded,
             http10_large_answer_with_a_length_streams,
+            http10_answer_past_what_is_held_is_answered_as_its_replay,
+            http10_answer_past_what_is_held_that_fails_is_a_500,
         ],
     }
 }

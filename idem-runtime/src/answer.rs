@@ -28,9 +28,10 @@ pub(crate) enum Collected {
     /// The body failed while it was produced.
     Failed(axum::Error),
     /// Larger than the limit, read to its end for a client that could not
-    /// tell it broken from whole ([`Reader`]): what of it that client gets
-    /// (nothing for a `HEAD`).
-    Over(Vec<axum::body::Bytes>),
+    /// tell it broken from whole ([`Reader`]): the whole of it for that
+    /// client, or `None` when it was dropped as it came (a `HEAD`, or past
+    /// [`MAX_HELD_FOR_HTTP10`]).
+    Over(Option<Vec<axum::body::Bytes>>),
 }
 
 /// What a request's client can tell of its answer's body.
@@ -47,7 +48,8 @@ pub(crate) enum Reader {
 }
 
 /// The most of an answer held in memory for an HTTP/1.0 client until it is
-/// recorded ([`drain`]); a larger one streams to it as to any client.
+/// recorded ([`drain`]); of a larger one it gets what a replay gets, the
+/// status and headers.
 pub(crate) const MAX_HELD_FOR_HTTP10: usize = crate::layer::MAX_STORED_BODY_LIMIT;
 
 impl Reader {
@@ -76,32 +78,34 @@ impl Reader {
 /// Reads to its end the rest of a body larger than the stored limit, for a
 /// client that cannot tell a broken body from a whole one: it gets the
 /// answer once it is recorded (or a problem, never a body that looks whole
-/// and is not). `head` is what was read; the bytes are kept for an
-/// HTTP/1.0 client (up to [`MAX_HELD_FOR_HTTP10`]: past it, the rest
-/// streams, as `Collected::Streamed`) and dropped as they come for a `HEAD`.
-/// A body that ended is dropped here, its drop caught as in [`collect`].
+/// and is not). `head` is what was read. The bytes are kept for an HTTP/1.0
+/// client, up to [`MAX_HELD_FOR_HTTP10`]; past it, and for a `HEAD`, they
+/// are dropped as they come. A body that ended is dropped here, its drop
+/// caught as in [`collect`].
 pub(crate) async fn drain(
     reader: Reader,
     head: Vec<axum::body::Bytes>,
     mut rest: axum::body::BodyDataStream,
     panic: &mut Option<Box<dyn std::any::Any + Send>>,
 ) -> Collected {
-    let keep = reader != Reader::Headless;
-    let mut kept = if keep { head } else { Vec::new() };
+    let mut kept = (reader != Reader::Headless).then_some(head);
     let mut len = kept
         .iter()
+        .flatten()
         .map(axum::body::Bytes::len)
         .fold(0usize, usize::saturating_add);
     while let Some(chunk) = rest.next().await {
         match chunk {
-            Ok(chunk) if keep => {
-                len = len.saturating_add(chunk.len());
-                kept.push(chunk);
-                if len > MAX_HELD_FOR_HTTP10 {
-                    return Collected::Streamed { head: kept, rest };
+            Ok(chunk) => {
+                if let Some(read) = kept.as_mut() {
+                    len = len.saturating_add(chunk.len());
+                    if len > MAX_HELD_FOR_HTTP10 {
+                        kept = None;
+                    } else {
+                        read.push(chunk);
+                    }
                 }
             }
-            Ok(_) => {}
             Err(e) => return Collected::Failed(e),
         }
         // As in `collect`: a body always ready gives the runtime its turn.
@@ -350,7 +354,7 @@ pub(crate) fn replay(stored: StoredResponse) -> Response {
 /// every replay.
 const REPLAYED: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
 /// [`BODY_OMITTED_HEADER`], the same way.
-const BODY_OMITTED: HeaderName = HeaderName::from_static(BODY_OMITTED_HEADER);
+pub(crate) const BODY_OMITTED: HeaderName = HeaderName::from_static(BODY_OMITTED_HEADER);
 
 #[cfg(test)]
 mod tests {
@@ -369,7 +373,7 @@ mod tests {
             Collected::Whole(bytes) => bytes,
             Collected::Streamed { head, .. } => panic!("streamed, {} chunks read", head.len()),
             Collected::Failed(e) => panic!("failed: {e}"),
-            Collected::Over(chunks) => panic!("over the limit, {} chunks read", chunks.len()),
+            Collected::Over(read) => panic!("over the limit, {:?} chunks kept", read.map(|r| r.len())),
         }
     }
 
@@ -465,12 +469,12 @@ mod tests {
         let head = vec![Bytes::from_static(b"ab")];
         let rest = || chunks(&[b"cd", b"", b"e"]).into_data_stream();
         match drain(Reader::UntilClose, head.clone(), rest(), &mut None).await {
-            Collected::Over(read) => assert_eq!(read.concat(), b"abcde"),
-            _ => panic!("not read to its end"),
+            Collected::Over(Some(read)) => assert_eq!(read.concat(), b"abcde"),
+            _ => panic!("not read to its end and kept"),
         }
         match drain(Reader::Headless, head.clone(), rest(), &mut None).await {
-            Collected::Over(read) => assert!(read.is_empty(), "a HEAD's body was kept"),
-            _ => panic!("not read to its end"),
+            Collected::Over(None) => {}
+            _ => panic!("a HEAD's body was kept, or not read to its end"),
         }
         let broken = Body::from_stream(futures_util::stream::iter(vec![
             Ok(Bytes::from_static(b"cd")),
@@ -483,20 +487,24 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_http10_answer_past_what_is_held_streams_on() {
+    async fn an_http10_answer_past_what_is_held_is_read_to_its_end_and_dropped() {
         let big = Bytes::from(vec![b'x'; MAX_HELD_FOR_HTTP10 / 2 + 1]);
-        let rest = Body::from_stream(futures_util::stream::iter(vec![
-            Ok::<_, std::io::Error>(big.clone()),
-            Ok(big.clone()),
-            Ok(Bytes::from_static(b"tail")),
-        ]));
+        let polled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = polled.clone();
+        let rest = Body::from_stream(
+            futures_util::stream::iter(vec![big.clone(), big, Bytes::from_static(b"tail")]).map(move |b| {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok::<_, std::io::Error>(b)
+            }),
+        );
         match drain(Reader::UntilClose, Vec::new(), rest.into_data_stream(), &mut None).await {
-            Collected::Streamed { head, rest } => {
-                assert_eq!(head.iter().map(Bytes::len).sum::<usize>(), 2 * big.len());
-                let tail: Vec<_> = rest.collect().await;
-                assert_eq!(tail.len(), 1, "the rest is left to stream");
-            }
-            _ => panic!("held past {MAX_HELD_FOR_HTTP10} bytes"),
+            Collected::Over(None) => {}
+            _ => panic!("held past {MAX_HELD_FOR_HTTP10} bytes, or not read to its end"),
         }
+        assert_eq!(
+            polled.load(std::sync::atomic::Ordering::SeqCst),
+            3,
+            "the rest was not read"
+        );
     }
 }

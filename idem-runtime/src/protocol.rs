@@ -5,6 +5,7 @@
 
 use crate::answer::{
     collect, drain, replay, stream_then_complete, Collected, Frame, Reader, StreamedAnswer, ABANDONED,
+    BODY_OMITTED,
 };
 use crate::classify::Classification;
 use crate::key::{IdempotencyKey, KeyError};
@@ -937,15 +938,28 @@ fn complete_answer<'a>(
                     limit = engine.max_stored_body,
                     "response body larger than the stored limit: a replay gets status and headers only"
                 );
-                // Recorded (status and headers) before any of it goes out,
-                // with its length, which the client can check.
-                let len = read.iter().map(axum::body::Bytes::len).sum::<usize>();
-                if reader == Reader::UntilClose {
-                    parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(len));
+                // Recorded (status and headers) before any of it goes out.
+                match read {
+                    // With its length, which the client can check.
+                    Some(read) => {
+                        let len = read.iter().map(axum::body::Bytes::len).sum::<usize>();
+                        parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(len));
+                        Some(Body::from_stream(futures_util::stream::iter(
+                            read.into_iter().map(Ok::<_, axum::Error>),
+                        )))
+                    }
+                    None => {
+                        if reader == Reader::UntilClose {
+                            // Past what is held for it: what a replay gets,
+                            // the status and headers, said so.
+                            parts.headers.remove(CONTENT_TYPE);
+                            parts
+                                .headers
+                                .insert(BODY_OMITTED, HeaderValue::from_static("true"));
+                        }
+                        Some(Body::empty())
+                    }
                 }
-                Some(Body::from_stream(futures_util::stream::iter(
-                    read.into_iter().map(Ok::<_, axum::Error>),
-                )))
             }
             Collected::Streamed { head, rest } if stream => {
                 // An event stream may never end: it is completed at its
