@@ -154,6 +154,61 @@ async fn huge_breaks(State(app): State<App>, op: Operation) -> Response {
     huge_answer(&app, op.key(), true)
 }
 
+type Chunks = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send>>;
+
+/// 90 bytes whose stream, on the first run, panics while polled after 80
+/// (`in_poll`), or ends whole and then panics when dropped.
+struct Panicking {
+    inner: Chunks,
+    in_drop: bool,
+}
+
+impl futures_util::Stream for Panicking {
+    type Item = Result<Bytes, std::io::Error>;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.inner.as_mut().poll_next(cx)
+    }
+}
+
+impl Drop for Panicking {
+    fn drop(&mut self) {
+        if self.in_drop && !std::thread::panicking() {
+            panic!("the body's drop panics");
+        }
+    }
+}
+
+fn panicking(app: &App, key: &str, in_poll: bool) -> Response {
+    let first = app.ran(key) == 1;
+    let last = async move {
+        if first && in_poll {
+            panic!("the body panics while polled");
+        }
+        chunk("c", 10)
+    };
+    let inner: Chunks = Box::pin(
+        futures_util::stream::iter([chunk("a", 40), chunk("b", 40)]).chain(futures_util::stream::once(last)),
+    );
+    let body = Panicking {
+        inner,
+        in_drop: first && !in_poll,
+    };
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
+#[idempotent(scope = "unframed.poll_panics")]
+async fn poll_panics(State(app): State<App>, op: Operation) -> Response {
+    panicking(&app, op.key(), true)
+}
+
+#[idempotent(scope = "unframed.drop_panics")]
+async fn drop_panics(State(app): State<App>, op: Operation) -> Response {
+    panicking(&app, op.key(), false)
+}
+
 enum Db {
     Pg(String),
     Sqlite(sqlx::SqlitePool),
@@ -249,6 +304,8 @@ async fn start(kind: StoreKind) -> Option<H> {
         .route("/gated-get", get(gated_get))
         .route("/gated-length", post(gated_length))
         .route("/huge", post(huge))
+        .route("/poll-panics", get(poll_panics).post(poll_panics))
+        .route("/drop-panics", get(drop_panics).post(drop_panics))
         .route("/huge-breaks", post(huge_breaks))
         .layer(idem.layer())
         .with_state(app.clone());
@@ -493,6 +550,84 @@ async fn http10_answer_past_what_is_held_that_fails_is_a_500(h: H) {
     assert_eq!(h.app.runs("k-10-huge-fails"), 2);
 }
 
+/// A large body that panics while it is read to its end: the HEAD and
+/// the HTTP/1.0 client get a whole 500 `handler-failed`, nothing is
+/// stored, and the retry runs again.
+async fn a_large_body_that_panics_while_read_is_a_500(h: H) {
+    for (key, request, method) in [
+        (
+            "k-head-panics",
+            head_request("/poll-panics", "k-head-panics"),
+            "GET",
+        ),
+        (
+            "k-10-panics",
+            http10_request("/poll-panics", "k-10-panics"),
+            "POST",
+        ),
+    ] {
+        let (out, _) = exchange(h.addr, request).await;
+        let text = String::from_utf8_lossy(&out).to_ascii_lowercase();
+        assert_eq!(split(&out).0, 500, "{key}: {text:?}");
+        assert!(text.contains("application/problem+json"), "{key}: {text:?}");
+        let retry = if method == "GET" {
+            get_after(h.addr, "/poll-panics", key).await
+        } else {
+            post_req("/poll-panics", "").key(key).send(h.addr).await
+        };
+        assert_eq!(
+            (retry.status, replayed(&retry), retry.body.len()),
+            (201, false, 90),
+            "{key}: {retry:?}"
+        );
+        assert_eq!(h.app.runs(key), 2, "{key}");
+    }
+}
+
+/// A large body that ended whole and then panics when dropped: its answer
+/// stands (recorded, then given whole: 90 bytes to the HTTP/1.0 client),
+/// and the retry replays it.
+async fn a_large_body_whose_drop_panics_is_recorded(h: H) {
+    for (key, request, method) in [
+        ("k-head-drop", head_request("/drop-panics", "k-head-drop"), "GET"),
+        ("k-10-drop", http10_request("/drop-panics", "k-10-drop"), "POST"),
+    ] {
+        let (out, _) = exchange(h.addr, request).await;
+        let (status, body) = split(&out);
+        let expected = if method == "GET" { 0 } else { 90 };
+        assert_eq!(
+            (status, body.len()),
+            (201, expected),
+            "{key}: {:?}",
+            String::from_utf8_lossy(&out)
+        );
+        let retry = if method == "GET" {
+            get_after(h.addr, "/drop-panics", key).await
+        } else {
+            post_req("/drop-panics", "").key(key).send(h.addr).await
+        };
+        assert_eq!((retry.status, replayed(&retry)), (201, true), "{key}: {retry:?}");
+        assert_eq!(h.app.runs(key), 1, "{key}");
+    }
+}
+
+/// The HEAD client leaves while its answer is read to its end: the
+/// execution goes on and records it; the GET replays it.
+async fn a_head_client_that_leaves_cancels_nothing(mut h: H) {
+    let key = "k-head-leaves";
+    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    s.write_all(head_request("/gated-get", key).as_bytes())
+        .await
+        .unwrap();
+    h.ran(key).await;
+    drop(s);
+    h.app.gate(key).notify_one();
+    let g = get_after(h.addr, "/gated-get", key).await;
+    assert_eq!((g.status, replayed(&g)), (201, true), "{g:?}");
+    assert_eq!(g.header("idempotent-replay-body-omitted"), Some("true"));
+    assert_eq!(h.app.runs(key), 1);
+}
+
 /// Taken over while its body is produced (its lock token changed behind
 /// its back): the HEAD and the HTTP/1.0 client are told 503 with
 /// `Retry-After`, not a whole 201 of an answer that is never recorded.
@@ -527,6 +662,9 @@ mod each {
             http10_large_answer_with_a_length_streams,
             http10_answer_past_what_is_held_is_answered_as_its_replay,
             http10_answer_past_what_is_held_that_fails_is_a_500,
+            a_large_body_that_panics_while_read_is_a_500,
+            a_large_body_whose_drop_panics_is_recorded,
+            a_head_client_that_leaves_cancels_nothing,
         ],
     }
 }
