@@ -4421,3 +4421,90 @@ mod pg_session_mark {
         assert_eq!(rows, ["after"]);
     }
 }
+
+mod sqlite_nested_left_open {
+    use super::*;
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+
+    /// Writes, then leaves a nested transaction of its own open (forgotten:
+    /// neither committed nor dropped) after a second write, and answers 201.
+    #[idempotent(scope = "leaked.sqlite")]
+    async fn leaked(op: Operation) -> StatusCode {
+        use sqlx::Connection as _;
+        let mut conn = op.sqlite_transaction().await.unwrap();
+        sqlx::query("INSERT INTO effects (note) VALUES ('outer')")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let mut inner = conn.begin().await.unwrap();
+        sqlx::query("INSERT INTO effects (note) VALUES ('inner')")
+            .execute(&mut *inner)
+            .await
+            .unwrap();
+        std::mem::forget(inner);
+        StatusCode::CREATED
+    }
+
+    #[idempotent(scope = "plain.sqlite_leaked")]
+    async fn plain() -> StatusCode {
+        StatusCode::CREATED
+    }
+
+    /// As on PostgreSQL: what the nested transaction holds is the handler's
+    /// transaction's, and commits with the answer (seen from a connection
+    /// of its own); the pool's one connection then serves the next
+    /// operations outside any transaction.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nested_transaction_left_open_commits_with_the_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = SqliteConnectOptions::new()
+            .filename(dir.path().join("idem.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await
+            .unwrap();
+        let store = idem::SqliteStore::new(pool.clone());
+        store.migrate().await.unwrap();
+        sqlx::raw_sql("CREATE TABLE effects (note TEXT NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let app = Router::new()
+            .route("/leaked", post(leaked))
+            .route("/plain", post(plain))
+            .layer(Idem::new(store).single_tenant().layer());
+        let addr = serve(app).await;
+        let first = post_req("/leaked", "").key("k-leaked").send(addr).await;
+        assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
+        let again = post_req("/leaked", "").key("k-leaked").send(addr).await;
+        assert_eq!(
+            (again.status, again.header("idempotent-replayed")),
+            (201, Some("true"))
+        );
+        for i in 0..5 {
+            let r = post_req("/plain", "")
+                .key(&format!("k-next-{i}"))
+                .send(addr)
+                .await;
+            assert_eq!(r.status, 201);
+        }
+        let mut other = <sqlx::SqliteConnection as sqlx::Connection>::connect_with(&options)
+            .await
+            .unwrap();
+        let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+            .fetch_one(&mut other)
+            .await
+            .unwrap();
+        assert_eq!(effects, 2, "the handler's writes did not commit");
+        let completed: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE state = 'completed'")
+                .fetch_one(&mut other)
+                .await
+                .unwrap();
+        assert_eq!(completed, 6, "the records were not all committed");
+        assert!(idem_testkit::dropped_transaction_rolls_back(&pool).await);
+    }
+}

@@ -535,10 +535,29 @@ async fn complete_sqlite(
     // unwinding never asks that way; the application's next dropped
     // transaction on the connection would stay open, and every write
     // after it (completions included) would be lost with it.
+    //
+    // A nested transaction the handler left open (sqlx counts more than
+    // idem's level) lost its savepoints with idem's mark, released above:
+    // they are opened again, empty, with sqlx's own names, so that sqlx's
+    // commits, level by level, release them and then commit the whole, as
+    // PostgreSQL's `COMMIT` commits a transaction whatever its savepoints.
     use sqlx_core::transaction::TransactionManager as _;
     type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
     let commit = tokio::spawn(async move {
-        let committed = Manager::commit(&mut tx).await.map_err(crate::sql::map_err);
+        let committed = async {
+            let depth = Manager::get_transaction_depth(&tx);
+            for level in 1..depth {
+                sqlx::raw_sql(sqlx_core::transaction::begin_ansi_transaction_sql(level))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            for _ in 1..depth {
+                Manager::commit(&mut tx).await?;
+            }
+            Manager::commit(&mut tx).await
+        }
+        .await
+        .map_err(crate::sql::map_err);
         if committed.is_err() {
             drop(unwind_later(tx));
         }
