@@ -407,6 +407,26 @@ async fn large_numbers_are_one_request_per_value() {
     );
     assert_eq!(send(addr, "/n", "9007199254740993", "k-big").await.status, 200);
     assert_eq!(send(addr, "/n", "9007199254740992", "k-big").await.status, 422);
+    // An integer written with a point and zeros is that integer, past 2^53
+    // too; more significant digits than a double holds keep the exact value.
+    for (key, a, b) in [
+        ("k-2p60-00", "1152921504606846976.00", "1152921504606846976"),
+        ("k-big-00", "9007199254740993.00", "9007199254740993"),
+        ("k-19", "1.000000000000000001", "1.0000000000000000010"),
+        ("k-19e", "1000000000000000001e-18", "1.000000000000000001"),
+    ] {
+        assert_eq!(send(addr, "/n", a, key).await.status, 200);
+        let again = send(addr, "/n", b, key).await;
+        assert!(replayed(&again), "{key}: {b} is {a}: {again:?}");
+    }
+    for (key, other) in [
+        ("k-2p60-00", "1152921504606847000"),
+        ("k-big-00", "9007199254740992"),
+        ("k-19", "1"),
+        ("k-19", "1.0000000000000000011"),
+    ] {
+        assert_eq!(send(addr, "/n", other, key).await.status, 422, "{key}: {other}");
+    }
 }
 
 #[derive(serde::Deserialize)]

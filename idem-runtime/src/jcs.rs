@@ -41,12 +41,14 @@ pub(crate) enum Node<'a> {
 /// string escapes, numbers in ECMAScript form from correctly rounded
 /// parsing.
 ///
-/// One deliberate difference: an integer written without fraction or
-/// exponent that no double holds exactly (past 2^53, such as a `u128`) is
+/// Two deliberate differences, where RFC 8785 would round a number to the
+/// nearest double: an integer written in digits (perhaps with a point and
+/// zeros) that no double holds exactly (past 2^53, such as a `u128`) is
 /// kept exactly, as its digits followed by `.0` (a form ECMAScript never
-/// writes), where RFC 8785 would round it to the nearest double: two
-/// different large amounts never share a canonical form, and an integer
-/// that a double does hold is written as RFC 8785 writes that double.
+/// writes), and an integer that a double does hold is written as RFC 8785
+/// writes that double; a number written with more than 17 significant
+/// digits (more than any double needs) keeps its exact value. Two different
+/// numbers of those kinds never share a canonical form.
 ///
 /// # Errors
 ///
@@ -179,11 +181,22 @@ pub(crate) fn write_escaped(out: &mut String, s: &str) {
 }
 
 /// The canonical text of a JSON number as written: the ECMAScript text of
-/// its double (Rust's parser rounds correctly), except for an integer (in
-/// digits, or digits and `.0`) whose digits that text would change: it keeps
-/// its exact digits followed by `.0`, so that two integers never share a
-/// text. Integers a double holds exactly whose text has an exponent (`1e21`
-/// and up) take that text. Every canonical text is its own canonical text.
+/// its double (Rust's parser rounds correctly), with two departures that
+/// keep a number the double would change:
+///
+/// - an integer written in digits (perhaps followed by a point and zeros)
+///   whose digits that text would change (past 2^53, a `u128`) keeps its
+///   exact digits followed by `.0` ([`integer`]);
+/// - any other number written with more than 17 significant digits, more
+///   than any double needs to be told apart, keeps its exact value
+///   ([`Exact::text`]), and so does a number that is not zero but whose
+///   double is (below a double's range).
+///
+/// Neither text is one ECMAScript writes for any double: two different
+/// numbers of those kinds never share a text. A number with a fraction or an
+/// exponent and at most 17 significant digits is its double, as RFC 8785
+/// has it (`0.1` and `0.10000000000000001` are one number). Every
+/// canonical text is its own canonical text.
 fn number(lexeme: &str) -> Result<Cow<'_, str>, String> {
     let digits = lexeme.strip_suffix(".0").unwrap_or(lexeme);
     // An integer of at most 15 digits other than zero (JSON has no leading
@@ -196,32 +209,167 @@ fn number(lexeme: &str) -> Result<Cow<'_, str>, String> {
     {
         return Ok(Cow::Borrowed(digits));
     }
+    let beyond = || format!("the number {lexeme} is beyond the range of a double");
     let v: f64 = lexeme.parse().map_err(|_| format!("invalid number {lexeme}"))?;
-    if !digits.contains(['.', 'e', 'E']) {
-        if v == 0.0 {
-            return Ok("0".into());
-        }
-        let text = v.is_finite().then(|| ecmascript(v));
-        let keeps = match &text {
-            Some(t) => t == digits || (t.contains('e') && holds_exactly(v, digits)),
-            None => false,
-        };
-        return Ok(Cow::Owned(match text {
-            Some(t) if keeps => t,
-            _ => format!("{digits}.0"),
-        }));
+    // Digits, perhaps with a point and zeros: an integer as written.
+    if let Some(whole) = lexeme
+        .split_once('.')
+        .map_or(Some(lexeme), |(whole, fraction)| {
+            fraction.bytes().all(|b| b == b'0').then_some(whole)
+        })
+        .filter(|_| !lexeme.contains(['e', 'E']))
+    {
+        return Ok(Cow::Owned(integer(v, whole)));
     }
     if !v.is_finite() {
-        return Err(format!("the number {lexeme} is beyond the range of a double"));
+        return Err(beyond());
     }
-    Ok(Cow::Owned(ecmascript(v)))
+    let significant = significant_digits(lexeme);
+    if significant == 0 {
+        return Ok("0".into());
+    }
+    if significant <= 17 && v != 0.0 {
+        return Ok(Cow::Owned(ecmascript(v)));
+    }
+    let exact = Exact::of(lexeme).ok_or_else(beyond)?;
+    if v == 0.0 {
+        return Ok(Cow::Owned(exact.text()));
+    }
+    Ok(Cow::Owned(match exact.integer() {
+        Some(whole) => integer(v, &whole),
+        None => exact.text(),
+    }))
 }
 
-/// Whether the finite, non-zero double `v` is exactly the integer `digits`
-/// (JSON digits, perhaps with a minus): Rust writes a double's exact
-/// decimal value.
-fn holds_exactly(v: f64, digits: &str) -> bool {
-    format!("{v:.0}") == digits
+/// The canonical text of the integer `digits` (JSON digits, perhaps with a
+/// minus), whose double is `v`: the ECMAScript text of `v` when it is those
+/// digits, or when it has an exponent (`1e21` and up) and `v` is exactly
+/// that integer; otherwise the digits followed by `.0`.
+fn integer(v: f64, digits: &str) -> String {
+    if v == 0.0 {
+        return "0".into();
+    }
+    if v.is_finite() {
+        let text = ecmascript(v);
+        if text == digits || (text.contains('e') && format!("{v:.0}") == digits) {
+            return text;
+        }
+    }
+    format!("{digits}.0")
+}
+
+/// How many significant digits a JSON number's text has: those of its
+/// mantissa, leading and trailing zeros left out (none for zero).
+fn significant_digits(lexeme: &str) -> usize {
+    let mantissa = lexeme.split(['e', 'E']).next().unwrap_or(lexeme);
+    let digits = || mantissa.bytes().filter(u8::is_ascii_digit);
+    let leading = digits().take_while(|&b| b == b'0').count();
+    let trailing = digits().rev().take_while(|&b| b == b'0').count();
+    digits().count().saturating_sub(leading + trailing)
+}
+
+/// The exact decimal value of a number's text (JSON's grammar, or
+/// ECMAScript's, whose exponent may carry a `+`): `0.digits × 10^point`,
+/// `digits` without leading or trailing zeros (none for zero, which has no
+/// sign).
+#[derive(Debug, PartialEq, Eq)]
+struct Exact {
+    negative: bool,
+    digits: String,
+    point: i64,
+}
+
+impl Exact {
+    /// `None` when the exponent is past what an `i64` holds.
+    fn of(text: &str) -> Option<Self> {
+        let (negative, unsigned) = match text.strip_prefix('-') {
+            Some(rest) => (true, rest),
+            None => (false, text),
+        };
+        let (mantissa, exponent) = match unsigned.find(['e', 'E']) {
+            Some(at) => (&unsigned[..at], unsigned[at + 1..].parse::<i64>().ok()?),
+            None => (unsigned, 0),
+        };
+        let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        let all = whole.bytes().chain(fraction.bytes());
+        let leading = all.clone().take_while(|&b| b == b'0').count();
+        let mut digits: String = all.skip(leading).map(char::from).collect();
+        digits.truncate(digits.trim_end_matches('0').len());
+        if digits.is_empty() {
+            return Some(Exact {
+                negative: false,
+                digits,
+                point: 0,
+            });
+        }
+        let point = i64::try_from(whole.len())
+            .ok()?
+            .checked_sub(i64::try_from(leading).ok()?)?
+            .checked_add(exponent)?;
+        Some(Exact {
+            negative,
+            digits,
+            point,
+        })
+    }
+
+    fn is_zero(&self) -> bool {
+        self.digits.is_empty()
+    }
+
+    /// The value's digits when it is an integer (a minus included).
+    fn integer(&self) -> Option<String> {
+        let k = i64::try_from(self.digits.len()).ok()?;
+        let zeros = usize::try_from(self.point.checked_sub(k)?).ok()?;
+        let mut out = String::with_capacity(self.digits.len() + zeros + 1);
+        if self.negative {
+            out.push('-');
+        }
+        out.push_str(&self.digits);
+        out.extend(std::iter::repeat_n('0', zeros));
+        Some(out)
+    }
+
+    /// The value in ECMAScript's layout, with every digit: an integer as its
+    /// digits followed by `.0` (which ECMAScript never writes); another
+    /// number as ECMAScript lays out its digits (`0.000ddd`, `dd.ddd`, or
+    /// `d.ddde±n` past 21 digits before the point or 6 zeros after it).
+    fn text(&self) -> String {
+        let mut out = String::with_capacity(self.digits.len() + 8);
+        if self.negative {
+            out.push('-');
+        }
+        let k = i64::try_from(self.digits.len()).unwrap_or(i64::MAX);
+        let n = self.point;
+        if n >= k {
+            out.push_str(&self.digits);
+            out.extend(std::iter::repeat_n('0', usize::try_from(n - k).unwrap_or(0)));
+            out.push_str(".0");
+        } else if 0 < n && n <= 21 {
+            let (whole, fraction) = self.digits.split_at(usize::try_from(n).unwrap_or(0));
+            out.push_str(whole);
+            out.push('.');
+            out.push_str(fraction);
+        } else if -6 < n && n <= 0 {
+            out.push_str("0.");
+            out.extend(std::iter::repeat_n('0', usize::try_from(-n).unwrap_or(0)));
+            out.push_str(&self.digits);
+        } else {
+            let (first, rest) = self.digits.split_at(1);
+            out.push_str(first);
+            if !rest.is_empty() {
+                out.push('.');
+                out.push_str(rest);
+            }
+            let _ = write!(
+                out,
+                "e{}{}",
+                if n > 0 { '+' } else { '-' },
+                (n - 1).unsigned_abs()
+            );
+        }
+        out
+    }
 }
 
 /// ECMAScript's `Number.prototype.toString` of a finite double.
@@ -476,13 +624,20 @@ mod tests {
             ("9007199254740993", "9007199254740993.0"),
             ("1152921504606846976", "1152921504606846976.0"),
             ("1152921504606846976.0", "1152921504606846976.0"),
-            ("1152921504606846976.00", "1152921504606847000"),
+            ("1152921504606846976.00", "1152921504606846976.0"),
+            ("11529215046068469760e-1", "1152921504606846976.0"),
+            ("1.152921504606846976e18", "1152921504606846976.0"),
             ("1152921504606847000", "1152921504606847000"),
             ("-146880264381457820", "-146880264381457820"),
             ("-146880264381457824", "-146880264381457824.0"),
             ("1000000000000000000000", "1e+21"),
             (
                 "170141183460469212842221372237303250944",
+                "1.7014118346046921e+38",
+            ),
+            ("1.7014118346046921e38", "1.7014118346046921e+38"),
+            (
+                "170141183460469212842221372237303250944e0",
                 "1.7014118346046921e+38",
             ),
             (
@@ -502,10 +657,36 @@ mod tests {
                 "-340282366920938463463374607431768211457.0",
             ),
             ("-12.5", "-12.5"),
+            // More digits than a double holds: the exact value, which no
+            // other value's text is.
+            ("1.000000000000000001", "1.000000000000000001"),
+            ("1.0000000000000000010", "1.000000000000000001"),
+            ("-1.0000000000000000001", "-1.0000000000000000001"),
+            (
+                "0.1000000000000000055511151231257827",
+                "0.1000000000000000055511151231257827",
+            ),
+            // At most 17 significant digits: the double (RFC 8785).
+            ("0.10000000000000001", "0.1"),
+            ("333333333.33333329", "333333333.3333333"),
+            ("9007199254740993.00", "9007199254740993.0"),
+            ("0.0000001000000000000000001", "1.000000000000000001e-7"),
+            ("1.0000000000000000000001e30", "1000000000000000000000100000000.0"),
+            ("123456789012345678901.5", "123456789012345678901.5"),
+            ("1234567890123456789012.5", "1.2345678901234567890125e+21"),
+            ("1e-400", "1e-400"),
+            ("-2.5e-400", "-2.5e-400"),
+            ("0e-400", "0"),
+            ("1.5e0000000000000000000000000001", "15"),
             ("5e-324", "5e-324"),
             ("1.7976931348623157e308", "1.7976931348623157e+308"),
         ] {
             assert_eq!(canon(input), expected, "input {input}");
+            assert_eq!(
+                canon(expected),
+                expected,
+                "the canonical text of {input} is not its own"
+            );
         }
     }
 
