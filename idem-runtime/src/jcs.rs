@@ -313,10 +313,6 @@ impl Exact {
         })
     }
 
-    fn is_zero(&self) -> bool {
-        self.digits.is_empty()
-    }
-
     /// The value's digits when it is an integer (a minus included).
     fn integer(&self) -> Option<String> {
         let k = i64::try_from(self.digits.len()).ok()?;
