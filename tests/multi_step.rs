@@ -4450,6 +4450,118 @@ mod sqlite_nested_left_open {
         StatusCode::CREATED
     }
 
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct Then {
+        status: u16,
+    }
+
+    /// As `leaked`, then answers the status it is sent (503: released as
+    /// failed; 422: rejected, which frees the key), with its attempt.
+    #[idempotent(scope = "leaked_then.sqlite", fields(status))]
+    async fn leaked_then(op: Operation, Json(then): Json<Then>) -> (StatusCode, String) {
+        use sqlx::Connection as _;
+        let mut conn = op.sqlite_transaction().await.unwrap();
+        sqlx::query("INSERT INTO effects (note) VALUES ('outer')")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let mut inner = conn.begin().await.unwrap();
+        sqlx::query("INSERT INTO effects (note) VALUES ('inner')")
+            .execute(&mut *inner)
+            .await
+            .unwrap();
+        std::mem::forget(inner);
+        (
+            StatusCode::from_u16(then.status).unwrap(),
+            format!("attempt {}", op.attempt()),
+        )
+    }
+
+    async fn count(options: &SqliteConnectOptions, table: &str) -> i64 {
+        let mut other = <sqlx::SqliteConnection as sqlx::Connection>::connect_with(options)
+            .await
+            .unwrap();
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(&mut other)
+            .await
+            .unwrap()
+    }
+
+    /// A nested transaction left open under an outcome that commits
+    /// nothing (503, 422): the whole transaction is rolled back, the key is
+    /// let go as the outcome says (503: the retry runs again; 422: a fixed
+    /// request runs), and the pool's one connection goes back outside any
+    /// transaction: the application's next commit on it is durable.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nested_transaction_left_open_is_rolled_back_whole_and_the_key_let_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = SqliteConnectOptions::new()
+            .filename(dir.path().join("idem.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await
+            .unwrap();
+        let store = idem::SqliteStore::new(pool.clone());
+        store.migrate().await.unwrap();
+        sqlx::raw_sql("CREATE TABLE effects (note TEXT NOT NULL); CREATE TABLE app (note TEXT NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let app = Router::new()
+            .route("/then", post(leaked_then))
+            .layer(Idem::new(store).single_tenant().layer());
+        let addr = serve(app).await;
+        let first = post_req("/then", r#"{"status": 503}"#)
+            .key("k-503")
+            .send(addr)
+            .await;
+        assert_eq!(first.status, 503, "{}", String::from_utf8_lossy(&first.body));
+        let retry = post_req("/then", r#"{"status": 503}"#)
+            .key("k-503")
+            .send(addr)
+            .await;
+        assert_eq!(
+            (retry.status, retry.body.as_slice()),
+            (503, &b"attempt 2"[..]),
+            "{retry:?}"
+        );
+        let rejected = post_req("/then", r#"{"status": 422}"#)
+            .key("k-422")
+            .send(addr)
+            .await;
+        assert_eq!(rejected.status, 422, "{rejected:?}");
+        let fixed = post_req("/then", r#"{"status": 503}"#)
+            .key("k-422")
+            .send(addr)
+            .await;
+        assert_eq!(
+            (fixed.status, fixed.body.as_slice()),
+            (503, &b"attempt 1"[..]),
+            "{fixed:?}"
+        );
+        assert_eq!(
+            count(&options, "effects").await,
+            0,
+            "a rolled-back write committed"
+        );
+        // The application's own commit on the pool's one connection.
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("INSERT INTO app (note) VALUES ('committed')")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(
+            count(&options, "app").await,
+            1,
+            "the application's commit was lost"
+        );
+        assert!(idem_testkit::dropped_transaction_rolls_back(&pool).await);
+    }
+
     /// As on PostgreSQL: what the nested transaction holds is the handler's
     /// transaction's, and commits with the answer (seen from a connection
     /// of its own); the pool's one connection then serves the next

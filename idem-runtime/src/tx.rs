@@ -461,10 +461,19 @@ async fn rollback_sqlite(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite:
     if let Err(e) = &lost {
         tracing::warn!(error = %e, "cannot tell whether SQLite ended the handler's transaction");
     }
+    use sqlx_core::transaction::TransactionManager as _;
+    type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
     if lost == Ok(true) {
         end_lost(tx, deadline).await;
     } else if lost.is_err() {
         drop(unwind_later(tx));
+    } else if Manager::get_transaction_depth(&tx) > 1 {
+        // A nested transaction the handler left open lost its savepoints
+        // with idem's mark, released by the check: sqlx's rollback of its
+        // level would name one that is gone, fail, and leave the whole
+        // transaction open on a pooled connection (the application's next
+        // commit there would commit nothing). Unwound level by level.
+        end_lost(tx, deadline).await;
     } else {
         log_rollback(
             deadline
