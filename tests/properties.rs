@@ -262,3 +262,158 @@ fn nesting_a_hundred_thousand_deep_is_refused_without_overflowing_the_stack() {
         assert!(canonical_json(deep.as_bytes()).is_err());
     }
 }
+
+/// Canonical numbers against an oracle written apart from `jcs.rs`: a
+/// number's exact value as normalized digits, and ECMAScript's layout of
+/// the shortest digits Rust writes for a double.
+mod numbers {
+    use super::*;
+
+    /// `0.digits × 10^point`, digits without leading or trailing zeros
+    /// (none for zero, which has no sign).
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    struct Dec {
+        neg: bool,
+        digits: String,
+        point: i128,
+    }
+
+    fn dec_of(lexeme: &str) -> Dec {
+        let (neg, rest) = match lexeme.strip_prefix('-') {
+            Some(r) => (true, r),
+            None => (false, lexeme),
+        };
+        let (mant, exp) = match rest.find(['e', 'E']) {
+            Some(i) => (&rest[..i], rest[i + 1..].parse::<i128>().unwrap()),
+            None => (rest, 0),
+        };
+        let (w, f) = mant.split_once('.').unwrap_or((mant, ""));
+        let all = format!("{w}{f}");
+        let lead = all.len() - all.trim_start_matches('0').len();
+        let digits = all.trim_start_matches('0').trim_end_matches('0').to_owned();
+        if digits.is_empty() {
+            return Dec {
+                neg: false,
+                digits,
+                point: 0,
+            };
+        }
+        let point = i128::try_from(w.len()).unwrap() - i128::try_from(lead).unwrap() + exp;
+        Dec { neg, digits, point }
+    }
+
+    impl Dec {
+        /// A JSON spelling: the digits with `tz` trailing zeros, the point
+        /// after `p` of them, and an exponent where needed (or `force_e`).
+        fn spell(&self, tz: usize, p: usize, force_e: bool) -> String {
+            if self.digits.is_empty() {
+                return "0".into();
+            }
+            let full = format!("{}{}", self.digits, "0".repeat(tz));
+            let p = p.clamp(1, full.len());
+            let e = self.point - i128::try_from(p).unwrap();
+            let mut s = String::new();
+            if self.neg {
+                s.push('-');
+            }
+            s.push_str(&full[..p]);
+            if p < full.len() {
+                s.push('.');
+                s.push_str(&full[p..]);
+            }
+            if e != 0 || force_e {
+                s.push_str(&format!("e{e}"));
+            }
+            s
+        }
+    }
+
+    /// A value: 1 to 25 digits with a point near a double's interesting
+    /// ranges, or a random double's shortest text or exact value.
+    fn a_value() -> impl Strategy<Value = Dec> {
+        let digits = proptest::collection::vec(0u8..10, 1..26)
+            .prop_map(|v| v.into_iter().map(|d| char::from(b'0' + d)).collect::<String>());
+        let point = prop_oneof![-8i128..25, -330i128..-300, 300i128..310, 15i128..40];
+        let made = (any::<bool>(), digits, point).prop_map(|(neg, digits, point)| {
+            dec_of(&format!("{}0.{digits}e{point}", if neg { "-" } else { "" }))
+        });
+        let from_double = (any::<u64>(), any::<bool>()).prop_filter_map("finite", |(bits, shortest)| {
+            let v = f64::from_bits(bits);
+            v.is_finite().then(|| {
+                dec_of(&if shortest {
+                    format!("{v:e}")
+                } else {
+                    format!("{v:.1100e}")
+                })
+            })
+        });
+        prop_oneof![3 => made, 2 => from_double]
+    }
+
+    fn in_range(s: &str) -> bool {
+        s.parse::<f64>().is_ok_and(f64::is_finite)
+    }
+
+    fn canon(s: &str) -> String {
+        canonical_json(s.as_bytes()).unwrap()
+    }
+
+    proptest! {
+        /// Every canonical text is its own, and keeps the number's exact
+        /// value when it has more than 17 significant digits.
+        #[test]
+        fn a_canonical_number_is_its_own_and_keeps_a_precise_value(
+            (d, tz, p, e) in (a_value(), 0usize..4, 0usize..30, any::<bool>())
+        ) {
+            let lexeme = d.spell(tz, p, e);
+            prop_assume!(in_range(&lexeme));
+            let c = canon(&lexeme);
+            prop_assert_eq!(canon(&c), c.clone(), "{} -> {}", lexeme, c);
+            if d.digits.len() > 17 {
+                prop_assert_eq!(dec_of(c.strip_suffix(".0").unwrap_or(&c)), d, "{} -> {}", lexeme, c);
+            }
+        }
+
+        /// Two different values share a text only when both have at most
+        /// 17 significant digits and one double.
+        #[test]
+        fn two_values_share_a_text_only_as_one_double(
+            (x, p, e1, e2) in (a_value(), 0usize..3, any::<bool>(), any::<bool>())
+        ) {
+            let fx = x.spell(0, p.min(x.digits.len()), e2);
+            let v: f64 = fx.parse().unwrap_or(0.0);
+            // (Not a rejection: most values are their own double's text.)
+            if !(v.is_finite() && v != 0.0) {
+                return Ok(());
+            }
+            // A value near it: its double's shortest text, or exact value.
+            let y = dec_of(&if e1 { format!("{v:e}") } else { format!("{v:.1100e}") });
+            let fy = y.spell(0, p, !e2);
+            if x == y || !in_range(&fy) {
+                return Ok(());
+            }
+            let (cx, cy) = (canon(&fx), canon(&fy));
+            if cx == cy {
+                let one_double = fy.parse::<f64>().unwrap() == v;
+                prop_assert!(
+                    x.digits.len() <= 17 && y.digits.len() <= 17 && one_double,
+                    "{} and {} (two values) share {}", fx, fy, cx
+                );
+            }
+        }
+
+        /// A double written the long way (Rust's shortest digits, an
+        /// exponent) is a text of that same double with at most 17
+        /// significant digits (tests/rfc8785.rs checks it is ECMAScript's
+        /// own against a million of node's).
+        #[test]
+        fn a_double_is_a_text_of_that_double(bits in any::<u64>()) {
+            let v = f64::from_bits(bits);
+            prop_assume!(v.is_finite());
+            let lexeme = format!("{v:e}");
+            let c = canon(&lexeme);
+            prop_assert_eq!(c.parse::<f64>().ok(), Some(if v == 0.0 { 0.0 } else { v }), "{} -> {}", lexeme, c);
+            prop_assert!(dec_of(&c).digits.len() <= 17, "{} -> {}", lexeme, c);
+        }
+    }
+}

@@ -242,16 +242,16 @@ fn number(lexeme: &str) -> Result<Cow<'_, str>, String> {
 }
 
 /// The canonical text of the integer `digits` (JSON digits, perhaps with a
-/// minus), whose double is `v`: the ECMAScript text of `v` when it is those
-/// digits, or when it has an exponent (`1e21` and up) and `v` is exactly
-/// that integer; otherwise the digits followed by `.0`.
+/// minus), whose double is `v`: the ECMAScript text of `v` when that text
+/// is the integer (its digits, or from `1e21` up an exponent of the same
+/// value); otherwise the digits followed by `.0`.
 fn integer(v: f64, digits: &str) -> String {
     if v == 0.0 {
         return "0".into();
     }
     if v.is_finite() {
         let text = ecmascript(v);
-        if text == digits || (text.contains('e') && format!("{v:.0}") == digits) {
+        if text == digits || (text.contains('e') && Exact::of(&text) == Exact::of(digits)) {
             return text;
         }
     }
@@ -268,6 +268,11 @@ fn significant_digits(lexeme: &str) -> usize {
     digits().count().saturating_sub(leading + trailing)
 }
 
+/// How far from the units a number's point may be (`1e-1000000000000000`
+/// and beyond are refused, as `1e400` is): far past a double's range, and
+/// far from the ends of an `i64`.
+const MAX_POINT: u64 = 1_000_000_000_000_000;
+
 /// The exact decimal value of a number's text (JSON's grammar, or
 /// ECMAScript's, whose exponent may carry a `+`): `0.digits × 10^point`,
 /// `digits` without leading or trailing zeros (none for zero, which has no
@@ -280,7 +285,8 @@ struct Exact {
 }
 
 impl Exact {
-    /// `None` when the exponent is past what an `i64` holds.
+    /// `None` when the point is more than [`MAX_POINT`] places from the
+    /// units (far past any double's range, at either end).
     fn of(text: &str) -> Option<Self> {
         let (negative, unsigned) = match text.strip_prefix('-') {
             Some(rest) => (true, rest),
@@ -306,6 +312,9 @@ impl Exact {
             .ok()?
             .checked_sub(i64::try_from(leading).ok()?)?
             .checked_add(exponent)?;
+        if point.unsigned_abs() > MAX_POINT {
+            return None;
+        }
         Some(Exact {
             negative,
             digits,
@@ -627,23 +636,26 @@ mod tests {
             ("-146880264381457820", "-146880264381457820"),
             ("-146880264381457824", "-146880264381457824.0"),
             ("1000000000000000000000", "1e+21"),
+            // Held exactly by a double whose text is another value.
             (
                 "170141183460469212842221372237303250944",
-                "1.7014118346046921e+38",
+                "170141183460469212842221372237303250944.0",
             ),
             ("1.7014118346046921e38", "1.7014118346046921e+38"),
             (
                 "170141183460469212842221372237303250944e0",
-                "1.7014118346046921e+38",
+                "170141183460469212842221372237303250944.0",
             ),
             (
                 "-170141183460469231731687303715884105728",
-                "-1.7014118346046923e+38",
+                "-170141183460469231731687303715884105728.0",
             ),
             (
                 "1361129467683753853853498429727072845824",
-                "1.361129467683754e+39",
+                "1361129467683753853853498429727072845824.0",
             ),
+            ("1180591620717411303424", "1180591620717411303424.0"),
+            ("1.1805916207174113e21", "1.1805916207174113e+21"),
             (
                 "340282366920938463463374607431768211457",
                 "340282366920938463463374607431768211457.0",
@@ -689,6 +701,10 @@ mod tests {
     #[test]
     fn what_i_json_forbids_is_refused() {
         for bad in [
+            "0.1e-9223372036854775808",
+            "0.01e-9223372036854775807",
+            "1e-1000000000000005",
+            "1e9223372036854775807",
             r#"{"a":1,"a":2}"#,
             r#"{"a":{"b":1,"b":1}}"#,
             r#""\ud800""#,
