@@ -4494,18 +4494,7 @@ mod sqlite_nested_left_open {
     /// transaction: the application's next commit on it is durable.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_nested_transaction_left_open_is_rolled_back_whole_and_the_key_let_go() {
-        let dir = tempfile::tempdir().unwrap();
-        let options = SqliteConnectOptions::new()
-            .filename(dir.path().join("idem.db"))
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(options.clone())
-            .await
-            .unwrap();
-        let store = idem::SqliteStore::new(pool.clone());
-        store.migrate().await.unwrap();
+        let (_dir, options, pool, store) = on_one_connection().await;
         sqlx::raw_sql("CREATE TABLE effects (note TEXT NOT NULL); CREATE TABLE app (note TEXT NOT NULL)")
             .execute(&pool)
             .await
@@ -4562,12 +4551,14 @@ mod sqlite_nested_left_open {
         assert!(idem_testkit::dropped_transaction_rolls_back(&pool).await);
     }
 
-    /// As on PostgreSQL: what the nested transaction holds is the handler's
-    /// transaction's, and commits with the answer (seen from a connection
-    /// of its own); the pool's one connection then serves the next
-    /// operations outside any transaction.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_nested_transaction_left_open_commits_with_the_answer() {
+    /// A store on a file whose pool has one connection, how to open
+    /// another connection to it (another process's view), and the pool.
+    async fn on_one_connection() -> (
+        tempfile::TempDir,
+        SqliteConnectOptions,
+        sqlx::SqlitePool,
+        idem::SqliteStore,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let options = SqliteConnectOptions::new()
             .filename(dir.path().join("idem.db"))
@@ -4580,6 +4571,16 @@ mod sqlite_nested_left_open {
             .unwrap();
         let store = idem::SqliteStore::new(pool.clone());
         store.migrate().await.unwrap();
+        (dir, options, pool, store)
+    }
+
+    /// As on PostgreSQL: what the nested transaction holds is the handler's
+    /// transaction's, and commits with the answer (seen from a connection
+    /// of its own); the pool's one connection then serves the next
+    /// operations outside any transaction.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nested_transaction_left_open_commits_with_the_answer() {
+        let (_dir, options, pool, store) = on_one_connection().await;
         sqlx::raw_sql("CREATE TABLE effects (note TEXT NOT NULL)")
             .execute(&pool)
             .await

@@ -29,23 +29,25 @@ fn schema_of(store: &idem::PgStore) -> String {
 /// deadline of the database's clock, not an ordering.
 async fn until_db(store: &idem::PgStore, id: &RecordId, cond: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let ok: Option<bool> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT {cond} FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
-            pg_table(store)
-        )))
-        .bind(&id.tenant)
-        .bind(&id.scope)
-        .bind(&id.key)
-        .fetch_optional(store.pool())
-        .await
-        .unwrap();
-        if ok == Some(true) {
-            return;
-        }
+    while !db_says(store.pool(), store, id, cond).await {
         assert!(Instant::now() < deadline, "{cond} never held");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// Whether `cond` (SQL on the row of `id`) holds now, asked on `pool`.
+async fn db_says(pool: &sqlx::PgPool, store: &idem::PgStore, id: &RecordId, cond: &str) -> bool {
+    let holds: Option<bool> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT {cond} FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
+        pg_table(store)
+    )))
+    .bind(&id.tenant)
+    .bind(&id.scope)
+    .bind(&id.key)
+    .fetch_optional(pool)
+    .await
+    .unwrap();
+    holds == Some(true)
 }
 
 /// A store in a schema of its own, with `connections` and answers kept
@@ -1242,20 +1244,9 @@ async fn postgres_kept_answer_never_replayed_after_db_expiry() {
             reserve(&a, &id, "fp", ttl, LONG).await,
             Reservation::Completed(response("old"))
         );
-        let q = format!(
-            "SELECT expires_at <= now() FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
-            pg_table(&a)
-        );
         let mut seen_expired = false;
         loop {
-            let expired: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(q.clone()))
-                .bind(&id.tenant)
-                .bind(&id.scope)
-                .bind(&id.key)
-                .fetch_one(&watcher)
-                .await
-                .unwrap();
-            seen_expired |= expired;
+            seen_expired |= db_says(&watcher, &a, &id, "expires_at <= now()").await;
             let r = reserve(&a, &id, "fp", ttl, LONG).await;
             match r {
                 Reservation::Completed(_) => {
@@ -1289,20 +1280,9 @@ async fn postgres_running_entry_never_outlives_db_lock_deadline() {
         ));
         tokio::time::sleep(lock / 2).await;
         a.extend_lock(&id, &l.token, lock).await.unwrap();
-        let q = format!(
-            "SELECT lock_expires_at <= now() FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
-            pg_table(&a)
-        );
         let mut seen_expired = false;
         loop {
-            let expired: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(q.clone()))
-                .bind(&id.tenant)
-                .bind(&id.scope)
-                .bind(&id.key)
-                .fetch_one(&watcher)
-                .await
-                .unwrap();
-            seen_expired |= expired;
+            seen_expired |= db_says(&watcher, &a, &id, "lock_expires_at <= now()").await;
             match reserve(&a, &id, "fp", LONG, lock).await {
                 Reservation::InProgress { .. } => assert!(!seen_expired, "409 after the database's deadline"),
                 Reservation::Reserved(l) => {

@@ -370,6 +370,29 @@ async fn get_after(addr: SocketAddr, path: &str, key: &str) -> Reply {
     }
 }
 
+/// Sends `request` for `key`, waits until its handler ran (its last bytes
+/// wait for the key's gate), checks that nothing goes out meanwhile (the
+/// answer is not recorded: a read waits), opens the gate, and reads the
+/// answer to the server's clean close.
+async fn answered_once_recorded(h: &mut H, key: &str, request: String) -> Vec<u8> {
+    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    h.ran(key).await;
+    let mut first = [0u8; 1];
+    let early = tokio::time::timeout(Duration::from_millis(300), s.read(&mut first)).await;
+    assert!(
+        early.is_err(),
+        "{key}: bytes went out before the answer was recorded"
+    );
+    h.app.gate(key).notify_one();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .expect("the answer")
+        .expect("a clean close");
+    out
+}
+
 /// HEAD: the body fails past the limit. Its client is told the handler
 /// failed (500), not a whole 201, and the key is released: the GET runs
 /// the handler again.
@@ -391,24 +414,7 @@ async fn head_of_a_large_answer_that_fails_is_a_500(h: H) {
 /// replays it (status and headers: the body was past the limit).
 async fn head_of_a_large_answer_is_answered_once_recorded(mut h: H) {
     let key = "k-head-whole";
-    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
-    s.write_all(head_request("/gated-get", key).as_bytes())
-        .await
-        .unwrap();
-    h.ran(key).await;
-    // Its body is not read to its end yet: nothing goes out, a read waits.
-    let mut first = [0u8; 1];
-    let early = tokio::time::timeout(Duration::from_millis(300), s.read(&mut first)).await;
-    assert!(
-        early.is_err(),
-        "the status went out before the answer was recorded"
-    );
-    h.app.gate(key).notify_one();
-    let mut out = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
-        .await
-        .expect("the answer")
-        .expect("a clean close");
+    let out = answered_once_recorded(&mut h, key, head_request("/gated-get", key)).await;
     assert_eq!(
         split(&out),
         (201, &b""[..]),
@@ -438,22 +444,7 @@ async fn http10_large_answer_that_fails_is_a_500(h: H) {
 /// then all of it.
 async fn http10_large_answer_is_whole_once_recorded(mut h: H) {
     let key = "k-10-whole";
-    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
-    s.write_all(http10_request("/gated", key).as_bytes())
-        .await
-        .unwrap();
-    h.ran(key).await;
-    // The handler ran and produced 80 bytes; its last 10 wait for the gate.
-    // Nothing is sent yet (the answer is not recorded): a read waits.
-    let mut first = [0u8; 1];
-    let early = tokio::time::timeout(Duration::from_millis(300), s.read(&mut first)).await;
-    assert!(early.is_err(), "bytes went out before the answer was recorded");
-    h.app.gate(key).notify_one();
-    let mut out = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
-        .await
-        .expect("the answer")
-        .expect("a clean close");
+    let out = answered_once_recorded(&mut h, key, http10_request("/gated", key)).await;
     let (status, body) = split(&out);
     assert_eq!(status, 201, "{:?}", String::from_utf8_lossy(&out));
     assert_eq!(
@@ -504,20 +495,7 @@ async fn http10_large_answer_with_a_length_streams(mut h: H) {
 /// (never a clean close after some of it).
 async fn http10_answer_past_what_is_held_is_answered_as_its_replay(mut h: H) {
     let key = "k-10-huge";
-    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
-    s.write_all(http10_request("/huge", key).as_bytes())
-        .await
-        .unwrap();
-    h.ran(key).await;
-    let mut first = [0u8; 1];
-    let early = tokio::time::timeout(Duration::from_millis(300), s.read(&mut first)).await;
-    assert!(early.is_err(), "bytes went out before the answer was recorded");
-    h.app.gate(key).notify_one();
-    let mut out = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
-        .await
-        .expect("the answer")
-        .expect("a clean close");
+    let out = answered_once_recorded(&mut h, key, http10_request("/huge", key)).await;
     let text = String::from_utf8_lossy(&out).to_ascii_lowercase();
     assert_eq!(split(&out), (201, &b""[..]), "{text:?}");
     assert!(text.contains("content-length: 0\r\n"), "{text:?}");

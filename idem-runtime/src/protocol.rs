@@ -1014,15 +1014,7 @@ fn complete_answer<'a>(
                     // Its client could not tell a broken body from a whole
                     // one: it is told the handler failed instead.
                     drop_unsent(Response::from_parts(parts, Body::empty()));
-                    return let_go(
-                        engine,
-                        info,
-                        lock_timeout,
-                        tx,
-                        Problem::HandlerFailed.into_response(),
-                        LetGo::Fail,
-                    )
-                    .await;
+                    return handler_failed(engine, info, lock_timeout, tx).await;
                 }
                 let broken = futures_util::stream::once(async move { Err::<axum::body::Bytes, _>(e) });
                 return let_go(
@@ -1073,6 +1065,16 @@ fn panicked<'a>(
     panic: String,
 ) -> crate::store::BoxFuture<'a, Response> {
     tracing::error!(panic = %panic, "{what} panicked; releasing the key");
+    handler_failed(engine, info, lock_timeout, tx)
+}
+
+/// The key released as failed, and the client told so (500 `handler-failed`).
+fn handler_failed<'a>(
+    engine: &'a Arc<Engine>,
+    info: &'a OperationInfo,
+    lock_timeout: Duration,
+    tx: Option<PendingTx>,
+) -> crate::store::BoxFuture<'a, Response> {
     let_go(
         engine,
         info,
