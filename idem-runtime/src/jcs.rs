@@ -209,8 +209,10 @@ fn number(lexeme: &str) -> Result<Cow<'_, str>, String> {
     {
         return Ok(Cow::Borrowed(digits));
     }
-    let beyond = || format!("the number {lexeme} is beyond the range of a double");
-    let v: f64 = lexeme.parse().map_err(|_| format!("invalid number {lexeme}"))?;
+    let beyond = || format!("the number {} is beyond the range of a double", shown(lexeme));
+    let v: f64 = lexeme
+        .parse()
+        .map_err(|_| format!("invalid number {}", shown(lexeme)))?;
     // Digits, perhaps with a point and zeros: an integer as written.
     if let Some(whole) = lexeme
         .split_once('.')
@@ -256,6 +258,16 @@ fn integer(v: f64, digits: &str) -> String {
         }
     }
     format!("{digits}.0")
+}
+
+/// A number's text as an error shows it: its first 32 characters and its
+/// length when it is longer (the error goes back to the client and into
+/// the log, a text as long as the body it came in would not).
+fn shown(lexeme: &str) -> Cow<'_, str> {
+    match lexeme.get(..32) {
+        Some(head) if lexeme.len() > 40 => format!("{head}... ({} characters)", lexeme.len()).into(),
+        _ => lexeme.into(),
+    }
 }
 
 /// How many significant digits a JSON number's text has: those of its
@@ -696,6 +708,14 @@ mod tests {
                 "the canonical text of {input} is not its own"
             );
         }
+    }
+
+    #[test]
+    fn a_long_number_is_refused_without_being_echoed() {
+        let long = format!("1{}e400", "0".repeat(100_000));
+        let error = canonical_json(long.as_bytes()).unwrap_err().to_string();
+        assert!(error.len() < 200, "{} characters", error.len());
+        assert!(error.contains("100005 characters"), "{error}");
     }
 
     #[test]
