@@ -240,6 +240,48 @@ async fn the_path_and_the_query_identify_the_request() {
 }
 
 #[derive(serde::Deserialize)]
+struct Charge {
+    amount: i64,
+}
+
+#[idempotent(scope = "charge.create", fields(amount))]
+async fn charge_on(uri: axum::http::Uri, Json(c): Json<Charge>) -> String {
+    format!("charged {} on {}", c.amount, uri.path())
+}
+
+#[idempotent(scope = "charge.live", fields(amount))]
+async fn charge_live(Json(c): Json<Charge>) -> String {
+    format!("charged {} live", c.amount)
+}
+
+/// The literal path does not count, only its parameters (README): one
+/// handler on two routes is one scope, and a key sent to both is one
+/// request; a handler of its own per route (its own scope) keeps them
+/// apart.
+#[tokio::test]
+async fn one_handler_on_two_routes_is_one_scope() {
+    let addr = serve(
+        &memory(),
+        Router::new()
+            .route("/test/charges", post(charge_on))
+            .route("/live/charges", post(charge_on))
+            .route("/live-own/charges", post(charge_live)),
+    )
+    .await;
+    let body = r#"{"amount": 100}"#;
+    let test = send(addr, "/test/charges", body, "k-mount").await;
+    assert_eq!(test.body, b"charged 100 on /test/charges");
+    let live = send(addr, "/live/charges", body, "k-mount").await;
+    assert!(replayed(&live), "{live:?}");
+    assert_eq!(live.body, test.body);
+    let own = send(addr, "/live-own/charges", body, "k-mount").await;
+    assert_eq!(
+        (own.body.as_slice(), replayed(&own)),
+        (&b"charged 100 live"[..], false)
+    );
+}
+
+#[derive(serde::Deserialize)]
 struct Signup {
     email: String,
 }
