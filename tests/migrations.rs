@@ -1332,3 +1332,82 @@ async fn sqlite_a_purge_ends_despite_unset_rows() {
         "(WITH RECURSIVE c(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM c WHERE n < 30000) SELECT n FROM c)"
     );
 }
+
+/// Another service's table under idem's name (no versions recorded, other
+/// columns): `migrate()` refuses it, says so, and changes nothing: no
+/// column added, no version recorded, no function made, its row intact.
+#[tokio::test]
+async fn postgres_another_services_table_of_the_same_name_is_left_alone() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE \"{schema}\".idempotency_keys (key TEXT PRIMARY KEY, expires_at TIMESTAMPTZ, payload TEXT); \
+         INSERT INTO \"{schema}\".idempotency_keys VALUES ('theirs', now(), 'kept')"
+    )))
+    .await
+    .unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    let err = store.migrate().await.unwrap_err().to_string();
+    assert!(err.contains("not idem's") && err.contains("tenant"), "{err}");
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns WHERE table_schema = $1 \
+         AND table_name = 'idempotency_keys' ORDER BY ordinal_position",
+    )
+    .bind(&schema)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(columns, ["key", "expires_at", "payload"]);
+    let others: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE n.nspname = $1 AND c.relname <> 'idempotency_keys' AND c.relname NOT LIKE '%_pkey') \
+              + (SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = $1)",
+    )
+    .bind(&schema)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(others, 0, "migrate() made something beside their table");
+    let payload: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT payload FROM \"{schema}\".idempotency_keys WHERE key = 'theirs'"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(payload, "kept");
+}
+
+/// The same on SQLite.
+#[tokio::test]
+async fn sqlite_another_services_table_of_the_same_name_is_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("shared.db")).await.unwrap();
+    store
+        .pool()
+        .execute(
+            "CREATE TABLE idempotency_keys (key TEXT PRIMARY KEY, expires_at INTEGER, payload TEXT); \
+                  INSERT INTO idempotency_keys VALUES ('theirs', 0, 'kept')",
+        )
+        .await
+        .unwrap();
+    let err = store.migrate().await.unwrap_err().to_string();
+    assert!(err.contains("not idem's") && err.contains("tenant"), "{err}");
+    let columns: Vec<String> = sqlx::query_scalar("SELECT name FROM pragma_table_info('idempotency_keys')")
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(columns, ["key", "expires_at", "payload"]);
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            .fetch_all(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        tables,
+        ["idempotency_keys"],
+        "migrate() made something beside their table"
+    );
+}

@@ -100,7 +100,21 @@ macro_rules! migrate_in {
             // Never made, or dropped since: every migration runs (again).
             current = 0;
         } else if current == 0 {
-            // Made before versions were recorded: what is there already?
+            // Made before versions were recorded: what is there already? A
+            // table without version 1's columns is not idem's (another
+            // service's, under the same name): refused before anything is
+            // written, and the transaction, never committed, changes nothing.
+            let mut savepoint = $tx.begin().await.map_err($crate::sql::map_err)?;
+            let ours = $crate::sql::found(run(&sql.has_v1_columns).execute(&mut *savepoint).await)?;
+            savepoint.rollback().await.map_err($crate::sql::map_err)?;
+            if !ours {
+                return Err($crate::StoreError::backend(format!(
+                    "the table {} exists but is not idem's: it has no schema version recorded and lacks \
+                     idem's columns (tenant, scope, key, fingerprint, ...); nothing was changed. Give idem \
+                     a table of its own (`with_table`)",
+                    sql.table
+                )));
+            }
             for (version, probe) in [(1, &sql.table_exists), (2, &sql.has_taken_over)] {
                 let mut savepoint = $tx.begin().await.map_err($crate::sql::map_err)?;
                 let found = $crate::sql::found(run(probe).execute(&mut *savepoint).await)?;

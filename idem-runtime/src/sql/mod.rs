@@ -196,6 +196,8 @@ pub(crate) struct Statements {
     pub(crate) table_exists: String,
     /// Reads nothing, but fails unless version 2's column exists.
     pub(crate) has_taken_over: String,
+    /// Reads the columns of schema version 1 (fails on a table without them).
+    pub(crate) has_v1_columns: String,
     /// Reads nothing, but fails unless every column the code needs exists.
     pub(crate) has_columns: String,
     /// The columns a row must fill that the code does not know.
@@ -470,6 +472,11 @@ impl Statements {
             ),
             table_exists: format!("SELECT 1 FROM {t} LIMIT 0"),
             has_taken_over: format!("SELECT taken_over FROM {t} LIMIT 0"),
+            has_v1_columns: format!(
+                "SELECT tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, \
+                 lock_expires_at, recovery_point, response_status, response_headers, response_body, \
+                 created_at, expires_at FROM {t} LIMIT 0"
+            ),
             has_columns: format!("SELECT {COLUMNS} FROM {t} LIMIT 0"),
             unknown_required: (d.required_columns)(
                 schema,
