@@ -4426,10 +4426,10 @@ mod sqlite_nested_left_open {
     use super::*;
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 
-    /// Writes, then leaves a nested transaction of its own open (forgotten:
-    /// neither committed nor dropped) after a second write, and answers 201.
-    #[idempotent(scope = "leaked.sqlite")]
-    async fn leaked(op: Operation) -> StatusCode {
+    /// Writes in the handler's transaction, then leaves a nested transaction
+    /// of its own open (forgotten: neither committed nor dropped) after a
+    /// second write.
+    async fn leave_nested_open(op: &Operation) {
         use sqlx::Connection as _;
         let mut conn = op.sqlite_transaction().await.unwrap();
         sqlx::query("INSERT INTO effects (note) VALUES ('outer')")
@@ -4442,6 +4442,12 @@ mod sqlite_nested_left_open {
             .await
             .unwrap();
         std::mem::forget(inner);
+    }
+
+    /// Leaves a nested transaction open (`leave_nested_open`), answers 201.
+    #[idempotent(scope = "leaked.sqlite")]
+    async fn leaked(op: Operation) -> StatusCode {
+        leave_nested_open(&op).await;
         StatusCode::CREATED
     }
 
@@ -4459,18 +4465,7 @@ mod sqlite_nested_left_open {
     /// failed; 422: rejected, which frees the key), with its attempt.
     #[idempotent(scope = "leaked_then.sqlite", fields(status))]
     async fn leaked_then(op: Operation, Json(then): Json<Then>) -> (StatusCode, String) {
-        use sqlx::Connection as _;
-        let mut conn = op.sqlite_transaction().await.unwrap();
-        sqlx::query("INSERT INTO effects (note) VALUES ('outer')")
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-        let mut inner = conn.begin().await.unwrap();
-        sqlx::query("INSERT INTO effects (note) VALUES ('inner')")
-            .execute(&mut *inner)
-            .await
-            .unwrap();
-        std::mem::forget(inner);
+        leave_nested_open(&op).await;
         (
             StatusCode::from_u16(then.status).unwrap(),
             format!("attempt {}", op.attempt()),

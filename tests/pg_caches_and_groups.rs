@@ -8,7 +8,7 @@
 
 use idem::store::{RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::{IdempotencyStore, StoreError};
-use idem_testkit::records::{insert_uncommitted, pg_row, pg_table, req, reserve, take};
+use idem_testkit::records::{insert_uncommitted, pg_hold_row, pg_row, pg_table, req, reserve, take};
 use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(3600);
@@ -197,15 +197,7 @@ async fn postgres_heartbeat_given_up_keeps_no_entry_past_the_deadline() {
     let mine = take(&a, &id, "fp", LONG, lock).await;
     // Hold the row: the heartbeat waits, and is given up on.
     let holders = sqlx::PgPool::connect(&url).await.unwrap();
-    let mut holder = holders.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT 1 FROM {} WHERE key = $1 FOR UPDATE",
-        pg_table(&a)
-    )))
-    .bind(&id.key)
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    let holder = pg_hold_row(&holders, &a, &id).await;
     let beat = a.extend_lock(&id, &mine.token, lock).await;
     assert!(matches!(beat, Err(StoreError::Unavailable { .. })), "{beat:?}");
     holder.rollback().await.unwrap();
@@ -288,6 +280,26 @@ fn reserve_in_task_tok(
     )
 }
 
+/// What each reservation task was answered, with its token, in order.
+async fn answers_of(
+    tasks: Vec<(
+        &'static str,
+        tokio::task::JoinHandle<Result<Reservation, StoreError>>,
+    )>,
+) -> Vec<(&'static str, Result<Reservation, StoreError>)> {
+    let mut answers = Vec::new();
+    for (tok, t) in tasks {
+        answers.push((
+            tok,
+            tokio::time::timeout(Duration::from_secs(20), t)
+                .await
+                .unwrap()
+                .unwrap(),
+        ));
+    }
+    answers
+}
+
 async fn until_lookups_waiting(store: &idem::PgStore, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while store.waiting_lookups() != n {
@@ -318,15 +330,7 @@ async fn postgres_lookup_group_tenants_scopes_duplicates_and_held_row() {
         store.complete(id, &l.token, &response(tag)).await.unwrap();
     }
     let holders = sqlx::PgPool::connect(&url).await.unwrap();
-    let mut holder = holders.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT 1 FROM {} WHERE tenant = 't5' AND key = $1 FOR UPDATE",
-        pg_table(&store)
-    )))
-    .bind(&k)
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    let holder = pg_hold_row(&holders, &store, &held).await;
     let ([first, second], turns) = hold_the_lookup_turns(&store).await;
     let mut tasks = Vec::new();
     let plan: Vec<(&RecordId, &str)> = vec![
@@ -343,16 +347,7 @@ async fn postgres_lookup_group_tenants_scopes_duplicates_and_held_row() {
         until_lookups_waiting(&store, n + 1).await;
     }
     first.resume();
-    let mut answers = Vec::new();
-    for (tok, t) in tasks {
-        answers.push((
-            tok,
-            tokio::time::timeout(Duration::from_secs(20), t)
-                .await
-                .unwrap()
-                .unwrap(),
-        ));
-    }
+    let answers = answers_of(tasks).await;
     second.resume();
     for t in turns {
         let _ = t.await.unwrap();
@@ -460,16 +455,7 @@ async fn postgres_lookup_group_killed_mid_statement() {
         .await
         .unwrap();
     assert!(killed);
-    let mut answers = Vec::new();
-    for (tok, t) in tasks {
-        answers.push((
-            tok,
-            tokio::time::timeout(Duration::from_secs(20), t)
-                .await
-                .unwrap()
-                .unwrap(),
-        ));
-    }
+    let answers = answers_of(tasks).await;
     second.resume();
     for t in turns {
         let _ = t.await.unwrap();
@@ -566,15 +552,7 @@ async fn postgres_completion_group_mixed_members() {
     .await
     .unwrap();
     let holders = sqlx::PgPool::connect(&url).await.unwrap();
-    let mut holder = holders.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT 1 FROM {} WHERE tenant = 't4' AND key = $1 FOR UPDATE",
-        pg_table(&store)
-    )))
-    .bind(&k)
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    let holder = pg_hold_row(&holders, &store, &held).await;
     let plan: Vec<(&RecordId, String, &str)> = vec![
         (&a, leases[&a].token.clone(), "a"),
         (&b, leases[&b].token.clone(), "b"),

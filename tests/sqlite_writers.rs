@@ -72,6 +72,19 @@ async fn served_within(store: &SqliteStore, bound: Duration) {
     );
 }
 
+/// A trigger that refuses, with `RAISE(<raise>)`, the completion of every
+/// key starting `poison`.
+async fn poison_completions(store: &SqliteStore, raise: &str) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TRIGGER poison BEFORE UPDATE ON idempotency_keys \
+         WHEN NEW.key LIKE 'poison%' AND NEW.state = 'completed' \
+         BEGIN SELECT RAISE({raise}, 'poisoned'); END;"
+    )))
+    .execute(store.pool())
+    .await
+    .unwrap();
+}
+
 /// A reservation of a fresh key stopped with the write permit (and SQLite's
 /// write lock) held, before its commit.
 async fn hold_the_permit(store: &SqliteStore) -> (pause::Pause, tokio::task::JoinHandle<()>) {
@@ -309,14 +322,7 @@ async fn an_in_memory_database_of_one_connection_serves_concurrent_reservations(
 async fn a_failed_write_in_a_group_fails_only_what_its_transaction_held() {
     for (raise, before_committed) in [("ROLLBACK", false), ("ABORT", true)] {
         let store = in_memory_store().await;
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "CREATE TRIGGER poison BEFORE UPDATE ON idempotency_keys \
-             WHEN NEW.key LIKE 'poison%' AND NEW.state = 'completed' \
-             BEGIN SELECT RAISE({raise}, 'poisoned'); END;"
-        )))
-        .execute(store.pool())
-        .await
-        .unwrap();
+        poison_completions(&store, raise).await;
         let recorded = idem_testkit::unique("recorded");
         let recorded_token = reserved(&store, &recorded).await;
         store
@@ -1167,14 +1173,7 @@ async fn sqlite_reservation_grouped_with_a_rolled_back_completion_is_answered_tr
     for raise in ["ROLLBACK", "ABORT", "FAIL"] {
         let (store, dir) = idem_testkit::sqlite_store().await;
         let path = dir.path().join("idem.db");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "CREATE TRIGGER poison BEFORE UPDATE ON idempotency_keys \
-             WHEN NEW.key LIKE 'poison%' AND NEW.state = 'completed' \
-             BEGIN SELECT RAISE({raise}, 'poisoned'); END;"
-        )))
-        .execute(store.pool())
-        .await
-        .unwrap();
+        poison_completions(&store, raise).await;
         let poison = idem_testkit::unique("poison");
         let poison_token = reserved(&store, &poison).await;
         let (r1, r2) = (idem_testkit::unique("r1"), idem_testkit::unique("r2"));

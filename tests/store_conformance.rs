@@ -3,7 +3,9 @@
 
 use idem::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
 use idem::{IdempotencyStore, StoreError};
-use idem_testkit::records::{insert_uncommitted, pg_table as table_of, req, reserve, take};
+use idem_testkit::records::{
+    insert_uncommitted, pg_hold_row as hold_row, pg_table as table_of, req, reserve, take,
+};
 use idem_testkit::{Fixture, StoreKind};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1754,26 +1756,6 @@ async fn pg_group_store(connections: u32) -> Option<(String, idem::PgStore)> {
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, connections).await;
     Some((url, store))
-}
-
-/// A transaction on `pool` (not the store's) holding `id`'s row.
-async fn hold_row(
-    pool: &sqlx::PgPool,
-    store: &idem::PgStore,
-    id: &RecordId,
-) -> sqlx::Transaction<'static, sqlx::Postgres> {
-    let mut holder = pool.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT 1 FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
-        table_of(store)
-    )))
-    .bind(&id.tenant)
-    .bind(&id.scope)
-    .bind(&id.key)
-    .execute(&mut *holder)
-    .await
-    .unwrap();
-    holder
 }
 
 /// Until `n` statements on `store`'s table wait on a row lock (a

@@ -347,10 +347,9 @@ impl Exact {
         Some(out)
     }
 
-    /// The value in ECMAScript's layout, with every digit: an integer as its
-    /// digits followed by `.0` (which ECMAScript never writes); another
-    /// number as ECMAScript lays out its digits (`0.000ddd`, `dd.ddd`, or
-    /// `d.ddde±n` past 21 digits before the point or 6 zeros after it).
+    /// The value, not an integer ([`integer`] writes those), in
+    /// ECMAScript's layout with every digit: `0.000ddd`, `dd.ddd`, or
+    /// `d.ddde±n` past 21 digits before the point or 6 zeros after it.
     fn text(&self) -> String {
         let mut out = String::with_capacity(self.digits.len() + 8);
         if self.negative {
@@ -358,11 +357,8 @@ impl Exact {
         }
         let k = i64::try_from(self.digits.len()).unwrap_or(i64::MAX);
         let n = self.point;
-        if n >= k {
-            out.push_str(&self.digits);
-            out.extend(std::iter::repeat_n('0', usize::try_from(n - k).unwrap_or(0)));
-            out.push_str(".0");
-        } else if 0 < n && n <= 21 {
+        debug_assert!(n < k, "an integer's text is `integer`'s");
+        if 0 < n && n <= 21 {
             let (whole, fraction) = self.digits.split_at(usize::try_from(n).unwrap_or(0));
             out.push_str(whole);
             out.push('.');

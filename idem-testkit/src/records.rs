@@ -118,3 +118,28 @@ pub async fn insert_uncommitted(
     }
     holder
 }
+
+/// A transaction on `pool` (not the store's) holding `id`'s row with
+/// `FOR UPDATE`, until it ends: the store's writes of that row wait.
+///
+/// # Panics
+///
+/// When the query fails.
+pub async fn pg_hold_row(
+    pool: &sqlx::PgPool,
+    store: &PgStore,
+    id: &RecordId,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut holder = pool.begin().await.expect("a transaction");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+        pg_table(store)
+    )))
+    .bind(&id.tenant)
+    .bind(&id.scope)
+    .bind(&id.key)
+    .execute(&mut *holder)
+    .await
+    .expect("the row held");
+    holder
+}
