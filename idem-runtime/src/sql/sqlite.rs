@@ -938,25 +938,64 @@ async fn run_off_caller<T: Send + 'static>(
 
 /// The leader's mark, made before its task is spawned and dropped with it.
 /// A leader that ends before the queue is empty (a panic, or its task
-/// dropped) clears it, and answers every write still queued with an error
-/// at once (dropping a job drops its caller's answer channel): they would
-/// otherwise wait for their timeout, and the next write queued starts a
-/// leader of its own.
+/// dropped with its runtime) hands the writes still queued to a leader of
+/// their own on the writers' thread (see [`off_caller`]): a write that
+/// joined the line while the leader was running, or as it was being
+/// dropped, saw a leader and started none, and would otherwise wait for
+/// its timeout, or be failed though nothing went wrong with it. Only when
+/// no such leader can be started (no writers' thread, or its runtime gone)
+/// are they answered with an error at once (dropping a job drops its
+/// caller's answer channel), and the next write queued starts a leader of
+/// its own.
 struct Leading {
-    group: std::sync::Arc<Group>,
+    store: SqliteStore,
     armed: bool,
+}
+
+std::thread_local! {
+    /// Set while a [`Leading`]'s drop spawns the next leader: a spawn on a
+    /// runtime that is gone drops that leader at once, and its own mark's
+    /// drop must then fail the queue rather than spawn again.
+    static HANDING_OVER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 impl Drop for Leading {
     fn drop(&mut self) {
-        if self.armed {
-            let orphans = {
-                let mut queue = self.group.lock();
-                queue.leading = false;
-                std::mem::take(&mut queue.jobs)
-            };
-            drop(orphans);
+        if !self.armed {
+            return;
         }
+        {
+            let mut queue = self.store.group.lock();
+            if queue.jobs.is_empty() {
+                // Under the lock that queues: a write queued after this
+                // starts a leader of its own.
+                queue.leading = false;
+                return;
+            }
+        }
+        // `leading` stays set: the writes queued, and those that join
+        // meanwhile, are the next leader's.
+        let writers = if HANDING_OVER.with(std::cell::Cell::get) {
+            None
+        } else {
+            writer_runtime()
+        };
+        if let Some(writers) = writers {
+            let next = Leading {
+                store: self.store.clone(),
+                armed: true,
+            };
+            HANDING_OVER.with(|h| h.set(true));
+            drop(writers.spawn(self.store.clone().lead(next)));
+            HANDING_OVER.with(|h| h.set(false));
+            return;
+        }
+        let orphans = {
+            let mut queue = self.store.group.lock();
+            queue.leading = false;
+            std::mem::take(&mut queue.jobs)
+        };
+        drop(orphans);
     }
 }
 
@@ -979,9 +1018,10 @@ impl SqliteStore {
         };
         if lead {
             // Its mark made first (see `Leading`): if it cannot start, the
-            // mark's drop answers the queued writes with an error at once.
+            // mark's drop hands the queued writes to a leader on the
+            // writers' thread, or else answers them with an error at once.
             let leading = Leading {
-                group: self.group.clone(),
+                store: self.clone(),
                 armed: true,
             };
             let runtime = off_caller().or_else(|| tokio::runtime::Handle::try_current().ok());
@@ -1004,10 +1044,20 @@ impl SqliteStore {
     /// then, commits them, gives the turn back, and goes on while more are
     /// queued. It runs on the runtime of the write that started it when
     /// that one is a multi-thread runtime, else on the writers' thread (see
-    /// [`off_caller`]).
+    /// [`off_caller`]), as does one that takes over the line from a leader
+    /// that ended early (see [`Leading`]).
     async fn lead(self, mut leading: Leading) {
         loop {
             let Ok(turn) = self.write_turn().await else {
+                // The line is closed: nothing queued can be written, by this
+                // leader or another (the mark's drop would hand it over).
+                let orphans = {
+                    let mut queue = self.group.lock();
+                    queue.leading = false;
+                    std::mem::take(&mut queue.jobs)
+                };
+                leading.armed = false;
+                drop(orphans);
                 return;
             };
             let jobs: Vec<Job> = {
