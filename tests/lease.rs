@@ -1426,6 +1426,95 @@ impl IdempotencyStore for SlowToRelease {
     forward_to_store!(reserve, checkpoint, extend_lock, purge_expired);
 }
 
+/// A SQLite store whose purges fail from the `fails_from`-th batch on
+/// (counting from 1), as when the database goes away in the middle of a
+/// janitor's round.
+struct PurgeFailsFrom {
+    store: idem::SqliteStore,
+    batches: std::sync::atomic::AtomicU64,
+    fails_from: u64,
+}
+
+impl IdempotencyStore for PurgeFailsFrom {
+    fn purge_expired(&self, batch: u32) -> futures_util::future::BoxFuture<'_, Result<u64, StoreError>> {
+        let n = self.batches.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if n >= self.fails_from {
+            return Box::pin(async { Err(StoreError::unavailable("the database went away")) });
+        }
+        self.store.purge_expired(batch)
+    }
+    forward_to_store!(
+        reserve,
+        complete,
+        release,
+        reject,
+        checkpoint,
+        extend_lock,
+        hand_back
+    );
+}
+
+/// A janitor's round that fails after two batches committed: what they
+/// deleted is gone from the table and counted in `removed()` (the round's
+/// total was counted only when the whole round succeeded), and
+/// `purge_expired` says the batch's error.
+#[tokio::test]
+async fn a_janitor_round_that_fails_midway_counts_the_batches_it_committed() {
+    use idem_testkit::records::take;
+    let (sqlite, _dir) = idem_testkit::sqlite_store().await;
+    let short = Duration::from_millis(1);
+    for i in 0..250 {
+        let id = RecordId::new("t", "janitor", format!("k{i}"));
+        let lease = take(&sqlite, &id, "f", short, Duration::from_secs(30)).await;
+        let done = StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: Some(vec![]),
+        };
+        sqlite.complete(&id, &lease.token, &done).await.unwrap();
+    }
+    // Past their TTL.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let left = |pool: sqlx::SqlitePool| async move {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        n
+    };
+    let store = Arc::new(PurgeFailsFrom {
+        store: sqlite.clone(),
+        batches: Default::default(),
+        fails_from: 3,
+    });
+    let janitor = idem::Janitor::start(store.clone(), Duration::from_secs(3600), 100);
+    for _ in 0..500 {
+        if store.batches.load(std::sync::atomic::Ordering::SeqCst) >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        store.batches.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "the round's third batch"
+    );
+    assert_eq!(left(sqlite.pool().clone()).await, 50);
+    assert_eq!(janitor.removed(), 200);
+    janitor.stop();
+    // Called directly, the batch's error, and what came before it deleted.
+    let direct = PurgeFailsFrom {
+        store: sqlite.clone(),
+        batches: Default::default(),
+        fails_from: 2,
+    };
+    assert!(matches!(
+        idem::purge_expired(&direct, 30).await,
+        Err(StoreError::Unavailable { .. })
+    ));
+    assert_eq!(left(sqlite.pool().clone()).await, 20);
+}
+
 /// A give-back that fails after a long first try goes on in the background
 /// for a lock timeout counted from that failure, not from before the try:
 /// the lease kept extending the lock meanwhile. Here the store recovers

@@ -19,13 +19,25 @@ use std::time::Duration;
 /// # }
 /// ```
 pub async fn purge_expired(store: &dyn IdempotencyStore, batch: u32) -> Result<u64, StoreError> {
-    let batch = batch.max(1);
     let mut total = 0;
+    purge_batches(store, batch, |n| total += n).await?;
+    Ok(total)
+}
+
+/// Purges batch after batch until one comes back short, telling `removed`
+/// what each deleted as soon as it is committed (so that a later batch's
+/// failure loses no count).
+async fn purge_batches(
+    store: &dyn IdempotencyStore,
+    batch: u32,
+    mut removed: impl FnMut(u64),
+) -> Result<(), StoreError> {
+    let batch = batch.max(1);
     loop {
-        let removed = store.purge_expired(batch).await?;
-        total += removed;
-        if removed < u64::from(batch) {
-            return Ok(total);
+        let n = store.purge_expired(batch).await?;
+        removed(n);
+        if n < u64::from(batch) {
+            return Ok(());
         }
         tokio::task::yield_now().await;
     }
@@ -67,20 +79,28 @@ impl Janitor {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                match purge_expired(&*store, batch).await {
-                    Ok(0) => {}
-                    Ok(n) => {
-                        counter.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-                        tracing::info!(removed = n, "idempotency janitor removed expired records");
-                    }
-                    Err(e) => tracing::warn!(error = %e, "idempotency janitor failed; retrying next round"),
+                let mut round = 0;
+                let done = purge_batches(&*store, batch, |n| {
+                    round += n;
+                    counter.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                })
+                .await;
+                match done {
+                    Ok(()) if round == 0 => {}
+                    Ok(()) => tracing::info!(removed = round, "idempotency janitor removed expired records"),
+                    Err(e) => tracing::warn!(
+                        error = %e,
+                        removed = round,
+                        "idempotency janitor failed; retrying next round"
+                    ),
                 }
             }
         });
         Janitor { task, removed }
     }
 
-    /// How many records it removed so far.
+    /// How many records it removed so far: every batch it committed, in
+    /// rounds that ended in a failure as in the others.
     pub fn removed(&self) -> u64 {
         self.removed.load(std::sync::atomic::Ordering::Relaxed)
     }
