@@ -474,13 +474,12 @@ fn queued_behind_a_group_whose_runtime_shuts_down(
     (written, store, dir, key, token)
 }
 
-/// A leader that goes with its (multi-thread) runtime while a group runs:
-/// the writes queued behind it, from another runtime, get a leader of their
-/// own on the writers' thread and are written, at once, not failed (nor
-/// left to their timeout). A write that joins the line as that leader's
-/// task is being dropped is one of them.
+/// A leader whose (multi-thread) runtime shuts down while its group runs
+/// (paused before its commit): the group goes on from the writers' thread,
+/// and so does the write queued behind it from another runtime, at once,
+/// as from a current-thread runtime (next test).
 #[test]
-fn a_leader_lost_with_its_runtime_hands_the_writes_queued_behind_it_to_another() {
+fn a_group_whose_leaders_runtime_shuts_down_goes_on_with_the_writes_behind_it() {
     let first = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -489,6 +488,80 @@ fn a_leader_lost_with_its_runtime_hands_the_writes_queued_behind_it_to_another()
     let (queued, store, _dir, key, _) = queued_behind_a_group_whose_runtime_shuts_down(first);
     queued.unwrap();
     runtime().block_on(assert_replays(&store, &key));
+}
+
+/// A leader dropped with its (multi-thread) runtime before it took any
+/// write from the queue (here: waiting for the pool's one connection, which
+/// the test holds): the writes queued are handed to a leader on the
+/// writers' thread, which writes them once the connection is free; one
+/// whose caller gave up before its turn is not written.
+#[test]
+fn a_leader_dropped_before_its_group_hands_the_queue_to_another() {
+    let setup = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    let (store, held, keys, tokens) = setup.block_on(async {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(
+                SqliteConnectOptions::new()
+                    .filename(&path)
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal),
+            )
+            .await
+            .unwrap();
+        let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(120));
+        store.migrate().await.unwrap();
+        let keys = [idem_testkit::unique("given-up"), idem_testkit::unique("handed")];
+        // Through a store of their own: `store` has led no group yet.
+        let mut tokens = Vec::new();
+        for key in &keys {
+            tokens.push(reserved_elsewhere(&path, key).await);
+        }
+        let held = store.pool().acquire().await.unwrap();
+        (store, held, keys, tokens)
+    });
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    // A completion from `first` starts the leader there; its caller then
+    // gives up on it.
+    let (given_up, given_up_body) = (id(&keys[0]), answer(&keys[0]));
+    first.block_on(async {
+        let mut write = store.complete(&given_up, tokens[0], &given_up_body);
+        assert!(write.as_mut().poll(&mut cx).is_pending());
+    });
+    // A completion from another runtime, queued behind.
+    let caller = runtime();
+    let (handed, handed_body) = (id(&keys[1]), answer(&keys[1]));
+    let mut write = store.complete(&handed, tokens[1], &handed_body);
+    {
+        let _context = caller.enter();
+        assert!(write.as_mut().poll(&mut cx).is_pending());
+    }
+    first.shutdown_timeout(Duration::from_secs(10));
+    // Given back from a runtime driven while the write is awaited (sqlx
+    // gives a connection back from a task spawned where it is dropped).
+    let written = caller.block_on(async {
+        drop(held);
+        tokio::time::timeout(Duration::from_secs(10), write).await
+    });
+    written.expect("answered").unwrap();
+    setup.block_on(async {
+        assert_eq!(
+            state_seen_elsewhere(&path, &keys[1]).await.unwrap().0,
+            "completed"
+        );
+        assert_eq!(
+            state_seen_elsewhere(&path, &keys[0]).await.unwrap().0,
+            "in_progress"
+        );
+        served_within(&store, Duration::from_secs(5)).await;
+    });
 }
 
 /// A group started from a current-thread runtime is led from the writers'
@@ -1516,13 +1589,15 @@ async fn sqlite_reservation_given_up_mid_group_leaves_no_lock() {
 }
 
 /// The leader runs on a runtime that shuts down while its group (holding a
-/// completion issued from another runtime) waits before its commit: that
-/// completion is told it failed, and is not completed; the store serves on.
+/// completion issued from another runtime, and a reservation) waits before
+/// its commit: the group goes on from the writers' thread once let go, the
+/// completion is committed and told so, the reservation too; the store
+/// serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_leader_runtime_shutdown_mid_group_answers_other_runtimes_truthfully() {
+async fn a_group_whose_leaders_runtime_shuts_down_goes_on_and_answers_each_caller() {
     let (store, dir) = idem_testkit::sqlite_store().await;
     // No caller gives up on its own (that answer is "not known", whatever
-    // is then committed): each is answered by the group, or by its end.
+    // is then committed): each is answered by the group.
     let store = store.with_timeout(Duration::from_secs(120));
     let path = dir.path().join("idem.db");
     let key = idem_testkit::unique("cross");
@@ -1554,26 +1629,369 @@ async fn sqlite_leader_runtime_shutdown_mid_group_answers_other_runtimes_truthfu
     tokio::time::timeout(Duration::from_secs(20), stop.reached())
         .await
         .unwrap();
-    // rt1 goes away with the leader mid-group.
-    rt1.shutdown_background();
+    // rt1 goes away (its workers joined) with the leader mid-group.
+    tokio::task::spawn_blocking(move || rt1.shutdown_timeout(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    stop.resume();
     let told = tokio::time::timeout(Duration::from_secs(10), done)
         .await
         .expect("answered")
         .unwrap();
-    let _ = tokio::time::timeout(Duration::from_secs(10), stopping)
+    let stopped = tokio::time::timeout(Duration::from_secs(10), stopping)
         .await
         .expect("answered")
         .unwrap();
-    drop(stop);
-    let row = state_seen_elsewhere(&path, &key).await.unwrap();
-    assert_eq!(row.0 == "completed", told.is_ok(), "told {told:?}, holds {row:?}");
-    // The store serves on, and retrying the completion works.
-    if told.is_err() {
-        store.complete(&id(&key), token, &answer(&key)).await.unwrap();
-    }
+    told.unwrap();
+    assert!(matches!(stopped, Ok(Reservation::Reserved(_))), "{stopped:?}");
+    assert_eq!(state_seen_elsewhere(&path, &key).await.unwrap().0, "completed");
+    assert_eq!(
+        state_seen_elsewhere(&path, &stopper).await.unwrap().0,
+        "in_progress"
+    );
     let later = idem_testkit::unique("later");
     let t = reserved(&store, &later).await;
     store.complete(&id(&later), t, &answer(&later)).await.unwrap();
     assert_eq!(state_seen_elsewhere(&path, &later).await.unwrap().0, "completed");
-    assert_eq!(state_seen_elsewhere(&path, &key).await.unwrap().0, "completed");
+}
+
+/// A group leader whose runtime shuts down while its group's COMMIT is
+/// under way in sqlx's worker, which runs it whatever becomes of the future
+/// that asked. The COMMIT is held by a SQLite commit hook that blocks (on a
+/// std channel) when the transaction wrote a marker row, which a trigger
+/// writes for keys starting `cut`.
+mod cut_in_its_commit {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// Holds the next COMMIT of a transaction that wrote to `marks`.
+    #[derive(Default)]
+    struct Hold {
+        marked: AtomicBool,
+        reached: Mutex<Option<mpsc::Sender<()>>>,
+        released: Mutex<Option<mpsc::Receiver<()>>>,
+    }
+
+    struct Fixture {
+        store: SqliteStore,
+        path: std::path::PathBuf,
+        _dir: tempfile::TempDir,
+        held: mpsc::Receiver<()>,
+        release: mpsc::Sender<()>,
+    }
+
+    async fn fixture(connections: u32) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idem.db");
+        let file = SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(30));
+        fixture_on(file, connections, path, dir).await
+    }
+
+    async fn fixture_on(
+        file: SqliteConnectOptions,
+        connections: u32,
+        path: std::path::PathBuf,
+        dir: tempfile::TempDir,
+    ) -> Fixture {
+        let hold = Arc::new(Hold::default());
+        let (reached, held) = mpsc::channel::<()>();
+        let (release, released) = mpsc::channel::<()>();
+        *hold.reached.lock().unwrap() = Some(reached);
+        *hold.released.lock().unwrap() = Some(released);
+        let hooks = hold.clone();
+        let pool = SqlitePoolOptions::new()
+            .max_connections(connections)
+            .after_connect(move |conn, _| {
+                let hold = hooks.clone();
+                Box::pin(async move {
+                    let mut handle = conn.lock_handle().await?;
+                    let on_update = hold.clone();
+                    handle.set_update_hook(move |u| {
+                        if u.table == "marks" {
+                            on_update.marked.store(true, Ordering::SeqCst);
+                        }
+                    });
+                    let on_rollback = hold.clone();
+                    handle.set_rollback_hook(move || on_rollback.marked.store(false, Ordering::SeqCst));
+                    handle.set_commit_hook(move || {
+                        if hold.marked.swap(false, Ordering::SeqCst) {
+                            let reached = hold.reached.lock().unwrap().take();
+                            let released = hold.released.lock().unwrap().take();
+                            let _ = reached.map(|r| r.send(()));
+                            let _ = released.map(|r| r.recv_timeout(Duration::from_secs(30)));
+                        }
+                        // true: go on with the commit.
+                        true
+                    });
+                    Ok(())
+                })
+            })
+            .connect_with(file)
+            .await
+            .unwrap();
+        let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(120));
+        store.migrate().await.unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE marks (key TEXT NOT NULL); \
+             CREATE TRIGGER mark_ins AFTER INSERT ON idempotency_keys WHEN NEW.key LIKE 'cutr%' \
+             BEGIN INSERT INTO marks (key) VALUES (NEW.key); END; \
+             CREATE TRIGGER mark_upd AFTER UPDATE ON idempotency_keys \
+             WHEN NEW.key LIKE 'cut%' AND NEW.state = 'completed' \
+             BEGIN INSERT INTO marks (key) VALUES (NEW.key); END;",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        Fixture {
+            store,
+            path,
+            _dir: dir,
+            held,
+            release,
+        }
+    }
+
+    /// A reservation of a fresh key paused before its commit (write permit
+    /// held), its leader started on `rt`.
+    fn hold_on(rt: &tokio::runtime::Runtime, store: &SqliteStore) -> pause::Pause {
+        let key = idem_testkit::unique("holder");
+        let mut paused = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &key);
+        let store = store.clone();
+        rt.spawn(async move {
+            let _ = store.reserve(req(&id(&key), idem_testkit::token())).await;
+        });
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(20), paused.reached())
+                .await
+                .expect("the holder reaches its commit");
+        });
+        paused
+    }
+
+    fn leader_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// A completion queued (from another runtime) behind a group led on a
+    /// multi-thread runtime; that runtime shuts down while the completion's
+    /// own COMMIT is under way in sqlx's worker (held there by a commit hook);
+    /// then the COMMIT is let go. Its caller is told it is done, and it is
+    /// (it used to be told "did not finish", the leader dropped mid-commit).
+    #[test]
+    fn a_completion_whose_leader_goes_during_its_commit_is_told_done() {
+        let setup = runtime();
+        let fx = setup.block_on(fixture(8));
+        let key = idem_testkit::unique("cut-complete");
+        // Reserved through a store of its own on the file (no leader of
+        // `fx.store` left anywhere), outside the marker (only completions of
+        // `cut%` are marked; the insert is marked too, so hold is not armed yet:
+        // use another store whose connections have no hooks).
+        let token = idem_testkit::token();
+        setup.block_on(async {
+            let elsewhere = SqliteStore::open(&fx.path).await.unwrap();
+            match elsewhere.reserve(req(&id(&key), token)).await.unwrap() {
+                Reservation::Reserved(_) => {}
+                other => panic!("{other:?}"),
+            }
+            elsewhere.pool().close().await;
+        });
+        let rt1 = leader_runtime();
+        let paused = hold_on(&rt1, &fx.store);
+        let caller = runtime();
+        let body = answer(&key);
+        let queued = id(&key);
+        let mut write: Fut<Result<(), idem::StoreError>> = {
+            let store = fx.store.clone();
+            Box::pin(async move { store.complete(&queued, token, &body).await })
+        };
+        {
+            let _context = caller.enter();
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(write.as_mut().poll(&mut cx).is_pending());
+        }
+        // The holder's group commits; the leader (on rt1) takes the completion
+        // next and is held in its COMMIT.
+        paused.resume();
+        fx.held
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the completion's commit is held");
+        rt1.shutdown_timeout(Duration::from_secs(10));
+        fx.release.send(()).unwrap();
+        let told = caller.block_on(async { tokio::time::timeout(Duration::from_secs(20), write).await });
+        let told = told.expect("answered");
+        let row = caller.block_on(eventually_row(&fx.path, &key, |r| {
+            r.as_ref().is_some_and(|r| r.0 == "completed")
+        }));
+        let completed = row.as_ref().is_some_and(|r| r.0 == "completed");
+        assert!(completed && told.is_ok(), "told {told:?}, the file holds {row:?}");
+    }
+
+    /// The same with a reservation in a `BEGIN IMMEDIATE` group: its caller is
+    /// told it holds the key, and the file holds the key under its token (it
+    /// used to be told "did not finish" while the key stayed taken under its
+    /// token: a lock nobody held, met by every retry until its timeout).
+    #[test]
+    fn a_reservation_whose_leader_goes_during_its_commit_is_told_it_holds_the_key() {
+        let setup = runtime();
+        let fx = setup.block_on(fixture(8));
+        let key = idem_testkit::unique("cutr-reserve");
+        let rt1 = leader_runtime();
+        let paused = hold_on(&rt1, &fx.store);
+        let caller = runtime();
+        let token = idem_testkit::token();
+        let mut write: Fut<Result<Reservation, idem::StoreError>> = {
+            let store = fx.store.clone();
+            let key = key.clone();
+            Box::pin(async move { store.reserve(req(&id(&key), token)).await })
+        };
+        // Polled by hand past its peek (on the writers' thread) until it joins.
+        {
+            let mut peeked = pause::arm(pause::SQLITE_RESERVE_AFTER_PEEK, &key);
+            let _context = caller.enter();
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            let started = Instant::now();
+            loop {
+                assert!(write.as_mut().poll(&mut cx).is_pending());
+                if peeked.is_reached() {
+                    break;
+                }
+                assert!(started.elapsed() < Duration::from_secs(20));
+                std::thread::yield_now();
+            }
+            peeked.resume();
+            assert!(write.as_mut().poll(&mut cx).is_pending());
+        }
+        paused.resume();
+        fx.held
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the reservation's commit is held");
+        rt1.shutdown_timeout(Duration::from_secs(10));
+        fx.release.send(()).unwrap();
+        let told = caller
+            .block_on(async { tokio::time::timeout(Duration::from_secs(20), write).await })
+            .expect("answered");
+        let row = caller.block_on(eventually_row(&fx.path, &key, |r| r.is_some()));
+        let retry = caller.block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(20),
+                fx.store.reserve(req(&id(&key), idem_testkit::token())),
+            )
+            .await
+            .expect("retry answered")
+        });
+        assert!(
+            matches!(told, Ok(Reservation::Reserved(_))),
+            "told {told:?}; the file holds {row:?}"
+        );
+        assert_eq!(row, Some(("in_progress".to_owned(), Some(token.to_owned()))));
+        // The caller holds it: a retry meets its lock.
+        assert!(matches!(retry, Ok(Reservation::InProgress { .. })), "{retry:?}");
+    }
+
+    /// The documented one-connection database in memory: a group of two
+    /// completions (BEGIN IMMEDIATE .. COMMIT on the one connection) whose
+    /// leader's runtime shuts down while its COMMIT is held, with a third
+    /// completion queued behind it meanwhile. Each of the three is told done
+    /// and is completed, the pool still serves, and a transaction the
+    /// application drops is rolled back.
+    #[test]
+    fn a_group_in_memory_whose_leader_goes_during_its_commit_answers_each_and_serves_on() {
+        use std::str::FromStr as _;
+        let rt1 = leader_runtime();
+        let dir = tempfile::tempdir().unwrap();
+        let fx = rt1.block_on(fixture_on(
+            SqliteConnectOptions::from_str("sqlite::memory:").unwrap(),
+            1,
+            dir.path().join("unused"),
+            dir,
+        ));
+        let keys = [
+            idem_testkit::unique("cut-mem"),
+            idem_testkit::unique("plain"),
+            idem_testkit::unique("behind"),
+        ];
+        let tokens: Vec<&'static str> = rt1.block_on(async {
+            let mut tokens = Vec::new();
+            for k in &keys {
+                let t = idem_testkit::token();
+                match fx.store.reserve(req(&id(k), t)).await.unwrap() {
+                    Reservation::Reserved(_) => tokens.push(t),
+                    other => panic!("{other:?}"),
+                }
+            }
+            tokens
+        });
+        let paused = hold_on(&rt1, &fx.store);
+        let caller = runtime();
+        let complete = |i: usize| -> Fut<Result<(), idem::StoreError>> {
+            let store = fx.store.clone();
+            let (key, token) = (keys[i].clone(), tokens[i]);
+            let mut fut: Fut<Result<(), idem::StoreError>> =
+                Box::pin(async move { store.complete(&id(&key), token, &answer(&key)).await });
+            let _context = caller.enter();
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(fut.as_mut().poll(&mut cx).is_pending());
+            fut
+        };
+        let first = complete(0);
+        let second = complete(1);
+        paused.resume();
+        fx.held
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the group's commit is held");
+        // Queued while the leader is in its commit: written after it.
+        let queued = complete(2);
+        rt1.shutdown_timeout(Duration::from_secs(10));
+        fx.release.send(()).unwrap();
+        let mut wrong: Vec<String> = Vec::new();
+        caller.block_on(async {
+            let store = &fx.store;
+            let state = |k: String| async move {
+                let row: Option<(String, Option<String>)> =
+                    sqlx::query_as("SELECT state, lock_token FROM idempotency_keys WHERE key = ?")
+                        .bind(k)
+                        .fetch_optional(store.pool())
+                        .await
+                        .unwrap();
+                row
+            };
+            for (i, fut) in [first, second, queued].into_iter().enumerate() {
+                let told = tokio::time::timeout(Duration::from_secs(20), fut).await;
+                let row = tokio::time::timeout(Duration::from_secs(10), state(keys[i].clone())).await;
+                let completed = matches!(&row, Ok(Some((s, _))) if s == "completed");
+                let ok = matches!(told, Ok(Ok(())));
+                if !(completed && ok) {
+                    wrong.push(format!("{}: told {told:?}, holds {row:?}", keys[i]));
+                }
+            }
+            let later = idem_testkit::unique("later");
+            let t = idem_testkit::token();
+            let served = tokio::time::timeout(Duration::from_secs(10), async {
+                store.reserve(req(&id(&later), t)).await?;
+                store.complete(&id(&later), t, &answer(&later)).await
+            })
+            .await;
+            if !matches!(served, Ok(Ok(()))) {
+                wrong.push(format!("the pool does not serve: {served:?}"));
+            }
+            match tokio::time::timeout(
+                Duration::from_secs(10),
+                idem_testkit::dropped_transaction_rolls_back(store.pool()),
+            )
+            .await
+            {
+                Ok(true) => {}
+                other => wrong.push(format!("a dropped transaction rolls back: {other:?}")),
+            }
+        });
+        assert!(wrong.is_empty(), "{wrong:#?}");
+    }
 }

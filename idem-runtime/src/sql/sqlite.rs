@@ -890,24 +890,43 @@ impl<F: std::future::Future> std::future::Future for OnWriters<F> {
     }
 }
 
-/// A group leader's task: when its runtime drops it before it is done (the
-/// runtime is shutting down), what is left of it is dropped on the
-/// writers' runtime instead, so that its connection goes back to the pool
-/// from there rather than being closed with that runtime's tasks (which
-/// would lose a database in memory).
+/// A group leader's task. When its runtime drops it before it is done (the
+/// runtime is shutting down), what is left of it goes on to the writers'
+/// runtime: while the leader holds writes taken from the queue (their
+/// statements may be under way in sqlx's worker, its COMMIT among them,
+/// which that worker runs whatever becomes of the future that asked), it
+/// goes on there to its end, so that each of them is answered as it turned
+/// out, not told that it failed while it is committed (nor a reservation
+/// left holding a key for a caller told it did not get it); otherwise
+/// (waiting for its turn or for a connection, holding no write: it then
+/// awaits a timer of the dropped runtime, which would fail) it is dropped
+/// there, and its mark hands the queue to another leader (see
+/// [`Leading`]). Either way its connection goes back to the pool from
+/// there rather than being closed with that runtime's tasks (which would
+/// lose a database in memory).
 struct LeaderTask<F: std::future::Future<Output = ()> + Send + 'static> {
     inner: Option<std::pin::Pin<Box<F>>>,
+    /// Set by [`SqliteStore::lead`] while it holds writes taken from the
+    /// queue.
+    in_group: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Set while `inner` is polled: still set when it is dropped, that poll
+    /// panicked, and `inner` cannot be polled again.
+    polling: bool,
 }
 
 impl<F: std::future::Future<Output = ()> + Send + 'static> std::future::Future for LeaderTask<F> {
     type Output = ();
 
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
-        let Some(inner) = self.inner.as_mut() else {
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        let this = self.get_mut();
+        let Some(inner) = this.inner.as_mut() else {
             return std::task::Poll::Ready(());
         };
-        std::task::ready!(inner.as_mut().poll(cx));
-        self.inner = None;
+        this.polling = true;
+        let polled = inner.as_mut().poll(cx);
+        this.polling = false;
+        std::task::ready!(polled);
+        this.inner = None;
         std::task::Poll::Ready(())
     }
 }
@@ -917,7 +936,11 @@ impl<F: std::future::Future<Output = ()> + Send + 'static> Drop for LeaderTask<F
         if let (Some(inner), Some(writers)) = (self.inner.take(), writer_runtime()) {
             // A spawn on another runtime's handle, which (unlike entering its
             // context) a drop may do while tokio is spawning.
-            drop(writers.spawn(async move { drop(inner) }));
+            if self.in_group.load(std::sync::atomic::Ordering::SeqCst) && !self.polling {
+                drop(writers.spawn(inner));
+            } else {
+                drop(writers.spawn(async move { drop(inner) }));
+            }
         }
     }
 }
@@ -986,7 +1009,8 @@ impl Drop for Leading {
                 armed: true,
             };
             HANDING_OVER.with(|h| h.set(true));
-            drop(writers.spawn(self.store.clone().lead(next)));
+            let in_group = std::sync::Arc::default();
+            drop(writers.spawn(self.store.clone().lead(next, in_group)));
             HANDING_OVER.with(|h| h.set(false));
             return;
         }
@@ -1028,9 +1052,14 @@ impl SqliteStore {
             match runtime {
                 // Its connection given back on the writers' runtime if its
                 // own shuts down while it runs.
-                Some(runtime) => drop(runtime.spawn(LeaderTask {
-                    inner: Some(Box::pin(self.clone().lead(leading))),
-                })),
+                Some(runtime) => {
+                    let in_group = std::sync::Arc::<std::sync::atomic::AtomicBool>::default();
+                    drop(runtime.spawn(LeaderTask {
+                        inner: Some(Box::pin(self.clone().lead(leading, in_group.clone()))),
+                        in_group,
+                        polling: false,
+                    }));
+                }
                 None => {
                     tracing::error!("no runtime to commit SQLite's writes on");
                     drop(leading);
@@ -1040,13 +1069,14 @@ impl SqliteStore {
     }
 
     /// Commits groups while writes are queued: waits its turn at the write
-    /// lock with the process's other writers, takes every write queued by
-    /// then, commits them, gives the turn back, and goes on while more are
-    /// queued. It runs on the runtime of the write that started it when
+    /// lock with the process's other writers, then for a connection, takes
+    /// every write queued by then (`in_group` set while it holds them: see
+    /// [`LeaderTask`]), commits them, gives the turn back, and goes on while
+    /// more are queued. It runs on the runtime of the write that started it when
     /// that one is a multi-thread runtime, else on the writers' thread (see
     /// [`off_caller`]), as does one that takes over the line from a leader
     /// that ended early (see [`Leading`]).
-    async fn lead(self, mut leading: Leading) {
+    async fn lead(self, mut leading: Leading, in_group: std::sync::Arc<std::sync::atomic::AtomicBool>) {
         loop {
             let Ok(turn) = self.write_turn().await else {
                 // The line is closed: nothing queued can be written, by this
@@ -1060,12 +1090,18 @@ impl SqliteStore {
                 drop(orphans);
                 return;
             };
+            // The connection before the writes: until they are taken from
+            // the queue, this task may be dropped (its runtime shutting
+            // down) and lose none of them (see `LeaderTask`).
+            let conn = self.pool.acquire().await;
             let jobs: Vec<Job> = {
                 let mut queue = self.group.lock();
                 let n = queue.jobs.len().min(GROUP_MAX);
                 queue.jobs.drain(..n).collect()
             };
-            self.commit_group(jobs).await;
+            in_group.store(true, std::sync::atomic::Ordering::SeqCst);
+            self.commit_group(conn, jobs).await;
+            in_group.store(false, std::sync::atomic::Ordering::SeqCst);
             drop(turn);
             let mut queue = self.group.lock();
             if queue.jobs.is_empty() {
@@ -1078,58 +1114,63 @@ impl SqliteStore {
         }
     }
 
-    /// Runs `jobs` in one `BEGIN IMMEDIATE` transaction and commits it, then
-    /// answers each; a job whose statements fail ends its transaction (what
-    /// came before it commits), and the rest go on in another.
-    async fn commit_group(&self, mut jobs: Vec<Job>) {
+    /// Runs `jobs` on `conn` in one `BEGIN IMMEDIATE` transaction and
+    /// commits it, then answers each. A job whose statements fail ends the
+    /// transaction (what came before it commits), and the jobs after it
+    /// are first in line again, for the next.
+    async fn commit_group(
+        &self,
+        conn: Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, sqlx::Error>,
+        mut jobs: Vec<Job>,
+    ) {
+        let conn = match conn {
+            Ok(conn) => conn,
+            Err(e) => return Self::fail_all(jobs.into_iter(), sql::map_err(e)).await,
+        };
         if let [only] = &jobs[..] {
             if only.one_statement {
                 let job = jobs.pop().unwrap_or_else(|| unreachable!("one job"));
-                match self.pool.acquire().await {
-                    Ok(mut conn) => ((job.run)(Ok(&mut *conn)).await.answer)(Ok(())),
-                    Err(e) => ((job.run)(Err(sql::map_err(e))).await.answer)(Ok(())),
-                }
-                return;
+                let mut conn = conn;
+                return ((job.run)(Ok(&mut *conn)).await.answer)(Ok(()));
             }
         }
-        let mut jobs = jobs.into_iter().peekable();
-        while jobs.peek().is_some() {
-            let mut group_conn = match self.pool.acquire().await {
-                Ok(conn) => GroupConnection(Some(conn)),
+        let mut group_conn = GroupConnection(Some(conn));
+        let Some(conn) = group_conn.0.as_mut() else {
+            return;
+        };
+        let mut jobs = jobs.into_iter();
+        let mut answers = Vec::new();
+        let committed = {
+            let mut tx = match sqlx::Connection::begin_with(&mut **conn, "BEGIN IMMEDIATE").await {
+                Ok(tx) => tx,
                 Err(e) => return Self::fail_all(jobs, sql::map_err(e)).await,
             };
-            let Some(conn) = group_conn.0.as_mut() else {
-                return;
-            };
-            let mut answers = Vec::new();
-            let committed = {
-                let mut tx = match sqlx::Connection::begin_with(&mut **conn, "BEGIN IMMEDIATE").await {
-                    Ok(tx) => tx,
-                    Err(e) => return Self::fail_all(jobs, sql::map_err(e)).await,
-                };
-                for job in jobs.by_ref() {
-                    let written = (job.run)(Ok(&mut *tx)).await;
-                    answers.push(written.answer);
-                    if written.failed {
-                        break;
-                    }
+            for job in jobs.by_ref() {
+                let written = (job.run)(Ok(&mut *tx)).await;
+                answers.push(written.answer);
+                if written.failed {
+                    break;
                 }
-                tx.commit().await.map_err(sql::map_err)
-            };
-            // SQLite may have ended the transaction by itself (on some
-            // errors a failed statement rolls back the whole transaction,
-            // and the commit then fails): sqlx would still count it open,
-            // and every `BEGIN` on the connection would fail. The count is
-            // put right; a connection that cannot be is closed (which, for
-            // a database in memory, would lose it: the last resort).
-            if committed.is_err() && settle(conn).await.is_err() {
-                conn.close_on_drop();
             }
-            // Done: back to the pool as it is.
-            drop(group_conn.0.take());
-            for answer in answers {
-                answer(committed.clone());
-            }
+            tx.commit().await.map_err(sql::map_err)
+        };
+        // SQLite may have ended the transaction by itself (on some errors a
+        // failed statement rolls back the whole transaction, and the commit
+        // then fails): sqlx would still count it open, and every `BEGIN` on
+        // the connection would fail. The count is put right; a connection
+        // that cannot be is closed (which, for a database in memory, would
+        // lose it: the last resort).
+        if committed.is_err() && settle(conn).await.is_err() {
+            conn.close_on_drop();
+        }
+        // Done: back to the pool as it is.
+        drop(group_conn.0.take());
+        let rest: Vec<Job> = jobs.collect();
+        if !rest.is_empty() {
+            self.group.lock().jobs.splice(0..0, rest);
+        }
+        for answer in answers {
+            answer(committed.clone());
         }
     }
 
