@@ -564,6 +564,126 @@ fn a_leader_dropped_before_its_group_hands_the_queue_to_another() {
     });
 }
 
+/// The documented one-connection database in memory, its leader on a
+/// multi-thread runtime waiting for the pool's one connection (in use
+/// elsewhere), which sqlx is handing over through an application's
+/// `before_acquire` check, held open here, when that runtime shuts down:
+/// the leader goes on from the writers' thread, the connection is not
+/// dropped halfway through sqlx's hand-over (which closes it, and a
+/// database in memory with it), the write queued from another runtime is
+/// written, one whose caller went with the runtime is not, and the database
+/// serves on.
+#[test]
+fn a_leader_whose_runtime_goes_while_the_pool_hands_it_a_connection_loses_no_database_in_memory() {
+    type Hold = Arc<Mutex<Option<(mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>)>>>;
+    let hold: Hold = Arc::default();
+    let table = idem_testkit::unique("handed_over").replace('-', "_");
+    let setup = runtime();
+    let store = setup.block_on(async {
+        let hook = hold.clone();
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .before_acquire(move |_, _| {
+                let armed = hook.lock().unwrap().take();
+                Box::pin(async move {
+                    if let Some((reached, release)) = armed {
+                        let _ = reached.send(());
+                        let _ = release.await;
+                    }
+                    Ok(true)
+                })
+            })
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        // A table of its own: its leader's pause point is keyed by it.
+        let store = SqliteStore::new(pool)
+            .with_table(&table)
+            .unwrap()
+            .with_timeout(Duration::from_secs(120));
+        store.migrate().await.unwrap();
+        store
+    });
+    let keys = [
+        idem_testkit::unique("paid"),
+        idem_testkit::unique("given-up"),
+        idem_testkit::unique("queued"),
+    ];
+    let (tokens, busy) = setup.block_on(async {
+        let paid = reserved(&store, &keys[0]).await;
+        store
+            .complete(&id(&keys[0]), paid, &answer(&keys[0]))
+            .await
+            .unwrap();
+        let tokens = [reserved(&store, &keys[1]).await, reserved(&store, &keys[2]).await];
+        // The connection in use elsewhere (an application's), once the
+        // set-up's leader has given it back.
+        let busy = tokio::time::timeout(Duration::from_secs(10), store.pool().acquire())
+            .await
+            .unwrap()
+            .unwrap();
+        (tokens, busy)
+    });
+    let (reached_tx, reached) = mpsc::channel();
+    let (release, release_rx) = tokio::sync::oneshot::channel();
+    *hold.lock().unwrap() = Some((reached_tx, release_rx));
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    // A completion from `first` starts the leader there (which finds no
+    // idle connection); its caller goes with `first`.
+    let (given_up, given_up_body) = (id(&keys[1]), answer(&keys[1]));
+    let waits = pause::arm(
+        pause::SQLITE_GROUP_WAITS_FOR_A_CONNECTION,
+        &format!("\"{table}\""),
+    );
+    first.block_on(async {
+        let mut write = store.complete(&given_up, tokens[0], &given_up_body);
+        assert!(write.as_mut().poll(&mut cx).is_pending());
+        let mut waits = waits;
+        tokio::time::timeout(Duration::from_secs(20), waits.reached())
+            .await
+            .expect("the leader finds no idle connection");
+        waits.resume();
+    });
+    let caller = runtime();
+    let (queued, queued_body) = (id(&keys[2]), answer(&keys[2]));
+    let mut write = store.complete(&queued, tokens[1], &queued_body);
+    {
+        let _context = caller.enter();
+        assert!(write.as_mut().poll(&mut cx).is_pending());
+    }
+    // The connection given back (from the runtime that drops it, driven
+    // meanwhile) is being handed to the leader, held in the check.
+    setup.block_on(async {
+        drop(busy);
+        tokio::task::spawn_blocking(move || reached.recv_timeout(Duration::from_secs(20)))
+            .await
+            .unwrap()
+            .expect("the connection's hand-over is held in its check");
+    });
+    first.shutdown_timeout(Duration::from_secs(10));
+    drop(release);
+    let written = caller.block_on(async { tokio::time::timeout(Duration::from_secs(10), write).await });
+    written.expect("answered").unwrap();
+    caller.block_on(async {
+        assert_replays(&store, &keys[0]).await;
+        assert_replays(&store, &keys[2]).await;
+        let given_up: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT state FROM \"{table}\" WHERE key = ?"
+        )))
+        .bind(&keys[1])
+        .fetch_optional(store.pool())
+        .await
+        .unwrap();
+        assert_eq!(given_up, Some(("in_progress".to_owned(),)));
+        served_within(&store, Duration::from_secs(5)).await;
+    });
+}
+
 /// A group started from a current-thread runtime is led from the writers'
 /// thread, not from that runtime: it outlives it, and the write queued
 /// behind it is written.
@@ -1994,4 +2114,113 @@ mod cut_in_its_commit {
         });
         assert!(wrong.is_empty(), "{wrong:#?}");
     }
+}
+
+/// A reservation R whose caller goes away after its write ran in its group
+/// (a group led on rt1), before the commit: the key R took is given back,
+/// from a task of its own, which waits for its turn behind the next group
+/// (paused). `shut_down`: whether rt1 shuts down meanwhile. The row R's
+/// key holds at the end, and what a retry of R is told.
+async fn given_up_mid_group(
+    shut_down: bool,
+) -> (
+    Option<(String, Option<String>)>,
+    Result<Reservation, idem::StoreError>,
+    &'static str,
+) {
+    let (store, dir) = idem_testkit::sqlite_store().await;
+    let store = store.with_timeout(Duration::from_secs(120));
+    let path = dir.path().join("idem.db");
+    let rt1 = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    // Group 1: a holder, its leader on rt1, paused before its commit.
+    let holder_key = idem_testkit::unique("holder");
+    let mut held = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &holder_key);
+    {
+        let store = store.clone();
+        let holder_key = holder_key.clone();
+        rt1.spawn(async move {
+            let _ = store.reserve(req(&id(&holder_key), idem_testkit::token())).await;
+        });
+    }
+    tokio::time::timeout(Duration::from_secs(20), held.reached())
+        .await
+        .unwrap();
+    // Group 2: R (whose caller will go away), then S (paused).
+    let r_key = idem_testkit::unique("gone");
+    let r_token = idem_testkit::token();
+    let r = queue_reserve(&store, &r_key, r_token).await;
+    let s_key = idem_testkit::unique("stop");
+    let mut s_stop = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &s_key);
+    let s = tokio::spawn(queue_reserve(&store, &s_key, idem_testkit::token()).await);
+    held.resume();
+    tokio::time::timeout(Duration::from_secs(20), s_stop.reached())
+        .await
+        .unwrap();
+    // Group 3: U, queued behind, paused in its turn.
+    let u_key = idem_testkit::unique("next");
+    let mut u_stop = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &u_key);
+    let u = tokio::spawn(queue_reserve(&store, &u_key, idem_testkit::token()).await);
+    // R's caller goes away after its take ran, before the commit.
+    drop(r);
+    s_stop.resume();
+    let s_told = tokio::time::timeout(Duration::from_secs(20), s)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(s_told, Ok(Reservation::Reserved(_))), "{s_told:?}");
+    tokio::time::timeout(Duration::from_secs(20), u_stop.reached())
+        .await
+        .unwrap();
+    let mut rt1 = Some(rt1);
+    if shut_down {
+        let rt1 = rt1.take().unwrap();
+        tokio::task::spawn_blocking(move || rt1.shutdown_timeout(Duration::from_secs(10)))
+            .await
+            .unwrap();
+    }
+    u_stop.resume();
+    let u_told = tokio::time::timeout(Duration::from_secs(20), u)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(u_told, Ok(Reservation::Reserved(_))), "{u_told:?}");
+    let row = eventually_row(&path, &r_key, |r| r.is_none()).await;
+    let retry = tokio::time::timeout(
+        Duration::from_secs(20),
+        store.reserve(req(&id(&r_key), idem_testkit::token())),
+    )
+    .await
+    .expect("retry answered");
+    if let Some(rt1) = rt1 {
+        tokio::task::spawn_blocking(move || rt1.shutdown_timeout(Duration::from_secs(10)))
+            .await
+            .unwrap();
+    }
+    (row, retry, r_token)
+}
+
+/// Without a shutdown, the key is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_given_up_mid_group_is_given_back() {
+    let (row, retry, _) = given_up_mid_group(false).await;
+    assert_eq!(row, None);
+    assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
+}
+
+/// The leader's runtime shuts down while the give-back waits for its turn:
+/// the key is given back all the same (the give-back used to be a task of
+/// that runtime's, dropped with it, and the key stayed taken under the gone
+/// caller's token: a lock nobody held, met by every retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_given_up_mid_group_is_given_back_though_the_leaders_runtime_goes() {
+    let (row, retry, token) = given_up_mid_group(true).await;
+    assert_eq!(
+        row, None,
+        "a lock nobody holds (the gone caller's token is {token}); a retry is told {retry:?}"
+    );
+    assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
 }

@@ -559,7 +559,13 @@ impl SqliteStore {
                     answer: Box::new(move |committed| {
                         let taken = taken.and_then(|t| committed.map(|()| t));
                         if let Err(Ok(Reservation::Reserved(lease))) = answer.send(taken) {
-                            tokio::spawn(store.give_back(owned, lease.is_takeover()));
+                            // On the writers' runtime: this leader's may be
+                            // shutting down (see `LeaderTask`).
+                            let give_back = store.give_back(owned, lease.is_takeover());
+                            match writer_runtime() {
+                                Some(writers) => drop(writers.spawn(give_back)),
+                                None => drop(tokio::spawn(give_back)),
+                            }
                         }
                     }),
                 }
@@ -891,24 +897,22 @@ impl<F: std::future::Future> std::future::Future for OnWriters<F> {
 }
 
 /// A group leader's task. When its runtime drops it before it is done (the
-/// runtime is shutting down), what is left of it goes on to the writers'
-/// runtime: while the leader holds writes taken from the queue (their
-/// statements may be under way in sqlx's worker, its COMMIT among them,
-/// which that worker runs whatever becomes of the future that asked), it
-/// goes on there to its end, so that each of them is answered as it turned
-/// out, not told that it failed while it is committed (nor a reservation
-/// left holding a key for a caller told it did not get it); otherwise
-/// (waiting for its turn or for a connection, holding no write: it then
-/// awaits a timer of the dropped runtime, which would fail) it is dropped
-/// there, and its mark hands the queue to another leader (see
-/// [`Leading`]). Either way its connection goes back to the pool from
-/// there rather than being closed with that runtime's tasks (which would
-/// lose a database in memory).
+/// runtime is shutting down), what is left of it goes on to its end on the
+/// writers' runtime: the writes it holds may be under way in sqlx's worker,
+/// its COMMIT among them, which that worker runs whatever becomes of the
+/// future that asked, and each is answered as it turned out, not told that
+/// it failed while it is committed (nor a reservation left holding a key
+/// for a caller told it did not get it); the connection it holds, or is
+/// being handed by the pool, goes back to the pool from there rather than
+/// being closed with that runtime's tasks (which would lose a database in
+/// memory). Nothing the leader awaits is a timer or an I/O resource of its
+/// runtime: its turn is a semaphore's, its connection comes at once from
+/// the pool or from an acquisition on the writers' runtime
+/// ([`SqliteStore::group_connection`]), and the rest is sqlx's worker's
+/// channels. Only a leader whose poll panicked is dropped instead (its
+/// mark hands the queue to another leader: see [`Leading`]).
 struct LeaderTask<F: std::future::Future<Output = ()> + Send + 'static> {
     inner: Option<std::pin::Pin<Box<F>>>,
-    /// Set by [`SqliteStore::lead`] while it holds writes taken from the
-    /// queue.
-    in_group: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Set while `inner` is polled: still set when it is dropped, that poll
     /// panicked, and `inner` cannot be polled again.
     polling: bool,
@@ -936,10 +940,10 @@ impl<F: std::future::Future<Output = ()> + Send + 'static> Drop for LeaderTask<F
         if let (Some(inner), Some(writers)) = (self.inner.take(), writer_runtime()) {
             // A spawn on another runtime's handle, which (unlike entering its
             // context) a drop may do while tokio is spawning.
-            if self.in_group.load(std::sync::atomic::Ordering::SeqCst) && !self.polling {
-                drop(writers.spawn(inner));
-            } else {
+            if self.polling {
                 drop(writers.spawn(async move { drop(inner) }));
+            } else {
+                drop(writers.spawn(inner));
             }
         }
     }
@@ -960,8 +964,9 @@ async fn run_off_caller<T: Send + 'static>(
 }
 
 /// The leader's mark, made before its task is spawned and dropped with it.
-/// A leader that ends before the queue is empty (a panic, or its task
-/// dropped with its runtime) hands the writes still queued to a leader of
+/// A leader that ends before the queue is empty (a panic; or its task
+/// dropped with no writers' runtime to go on on: see [`LeaderTask`]; or a
+/// spawn of it that a runtime refused) hands the writes still queued to a leader of
 /// their own on the writers' thread (see [`off_caller`]): a write that
 /// joined the line while the leader was running, or as it was being
 /// dropped, saw a leader and started none, and would otherwise wait for
@@ -1009,8 +1014,7 @@ impl Drop for Leading {
                 armed: true,
             };
             HANDING_OVER.with(|h| h.set(true));
-            let in_group = std::sync::Arc::default();
-            drop(writers.spawn(self.store.clone().lead(next, in_group)));
+            drop(writers.spawn(self.store.clone().lead(next)));
             HANDING_OVER.with(|h| h.set(false));
             return;
         }
@@ -1052,14 +1056,10 @@ impl SqliteStore {
             match runtime {
                 // Its connection given back on the writers' runtime if its
                 // own shuts down while it runs.
-                Some(runtime) => {
-                    let in_group = std::sync::Arc::<std::sync::atomic::AtomicBool>::default();
-                    drop(runtime.spawn(LeaderTask {
-                        inner: Some(Box::pin(self.clone().lead(leading, in_group.clone()))),
-                        in_group,
-                        polling: false,
-                    }));
-                }
+                Some(runtime) => drop(runtime.spawn(LeaderTask {
+                    inner: Some(Box::pin(self.clone().lead(leading))),
+                    polling: false,
+                })),
                 None => {
                     tracing::error!("no runtime to commit SQLite's writes on");
                     drop(leading);
@@ -1070,13 +1070,12 @@ impl SqliteStore {
 
     /// Commits groups while writes are queued: waits its turn at the write
     /// lock with the process's other writers, then for a connection, takes
-    /// every write queued by then (`in_group` set while it holds them: see
-    /// [`LeaderTask`]), commits them, gives the turn back, and goes on while
-    /// more are queued. It runs on the runtime of the write that started it when
+    /// every write queued by then, commits them, gives the turn back, and
+    /// goes on while more are queued. It runs on the runtime of the write that started it when
     /// that one is a multi-thread runtime, else on the writers' thread (see
     /// [`off_caller`]), as does one that takes over the line from a leader
     /// that ended early (see [`Leading`]).
-    async fn lead(self, mut leading: Leading, in_group: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    async fn lead(self, mut leading: Leading) {
         loop {
             let Ok(turn) = self.write_turn().await else {
                 // The line is closed: nothing queued can be written, by this
@@ -1090,18 +1089,15 @@ impl SqliteStore {
                 drop(orphans);
                 return;
             };
-            // The connection before the writes: until they are taken from
-            // the queue, this task may be dropped (its runtime shutting
-            // down) and lose none of them (see `LeaderTask`).
-            let conn = self.pool.acquire().await;
+            // The connection before the writes: the group takes every write
+            // queued while it came.
+            let conn = self.group_connection().await;
             let jobs: Vec<Job> = {
                 let mut queue = self.group.lock();
                 let n = queue.jobs.len().min(GROUP_MAX);
                 queue.jobs.drain(..n).collect()
             };
-            in_group.store(true, std::sync::atomic::Ordering::SeqCst);
             self.commit_group(conn, jobs).await;
-            in_group.store(false, std::sync::atomic::Ordering::SeqCst);
             drop(turn);
             let mut queue = self.group.lock();
             if queue.jobs.is_empty() {
@@ -1120,12 +1116,12 @@ impl SqliteStore {
     /// are first in line again, for the next.
     async fn commit_group(
         &self,
-        conn: Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, sqlx::Error>,
+        conn: Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StoreError>,
         mut jobs: Vec<Job>,
     ) {
         let conn = match conn {
             Ok(conn) => conn,
-            Err(e) => return Self::fail_all(jobs.into_iter(), sql::map_err(e)).await,
+            Err(e) => return Self::fail_all(jobs.into_iter(), e).await,
         };
         if let [only] = &jobs[..] {
             if only.one_statement {
@@ -1171,6 +1167,28 @@ impl SqliteStore {
         }
         for answer in answers {
             answer(committed.clone());
+        }
+    }
+
+    /// A connection for a group: an idle one at once (no `await`, and no
+    /// check of sqlx's before it is handed over), or else one acquired on
+    /// the writers' runtime, whose timer that acquisition uses. Either way
+    /// a leader dropped by its runtime while it waits can go on elsewhere
+    /// (see [`LeaderTask`]); and a connection is never dropped halfway
+    /// through sqlx's hand-over, which closes it (losing a database in
+    /// memory).
+    async fn group_connection(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StoreError> {
+        if let Some(conn) = self.pool.try_acquire() {
+            return Ok(conn);
+        }
+        pause_point!(crate::pause::SQLITE_GROUP_WAITS_FOR_A_CONNECTION, &self.sql.table);
+        match writer_runtime() {
+            Some(writers) => writers
+                .spawn(self.pool.acquire())
+                .await
+                .map_err(|e| StoreError::backend(format!("a SQLite connection's acquisition failed: {e}")))?
+                .map_err(sql::map_err),
+            None => self.pool.acquire().await.map_err(sql::map_err),
         }
     }
 
