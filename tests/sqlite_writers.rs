@@ -1018,6 +1018,118 @@ mod handler_transaction_on_an_idle_runtime {
             .unwrap()
     }
 
+    /// The documented one-connection database in memory, a handler's own
+    /// transaction served from a multi-thread runtime that shuts down while the
+    /// transaction's COMMIT is under way (held in a commit hook): the commit's
+    /// task goes on from the writers' thread, so the connection goes back to
+    /// the pool instead of being closed with that runtime's tasks, and the
+    /// database, its effect and its record live on; the retry is a replay.
+    /// (The commit's task was a task of that runtime's: the database was lost
+    /// in about half of the runs.)
+    #[test]
+    fn a_handler_transaction_whose_runtime_goes_during_its_commit_loses_no_database_in_memory() {
+        #[derive(Default)]
+        struct Hold {
+            marked: std::sync::atomic::AtomicBool,
+            reached: Mutex<Option<mpsc::Sender<()>>>,
+            released: Mutex<Option<mpsc::Receiver<()>>>,
+        }
+        let hold = Arc::new(Hold::default());
+        let (reached, held) = mpsc::channel::<()>();
+        let (release, released) = mpsc::channel::<()>();
+        *hold.reached.lock().unwrap() = Some(reached);
+        *hold.released.lock().unwrap() = Some(released);
+        let setup = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let store = setup.block_on(async {
+            let hooks = hold.clone();
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .after_connect(move |conn, _| {
+                    let hold = hooks.clone();
+                    Box::pin(async move {
+                        let mut handle = conn.lock_handle().await?;
+                        let on_update = hold.clone();
+                        handle.set_update_hook(move |u| {
+                            if u.table == "effects" {
+                                on_update.marked.store(true, std::sync::atomic::Ordering::SeqCst);
+                            }
+                        });
+                        let on_rollback = hold.clone();
+                        handle.set_rollback_hook(move || {
+                            on_rollback
+                                .marked
+                                .store(false, std::sync::atomic::Ordering::SeqCst)
+                        });
+                        handle.set_commit_hook(move || {
+                            if hold.marked.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                                let reached = hold.reached.lock().unwrap().take();
+                                let released = hold.released.lock().unwrap().take();
+                                let _ = reached.map(|r| r.send(()));
+                                let _ = released.map(|r| r.recv_timeout(Duration::from_secs(30)));
+                            }
+                            true
+                        });
+                        Ok(())
+                    })
+                })
+                .connect("sqlite::memory:")
+                .await
+                .unwrap();
+            let store = idem::SqliteStore::new(pool).with_timeout(Duration::from_secs(20));
+            store.migrate().await.unwrap();
+            sqlx::query("CREATE TABLE effects (id TEXT PRIMARY KEY)")
+                .execute(store.pool())
+                .await
+                .unwrap();
+            store
+        });
+        let app = Router::new()
+            .route("/pay", post(pay))
+            .layer(Idem::new(store.clone()).single_tenant().layer());
+        let key = idem_testkit::unique("pay");
+        let a = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        {
+            let (app, key) = (app.clone(), key.clone());
+            a.spawn(async move {
+                let _ = app.oneshot(paid(&key)).await;
+            });
+        }
+        held.recv_timeout(Duration::from_secs(20))
+            .expect("the handler's commit is held");
+        a.shutdown_timeout(Duration::from_secs(10));
+        release.send(()).unwrap();
+        setup.block_on(async {
+            let effects = tokio::time::timeout(
+                Duration::from_secs(10),
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM effects").fetch_one(store.pool()),
+            )
+            .await;
+            let records = tokio::time::timeout(
+                Duration::from_secs(10),
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM idempotency_keys").fetch_one(store.pool()),
+            )
+            .await;
+            assert!(
+                matches!(effects, Ok(Ok(1))) && matches!(records, Ok(Ok(1))),
+                "the database in memory: effects {effects:?}, records {records:?}"
+            );
+            let replay = tokio::time::timeout(Duration::from_secs(10), app.oneshot(paid(&key)))
+                .await
+                .expect("the retry is answered")
+                .unwrap();
+            assert_eq!(replay.status(), StatusCode::CREATED);
+            assert!(replay.headers().contains_key("idempotent-replayed"));
+        });
+    }
+
     #[test]
     fn gives_its_connection_back() {
         let main = two_workers();
@@ -2223,4 +2335,67 @@ async fn a_reservation_given_up_mid_group_is_given_back_though_the_leaders_runti
         "a lock nobody holds (the gone caller's token is {token}); a retry is told {retry:?}"
     );
     assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
+}
+
+/// A reservation given up on by its caller (its own timeout), from a
+/// multi-thread runtime, takes the key after all once the write lock is
+/// free; the caller's runtime shuts down before that key is given back: it
+/// is given back all the same, from the writers' thread (it was given back
+/// from a task of the caller's runtime, dropped with it: the key stayed
+/// taken under the gone caller's token until its lock timeout).
+#[test]
+fn a_reservation_given_up_then_its_callers_runtime_shut_down_leaves_no_lock() {
+    let setup = runtime();
+    let (store, dir) = setup.block_on(idem_testkit::sqlite_store());
+    let path = dir.path().join("idem.db");
+    let patient = store.clone().with_timeout(Duration::from_secs(30));
+    let hasty = store.with_timeout(Duration::from_millis(300));
+    // The write permit held by a group (led on the writers' thread, the
+    // setup runtime being current-thread), paused before its commit.
+    let holder_key = idem_testkit::unique("holder");
+    let mut held = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &holder_key);
+    let holder = {
+        let patient = patient.clone();
+        let holder_key = holder_key.clone();
+        setup.spawn(async move {
+            let _ = patient
+                .reserve(req(&id(&holder_key), idem_testkit::token()))
+                .await;
+        })
+    };
+    setup.block_on(async {
+        tokio::time::timeout(Duration::from_secs(20), held.reached())
+            .await
+            .expect("the holder reaches its commit")
+    });
+    // The caller: a multi-thread runtime; its reservation times out in line.
+    let gone = idem_testkit::unique("gone");
+    let mut after = pause::arm(pause::RESERVE_AFTER, &gone);
+    let a = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let told = a.block_on(hasty.reserve(req(&id(&gone), "gone-token")));
+    assert!(told.is_err(), "{told:?}");
+    // The group commits; the reservation takes the key; its undo (a task of
+    // `a`) receives that answer.
+    held.resume();
+    setup.block_on(async {
+        tokio::time::timeout(Duration::from_secs(20), after.reached())
+            .await
+            .expect("the reservation is answered in its undo task")
+    });
+    // The caller's runtime shuts down (the process stopping a server's runtime).
+    a.shutdown_timeout(Duration::from_secs(10));
+    drop(after);
+    setup.block_on(async {
+        holder.await.unwrap();
+        let left = eventually_row(&path, &gone, |r| r.is_none()).await;
+        let retry = patient.reserve(req(&id(&gone), "retry-token")).await;
+        assert!(
+            matches!(retry, Ok(Reservation::Reserved(_))),
+            "a lock nobody holds: the row is {left:?}; the caller was told {told:?}; a retry is told {retry:?}"
+        );
+    });
 }

@@ -288,7 +288,14 @@ fn unwind_later(tx: sqlx::Transaction<'static, sqlx::Sqlite>) -> tokio::task::Jo
         };
         log_rollback(unwound);
     };
-    tokio::spawn(tracing::Instrument::in_current_span(unwinding))
+    // On the writers' runtime: the caller's may be shutting down, and the
+    // connection, dropped with a task of its, would be closed (losing a
+    // database in memory).
+    let unwinding = tracing::Instrument::in_current_span(unwinding);
+    match crate::sql::sqlite::writer_runtime() {
+        Some(writers) => writers.spawn(unwinding),
+        None => tokio::spawn(unwinding),
+    }
 }
 
 /// Rolls back whatever transaction is open on `tx`'s connection, then opens
@@ -552,7 +559,11 @@ async fn complete_sqlite(
     // PostgreSQL's `COMMIT` commits a transaction whatever its savepoints.
     use sqlx_core::transaction::TransactionManager as _;
     type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
-    let commit = tokio::spawn(async move {
+    // A task that finishes on the writers' runtime if its own shuts down
+    // (see `Finishing`): cut there, the commit would still commit in sqlx's
+    // worker, and the connection, given back from a runtime shutting down,
+    // would be closed (losing a database in memory).
+    let commit = tokio::spawn(crate::sql::sqlite::Finishing::new(async move {
         let committed = async {
             let depth = Manager::get_transaction_depth(&tx);
             for level in 1..depth {
@@ -571,7 +582,7 @@ async fn complete_sqlite(
             drop(unwind_later(tx));
         }
         committed
-    });
+    }));
     deadline
         .bound(async {
             commit

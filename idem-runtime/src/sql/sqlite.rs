@@ -152,6 +152,13 @@ impl SqliteStore {
     /// that share one lock whole tables and never wait, so concurrent
     /// requests would get 503 where they should get 409.
     ///
+    /// The store's grouped writes (reservations and completions) take an
+    /// idle connection as it is, without the pool's checks before a
+    /// hand-over (`test_before_acquire`, `before_acquire`): an `await` there
+    /// could be cut by a runtime shutting down, and sqlx then closes the
+    /// connection (losing a database in memory). Per-connection settings
+    /// belong in `after_connect`, which every connection runs.
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// let pool = sqlx::sqlite::SqlitePoolOptions::new()
@@ -336,12 +343,34 @@ pub(crate) const HANDLER_MARK: &str = "SAVEPOINT idem_handler";
 
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
-        // What a reservation given up on leaves behind is undone where it
-        // runs (see `off_caller`).
-        // Decided where it runs: at its first poll, not where it is made.
         Box::pin(async move {
-            sql::reserve_detached(self, self.timeout, off_caller(), req, |store, req| {
-                Box::pin(store.reserve_once(req))
+            let deadline = tokio::time::Instant::now() + self.timeout;
+            // A read first, in the caller's task (a read given up on leaves
+            // nothing behind): a replay, a mismatch or a live lock is
+            // answered without the write lock (WAL readers never wait for a
+            // writer).
+            match tokio::time::timeout_at(deadline, self.peek(&req)).await {
+                Err(_) => {
+                    return Err(StoreError::unavailable(format!(
+                        "no answer within {} ms",
+                        self.timeout.as_millis()
+                    )))
+                }
+                Ok(Err(e)) => return Err(e),
+                Ok(Ok(Some(answer))) => {
+                    pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
+                    return Ok(answer);
+                }
+                Ok(Ok(None)) => {}
+            }
+            // Then the write, within what is left. What a write given up on
+            // leaves behind (the key it took after all) is given back from
+            // the writers' runtime, which runs whatever becomes of the
+            // caller's: nothing the write awaits belongs to the caller's
+            // runtime (its answer comes on a channel from its group).
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            sql::reserve_detached(self, left, writer_runtime(), req, |store, req| {
+                Box::pin(store.take_in_group(req))
             })
             .await
         })
@@ -510,11 +539,9 @@ impl IdempotencyStore for SqliteStore {
 }
 
 impl SqliteStore {
-    /// One reservation, as long as it takes: [`sql::reserve_detached`] bounds it.
-    async fn reserve_once(self, owned: sql::OwnedReserve) -> Result<Reservation, StoreError> {
-        let req = owned.request();
-        // A read first: a replay, a mismatch or a live lock is answered
-        // without the write lock (WAL readers never wait for a writer).
+    /// What the read before a reservation's write answers: a replay, a
+    /// mismatch or a live lock, or `None` when the key may be taken.
+    async fn peek(&self, req: &ReserveRequest<'_>) -> Result<Option<Reservation>, StoreError> {
         let seen = OnWriters::new(
             sqlx::query(sqlx::AssertSqlSafe(self.sql.peek.as_str()))
                 .bind(&req.id.tenant)
@@ -529,14 +556,18 @@ impl SqliteStore {
             let takeable: i32 =
                 sqlx::Row::try_get(&row, "takeable").map_err(|e| StoreError::backend(e.to_string()))?;
             if takeable == 0 {
-                let answer = sql::judge_row(&row, req.fingerprint);
-                pause_point!(crate::pause::RESERVE_AFTER, &req.id.key);
-                return answer;
+                return sql::judge_row(&row, req.fingerprint).map(Some);
             }
         }
-        pause_point!(crate::pause::SQLITE_RESERVE_AFTER_PEEK, &req.id.key);
+        Ok(None)
+    }
+
+    /// A reservation's write, as long as it takes: [`sql::reserve_detached`]
+    /// bounds it.
+    async fn take_in_group(self, owned: sql::OwnedReserve) -> Result<Reservation, StoreError> {
+        pause_point!(crate::pause::SQLITE_RESERVE_AFTER_PEEK, &owned.id().key);
         #[cfg(feature = "pause-points")]
-        let key = req.id.key.clone();
+        let key = owned.id().key.clone();
         // The write joins the next group commit, which a task of its own
         // runs: it holds the process's turn at the write lock from BEGIN to
         // COMMIT, and must not stop midway because the request that asked
@@ -560,7 +591,7 @@ impl SqliteStore {
                         let taken = taken.and_then(|t| committed.map(|()| t));
                         if let Err(Ok(Reservation::Reserved(lease))) = answer.send(taken) {
                             // On the writers' runtime: this leader's may be
-                            // shutting down (see `LeaderTask`).
+                            // shutting down (see `Finishing`).
                             let give_back = store.give_back(owned, lease.is_takeover());
                             match writer_runtime() {
                                 Some(writers) => drop(writers.spawn(give_back)),
@@ -815,7 +846,7 @@ impl Written {
 /// The writers' runtime: one thread of its own for the process, driven
 /// until the process ends, started when first needed (and again later, if
 /// starting it failed). See [`off_caller`].
-fn writer_runtime() -> Option<tokio::runtime::Handle> {
+pub(crate) fn writer_runtime() -> Option<tokio::runtime::Handle> {
     static WRITERS: std::sync::Mutex<Option<tokio::runtime::Handle>> = std::sync::Mutex::new(None);
     let mut writers = WRITERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     if writers.is_none() {
@@ -896,46 +927,70 @@ impl<F: std::future::Future> std::future::Future for OnWriters<F> {
     }
 }
 
-/// A group leader's task. When its runtime drops it before it is done (the
-/// runtime is shutting down), what is left of it goes on to its end on the
-/// writers' runtime: the writes it holds may be under way in sqlx's worker,
-/// its COMMIT among them, which that worker runs whatever becomes of the
-/// future that asked, and each is answered as it turned out, not told that
-/// it failed while it is committed (nor a reservation left holding a key
-/// for a caller told it did not get it); the connection it holds, or is
-/// being handed by the pool, goes back to the pool from there rather than
-/// being closed with that runtime's tasks (which would lose a database in
-/// memory). Nothing the leader awaits is a timer or an I/O resource of its
-/// runtime: its turn is a semaphore's, its connection comes at once from
-/// the pool or from an acquisition on the writers' runtime
-/// ([`SqliteStore::group_connection`]), and the rest is sqlx's worker's
-/// channels. Only a leader whose poll panicked is dropped instead (its
-/// mark hands the queue to another leader: see [`Leading`]).
-struct LeaderTask<F: std::future::Future<Output = ()> + Send + 'static> {
+/// A task that finishes what it started: when its runtime drops it before
+/// it is done (the runtime is shutting down), what is left of it goes on to
+/// its end on the writers' runtime (its output, if any, unread). For what
+/// must not stop halfway: a group leader, whose writes may be under way in
+/// sqlx's worker, its COMMIT among them, which that worker runs whatever
+/// becomes of the future that asked, so that each write is answered as it
+/// turned out, not told that it failed while it is committed (nor a
+/// reservation left holding a key for a caller told it did not get it);
+/// the commit of a handler's own transaction. Either way the connection
+/// held, or being handed over by the pool, goes back to the pool from
+/// there rather than being closed with that runtime's tasks (which would
+/// lose a database in memory). What it wraps must await no timer or I/O
+/// resource of its runtime: a group leader's turn is a semaphore's, its
+/// connection comes at once from the pool or from an acquisition on the
+/// writers' runtime ([`SqliteStore::group_connection`]), and the rest is
+/// sqlx's worker's channels. Only a task whose poll panicked is dropped
+/// instead (a leader's mark then hands the queue to another: see
+/// [`Leading`]).
+pub(crate) struct Finishing<F: std::future::Future + Send + 'static>
+where
+    F::Output: Send,
+{
     inner: Option<std::pin::Pin<Box<F>>>,
     /// Set while `inner` is polled: still set when it is dropped, that poll
     /// panicked, and `inner` cannot be polled again.
     polling: bool,
 }
 
-impl<F: std::future::Future<Output = ()> + Send + 'static> std::future::Future for LeaderTask<F> {
-    type Output = ();
+impl<F: std::future::Future + Send + 'static> Finishing<F>
+where
+    F::Output: Send,
+{
+    pub(crate) fn new(inner: F) -> Self {
+        Finishing {
+            inner: Some(Box::pin(inner)),
+            polling: false,
+        }
+    }
+}
 
-    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+impl<F: std::future::Future + Send + 'static> std::future::Future for Finishing<F>
+where
+    F::Output: Send,
+{
+    type Output = F::Output;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<F::Output> {
         let this = self.get_mut();
         let Some(inner) = this.inner.as_mut() else {
-            return std::task::Poll::Ready(());
+            return std::task::Poll::Pending;
         };
         this.polling = true;
         let polled = inner.as_mut().poll(cx);
         this.polling = false;
-        std::task::ready!(polled);
+        let out = std::task::ready!(polled);
         this.inner = None;
-        std::task::Poll::Ready(())
+        std::task::Poll::Ready(out)
     }
 }
 
-impl<F: std::future::Future<Output = ()> + Send + 'static> Drop for LeaderTask<F> {
+impl<F: std::future::Future + Send + 'static> Drop for Finishing<F>
+where
+    F::Output: Send,
+{
     fn drop(&mut self) {
         if let (Some(inner), Some(writers)) = (self.inner.take(), writer_runtime()) {
             // A spawn on another runtime's handle, which (unlike entering its
@@ -943,7 +998,7 @@ impl<F: std::future::Future<Output = ()> + Send + 'static> Drop for LeaderTask<F
             if self.polling {
                 drop(writers.spawn(async move { drop(inner) }));
             } else {
-                drop(writers.spawn(inner));
+                drop(writers.spawn(async move { drop(inner.await) }));
             }
         }
     }
@@ -965,7 +1020,7 @@ async fn run_off_caller<T: Send + 'static>(
 
 /// The leader's mark, made before its task is spawned and dropped with it.
 /// A leader that ends before the queue is empty (a panic; or its task
-/// dropped with no writers' runtime to go on on: see [`LeaderTask`]; or a
+/// dropped with no writers' runtime to go on on: see [`Finishing`]; or a
 /// spawn of it that a runtime refused) hands the writes still queued to a leader of
 /// their own on the writers' thread (see [`off_caller`]): a write that
 /// joined the line while the leader was running, or as it was being
@@ -1056,10 +1111,7 @@ impl SqliteStore {
             match runtime {
                 // Its connection given back on the writers' runtime if its
                 // own shuts down while it runs.
-                Some(runtime) => drop(runtime.spawn(LeaderTask {
-                    inner: Some(Box::pin(self.clone().lead(leading))),
-                    polling: false,
-                })),
+                Some(runtime) => drop(runtime.spawn(Finishing::new(self.clone().lead(leading)))),
                 None => {
                     tracing::error!("no runtime to commit SQLite's writes on");
                     drop(leading);
@@ -1174,7 +1226,7 @@ impl SqliteStore {
     /// check of sqlx's before it is handed over), or else one acquired on
     /// the writers' runtime, whose timer that acquisition uses. Either way
     /// a leader dropped by its runtime while it waits can go on elsewhere
-    /// (see [`LeaderTask`]); and a connection is never dropped halfway
+    /// (see [`Finishing`]); and a connection is never dropped halfway
     /// through sqlx's hand-over, which closes it (losing a database in
     /// memory).
     async fn group_connection(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StoreError> {
