@@ -112,6 +112,22 @@ async fn hold_the_permit(store: &SqliteStore) -> (pause::Pause, tokio::task::Joi
     (paused, holder)
 }
 
+/// A reservation of a fresh key started from `rt` (a multi-thread runtime:
+/// its group is led from there), stopped before its commit with the write
+/// permit held.
+async fn hold_from(rt: &tokio::runtime::Runtime, store: &SqliteStore) -> pause::Pause {
+    let key = idem_testkit::unique("holder");
+    let mut held = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &key);
+    let store = store.clone();
+    rt.spawn(async move {
+        let _ = store.reserve(req(&id(&key), idem_testkit::token())).await;
+    });
+    tokio::time::timeout(Duration::from_secs(20), held.reached())
+        .await
+        .expect("the holder reaches its commit");
+    held
+}
+
 /// With no busy timeout at all, a writer of this process that met SQLite's
 /// write lock taken would fail at once (`SQLITE_BUSY`, a 503): 32 concurrent
 /// first requests only pass if this process's writers never meet it.
@@ -1841,18 +1857,7 @@ async fn a_group_whose_leaders_runtime_shuts_down_goes_on_and_answers_each_calle
         .build()
         .unwrap();
     // The holder's reservation starts the leader on rt1.
-    let holder_key = idem_testkit::unique("holder");
-    let mut held = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &holder_key);
-    {
-        let store = store.clone();
-        let holder_key = holder_key.clone();
-        rt1.spawn(async move {
-            let _ = store.reserve(req(&id(&holder_key), idem_testkit::token())).await;
-        });
-    }
-    tokio::time::timeout(Duration::from_secs(20), held.reached())
-        .await
-        .unwrap();
+    let held = hold_from(&rt1, &store).await;
     let done = tokio::spawn(queue_complete(&store, &key, token));
     let stopper = idem_testkit::unique("stopper");
     let mut stop = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &stopper);
@@ -1987,21 +1992,8 @@ mod cut_in_its_commit {
         }
     }
 
-    /// A reservation of a fresh key paused before its commit (write permit
-    /// held), its leader started on `rt`.
     fn hold_on(rt: &tokio::runtime::Runtime, store: &SqliteStore) -> pause::Pause {
-        let key = idem_testkit::unique("holder");
-        let mut paused = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &key);
-        let store = store.clone();
-        rt.spawn(async move {
-            let _ = store.reserve(req(&id(&key), idem_testkit::token())).await;
-        });
-        rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(20), paused.reached())
-                .await
-                .expect("the holder reaches its commit");
-        });
-        paused
+        rt.block_on(hold_from(rt, store))
     }
 
     fn leader_runtime() -> tokio::runtime::Runtime {
@@ -2249,18 +2241,7 @@ async fn given_up_mid_group(
         .build()
         .unwrap();
     // Group 1: a holder, its leader on rt1, paused before its commit.
-    let holder_key = idem_testkit::unique("holder");
-    let mut held = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &holder_key);
-    {
-        let store = store.clone();
-        let holder_key = holder_key.clone();
-        rt1.spawn(async move {
-            let _ = store.reserve(req(&id(&holder_key), idem_testkit::token())).await;
-        });
-    }
-    tokio::time::timeout(Duration::from_secs(20), held.reached())
-        .await
-        .unwrap();
+    let held = hold_from(&rt1, &store).await;
     // Group 2: R (whose caller will go away), then S (paused).
     let r_key = idem_testkit::unique("gone");
     let r_token = idem_testkit::token();
@@ -2398,4 +2379,237 @@ fn a_reservation_given_up_then_its_callers_runtime_shut_down_leaves_no_lock() {
             "a lock nobody holds: the row is {left:?}; the caller was told {told:?}; a retry is told {retry:?}"
         );
     });
+}
+
+/// A reservation given up on while its read runs: the read leaves nothing
+/// behind, whatever its caller's runtime does next.
+mod a_read_given_up_on {
+    use super::*;
+    use idem::StoreError;
+    use std::sync::atomic::AtomicBool;
+
+    /// Set when the held `before_acquire` check was dropped before it ended.
+    static CHECK_CUT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    type CheckHold = Arc<Mutex<Option<tokio::sync::oneshot::Receiver<()>>>>;
+
+    async fn store_with_hook(hold: CheckHold) -> SqliteStore {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .before_acquire(move |_, _| {
+                let armed = hold.lock().unwrap().take();
+                Box::pin(async move {
+                    if let Some(release) = armed {
+                        struct Cut;
+                        impl Drop for Cut {
+                            fn drop(&mut self) {
+                                CHECK_CUT.store(true, std::sync::atomic::Ordering::SeqCst);
+                            }
+                        }
+                        let cut = Cut;
+                        let _ = release.await;
+                        std::mem::forget(cut);
+                    }
+                    Ok(true)
+                })
+            })
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let store = SqliteStore::new(pool).with_timeout(Duration::from_millis(300));
+        store.migrate().await.unwrap();
+        store
+    }
+
+    /// A reservation given up on (its own timeout) while the pool hands its
+    /// read the connection (held in the application's `before_acquire` check):
+    /// the read now takes an idle connection without that check, or has one
+    /// acquired on the writers' thread, so the hand-over is never cut halfway
+    /// (sqlx closed the connection, and the database in memory was lost: 70
+    /// runs in 72).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reservation_timed_out_in_its_read_loses_no_database_in_memory() {
+        let hold: CheckHold = Arc::default();
+        let store = store_with_hook(hold.clone()).await;
+        let paid = idem_testkit::unique("paid");
+        let token = idem_testkit::token();
+        assert!(matches!(
+            store.reserve(req(&id(&paid), token)).await.unwrap(),
+            Reservation::Reserved(_)
+        ));
+        store
+            .complete(
+                &id(&paid),
+                token,
+                &StoredResponse {
+                    status: 201,
+                    headers: vec![],
+                    body: Some(b"paid".to_vec()),
+                },
+            )
+            .await
+            .unwrap();
+        // The next hand-over of the connection is held in the check.
+        let (release, held) = tokio::sync::oneshot::channel();
+        *hold.lock().unwrap() = Some(held);
+        let fresh = idem_testkit::unique("fresh");
+        let r = store.reserve(req(&id(&fresh), idem_testkit::token())).await;
+        assert!(matches!(r, Err(StoreError::Unavailable { .. })), "{r:?}");
+        drop(release);
+        // The database in memory lives on: the completed record is replayed.
+        let replay = tokio::time::timeout(
+            Duration::from_secs(10),
+            store.reserve(req(&id(&paid), idem_testkit::token())),
+        )
+        .await
+        .expect("answered");
+        match replay {
+            Ok(Reservation::Completed(r)) => assert_eq!(r.body.as_deref(), Some(&b"paid"[..])),
+            other => panic!(
+                "the completed record is not replayed (database in memory lost?): {other:?}; \
+                 the pool's check was cut halfway: {}",
+                CHECK_CUT.load(std::sync::atomic::Ordering::SeqCst)
+            ),
+        }
+    }
+
+    #[derive(Default)]
+    struct Hold {
+        armed: AtomicBool,
+        reached: Mutex<Option<mpsc::Sender<()>>>,
+        released: Mutex<Option<mpsc::Receiver<()>>>,
+    }
+
+    /// A store on the documented one-connection database in memory, whose next
+    /// statement after arming is held (SQLite's progress handler) until
+    /// released; a completed record "paid".
+    fn fixture(main: &tokio::runtime::Runtime) -> (SqliteStore, Arc<Hold>, String) {
+        let hold = Arc::new(Hold::default());
+        let store = main.block_on(async {
+            let hooks = hold.clone();
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .after_connect(move |conn, _| {
+                    let hold = hooks.clone();
+                    Box::pin(async move {
+                        let mut handle = conn.lock_handle().await?;
+                        handle.set_progress_handler(1, move || {
+                            if hold.armed.swap(false, Ordering::SeqCst) {
+                                let reached = hold.reached.lock().unwrap().take();
+                                let released = hold.released.lock().unwrap().take();
+                                let _ = reached.map(|r| r.send(()));
+                                let _ = released.map(|r| r.recv_timeout(Duration::from_secs(30)));
+                            }
+                            true
+                        });
+                        Ok(())
+                    })
+                })
+                .connect("sqlite::memory:")
+                .await
+                .unwrap();
+            let store = SqliteStore::new(pool).with_timeout(Duration::from_millis(300));
+            store.migrate().await.unwrap();
+            store
+        });
+        let paid = idem_testkit::unique("paid");
+        main.block_on(async {
+            let token = idem_testkit::token();
+            assert!(matches!(
+                store.reserve(req(&id(&paid), token)).await.unwrap(),
+                Reservation::Reserved(_)
+            ));
+            store
+                .complete(
+                    &id(&paid),
+                    token,
+                    &StoredResponse {
+                        status: 201,
+                        headers: vec![],
+                        body: Some(b"paid".to_vec()),
+                    },
+                )
+                .await
+                .unwrap();
+        });
+        (store, hold, paid)
+    }
+
+    /// Tries for up to 5 s to get the completed record replayed.
+    async fn replayed_eventually(store: &SqliteStore, paid: &str) -> Result<(), String> {
+        let until = Instant::now() + Duration::from_secs(5);
+        let mut last = String::new();
+        while Instant::now() < until {
+            match store.reserve(req(&id(paid), idem_testkit::token())).await {
+                Ok(Reservation::Completed(r)) if r.body.as_deref() == Some(&b"paid"[..]) => return Ok(()),
+                other => last = format!("{other:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(last)
+    }
+
+    /// A reservation given up on (its own timeout) while its read's statement
+    /// runs (held by SQLite's progress handler), from a current-thread runtime
+    /// then left idle: the read's connection goes back to the pool from the
+    /// writers' thread once the statement ends (sqlx gave it back from a task
+    /// of that idle runtime, which never ran: the pool of one stalled for
+    /// good, 10 runs in 10).
+    #[test]
+    fn a_read_timed_out_mid_statement_on_an_idle_runtime_gives_its_connection_back() {
+        let main = two_workers();
+        let (store, hold, paid) = fixture(&main);
+        let (reached, held) = mpsc::channel();
+        let (release, released) = mpsc::channel();
+        *hold.reached.lock().unwrap() = Some(reached);
+        *hold.released.lock().unwrap() = Some(released);
+        hold.armed.store(true, Ordering::SeqCst);
+        let idle = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let idle = runtime();
+                let fresh = id(&idem_testkit::unique("fresh"));
+                let r = idle.block_on(store.reserve(req(&fresh, idem_testkit::token())));
+                assert!(matches!(r, Err(StoreError::Unavailable { .. })), "{r:?}");
+                // Kept, and not driven, until the end.
+                idle
+            })
+            .join()
+            .unwrap()
+        };
+        held.recv_timeout(Duration::from_secs(1))
+            .expect("the read's statement was held");
+        release.send(()).unwrap();
+        let served = main.block_on(replayed_eventually(&store, &paid));
+        drop(idle);
+        served.expect("the store serves again once the held read ended (its connection given back)");
+    }
+
+    /// The same from a multi-thread runtime that then shuts down: the database
+    /// in memory lives on (the give-back, a task of that runtime, was dropped
+    /// with it, and sqlx closed the connection: 8 runs in 10).
+    #[test]
+    fn a_read_timed_out_mid_statement_then_its_runtime_shut_down_loses_no_database_in_memory() {
+        let main = two_workers();
+        let (store, hold, paid) = fixture(&main);
+        let (reached, held) = mpsc::channel();
+        let (release, released) = mpsc::channel();
+        *hold.reached.lock().unwrap() = Some(reached);
+        *hold.released.lock().unwrap() = Some(released);
+        hold.armed.store(true, Ordering::SeqCst);
+        let caller = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let fresh = id(&idem_testkit::unique("fresh"));
+        let r = caller.block_on(store.reserve(req(&fresh, idem_testkit::token())));
+        assert!(matches!(r, Err(StoreError::Unavailable { .. })), "{r:?}");
+        held.recv_timeout(Duration::from_secs(1))
+            .expect("the read's statement was held");
+        caller.shutdown_timeout(Duration::from_secs(10));
+        release.send(()).unwrap();
+        main.block_on(replayed_eventually(&store, &paid))
+            .expect("the database in memory lives on: the completed record is replayed");
+    }
 }

@@ -34,8 +34,8 @@ pub const SQLITE_RESERVE_AFTER_PEEK: &str = "sqlite.reserve.after_peek";
 /// SQLite: the reservation's upsert ran; its transaction (holding the write
 /// lock) is not committed yet.
 pub const SQLITE_RESERVE_BEFORE_COMMIT: &str = "sqlite.reserve.before_commit";
-/// A SQLite group's leader found no idle connection, before it asks the
-/// pool for one (keyed by the table's name as written in SQL, quoted).
+/// A SQLite group's leader, or a reservation's read, found no idle
+/// connection, before it asks the pool for one (keyed by the table's name as written in SQL, quoted).
 pub const SQLITE_GROUP_WAITS_FOR_A_CONNECTION: &str = "sqlite.group.waits_for_a_connection";
 /// PostgreSQL: a reservation took the store's turn to look up, before its
 /// statement: the reservations that come meanwhile queue for the next group.

@@ -152,11 +152,11 @@ impl SqliteStore {
     /// that share one lock whole tables and never wait, so concurrent
     /// requests would get 503 where they should get 409.
     ///
-    /// The store's grouped writes (reservations and completions) take an
-    /// idle connection as it is, without the pool's checks before a
-    /// hand-over (`test_before_acquire`, `before_acquire`): an `await` there
-    /// could be cut by a runtime shutting down, and sqlx then closes the
-    /// connection (losing a database in memory). Per-connection settings
+    /// The store's reservations and completions take an idle connection as
+    /// it is, without the pool's checks before a hand-over
+    /// (`test_before_acquire`, `before_acquire`): an `await` there could be
+    /// cut by a caller's timeout or a runtime shutting down, and sqlx then
+    /// closes the connection (losing a database in memory). Per-connection settings
     /// belong in `after_connect`, which every connection runs.
     ///
     /// ```
@@ -541,17 +541,31 @@ impl IdempotencyStore for SqliteStore {
 impl SqliteStore {
     /// What the read before a reservation's write answers: a replay, a
     /// mismatch or a live lock, or `None` when the key may be taken.
+    ///
+    /// Given up on (its caller's timeout), it leaves nothing behind: its
+    /// connection comes from [`SqliteStore::group_connection`] (never cut
+    /// halfway through sqlx's hand-over, which closes it), and, dropped
+    /// before the read is done, goes back to the pool from the writers'
+    /// runtime (see [`Held`]).
     async fn peek(&self, req: &ReserveRequest<'_>) -> Result<Option<Reservation>, StoreError> {
-        let seen = OnWriters::new(
-            sqlx::query(sqlx::AssertSqlSafe(self.sql.peek.as_str()))
+        let seen = OnWriters::new(async {
+            let mut conn = Held(Some(self.group_connection().await?));
+            let Some(c) = conn.0.as_mut() else {
+                return Ok(None);
+            };
+            let row = sqlx::query(sqlx::AssertSqlSafe(self.sql.peek.as_str()))
                 .bind(&req.id.tenant)
                 .bind(&req.id.scope)
                 .bind(&req.id.key)
                 .bind(req.fingerprint)
-                .fetch_optional(&self.pool),
-        )
-        .await
-        .map_err(sql::map_err)?;
+                .fetch_optional(&mut **c)
+                .await
+                .map_err(sql::map_err);
+            // Done: back to the pool from here.
+            drop(conn.0.take());
+            row
+        })
+        .await?;
         if let Some(row) = seen {
             let takeable: i32 =
                 sqlx::Row::try_get(&row, "takeable").map_err(|e| StoreError::backend(e.to_string()))?;
@@ -840,6 +854,24 @@ impl Written {
     fn answered<T: Send + 'static>(answer: Answer<T>, result: Result<T, StoreError>) -> Self {
         let _ = answer.send(result);
         Written::nothing()
+    }
+}
+
+/// A pool's connection held by a future that may be dropped before it is
+/// done (its caller's timeout): dropped so, it goes back to the pool from
+/// the writers' runtime, not from the dropping task's runtime, which may
+/// never run sqlx's give-back (a current-thread runtime left idle) or may
+/// be shutting down (and then sqlx closes the connection, losing a database
+/// in memory). Taken out first, it is dropped where it is.
+struct Held(Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let (Some(conn), Some(writers)) = (self.0.take(), writer_runtime()) {
+            // A spawn on another runtime's handle, which (unlike entering its
+            // context) a drop may do while tokio is spawning.
+            drop(writers.spawn(async move { drop(conn) }));
+        }
     }
 }
 
@@ -1222,13 +1254,13 @@ impl SqliteStore {
         }
     }
 
-    /// A connection for a group: an idle one at once (no `await`, and no
-    /// check of sqlx's before it is handed over), or else one acquired on
-    /// the writers' runtime, whose timer that acquisition uses. Either way
-    /// a leader dropped by its runtime while it waits can go on elsewhere
-    /// (see [`Finishing`]); and a connection is never dropped halfway
-    /// through sqlx's hand-over, which closes it (losing a database in
-    /// memory).
+    /// A connection for a group, or for a reservation's read: an idle one
+    /// at once (no `await`, and no check of sqlx's before it is handed
+    /// over), or else one acquired on the writers' runtime, whose timer
+    /// that acquisition uses. Either way a leader dropped by its runtime
+    /// while it waits can go on elsewhere (see [`Finishing`]); and a
+    /// connection is never dropped halfway through sqlx's hand-over, which
+    /// closes it (losing a database in memory), however the caller is cut.
     async fn group_connection(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StoreError> {
         if let Some(conn) = self.pool.try_acquire() {
             return Ok(conn);
