@@ -2612,4 +2612,204 @@ mod a_read_given_up_on {
         main.block_on(replayed_eventually(&store, &paid))
             .expect("the database in memory lives on: the completed record is replayed");
     }
+
+    struct Flag(AtomicBool);
+    impl std::task::Wake for Flag {
+        fn wake(self: Arc<Self>) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// A reservation's read waiting for a connection acquired on the writers'
+    /// runtime (the pool's one connection in use elsewhere), cut (its caller
+    /// gives up) after that acquisition has ended but before the read is
+    /// polled again: the acquired connection, the output of the acquisition's
+    /// task, is dropped with it. Returns the main runtime, the store, and the
+    /// caller's current-thread runtime (left as it is). `in_caller`: dropped
+    /// in that runtime's context, or on a thread outside any runtime.
+    fn cut_read(
+        key: &str,
+        in_caller: bool,
+    ) -> (tokio::runtime::Runtime, SqliteStore, tokio::runtime::Runtime) {
+        let main = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let store = main.block_on(async {
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .connect("sqlite::memory:")
+                .await
+                .unwrap();
+            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(5));
+            store.migrate().await.unwrap();
+            let t = "tok-paid";
+            assert!(matches!(
+                store.reserve(req(&id("paid"), t)).await.unwrap(),
+                Reservation::Reserved(_)
+            ));
+            store
+                .complete(
+                    &id("paid"),
+                    t,
+                    &StoredResponse {
+                        status: 201,
+                        headers: vec![],
+                        body: Some(b"paid".to_vec()),
+                    },
+                )
+                .await
+                .unwrap();
+            store
+        });
+        // Someone else holds the pool's one connection for a while.
+        let held = main.block_on(async { store.pool().acquire().await.unwrap() });
+        let caller = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let flag = Arc::new(Flag(AtomicBool::new(false)));
+        let waker = std::task::Waker::from(flag.clone());
+        let rid = id(key);
+        {
+            let mut _in = Some(caller.enter());
+            let mut fut = store.reserve(req(&rid, "tok-cut"));
+            assert!(fut
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(&waker))
+                .is_pending());
+            // The read waits for the acquisition on the writers' runtime.
+            main.block_on(async move { drop(held) });
+            // The acquisition ends: the read's task is woken (not yet polled).
+            let until = std::time::Instant::now() + Duration::from_secs(10);
+            while !flag.0.load(Ordering::SeqCst) {
+                assert!(std::time::Instant::now() < until, "never woken");
+                std::thread::yield_now();
+            }
+            if !in_caller {
+                // Dropped on a thread outside any runtime.
+                _in = None;
+            }
+            // Its caller gives up on it (its own timeout, a select!).
+            drop(fut);
+        }
+        (main, store, caller)
+    }
+
+    /// ... from a current-thread runtime then left idle: the pool of one serves
+    /// on (the connection was given back from a task of that runtime, which
+    /// never ran: 10 runs in 10).
+    #[test]
+    fn a_read_cut_after_its_acquisition_stalls_no_pool_of_one() {
+        let (main, store, _caller_left_idle) = cut_read("fresh-idle", true);
+        let got = main.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), store.reserve(req(&id("paid"), "tok-2"))).await
+        });
+        match got {
+            Ok(Ok(Reservation::Completed(r))) => assert_eq!(r.body.as_deref(), Some(&b"paid"[..])),
+            other => panic!("the pool of one is stalled: {other:?}"),
+        }
+    }
+
+    /// ... from a current-thread runtime then dropped: the database in memory
+    /// lives on (10 in 10 lost).
+    #[test]
+    fn a_read_cut_after_its_acquisition_loses_no_database_in_memory() {
+        let (main, store, caller) = cut_read("fresh-dropped", true);
+        drop(caller);
+        let got = main.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), store.reserve(req(&id("paid"), "tok-2"))).await
+        });
+        match got {
+            Ok(Ok(Reservation::Completed(r))) => assert_eq!(r.body.as_deref(), Some(&b"paid"[..])),
+            other => panic!("the database in memory was lost: {other:?}"),
+        }
+    }
+
+    /// ... dropped on a thread outside any runtime (where sqlx's give-back
+    /// panics): the database in memory lives on (9 in 10 lost).
+    #[test]
+    fn a_read_cut_after_its_acquisition_outside_any_runtime_loses_no_database_in_memory() {
+        let (main, store, _caller) = cut_read("fresh-nort", false);
+        let got = main.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), store.reserve(req(&id("paid"), "tok-2"))).await
+        });
+        match got {
+            Ok(Ok(Reservation::Completed(r))) => assert_eq!(r.body.as_deref(), Some(&b"paid"[..])),
+            other => panic!("the database in memory was lost: {other:?}"),
+        }
+    }
+
+    /// A read done from a multi-thread runtime that shuts down right after (its
+    /// reservation paused after the read): the read's connection goes back to
+    /// the pool all the same, and the database in memory lives on (sqlx's
+    /// give-back was a task of that runtime, dropped with it: 28 runs in 100
+    /// lost the database).
+    #[test]
+    fn a_read_done_just_before_its_runtime_shuts_down_loses_no_database_in_memory() {
+        let main = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let store = main.block_on(async {
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .connect("sqlite::memory:")
+                .await
+                .unwrap();
+            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(5));
+            store.migrate().await.unwrap();
+            store
+        });
+        let paid = "paid-nohook".to_string();
+        main.block_on(async {
+            let t = "tok-paid";
+            assert!(matches!(
+                store.reserve(req(&id(&paid), t)).await.unwrap(),
+                Reservation::Reserved(_)
+            ));
+            store
+                .complete(
+                    &id(&paid),
+                    t,
+                    &StoredResponse {
+                        status: 201,
+                        headers: vec![],
+                        body: Some(b"paid".to_vec()),
+                    },
+                )
+                .await
+                .unwrap();
+            // The connection back in the pool (given back by a task).
+            let until = std::time::Instant::now() + Duration::from_secs(10);
+            while store.pool().num_idle() != 1 {
+                assert!(std::time::Instant::now() < until, "never given back");
+                tokio::task::yield_now().await;
+            }
+        });
+        let caller = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let fresh_key = idem_testkit::unique("fresh");
+        let mut armed = pause::arm(pause::SQLITE_RESERVE_AFTER_PEEK, &fresh_key);
+        let s2 = store.clone();
+        let _task = caller.spawn(async move {
+            let fresh = id(&fresh_key);
+            let _ = s2.reserve(req(&fresh, "tok-fresh")).await;
+        });
+        main.block_on(armed.reached());
+        caller.shutdown_background();
+        drop(armed);
+        let replay = main.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), store.reserve(req(&id(&paid), "tok-2"))).await
+        });
+        match replay {
+            Ok(Ok(Reservation::Completed(r))) => assert_eq!(r.body.as_deref(), Some(&b"paid"[..])),
+            other => panic!("the database in memory was lost: {other:?}"),
+        }
+    }
 }

@@ -549,7 +549,7 @@ impl SqliteStore {
     /// runtime (see [`Held`]).
     async fn peek(&self, req: &ReserveRequest<'_>) -> Result<Option<Reservation>, StoreError> {
         let seen = OnWriters::new(async {
-            let mut conn = Held(Some(self.group_connection().await?));
+            let mut conn = self.group_connection().await?;
             let Some(c) = conn.0.as_mut() else {
                 return Ok(None);
             };
@@ -561,8 +561,10 @@ impl SqliteStore {
                 .fetch_optional(&mut **c)
                 .await
                 .map_err(sql::map_err);
-            // Done: back to the pool from here.
-            drop(conn.0.take());
+            // Done: back to the pool (see `give_back`).
+            if let Some(c) = conn.0.take() {
+                give_back(c);
+            }
             row
         })
         .await?;
@@ -862,8 +864,27 @@ impl Written {
 /// the writers' runtime, not from the dropping task's runtime, which may
 /// never run sqlx's give-back (a current-thread runtime left idle) or may
 /// be shutting down (and then sqlx closes the connection, losing a database
-/// in memory). Taken out first, it is dropped where it is.
+/// in memory). Taken out first, it is given back with [`give_back`].
 struct Held(Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>);
+
+/// Gives `conn` back to its pool from a task of the current runtime that
+/// finishes on the writers' runtime if this one shuts down first (see
+/// [`Finishing`]): sqlx's own give-back on drop is a task of the current
+/// runtime, dropped with it, and then sqlx closes the connection (losing a
+/// database in memory). Outside a runtime, from the writers' runtime.
+fn give_back(mut conn: sqlx::pool::PoolConnection<sqlx::Sqlite>) {
+    // Out of `conn` at once (its drop then spawns nothing of sqlx's).
+    let back = conn.return_to_pool();
+    drop(conn);
+    match tokio::runtime::Handle::try_current() {
+        Ok(here) => drop(here.spawn(Finishing::new(back))),
+        Err(_) => {
+            if let Some(writers) = writer_runtime() {
+                drop(writers.spawn(back));
+            }
+        }
+    }
+}
 
 impl Drop for Held {
     fn drop(&mut self) {
@@ -1198,20 +1219,19 @@ impl SqliteStore {
     /// commits it, then answers each. A job whose statements fail ends the
     /// transaction (what came before it commits), and the jobs after it
     /// are first in line again, for the next.
-    async fn commit_group(
-        &self,
-        conn: Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StoreError>,
-        mut jobs: Vec<Job>,
-    ) {
-        let conn = match conn {
-            Ok(conn) => conn,
+    async fn commit_group(&self, conn: Result<Held, StoreError>, mut jobs: Vec<Job>) {
+        let conn = match conn.map(|mut held| held.0.take()) {
+            Ok(Some(conn)) => conn,
+            Ok(None) => return,
             Err(e) => return Self::fail_all(jobs.into_iter(), e).await,
         };
         if let [only] = &jobs[..] {
             if only.one_statement {
                 let job = jobs.pop().unwrap_or_else(|| unreachable!("one job"));
                 let mut conn = conn;
-                return ((job.run)(Ok(&mut *conn)).await.answer)(Ok(()));
+                let written = (job.run)(Ok(&mut *conn)).await;
+                give_back(conn);
+                return (written.answer)(Ok(()));
             }
         }
         let mut group_conn = GroupConnection(Some(conn));
@@ -1240,11 +1260,15 @@ impl SqliteStore {
         // the connection would fail. The count is put right; a connection
         // that cannot be is closed (which, for a database in memory, would
         // lose it: the last resort).
-        if committed.is_err() && settle(conn).await.is_err() {
-            conn.close_on_drop();
+        let unsound = committed.is_err() && settle(conn).await.is_err();
+        // Done: back to the pool as it is, or closed.
+        if let Some(mut conn) = group_conn.0.take() {
+            if unsound {
+                conn.close_on_drop();
+            } else {
+                give_back(conn);
+            }
         }
-        // Done: back to the pool as it is.
-        drop(group_conn.0.take());
         let rest: Vec<Job> = jobs.collect();
         if !rest.is_empty() {
             self.group.lock().jobs.splice(0..0, rest);
@@ -1261,18 +1285,31 @@ impl SqliteStore {
     /// while it waits can go on elsewhere (see [`Finishing`]); and a
     /// connection is never dropped halfway through sqlx's hand-over, which
     /// closes it (losing a database in memory), however the caller is cut.
-    async fn group_connection(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StoreError> {
+    /// It comes in a [`Held`]: one acquired on the writers' runtime for a
+    /// caller that is gone by then is dropped with the acquisition's output,
+    /// and goes back to the pool from there too.
+    async fn group_connection(&self) -> Result<Held, StoreError> {
         if let Some(conn) = self.pool.try_acquire() {
-            return Ok(conn);
+            return Ok(Held(Some(conn)));
         }
         pause_point!(crate::pause::SQLITE_GROUP_WAITS_FOR_A_CONNECTION, &self.sql.table);
         match writer_runtime() {
-            Some(writers) => writers
-                .spawn(self.pool.acquire())
+            Some(writers) => {
+                let pool = self.pool.clone();
+                writers
+                    .spawn(async move { pool.acquire().await.map(|conn| Held(Some(conn))) })
+                    .await
+                    .map_err(|e| {
+                        StoreError::backend(format!("a SQLite connection's acquisition failed: {e}"))
+                    })?
+                    .map_err(sql::map_err)
+            }
+            None => self
+                .pool
+                .acquire()
                 .await
-                .map_err(|e| StoreError::backend(format!("a SQLite connection's acquisition failed: {e}")))?
+                .map(|conn| Held(Some(conn)))
                 .map_err(sql::map_err),
-            None => self.pool.acquire().await.map_err(sql::map_err),
         }
     }
 
