@@ -128,6 +128,66 @@ async fn hold_from(rt: &tokio::runtime::Runtime, store: &SqliteStore) -> pause::
     held
 }
 
+/// Stops a hook of SQLite's (a commit hook, a progress handler) on a
+/// connection's thread once armed: it says so on `reached` and waits for
+/// `released` (30 s at most).
+#[derive(Default)]
+struct Hold {
+    armed: std::sync::atomic::AtomicBool,
+    reached: Mutex<Option<mpsc::Sender<()>>>,
+    released: Mutex<Option<mpsc::Receiver<()>>>,
+}
+
+impl Hold {
+    /// The test's ends: where it hears that the hook stopped, and how it
+    /// lets it go.
+    fn channels(&self) -> (mpsc::Receiver<()>, mpsc::Sender<()>) {
+        let (reached, held) = mpsc::channel();
+        let (release, released) = mpsc::channel();
+        *self.reached.lock().unwrap() = Some(reached);
+        *self.released.lock().unwrap() = Some(released);
+        (held, release)
+    }
+
+    fn arm(&self, armed: bool) {
+        self.armed.store(armed, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// In the hook: stops there if armed, and disarms.
+    fn stop_if_armed(&self) {
+        if self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let reached = self.reached.lock().unwrap().take();
+            let released = self.released.lock().unwrap().take();
+            let _ = reached.map(|r| r.send(()));
+            let _ = released.map(|r| r.recv_timeout(Duration::from_secs(30)));
+        }
+    }
+}
+
+/// Sets `hold` to stop the COMMIT, on `conn`, of a transaction that wrote
+/// to `table` (an `after_connect` step).
+async fn hold_commits_writing(
+    conn: &mut sqlx::SqliteConnection,
+    hold: Arc<Hold>,
+    table: &'static str,
+) -> Result<(), sqlx::Error> {
+    let mut handle = conn.lock_handle().await?;
+    let on_update = hold.clone();
+    handle.set_update_hook(move |u| {
+        if u.table == table {
+            on_update.arm(true);
+        }
+    });
+    let on_rollback = hold.clone();
+    handle.set_rollback_hook(move || on_rollback.arm(false));
+    handle.set_commit_hook(move || {
+        hold.stop_if_armed();
+        // true: go on with the commit.
+        true
+    });
+    Ok(())
+}
+
 /// With no busy timeout at all, a writer of this process that met SQLite's
 /// write lock taken would fail at once (`SQLITE_BUSY`, a 503): 32 concurrent
 /// first requests only pass if this process's writers never meet it.
@@ -1044,17 +1104,8 @@ mod handler_transaction_on_an_idle_runtime {
     /// in about half of the runs.)
     #[test]
     fn a_handler_transaction_whose_runtime_goes_during_its_commit_loses_no_database_in_memory() {
-        #[derive(Default)]
-        struct Hold {
-            marked: std::sync::atomic::AtomicBool,
-            reached: Mutex<Option<mpsc::Sender<()>>>,
-            released: Mutex<Option<mpsc::Receiver<()>>>,
-        }
         let hold = Arc::new(Hold::default());
-        let (reached, held) = mpsc::channel::<()>();
-        let (release, released) = mpsc::channel::<()>();
-        *hold.reached.lock().unwrap() = Some(reached);
-        *hold.released.lock().unwrap() = Some(released);
+        let (held, release) = hold.channels();
         let setup = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -1064,34 +1115,7 @@ mod handler_transaction_on_an_idle_runtime {
             let hooks = hold.clone();
             let pool = SqlitePoolOptions::new()
                 .max_connections(1)
-                .after_connect(move |conn, _| {
-                    let hold = hooks.clone();
-                    Box::pin(async move {
-                        let mut handle = conn.lock_handle().await?;
-                        let on_update = hold.clone();
-                        handle.set_update_hook(move |u| {
-                            if u.table == "effects" {
-                                on_update.marked.store(true, std::sync::atomic::Ordering::SeqCst);
-                            }
-                        });
-                        let on_rollback = hold.clone();
-                        handle.set_rollback_hook(move || {
-                            on_rollback
-                                .marked
-                                .store(false, std::sync::atomic::Ordering::SeqCst)
-                        });
-                        handle.set_commit_hook(move || {
-                            if hold.marked.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                                let reached = hold.reached.lock().unwrap().take();
-                                let released = hold.released.lock().unwrap().take();
-                                let _ = reached.map(|r| r.send(()));
-                                let _ = released.map(|r| r.recv_timeout(Duration::from_secs(30)));
-                            }
-                            true
-                        });
-                        Ok(())
-                    })
-                })
+                .after_connect(move |conn, _| Box::pin(hold_commits_writing(conn, hooks.clone(), "effects")))
                 .connect("sqlite::memory:")
                 .await
                 .unwrap();
@@ -1899,15 +1923,6 @@ async fn a_group_whose_leaders_runtime_shuts_down_goes_on_and_answers_each_calle
 /// writes for keys starting `cut`.
 mod cut_in_its_commit {
     use super::*;
-    use std::sync::atomic::AtomicBool;
-
-    /// Holds the next COMMIT of a transaction that wrote to `marks`.
-    #[derive(Default)]
-    struct Hold {
-        marked: AtomicBool,
-        reached: Mutex<Option<mpsc::Sender<()>>>,
-        released: Mutex<Option<mpsc::Receiver<()>>>,
-    }
 
     struct Fixture {
         store: SqliteStore,
@@ -1934,39 +1949,13 @@ mod cut_in_its_commit {
         path: std::path::PathBuf,
         dir: tempfile::TempDir,
     ) -> Fixture {
+        // Holds the next COMMIT of a transaction that wrote to `marks`.
         let hold = Arc::new(Hold::default());
-        let (reached, held) = mpsc::channel::<()>();
-        let (release, released) = mpsc::channel::<()>();
-        *hold.reached.lock().unwrap() = Some(reached);
-        *hold.released.lock().unwrap() = Some(released);
+        let (held, release) = hold.channels();
         let hooks = hold.clone();
         let pool = SqlitePoolOptions::new()
             .max_connections(connections)
-            .after_connect(move |conn, _| {
-                let hold = hooks.clone();
-                Box::pin(async move {
-                    let mut handle = conn.lock_handle().await?;
-                    let on_update = hold.clone();
-                    handle.set_update_hook(move |u| {
-                        if u.table == "marks" {
-                            on_update.marked.store(true, Ordering::SeqCst);
-                        }
-                    });
-                    let on_rollback = hold.clone();
-                    handle.set_rollback_hook(move || on_rollback.marked.store(false, Ordering::SeqCst));
-                    handle.set_commit_hook(move || {
-                        if hold.marked.swap(false, Ordering::SeqCst) {
-                            let reached = hold.reached.lock().unwrap().take();
-                            let released = hold.released.lock().unwrap().take();
-                            let _ = reached.map(|r| r.send(()));
-                            let _ = released.map(|r| r.recv_timeout(Duration::from_secs(30)));
-                        }
-                        // true: go on with the commit.
-                        true
-                    });
-                    Ok(())
-                })
-            })
+            .after_connect(move |conn, _| Box::pin(hold_commits_writing(conn, hooks.clone(), "marks")))
             .connect_with(file)
             .await
             .unwrap();
@@ -2388,6 +2377,46 @@ mod a_read_given_up_on {
     use idem::StoreError;
     use std::sync::atomic::AtomicBool;
 
+    /// A record completed with the body `paid`, under a fresh key.
+    async fn paid_record(store: &SqliteStore) -> String {
+        let key = idem_testkit::unique("paid");
+        let token = reserved(store, &key).await;
+        let body = StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: Some(b"paid".to_vec()),
+        };
+        store.complete(&id(&key), token, &body).await.unwrap();
+        key
+    }
+
+    /// A runtime of one worker, the documented one-connection database in
+    /// memory, and [`paid_record`]'s key there.
+    fn paid_in_memory() -> (tokio::runtime::Runtime, SqliteStore, String) {
+        let main = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let store = main.block_on(in_memory_store());
+        let paid = main.block_on(paid_record(&store));
+        (main, store, paid)
+    }
+
+    /// Whether a reservation of `key` is, within 10 s, the replay of
+    /// [`paid_record`]'s answer; else what it is told.
+    async fn replayed(store: &SqliteStore, key: &str) -> Result<(), String> {
+        let told = tokio::time::timeout(
+            Duration::from_secs(10),
+            store.reserve(req(&id(key), idem_testkit::token())),
+        )
+        .await;
+        match told {
+            Ok(Ok(Reservation::Completed(r))) if r.body.as_deref() == Some(&b"paid"[..]) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    }
+
     /// Set when the held `before_acquire` check was dropped before it ended.
     static CHECK_CUT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -2431,24 +2460,7 @@ mod a_read_given_up_on {
     async fn a_reservation_timed_out_in_its_read_loses_no_database_in_memory() {
         let hold: CheckHold = Arc::default();
         let store = store_with_hook(hold.clone()).await;
-        let paid = idem_testkit::unique("paid");
-        let token = idem_testkit::token();
-        assert!(matches!(
-            store.reserve(req(&id(&paid), token)).await.unwrap(),
-            Reservation::Reserved(_)
-        ));
-        store
-            .complete(
-                &id(&paid),
-                token,
-                &StoredResponse {
-                    status: 201,
-                    headers: vec![],
-                    body: Some(b"paid".to_vec()),
-                },
-            )
-            .await
-            .unwrap();
+        let paid = paid_record(&store).await;
         // The next hand-over of the connection is held in the check.
         let (release, held) = tokio::sync::oneshot::channel();
         *hold.lock().unwrap() = Some(held);
@@ -2457,27 +2469,13 @@ mod a_read_given_up_on {
         assert!(matches!(r, Err(StoreError::Unavailable { .. })), "{r:?}");
         drop(release);
         // The database in memory lives on: the completed record is replayed.
-        let replay = tokio::time::timeout(
-            Duration::from_secs(10),
-            store.reserve(req(&id(&paid), idem_testkit::token())),
-        )
-        .await
-        .expect("answered");
-        match replay {
-            Ok(Reservation::Completed(r)) => assert_eq!(r.body.as_deref(), Some(&b"paid"[..])),
-            other => panic!(
-                "the completed record is not replayed (database in memory lost?): {other:?}; \
+        if let Err(told) = replayed(&store, &paid).await {
+            panic!(
+                "the completed record is not replayed (database in memory lost?): {told}; \
                  the pool's check was cut halfway: {}",
                 CHECK_CUT.load(std::sync::atomic::Ordering::SeqCst)
-            ),
+            );
         }
-    }
-
-    #[derive(Default)]
-    struct Hold {
-        armed: AtomicBool,
-        reached: Mutex<Option<mpsc::Sender<()>>>,
-        released: Mutex<Option<mpsc::Receiver<()>>>,
     }
 
     /// A store on the documented one-connection database in memory, whose next
@@ -2494,12 +2492,7 @@ mod a_read_given_up_on {
                     Box::pin(async move {
                         let mut handle = conn.lock_handle().await?;
                         handle.set_progress_handler(1, move || {
-                            if hold.armed.swap(false, Ordering::SeqCst) {
-                                let reached = hold.reached.lock().unwrap().take();
-                                let released = hold.released.lock().unwrap().take();
-                                let _ = reached.map(|r| r.send(()));
-                                let _ = released.map(|r| r.recv_timeout(Duration::from_secs(30)));
-                            }
+                            hold.stop_if_armed();
                             true
                         });
                         Ok(())
@@ -2512,26 +2505,7 @@ mod a_read_given_up_on {
             store.migrate().await.unwrap();
             store
         });
-        let paid = idem_testkit::unique("paid");
-        main.block_on(async {
-            let token = idem_testkit::token();
-            assert!(matches!(
-                store.reserve(req(&id(&paid), token)).await.unwrap(),
-                Reservation::Reserved(_)
-            ));
-            store
-                .complete(
-                    &id(&paid),
-                    token,
-                    &StoredResponse {
-                        status: 201,
-                        headers: vec![],
-                        body: Some(b"paid".to_vec()),
-                    },
-                )
-                .await
-                .unwrap();
-        });
+        let paid = main.block_on(paid_record(&store));
         (store, hold, paid)
     }
 
@@ -2559,11 +2533,8 @@ mod a_read_given_up_on {
     fn a_read_timed_out_mid_statement_on_an_idle_runtime_gives_its_connection_back() {
         let main = two_workers();
         let (store, hold, paid) = fixture(&main);
-        let (reached, held) = mpsc::channel();
-        let (release, released) = mpsc::channel();
-        *hold.reached.lock().unwrap() = Some(reached);
-        *hold.released.lock().unwrap() = Some(released);
-        hold.armed.store(true, Ordering::SeqCst);
+        let (held, release) = hold.channels();
+        hold.arm(true);
         let idle = {
             let store = store.clone();
             std::thread::spawn(move || {
@@ -2592,11 +2563,8 @@ mod a_read_given_up_on {
     fn a_read_timed_out_mid_statement_then_its_runtime_shut_down_loses_no_database_in_memory() {
         let main = two_workers();
         let (store, hold, paid) = fixture(&main);
-        let (reached, held) = mpsc::channel();
-        let (release, released) = mpsc::channel();
-        *hold.reached.lock().unwrap() = Some(reached);
-        *hold.released.lock().unwrap() = Some(released);
-        hold.armed.store(true, Ordering::SeqCst);
+        let (held, release) = hold.channels();
+        hold.arm(true);
         let caller = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -2630,39 +2598,13 @@ mod a_read_given_up_on {
     fn cut_read(
         key: &str,
         in_caller: bool,
-    ) -> (tokio::runtime::Runtime, SqliteStore, tokio::runtime::Runtime) {
-        let main = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let store = main.block_on(async {
-            let pool = SqlitePoolOptions::new()
-                .max_connections(1)
-                .connect("sqlite::memory:")
-                .await
-                .unwrap();
-            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(5));
-            store.migrate().await.unwrap();
-            let t = "tok-paid";
-            assert!(matches!(
-                store.reserve(req(&id("paid"), t)).await.unwrap(),
-                Reservation::Reserved(_)
-            ));
-            store
-                .complete(
-                    &id("paid"),
-                    t,
-                    &StoredResponse {
-                        status: 201,
-                        headers: vec![],
-                        body: Some(b"paid".to_vec()),
-                    },
-                )
-                .await
-                .unwrap();
-            store
-        });
+    ) -> (
+        tokio::runtime::Runtime,
+        SqliteStore,
+        String,
+        tokio::runtime::Runtime,
+    ) {
+        let (main, store, paid) = paid_in_memory();
         // Someone else holds the pool's one connection for a while.
         let held = main.block_on(async { store.pool().acquire().await.unwrap() });
         let caller = tokio::runtime::Builder::new_current_thread()
@@ -2694,7 +2636,7 @@ mod a_read_given_up_on {
             // Its caller gives up on it (its own timeout, a select!).
             drop(fut);
         }
-        (main, store, caller)
+        (main, store, paid, caller)
     }
 
     /// ... from a current-thread runtime then left idle: the pool of one serves
@@ -2702,13 +2644,9 @@ mod a_read_given_up_on {
     /// never ran: 10 runs in 10).
     #[test]
     fn a_read_cut_after_its_acquisition_stalls_no_pool_of_one() {
-        let (main, store, _caller_left_idle) = cut_read("fresh-idle", true);
-        let got = main.block_on(async {
-            tokio::time::timeout(Duration::from_secs(5), store.reserve(req(&id("paid"), "tok-2"))).await
-        });
-        match got {
-            Ok(Ok(Reservation::Completed(r))) => assert_eq!(r.body.as_deref(), Some(&b"paid"[..])),
-            other => panic!("the pool of one is stalled: {other:?}"),
+        let (main, store, paid, _caller_left_idle) = cut_read("fresh-idle", true);
+        if let Err(told) = main.block_on(replayed(&store, &paid)) {
+            panic!("the pool of one is stalled: {told}");
         }
     }
 
@@ -2716,14 +2654,10 @@ mod a_read_given_up_on {
     /// lives on (10 in 10 lost).
     #[test]
     fn a_read_cut_after_its_acquisition_loses_no_database_in_memory() {
-        let (main, store, caller) = cut_read("fresh-dropped", true);
+        let (main, store, paid, caller) = cut_read("fresh-dropped", true);
         drop(caller);
-        let got = main.block_on(async {
-            tokio::time::timeout(Duration::from_secs(5), store.reserve(req(&id("paid"), "tok-2"))).await
-        });
-        match got {
-            Ok(Ok(Reservation::Completed(r))) => assert_eq!(r.body.as_deref(), Some(&b"paid"[..])),
-            other => panic!("the database in memory was lost: {other:?}"),
+        if let Err(told) = main.block_on(replayed(&store, &paid)) {
+            panic!("the database in memory was lost: {told}");
         }
     }
 
@@ -2731,13 +2665,9 @@ mod a_read_given_up_on {
     /// panics): the database in memory lives on (9 in 10 lost).
     #[test]
     fn a_read_cut_after_its_acquisition_outside_any_runtime_loses_no_database_in_memory() {
-        let (main, store, _caller) = cut_read("fresh-nort", false);
-        let got = main.block_on(async {
-            tokio::time::timeout(Duration::from_secs(5), store.reserve(req(&id("paid"), "tok-2"))).await
-        });
-        match got {
-            Ok(Ok(Reservation::Completed(r))) => assert_eq!(r.body.as_deref(), Some(&b"paid"[..])),
-            other => panic!("the database in memory was lost: {other:?}"),
+        let (main, store, paid, _caller) = cut_read("fresh-nort", false);
+        if let Err(told) = main.block_on(replayed(&store, &paid)) {
+            panic!("the database in memory was lost: {told}");
         }
     }
 
@@ -2748,40 +2678,8 @@ mod a_read_given_up_on {
     /// lost the database).
     #[test]
     fn a_read_done_just_before_its_runtime_shuts_down_loses_no_database_in_memory() {
-        let main = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let store = main.block_on(async {
-            let pool = SqlitePoolOptions::new()
-                .max_connections(1)
-                .connect("sqlite::memory:")
-                .await
-                .unwrap();
-            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(5));
-            store.migrate().await.unwrap();
-            store
-        });
-        let paid = "paid-nohook".to_string();
+        let (main, store, paid) = paid_in_memory();
         main.block_on(async {
-            let t = "tok-paid";
-            assert!(matches!(
-                store.reserve(req(&id(&paid), t)).await.unwrap(),
-                Reservation::Reserved(_)
-            ));
-            store
-                .complete(
-                    &id(&paid),
-                    t,
-                    &StoredResponse {
-                        status: 201,
-                        headers: vec![],
-                        body: Some(b"paid".to_vec()),
-                    },
-                )
-                .await
-                .unwrap();
             // The connection back in the pool (given back by a task).
             let until = std::time::Instant::now() + Duration::from_secs(10);
             while store.pool().num_idle() != 1 {
@@ -2804,12 +2702,8 @@ mod a_read_given_up_on {
         main.block_on(armed.reached());
         caller.shutdown_background();
         drop(armed);
-        let replay = main.block_on(async {
-            tokio::time::timeout(Duration::from_secs(10), store.reserve(req(&id(&paid), "tok-2"))).await
-        });
-        match replay {
-            Ok(Ok(Reservation::Completed(r))) => assert_eq!(r.body.as_deref(), Some(&b"paid"[..])),
-            other => panic!("the database in memory was lost: {other:?}"),
+        if let Err(told) = main.block_on(replayed(&store, &paid)) {
+            panic!("the database in memory was lost: {told}");
         }
     }
 }
