@@ -291,11 +291,7 @@ fn unwind_later(tx: sqlx::Transaction<'static, sqlx::Sqlite>) -> tokio::task::Jo
     // On the writers' runtime: the caller's may be shutting down, and the
     // connection, dropped with a task of its, would be closed (losing a
     // database in memory).
-    let unwinding = tracing::Instrument::in_current_span(unwinding);
-    match crate::sql::sqlite::writer_runtime() {
-        Some(writers) => writers.spawn(unwinding),
-        None => tokio::spawn(unwinding),
-    }
+    crate::sql::sqlite::spawn_on_writers(tracing::Instrument::in_current_span(unwinding))
 }
 
 /// Rolls back whatever transaction is open on `tx`'s connection, then opens

@@ -608,11 +608,7 @@ impl SqliteStore {
                         if let Err(Ok(Reservation::Reserved(lease))) = answer.send(taken) {
                             // On the writers' runtime: this leader's may be
                             // shutting down (see `Finishing`).
-                            let give_back = store.give_back(owned, lease.is_takeover());
-                            match writer_runtime() {
-                                Some(writers) => drop(writers.spawn(give_back)),
-                                None => drop(tokio::spawn(give_back)),
-                            }
+                            drop(spawn_on_writers(store.give_back(owned, lease.is_takeover())));
                         }
                     }),
                 }
@@ -872,26 +868,48 @@ struct Held(Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>);
 /// [`Finishing`]): sqlx's own give-back on drop is a task of the current
 /// runtime, dropped with it, and then sqlx closes the connection (losing a
 /// database in memory). Outside a runtime, from the writers' runtime.
-fn give_back(mut conn: sqlx::pool::PoolConnection<sqlx::Sqlite>) {
-    // Out of `conn` at once (its drop then spawns nothing of sqlx's).
+fn give_back(conn: sqlx::pool::PoolConnection<sqlx::Sqlite>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(here) => drop(here.spawn(Finishing::new(returning(conn)))),
+        Err(_) => give_back_on_writers(conn),
+    }
+}
+
+/// `conn`'s way back to its pool, taken out of it at once (its drop then
+/// spawns nothing of sqlx's).
+fn returning(
+    mut conn: sqlx::pool::PoolConnection<sqlx::Sqlite>,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
     let back = conn.return_to_pool();
     drop(conn);
-    match tokio::runtime::Handle::try_current() {
-        Ok(here) => drop(here.spawn(Finishing::new(back))),
-        Err(_) => {
-            if let Some(writers) = writer_runtime() {
-                drop(writers.spawn(back));
-            }
-        }
+    back
+}
+
+/// Gives `conn` back from the writers' runtime (a spawn on another
+/// runtime's handle, which, unlike entering its context, a drop may do
+/// while tokio is spawning).
+fn give_back_on_writers(conn: sqlx::pool::PoolConnection<sqlx::Sqlite>) {
+    if let Some(writers) = writer_runtime() {
+        drop(writers.spawn(returning(conn)));
+    }
+}
+
+/// Spawns `task` on the writers' runtime, which runs whatever becomes of
+/// the caller's (or, when it cannot be started, on the current one).
+pub(crate) fn spawn_on_writers<F>(task: F) -> tokio::task::JoinHandle<()>
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    match writer_runtime() {
+        Some(writers) => writers.spawn(task),
+        None => tokio::spawn(task),
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if let (Some(conn), Some(writers)) = (self.0.take(), writer_runtime()) {
-            // A spawn on another runtime's handle, which (unlike entering its
-            // context) a drop may do while tokio is spawning.
-            drop(writers.spawn(async move { drop(conn) }));
+        if let Some(conn) = self.0.take() {
+            give_back_on_writers(conn);
         }
     }
 }
@@ -899,7 +917,7 @@ impl Drop for Held {
 /// The writers' runtime: one thread of its own for the process, driven
 /// until the process ends, started when first needed (and again later, if
 /// starting it failed). See [`off_caller`].
-pub(crate) fn writer_runtime() -> Option<tokio::runtime::Handle> {
+fn writer_runtime() -> Option<tokio::runtime::Handle> {
     static WRITERS: std::sync::Mutex<Option<tokio::runtime::Handle>> = std::sync::Mutex::new(None);
     let mut writers = WRITERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     if writers.is_none() {
