@@ -2422,7 +2422,7 @@ mod a_read_given_up_on {
 
     type CheckHold = Arc<Mutex<Option<tokio::sync::oneshot::Receiver<()>>>>;
 
-    async fn store_with_hook(hold: CheckHold) -> SqliteStore {
+    async fn store_with_hook(hold: CheckHold, table: &str) -> SqliteStore {
         let pool = SqlitePoolOptions::new()
             .max_connections(1)
             .before_acquire(move |_, _| {
@@ -2445,7 +2445,10 @@ mod a_read_given_up_on {
             .connect("sqlite::memory:")
             .await
             .unwrap();
-        let store = SqliteStore::new(pool).with_timeout(Duration::from_millis(300));
+        let store = SqliteStore::new(pool)
+            .with_table(table)
+            .unwrap()
+            .with_timeout(Duration::from_millis(300));
         store.migrate().await.unwrap();
         store
     }
@@ -2459,13 +2462,30 @@ mod a_read_given_up_on {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_reservation_timed_out_in_its_read_loses_no_database_in_memory() {
         let hold: CheckHold = Arc::default();
-        let store = store_with_hook(hold.clone()).await;
+        // A table of its own: the read's pause point is keyed by it.
+        let table = idem_testkit::unique("checked").replace('-', "_");
+        let store = store_with_hook(hold.clone(), &table).await;
         let paid = paid_record(&store).await;
-        // The next hand-over of the connection is held in the check.
+        // The connection in use elsewhere: the read finds none idle, and
+        // asks the pool, whose next hand-over is held in the check.
+        let busy = store.pool().acquire().await.unwrap();
         let (release, held) = tokio::sync::oneshot::channel();
         *hold.lock().unwrap() = Some(held);
+        let mut waits = pause::arm(
+            pause::SQLITE_GROUP_WAITS_FOR_A_CONNECTION,
+            &format!("\"{table}\""),
+        );
         let fresh = idem_testkit::unique("fresh");
-        let r = store.reserve(req(&id(&fresh), idem_testkit::token())).await;
+        let reserving = {
+            let store = store.clone();
+            tokio::spawn(async move { store.reserve(req(&id(&fresh), idem_testkit::token())).await })
+        };
+        tokio::time::timeout(Duration::from_secs(20), waits.reached())
+            .await
+            .expect("the read finds no idle connection");
+        waits.resume();
+        drop(busy);
+        let r = reserving.await.unwrap();
         assert!(matches!(r, Err(StoreError::Unavailable { .. })), "{r:?}");
         drop(release);
         // The database in memory lives on: the completed record is replayed.
