@@ -1170,6 +1170,169 @@ mod handler_transaction_on_an_idle_runtime {
         });
     }
 
+    /// Told when [`pay_and_stay`] has written its effect.
+    static WROTE: Mutex<Option<mpsc::Sender<()>>> = Mutex::new(None);
+
+    /// Writes its effect in its own transaction, then never returns.
+    #[idempotent(scope = "writers.tx.stays")]
+    async fn pay_and_stay(op: Operation) -> Result<StatusCode, StatusCode> {
+        let mut conn = op
+            .sqlite_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        sqlx::query("INSERT INTO effects (id) VALUES (?1)")
+            .bind(op.derived_key("effect"))
+            .execute(&mut *conn)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        if let Some(wrote) = WROTE.lock().unwrap().take() {
+            let _ = wrote.send(());
+        }
+        std::future::pending::<()>().await;
+        Ok(StatusCode::CREATED)
+    }
+
+    /// The documented one-connection database in memory, a handler's own
+    /// transaction still open (its effect written, not committed) when the
+    /// multi-thread runtime it runs on shuts down, as a process's runtime
+    /// does when a service stops: the transaction is rolled back and its
+    /// connection goes back to the pool, so the database lives on, without
+    /// the effect, the key held by the execution that died (as after a
+    /// crash: its lock runs out), and later requests are served. (The
+    /// transaction was dropped where its task went, and sqlx's give-back
+    /// with it: 10 runs in 10 lost the database.)
+    #[test]
+    fn a_handler_transaction_open_when_its_runtime_shuts_down_loses_no_database_in_memory() {
+        let setup = two_workers();
+        let store = setup
+            .block_on(in_memory_store())
+            .with_timeout(Duration::from_secs(10));
+        setup
+            .block_on(sqlx::query("CREATE TABLE effects (id TEXT PRIMARY KEY)").execute(store.pool()))
+            .unwrap();
+        let app = Router::new()
+            .route("/pay", post(pay_and_stay))
+            .layer(Idem::new(store.clone()).single_tenant().layer());
+        let (wrote, written) = mpsc::channel();
+        *WROTE.lock().unwrap() = Some(wrote);
+        let a = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let key = idem_testkit::unique("stays");
+        a.spawn(app.clone().oneshot(paid(&key)));
+        written
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the handler wrote its effect");
+        a.shutdown_timeout(Duration::from_secs(10));
+        setup.block_on(async {
+            let count = |table: &'static str| {
+                let pool = store.pool().clone();
+                async move {
+                    tokio::time::timeout(
+                        Duration::from_secs(10),
+                        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                            "SELECT count(*) FROM {table}"
+                        )))
+                        .fetch_one(&pool),
+                    )
+                    .await
+                }
+            };
+            let (records, effects) = (count("idempotency_keys").await, count("effects").await);
+            assert!(
+                matches!(records, Ok(Ok(1))) && matches!(effects, Ok(Ok(0))),
+                "the database in memory: records {records:?}, effects {effects:?}"
+            );
+            let retry = tokio::time::timeout(Duration::from_secs(10), app.oneshot(paid(&key)))
+                .await
+                .expect("the retry is answered")
+                .unwrap();
+            assert_eq!(retry.status(), StatusCode::CONFLICT);
+            served_within(&store, Duration::from_secs(5)).await;
+        });
+    }
+
+    /// A handler's transaction committed on a multi-thread runtime that
+    /// shuts down while the connection goes back to the pool (held in the
+    /// pool's `after_release`): the transaction is dropped from the
+    /// writers' thread, where its give-back runs, and the database in
+    /// memory lives on, its effect and its record replayed. (Dropped at the
+    /// end of the commit's task, on the caller's runtime, sqlx's give-back
+    /// was a task of that runtime: 10 runs in 10 lost the database.)
+    #[test]
+    fn a_handler_transaction_given_back_as_its_runtime_shuts_down_loses_no_database_in_memory() {
+        type ReleaseHold = Arc<Mutex<Option<(mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>)>>>;
+        let hold: ReleaseHold = Arc::default();
+        let setup = runtime();
+        let store = setup.block_on(async {
+            let hook = hold.clone();
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .after_release(move |_, _| {
+                    let armed = hook.lock().unwrap().take();
+                    Box::pin(async move {
+                        if let Some((reached, release)) = armed {
+                            let _ = reached.send(());
+                            let _ = release.await;
+                        }
+                        Ok(true)
+                    })
+                })
+                .connect("sqlite::memory:")
+                .await
+                .unwrap();
+            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(20));
+            store.migrate().await.unwrap();
+            sqlx::query("CREATE TABLE effects (id TEXT PRIMARY KEY)")
+                .execute(store.pool())
+                .await
+                .unwrap();
+            store
+        });
+        let app = Router::new()
+            .route("/pay", post(pay))
+            .layer(Idem::new(store.clone()).single_tenant().layer());
+        let key = idem_testkit::unique("pay");
+        let mut before_commit = pause::arm(pause::TX_BEFORE_COMMIT, &key);
+        let caller = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        caller.spawn(app.clone().oneshot(paid(&key)));
+        setup.block_on(async {
+            tokio::time::timeout(Duration::from_secs(20), before_commit.reached())
+                .await
+                .expect("the handler's commit is due");
+        });
+        // The transaction holds the pool's one connection: the next
+        // give-back is the one after its commit.
+        let (reached_tx, reached) = mpsc::channel();
+        let (release, release_rx) = tokio::sync::oneshot::channel();
+        *hold.lock().unwrap() = Some((reached_tx, release_rx));
+        before_commit.resume();
+        reached
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the connection's give-back after the commit is held");
+        caller.shutdown_timeout(Duration::from_secs(10));
+        drop(release);
+        setup.block_on(async {
+            let replay = tokio::time::timeout(Duration::from_secs(10), app.oneshot(paid(&key)))
+                .await
+                .expect("the retry is answered")
+                .unwrap();
+            assert_eq!(replay.status(), StatusCode::CREATED);
+            assert!(replay.headers().contains_key("idempotent-replayed"));
+            let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+            assert_eq!(effects, 1);
+        });
+    }
+
     #[test]
     fn gives_its_connection_back() {
         let main = two_workers();
@@ -2378,7 +2541,7 @@ mod a_read_given_up_on {
     use std::sync::atomic::AtomicBool;
 
     /// A record completed with the body `paid`, under a fresh key.
-    async fn paid_record(store: &SqliteStore) -> String {
+    pub(super) async fn paid_record(store: &SqliteStore) -> String {
         let key = idem_testkit::unique("paid");
         let token = reserved(store, &key).await;
         let body = StoredResponse {
@@ -2405,7 +2568,7 @@ mod a_read_given_up_on {
 
     /// Whether a reservation of `key` is, within 10 s, the replay of
     /// [`paid_record`]'s answer; else what it is told.
-    async fn replayed(store: &SqliteStore, key: &str) -> Result<(), String> {
+    pub(super) async fn replayed(store: &SqliteStore, key: &str) -> Result<(), String> {
         let told = tokio::time::timeout(
             Duration::from_secs(10),
             store.reserve(req(&id(key), idem_testkit::token())),
@@ -2725,5 +2888,276 @@ mod a_read_given_up_on {
         if let Err(told) = main.block_on(replayed(&store, &paid)) {
             panic!("the database in memory was lost: {told}");
         }
+    }
+}
+
+/// The writes outside the groups (a release, a rejection, a hand-back, a
+/// lock extension, a checkpoint, the janitor's batches, a handler's
+/// `BEGIN`) take their connection from the pool and give it back through
+/// sqlx: they run on the writers' thread, so a caller's runtime that shuts
+/// down, or the store's timeout, cuts neither sqlx's hand-over of the
+/// connection nor its give-back (either cut, sqlx closed the connection,
+/// and the documented one-connection database in memory was lost).
+mod writes_outside_the_groups {
+    use super::a_read_given_up_on::{paid_record, replayed};
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// A runtime of one worker, which the tests shut down.
+    fn one_worker() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// The documented one-connection database in memory, whose next
+    /// COMMIT once `hold` is armed stops there (idem's table is `WITHOUT
+    /// ROWID`: no update hook tells its writes), and a record "paid".
+    fn held_commits(setup: &tokio::runtime::Runtime, hold: Arc<Hold>) -> (SqliteStore, String) {
+        setup.block_on(async {
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .after_connect(move |conn, _| {
+                    let hold = hold.clone();
+                    Box::pin(async move {
+                        conn.lock_handle().await?.set_commit_hook(move || {
+                            hold.stop_if_armed();
+                            true
+                        });
+                        Ok(())
+                    })
+                })
+                .connect("sqlite::memory:")
+                .await
+                .unwrap();
+            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(20));
+            store.migrate().await.unwrap();
+            let paid = paid_record(&store).await;
+            (store, paid)
+        })
+    }
+
+    /// `write` of a key reserved for it, from a multi-thread runtime that
+    /// shuts down while the write's COMMIT is held (a server stopping while
+    /// an execution lets its key go, or its heartbeat extends its lock):
+    /// the write ends, and the database in memory lives on. (Run from the
+    /// caller's task, the write's connection was closed with that runtime's
+    /// tasks: the database was lost in 5 to 9 runs in 10, by write; it
+    /// survives when sqlx opens the next connection before the old one is
+    /// closed.)
+    fn cut_by_its_runtime_shutting_down(write: &'static str) {
+        let hold = Arc::new(Hold::default());
+        let setup = runtime();
+        let (store, paid) = held_commits(&setup, hold.clone());
+        let key = idem_testkit::unique(write);
+        let token = setup.block_on(reserved(&store, &key));
+        let (held, release) = hold.channels();
+        hold.arm(true);
+        let caller = one_worker();
+        {
+            let (store, key) = (store.clone(), key.clone());
+            caller.spawn(async move {
+                let id = id(&key);
+                let _ = match write {
+                    "release" => store.release(&id, token).await,
+                    "reject" => store.reject(&id, token).await,
+                    "hand_back" => store.hand_back(&id, token, false).await,
+                    "extend" => store.extend_lock(&id, token, LONG).await,
+                    _ => store.checkpoint(&id, token, "step-1").await,
+                };
+            });
+        }
+        held.recv_timeout(Duration::from_secs(20))
+            .expect("the write's commit is held");
+        caller.shutdown_timeout(Duration::from_secs(10));
+        release.send(()).unwrap();
+        setup.block_on(async {
+            if let Err(told) = replayed(&store, &paid).await {
+                panic!("{write}: the database in memory was lost: {told}");
+            }
+            // The write itself went through: a key let go is taken again.
+            if matches!(write, "release" | "reject" | "hand_back") {
+                let again = store.reserve(req(&id(&key), idem_testkit::token())).await;
+                assert!(
+                    matches!(again, Ok(Reservation::Reserved(_))),
+                    "{write}: the key was not let go: {again:?}"
+                );
+            }
+        });
+    }
+
+    #[test]
+    fn a_release_cut_by_its_runtime_shutting_down_loses_no_database_in_memory() {
+        cut_by_its_runtime_shutting_down("release");
+    }
+
+    #[test]
+    fn a_rejection_cut_by_its_runtime_shutting_down_loses_no_database_in_memory() {
+        cut_by_its_runtime_shutting_down("reject");
+    }
+
+    #[test]
+    fn a_hand_back_cut_by_its_runtime_shutting_down_loses_no_database_in_memory() {
+        cut_by_its_runtime_shutting_down("hand_back");
+    }
+
+    #[test]
+    fn a_lock_extension_cut_by_its_runtime_shutting_down_loses_no_database_in_memory() {
+        cut_by_its_runtime_shutting_down("extend");
+    }
+
+    #[test]
+    fn a_checkpoint_cut_by_its_runtime_shutting_down_loses_no_database_in_memory() {
+        cut_by_its_runtime_shutting_down("checkpoint");
+    }
+
+    /// A release answered, its connection on its way back to the pool
+    /// (held in the pool's `after_release`) when the caller's multi-thread
+    /// runtime shuts down: the give-back is a task of the writers' thread,
+    /// and the database in memory lives on. (sqlx's give-back was a task of
+    /// the caller's runtime, dropped with it: 10 runs in 10 lost the
+    /// database.)
+    #[test]
+    fn a_release_given_back_as_its_runtime_shuts_down_loses_no_database_in_memory() {
+        type ReleaseHold = Arc<Mutex<Option<(mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>)>>>;
+        let hold: ReleaseHold = Arc::default();
+        let setup = runtime();
+        let (store, paid) = setup.block_on(async {
+            let hook = hold.clone();
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .after_release(move |_, _| {
+                    let armed = hook.lock().unwrap().take();
+                    Box::pin(async move {
+                        if let Some((reached, release)) = armed {
+                            let _ = reached.send(());
+                            let _ = release.await;
+                        }
+                        Ok(true)
+                    })
+                })
+                .connect("sqlite::memory:")
+                .await
+                .unwrap();
+            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(20));
+            store.migrate().await.unwrap();
+            let paid = paid_record(&store).await;
+            (store, paid)
+        });
+        let key = idem_testkit::unique("rel");
+        let token = setup.block_on(async {
+            let token = reserved(&store, &key).await;
+            // The set-up's connection back in the pool first: the hold
+            // then stops the release's give-back, not the set-up's.
+            let until = Instant::now() + Duration::from_secs(10);
+            while store.pool().num_idle() != 1 {
+                assert!(Instant::now() < until, "the set-up's connection never came back");
+                tokio::task::yield_now().await;
+            }
+            token
+        });
+        let (reached_tx, reached) = mpsc::channel();
+        let (release, release_rx) = tokio::sync::oneshot::channel();
+        *hold.lock().unwrap() = Some((reached_tx, release_rx));
+        let mut answered = pause::arm(pause::RELEASE_AFTER, &key);
+        let caller = one_worker();
+        {
+            let (store, key) = (store.clone(), key.clone());
+            caller.spawn(async move {
+                let _ = store.release(&id(&key), token).await;
+            });
+        }
+        reached
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the release's give-back is held");
+        setup.block_on(async {
+            tokio::time::timeout(Duration::from_secs(20), answered.reached())
+                .await
+                .expect("the release is answered");
+        });
+        caller.shutdown_timeout(Duration::from_secs(10));
+        drop(release);
+        setup.block_on(async {
+            if let Err(told) = replayed(&store, &paid).await {
+                panic!("the database in memory was lost: {told}");
+            }
+        });
+    }
+
+    /// A release whose caller's timeout (the store's, on a current-thread
+    /// runtime) passes while the pool hands its write the connection (held
+    /// in the application's `before_acquire` check): the hand-over is not
+    /// cut halfway, and once it ends the release is written, and the
+    /// database in memory lives on. (The store's bound ran inside the
+    /// write, cut the check, and sqlx closed the connection: 10 runs in 10.)
+    #[test]
+    fn a_release_timed_out_in_the_pools_check_is_written_and_loses_no_database_in_memory() {
+        type CheckHold = Arc<Mutex<Option<tokio::sync::oneshot::Receiver<()>>>>;
+        let hold: CheckHold = Arc::default();
+        let cut = Arc::new(AtomicBool::new(false));
+        let main = runtime();
+        let store = main.block_on(async {
+            let (hook, cut) = (hold.clone(), cut.clone());
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .before_acquire(move |_, _| {
+                    let armed = hook.lock().unwrap().take();
+                    let cut = cut.clone();
+                    Box::pin(async move {
+                        if let Some(release) = armed {
+                            /// Sets the flag if dropped before the check ends.
+                            struct Cut(Arc<AtomicBool>);
+                            impl Drop for Cut {
+                                fn drop(&mut self) {
+                                    self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+                                }
+                            }
+                            let cut = Cut(cut);
+                            let _ = release.await;
+                            std::mem::forget(cut);
+                        }
+                        Ok(true)
+                    })
+                })
+                .connect("sqlite::memory:")
+                .await
+                .unwrap();
+            let store = SqliteStore::new(pool).with_timeout(Duration::from_millis(300));
+            store.migrate().await.unwrap();
+            store
+        });
+        let paid = main.block_on(paid_record(&store));
+        let key = idem_testkit::unique("rel");
+        let token = main.block_on(reserved(&store, &key));
+        let (release, held) = tokio::sync::oneshot::channel();
+        *hold.lock().unwrap() = Some(held);
+        let told = main.block_on(store.release(&id(&key), token));
+        assert!(
+            matches!(told, Err(idem::StoreError::Unavailable { .. })),
+            "the release is held in the check: {told:?}"
+        );
+        // Three of the store's timeouts: a bound inside the write would
+        // have cut the check by then.
+        std::thread::sleep(Duration::from_millis(900));
+        assert!(
+            !cut.load(std::sync::atomic::Ordering::SeqCst),
+            "the pool's check was cut halfway"
+        );
+        drop(release);
+        main.block_on(async {
+            if let Err(told) = replayed(&store, &paid).await {
+                panic!("the database in memory was lost: {told}");
+            }
+            let until = Instant::now() + Duration::from_secs(10);
+            loop {
+                match store.reserve(req(&id(&key), idem_testkit::token())).await {
+                    Ok(Reservation::Reserved(_)) => break,
+                    other => assert!(Instant::now() < until, "the release was never written: {other:?}"),
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
     }
 }

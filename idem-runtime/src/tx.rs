@@ -24,7 +24,47 @@ enum Open {
         crate::fingerprint::HexStr<32>,
     ),
     #[cfg(feature = "sqlite")]
-    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>, crate::SqliteStore),
+    Sqlite(LiteTx, crate::SqliteStore),
+}
+
+/// A handler's SQLite transaction, dropped from the writers' runtime
+/// however it ends (see [`crate::sql::sqlite::drop_on_writers`]): left
+/// open when its execution's task goes with a runtime that shuts down,
+/// cut halfway through its completion or rollback, or committed and done
+/// with. sqlx's own drop (the rollback of what is open, and the
+/// connection's way back to the pool) would be a task of the dropping
+/// task's runtime, dropped if that runtime is shutting down, and then sqlx
+/// closes the connection (losing a database in memory); or never run on a
+/// current-thread runtime left idle (stalling a pool of one).
+#[cfg(feature = "sqlite")]
+pub(crate) struct LiteTx(Option<sqlx::Transaction<'static, sqlx::Sqlite>>);
+
+#[cfg(feature = "sqlite")]
+impl LiteTx {
+    /// The transaction's connection (held until the transaction is
+    /// dropped; an error, never a panic, otherwise).
+    fn conn(&mut self) -> Result<&mut sqlx::SqliteConnection, StoreError> {
+        match self.0.as_mut() {
+            Some(tx) => Ok(&mut **tx),
+            None => Err(StoreError::backend("the handler's transaction is gone")),
+        }
+    }
+
+    /// How many levels sqlx counts open on the connection.
+    fn depth(&self) -> usize {
+        use sqlx_core::transaction::TransactionManager as _;
+        type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
+        self.0.as_ref().map_or(0, |tx| Manager::get_transaction_depth(tx))
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl Drop for LiteTx {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            crate::sql::sqlite::drop_on_writers(tx);
+        }
+    }
 }
 
 /// The connection of a handler's transaction, borrowed from its
@@ -178,14 +218,14 @@ impl PendingTx {
             StoreError::backend("sqlite_transaction needs the layer's store to be a SqliteStore")
         })?;
         Ok(PendingTx(Box::new(Open::Sqlite(
-            lite.begin_tx().await?,
+            LiteTx(Some(lite.begin_tx().await?)),
             lite.clone(),
         ))))
     }
 
     pub(crate) fn sqlite(&mut self) -> Option<&mut sqlx::SqliteConnection> {
         match &mut *self.0 {
-            Open::Sqlite(tx, _) => Some(&mut **tx),
+            Open::Sqlite(tx, _) => tx.conn().ok(),
             #[allow(unreachable_patterns)]
             _ => None,
         }
@@ -245,7 +285,7 @@ async fn sqlite_transaction_lost(conn: &mut sqlx::SqliteConnection) -> Result<bo
 /// past it, it goes on in the background (see [`unwind_later`]) rather
 /// than being cut short.
 #[cfg(feature = "sqlite")]
-async fn end_lost(tx: sqlx::Transaction<'static, sqlx::Sqlite>, deadline: Deadline) {
+async fn end_lost(tx: LiteTx, deadline: Deadline) {
     let _ = tokio::time::timeout(deadline.left(), unwind_later(tx)).await;
 }
 
@@ -272,7 +312,7 @@ const UNWIND_SLOW: std::time::Duration = std::time::Duration::from_secs(60);
 /// anything: until the abandoned statement ends, the connection serves no
 /// one.
 #[cfg(feature = "sqlite")]
-fn unwind_later(tx: sqlx::Transaction<'static, sqlx::Sqlite>) -> tokio::task::JoinHandle<()> {
+fn unwind_later(tx: LiteTx) -> tokio::task::JoinHandle<()> {
     let unwinding = async move {
         let mut unwinding = std::pin::pin!(unwind(tx));
         let unwound = match tokio::time::timeout(UNWIND_SLOW, &mut unwinding).await {
@@ -300,12 +340,14 @@ fn unwind_later(tx: sqlx::Transaction<'static, sqlx::Sqlite>) -> tokio::task::Jo
 /// transaction nor counted inside one. Not to be cut part-way (see
 /// [`unwind_later`]).
 #[cfg(feature = "sqlite")]
-async fn unwind(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>) -> Result<(), StoreError> {
-    let depth = crate::sql::sqlite::reopen_counted(&mut tx).await?;
+async fn unwind(mut tx: LiteTx) -> Result<(), StoreError> {
+    use sqlx_core::transaction::TransactionManager as _;
+    type Manager = <sqlx::Sqlite as sqlx::Database>::TransactionManager;
+    let depth = crate::sql::sqlite::reopen_counted(tx.conn()?).await?;
     for _ in 1..depth {
-        crate::sql::sqlite::rollback_level(&mut tx).await?;
+        crate::sql::sqlite::rollback_level(tx.conn()?).await?;
     }
-    tx.rollback().await.map_err(crate::sql::map_err)
+    Manager::rollback(tx.conn()?).await.map_err(crate::sql::map_err)
 }
 
 impl PendingTx {
@@ -457,10 +499,12 @@ async fn rollback_pg(
 
 /// [`PendingTx::rollback`] on SQLite.
 #[cfg(feature = "sqlite")]
-async fn rollback_sqlite(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite: crate::SqliteStore) -> bool {
+async fn rollback_sqlite(mut tx: LiteTx, lite: crate::SqliteStore) -> bool {
     // The check and the rollback within one store timeout.
     let deadline = Deadline::start(lite.timeout());
-    let lost = deadline.bound(sqlite_transaction_lost(&mut tx)).await;
+    let lost = deadline
+        .bound(async { sqlite_transaction_lost(tx.conn()?).await })
+        .await;
     if let Err(e) = &lost {
         tracing::warn!(error = %e, "cannot tell whether SQLite ended the handler's transaction");
     }
@@ -470,7 +514,7 @@ async fn rollback_sqlite(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite:
         end_lost(tx, deadline).await;
     } else if lost.is_err() {
         drop(unwind_later(tx));
-    } else if Manager::get_transaction_depth(&tx) > 1 {
+    } else if tx.depth() > 1 {
         // A nested transaction the handler left open lost its savepoints
         // with idem's mark, released by the check: sqlx's rollback of its
         // level would name one that is gone, fail, and leave the whole
@@ -478,9 +522,13 @@ async fn rollback_sqlite(mut tx: sqlx::Transaction<'static, sqlx::Sqlite>, lite:
         // commit there would commit nothing). Unwound level by level.
         end_lost(tx, deadline).await;
     } else {
+        // Through sqlx's transaction manager, on the connection, as the
+        // commit is: the transaction is then dropped from the writers'
+        // runtime (see `LiteTx`), and one cut here asks for its rollback
+        // there, which sqlx's worker skips if this one got through.
         log_rollback(
             deadline
-                .bound(async { tx.rollback().await.map_err(crate::sql::map_err) })
+                .bound(async { Manager::rollback(tx.conn()?).await.map_err(crate::sql::map_err) })
                 .await,
         );
     }
@@ -497,7 +545,7 @@ fn log_rollback(result: Result<(), StoreError>) {
 /// [`PendingTx::complete`] on SQLite.
 #[cfg(feature = "sqlite")]
 async fn complete_sqlite(
-    mut tx: sqlx::Transaction<'static, sqlx::Sqlite>,
+    mut tx: LiteTx,
     lite: crate::SqliteStore,
     id: &RecordId,
     token: &str,
@@ -505,7 +553,10 @@ async fn complete_sqlite(
 ) -> Result<(), TxFailure> {
     // The check, the completion and the commit within one store timeout.
     let deadline = Deadline::start(lite.timeout());
-    match deadline.bound(sqlite_transaction_lost(&mut tx)).await {
+    match deadline
+        .bound(async { sqlite_transaction_lost(tx.conn()?).await })
+        .await
+    {
         Ok(false) => {}
         Ok(true) => {
             end_lost(tx, deadline).await;
@@ -519,7 +570,7 @@ async fn complete_sqlite(
         }
     }
     if let Err(e) = deadline
-        .bound(lite.complete_with(&mut *tx, id, token, response))
+        .bound(async { lite.complete_with(tx.conn()?, id, token, response).await })
         .await
     {
         drop(unwind_later(tx));
@@ -561,19 +612,20 @@ async fn complete_sqlite(
     // would be closed (losing a database in memory).
     let commit = tokio::spawn(crate::sql::sqlite::Finishing::new(async move {
         let committed = async {
-            let depth = Manager::get_transaction_depth(&tx);
+            let depth = tx.depth();
+            let conn = tx.conn()?;
             for level in 1..depth {
                 sqlx::raw_sql(sqlx_core::transaction::begin_ansi_transaction_sql(level))
-                    .execute(&mut *tx)
-                    .await?;
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(crate::sql::map_err)?;
             }
             for _ in 1..depth {
-                Manager::commit(&mut tx).await?;
+                Manager::commit(&mut *conn).await.map_err(crate::sql::map_err)?;
             }
-            Manager::commit(&mut tx).await
+            Manager::commit(conn).await.map_err(crate::sql::map_err)
         }
-        .await
-        .map_err(crate::sql::map_err);
+        .await;
         if committed.is_err() {
             drop(unwind_later(tx));
         }

@@ -235,11 +235,22 @@ impl SqliteStore {
             .map_err(|_| StoreError::unavailable("the SQLite write queue is closed"))
     }
 
-    /// Runs `write` in this process's turn at the write lock, within the
-    /// store's timeout; from a current-thread runtime, on the writers'
-    /// thread (see [`off_caller`]), where a write its caller gave up on
-    /// still runs to its end (every such write is fenced by its token, or
-    /// is the store's own).
+    /// Runs `write` in this process's turn at the write lock, on the
+    /// writers' runtime, and waits for its answer within the store's
+    /// timeout. A write whose caller gave up while it waited in line is
+    /// not made; one under way runs to its end (every such write is fenced
+    /// by its token, or is the store's own). For the writes outside the
+    /// groups (a release, a rejection, a hand-back, a lock extension, a
+    /// checkpoint, the janitor's batches, a handler's `BEGIN`), which take
+    /// their connection from the pool through sqlx: sqlx's acquisition (its
+    /// checks) and its give-back of the connection are then tasks of a
+    /// runtime that is always driven, and nothing cuts them halfway. Run
+    /// from the caller's task, a runtime shutting down dropped them, or the
+    /// store's timeout cut the pool's check of the connection, and sqlx
+    /// closed the connection (losing a database in memory); from a
+    /// current-thread runtime left idle, the give-back never ran. A hop
+    /// costs these writes a wake-up of the writers' thread; the writes of a
+    /// first request (grouped) make none from a multi-thread runtime.
     async fn queued<T, F, W>(&self, write: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
@@ -247,10 +258,25 @@ impl SqliteStore {
         W: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
     {
         let store = self.clone();
-        run_off_caller(sql::bounded(self.timeout, async move {
-            let _turn = store.write_turn().await?;
-            write(store.clone()).await
-        }))
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let writing = async move {
+            let turn = store.write_turn().await;
+            // Given up on in line: nothing was written, and nothing is.
+            if answer.is_closed() {
+                return;
+            }
+            let written = match turn {
+                Ok(_turn) => write(store.clone()).await,
+                Err(e) => Err(e),
+            };
+            let _ = answer.send(written);
+        };
+        drop(spawn_on_writers(tracing::Instrument::in_current_span(writing)));
+        sql::bounded(self.timeout, async {
+            answered
+                .await
+                .unwrap_or_else(|_| Err(StoreError::backend("a SQLite write did not finish")))
+        })
         .await
     }
 
@@ -903,6 +929,20 @@ where
     match writer_runtime() {
         Some(writers) => writers.spawn(task),
         None => tokio::spawn(task),
+    }
+}
+
+/// Drops `value` (a handler's transaction) from the writers' runtime, or
+/// here when that runtime cannot be started: whatever sqlx's drop starts
+/// there (the rollback of what is left open, the connection's way back to
+/// its pool, a task of the runtime it is dropped on) runs whatever becomes
+/// of the dropping task's runtime. A spawn on another runtime's handle,
+/// which a drop may do while tokio is spawning or shutting down.
+#[cfg(feature = "axum")]
+pub(crate) fn drop_on_writers<T: Send + 'static>(value: T) {
+    match writer_runtime() {
+        Some(writers) => drop(writers.spawn(async move { drop(value) })),
+        None => drop(value),
     }
 }
 
