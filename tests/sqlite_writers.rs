@@ -1001,6 +1001,105 @@ fn a_release_in_line_on_an_idle_runtime_holds_no_writer_back() {
     drop(idle);
 }
 
+/// An execution that failed, on a current-thread runtime left idle once
+/// its client had the answer: the release that gave up in line is tried
+/// again in the background on the writers' thread.
+mod a_failed_execution_on_an_idle_runtime {
+    use super::*;
+    use axum::http::{Request, StatusCode};
+    use axum::routing::post;
+    use axum::Router;
+    use idem::{idempotent, Idem, Operation};
+    use tower::ServiceExt as _;
+
+    /// Told when [`fail`] runs; `fail` answers once `GO` says so.
+    static STARTED: Mutex<Option<mpsc::Sender<()>>> = Mutex::new(None);
+    static GO: Mutex<Option<tokio::sync::oneshot::Receiver<()>>> = Mutex::new(None);
+
+    /// A 5xx: released as failed, to be run again by its retry.
+    #[idempotent(scope = "writers.fail")]
+    async fn fail(_op: Operation) -> Result<StatusCode, StatusCode> {
+        if let Some(started) = STARTED.lock().unwrap().take() {
+            let _ = started.send(());
+        }
+        let go = GO.lock().unwrap().take();
+        if let Some(go) = go {
+            let _ = go.await;
+        }
+        Err(StatusCode::BAD_GATEWAY)
+    }
+
+    fn failing(key: &str) -> Request<axum::body::Body> {
+        Request::post("/fail")
+            .header("idempotency-key", key)
+            .body(axum::body::Body::empty())
+            .unwrap()
+    }
+
+    /// The execution fails (502) while a write holds the permit; its
+    /// release waits in line past the store's timeout (300 ms) and gives
+    /// up, and the caller's current-thread runtime is then kept but no
+    /// longer driven. Once the permit frees, the key is let go (CONTRACT
+    /// section 6: a store call that times out never leaves a lock that no
+    /// execution holds), and the same request retried runs again. (The
+    /// retry in the background was a task of the idle runtime, never run:
+    /// the key stayed locked, by no execution, until its lock timeout; 6
+    /// runs in 6.)
+    #[test]
+    fn its_release_timed_out_in_line_is_tried_again_and_leaves_no_lock() {
+        let main = two_workers();
+        let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
+        let patient = store.clone().with_timeout(Duration::from_secs(10));
+        let hasty = store.with_timeout(Duration::from_millis(300));
+        let app = Router::new()
+            .route("/fail", post(fail))
+            .layer(Idem::new(hasty).single_tenant().layer());
+        let (started, running) = mpsc::channel();
+        *STARTED.lock().unwrap() = Some(started);
+        let (go, waiting) = tokio::sync::oneshot::channel();
+        *GO.lock().unwrap() = Some(waiting);
+        let key = idem_testkit::unique("fail");
+        let (answered, answer) = mpsc::channel();
+        let idle = {
+            let (app, key) = (app.clone(), key.clone());
+            std::thread::spawn(move || {
+                let idle = runtime();
+                let response = idle.block_on(app.oneshot(failing(&key))).unwrap();
+                let _ = answered.send(response.status());
+                // Kept, and not driven, until the end.
+                idle
+            })
+        };
+        running
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the handler runs");
+        let (paused, _holder) = main.block_on(hold_the_permit(&patient));
+        go.send(()).unwrap();
+        let status = answer
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the failed execution is answered");
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+        let idle = idle.join().unwrap();
+        main.block_on(async {
+            drop(paused);
+            let until = Instant::now() + Duration::from_secs(10);
+            while row(&patient, &key).await.and_then(|r| r.1).is_some() {
+                assert!(Instant::now() < until, "a lock nobody holds stayed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let retried = Router::new()
+                .route("/fail", post(fail))
+                .layer(Idem::new(patient.clone()).single_tenant().layer())
+                .oneshot(failing(&key))
+                .await
+                .unwrap();
+            // Run again (and failing again), not 409.
+            assert_eq!(retried.status(), StatusCode::BAD_GATEWAY);
+        });
+        drop(idle);
+    }
+}
+
 /// A reservation answered from its read (here a conflict) on a
 /// current-thread runtime then left idle, on the documented one-connection
 /// database in memory: the connection goes back to its pool all the same
@@ -1330,6 +1429,118 @@ mod handler_transaction_on_an_idle_runtime {
                 .await
                 .unwrap();
             assert_eq!(effects, 1);
+        });
+    }
+
+    type CheckHold = Arc<Mutex<Option<(mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>)>>>;
+
+    /// The hold that [`pay_in_turn`] arms for the pool's next check, and
+    /// the ends of it the test keeps.
+    #[allow(clippy::type_complexity)]
+    static ARM: Mutex<Option<(CheckHold, (mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>))>> =
+        Mutex::new(None);
+
+    /// [`pay`], arming first the hold of the pool's next check: the one of
+    /// its `BEGIN`.
+    #[idempotent(scope = "writers.tx.begin")]
+    async fn pay_in_turn(op: Operation) -> Result<StatusCode, StatusCode> {
+        if let Some((hold, ends)) = ARM.lock().unwrap().take() {
+            *hold.lock().unwrap() = Some(ends);
+        }
+        let mut conn = op
+            .sqlite_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        sqlx::query("INSERT INTO effects (id) VALUES (?1)")
+            .bind(op.derived_key("effect"))
+            .execute(&mut *conn)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        Ok(StatusCode::CREATED)
+    }
+
+    /// A handler's `BEGIN` done on the writers' thread and its transaction
+    /// on its way to the handler, whose current-thread runtime, not driven
+    /// at that moment, is then dropped (a service stopping) with the
+    /// handler's task woken but not run: the transaction, held from its
+    /// `BEGIN` on in what drops it from the writers' runtime, is rolled
+    /// back there and its connection given back, so the pool still counts
+    /// its one connection and the database in memory lives on. (The bare
+    /// transaction was dropped with the task, and sqlx closed the
+    /// connection: 6 runs in 6.)
+    #[test]
+    fn a_transaction_begun_but_not_yet_taken_when_its_runtime_shuts_down_loses_no_database_in_memory() {
+        let hold: CheckHold = Arc::default();
+        let setup = two_workers();
+        let store = setup.block_on(async {
+            let hook = hold.clone();
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .before_acquire(move |_, _| {
+                    let armed = hook.lock().unwrap().take();
+                    Box::pin(async move {
+                        if let Some((reached, release)) = armed {
+                            let _ = reached.send(());
+                            let _ = release.await;
+                        }
+                        Ok(true)
+                    })
+                })
+                .connect("sqlite::memory:")
+                .await
+                .unwrap();
+            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(20));
+            store.migrate().await.unwrap();
+            sqlx::query("CREATE TABLE effects (id TEXT PRIMARY KEY)")
+                .execute(store.pool())
+                .await
+                .unwrap();
+            store
+        });
+        let app = Router::new()
+            .route("/pay", post(pay_in_turn))
+            .layer(Idem::new(store.clone()).single_tenant().layer());
+        let (reached_tx, reached) = mpsc::channel();
+        let (release, release_rx) = tokio::sync::oneshot::channel();
+        *ARM.lock().unwrap() = Some((hold.clone(), (reached_tx, release_rx)));
+        let caller = runtime();
+        caller.spawn(app.clone().oneshot(paid(&idem_testkit::unique("begin"))));
+        // Driven until the handler's BEGIN is in the pool's check (on the
+        // writers' thread, in its turn at the write permit).
+        caller.block_on(async {
+            let until = Instant::now() + Duration::from_secs(20);
+            while reached.try_recv().is_err() {
+                assert!(
+                    Instant::now() < until,
+                    "the handler's BEGIN never reached the pool's check"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        // Not driven from here: the BEGIN goes on, and its answer wakes the
+        // handler's task into the runtime's queue.
+        drop(release);
+        let until = Instant::now() + Duration::from_secs(20);
+        while caller.metrics().global_queue_depth() == 0 {
+            assert!(Instant::now() < until, "the handler was never answered");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        drop(caller);
+        // Given back from the writers' runtime, the connection is still
+        // counted; closed with the runtime, the pool would count none.
+        let counted = store.pool().size();
+        setup.block_on(async {
+            let effects = tokio::time::timeout(
+                Duration::from_secs(10),
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM effects").fetch_one(store.pool()),
+            )
+            .await;
+            assert!(
+                counted == 1 && matches!(effects, Ok(Ok(0))),
+                "the pool counts {counted} connections right after; effects in the database in memory: \
+                 {effects:?}"
+            );
+            served_within(&store, Duration::from_secs(5)).await;
         });
     }
 

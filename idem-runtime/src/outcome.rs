@@ -396,14 +396,32 @@ async fn retried(
             // may have extended the lock while that try took its time.
             let until = Instant::now() + lock_timeout;
             let (store, id, token) = (engine.store.clone(), id.clone(), token.to_owned());
-            tokio::spawn(
-                async move {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    let _ = crate::store::retry_until(until, || how.to(&*store, &id, &token)).await;
-                }
-                .in_current_span(),
-            );
+            let retrying = async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let _ = crate::store::retry_until(until, || how.to(&*store, &id, &token)).await;
+            };
+            in_background(&*engine.store, retrying.in_current_span());
         }
     }
     first
+}
+
+/// Runs `task` in the background where it runs whatever becomes of the
+/// caller: for a SQLite store, on the writers' runtime (a current-thread
+/// runtime left idle once its request was answered would never run it, and
+/// one shutting down would drop it: either way the key stayed locked, by no
+/// execution, until its lock timeout); for the others on the caller's
+/// runtime, whose sockets a PostgreSQL pool's connections are.
+fn in_background(store: &dyn crate::IdempotencyStore, task: impl Future<Output = ()> + Send + 'static) {
+    #[cfg(feature = "sqlite")]
+    {
+        let any: &dyn std::any::Any = store;
+        if any.is::<crate::SqliteStore>() {
+            drop(crate::sql::sqlite::spawn_on_writers(task));
+            return;
+        }
+    }
+    #[cfg(not(feature = "sqlite"))]
+    let _ = store;
+    drop(tokio::spawn(task));
 }

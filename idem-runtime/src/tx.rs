@@ -41,9 +41,13 @@ pub(crate) struct LiteTx(Option<sqlx::Transaction<'static, sqlx::Sqlite>>);
 
 #[cfg(feature = "sqlite")]
 impl LiteTx {
+    pub(crate) fn new(tx: sqlx::Transaction<'static, sqlx::Sqlite>) -> Self {
+        LiteTx(Some(tx))
+    }
+
     /// The transaction's connection (held until the transaction is
     /// dropped; an error, never a panic, otherwise).
-    fn conn(&mut self) -> Result<&mut sqlx::SqliteConnection, StoreError> {
+    pub(crate) fn conn(&mut self) -> Result<&mut sqlx::SqliteConnection, StoreError> {
         match self.0.as_mut() {
             Some(tx) => Ok(&mut **tx),
             None => Err(StoreError::backend("the handler's transaction is gone")),
@@ -218,7 +222,7 @@ impl PendingTx {
             StoreError::backend("sqlite_transaction needs the layer's store to be a SqliteStore")
         })?;
         Ok(PendingTx(Box::new(Open::Sqlite(
-            LiteTx(Some(lite.begin_tx().await?)),
+            lite.begin_tx().await?,
             lite.clone(),
         ))))
     }

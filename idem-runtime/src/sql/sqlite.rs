@@ -338,22 +338,29 @@ impl SqliteStore {
     /// of the request (the handler's code, the completion written inside
     /// this transaction, which takes no permit) waits on a permit its own
     /// request holds, and a cancelled request cannot keep it.
+    ///
+    /// Begun on the writers' runtime (see [`SqliteStore::queued`]), and held
+    /// from there on in a [`crate::tx::LiteTx`], which is dropped from that
+    /// runtime however it ends: also while it is on its way to a caller
+    /// whose task goes with its runtime before it takes it.
     #[cfg(feature = "axum")]
-    pub(crate) async fn begin_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
+    pub(crate) async fn begin_tx(&self) -> Result<crate::tx::LiteTx, StoreError> {
         crate::sql::bounded(
             self.timeout,
             self.queued(|store| async move {
-                let mut tx = store
-                    .pool
-                    .begin_with("BEGIN IMMEDIATE")
-                    .await
-                    .map_err(sql::map_err)?;
+                let mut tx = crate::tx::LiteTx::new(
+                    store
+                        .pool
+                        .begin_with("BEGIN IMMEDIATE")
+                        .await
+                        .map_err(sql::map_err)?,
+                );
                 // The mark of this transaction: SQLite ends a transaction by
                 // itself on some errors, and a savepoint of the handler's
                 // may then open another; only this one holds the mark
                 // (see `crate::tx`).
                 sqlx::raw_sql(HANDLER_MARK)
-                    .execute(&mut *tx)
+                    .execute(tx.conn()?)
                     .await
                     .map_err(sql::map_err)?;
                 Ok(tx)
