@@ -157,7 +157,15 @@ impl SqliteStore {
     /// (`test_before_acquire`, `before_acquire`): an `await` there could be
     /// cut by a caller's timeout or a runtime shutting down, and sqlx then
     /// closes the connection (losing a database in memory). Per-connection settings
-    /// belong in `after_connect`, which every connection runs.
+    /// belong in `after_connect`, which every connection runs. The other
+    /// writes (a release, a rejection, a lock extension, a checkpoint, the
+    /// janitor's batches, the `BEGIN` of a handler's transaction) take
+    /// their connection through the pool, checks and all, on a thread of
+    /// idem's, one for the process's SQLite stores, which is always driven:
+    /// the pool's hooks then run there, and a hook that blocks its thread
+    /// (rather than awaiting) holds up those writes, and the group writes of
+    /// callers on current-thread runtimes, of every SQLite store of the
+    /// process.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
