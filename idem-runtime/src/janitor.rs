@@ -99,8 +99,10 @@ impl Janitor {
         Janitor { task, removed }
     }
 
-    /// How many records it removed so far: every batch it committed, in
-    /// rounds that ended in a failure as in the others.
+    /// How many records it removed so far: every batch whose commit the
+    /// store confirmed, in rounds that ended in a failure as in the others
+    /// (a batch that committed after the store's timeout gave up on its
+    /// answer is not counted).
     pub fn removed(&self) -> u64 {
         self.removed.load(std::sync::atomic::Ordering::Relaxed)
     }

@@ -130,17 +130,11 @@ pub async fn pg_store() -> Option<PgStore> {
     Some(pg_store_in(&url, &schema, 25).await)
 }
 
-/// The in-memory database of `SqliteStore::new`'s documentation: a pool of
-/// one connection (whose records live only as long as it does), migrated.
+/// The documented in-memory database ([`SqliteStore::in_memory`]): a pool
+/// of one connection (whose records live only as long as it does),
+/// migrated.
 pub async fn sqlite_in_memory_store() -> SqliteStore {
-    let pool = sqlx::sqlite::SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect("sqlite::memory:")
-        .await
-        .unwrap();
-    let store = SqliteStore::new(pool);
-    store.migrate().await.unwrap();
-    store
+    SqliteStore::in_memory().await.unwrap()
 }
 
 /// A SQLite store on a temporary file (never `:memory:`, which hides locking).

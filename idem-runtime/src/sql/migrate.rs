@@ -206,6 +206,9 @@ fn missing(db: &dyn sqlx::error::DatabaseError) -> bool {
 /// schema version.
 macro_rules! check_schema {
     () => {
+        $crate::sql::check_schema!(pub check_schema);
+    };
+    ($vis:vis $name:ident) => {
         /// Checks that the table matches what this build of idem needs (every
         /// migration applied): a service should refuse to start otherwise.
         /// [`migrate`](Self::migrate) ends with it.
@@ -214,7 +217,7 @@ macro_rules! check_schema {
         ///
         /// [`StoreError::Backend`](crate::StoreError::Backend) naming the table and what
         /// is missing, or [`StoreError::Unavailable`](crate::StoreError::Unavailable).
-        pub async fn check_schema(&self) -> Result<(), $crate::StoreError> {
+        $vis async fn $name(&self) -> Result<(), $crate::StoreError> {
             let sql = &self.sql;
             let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
             $crate::sql::refuse_found_elsewhere(&self.pool, sql).await?;

@@ -131,6 +131,36 @@ impl SqliteStore {
         Self::open_with(options).await
     }
 
+    /// A store on a database in memory, migrated: for tests and
+    /// development, its records gone with the process. One connection,
+    /// kept open for the store's whole life: the database lives only as
+    /// long as a connection to it does, and a pool with sqlx's defaults
+    /// closes its idle connections after 10 minutes, and every connection
+    /// after 30, each time losing every record (see [`SqliteStore::new`]).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] when SQLite cannot open the database.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store = idem::SqliteStore::in_memory().await.unwrap();
+    /// assert_eq!(store.pool().options().get_idle_timeout(), None);
+    /// # }
+    /// ```
+    pub async fn in_memory() -> Result<Self, StoreError> {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect("sqlite::memory:")
+            .await
+            .map_err(|e| StoreError::unavailable(e.to_string()))?;
+        let store = Self::new(pool);
+        store.migrate().await?;
+        Ok(store)
+    }
+
     async fn open_with(options: SqliteConnectOptions) -> Result<Self, StoreError> {
         let options = options
             .journal_mode(SqliteJournalMode::Wal)
@@ -150,7 +180,11 @@ impl SqliteStore {
     ///
     /// An in-memory database must be a pool of one connection: connections
     /// that share one lock whole tables and never wait, so concurrent
-    /// requests would get 503 where they should get 409.
+    /// requests would get 503 where they should get 409. And that
+    /// connection must never be closed, which loses the database: set
+    /// `idle_timeout(None)` and `max_lifetime(None)` on the pool (sqlx's
+    /// defaults close an idle connection after 10 minutes, and every
+    /// connection after 30), or use [`SqliteStore::in_memory`], which does.
     ///
     /// The store's reservations and completions take an idle connection as
     /// it is, without the pool's checks before a hand-over
@@ -171,6 +205,8 @@ impl SqliteStore {
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// let pool = sqlx::sqlite::SqlitePoolOptions::new()
     ///     .max_connections(1)
+    ///     .idle_timeout(None)
+    ///     .max_lifetime(None)
     ///     .connect("sqlite::memory:")
     ///     .await
     ///     .unwrap();
@@ -300,16 +336,20 @@ impl SqliteStore {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// # let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect("sqlite::memory:").await.unwrap();
+    /// # let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).idle_timeout(None).max_lifetime(None).connect("sqlite::memory:").await.unwrap();
     /// let store = idem::SqliteStore::new(pool);
     /// store.migrate().await.unwrap();
     /// # }
     /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        // As every write in the permit's line (see `queued`); the
-        // migrations themselves are not bounded.
+        // As every write in the permit's line (see `queued`), on the
+        // writers' runtime, where nothing cuts sqlx's hand-over of the
+        // connection or its give-back (either cut, sqlx closes the
+        // connection, losing a database in memory); the migrations
+        // themselves are not bounded, and a caller that gives up leaves
+        // them to run to their end.
         let store = self.clone();
-        run_off_caller(async move {
+        on_writers(async move {
             let _turn = sql::bounded(store.timeout, store.write_turn()).await?;
             let mut tx = store
                 .pool
@@ -318,12 +358,34 @@ impl SqliteStore {
                 .map_err(sql::map_err)?;
             let store = &store;
             sql::migrate_in!(store, tx)?;
-            store.check_schema().await
+            store.check_schema_here().await
         })
         .await
     }
 
-    sql::check_schema!();
+    /// Checks that the table matches what this build of idem needs (every
+    /// migration applied): a service should refuse to start otherwise.
+    /// [`migrate`](Self::migrate) ends with it. Run on a thread of idem's
+    /// (see [`SqliteStore::new`]): its connection is taken from the pool and
+    /// given back there, whatever becomes of the caller's runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] naming the table and what is missing, or
+    /// [`StoreError::Unavailable`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store = idem::SqliteStore::in_memory().await.unwrap();
+    /// store.check_schema().await.unwrap();
+    /// # }
+    /// ```
+    pub async fn check_schema(&self) -> Result<(), StoreError> {
+        let store = self.clone();
+        on_writers(async move { store.check_schema_here().await }).await
+    }
+
+    sql::check_schema!(check_schema_here);
 }
 
 impl SqliteStore {
@@ -1130,17 +1192,18 @@ where
     }
 }
 
-/// Runs `write` on [`off_caller`]'s runtime (to its end, whatever the
-/// caller does), or else in the caller's task, and answers with its outcome.
-async fn run_off_caller<T: Send + 'static>(
-    write: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+/// Runs `work` on the writers' runtime (to its end, whatever the caller
+/// does), or in the caller's task when that runtime cannot be started, and
+/// answers with its outcome.
+async fn on_writers<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
 ) -> Result<T, StoreError> {
-    match off_caller() {
+    match writer_runtime() {
         Some(runtime) => runtime
-            .spawn(write)
+            .spawn(work)
             .await
-            .unwrap_or_else(|e| Err(StoreError::backend(format!("a SQLite write failed: {e}")))),
-        None => write.await,
+            .unwrap_or_else(|e| Err(StoreError::backend(format!("a SQLite call failed: {e}")))),
+        None => work.await,
     }
 }
 
