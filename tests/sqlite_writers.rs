@@ -188,6 +188,56 @@ async fn hold_commits_writing(
     Ok(())
 }
 
+/// A POST to `path` under the idempotency key `key`.
+fn keyed(path: &str, key: &str) -> axum::http::Request<axum::body::Body> {
+    axum::http::Request::post(path)
+        .header("idempotency-key", key)
+        .body(axum::body::Body::empty())
+        .unwrap()
+}
+
+/// A pool hook held by a test once armed: the hook says so on the first
+/// end and waits for the second (or for its drop).
+type HookHold = Arc<Mutex<Option<(mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>)>>>;
+
+/// Which of the pool's hooks [`held_in_memory`] holds.
+#[derive(Clone, Copy)]
+enum HookAt {
+    /// `before_acquire`: the check before the pool hands a connection over.
+    Check,
+    /// `after_release`: the connection's way back to the pool.
+    GiveBack,
+}
+
+/// The documented one-connection database in memory, migrated (the store's
+/// timeout 20 s), whose pool stops in the hook `at` once `hold` is armed,
+/// and a table `effects` for handlers to write to.
+async fn held_in_memory(hold: HookHold, at: HookAt) -> SqliteStore {
+    fn stop(hold: &HookHold) -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send>> {
+        let armed = hold.lock().unwrap().take();
+        Box::pin(async move {
+            if let Some((reached, release)) = armed {
+                let _ = reached.send(());
+                let _ = release.await;
+            }
+            Ok(true)
+        })
+    }
+    let options = SqlitePoolOptions::new().max_connections(1);
+    let options = match at {
+        HookAt::Check => options.before_acquire(move |_, _| stop(&hold)),
+        HookAt::GiveBack => options.after_release(move |_, _| stop(&hold)),
+    };
+    let store = SqliteStore::new(options.connect("sqlite::memory:").await.unwrap())
+        .with_timeout(Duration::from_secs(20));
+    store.migrate().await.unwrap();
+    sqlx::query("CREATE TABLE effects (id TEXT PRIMARY KEY)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    store
+}
+
 /// With no busy timeout at all, a writer of this process that met SQLite's
 /// write lock taken would fail at once (`SQLITE_BUSY`, a 503): 32 concurrent
 /// first requests only pass if this process's writers never meet it.
@@ -1030,10 +1080,7 @@ mod a_failed_execution_on_an_idle_runtime {
     }
 
     fn failing(key: &str) -> Request<axum::body::Body> {
-        Request::post("/fail")
-            .header("idempotency-key", key)
-            .body(axum::body::Body::empty())
-            .unwrap()
+        keyed("/fail", key)
     }
 
     /// The execution fails (502) while a write holds the permit; its
@@ -1172,8 +1219,10 @@ mod handler_transaction_on_an_idle_runtime {
     use idem::{idempotent, Idem, Operation};
     use tower::ServiceExt as _;
 
-    #[idempotent(scope = "writers.tx")]
-    async fn pay(op: Operation) -> Result<StatusCode, StatusCode> {
+    /// Opens the handler's transaction and writes its effect there.
+    async fn effect_written(
+        op: &Operation,
+    ) -> Result<idem::TxConnection<'_, sqlx::SqliteConnection>, StatusCode> {
         let mut conn = op
             .sqlite_transaction()
             .await
@@ -1183,14 +1232,17 @@ mod handler_transaction_on_an_idle_runtime {
             .execute(&mut *conn)
             .await
             .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        Ok(conn)
+    }
+
+    #[idempotent(scope = "writers.tx")]
+    async fn pay(op: Operation) -> Result<StatusCode, StatusCode> {
+        drop(effect_written(&op).await?);
         Ok(StatusCode::CREATED)
     }
 
     fn paid(key: &str) -> Request<axum::body::Body> {
-        Request::post("/pay")
-            .header("idempotency-key", key)
-            .body(axum::body::Body::empty())
-            .unwrap()
+        keyed("/pay", key)
     }
 
     /// The documented one-connection database in memory, a handler's own
@@ -1275,15 +1327,7 @@ mod handler_transaction_on_an_idle_runtime {
     /// Writes its effect in its own transaction, then never returns.
     #[idempotent(scope = "writers.tx.stays")]
     async fn pay_and_stay(op: Operation) -> Result<StatusCode, StatusCode> {
-        let mut conn = op
-            .sqlite_transaction()
-            .await
-            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
-        sqlx::query("INSERT INTO effects (id) VALUES (?1)")
-            .bind(op.derived_key("effect"))
-            .execute(&mut *conn)
-            .await
-            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        let _conn = effect_written(&op).await?;
         if let Some(wrote) = WROTE.lock().unwrap().take() {
             let _ = wrote.send(());
         }
@@ -1362,34 +1406,9 @@ mod handler_transaction_on_an_idle_runtime {
     /// was a task of that runtime: 10 runs in 10 lost the database.)
     #[test]
     fn a_handler_transaction_given_back_as_its_runtime_shuts_down_loses_no_database_in_memory() {
-        type ReleaseHold = Arc<Mutex<Option<(mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>)>>>;
-        let hold: ReleaseHold = Arc::default();
+        let hold: HookHold = Arc::default();
         let setup = runtime();
-        let store = setup.block_on(async {
-            let hook = hold.clone();
-            let pool = SqlitePoolOptions::new()
-                .max_connections(1)
-                .after_release(move |_, _| {
-                    let armed = hook.lock().unwrap().take();
-                    Box::pin(async move {
-                        if let Some((reached, release)) = armed {
-                            let _ = reached.send(());
-                            let _ = release.await;
-                        }
-                        Ok(true)
-                    })
-                })
-                .connect("sqlite::memory:")
-                .await
-                .unwrap();
-            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(20));
-            store.migrate().await.unwrap();
-            sqlx::query("CREATE TABLE effects (id TEXT PRIMARY KEY)")
-                .execute(store.pool())
-                .await
-                .unwrap();
-            store
-        });
+        let store = setup.block_on(held_in_memory(hold.clone(), HookAt::GiveBack));
         let app = Router::new()
             .route("/pay", post(pay))
             .layer(Idem::new(store.clone()).single_tenant().layer());
@@ -1432,12 +1451,10 @@ mod handler_transaction_on_an_idle_runtime {
         });
     }
 
-    type CheckHold = Arc<Mutex<Option<(mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>)>>>;
-
     /// The hold that [`pay_in_turn`] arms for the pool's next check, and
     /// the ends of it the test keeps.
     #[allow(clippy::type_complexity)]
-    static ARM: Mutex<Option<(CheckHold, (mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>))>> =
+    static ARM: Mutex<Option<(HookHold, (mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>))>> =
         Mutex::new(None);
 
     /// [`pay`], arming first the hold of the pool's next check: the one of
@@ -1447,15 +1464,7 @@ mod handler_transaction_on_an_idle_runtime {
         if let Some((hold, ends)) = ARM.lock().unwrap().take() {
             *hold.lock().unwrap() = Some(ends);
         }
-        let mut conn = op
-            .sqlite_transaction()
-            .await
-            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
-        sqlx::query("INSERT INTO effects (id) VALUES (?1)")
-            .bind(op.derived_key("effect"))
-            .execute(&mut *conn)
-            .await
-            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        drop(effect_written(&op).await?);
         Ok(StatusCode::CREATED)
     }
 
@@ -1470,33 +1479,9 @@ mod handler_transaction_on_an_idle_runtime {
     /// connection: 6 runs in 6.)
     #[test]
     fn a_transaction_begun_but_not_yet_taken_when_its_runtime_shuts_down_loses_no_database_in_memory() {
-        let hold: CheckHold = Arc::default();
+        let hold: HookHold = Arc::default();
         let setup = two_workers();
-        let store = setup.block_on(async {
-            let hook = hold.clone();
-            let pool = SqlitePoolOptions::new()
-                .max_connections(1)
-                .before_acquire(move |_, _| {
-                    let armed = hook.lock().unwrap().take();
-                    Box::pin(async move {
-                        if let Some((reached, release)) = armed {
-                            let _ = reached.send(());
-                            let _ = release.await;
-                        }
-                        Ok(true)
-                    })
-                })
-                .connect("sqlite::memory:")
-                .await
-                .unwrap();
-            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(20));
-            store.migrate().await.unwrap();
-            sqlx::query("CREATE TABLE effects (id TEXT PRIMARY KEY)")
-                .execute(store.pool())
-                .await
-                .unwrap();
-            store
-        });
+        let store = setup.block_on(held_in_memory(hold.clone(), HookAt::Check));
         let app = Router::new()
             .route("/pay", post(pay_in_turn))
             .layer(Idem::new(store.clone()).single_tenant().layer());
@@ -3314,34 +3299,18 @@ mod writes_outside_the_groups {
     /// sqlx closed the connection: 10 runs in 10.)
     #[test]
     fn a_migration_given_up_on_in_the_pools_check_loses_no_database_in_memory() {
-        type CheckHold = Arc<Mutex<Option<tokio::sync::oneshot::Receiver<()>>>>;
-        let hold: CheckHold = Arc::default();
+        let hold: HookHold = Arc::default();
         let main = one_worker();
         let (store, paid) = main.block_on(async {
-            let hook = hold.clone();
-            let pool = SqlitePoolOptions::new()
-                .max_connections(1)
-                .before_acquire(move |_, _| {
-                    let armed = hook.lock().unwrap().take();
-                    Box::pin(async move {
-                        if let Some(release) = armed {
-                            let _ = release.await;
-                        }
-                        Ok(true)
-                    })
-                })
-                .connect("sqlite::memory:")
-                .await
-                .unwrap();
-            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(5));
-            store.migrate().await.unwrap();
+            let store = held_in_memory(hold.clone(), HookAt::Check).await;
             let paid = paid_record(&store).await;
             settled(&store).await;
             (store, paid)
         });
         let second = store.clone().with_table("second_records").unwrap();
+        let (reached, _reached) = mpsc::channel();
         let (release, held) = tokio::sync::oneshot::channel();
-        *hold.lock().unwrap() = Some(held);
+        *hold.lock().unwrap() = Some((reached, held));
         let told =
             main.block_on(async { tokio::time::timeout(Duration::from_millis(300), second.migrate()).await });
         assert!(
@@ -3384,28 +3353,10 @@ mod writes_outside_the_groups {
     /// database.)
     #[test]
     fn a_release_given_back_as_its_runtime_shuts_down_loses_no_database_in_memory() {
-        type ReleaseHold = Arc<Mutex<Option<(mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>)>>>;
-        let hold: ReleaseHold = Arc::default();
+        let hold: HookHold = Arc::default();
         let setup = runtime();
         let (store, paid) = setup.block_on(async {
-            let hook = hold.clone();
-            let pool = SqlitePoolOptions::new()
-                .max_connections(1)
-                .after_release(move |_, _| {
-                    let armed = hook.lock().unwrap().take();
-                    Box::pin(async move {
-                        if let Some((reached, release)) = armed {
-                            let _ = reached.send(());
-                            let _ = release.await;
-                        }
-                        Ok(true)
-                    })
-                })
-                .connect("sqlite::memory:")
-                .await
-                .unwrap();
-            let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(20));
-            store.migrate().await.unwrap();
+            let store = held_in_memory(hold.clone(), HookAt::GiveBack).await;
             let paid = paid_record(&store).await;
             (store, paid)
         });
