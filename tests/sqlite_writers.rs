@@ -3345,6 +3345,66 @@ mod writes_outside_the_groups {
         replayed(&store, &paid).await.unwrap();
     }
 
+    /// An application's own queries on the in-memory store's pool, each
+    /// given up on at its first wait (as a timeout of the application's
+    /// that fires there would): no record is lost. (With sqlx's ping before
+    /// every hand-over, the pool's default, the first query cut during it
+    /// had sqlx close the one connection: 10 runs in 10.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_applications_queries_given_up_on_lose_no_record_in_memory() {
+        let store = in_memory_store().await;
+        let paid = paid_record(&store).await;
+        let waker = futures_util::task::noop_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        for _ in 0..200 {
+            settled(&store).await;
+            let mut acquiring = Box::pin(store.pool().acquire());
+            // Cut there, or done at once and given back.
+            drop(acquiring.as_mut().poll(&mut cx));
+            drop(acquiring);
+        }
+        settled(&store).await;
+        replayed(&store, &paid).await.unwrap();
+    }
+
+    /// A panic of the application's pool hook (`after_connect`) during
+    /// `migrate` reaches its caller as that panic, as it would had the
+    /// migration run in the caller's task (on the writers' thread, it came
+    /// back as a store error: 10 runs in 10).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panic_of_the_applications_hook_during_migrate_reaches_its_caller() {
+        let dir = tempfile::tempdir().unwrap();
+        let armed = Arc::new(AtomicBool::new(true));
+        let hook = armed.clone();
+        let pool = SqlitePoolOptions::new()
+            .max_connections(2)
+            .after_connect(move |_, _| {
+                let hook = hook.clone();
+                Box::pin(async move {
+                    assert!(
+                        !hook.swap(false, std::sync::atomic::Ordering::SeqCst),
+                        "the application's after_connect hook panicked"
+                    );
+                    Ok(())
+                })
+            })
+            .connect_lazy_with(
+                SqliteConnectOptions::new()
+                    .filename(dir.path().join("idem.db"))
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal),
+            );
+        let store = SqliteStore::new(pool);
+        match tokio::spawn(async move { store.migrate().await }).await {
+            Err(e) if e.is_panic() => {}
+            other => panic!("the hook's panic came back as {other:?}"),
+        }
+        assert!(
+            !armed.load(std::sync::atomic::Ordering::SeqCst),
+            "the hook never ran"
+        );
+    }
+
     /// A release answered, its connection on its way back to the pool
     /// (held in the pool's `after_release`) when the caller's multi-thread
     /// runtime shuts down: the give-back is a task of the writers' thread,

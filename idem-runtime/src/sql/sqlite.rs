@@ -136,7 +136,11 @@ impl SqliteStore {
     /// kept open for the store's whole life: the database lives only as
     /// long as a connection to it does, and a pool with sqlx's defaults
     /// closes its idle connections after 10 minutes, and every connection
-    /// after 30, each time losing every record (see [`SqliteStore::new`]).
+    /// after 30, each time losing every record (see [`SqliteStore::new`]);
+    /// nor does the pool ping the connection before handing it over (sqlx's
+    /// `test_before_acquire`), so that an application's own query on
+    /// [`SqliteStore::pool`] given up on during that ping (its timeout)
+    /// does not have sqlx close it.
     ///
     /// # Errors
     ///
@@ -153,6 +157,7 @@ impl SqliteStore {
             .max_connections(1)
             .idle_timeout(None)
             .max_lifetime(None)
+            .test_before_acquire(false)
             .connect("sqlite::memory:")
             .await
             .map_err(|e| StoreError::unavailable(e.to_string()))?;
@@ -184,7 +189,9 @@ impl SqliteStore {
     /// connection must never be closed, which loses the database: set
     /// `idle_timeout(None)` and `max_lifetime(None)` on the pool (sqlx's
     /// defaults close an idle connection after 10 minutes, and every
-    /// connection after 30), or use [`SqliteStore::in_memory`], which does.
+    /// connection after 30), and `test_before_acquire(false)` (a query of
+    /// the application's given up on during that ping has sqlx close the
+    /// connection), or use [`SqliteStore::in_memory`], which does.
     ///
     /// The store's reservations and completions take an idle connection as
     /// it is, without the pool's checks before a hand-over
@@ -207,6 +214,7 @@ impl SqliteStore {
     ///     .max_connections(1)
     ///     .idle_timeout(None)
     ///     .max_lifetime(None)
+    ///     .test_before_acquire(false)
     ///     .connect("sqlite::memory:")
     ///     .await
     ///     .unwrap();
@@ -336,7 +344,7 @@ impl SqliteStore {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// # let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).idle_timeout(None).max_lifetime(None).connect("sqlite::memory:").await.unwrap();
+    /// # let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect("sqlite::memory:").await.unwrap();
     /// let store = idem::SqliteStore::new(pool);
     /// store.migrate().await.unwrap();
     /// # }
@@ -1199,10 +1207,15 @@ async fn on_writers<T: Send + 'static>(
     work: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
 ) -> Result<T, StoreError> {
     match writer_runtime() {
-        Some(runtime) => runtime
-            .spawn(work)
-            .await
-            .unwrap_or_else(|e| Err(StoreError::backend(format!("a SQLite call failed: {e}")))),
+        Some(runtime) => match runtime.spawn(work).await {
+            Ok(done) => done,
+            // A panic there (an application's pool hook's, say) is the
+            // caller's, as it would be had the work run in its task.
+            Err(e) => match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(e) => Err(StoreError::backend(format!("a SQLite call did not finish: {e}"))),
+            },
+        },
         None => work.await,
     }
 }
