@@ -164,6 +164,27 @@ impl Hold {
     }
 }
 
+/// A one-connection database in memory on each of whose connections
+/// `hook` sets one of SQLite's hooks to stop at `hold` (an `after_connect`
+/// step).
+async fn hooked_in_memory(
+    hold: Arc<Hold>,
+    hook: fn(&mut sqlx::sqlite::LockedSqliteHandle<'_>, Arc<Hold>),
+) -> sqlx::SqlitePool {
+    SqlitePoolOptions::new()
+        .max_connections(1)
+        .after_connect(move |conn, _| {
+            let hold = hold.clone();
+            Box::pin(async move {
+                hook(&mut conn.lock_handle().await?, hold);
+                Ok(())
+            })
+        })
+        .connect("sqlite::memory:")
+        .await
+        .unwrap()
+}
+
 /// Sets `hold` to stop the COMMIT, on `conn`, of a transaction that wrote
 /// to `table` (an `after_connect` step).
 async fn hold_commits_writing(
@@ -2762,6 +2783,14 @@ mod a_read_given_up_on {
         (main, store, paid)
     }
 
+    /// Panics with `lost` and what it is told unless a reservation of
+    /// `paid` is, within 10 s, the replay of [`paid_record`]'s answer.
+    pub(super) async fn lives_on(store: &SqliteStore, paid: &str, lost: &str) {
+        if let Err(told) = replayed(store, paid).await {
+            panic!("{lost}: {told}");
+        }
+    }
+
     /// Whether a reservation of `key` is, within 10 s, the replay of
     /// [`paid_record`]'s answer; else what it is told.
     pub(super) async fn replayed(store: &SqliteStore, key: &str) -> Result<(), String> {
@@ -2863,23 +2892,13 @@ mod a_read_given_up_on {
     fn fixture(main: &tokio::runtime::Runtime) -> (SqliteStore, Arc<Hold>, String) {
         let hold = Arc::new(Hold::default());
         let store = main.block_on(async {
-            let hooks = hold.clone();
-            let pool = SqlitePoolOptions::new()
-                .max_connections(1)
-                .after_connect(move |conn, _| {
-                    let hold = hooks.clone();
-                    Box::pin(async move {
-                        let mut handle = conn.lock_handle().await?;
-                        handle.set_progress_handler(1, move || {
-                            hold.stop_if_armed();
-                            true
-                        });
-                        Ok(())
-                    })
-                })
-                .connect("sqlite::memory:")
-                .await
-                .unwrap();
+            let pool = hooked_in_memory(hold.clone(), |handle, hold| {
+                handle.set_progress_handler(1, move || {
+                    hold.stop_if_armed();
+                    true
+                });
+            })
+            .await;
             let store = SqliteStore::new(pool).with_timeout(Duration::from_millis(300));
             store.migrate().await.unwrap();
             store
@@ -3024,9 +3043,7 @@ mod a_read_given_up_on {
     #[test]
     fn a_read_cut_after_its_acquisition_stalls_no_pool_of_one() {
         let (main, store, paid, _caller_left_idle) = cut_read("fresh-idle", true);
-        if let Err(told) = main.block_on(replayed(&store, &paid)) {
-            panic!("the pool of one is stalled: {told}");
-        }
+        main.block_on(lives_on(&store, &paid, "the pool of one is stalled"));
     }
 
     /// ... from a current-thread runtime then dropped: the database in memory
@@ -3035,9 +3052,7 @@ mod a_read_given_up_on {
     fn a_read_cut_after_its_acquisition_loses_no_database_in_memory() {
         let (main, store, paid, caller) = cut_read("fresh-dropped", true);
         drop(caller);
-        if let Err(told) = main.block_on(replayed(&store, &paid)) {
-            panic!("the database in memory was lost: {told}");
-        }
+        main.block_on(lives_on(&store, &paid, "the database in memory was lost"));
     }
 
     /// ... dropped on a thread outside any runtime (where sqlx's give-back
@@ -3045,9 +3060,7 @@ mod a_read_given_up_on {
     #[test]
     fn a_read_cut_after_its_acquisition_outside_any_runtime_loses_no_database_in_memory() {
         let (main, store, paid, _caller) = cut_read("fresh-nort", false);
-        if let Err(told) = main.block_on(replayed(&store, &paid)) {
-            panic!("the database in memory was lost: {told}");
-        }
+        main.block_on(lives_on(&store, &paid, "the database in memory was lost"));
     }
 
     /// A read done from a multi-thread runtime that shuts down right after (its
@@ -3081,9 +3094,7 @@ mod a_read_given_up_on {
         main.block_on(armed.reached());
         caller.shutdown_background();
         drop(armed);
-        if let Err(told) = main.block_on(replayed(&store, &paid)) {
-            panic!("the database in memory was lost: {told}");
-        }
+        main.block_on(lives_on(&store, &paid, "the database in memory was lost"));
     }
 }
 
@@ -3095,7 +3106,7 @@ mod a_read_given_up_on {
 /// connection nor its give-back (either cut, sqlx closed the connection,
 /// and the documented one-connection database in memory was lost).
 mod writes_outside_the_groups {
-    use super::a_read_given_up_on::{paid_record, replayed};
+    use super::a_read_given_up_on::{lives_on, paid_record, replayed};
     use super::*;
     use std::sync::atomic::AtomicBool;
 
@@ -3113,21 +3124,13 @@ mod writes_outside_the_groups {
     /// ROWID`: no update hook tells its writes), and a record "paid".
     fn held_commits(setup: &tokio::runtime::Runtime, hold: Arc<Hold>) -> (SqliteStore, String) {
         setup.block_on(async {
-            let pool = SqlitePoolOptions::new()
-                .max_connections(1)
-                .after_connect(move |conn, _| {
-                    let hold = hold.clone();
-                    Box::pin(async move {
-                        conn.lock_handle().await?.set_commit_hook(move || {
-                            hold.stop_if_armed();
-                            true
-                        });
-                        Ok(())
-                    })
-                })
-                .connect("sqlite::memory:")
-                .await
-                .unwrap();
+            let pool = hooked_in_memory(hold, |handle, hold| {
+                handle.set_commit_hook(move || {
+                    hold.stop_if_armed();
+                    true
+                });
+            })
+            .await;
             let store = SqliteStore::new(pool).with_timeout(Duration::from_secs(20));
             store.migrate().await.unwrap();
             let paid = paid_record(&store).await;
@@ -3170,9 +3173,12 @@ mod writes_outside_the_groups {
         caller.shutdown_timeout(Duration::from_secs(10));
         release.send(()).unwrap();
         setup.block_on(async {
-            if let Err(told) = replayed(&store, &paid).await {
-                panic!("{write}: the database in memory was lost: {told}");
-            }
+            lives_on(
+                &store,
+                &paid,
+                &format!("{write}: the database in memory was lost"),
+            )
+            .await;
             // The write itself went through: a key let go is taken again.
             if matches!(write, "release" | "reject" | "hand_back") {
                 let again = store.reserve(req(&id(&key), idem_testkit::token())).await;
@@ -3240,15 +3246,11 @@ mod writes_outside_the_groups {
         if then_dropped {
             drop(caller);
             main.block_on(async {
-                if let Err(told) = replayed(&store, &paid).await {
-                    panic!("the database in memory was lost: {told}");
-                }
+                lives_on(&store, &paid, "the database in memory was lost").await;
             });
         } else {
             main.block_on(async {
-                if let Err(told) = replayed(&store, &paid).await {
-                    panic!("the pool of one is stalled: {told}");
-                }
+                lives_on(&store, &paid, "the pool of one is stalled").await;
             });
             drop(caller);
         }
@@ -3286,9 +3288,7 @@ mod writes_outside_the_groups {
         caller.shutdown_timeout(Duration::from_secs(10));
         release.send(()).unwrap();
         setup.block_on(async {
-            if let Err(told) = replayed(&store, &paid).await {
-                panic!("the database in memory was lost: {told}");
-            }
+            lives_on(&store, &paid, "the database in memory was lost").await;
         });
     }
 
@@ -3319,9 +3319,7 @@ mod writes_outside_the_groups {
         );
         drop(release);
         main.block_on(async {
-            if let Err(told) = replayed(&store, &paid).await {
-                panic!("the database in memory was lost: {told}");
-            }
+            lives_on(&store, &paid, "the database in memory was lost").await;
             assert!(
                 second.check_schema().await.is_ok(),
                 "the migration did not run to its end"
@@ -3454,9 +3452,7 @@ mod writes_outside_the_groups {
         caller.shutdown_timeout(Duration::from_secs(10));
         drop(release);
         setup.block_on(async {
-            if let Err(told) = replayed(&store, &paid).await {
-                panic!("the database in memory was lost: {told}");
-            }
+            lives_on(&store, &paid, "the database in memory was lost").await;
         });
     }
 
@@ -3521,9 +3517,7 @@ mod writes_outside_the_groups {
         );
         drop(release);
         main.block_on(async {
-            if let Err(told) = replayed(&store, &paid).await {
-                panic!("the database in memory was lost: {told}");
-            }
+            lives_on(&store, &paid, "the database in memory was lost").await;
             let until = Instant::now() + Duration::from_secs(10);
             loop {
                 match store.reserve(req(&id(&key), idem_testkit::token())).await {
