@@ -1272,3 +1272,138 @@ async fn postgres_running_entry_never_outlives_db_lock_deadline() {
         }
     }
 }
+
+/// A store belongs to one runtime (README, "Where idem departs from the
+/// contract"): what a runtime that goes away leaves behind, and the
+/// warning of a store used from a second one.
+mod runtimes {
+    use super::*;
+
+    fn multi() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// The state, token and lock left (by the database's clock, in ms) of
+    /// `id`'s record.
+    async fn lock_of(store: &idem::PgStore, id: &RecordId) -> Option<(String, Option<String>, i64)> {
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT state, lock_token, (EXTRACT(EPOCH FROM (lock_expires_at - now())) * 1000)::bigint \
+             FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
+            pg_table(store)
+        )))
+        .bind(&id.tenant)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .fetch_optional(store.pool())
+        .await
+        .unwrap()
+    }
+
+    /// A runtime shut down while its reservation's statement runs (an
+    /// insert sleeping in a trigger): the statement commits on the server
+    /// and the key stays locked under the token of an execution that never
+    /// started, until its lock timeout, as after a crash; the retry then
+    /// takes the operation over.
+    #[test]
+    fn postgres_a_runtime_shut_down_mid_reservation_leaves_its_key_as_a_crash_does() {
+        let lock = Duration::from_secs(5);
+        let driven = multi();
+        let Some((url, schema, store)) = driven.block_on(fresh_store(4, Duration::ZERO)) else {
+            return;
+        };
+        let watcher = driven.block_on(async {
+            slow_inserts(&store, 0.5).await;
+            sqlx::PgPool::connect(&url).await.unwrap()
+        });
+        let id = RecordId::new("t", "shut", idem_testkit::unique("slow"));
+        let token = idem_testkit::token();
+        let caller = multi();
+        {
+            let (store, id) = (store.clone(), id.clone());
+            caller.spawn(async move {
+                let request = ReserveRequest {
+                    token,
+                    ..req(&id, "fp", LONG, lock)
+                };
+                store.reserve(request).await
+            });
+        }
+        driven.block_on(backend_of(&watcher, &schema, "%", Some("PgSleep")));
+        drop(caller);
+        driven.block_on(async {
+            // The statement ends on the server, committed.
+            until_db(&store, &id, "true").await;
+            let (state, held_by, _) = lock_of(&store, &id).await.unwrap();
+            assert_eq!((state.as_str(), held_by.as_deref()), ("in_progress", Some(token)));
+            let retry = store.reserve(req(&id, "fp", LONG, lock)).await;
+            assert!(matches!(retry, Ok(Reservation::InProgress { .. })), "{retry:?}");
+            // Once the lock runs out by the database's clock, the retry
+            // takes the operation over.
+            until_db(&store, &id, "lock_expires_at <= now()").await;
+            match store.reserve(req(&id, "fp", LONG, lock)).await {
+                Ok(Reservation::Reserved(lease)) => {
+                    assert!(lease.is_takeover(), "{lease:?}");
+                    assert_eq!(lease.attempt, 2);
+                }
+                other => panic!("{other:?}"),
+            }
+        });
+    }
+
+    /// Log lines written while `f` runs on this thread.
+    fn logged(f: impl FnOnce()) -> String {
+        #[derive(Clone, Default)]
+        struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        let text = lines.0.lock().unwrap().clone();
+        String::from_utf8(text).unwrap()
+    }
+
+    /// Reservations from one runtime say nothing; the first from a second
+    /// runtime, through the store or a clone of it, warns once, and no
+    /// later one again.
+    #[test]
+    fn postgres_a_store_used_from_a_second_runtime_says_so_once() {
+        const WARNING: &str = "a PgStore is used from a second Tokio runtime";
+        let (first, second) = (multi(), multi());
+        let Some((_, _, store)) = first.block_on(fresh_store(4, Duration::ZERO)) else {
+            return;
+        };
+        let clone = store.clone().with_timeout(Duration::from_secs(5));
+        let fresh = |store: &idem::PgStore, rt: &tokio::runtime::Runtime| {
+            let id = RecordId::new("t", "runtimes", idem_testkit::unique("k"));
+            let answer = rt.block_on(async { reserve(store, &id, "fp", LONG, LONG).await });
+            assert!(matches!(answer, Reservation::Reserved(_)), "{answer:?}");
+        };
+        let one = logged(|| {
+            fresh(&store, &first);
+            fresh(&clone, &first);
+        });
+        assert!(!one.contains(WARNING), "{one}");
+        let two = logged(|| {
+            fresh(&clone, &second);
+            fresh(&store, &second);
+            fresh(&store, &first);
+        });
+        assert_eq!(two.matches(WARNING).count(), 1, "{two}");
+    }
+}

@@ -54,6 +54,14 @@ pub const DEFAULT_REPLAY_CACHE: Duration = Duration::from_secs(1);
 /// docs/PROTOCOL.md, "PostgreSQL's grouped lookups"): under concurrency a
 /// lookup, and the insert of a fresh key in it, shares its round trip.
 ///
+/// A store, and the pool it holds, belongs to one Tokio runtime: sqlx's
+/// connections are sockets of the runtime that opened them, and work only
+/// while it runs. Use it from a multi-thread runtime that lives as long as
+/// the server; a reservation made from a second runtime is reported once
+/// (a warning). A runtime shut down while a reservation's statement runs
+/// leaves that key as a crash does, locked until its lock timeout (README,
+/// "Where idem departs from the contract").
+///
 /// ```no_run
 /// use idem::PgStore;
 ///
@@ -96,6 +104,44 @@ pub struct PgStore {
     /// bound, and a map shared by its clones of the same table.
     replays: sql::replays::Replays,
     timeout: Duration,
+    /// The runtime of the store's first reservation, shared by its clones:
+    /// a reservation from another one is reported once.
+    first_runtime: std::sync::Arc<FirstRuntime>,
+}
+
+/// The runtime a store's first reservation ran on, and whether one made on
+/// another runtime was reported.
+#[derive(Default)]
+struct FirstRuntime {
+    id: std::sync::OnceLock<tokio::runtime::Id>,
+    told: std::sync::atomic::AtomicBool,
+}
+
+impl FirstRuntime {
+    /// Reports, once, a reservation made on another runtime than the first
+    /// one: the pool's connections are sockets of the runtime that opened
+    /// them, and work only while it runs.
+    fn note(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.told.load(Relaxed) {
+            return;
+        }
+        let Ok(here) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let here = here.id();
+        let first = *self.id.get_or_init(|| here);
+        if first != here && !self.told.swap(true, Relaxed) {
+            tracing::warn!(
+                first = %first,
+                this = %here,
+                "a PgStore is used from a second Tokio runtime: its pool's connections belong to the \
+                 runtime that opened them, and stall or fail once that runtime is shut down or no longer \
+                 driven; a reservation cut that way leaves its key locked until its lock timeout. Use \
+                 one store, and one pool, per runtime"
+            );
+        }
+    }
 }
 
 impl std::fmt::Debug for PgStore {
@@ -205,7 +251,11 @@ impl PgStore {
         } else {
             sql::replays::Replays::new(self.replays.keep())
         };
-        Ok(PgStore { replays, ..built })
+        Ok(PgStore {
+            replays,
+            first_runtime: self.first_runtime,
+            ..built
+        })
     }
 
     /// How long a completed record's answer, once a reservation has read
@@ -469,6 +519,7 @@ impl PgStore {
             completions: std::sync::Arc::default(),
             lookups: std::sync::Arc::default(),
             replays: sql::replays::Replays::new(DEFAULT_REPLAY_CACHE),
+            first_runtime: std::sync::Arc::default(),
             timeout: DEFAULT_OPERATION_TIMEOUT,
         })
     }
@@ -1395,6 +1446,7 @@ impl IdempotencyStore for PgStore {
                 Ok(kept)
             });
         }
+        self.first_runtime.note();
         // Before anything is sent: the lock of a key taken is counted from here.
         let sent = std::time::Instant::now();
         Box::pin(async move {
