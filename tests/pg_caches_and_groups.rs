@@ -1279,30 +1279,6 @@ async fn postgres_running_entry_never_outlives_db_lock_deadline() {
 mod runtimes {
     use super::*;
 
-    fn multi() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap()
-    }
-
-    /// The state, token and lock left (by the database's clock, in ms) of
-    /// `id`'s record.
-    async fn lock_of(store: &idem::PgStore, id: &RecordId) -> Option<(String, Option<String>, i64)> {
-        sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT state, lock_token, (EXTRACT(EPOCH FROM (lock_expires_at - now())) * 1000)::bigint \
-             FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
-            pg_table(store)
-        )))
-        .bind(&id.tenant)
-        .bind(&id.scope)
-        .bind(&id.key)
-        .fetch_optional(store.pool())
-        .await
-        .unwrap()
-    }
-
     /// A runtime shut down while its reservation's statement runs (an
     /// insert sleeping in a trigger): the statement commits on the server
     /// and the key stays locked under the token of an execution that never
@@ -1311,7 +1287,7 @@ mod runtimes {
     #[test]
     fn postgres_a_runtime_shut_down_mid_reservation_leaves_its_key_as_a_crash_does() {
         let lock = Duration::from_secs(5);
-        let driven = multi();
+        let driven = idem_testkit::multi_thread(1);
         let Some((url, schema, store)) = driven.block_on(fresh_store(4, Duration::ZERO)) else {
             return;
         };
@@ -1321,7 +1297,7 @@ mod runtimes {
         });
         let id = RecordId::new("t", "shut", idem_testkit::unique("slow"));
         let token = idem_testkit::token();
-        let caller = multi();
+        let caller = idem_testkit::multi_thread(1);
         {
             let (store, id) = (store.clone(), id.clone());
             caller.spawn(async move {
@@ -1337,7 +1313,7 @@ mod runtimes {
         driven.block_on(async {
             // The statement ends on the server, committed.
             until_db(&store, &id, "true").await;
-            let (state, held_by, _) = lock_of(&store, &id).await.unwrap();
+            let (state, held_by, _) = pg_row(&store, &id).await.unwrap();
             assert_eq!((state.as_str(), held_by.as_deref()), ("in_progress", Some(token)));
             let retry = store.reserve(req(&id, "fp", LONG, lock)).await;
             assert!(matches!(retry, Ok(Reservation::InProgress { .. })), "{retry:?}");
@@ -1384,7 +1360,7 @@ mod runtimes {
     #[test]
     fn postgres_a_store_used_from_a_second_runtime_says_so_once() {
         const WARNING: &str = "a PgStore is used from a second Tokio runtime";
-        let (first, second) = (multi(), multi());
+        let (first, second) = (idem_testkit::multi_thread(1), idem_testkit::multi_thread(1));
         let Some((_, _, store)) = first.block_on(fresh_store(4, Duration::ZERO)) else {
             return;
         };

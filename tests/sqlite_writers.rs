@@ -546,11 +546,7 @@ fn runtime() -> tokio::runtime::Runtime {
 /// A multi-thread runtime, whose workers drive its tasks whatever its
 /// callers do.
 fn two_workers() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
+    idem_testkit::multi_thread(2)
 }
 
 /// A store outlives the runtime of a write that started a group (here its
@@ -2366,11 +2362,7 @@ mod cut_in_its_commit {
     }
 
     fn leader_runtime() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap()
+        idem_testkit::multi_thread(1)
     }
 
     /// A completion queued (from another runtime) behind a group led on a

@@ -10,6 +10,7 @@
 //!   suite's cases on each.
 //! - Names that no concurrent test shares: [`unique`], [`token`].
 //! - [`records`]: store calls as the store-level tests write them.
+//! - [`multi_thread`]: a runtime of its own, for tests that shut one down.
 
 mod each_store;
 pub mod http;
@@ -22,3 +23,22 @@ pub use stores::{
     dropped_transaction_rolls_back, pg_schema, pg_store, pg_store_in, pg_url, sqlite_in_memory_store,
     sqlite_store, Fixture, StoreKind,
 };
+
+/// A multi-thread runtime of `workers` workers, with I/O and time, whose
+/// workers drive its tasks whatever its callers do.
+///
+/// # Panics
+///
+/// When the runtime cannot be built.
+///
+/// ```
+/// let rt = idem_testkit::multi_thread(1);
+/// assert_eq!(rt.block_on(async { 1 + 1 }), 2);
+/// ```
+pub fn multi_thread(workers: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("a multi-thread runtime")
+}
