@@ -2259,6 +2259,8 @@ async fn a_protocol_dropped_before_its_first_poll_runs_nothing() {
         wait: None,
         fields: None,
         ignore: &[],
+        at: "tests/lease.rs",
+        scope_noted: idem::__private::ScopeNoted::new(),
     };
     static RAN: AtomicUsize = AtomicUsize::new(0);
     let store = Arc::new(idem::MemoryStore::new());

@@ -604,3 +604,72 @@ async fn a_nested_parameter_that_is_not_utf8_still_identifies_the_request() {
     let other = send(addr, "/org/%FE/items", "", "k-nested-raw").await;
     assert_eq!(other.status, 422, "another organisation's request: {other:?}");
 }
+
+#[derive(serde::Deserialize)]
+struct Amount {
+    amount: u64,
+}
+
+#[idempotent(scope = "shared.create", fields(amount))]
+async fn pay_shared(Json(a): Json<Amount>) -> String {
+    format!("paid {}", a.amount)
+}
+
+#[idempotent(scope = "shared.create", fields(amount))]
+async fn refund_shared(Json(a): Json<Amount>) -> String {
+    format!("refunded {}", a.amount)
+}
+
+/// What is logged on this thread while the guard lives.
+#[derive(Clone, Default)]
+struct Logged(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logged {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Two handlers given one scope are one operation (the scope is the
+/// operation's name): a key sent to both runs the first and replays its
+/// answer to the second. The first request of the second handler says so
+/// in the log, once, naming where both attributes are.
+#[tokio::test(flavor = "current_thread")]
+async fn two_handlers_of_one_scope_are_one_operation_and_the_second_says_so() {
+    let logged = Logged::default();
+    let writer = logged.clone();
+    let _on_this_thread = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish(),
+    );
+    let addr = serve(
+        &memory(),
+        Router::new()
+            .route("/pay", post(pay_shared))
+            .route("/refund", post(refund_shared)),
+    )
+    .await;
+    let body = r#"{"amount": 100}"#;
+    let paid = send(addr, "/pay", body, "k-shared").await;
+    assert_eq!(paid.body, b"paid 100");
+    let text = || String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+    assert!(!text().contains("same scope"), "{}", text());
+    let refund = send(addr, "/refund", body, "k-shared").await;
+    assert!(replayed(&refund), "{refund:?}");
+    assert_eq!(refund.body, b"paid 100");
+    send(addr, "/refund", body, "k-other").await;
+    send(addr, "/pay", body, "k-third").await;
+    let log = text();
+    assert_eq!(
+        log.matches("two handlers have the same scope").count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(log.matches("tests/request_identity.rs:").count(), 2, "{log}");
+}

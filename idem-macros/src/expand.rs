@@ -236,6 +236,7 @@ fn operation_binding(names: &Names, keying: &Keying) -> TokenStream {
 //                     scope: "payment.create", header: "idempotency-key", optional: false,
 //                     ttl: ::core::option::Option::None, ..,
 //                     fields: ::core::option::Option::Some(&["amount"]), ignore: &[],
+//                     at: concat!(file!(), ":", line!()), scope_noted: ScopeNoted::new(),
 //                 };
 //                 &SPEC
 //             };
@@ -285,6 +286,8 @@ fn spec_block(names: &Names, args: &IdempotentArgs, keying: &Keying) -> TokenStr
                 wait: #wait,
                 fields: #fields,
                 ignore: &[#(#ignore),*],
+                at: ::core::concat!(::core::file!(), ":", ::core::line!()),
+                scope_noted: #private::ScopeNoted::new(),
             };
             &SPEC
         };

@@ -108,7 +108,7 @@ pub mod __private {
     pub use crate::layer::{Context, CustomKeyHeader, DefaultKeyHeader, KeyHeader};
     pub use crate::protocol::{returning, run, run_optional};
     pub use crate::request::{
-        fingerprint_request, is_json, print_body, raw, FieldJson, FieldProbe, NoBody, Raw, Spec,
+        fingerprint_request, is_json, print_body, raw, FieldJson, FieldProbe, NoBody, Raw, ScopeNoted, Spec,
     };
     pub use axum::response::{IntoResponse, Response};
     pub use std::time::Duration;

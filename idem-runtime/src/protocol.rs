@@ -141,6 +141,7 @@ fn start(
     handler: Handler,
 ) -> Started<impl Future<Output = Response> + Send + 'static> {
     let handler = Unrun(handler);
+    spec.note_scope();
     let Some(engine) = ctx.idem.as_ref().map(|idem| idem.inner.clone()) else {
         tracing::error!(
             scope = spec.scope,

@@ -24,6 +24,57 @@ pub struct Spec {
     pub fields: Option<&'static [&'static str]>,
     /// Path parameters and query names that do not count.
     pub ignore: &'static [&'static str],
+    /// Where the attribute is (`file:line`), for what is logged about it.
+    pub at: &'static str,
+    /// Whether its scope was compared with the other handlers' of the
+    /// process ([`Spec::note_scope`]).
+    pub scope_noted: ScopeNoted,
+}
+
+/// Whether a handler's scope was compared with the others' of the process.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct ScopeNoted(std::sync::atomic::AtomicBool);
+
+impl ScopeNoted {
+    /// Not yet compared.
+    pub const fn new() -> Self {
+        ScopeNoted(std::sync::atomic::AtomicBool::new(false))
+    }
+}
+
+impl Default for ScopeNoted {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Spec {
+    /// At its handler's first request, compares its scope with those of
+    /// the handlers that served before it, and warns when another has the
+    /// same: a key sent to both is one operation, so one replays the
+    /// other's answer (README, "What identifies a request").
+    pub(crate) fn note_scope(&'static self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        static SEEN: std::sync::Mutex<Vec<&'static Spec>> = std::sync::Mutex::new(Vec::new());
+        if self.scope_noted.0.load(Relaxed) {
+            return;
+        }
+        let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.scope_noted.0.swap(true, Relaxed) {
+            return;
+        }
+        if let Some(other) = seen.iter().find(|other| other.scope == self.scope) {
+            tracing::warn!(
+                scope = self.scope,
+                handler = self.at,
+                other = other.at,
+                "two handlers have the same scope: a key sent to both is one operation, and one \
+                 replays the other's answer; give each operation a scope of its own"
+            );
+        }
+        seen.push(self);
+    }
 }
 
 /// The fingerprint of the request: the scope, the path parameters, the

@@ -20,8 +20,9 @@ async fn inner_instrument(Json(order): Json<OrderIn>) -> String {
     order.sku
 }
 
-// `ret` records the handler's answer: below the attribute it sees the
-// handler as written.
+// `ret` records the answer: below the attribute it sees the function the
+// attribute generates (its parameters are idem's, it returns a `Response`),
+// so only `skip_all` fits there (README).
 #[idempotent(scope = "order.replace", fields(sku))]
 #[tracing::instrument(skip_all, ret)]
 async fn inner_instrument_ret(Json(order): Json<OrderIn>) -> String {
