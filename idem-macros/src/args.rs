@@ -198,6 +198,39 @@ fn valid_scope(scope: &str) -> bool {
 /// stored, and the contract stores no credential).
 const CREDENTIAL_HEADERS: &[&str] = &["authorization", "proxy-authorization", "cookie", "set-cookie"];
 
+/// Headers that describe the message, its connection or its client, which
+/// many requests carry with one value: never a key (different operations
+/// would share one record, and one be answered the other's replay).
+const MESSAGE_HEADERS: &[&str] = &[
+    "accept",
+    "accept-charset",
+    "accept-encoding",
+    "accept-language",
+    "cache-control",
+    "connection",
+    "content-encoding",
+    "content-language",
+    "content-length",
+    "content-type",
+    "date",
+    "expect",
+    "forwarded",
+    "host",
+    "keep-alive",
+    "origin",
+    "pragma",
+    "referer",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "user-agent",
+    "via",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+];
+
 fn valid_header(name: &str) -> bool {
     !name.is_empty()
         && name
@@ -285,6 +318,16 @@ impl Parse for IdempotentArgs {
                         lit.span(),
                         "`header` cannot be a credential header: the key is stored with the record, and \
                          credentials are never stored; use a header of its own, such as `\"Idempotency-Key\"`",
+                    ));
+                } else if MESSAGE_HEADERS.contains(&lit.value().to_ascii_lowercase().as_str()) {
+                    errors.push(syn::Error::new(
+                        lit.span(),
+                        format!(
+                            "`header` cannot be `{}`: it describes the message, not the operation, and \
+                             many requests carry one value of it, so different operations would share one \
+                             record; use a header of its own, such as `\"Idempotency-Key\"`",
+                            lit.value()
+                        ),
                     ));
                 }
                 errors.set_once(&mut args.header, (k, lit), k.span, "header");

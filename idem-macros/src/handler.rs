@@ -246,6 +246,33 @@ impl Handler {
                 "`#[idempotent]` handlers must be `async fn`",
             ));
         }
+        // The attribute given twice: the outer one sees the inner one among
+        // the handler's attributes, not yet expanded.
+        for attr in &item.attrs {
+            if attr
+                .path()
+                .segments
+                .last()
+                .is_some_and(|s| s.ident == "idempotent")
+            {
+                errors.push(syn::Error::new_spanned(
+                    attr,
+                    "`#[idempotent]` is given twice: a handler is one operation, with one scope; keep one",
+                ));
+            }
+        }
+        // A parameter under `#[cfg]`: which parameters the handler has is
+        // known only once `cfg` is evaluated, after this reads them.
+        for input in &item.sig.inputs {
+            let FnArg::Typed(pt) = input else { continue };
+            for attr in pt.attrs.iter().filter(|a| a.path().is_ident("cfg")) {
+                errors.push(syn::Error::new_spanned(
+                    attr,
+                    "`#[idempotent]` reads the handler's parameters before `#[cfg]` is evaluated, so it \
+                     cannot tell which one it leaves out: put `#[cfg]` on whole handlers, one per configuration",
+                ));
+            }
+        }
         let mut body = None;
         let mut keying = if optional {
             Keying::Optional(None)
