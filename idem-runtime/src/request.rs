@@ -53,7 +53,7 @@ impl Spec {
     /// At its handler's first request, compares its scope with those of
     /// the handlers that served before it, and warns when another has the
     /// same: a key sent to both is one operation, so one replays the
-    /// other's answer (README, "What identifies a request").
+    /// other's answer (README, "The fingerprint").
     pub(crate) fn note_scope(&'static self) {
         use std::sync::atomic::Ordering::Relaxed;
         static SEEN: std::sync::Mutex<Vec<&'static Spec>> = std::sync::Mutex::new(Vec::new());
