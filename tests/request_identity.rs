@@ -620,34 +620,21 @@ async fn refund_shared(Json(a): Json<Amount>) -> String {
     format!("refunded {}", a.amount)
 }
 
-/// What is logged on this thread while the guard lives.
-#[derive(Clone, Default)]
-struct Logged(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logged {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// Two handlers given one scope are one operation (the scope is the
 /// operation's name): a key sent to both runs the first and replays its
 /// answer to the second. The first request of the second handler says so
 /// in the log, once, naming where both attributes are.
 #[tokio::test(flavor = "current_thread")]
 async fn two_handlers_of_one_scope_are_one_operation_and_the_second_says_so() {
-    let logged = Logged::default();
-    let writer = logged.clone();
-    let _on_this_thread = tracing::subscriber::set_default(
-        tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .finish(),
-    );
+    let logs = idem_testkit::logs();
+    // This test's lines: the binary's other tests log into the same text.
+    let said = || {
+        logs.text()
+            .lines()
+            .filter(|l| l.contains("two handlers have the same scope") && l.contains("shared.create"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
     let addr = serve(
         &memory(),
         Router::new()
@@ -658,18 +645,17 @@ async fn two_handlers_of_one_scope_are_one_operation_and_the_second_says_so() {
     let body = r#"{"amount": 100}"#;
     let paid = send(addr, "/pay", body, "k-shared").await;
     assert_eq!(paid.body, b"paid 100");
-    let text = || String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
-    assert!(!text().contains("same scope"), "{}", text());
+    assert_eq!(said(), Vec::<String>::new());
     let refund = send(addr, "/refund", body, "k-shared").await;
     assert!(replayed(&refund), "{refund:?}");
     assert_eq!(refund.body, b"paid 100");
     send(addr, "/refund", body, "k-other").await;
     send(addr, "/pay", body, "k-third").await;
-    let log = text();
+    let said = said();
+    assert_eq!(said.len(), 1, "{said:?}");
     assert_eq!(
-        log.matches("two handlers have the same scope").count(),
-        1,
-        "{log}"
+        said[0].matches("tests/request_identity.rs:").count(),
+        2,
+        "{said:?}"
     );
-    assert_eq!(log.matches("tests/request_identity.rs:").count(), 2, "{log}");
 }

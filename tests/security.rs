@@ -10,7 +10,8 @@ use axum::routing::post;
 use axum::{Json, Router};
 use idem::{idempotent, Idem, IdempotencyStore, Tenant};
 use idem_testkit::http::{post as req, serve};
-use std::sync::{Arc, Mutex, OnceLock};
+use idem_testkit::logs;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(serde::Deserialize, serde::Serialize)]
@@ -172,50 +173,6 @@ async fn a_record_holds_no_request_body_and_is_kept_24_hours_by_default() {
     let hex: String = MARK.bytes().map(|b| format!("{b:02x}")).collect();
     assert!(!row.contains(MARK) && !row.contains(&hex), "{row}");
     assert_eq!(kept, day_ms as f64);
-}
-
-/// A log writer that keeps every line.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
-    }
-}
-
-/// Every line this file's tests log, at TRACE, with a line per span as it
-/// closes. Every test calls it before its first request.
-///
-/// The subscriber is the process's global one: the protocol runs in tasks
-/// on any thread. A scoped one (`set_default`) is not enough even on a
-/// current-thread runtime: while it is the only subscriber in the process,
-/// a callsite that another test's thread reaches first caches "never"
-/// for every thread (tracing issue 3611), and its events are lost.
-fn logs() -> &'static Captured {
-    static LOGS: OnceLock<Captured> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let captured = Captured::default();
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
-            .with_writer(move || writer.clone())
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).unwrap();
-        captured
-    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

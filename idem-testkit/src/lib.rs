@@ -11,13 +11,16 @@
 //! - Names that no concurrent test shares: [`unique`], [`token`].
 //! - [`records`]: store calls as the store-level tests write them.
 //! - [`multi_thread`]: a runtime of its own, for tests that shut one down.
+//! - [`logs`]: every line the test binary logs, to assert on.
 
 mod each_store;
 pub mod http;
+mod logs;
 mod names;
 pub mod records;
 mod stores;
 
+pub use logs::{logs, Logged};
 pub use names::{token, unique};
 pub use stores::{
     dropped_transaction_rolls_back, pg_schema, pg_store, pg_store_in, pg_url, sqlite_in_memory_store,

@@ -121,7 +121,7 @@ impl FirstRuntime {
     /// Reports, once, a reservation made on another runtime than the first
     /// one: the pool's connections are sockets of the runtime that opened
     /// them, and work only while it runs.
-    fn note(&self) {
+    fn note(&self, table: &str) {
         use std::sync::atomic::Ordering::Relaxed;
         if self.told.load(Relaxed) {
             return;
@@ -133,6 +133,7 @@ impl FirstRuntime {
         let first = *self.id.get_or_init(|| here);
         if first != here && !self.told.swap(true, Relaxed) {
             tracing::warn!(
+                table,
                 first = %first,
                 this = %here,
                 "a PgStore is used from a second Tokio runtime: its pool's connections belong to the \
@@ -1446,7 +1447,7 @@ impl IdempotencyStore for PgStore {
                 Ok(kept)
             });
         }
-        self.first_runtime.note();
+        self.first_runtime.note(&self.sql.table);
         // Before anything is sent: the lock of a key taken is counted from here.
         let sent = std::time::Instant::now();
         Box::pin(async move {
