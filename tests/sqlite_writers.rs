@@ -1024,6 +1024,48 @@ fn a_reservation_made_on_one_runtime_and_driven_on_another_leaves_no_lock() {
     given_up_in_line_on_an_idle_runtime_leaves_no_lock(true);
 }
 
+/// A reservation answered (committed, its lease handed to its channel)
+/// while its caller's current-thread runtime is not driven, and that
+/// runtime then shut down before the caller read the answer: the key is
+/// given back on the writers' thread, as when the caller had gone before
+/// the answer came, not left locked until its lock timeout.
+#[test]
+fn a_reservation_answered_to_a_runtime_shut_down_before_reading_it_leaves_no_lock() {
+    let main = two_workers();
+    let (store, _dir) = main.block_on(idem_testkit::sqlite_store());
+    let store = store.with_timeout(Duration::from_secs(10));
+    let unread = idem_testkit::unique("unread");
+    let mut paused = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &unread);
+    let caller = runtime();
+    let token = idem_testkit::token();
+    drop(caller.spawn({
+        let (store, unread) = (store.clone(), unread.clone());
+        async move { store.reserve(req(&id(&unread), token)).await }
+    }));
+    // Driven until its reservation's write is in its group, then idle.
+    caller.block_on(paused.reached());
+    paused.resume();
+    main.block_on(async {
+        // Committed: its answer is in the caller's channel, unread.
+        let until = Instant::now() + Duration::from_secs(10);
+        while row(&store, &unread).await.is_none() && Instant::now() < until {
+            tokio::task::yield_now().await;
+        }
+        let committed = row(&store, &unread).await;
+        assert_eq!(committed.map(|r| r.1), Some(Some(token.to_owned())));
+    });
+    drop(caller);
+    main.block_on(async {
+        let until = Instant::now() + Duration::from_secs(10);
+        while row(&store, &unread).await.is_some() && Instant::now() < until {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(row(&store, &unread).await, None, "a lock nobody holds stayed");
+        let retry = store.reserve(req(&id(&unread), "retry-token")).await;
+        assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
+    });
+}
+
 /// A release (as an execution's task runs it) waiting in line for the write
 /// permit on a current-thread runtime that is then left idle: it runs on
 /// the writers' thread, so it does not get the permit there and keep it;

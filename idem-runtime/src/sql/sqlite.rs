@@ -703,7 +703,7 @@ impl SqliteStore {
         // the group has committed: a write that took the key after its
         // caller stopped waiting for it (`reserve_detached` gave up) gives
         // the key back itself, so that no lock stays that nobody holds.
-        let (answer, answered) = tokio::sync::oneshot::channel();
+        let (answer, answered) = tokio::sync::oneshot::channel::<Result<Delivered, StoreError>>();
         let store = self.clone();
         self.join_group(job(false, move |conn| {
             Box::pin(async move {
@@ -716,18 +716,20 @@ impl SqliteStore {
                     failed: taken.is_err(),
                     answer: Box::new(move |committed| {
                         let taken = taken.and_then(|t| committed.map(|()| t));
-                        if let Err(Ok(Reservation::Reserved(lease))) = answer.send(taken) {
-                            // On the writers' runtime: this leader's may be
-                            // shutting down (see `Finishing`).
-                            drop(spawn_on_writers(store.give_back(owned, lease.is_takeover())));
-                        }
+                        // A caller already gone hands it back at once: it is
+                        // dropped here, and gives the key back.
+                        drop(answer.send(Ok(Delivered {
+                            answer: Some(taken),
+                            undo: Some((store, owned)),
+                        })));
                     }),
                 }
             })
         }));
         let answer = answered
             .await
-            .map_err(|_| StoreError::backend("the reservation's write did not finish"))?;
+            .map_err(|_| StoreError::backend("the reservation's write did not finish"))??
+            .read();
         pause_point!(crate::pause::RESERVE_AFTER, &key);
         answer
     }
@@ -786,6 +788,53 @@ impl SqliteStore {
         };
         pause_point!(crate::pause::SQLITE_RESERVE_BEFORE_COMMIT, &req.id.key);
         Ok(answer)
+    }
+}
+
+/// A reservation's answer on its way to its caller. A key it took that
+/// its caller never reads is given back when it is dropped, on the
+/// writers' runtime, as it was found (see `SqliteStore::give_back`): the
+/// caller was gone before the answer came (the send hands it back), or
+/// went before reading it (its runtime shut down with the answer in its
+/// channel, or its future was dropped).
+struct Delivered {
+    /// `None` once read.
+    answer: Option<Result<Reservation, StoreError>>,
+    /// What gives the key back; `None` once read.
+    undo: Option<(SqliteStore, sql::OwnedReserve)>,
+}
+
+impl Delivered {
+    /// The answer, read by its caller: nothing is given back any more.
+    fn read(mut self) -> Result<Reservation, StoreError> {
+        self.undo = None;
+        self.answer
+            .take()
+            .unwrap_or_else(|| Err(StoreError::backend("the reservation's answer was read twice")))
+    }
+}
+
+impl Drop for Delivered {
+    fn drop(&mut self) {
+        let (Some(Ok(Reservation::Reserved(lease))), Some((store, owned))) =
+            (self.answer.take(), self.undo.take())
+        else {
+            return;
+        };
+        let giving_back = store.give_back(owned, lease.is_takeover());
+        // On the writers' runtime: the dropping one may be shutting down
+        // (or be this leader's, see `Finishing`); on this one if that
+        // runtime could not be started; nowhere outside any runtime.
+        match writer_runtime() {
+            Some(writers) => drop(writers.spawn(giving_back)),
+            None => match tokio::runtime::Handle::try_current() {
+                Ok(here) => drop(here.spawn(giving_back)),
+                Err(_) => tracing::error!(
+                    "a reservation took its key after its caller went, and no runtime can give it back: \
+                     it stays locked until its lock timeout"
+                ),
+            },
+        }
     }
 }
 
