@@ -216,7 +216,7 @@ fn parameters(names: &Names, handler: &Handler) -> (Vec<TokenStream>, Option<Bod
 //             let op: Option<Operation> = ::core::option::Option::Some(__idem_op);
 //         or `let _ = __idem_op;` when the handler asks for none.
 fn operation_binding(names: &Names, keying: &Keying) -> TokenStream {
-    let op = &names.op;
+    let (op, private) = (&names.op, &names.private);
     let (param, value) = match keying {
         Keying::Required(Some(RequiredOperation::Bare(p))) | Keying::Optional(Some(p)) => (p, quote!(#op)),
         Keying::Required(Some(RequiredOperation::InSome(p))) => {
@@ -225,7 +225,10 @@ fn operation_binding(names: &Names, keying: &Keying) -> TokenStream {
         Keying::Required(None) | Keying::Optional(None) => return quote!(let _ = #op;),
     };
     let (pat, ty, attrs) = (&param.param.pat, &param.param.ty, &param.param.attrs);
-    quote!(#(#attrs)* let #pat: #ty = #value;)
+    // Known by its type's name: another type named `Operation` is an error
+    // at that type, which says so.
+    let check = quote_spanned!(ty.span()=> #private::operation_param::<#ty>(););
+    quote!(#check #(#attrs)* let #pat: #ty = #value;)
 }
 
 // Input:  the arguments and the keying.

@@ -106,6 +106,7 @@ pub mod __private {
     pub use crate::fingerprint::BodyPrint;
     pub use crate::fingerprint::FingerprintError;
     pub use crate::layer::{Context, CustomKeyHeader, DefaultKeyHeader, KeyHeader};
+    pub use crate::operation::{operation_param, OperationParam};
     pub use crate::protocol::{returning, run, run_optional};
     pub use crate::request::{
         fingerprint_request, is_json, print_body, raw, FieldJson, FieldProbe, NoBody, Raw, ScopeNoted, Spec,
