@@ -487,6 +487,25 @@ pub(crate) fn derived_key(id: &RecordId, operation_id: &str, step: &str) -> Stri
     format!("idem_{}", crate::fingerprint::hex(&h.finalize()[..20]))
 }
 
+/// What a handler's parameter that `#[idempotent]` fills with the
+/// operation may be: `Operation`, or `Option<Operation>`. The macro knows
+/// the parameter by its type's name; another type named `Operation` is
+/// refused here, at that type. Used by the generated code only.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent]` fills a parameter whose type is named `Operation` with idem's `Operation`, and `{Self}` is another type",
+    label = "not `idem::Operation`",
+    note = "an extractor of your own named `Operation` needs another name here: `use audit::Operation as AuditOperation;`"
+)]
+pub trait OperationParam {}
+
+impl OperationParam for Operation {}
+impl OperationParam for Option<Operation> {}
+
+/// Compiles only for an [`OperationParam`]. Used by the generated code only.
+#[doc(hidden)]
+pub fn operation_param<T: OperationParam>() {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -554,22 +573,3 @@ mod tests {
         assert!(during.is_lost());
     }
 }
-
-/// What a handler's parameter that `#[idempotent]` fills with the
-/// operation may be: `Operation`, or `Option<Operation>`. The macro knows
-/// the parameter by its type's name; another type named `Operation` is
-/// refused here, at that type. Used by the generated code only.
-#[doc(hidden)]
-#[diagnostic::on_unimplemented(
-    message = "`#[idempotent]` fills a parameter whose type is named `Operation` with idem's `Operation`, and `{Self}` is another type",
-    label = "not `idem::Operation`",
-    note = "an extractor of your own named `Operation` needs another name here: `use audit::Operation as AuditOperation;`"
-)]
-pub trait OperationParam {}
-
-impl OperationParam for Operation {}
-impl OperationParam for Option<Operation> {}
-
-/// Compiles only for an [`OperationParam`]. Used by the generated code only.
-#[doc(hidden)]
-pub fn operation_param<T: OperationParam>() {}
