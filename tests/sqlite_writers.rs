@@ -221,6 +221,19 @@ fn keyed(path: &str, key: &str) -> axum::http::Request<axum::body::Body> {
 /// end and waits for the second (or for its drop).
 type HookHold = Arc<Mutex<Option<(mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>)>>>;
 
+/// A pool hook's body: once `hold` is armed, it says so and waits to be
+/// let go; then it lets the pool go on with the connection.
+fn hook_stop(hold: &HookHold) -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send>> {
+    let armed = hold.lock().unwrap().take();
+    Box::pin(async move {
+        if let Some((reached, release)) = armed {
+            let _ = reached.send(());
+            let _ = release.await;
+        }
+        Ok(true)
+    })
+}
+
 /// Which of the pool's hooks [`held_in_memory`] holds.
 #[derive(Clone, Copy)]
 enum HookAt {
@@ -234,20 +247,10 @@ enum HookAt {
 /// timeout 20 s), whose pool stops in the hook `at` once `hold` is armed,
 /// and a table `effects` for handlers to write to.
 async fn held_in_memory(hold: HookHold, at: HookAt) -> SqliteStore {
-    fn stop(hold: &HookHold) -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send>> {
-        let armed = hold.lock().unwrap().take();
-        Box::pin(async move {
-            if let Some((reached, release)) = armed {
-                let _ = reached.send(());
-                let _ = release.await;
-            }
-            Ok(true)
-        })
-    }
     let options = SqlitePoolOptions::new().max_connections(1);
     let options = match at {
-        HookAt::Check => options.before_acquire(move |_, _| stop(&hold)),
-        HookAt::GiveBack => options.after_release(move |_, _| stop(&hold)),
+        HookAt::Check => options.before_acquire(move |_, _| hook_stop(&hold)),
+        HookAt::GiveBack => options.after_release(move |_, _| hook_stop(&hold)),
     };
     let store = SqliteStore::new(options.connect("sqlite::memory:").await.unwrap())
         .with_timeout(Duration::from_secs(20));
@@ -718,24 +721,14 @@ fn a_leader_dropped_before_its_group_hands_the_queue_to_another() {
 /// serves on.
 #[test]
 fn a_leader_whose_runtime_goes_while_the_pool_hands_it_a_connection_loses_no_database_in_memory() {
-    type Hold = Arc<Mutex<Option<(mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>)>>>;
-    let hold: Hold = Arc::default();
+    let hold: HookHold = Arc::default();
     let table = idem_testkit::unique("handed_over").replace('-', "_");
     let setup = runtime();
     let store = setup.block_on(async {
         let hook = hold.clone();
         let pool = SqlitePoolOptions::new()
             .max_connections(1)
-            .before_acquire(move |_, _| {
-                let armed = hook.lock().unwrap().take();
-                Box::pin(async move {
-                    if let Some((reached, release)) = armed {
-                        let _ = reached.send(());
-                        let _ = release.await;
-                    }
-                    Ok(true)
-                })
-            })
+            .before_acquire(move |_, _| hook_stop(&hook))
             .connect("sqlite::memory:")
             .await
             .unwrap();
@@ -770,11 +763,7 @@ fn a_leader_whose_runtime_goes_while_the_pool_hands_it_a_connection_loses_no_dat
     let (reached_tx, reached) = mpsc::channel();
     let (release, release_rx) = tokio::sync::oneshot::channel();
     *hold.lock().unwrap() = Some((reached_tx, release_rx));
-    let first = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let first = idem_testkit::multi_thread(1);
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     // A completion from `first` starts the leader there (which finds no
     // idle connection); its caller goes with `first`.
@@ -954,6 +943,18 @@ fn a_write_given_up_in_line_on_an_idle_runtime_holds_no_writer_back() {
     drop(idle);
 }
 
+/// Waits (10 s at most) until the record of `key` is gone, given back as a
+/// fresh key was; then a retry takes the key.
+async fn given_back_and_taken_again(store: &SqliteStore, key: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while row(store, key).await.is_some() && Instant::now() < until {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(row(store, key).await, None, "a lock nobody holds stayed");
+    let retry = store.reserve(req(&id(key), "retry-token")).await;
+    assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
+}
+
 /// The record of `key`, as its state and lock token.
 async fn row(store: &SqliteStore, key: &str) -> Option<(String, Option<String>)> {
     sqlx::query_as("SELECT state, lock_token FROM idempotency_keys WHERE key = ?")
@@ -1001,13 +1002,7 @@ fn given_up_in_line_on_an_idle_runtime_leaves_no_lock(via_blocking_pool: bool) {
         // its answer), and the key is being given back.
         let after = idem_testkit::unique("after");
         reserved(&patient, &after).await;
-        let until = Instant::now() + Duration::from_secs(10);
-        while row(&patient, &gone).await.is_some() && Instant::now() < until {
-            tokio::task::yield_now().await;
-        }
-        assert_eq!(row(&patient, &gone).await, None, "a lock nobody holds stayed");
-        let retry = patient.reserve(req(&id(&gone), "retry-token")).await;
-        assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
+        given_back_and_taken_again(&patient, &gone).await;
     });
     drop(idle);
 }
@@ -1055,15 +1050,7 @@ fn a_reservation_answered_to_a_runtime_shut_down_before_reading_it_leaves_no_loc
         assert_eq!(committed.map(|r| r.1), Some(Some(token.to_owned())));
     });
     drop(caller);
-    main.block_on(async {
-        let until = Instant::now() + Duration::from_secs(10);
-        while row(&store, &unread).await.is_some() && Instant::now() < until {
-            tokio::task::yield_now().await;
-        }
-        assert_eq!(row(&store, &unread).await, None, "a lock nobody holds stayed");
-        let retry = store.reserve(req(&id(&unread), "retry-token")).await;
-        assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
-    });
+    main.block_on(given_back_and_taken_again(&store, &unread));
 }
 
 /// A release (as an execution's task runs it) waiting in line for the write
