@@ -1363,4 +1363,87 @@ mod runtimes {
         fresh(&store, &first);
         assert_eq!(said(), 1);
     }
+
+    /// How many times the second-runtime warning was logged for `schema`'s
+    /// table (this test's: the binary's other tests log into the same text).
+    fn second_runtime_said(schema: &str) -> usize {
+        idem_testkit::logs()
+            .text()
+            .lines()
+            .filter(|l| l.contains("a PgStore is used from a second Tokio runtime") && l.contains(schema))
+            .count()
+    }
+
+    /// A store built over a pool whose connections a setup runtime opened,
+    /// or one migrated on a setup runtime, and then used only from the
+    /// server's runtime: the pool's connections are the setup runtime's
+    /// (a setup runtime no longer driven would stall them), so the first
+    /// reservation from the server's runtime warns, once per store.
+    #[test]
+    fn postgres_a_store_set_up_on_one_runtime_and_served_on_another_says_so() {
+        let _ = idem_testkit::logs();
+        let (setup, server) = (idem_testkit::multi_thread(1), idem_testkit::multi_thread(1));
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let (schema, built, migrated) = setup.block_on(async {
+            let schema = idem_testkit::pg_schema(&url).await;
+            // Migrates the schema's table, on its own pool.
+            drop(idem_testkit::pg_store_in(&url, &schema, 1).await);
+            // Connections opened here, no migration through this store.
+            let pool = sqlx::PgPool::connect(&url).await.unwrap();
+            let built = idem::PgStore::new(pool)
+                .with_table(Some(&schema), "idempotency_keys")
+                .unwrap();
+            // No connection open before the migration, which opens one.
+            let migrated = idem::PgStore::connect(&url)
+                .unwrap()
+                .with_table(Some(&schema), "idempotency_keys")
+                .unwrap();
+            migrated.migrate().await.unwrap();
+            (schema, built, migrated)
+        });
+        assert_eq!(second_runtime_said(&schema), 0);
+        for (n, store) in [(1, &built), (2, &migrated), (2, &built)] {
+            let id = RecordId::new("t", "runtimes", idem_testkit::unique("k"));
+            let answer = server.block_on(async { reserve(store, &id, "fp", LONG, LONG).await });
+            assert!(matches!(answer, Reservation::Reserved(_)), "{answer:?}");
+            assert_eq!(second_runtime_said(&schema), n);
+        }
+    }
+
+    /// Two stores over one pool (a second `PgStore::new` of a clone of the
+    /// pool), each used from a runtime of its own: the pool is used from
+    /// two runtimes, and that is said once.
+    #[test]
+    fn postgres_two_stores_over_one_pool_used_from_two_runtimes_say_so_once() {
+        let _ = idem_testkit::logs();
+        let (first, second) = (idem_testkit::multi_thread(1), idem_testkit::multi_thread(1));
+        let Some((_, schema, a)) = first.block_on(fresh_store(4, Duration::ZERO)) else {
+            return;
+        };
+        let b = idem::PgStore::new(a.pool().clone())
+            .with_table(Some(&schema), "idempotency_keys")
+            .unwrap();
+        for (store, rt) in [(&a, &first), (&b, &second), (&a, &second), (&b, &first)] {
+            let id = RecordId::new("t", "runtimes", idem_testkit::unique("k"));
+            let answer = rt.block_on(async { reserve(store, &id, "fp", LONG, LONG).await });
+            assert!(matches!(answer, Reservation::Reserved(_)), "{answer:?}");
+        }
+        assert_eq!(second_runtime_said(&schema), 1);
+    }
+
+    /// A reservation's future built outside any runtime and handed to a
+    /// second runtime's `block_on` runs on that runtime: it is judged where
+    /// it runs, and said.
+    #[test]
+    fn postgres_a_reservation_built_outside_and_run_on_a_second_runtime_says_so() {
+        let _ = idem_testkit::logs();
+        let (first, second) = (idem_testkit::multi_thread(1), idem_testkit::multi_thread(1));
+        let Some((_, schema, store)) = first.block_on(fresh_store(4, Duration::ZERO)) else {
+            return;
+        };
+        let id = RecordId::new("t", "runtimes", idem_testkit::unique("k"));
+        let answer = second.block_on(store.reserve(req(&id, "fp", LONG, LONG)));
+        assert!(matches!(answer, Ok(Reservation::Reserved(_))), "{answer:?}");
+        assert_eq!(second_runtime_said(&schema), 1);
+    }
 }

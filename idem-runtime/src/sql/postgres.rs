@@ -57,8 +57,9 @@ pub const DEFAULT_REPLAY_CACHE: Duration = Duration::from_secs(1);
 /// A store, and the pool it holds, belongs to one Tokio runtime: sqlx's
 /// connections are sockets of the runtime that opened them, and work only
 /// while it runs. Use it from a multi-thread runtime that lives as long as
-/// the server; a reservation made from a second runtime is reported once
-/// (a warning). A runtime shut down while a reservation's statement runs
+/// the server. A reservation made from another runtime than the pool's
+/// first (the one a store was built on over open connections, migrated
+/// on, or first reserved on) is reported once per pool (a warning). A runtime shut down while a reservation's statement runs
 /// leaves that key as a crash does, locked until its lock timeout (README,
 /// "Where idem departs from the contract").
 ///
@@ -104,23 +105,64 @@ pub struct PgStore {
     /// bound, and a map shared by its clones of the same table.
     replays: sql::replays::Replays,
     timeout: Duration,
-    /// The runtime of the store's first reservation, shared by its clones:
-    /// a reservation from another one is reported once.
+    /// The runtime the store's pool was first used on, shared by every
+    /// store over that pool: a reservation from another one is reported
+    /// once.
     first_runtime: std::sync::Arc<FirstRuntime>,
 }
 
-/// The runtime a store's first reservation ran on, and whether one made on
-/// another runtime was reported.
+/// The runtime a pool was first used on by a store (a store built over
+/// its open connections, a migration, a reservation), and whether a
+/// reservation made on another runtime was reported. One per pool: every
+/// store over the pool (its clones, [`PgStore::with_table`], another
+/// [`PgStore::new`] of a clone of the pool) shares it.
 #[derive(Default)]
 struct FirstRuntime {
     id: std::sync::OnceLock<tokio::runtime::Id>,
     told: std::sync::atomic::AtomicBool,
 }
 
+/// The [`FirstRuntime`] of each pool a store was built over, known by the
+/// pool's connect options (one allocation that every clone of the pool
+/// shares), held weakly: a pool dropped leaves its entry to be swept.
+type Pools = Vec<(
+    std::sync::Weak<sqlx::postgres::PgConnectOptions>,
+    std::sync::Arc<FirstRuntime>,
+)>;
+static POOLS: std::sync::Mutex<Pools> = std::sync::Mutex::new(Vec::new());
+
 impl FirstRuntime {
+    /// The one of `pool`; the runtime this is called on is its first when
+    /// the pool has connections open already (they are that runtime's).
+    fn of(pool: &PgPool) -> std::sync::Arc<FirstRuntime> {
+        let options = pool.connect_options();
+        let mut pools = POOLS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        pools.retain(|(known, _)| known.strong_count() > 0);
+        let first = match pools
+            .iter()
+            .find(|(known, _)| std::ptr::eq(known.as_ptr(), std::sync::Arc::as_ptr(&options)))
+        {
+            Some((_, first)) => first.clone(),
+            None => {
+                let first = std::sync::Arc::<FirstRuntime>::default();
+                pools.push((std::sync::Arc::downgrade(&options), first.clone()));
+                first
+            }
+        };
+        drop(pools);
+        if pool.size() > 0 {
+            if let Ok(here) = tokio::runtime::Handle::try_current() {
+                let _ = first.id.set(here.id());
+            }
+        }
+        first
+    }
+
     /// Reports, once, a reservation made on another runtime than the first
     /// one: the pool's connections are sockets of the runtime that opened
-    /// them, and work only while it runs.
+    /// them, and work only while it runs. Called where the store's future
+    /// is polled (a future built outside a runtime and handed to
+    /// `block_on` runs on that runtime).
     fn note(&self, table: &str) {
         use std::sync::atomic::Ordering::Relaxed;
         if self.told.load(Relaxed) {
@@ -508,6 +550,7 @@ impl PgStore {
             complete = sql.complete,
             t = sql.table,
         );
+        let first_runtime = FirstRuntime::of(&pool);
         Ok(PgStore {
             pool,
             sql: std::sync::Arc::new(sql),
@@ -520,7 +563,7 @@ impl PgStore {
             completions: std::sync::Arc::default(),
             lookups: std::sync::Arc::default(),
             replays: sql::replays::Replays::new(DEFAULT_REPLAY_CACHE),
-            first_runtime: std::sync::Arc::default(),
+            first_runtime,
             timeout: DEFAULT_OPERATION_TIMEOUT,
         })
     }
@@ -564,6 +607,7 @@ impl PgStore {
     /// # Ok(()) }
     /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        self.first_runtime.note(&self.sql.table);
         let mut pauses = MIGRATION_PAUSES.iter();
         loop {
             let mut tx = begin_to_its_answer(&self.pool, None).await?;
@@ -1447,10 +1491,10 @@ impl IdempotencyStore for PgStore {
                 Ok(kept)
             });
         }
-        self.first_runtime.note(&self.sql.table);
         // Before anything is sent: the lock of a key taken is counted from here.
         let sent = std::time::Instant::now();
         Box::pin(async move {
+            self.first_runtime.note(&self.sql.table);
             // On the caller's runtime: the pool's connections are registered
             // with the runtime that opened them.
             let reserved = sql::reserve_detached(self, self.timeout, None, req, |store, req| {
