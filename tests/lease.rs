@@ -2259,6 +2259,7 @@ async fn a_protocol_dropped_before_its_first_poll_runs_nothing() {
         wait: None,
         fields: None,
         ignore: &[],
+        handler: "unpolled",
         at: "tests/lease.rs",
         scope_noted: idem::__private::ScopeNoted::new(),
     };

@@ -620,21 +620,27 @@ async fn refund_shared(Json(a): Json<Amount>) -> String {
     format!("refunded {}", a.amount)
 }
 
+/// What was logged of handlers of one scope `scope` served through one
+/// `Idem`: this test's lines, since the binary's other tests log into the
+/// same text.
+fn same_scope_said(scope: &str) -> Vec<String> {
+    idem_testkit::logs()
+        .text()
+        .lines()
+        .filter(|l| l.contains("have the same scope") && l.contains(&format!("scope=\"{scope}\"")))
+        .map(str::to_owned)
+        .collect()
+}
+
 /// Two handlers given one scope are one operation (the scope is the
 /// operation's name): a key sent to both runs the first and replays its
 /// answer to the second. The first request of the second handler says so
-/// in the log, once, naming where both attributes are.
+/// in the log, once, naming both handlers and where both attributes are.
 #[tokio::test(flavor = "current_thread")]
 async fn two_handlers_of_one_scope_are_one_operation_and_the_second_says_so() {
-    let logs = idem_testkit::logs();
-    // This test's lines: the binary's other tests log into the same text.
-    let said = || {
-        logs.text()
-            .lines()
-            .filter(|l| l.contains("two handlers have the same scope") && l.contains("shared.create"))
-            .map(str::to_owned)
-            .collect::<Vec<_>>()
-    };
+    // Installed before anything this test logs.
+    let _ = idem_testkit::logs();
+    let said = || same_scope_said("shared.create");
     let addr = serve(
         &memory(),
         Router::new()
@@ -656,6 +662,103 @@ async fn two_handlers_of_one_scope_are_one_operation_and_the_second_says_so() {
     assert_eq!(
         said[0].matches("tests/request_identity.rs:").count(),
         2,
+        "{said:?}"
+    );
+    assert!(
+        said[0].contains("handler=\"pay_shared\"") && said[0].contains("other=\"refund_shared\"")
+            || said[0].contains("handler=\"refund_shared\"") && said[0].contains("other=\"pay_shared\""),
+        "{said:?}"
+    );
+}
+
+#[idempotent(scope = "apart.create", fields(amount))]
+async fn pay_apart(Json(a): Json<Amount>) -> String {
+    format!("paid {}", a.amount)
+}
+
+#[idempotent(scope = "apart.create", fields(amount))]
+async fn refund_apart(Json(a): Json<Amount>) -> String {
+    format!("refunded {}", a.amount)
+}
+
+/// Handlers of one scope served through two `Idem`s over two stores (two
+/// services in one process, two tests in one binary) share no record: a
+/// key sent to both runs both, and nothing is said of their scope.
+#[tokio::test(flavor = "current_thread")]
+async fn handlers_of_one_scope_through_two_idems_are_two_operations_and_nothing_is_said() {
+    // Installed before anything this test logs.
+    let _ = idem_testkit::logs();
+    let pay = serve(&memory(), Router::new().route("/pay", post(pay_apart))).await;
+    let refund = serve(&memory(), Router::new().route("/refund", post(refund_apart))).await;
+    let body = r#"{"amount": 5}"#;
+    assert_eq!(send(pay, "/pay", body, "k-apart").await.body, b"paid 5");
+    let refunded = send(refund, "/refund", body, "k-apart").await;
+    assert!(!replayed(&refunded), "{refunded:?}");
+    assert_eq!(refunded.body, b"refunded 5");
+    assert_eq!(same_scope_said("apart.create"), Vec::<String>::new());
+}
+
+#[idempotent(scope = "routed.create", fields(amount))]
+async fn pay_routed(Json(a): Json<Amount>) -> String {
+    format!("paid {}", a.amount)
+}
+
+/// One handler on several routes, nested routers and two apps is one
+/// handler: nothing is said of its scope.
+#[tokio::test(flavor = "current_thread")]
+async fn one_handler_on_many_routes_and_apps_says_nothing_of_its_scope() {
+    // Installed before anything this test logs.
+    let _ = idem_testkit::logs();
+    let one = serve(
+        &memory(),
+        Router::new()
+            .route("/a", post(pay_routed))
+            .route("/b", post(pay_routed))
+            .nest("/n", Router::new().route("/c", post(pay_routed))),
+    )
+    .await;
+    let two = serve(&memory(), Router::new().route("/x", post(pay_routed))).await;
+    for (addr, path) in [(one, "/a"), (one, "/b"), (one, "/n/c"), (two, "/x")] {
+        let sent = send(addr, path, r#"{"amount": 1}"#, &format!("k-routed{path}")).await;
+        assert_eq!(sent.status, 200, "{sent:?}");
+    }
+    assert_eq!(same_scope_said("routed.create"), Vec::<String>::new());
+}
+
+macro_rules! two_handlers_of_one_scope {
+    ($pay:ident, $refund:ident) => {
+        #[idempotent(scope = "macro.create", fields(amount))]
+        async fn $pay(Json(a): Json<Amount>) -> String {
+            format!("paid {}", a.amount)
+        }
+        #[idempotent(scope = "macro.create", fields(amount))]
+        async fn $refund(Json(a): Json<Amount>) -> String {
+            format!("refunded {}", a.amount)
+        }
+    };
+}
+
+two_handlers_of_one_scope!(pay_by_macro, refund_by_macro);
+
+/// Two handlers of one scope written by one macro have their attributes on
+/// one line: what is said names them apart by their names.
+#[tokio::test(flavor = "current_thread")]
+async fn handlers_of_one_scope_written_by_one_macro_are_named_apart() {
+    // Installed before anything this test logs.
+    let _ = idem_testkit::logs();
+    let addr = serve(
+        &memory(),
+        Router::new()
+            .route("/pay", post(pay_by_macro))
+            .route("/refund", post(refund_by_macro)),
+    )
+    .await;
+    send(addr, "/pay", r#"{"amount": 5}"#, "k-macro-1").await;
+    send(addr, "/refund", r#"{"amount": 5}"#, "k-macro-2").await;
+    let said = same_scope_said("macro.create");
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(
+        said[0].contains("handler=\"refund_by_macro\"") && said[0].contains("other=\"pay_by_macro\""),
         "{said:?}"
     );
 }

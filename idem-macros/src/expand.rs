@@ -5,6 +5,7 @@ use crate::args::{DurationLit, FieldPath, IdempotentArgs};
 use crate::handler::{BodyKind, Handler, Keying, RequiredOperation};
 use proc_macro2::{Span, TokenStream};
 use quote::{quote, quote_spanned, ToTokens as _};
+use syn::ext::IdentExt as _;
 use syn::spanned::Spanned;
 use syn::{FnArg, Generics, Ident, LitStr, ReturnType, Type};
 
@@ -239,12 +240,14 @@ fn operation_binding(names: &Names, keying: &Keying) -> TokenStream {
 //                     scope: "payment.create", header: "idempotency-key", optional: false,
 //                     ttl: ::core::option::Option::None, ..,
 //                     fields: ::core::option::Option::Some(&["amount"]), ignore: &[],
-//                     at: concat!(file!(), ":", line!()), scope_noted: ScopeNoted::new(),
+//                     handler: "create_payment", at: concat!(file!(), ":", line!()),
+//                     scope_noted: ScopeNoted::new(),
 //                 };
 //                 &SPEC
 //             };
-fn spec_block(names: &Names, args: &IdempotentArgs, keying: &Keying) -> TokenStream {
+fn spec_block(names: &Names, args: &IdempotentArgs, keying: &Keying, name: &syn::Ident) -> TokenStream {
     let Names { private, spec, .. } = names;
+    let handler = name.unraw().to_string();
     let scope = args
         .scope
         .as_ref()
@@ -289,6 +292,7 @@ fn spec_block(names: &Names, args: &IdempotentArgs, keying: &Keying) -> TokenStr
                 wait: #wait,
                 fields: #fields,
                 ignore: &[#(#ignore),*],
+                handler: #handler,
                 at: ::core::concat!(::core::file!(), ":", ::core::line!()),
                 scope_noted: #private::ScopeNoted::new(),
             };
@@ -594,7 +598,7 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
         block,
         ..
     } = &handler.item;
-    let spec_block = spec_block(&names, args, &handler.keying);
+    let spec_block = spec_block(&names, args, &handler.keying, &sig.ident);
     let json_check = json_check(&names, args, body.as_ref(), &sig.generics);
     let (reads, read_bytes) = field_reads(&names, args);
     let print = match &body {

@@ -211,6 +211,9 @@ pub(crate) struct Engine {
     pub(crate) replay_headers: Vec<HeaderName>,
     /// What problem `type`s start with, when not [`PROBLEM_TYPE_PREFIX`].
     pub(crate) problem_base: Option<Arc<str>>,
+    /// The handlers served through this `Idem`, by scope: shared by the
+    /// ones configured from it, which share its store.
+    pub(crate) scopes: Arc<crate::request::ScopeBook>,
 }
 
 impl std::fmt::Debug for Idem {
@@ -252,6 +255,7 @@ impl Idem {
                 max_stored_body: DEFAULT_MAX_STORED_BODY,
                 replay_headers: vec![CONTENT_TYPE, axum::http::header::LOCATION],
                 problem_base: None,
+                scopes: Arc::new(crate::request::ScopeBook::new()),
             }),
         }
     }

@@ -141,7 +141,6 @@ fn start(
     handler: Handler,
 ) -> Started<impl Future<Output = Response> + Send + 'static> {
     let handler = Unrun(handler);
-    spec.note_scope();
     let Some(engine) = ctx.idem.as_ref().map(|idem| idem.inner.clone()) else {
         tracing::error!(
             scope = spec.scope,
@@ -150,6 +149,7 @@ fn start(
         );
         return Started::Answered(Problem::Misconfigured.into_response());
     };
+    spec.note_scope(&engine.scopes);
     let base = engine.problem_base.clone();
     let key = match &ctx.headers {
         Some(headers) => {

@@ -24,22 +24,25 @@ pub struct Spec {
     pub fields: Option<&'static [&'static str]>,
     /// Path parameters and query names that do not count.
     pub ignore: &'static [&'static str],
+    /// The handler's name, for what is logged about it.
+    pub handler: &'static str,
     /// Where the attribute is (`file:line`), for what is logged about it.
     pub at: &'static str,
-    /// Whether its scope was compared with the other handlers' of the
-    /// process ([`Spec::note_scope`]).
+    /// Which [`ScopeBook`] its scope was last compared in
+    /// ([`Spec::note_scope`]).
     pub scope_noted: ScopeNoted,
 }
 
-/// Whether a handler's scope was compared with the others' of the process.
+/// The id of the [`ScopeBook`] a handler's scope was last compared in (0:
+/// none yet).
 #[doc(hidden)]
 #[derive(Debug)]
-pub struct ScopeNoted(std::sync::atomic::AtomicBool);
+pub struct ScopeNoted(std::sync::atomic::AtomicU64);
 
 impl ScopeNoted {
     /// Not yet compared.
     pub const fn new() -> Self {
-        ScopeNoted(std::sync::atomic::AtomicBool::new(false))
+        ScopeNoted(std::sync::atomic::AtomicU64::new(0))
     }
 }
 
@@ -49,31 +52,59 @@ impl Default for ScopeNoted {
     }
 }
 
+/// The handlers that served through one [`Idem`](crate::Idem) (and the
+/// ones configured from it, which share its store), by scope.
+#[derive(Debug)]
+pub(crate) struct ScopeBook {
+    /// Never 0, never another book's.
+    id: u64,
+    served: std::sync::Mutex<Vec<&'static Spec>>,
+}
+
+impl ScopeBook {
+    pub(crate) fn new() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        ScopeBook {
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            served: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+}
+
 impl Spec {
-    /// At its handler's first request, compares its scope with those of
-    /// the handlers that served before it, and warns when another has the
-    /// same: a key sent to both is one operation, so one replays the
-    /// other's answer (README, "The fingerprint").
-    pub(crate) fn note_scope(&'static self) {
+    /// At its handler's first request through an `Idem`, compares its
+    /// scope with those of the handlers that served through it before, and
+    /// warns when another has the same: their records are one store's, so
+    /// a key sent to both is one operation, and one replays the other's
+    /// answer (README, "The fingerprint"). Handlers served through
+    /// different `Idem`s are not compared. After that, one atomic load per
+    /// request (a handler served through two `Idem`s in turn compares again
+    /// at each change).
+    pub(crate) fn note_scope(&'static self, book: &ScopeBook) {
         use std::sync::atomic::Ordering::Relaxed;
-        static SEEN: std::sync::Mutex<Vec<&'static Spec>> = std::sync::Mutex::new(Vec::new());
-        if self.scope_noted.0.load(Relaxed) {
+        if self.scope_noted.0.load(Relaxed) == book.id {
             return;
         }
-        let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if self.scope_noted.0.swap(true, Relaxed) {
-            return;
+        let mut served = book
+            .served
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !served.iter().any(|known| std::ptr::eq(*known, self)) {
+            if let Some(other) = served.iter().find(|other| other.scope == self.scope) {
+                tracing::warn!(
+                    scope = self.scope,
+                    handler = self.handler,
+                    at = self.at,
+                    other = other.handler,
+                    other_at = other.at,
+                    "two handlers served through one `Idem` have the same scope: their records are one \
+                     store's, so a key sent to both is one operation, and one replays the other's \
+                     answer; give each operation a scope of its own"
+                );
+            }
+            served.push(self);
         }
-        if let Some(other) = seen.iter().find(|other| other.scope == self.scope) {
-            tracing::warn!(
-                scope = self.scope,
-                handler = self.at,
-                other = other.at,
-                "two handlers have the same scope: a key sent to both is one operation, and one \
-                 replays the other's answer; give each operation a scope of its own"
-            );
-        }
-        seen.push(self);
+        self.scope_noted.0.store(book.id, Relaxed);
     }
 }
 
@@ -239,7 +270,9 @@ pub enum BodyFormat {
     label = "idem must see this request body",
     note = "implement `idem::FingerprintBody` for `{Self}` (JSON, a form or raw bytes), take the body as axum's \
             `Json<T>`, `Form<T>`, `String` or `Bytes`, or add `body = \"none\"` to the attribute if this parameter \
-            reads only the request head"
+            reads only the request head",
+    note = "if this parameter is idem's `Operation` imported under another name, write it as `Operation`: \
+            `#[idempotent]` knows it by its name"
 )]
 pub trait FingerprintBody {
     /// What the extractor reads.
