@@ -196,7 +196,13 @@ fn valid_scope(scope: &str) -> bool {
 
 /// Headers whose values are credentials: never a record's key (the key is
 /// stored, and the contract stores no credential).
-const CREDENTIAL_HEADERS: &[&str] = &["authorization", "proxy-authorization", "cookie", "set-cookie"];
+const CREDENTIAL_HEADERS: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "set-cookie",
+    "x-api-key",
+];
 
 /// Headers that describe the message, its connection or its client, which
 /// many requests carry with one value: never a key (different operations
@@ -206,6 +212,8 @@ const MESSAGE_HEADERS: &[&str] = &[
     "accept-charset",
     "accept-encoding",
     "accept-language",
+    "access-control-request-headers",
+    "access-control-request-method",
     "cache-control",
     "connection",
     "content-encoding",
@@ -213,22 +221,39 @@ const MESSAGE_HEADERS: &[&str] = &[
     "content-length",
     "content-type",
     "date",
+    "dnt",
     "expect",
     "forwarded",
     "host",
+    "if-match",
+    "if-modified-since",
+    "if-none-match",
+    "if-range",
+    "if-unmodified-since",
     "keep-alive",
+    "max-forwards",
     "origin",
     "pragma",
+    "range",
     "referer",
+    "sec-fetch-dest",
+    "sec-fetch-mode",
+    "sec-fetch-site",
+    "sec-fetch-user",
     "te",
     "trailer",
     "transfer-encoding",
     "upgrade",
+    "upgrade-insecure-requests",
     "user-agent",
     "via",
     "x-forwarded-for",
     "x-forwarded-host",
+    "x-forwarded-port",
+    "x-forwarded-prefix",
     "x-forwarded-proto",
+    "x-real-ip",
+    "x-requested-with",
 ];
 
 fn valid_header(name: &str) -> bool {

@@ -215,6 +215,30 @@ fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
     }
 }
 
+/// `#[cfg(..)]`, or a `#[cfg_attr(..)]` that may give one: what may
+/// remove the parameter it stands on.
+fn removes_under_cfg(attr: &syn::Attribute) -> bool {
+    match &attr.meta {
+        syn::Meta::List(list) if list.path.is_ident("cfg_attr") => cfg_attr_gives_cfg(list),
+        meta => meta.path().is_ident("cfg"),
+    }
+}
+
+/// `cfg_attr(predicate, attr, ..)`: whether one of the attributes is a
+/// `cfg`, or a `cfg_attr` that gives one. One that does not parse is
+/// rustc's to report.
+fn cfg_attr_gives_cfg(list: &syn::MetaList) -> bool {
+    let Ok(metas) =
+        list.parse_args_with(syn::punctuated::Punctuated::<syn::Meta, syn::Token![,]>::parse_terminated)
+    else {
+        return false;
+    };
+    metas.iter().skip(1).any(|meta| match meta {
+        syn::Meta::List(inner) if inner.path.is_ident("cfg_attr") => cfg_attr_gives_cfg(inner),
+        meta => meta.path().is_ident("cfg"),
+    })
+}
+
 fn is_named(ty: &Type, name: &str) -> bool {
     last_segment(ty).is_some_and(|s| s.ident == name)
 }
@@ -258,18 +282,6 @@ impl Handler {
                 errors.push(syn::Error::new_spanned(
                     attr,
                     "`#[idempotent]` is given twice: a handler is one operation, with one scope; keep one",
-                ));
-            }
-        }
-        // A parameter under `#[cfg]`: which parameters the handler has is
-        // known only once `cfg` is evaluated, after this reads them.
-        for input in &item.sig.inputs {
-            let FnArg::Typed(pt) = input else { continue };
-            for attr in pt.attrs.iter().filter(|a| a.path().is_ident("cfg")) {
-                errors.push(syn::Error::new_spanned(
-                    attr,
-                    "`#[idempotent]` reads the handler's parameters before `#[cfg]` is evaluated, so it \
-                     cannot tell which one it leaves out: put `#[cfg]` on whole handlers, one per configuration",
                 ));
             }
         }
@@ -327,7 +339,31 @@ impl Handler {
                 _ => None,
             })
             .collect();
+        // The body under `#[cfg]` (or a parameter that `cfg` may make the
+        // last, or not): which parameter is the body, which this reads
+        // before `cfg` is evaluated, is then not known. The others may
+        // come and go under `cfg`.
+        let mut body_under_cfg = false;
+        for (n, (_, pt)) in extracted.iter().enumerate() {
+            let last = n + 1 == extracted.len();
+            if !(last && !no_body || body_kind(&pt.ty).is_some() || wrapped_body(&pt.ty)) {
+                continue;
+            }
+            for attr in pt.attrs.iter().filter(|a| removes_under_cfg(a)) {
+                body_under_cfg = true;
+                errors.push(syn::Error::new_spanned(
+                    attr,
+                    "`#[idempotent]` reads the handler's parameters before `#[cfg]` is evaluated, and \
+                     this one decides which parameter is the request body, which it fingerprints: put \
+                     `#[cfg]` on whole handlers, one per configuration (the parameters before the body \
+                     may have it)",
+                ));
+            }
+        }
         for (n, (i, pt)) in extracted.iter().enumerate() {
+            if body_under_cfg {
+                break;
+            }
             let last = n + 1 == extracted.len();
             if wrapped_body(&pt.ty) {
                 errors.push(syn::Error::new(

@@ -1,3 +1,7 @@
+// Which parameter is the body, which the fingerprint reads, depends on
+// `cfg`, which is evaluated after the attribute reads the parameters:
+// `#[cfg]` on the body, directly or through `cfg_attr` (nested too), or on
+// the last parameter, which is the body's place, is an error at it.
 use axum::Json;
 use idem::idempotent;
 
@@ -7,8 +11,23 @@ struct PaymentIn {
 }
 
 #[idempotent(scope = "payment.create")]
-async fn create(#[cfg(any())] axum::extract::State(s): axum::extract::State<u64>, Json(p): Json<PaymentIn>) -> String {
+async fn create(#[cfg(not(test))] Json(p): Json<PaymentIn>) -> String {
     p.amount.to_string()
+}
+
+#[idempotent(scope = "payment.update")]
+async fn update(s: String, #[cfg_attr(all(), cfg(any()))] Json(p): Json<PaymentIn>) -> String {
+    format!("{s}{}", p.amount)
+}
+
+#[idempotent(scope = "payment.refund")]
+async fn refund(#[cfg_attr(all(), cfg_attr(all(), cfg(any())))] Json(p): Json<PaymentIn>) -> String {
+    p.amount.to_string()
+}
+
+#[idempotent(scope = "payment.cancel")]
+async fn cancel(Json(p): Json<PaymentIn>, #[cfg(any())] axum::extract::Query(q): axum::extract::Query<Vec<(String, String)>>) -> String {
+    format!("{}{}", p.amount, q.len())
 }
 
 fn main() {}

@@ -6,4 +6,10 @@ async fn create() {}
 #[idempotent(scope = "transfer.update", header = "user-agent")]
 async fn update() {}
 
+#[idempotent(scope = "transfer.cancel", header = "X-Forwarded-Port")]
+async fn cancel() {}
+
+#[idempotent(scope = "transfer.retry", header = "If-Match")]
+async fn retry() {}
+
 fn main() {}

@@ -6,4 +6,7 @@ async fn create() {}
 #[idempotent(scope = "payment.update", header = "cookie")]
 async fn update() {}
 
+#[idempotent(scope = "payment.cancel", header = "X-API-Key")]
+async fn cancel() {}
+
 fn main() {}
