@@ -192,9 +192,9 @@ fn parameters(names: &Names, handler: &Handler) -> (Vec<TokenStream>, Option<Bod
                 // Its `cfg`s on the parameter as well; its lints only on
                 // the binding, where they can fire (an `expect` on both
                 // would go unfulfilled on one).
-                let cfgs = attrs
-                    .iter()
-                    .filter(|a| a.path().is_ident("cfg") || a.path().is_ident("cfg_attr"));
+                let cfgs = attrs.iter().filter(|a| {
+                    crate::handler::is_attr(a.path(), "cfg") || crate::handler::is_attr(a.path(), "cfg_attr")
+                });
                 params.push(quote!(#(#cfgs)* #body_ident: #param_ty));
                 body = Some(BodyParam {
                     // The parameter's attributes (lints such as

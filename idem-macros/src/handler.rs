@@ -215,28 +215,43 @@ fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
     }
 }
 
+/// Whether `path` is the one-segment name `name`, raw (`r#cfg`) or not:
+/// rustc reads both as the same attribute.
+pub(crate) fn is_attr(path: &syn::Path, name: &str) -> bool {
+    use syn::ext::IdentExt as _;
+    path.get_ident().is_some_and(|ident| ident.unraw() == name)
+}
+
 /// `#[cfg(..)]`, or a `#[cfg_attr(..)]` that may give one: what may
 /// remove the parameter it stands on.
 fn removes_under_cfg(attr: &syn::Attribute) -> bool {
     match &attr.meta {
-        syn::Meta::List(list) if list.path.is_ident("cfg_attr") => cfg_attr_gives_cfg(list),
-        meta => meta.path().is_ident("cfg"),
+        syn::Meta::List(list) if is_attr(&list.path, "cfg_attr") => cfg_attr_gives_cfg(list),
+        meta => is_attr(meta.path(), "cfg"),
     }
 }
 
 /// `cfg_attr(predicate, attr, ..)`: whether one of the attributes is a
-/// `cfg`, or a `cfg_attr` that gives one. One that does not parse is
-/// rustc's to report.
+/// `cfg`, or a `cfg_attr` that gives one. The predicate is skipped as
+/// tokens (`true` is one, and no `Meta`); an attribute that does not
+/// parse is rustc's to report.
 fn cfg_attr_gives_cfg(list: &syn::MetaList) -> bool {
-    let Ok(metas) =
-        list.parse_args_with(syn::punctuated::Punctuated::<syn::Meta, syn::Token![,]>::parse_terminated)
-    else {
-        return false;
-    };
-    metas.iter().skip(1).any(|meta| match meta {
-        syn::Meta::List(inner) if inner.path.is_ident("cfg_attr") => cfg_attr_gives_cfg(inner),
-        meta => meta.path().is_ident("cfg"),
-    })
+    let (mut parts, mut part) = (Vec::new(), proc_macro2::TokenStream::new());
+    for tree in list.tokens.clone() {
+        match &tree {
+            proc_macro2::TokenTree::Punct(p) if p.as_char() == ',' => parts.push(std::mem::take(&mut part)),
+            _ => part.extend([tree]),
+        }
+    }
+    parts.push(part);
+    parts
+        .into_iter()
+        .skip(1)
+        .any(|part| match syn::parse2::<syn::Meta>(part) {
+            Ok(syn::Meta::List(inner)) if is_attr(&inner.path, "cfg_attr") => cfg_attr_gives_cfg(&inner),
+            Ok(meta) => is_attr(meta.path(), "cfg"),
+            Err(_) => false,
+        })
 }
 
 fn is_named(ty: &Type, name: &str) -> bool {

@@ -1,7 +1,8 @@
 // Which parameter is the body, which the fingerprint reads, depends on
 // `cfg`, which is evaluated after the attribute reads the parameters:
-// `#[cfg]` on the body, directly or through `cfg_attr` (nested too), or on
-// the last parameter, which is the body's place, is an error at it.
+// `#[cfg]` on the body, directly or through `cfg_attr` (nested too, with a
+// `true` predicate, raw names), or on the last parameter, which is the
+// body's place, is an error at it.
 use axum::Json;
 use idem::idempotent;
 
@@ -28,6 +29,21 @@ async fn refund(#[cfg_attr(all(), cfg_attr(all(), cfg(any())))] Json(p): Json<Pa
 #[idempotent(scope = "payment.cancel")]
 async fn cancel(Json(p): Json<PaymentIn>, #[cfg(any())] axum::extract::Query(q): axum::extract::Query<Vec<(String, String)>>) -> String {
     format!("{}{}", p.amount, q.len())
+}
+
+#[idempotent(scope = "payment.capture")]
+async fn capture(s: String, #[cfg_attr(true, cfg(false))] Json(p): Json<PaymentIn>) -> String {
+    format!("{s}{}", p.amount)
+}
+
+#[idempotent(scope = "payment.void")]
+async fn void(#[r#cfg(not(all()))] Json(p): Json<PaymentIn>) -> String {
+    p.amount.to_string()
+}
+
+#[idempotent(scope = "payment.settle")]
+async fn settle(#[r#cfg_attr(all(), r#cfg(any()))] Json(p): Json<PaymentIn>) -> String {
+    p.amount.to_string()
 }
 
 fn main() {}
