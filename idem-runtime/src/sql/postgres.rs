@@ -59,7 +59,11 @@ pub const DEFAULT_REPLAY_CACHE: Duration = Duration::from_secs(1);
 /// while it runs. Use it from a multi-thread runtime that lives as long as
 /// the server. A reservation made from another runtime than the pool's
 /// first (the one a store was built on over open connections, migrated
-/// on, or first reserved on) is reported once per pool (a warning). A runtime shut down while a reservation's statement runs
+/// on, or first reserved on) is reported once per pool (a warning). The
+/// warning cannot see which runtime opened a pool's connections before a
+/// store was built over it (sqlx does not say): a pool connected on a
+/// setup runtime, with its store built outside any runtime or on the
+/// server's, goes unreported. A runtime shut down while a reservation's statement runs
 /// leaves that key as a crash does, locked until its lock timeout (README,
 /// "Where idem departs from the contract").
 ///
@@ -124,7 +128,9 @@ struct FirstRuntime {
 
 /// The [`FirstRuntime`] of each pool a store was built over, known by the
 /// pool's connect options (one allocation that every clone of the pool
-/// shares), held weakly: a pool dropped leaves its entry to be swept.
+/// shares until `set_connect_options` replaces it: stores built after that
+/// are watched apart), held weakly: a pool dropped leaves its entry to be
+/// swept.
 type Pools = Vec<(
     std::sync::Weak<sqlx::postgres::PgConnectOptions>,
     std::sync::Arc<FirstRuntime>,
@@ -133,7 +139,8 @@ static POOLS: std::sync::Mutex<Pools> = std::sync::Mutex::new(Vec::new());
 
 impl FirstRuntime {
     /// The one of `pool`; the runtime this is called on is its first when
-    /// the pool has connections open already (they are that runtime's).
+    /// the pool has connections open already (most often that runtime's:
+    /// which one opened them is not known).
     fn of(pool: &PgPool) -> std::sync::Arc<FirstRuntime> {
         let options = pool.connect_options();
         let mut pools = POOLS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
