@@ -1,6 +1,6 @@
 //! The HTTP protocol of `#[idempotent]` over real HTTP (a server on a
-//! loopback port, a client on a raw socket), on SQLite and PostgreSQL: every
-//! row of contract sections 2, 5 and 6.
+//! loopback port, a client on a raw socket), on every store: every row of
+//! contract sections 2, 5 and 6.
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -913,7 +913,7 @@ async fn a_body_sent_in_chunks_is_the_same_request_as_in_one_piece(h: Harness) {
 }
 
 idem_testkit::for_each_store! {
-    stores: [sqlite, postgres],
+    stores: [memory, sqlite, postgres],
     setup: |kind| harness(kind).await,
     worker_threads: 4,
     cases: [
@@ -965,6 +965,146 @@ async fn a_store_that_is_down_answers_503_and_the_handler_does_not_run() {
     assert_eq!(r.problem(), "idempotency-store-unavailable");
     assert!(r.header("retry-after").is_some());
     assert_eq!(h.app.ran("alice"), 0);
+}
+
+/// Once the lock that held up the store is gone, the same request runs:
+/// after a moment of 409 while a reservation that committed past its
+/// timeout is given back in the background, never a lock timeout's.
+async fn runs_once_the_store_is_back(h: &Harness, key: &str, recipient: &str) -> Reply {
+    let freed = std::time::Instant::now();
+    loop {
+        let r = pay_req(h, key, 100, recipient).await;
+        if r.status != 409 {
+            return r;
+        }
+        assert!(
+            freed.elapsed() < Duration::from_secs(10),
+            "the key stayed locked for {:?} after the store was back: {r:?}",
+            freed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A store that is up but cannot answer in time (another connection holds
+/// the table): 503 with `Retry-After`, the handler not run; once it is
+/// free, the request runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_table_locked_elsewhere_answers_503_and_runs_nothing() {
+    use sqlx::Connection as _;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 4)
+        .await
+        .with_timeout(Duration::from_millis(400));
+    let h = start(Fixture {
+        store: Arc::new(store),
+        dir: None,
+    })
+    .await;
+    let mut locker = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; LOCK TABLE \"{schema}\".idempotency_keys IN ACCESS EXCLUSIVE MODE"
+    )))
+    .execute(&mut locker)
+    .await
+    .unwrap();
+    let r = pay_req(&h, "k-locked", 100, "alice").await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.problem(), "idempotency-store-unavailable");
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(h.app.ran("alice"), 0);
+    sqlx::raw_sql("ROLLBACK").execute(&mut locker).await.unwrap();
+    let r = runs_once_the_store_is_back(&h, "k-locked", "alice").await;
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(h.app.ran("alice"), 1);
+}
+
+/// The same on SQLite, whose write lock another connection holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_a_write_lock_held_elsewhere_answers_503_and_runs_nothing() {
+    use sqlx::Connection as _;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    let store = idem::SqliteStore::open(&path)
+        .await
+        .unwrap()
+        .with_timeout(Duration::from_millis(400));
+    store.migrate().await.unwrap();
+    let h = start(Fixture {
+        store: Arc::new(store),
+        dir: None,
+    })
+    .await;
+    let mut other = sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    sqlx::raw_sql("BEGIN EXCLUSIVE")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    let r = pay_req(&h, "k-locked", 100, "alice").await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.problem(), "idempotency-store-unavailable");
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(h.app.ran("alice"), 0);
+    sqlx::raw_sql("ROLLBACK").execute(&mut other).await.unwrap();
+    let r = runs_once_the_store_is_back(&h, "k-locked", "alice").await;
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(h.app.ran("alice"), 1);
+}
+
+/// The handler answered, and its completion cannot be written (another
+/// connection holds the table past the store's timeout): the answer, which
+/// would never be replayed, is not given (503), and the key goes back as
+/// after a failure: the retry runs again as the operation's next attempt,
+/// which the handler is told (for its derived keys downstream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_an_answer_whose_completion_cannot_be_written_is_not_given() {
+    use sqlx::Connection as _;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 4)
+        .await
+        .with_timeout(Duration::from_millis(400));
+    let h = start(Fixture {
+        store: Arc::new(store),
+        dir: None,
+    })
+    .await;
+    let key = idem_testkit::unique("k-unwritten");
+    let mut returned = idem_runtime::pause::arm(idem_runtime::pause::HANDLER_RETURNED, &key);
+    let first = {
+        let (addr, key) = (h.addr, key.clone());
+        tokio::spawn(async move {
+            post_req("/payments", &body(100, "alice"))
+                .bearer("acct_1")
+                .key(&key)
+                .send(addr)
+                .await
+        })
+    };
+    returned.reached().await;
+    let mut locker = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; LOCK TABLE \"{schema}\".idempotency_keys IN ACCESS EXCLUSIVE MODE"
+    )))
+    .execute(&mut locker)
+    .await
+    .unwrap();
+    returned.resume();
+    let r = first.await.unwrap();
+    assert_eq!(r.status, 503, "an answer that was never recorded: {r:?}");
+    assert_eq!(r.problem(), "idempotency-store-unavailable");
+    sqlx::raw_sql("ROLLBACK").execute(&mut locker).await.unwrap();
+    let retry = runs_once_the_store_is_back(&h, &key, "alice").await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert_eq!(retry.header("idempotent-replayed"), None);
+    assert!(
+        String::from_utf8_lossy(&retry.body).contains("\"attempt\":2"),
+        "{retry:?}"
+    );
+    assert_eq!(h.app.ran("alice"), 2);
 }
 
 #[tokio::test]
