@@ -3112,6 +3112,34 @@ fn memory_req<'a>(id: &'a RecordId, token: &'a str, ttl: Duration, lock: Duratio
     }
 }
 
+/// A memory store no janitor runs on holds no more than about four times
+/// the most records it has held within their retention, plus the 768
+/// expired ones its 256 shards' smallest tables hold (README,
+/// "Housekeeping"): here never more than one record is within its
+/// retention (each completed with a TTL of 1 ms, the next reserved only
+/// once that has passed), through 4,000 records.
+#[tokio::test]
+async fn memory_without_a_janitor_holds_what_its_bound_says() {
+    let store = idem::MemoryStore::new();
+    let ttl = Duration::from_millis(1);
+    let key = idem_testkit::unique("bound");
+    let mut most = 0;
+    for i in 0..4_000 {
+        let id = RecordId::new("t", "bound", format!("{key}-{i}"));
+        let token = format!("x{i}");
+        let reserved = store.reserve(memory_req(&id, &token, ttl, LONG)).await.unwrap();
+        assert!(matches!(reserved, Reservation::Reserved(_)), "{reserved:?}");
+        store.complete(&id, &token, &response(&key)).await.unwrap();
+        let completed = Instant::now();
+        // Past its retention before the next is reserved: a deadline.
+        while completed.elapsed() <= ttl {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        most = most.max(store.len());
+    }
+    assert!(most <= 4 + 3 * 256, "held {most} records at once");
+}
+
 /// A memory-store record past its TTL whose lock is live is neither
 /// evicted (by the purge, or by the sweeps of full shards) nor taken by a
 /// second request; its completion is stored and replayed.

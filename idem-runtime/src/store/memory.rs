@@ -110,8 +110,11 @@ impl MemoryRecord {
 /// prints): a shard that is full first drops its expired records (by
 /// the rule of [`purge_expired`](crate::purge_expired), which a
 /// [`Janitor`](crate::Janitor) runs) before it grows, so without a janitor
-/// it holds at most about four times the most records it has held within
-/// their retention at once.
+/// each of its 256 shards holds at most about four times the most records
+/// it has held within their retention at once, and at least the 3 its
+/// smallest table holds: a store holds about four times its most records
+/// within retention, plus up to 768 expired ones (with their bodies: run a
+/// janitor where answers are large).
 ///
 /// ```
 /// use idem::MemoryStore;
