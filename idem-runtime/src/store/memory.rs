@@ -493,6 +493,84 @@ impl IdempotencyStore for MemoryStore {
     }
 }
 
+/// A record as idem's own interleaving tests set and read it (with the
+/// `pause-points` feature only): what the SQL stores' tests read from their
+/// tables.
+#[cfg(feature = "pause-points")]
+#[doc(hidden)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordView {
+    pub fingerprint: String,
+    pub token: Option<String>,
+    pub attempt: u32,
+    pub operation_id: String,
+    pub recovery_point: Option<String>,
+    /// Its lock is live (in progress, before its deadline).
+    pub lock_live: bool,
+    /// Past its expiry.
+    pub expired: bool,
+    /// The stored body, once completed.
+    pub body: Option<Vec<u8>>,
+}
+
+#[cfg(feature = "pause-points")]
+impl MemoryStore {
+    /// The record of `id`, if any, as [`RecordView`].
+    #[doc(hidden)]
+    pub fn view(&self, id: &RecordId) -> Option<RecordView> {
+        let place = self.place(id);
+        let now = Instant::now();
+        place.get().map(|r| RecordView {
+            fingerprint: r.fingerprint.clone(),
+            token: r.token.clone(),
+            attempt: r.attempt,
+            operation_id: r.operation_id.clone(),
+            recovery_point: r.recovery_point.clone(),
+            lock_live: r.lock_live(now),
+            expired: r.expires_at <= now,
+            body: r.response.as_ref().map(|a| a.body.clone().unwrap_or_default()),
+        })
+    }
+
+    /// Puts `view` as the record of `id` (or removes it, with `None`), with
+    /// a retention of an hour: a live lock runs an hour on, another ran out
+    /// two seconds ago; an expired record expired a second ago, another
+    /// expires in an hour. A completed one answered 201 with no header.
+    #[doc(hidden)]
+    pub fn set(&self, id: &RecordId, view: Option<RecordView>) {
+        let mut place = self.place(id);
+        let Some(view) = view else {
+            place.remove();
+            return;
+        };
+        let (now, hour) = (Instant::now(), Duration::from_secs(3600));
+        let ago = |d: Duration| now.checked_sub(d).unwrap_or(now);
+        place.put(MemoryRecord {
+            fingerprint: view.fingerprint,
+            token: view.token,
+            attempt: view.attempt,
+            operation_id: view.operation_id,
+            recovery_point: view.recovery_point,
+            lock_deadline: if view.lock_live {
+                now + hour
+            } else {
+                ago(Duration::from_secs(2))
+            },
+            expires_at: if view.expired {
+                ago(Duration::from_secs(1))
+            } else {
+                now + hour
+            },
+            ttl: hour,
+            response: view.body.map(|body| StoredResponse {
+                status: 201,
+                headers: Vec::new(),
+                body: Some(body),
+            }),
+        });
+    }
+}
+
 /// Locks a shard. A panic while holding the lock cannot leave a record
 /// half-written: every change is a single assignment.
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {

@@ -32,6 +32,9 @@ mod memory;
 
 pub use crate::janitor::{purge_expired, Janitor};
 pub use memory::MemoryStore;
+#[cfg(feature = "pause-points")]
+#[doc(hidden)]
+pub use memory::RecordView;
 
 use std::future::Future;
 use std::pin::Pin;
