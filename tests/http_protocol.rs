@@ -986,13 +986,10 @@ async fn runs_once_the_store_is_back(h: &Harness, key: &str, recipient: &str) ->
     }
 }
 
-/// A store that is up but cannot answer in time (another connection holds
-/// the table): 503 with `Retry-After`, the handler not run; once it is
-/// free, the request runs once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres_a_table_locked_elsewhere_answers_503_and_runs_nothing() {
-    use sqlx::Connection as _;
-    let Some(url) = idem_testkit::pg_url() else { return };
+/// The harness on PostgreSQL, in a fresh schema, with a store timeout of
+/// 400 ms; `None` without `DATABASE_URL`.
+async fn pg_harness_of_short_timeout() -> Option<(String, String, Harness)> {
+    let url = idem_testkit::pg_url()?;
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 4)
         .await
@@ -1002,22 +999,51 @@ async fn postgres_a_table_locked_elsewhere_answers_503_and_runs_nothing() {
         dir: None,
     })
     .await;
-    let mut locker = sqlx::PgConnection::connect(&url).await.unwrap();
+    Some((url, schema, h))
+}
+
+/// A connection in a transaction that holds `schema`'s table, every
+/// statement on it waiting, until it ends (`ROLLBACK`).
+async fn table_locked(url: &str, schema: &str) -> sqlx::PgConnection {
+    use sqlx::Connection as _;
+    let mut locker = sqlx::PgConnection::connect(url).await.unwrap();
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "BEGIN; LOCK TABLE \"{schema}\".idempotency_keys IN ACCESS EXCLUSIVE MODE"
     )))
     .execute(&mut locker)
     .await
     .unwrap();
-    let r = pay_req(&h, "k-locked", 100, "alice").await;
+    locker
+}
+
+/// A request while something holds the store: 503 with `Retry-After`, the
+/// handler not run; then, once `let_go` frees it, the same request runs,
+/// once.
+async fn refused_while_held_then_run(h: &Harness, let_go: impl std::future::Future<Output = ()>) {
+    let r = pay_req(h, "k-locked", 100, "alice").await;
     assert_eq!(r.status, 503, "{r:?}");
     assert_eq!(r.problem(), "idempotency-store-unavailable");
     assert!(r.header("retry-after").is_some());
     assert_eq!(h.app.ran("alice"), 0);
-    sqlx::raw_sql("ROLLBACK").execute(&mut locker).await.unwrap();
-    let r = runs_once_the_store_is_back(&h, "k-locked", "alice").await;
+    let_go.await;
+    let r = runs_once_the_store_is_back(h, "k-locked", "alice").await;
     assert_eq!(r.status, 201, "{r:?}");
     assert_eq!(h.app.ran("alice"), 1);
+}
+
+/// A store that is up but cannot answer in time (another connection holds
+/// the table): 503 with `Retry-After`, the handler not run; once it is
+/// free, the request runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_table_locked_elsewhere_answers_503_and_runs_nothing() {
+    let Some((url, schema, h)) = pg_harness_of_short_timeout().await else {
+        return;
+    };
+    let mut locker = table_locked(&url, &schema).await;
+    refused_while_held_then_run(&h, async {
+        sqlx::raw_sql("ROLLBACK").execute(&mut locker).await.unwrap();
+    })
+    .await;
 }
 
 /// The same on SQLite, whose write lock another connection holds.
@@ -1043,15 +1069,10 @@ async fn sqlite_a_write_lock_held_elsewhere_answers_503_and_runs_nothing() {
         .execute(&mut other)
         .await
         .unwrap();
-    let r = pay_req(&h, "k-locked", 100, "alice").await;
-    assert_eq!(r.status, 503, "{r:?}");
-    assert_eq!(r.problem(), "idempotency-store-unavailable");
-    assert!(r.header("retry-after").is_some());
-    assert_eq!(h.app.ran("alice"), 0);
-    sqlx::raw_sql("ROLLBACK").execute(&mut other).await.unwrap();
-    let r = runs_once_the_store_is_back(&h, "k-locked", "alice").await;
-    assert_eq!(r.status, 201, "{r:?}");
-    assert_eq!(h.app.ran("alice"), 1);
+    refused_while_held_then_run(&h, async {
+        sqlx::raw_sql("ROLLBACK").execute(&mut other).await.unwrap();
+    })
+    .await;
 }
 
 /// The handler answered, and its completion cannot be written (another
@@ -1061,17 +1082,9 @@ async fn sqlite_a_write_lock_held_elsewhere_answers_503_and_runs_nothing() {
 /// which the handler is told (for its derived keys downstream).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_an_answer_whose_completion_cannot_be_written_is_not_given() {
-    use sqlx::Connection as _;
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 4)
-        .await
-        .with_timeout(Duration::from_millis(400));
-    let h = start(Fixture {
-        store: Arc::new(store),
-        dir: None,
-    })
-    .await;
+    let Some((url, schema, h)) = pg_harness_of_short_timeout().await else {
+        return;
+    };
     let key = idem_testkit::unique("k-unwritten");
     let mut returned = idem_runtime::pause::arm(idem_runtime::pause::HANDLER_RETURNED, &key);
     let first = {
@@ -1085,13 +1098,7 @@ async fn postgres_an_answer_whose_completion_cannot_be_written_is_not_given() {
         })
     };
     returned.reached().await;
-    let mut locker = sqlx::PgConnection::connect(&url).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "BEGIN; LOCK TABLE \"{schema}\".idempotency_keys IN ACCESS EXCLUSIVE MODE"
-    )))
-    .execute(&mut locker)
-    .await
-    .unwrap();
+    let mut locker = table_locked(&url, &schema).await;
     returned.resume();
     let r = first.await.unwrap();
     assert_eq!(r.status, 503, "an answer that was never recorded: {r:?}");
