@@ -72,6 +72,40 @@ async fn knowing_pair(url: &str) -> (String, idem::PgStore, idem::PgStore) {
     (schema, a, b)
 }
 
+/// A store that comes back to its table through `with_table` after another
+/// one (named the same way) shares what is known of it again: an execution
+/// reserved through the first and completed through the second is
+/// replayed, never answered 409 from a map the completion never saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_with_table_back_to_the_same_table_shares_what_is_known() {
+    let Some((_, schema, a)) = fresh_store(4, LONG).await else {
+        return;
+    };
+    let other = a.clone().with_table(Some(&schema), "other_keys").unwrap();
+    other.migrate().await.unwrap();
+    let back = other.with_table(Some(&schema), "idempotency_keys").unwrap();
+    let id = RecordId::new("t", "tables", idem_testkit::unique("k"));
+    let lease = take(&a, &id, "fp", LONG, LONG).await;
+    back.complete(&id, &lease.token, &response("done")).await.unwrap();
+    assert_eq!(
+        reserve(&a, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("done"))
+    );
+    // And another table's map is its own.
+    let there = RecordId::new("t", "tables", idem_testkit::unique("k"));
+    let elsewhere = take(&a, &there, "fp", LONG, LONG).await;
+    let fresh = reserve(
+        &back.clone().with_table(Some(&schema), "other_keys").unwrap(),
+        &there,
+        "fp",
+        LONG,
+        LONG,
+    )
+    .await;
+    assert!(matches!(fresh, Reservation::Reserved(_)), "{fresh:?}");
+    drop(elsewhere);
+}
+
 // ---------------------------------------------------------------------------
 // 1. Kept answers vs expiry, purge, and a new operation (another process)
 // ---------------------------------------------------------------------------

@@ -2709,16 +2709,16 @@ async fn a_reservation_given_up_mid_group_is_given_back_though_the_leaders_runti
 }
 
 /// A reservation given up on by its caller (its own timeout), from a
-/// multi-thread runtime, takes the key after all once the write lock is
-/// free; the caller's runtime shuts down before that key is given back: it
-/// is given back all the same, from the writers' thread (it was given back
+/// multi-thread runtime, while another group holds the write permit; the
+/// caller's runtime then shuts down. Once the permit is free the write,
+/// whose caller is gone, leaves the line: the key was never taken, and the
+/// retry takes it. (It used to take the key after all, to be given back
 /// from a task of the caller's runtime, dropped with it: the key stayed
-/// taken under the gone caller's token until its lock timeout).
+/// taken under the gone caller's token until its lock timeout.)
 #[test]
 fn a_reservation_given_up_then_its_callers_runtime_shut_down_leaves_no_lock() {
     let setup = runtime();
-    let (store, dir) = setup.block_on(idem_testkit::sqlite_store());
-    let path = dir.path().join("idem.db");
+    let (store, _dir) = setup.block_on(idem_testkit::sqlite_store());
     let patient = store.clone().with_timeout(Duration::from_secs(30));
     let hasty = store.with_timeout(Duration::from_millis(300));
     // The write permit held by a group (led on the writers' thread, the
@@ -2741,7 +2741,6 @@ fn a_reservation_given_up_then_its_callers_runtime_shut_down_leaves_no_lock() {
     });
     // The caller: a multi-thread runtime; its reservation times out in line.
     let gone = idem_testkit::unique("gone");
-    let mut after = pause::arm(pause::RESERVE_AFTER, &gone);
     let a = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -2749,23 +2748,19 @@ fn a_reservation_given_up_then_its_callers_runtime_shut_down_leaves_no_lock() {
         .unwrap();
     let told = a.block_on(hasty.reserve(req(&id(&gone), "gone-token")));
     assert!(told.is_err(), "{told:?}");
-    // The group commits; the reservation takes the key; its undo (a task of
-    // `a`) receives that answer.
+    // The caller's runtime shuts down (the process stopping a server's
+    // runtime), then the group commits.
+    a.shutdown_timeout(Duration::from_secs(10));
     held.resume();
     setup.block_on(async {
-        tokio::time::timeout(Duration::from_secs(20), after.reached())
-            .await
-            .expect("the reservation is answered in its undo task")
-    });
-    // The caller's runtime shuts down (the process stopping a server's runtime).
-    a.shutdown_timeout(Duration::from_secs(10));
-    drop(after);
-    setup.block_on(async {
         holder.await.unwrap();
-        let left = eventually_row(&path, &gone, |r| r.is_none()).await;
+        // Behind the given-up write in the line: once this one is written,
+        // that one had its turn.
+        reserved(&patient, &idem_testkit::unique("after")).await;
+        let left = row(&patient, &gone).await;
         let retry = patient.reserve(req(&id(&gone), "retry-token")).await;
         assert!(
-            matches!(retry, Ok(Reservation::Reserved(_))),
+            left.is_none() && matches!(retry, Ok(Reservation::Reserved(_))),
             "a lock nobody holds: the row is {left:?}; the caller was told {told:?}; a retry is told {retry:?}"
         );
     });
@@ -3549,4 +3544,38 @@ mod writes_outside_the_groups {
             }
         });
     }
+}
+
+/// Another process holds SQLite's write lock past the store's timeout (but
+/// not past the busy timeout): the reservation is answered 503 while its
+/// group still waits for the lock. Its caller is gone, so once the lock is
+/// free its write leaves the line instead of taking the key for nobody:
+/// the next write through the store finds the key untouched, and the
+/// client's retry takes it at once, rather than a 409 telling it to wait a
+/// whole lock timeout for a lock no execution holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_reservation_answered_503_behind_another_process_takes_nothing_later() {
+    let (store, dir) = idem_testkit::sqlite_store().await;
+    let store = store.with_timeout(Duration::from_millis(500));
+    let options = SqliteConnectOptions::new()
+        .filename(dir.path().join("idem.db"))
+        .journal_mode(SqliteJournalMode::Wal);
+    let mut other = sqlx::SqliteConnection::connect_with(&options).await.unwrap();
+    sqlx::raw_sql("BEGIN IMMEDIATE")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    let key = idem_testkit::unique("behind");
+    let given_up = store.reserve(req(&id(&key), idem_testkit::token())).await;
+    assert!(matches!(&given_up, Err(e) if e.is_unavailable()), "{given_up:?}");
+    sqlx::raw_sql("COMMIT").execute(&mut other).await.unwrap();
+    // Behind the given-up write in the line: once this one is written, that
+    // one had its turn.
+    reserved(&store, &idem_testkit::unique("after")).await;
+    assert_eq!(
+        row(&store, &key).await,
+        None,
+        "a reservation answered 503 took its key later"
+    );
+    reserved(&store, &key).await;
 }

@@ -22,11 +22,10 @@ pub(crate) use run::columns_are;
 #[cfg(feature = "axum")]
 pub(crate) use run::Deadline;
 pub(crate) use run::{
-    bounded, complete_with, encode_err, fenced, judge_row, map_err, millis, purge_within, reserve_detached,
-    sized_arguments,
+    bounded, complete_with, encode_err, fenced, judge_row, map_err, millis, purge_within, sized_arguments,
 };
 #[cfg(feature = "postgres")]
-pub(crate) use run::{fenced_ops, judge_existing};
+pub(crate) use run::{fenced_ops, judge_existing, reserve_detached};
 #[cfg(feature = "sqlite")]
 pub(crate) use run::{lease_from_row, OwnedReserve};
 

@@ -296,11 +296,7 @@ impl PgStore {
         let built = Self::build(self.pool, schema, table)?.with_timeout(self.timeout);
         // What is known in memory is per table: the same table, named
         // the same, shares it (an execution may be ended through either).
-        let replays = if built.sql.table == self.sql.table {
-            self.replays
-        } else {
-            sql::replays::Replays::new(self.replays.keep())
-        };
+        let replays = self.replays.of_table(&self.sql.table, &built.sql.table);
         Ok(PgStore {
             replays,
             first_runtime: self.first_runtime,
@@ -1504,7 +1500,7 @@ impl IdempotencyStore for PgStore {
             self.first_runtime.note(&self.sql.table);
             // On the caller's runtime: the pool's connections are registered
             // with the runtime that opened them.
-            let reserved = sql::reserve_detached(self, self.timeout, None, req, |store, req| {
+            let reserved = sql::reserve_detached(self, self.timeout, req, |store, req| {
                 Box::pin(async move { store.reserve_once(req.request()).await })
             })
             .await?;

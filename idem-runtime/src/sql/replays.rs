@@ -53,6 +53,10 @@ const SWEEP_EVERY: Duration = Duration::from_millis(100);
 pub(crate) struct Replays {
     keep: Duration,
     kept: Arc<Mutex<Kept>>,
+    /// The map of each table that the stores derived from one another (by
+    /// [`of_table`](Self::of_table)) use, by the table's name as written in
+    /// SQL: a store that comes back to a table shares its map again.
+    tables: Arc<Mutex<HashMap<String, Arc<Mutex<Kept>>>>>,
 }
 
 #[derive(Debug, Default)]
@@ -152,7 +156,33 @@ impl Replays {
         Replays {
             keep,
             kept: Arc::new(Mutex::new(kept)),
+            tables: Arc::default(),
         }
+    }
+
+    /// The map of `table`, for a store derived from this one's, of
+    /// `own`: this one's when it is the same, the one a store derived from
+    /// the same one used if any, or a new one; answered from for this
+    /// one's bound.
+    pub(crate) fn of_table(&self, own: &str, table: &str) -> Self {
+        let kept = {
+            let mut tables = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+            tables
+                .entry(own.to_owned())
+                .or_insert_with(|| Arc::clone(&self.kept));
+            Arc::clone(tables.entry(table.to_owned()).or_insert_with(|| {
+                Arc::new(Mutex::new(Kept {
+                    keep_max: self.keep,
+                    ..Kept::default()
+                }))
+            }))
+        };
+        Replays {
+            keep: self.keep,
+            kept,
+            tables: Arc::clone(&self.tables),
+        }
+        .with_keep(self.keep)
     }
 
     /// The same map, answered from for `keep` at most by this one.
@@ -160,16 +190,12 @@ impl Replays {
         let shared = Replays {
             keep,
             kept: Arc::clone(&self.kept),
+            tables: Arc::clone(&self.tables),
         };
         let mut kept = shared.lock();
         kept.keep_max = kept.keep_max.max(keep);
         drop(kept);
         shared
-    }
-
-    /// How long anything is kept, at most.
-    pub(crate) fn keep(&self) -> Duration {
-        self.keep
     }
 
     /// A panic under this lock cannot leave the map half-changed beyond

@@ -17,6 +17,17 @@ pub(crate) struct OwnedReserve {
 }
 
 impl OwnedReserve {
+    /// `req`, owned.
+    pub(crate) fn of(req: &crate::store::ReserveRequest<'_>) -> Self {
+        OwnedReserve {
+            id: req.id.clone(),
+            fingerprint: req.fingerprint.to_owned(),
+            token: req.token.to_owned(),
+            ttl: req.ttl,
+            lock_timeout: req.lock_timeout,
+        }
+    }
+
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn id(&self) -> &crate::store::RecordId {
         &self.id
@@ -47,15 +58,13 @@ impl OwnedReserve {
 /// `limit` the caller gets [`StoreError::Unavailable`], but the statements
 /// are not cancelled (a cancelled statement may still commit on the server,
 /// after anything the caller does to undo it): they run on in the
-/// background, and if they took the key after all, it is given back at once
-/// by a release fenced by the reservation's token. Statements still running
-/// a lock timeout later are abandoned. That runs on `background` (or, with
-/// `None`, on the caller's runtime), which must be driven for it to run: a
-/// caller's runtime may not be once the caller has given up.
+/// background, on the caller's runtime, and if they took the key after all,
+/// it is given back at once by a release fenced by the reservation's token.
+/// Statements still running a lock timeout later are abandoned.
+#[cfg(feature = "postgres")]
 pub(crate) async fn reserve_detached<S>(
     store: &S,
     limit: std::time::Duration,
-    background: Option<tokio::runtime::Handle>,
     req: crate::store::ReserveRequest<'_>,
     run: impl FnOnce(
         S,
@@ -66,14 +75,7 @@ where
     S: crate::IdempotencyStore + Clone,
 {
     use crate::store::Reservation;
-    let owned = OwnedReserve {
-        id: req.id.clone(),
-        fingerprint: req.fingerprint.to_owned(),
-        token: req.token.to_owned(),
-        ttl: req.ttl,
-        lock_timeout: req.lock_timeout,
-    };
-    let mut running = run(store.clone(), owned);
+    let mut running = run(store.clone(), OwnedReserve::of(&req));
     match tokio::time::timeout(limit, &mut running).await {
         Ok(answer) => answer,
         Err(_) => {
@@ -103,11 +105,7 @@ where
                     tracing::warn!("a reservation answered after its timeout; gave the key back");
                 }
             };
-            let undo = tracing::Instrument::in_current_span(undo);
-            match background {
-                Some(runtime) => drop(runtime.spawn(undo)),
-                None => drop(tokio::spawn(undo)),
-            }
+            drop(tokio::spawn(tracing::Instrument::in_current_span(undo)));
             Err(StoreError::unavailable(format!(
                 "no answer within {} ms",
                 limit.as_millis()
@@ -368,6 +366,9 @@ macro_rules! complete_with {
         /// statements: taken fresh (first attempt, no recovery point), the
         /// record is removed, as `reject` removes it; otherwise it goes
         /// back as it was found, a stale lock (`extend` to now) or released.
+        /// Its attempt stays counted: a record whose attempt went back to 1
+        /// would pass for one taken fresh, and a second hand-back (the
+        /// caller's and a late reservation's undo) would remove what ran.
         async fn hand_back_statements(
             &self,
             id: &$crate::store::RecordId,

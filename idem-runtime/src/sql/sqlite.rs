@@ -474,16 +474,20 @@ impl IdempotencyStore for SqliteStore {
                 }
                 Ok(Ok(None)) => {}
             }
-            // Then the write, within what is left. What a write given up on
-            // leaves behind (the key it took after all) is given back from
-            // the writers' runtime, which runs whatever becomes of the
-            // caller's: nothing the write awaits belongs to the caller's
-            // runtime (its answer comes on a channel from its group).
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            sql::reserve_detached(self, left, writer_runtime(), req, |store, req| {
-                Box::pin(store.take_in_group(req))
-            })
-            .await
+            // Then the write, within what is left. Given up on, its answer's
+            // channel closes: a write that has not begun (in line, or its
+            // group still waiting for SQLite's write lock) leaves the line,
+            // and one already written gives its key back when its answer is
+            // dropped unread, from the writers' runtime (see `Delivered`).
+            // Nothing the write awaits belongs to the caller's runtime.
+            let writing = self.clone().take_in_group(sql::OwnedReserve::of(&req));
+            match tokio::time::timeout_at(deadline, writing).await {
+                Ok(answer) => answer,
+                Err(_) => Err(StoreError::unavailable(format!(
+                    "no answer within {} ms",
+                    self.timeout.as_millis()
+                ))),
+            }
         })
     }
 
@@ -689,8 +693,8 @@ impl SqliteStore {
         Ok(None)
     }
 
-    /// A reservation's write, as long as it takes: [`sql::reserve_detached`]
-    /// bounds it.
+    /// A reservation's write, as long as it takes: its caller bounds it,
+    /// and dropping it leaves nothing behind (see `reserve`).
     async fn take_in_group(self, owned: sql::OwnedReserve) -> Result<Reservation, StoreError> {
         pause_point!(crate::pause::SQLITE_RESERVE_AFTER_PEEK, &owned.id().key);
         #[cfg(feature = "pause-points")]
@@ -700,9 +704,10 @@ impl SqliteStore {
         // COMMIT, and must not stop midway because the request that asked
         // for it is not being polled (every other writer of the process
         // would wait behind it). Its answer comes back on a channel once
-        // the group has committed: a write that took the key after its
-        // caller stopped waiting for it (`reserve_detached` gave up) gives
-        // the key back itself, so that no lock stays that nobody holds.
+        // the group has committed: a write whose caller stopped waiting for
+        // it before it began writes nothing (`start_job`), and one that
+        // took the key after all gives it back itself, so that no lock
+        // stays that nobody holds.
         let (answer, answered) = tokio::sync::oneshot::channel::<Result<Delivered, StoreError>>();
         let store = self.clone();
         self.join_group(job(false, move |conn| {
