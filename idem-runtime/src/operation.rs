@@ -261,8 +261,11 @@ impl Operation {
         &self.info.id.scope
     }
 
-    /// 1 for the first execution of the operation, + 1 for every later one:
-    /// a takeover of a stale lock, or the retry of a released outcome.
+    /// 1 for the first execution of the operation, + 1 for every later
+    /// reservation of it: a takeover of a stale lock, or the retry of a
+    /// released outcome. One that took the key but never ran (refused,
+    /// or its answer lost) counts too: attempts may be more than the
+    /// executions that ran, never fewer.
     pub fn attempt(&self) -> u32 {
         self.info.lease.attempt
     }

@@ -443,7 +443,7 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
 
     /// Hands back a key that a reservation under `token` took but that
     /// never ran (its request was refused, or its answer was lost), as the
-    /// key was found, so that it counts as no attempt:
+    /// key was found, so that it counts as no execution:
     ///
     /// - taken fresh (the operation's first attempt, no recovery point: the
     ///   key was absent or expired): the record is removed;
@@ -452,6 +452,12 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
     ///   told it takes over from an execution that never ended;
     /// - the retry of a released record: released again.
     ///
+    /// The attempt it counted stays counted: the next execution is told
+    /// one attempt more than ran (a record whose attempt went back to 1
+    /// would pass for one taken fresh, which a second hand-back of the same
+    /// reservation, the caller's and a late answer's, would remove, with
+    /// the effects of what ran before it).
+    ///
     /// Where it is not known how the key was found, `taken_over` is true: a
     /// record that was not taken fresh then becomes a stale lock (the next
     /// request may be told it takes over when nothing ran, never the other
@@ -459,8 +465,7 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
     /// is no longer this reservation's.
     ///
     /// The default is the safe half, for stores that cannot delete on a
-    /// condition: never removed, a stale lock or released as above (the
-    /// next request then counts one attempt more than ran).
+    /// condition: never removed, a stale lock or released as above.
     ///
     /// ```
     /// use idem::store::{RecordId, Reservation, ReserveRequest};
