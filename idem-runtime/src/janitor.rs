@@ -66,7 +66,12 @@ pub struct Janitor {
 
 impl Janitor {
     /// Starts the janitor on the current Tokio runtime. Its first pass runs
-    /// at once.
+    /// at once; the next ones every `every` (10 ms at the least). A round
+    /// that fails (the store down, the table missing before `migrate`) logs
+    /// one warning and is tried again at the next round: a store that stays
+    /// down is logged once per period, so keep the period to seconds
+    /// ([`Idem::start_janitor`](crate::Idem::start_janitor) refuses less
+    /// than a second).
     ///
     /// # Panics
     ///
