@@ -300,15 +300,12 @@ impl Demo {
 #[tokio::main]
 async fn main() {
     let tmp = tempfile::tempdir().expect("a temporary directory");
-    let database_url = std::env::var("DATABASE_URL")
-        .ok()
-        .filter(|u| !u.is_empty())
-        .unwrap_or_else(|| format!("sqlite://{}", tmp.path().join("demo.db").display()));
-    let store = if database_url.starts_with("postgres") {
-        "PostgreSQL"
-    } else {
-        "SQLite (temporary file)"
+    let given = std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty());
+    let store = match &given {
+        None => "SQLite (temporary file)".to_owned(),
+        Some(url) => payments::db::describe(url),
     };
+    let database_url = given.unwrap_or_else(|| format!("sqlite://{}", tmp.path().join("demo.db").display()));
     let config = payments::config::Config {
         addr: "127.0.0.1:0".parse().expect("an address"),
         database_url,

@@ -328,6 +328,27 @@ async fn the_example_answers_input_errors_and_outages_alike_on_every_store(store
     };
     let huge = refund("9223372036854775807", "k-huge").send(svc.addr).await;
     assert_eq!(huge.status, 422, "{huge:?}");
+    // A body of the wrong shape, or not JSON: a problem, as every refusal.
+    for (body, status) in [
+        (
+            r#"{"amount": "5", "currency": "EUR", "recipient": "acct_bob"}"#,
+            422,
+        ),
+        (r#"{"amount": 5, "currency": "EUR"}"#, 422),
+        (r#"{"amount": 5,"#, 400),
+    ] {
+        let refused = post("/v1/payments", body)
+            .bearer(&tenant)
+            .key(&idem_testkit::unique("k-shape"))
+            .send(svc.addr)
+            .await;
+        assert_eq!(
+            (refused.status, refused.header("content-type")),
+            (status, Some("application/problem+json")),
+            "{refused:?}"
+        );
+        assert_eq!(refused.json()["type"], "urn:payments:problem:invalid-body");
+    }
     let down = post(
         "/v1/payments",
         r#"{"amount": 5, "currency": "EUR", "recipient": "acct_unavailable"}"#,
@@ -363,6 +384,7 @@ idem_testkit::for_each_store! {
         the_example_answers_input_errors_and_outages_alike_on_every_store,
         a_crash_after_the_charge_is_taken_over_without_a_second_charge,
         a_crash_before_the_commit_leaves_nothing_behind,
+        a_stop_signal_mid_payment_lets_it_finish_and_answer,
         slow_headers_are_cut_off_and_a_slow_body_takes_no_key,
     ],
 }
@@ -451,6 +473,37 @@ async fn wait_for_charge(addr: SocketAddr, tenant: &str) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// SIGTERM (a deploy, a restart) while a payment is between the gateway's
+/// charge and its completion: the service stops accepting, lets the
+/// payment finish, answers it, and exits 0; the restarted service replays
+/// it. Nothing is lost and no lock is left, where a crash leaves the key
+/// locked until its deadline.
+async fn a_stop_signal_mid_payment_lets_it_finish_and_answer(store: Store) {
+    let url = store.url();
+    let tenant = idem_testkit::unique("stop_signal");
+    let mut svc = Service::start(&url, &[("PAYMENTS_FAULT_AFTER_CHARGE_MS", "1500")]).await;
+    let addr = svc.addr;
+    let t = tenant.clone();
+    let pending = tokio::spawn(async move { pay(addr, &t, "stop-key", 2500).await });
+    wait_for_charge(svc.addr, &tenant).await;
+    let signalled = Command::new("kill")
+        .args(["-TERM", &svc.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    let answered = pending.await.unwrap();
+    assert_eq!(answered.status, 201, "{answered:?}");
+    let exited = svc.child.wait().unwrap();
+    assert!(exited.success(), "{exited:?}");
+
+    let svc = Service::start(&url, &[]).await;
+    let replay = pay(svc.addr, &tenant, "stop-key", 2500).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"), "{replay:?}");
+    assert_eq!(replay.body, answered.body);
+    let (charges, calls, balance) = ledger(svc.addr, &tenant).await;
+    assert_eq!((charges, calls, balance), (1, 1, 1_000_000 - 2500));
 }
 
 /// SIGKILL between the gateway call and the completion: the key stays

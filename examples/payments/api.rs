@@ -21,7 +21,7 @@ use std::sync::Arc;
 async fn create_payment(
     State(app): State<App>,
     op: Operation,
-    Json(p): Json<PaymentIn>,
+    ApiJson(p): ApiJson<PaymentIn>,
 ) -> Result<Created<Payment>, ApiError> {
     validate(&p)?;
     let tenant = op.tenant().to_owned();
@@ -98,7 +98,7 @@ async fn create_refund(
     State(app): State<App>,
     Path(payment_id): Path<String>,
     op: Operation,
-    Json(r): Json<RefundIn>,
+    ApiJson(r): ApiJson<RefundIn>,
 ) -> Result<Created<Refund>, ApiError> {
     if r.amount <= 0 {
         return Err(ApiError::problem(
@@ -352,6 +352,31 @@ async fn auth(mut req: Request, next: Next) -> Response {
 /// An answer of the service that is not a success. idem records it by its
 /// status (README, "Classifying what the handler did"): 402 and 404 are
 /// stored, 422 rejected, 503 released as failed.
+/// A JSON body, as axum's `Json` reads it, whose refusal (not JSON, not
+/// the expected shape, no JSON content type) is a problem like the
+/// service's other refusals, rather than axum's plain text; idem
+/// fingerprints it as JSON (`idem::FingerprintBody`).
+struct ApiJson<T>(T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(ApiJson(value)),
+            Err(refused) => Err(ApiError::problem(
+                refused.status(),
+                "invalid-body",
+                &refused.body_text(),
+            )),
+        }
+    }
+}
+
+impl<T> idem::FingerprintBody for ApiJson<T> {
+    const FORMAT: idem::BodyFormat = idem::BodyFormat::Json;
+}
+
 #[derive(Debug)]
 struct ApiError {
     status: StatusCode,

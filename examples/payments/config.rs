@@ -78,7 +78,11 @@ impl Config {
             gateway_delay: millis("PAYMENTS_GATEWAY_DELAY_MS")?,
             pause_after_charge: millis("PAYMENTS_FAULT_AFTER_CHARGE_MS")?,
             pause_before_commit: millis("PAYMENTS_FAULT_BEFORE_COMMIT_MS")?,
-            ledger_down_once: var("PAYMENTS_FAULT_LEDGER_ONCE").as_deref() == Some("1"),
+            ledger_down_once: match var("PAYMENTS_FAULT_LEDGER_ONCE").as_deref() {
+                None | Some("0" | "false") => false,
+                Some("1" | "true") => true,
+                Some(v) => return Err(format!("PAYMENTS_FAULT_LEDGER_ONCE: expected 1 or 0, got `{v}`")),
+            },
             header_timeout: duration("PAYMENTS_HEADER_TIMEOUT", Duration::from_secs(10))?,
             body_timeout: duration("PAYMENTS_BODY_TIMEOUT", Duration::from_secs(10))?,
         })

@@ -50,6 +50,11 @@ impl Db {
     /// service's schema. Errors say what failed and never carry the URL.
     pub async fn open(url: &str) -> Result<Db, String> {
         let shown = describe(url);
+        // A URL's scheme is case-insensitive: `Postgres://` is `postgres://`.
+        let url = &match url.split_once(':') {
+            Some((scheme, rest)) => format!("{}:{rest}", scheme.to_ascii_lowercase()),
+            None => url.to_owned(),
+        };
         if url.starts_with("postgres") {
             // One connection first: its error names the cause (refused, unknown
             // host, bad password), where a pool would only say it timed out.

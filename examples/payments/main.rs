@@ -16,7 +16,10 @@
 //! (default `60s`), `PAYMENTS_GATEWAY_DELAY_MS` (default 0),
 //! `PAYMENTS_HEADER_TIMEOUT` and `PAYMENTS_BODY_TIMEOUT` (default `10s`
 //! each: slow headers are cut off, slow bodies answered 408). Several
-//! processes on one `DATABASE_URL` behave as one service.
+//! processes on one `DATABASE_URL` behave as one service. On Ctrl-C or
+//! SIGTERM it stops accepting connections and lets the requests under way
+//! finish (their answers recorded and sent, for up to the lock timeout)
+//! before it exits: a restart loses no answer and leaves no lock.
 //!
 //! The handlers are in `api.rs`, the database of either kind in `db.rs`;
 //! `service.rs` puts them together.
@@ -48,15 +51,10 @@ async fn main() {
             std::process::exit(2);
         }
     };
-    let (addr, header_timeout) = (config.addr, config.header_timeout);
+    let (addr, header_timeout, drain) = (config.addr, config.header_timeout, config.lock_timeout);
     let store = db::describe(&config.database_url);
-    let service = match service::start(config).await {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("payments: {e}");
-            std::process::exit(1);
-        }
-    };
+    // The port first: a second start on a port in use stops before it
+    // touches the database.
     let listener = match tokio::net::TcpListener::bind(addr).await {
         Ok(l) => l,
         Err(e) => {
@@ -64,37 +62,112 @@ async fn main() {
             std::process::exit(1);
         }
     };
+    let service = match service::start(config).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("payments: {e}");
+            std::process::exit(1);
+        }
+    };
+    // Where it listens, a port chosen by the system (`:0`) included.
+    let addr = listener.local_addr().unwrap_or(addr);
     tracing::info!(%addr, %store, "payments service listening");
     // The janitor runs for as long as it is held: while the service serves.
     let service::Service { router, janitor } = service;
-    serve(listener, router, header_timeout).await;
+    serve(listener, router, header_timeout, drain).await;
     drop(janitor);
 }
 
-/// Serves HTTP/1.1 connections until the process ends. Unlike
-/// `axum::serve`, a client that has not sent its whole request head within
-/// `header_timeout` is disconnected (slow headers hold no connection).
-async fn serve(listener: tokio::net::TcpListener, router: axum::Router, header_timeout: std::time::Duration) {
+/// Serves HTTP/1.1 connections until Ctrl-C or SIGTERM, then stops
+/// accepting, lets each connection finish the request under way (for up
+/// to `drain`: an execution's answer is recorded, then sent), and returns.
+/// Unlike `axum::serve`, a client that has not sent its whole request head
+/// within `header_timeout` is disconnected (slow headers hold no
+/// connection).
+async fn serve(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    header_timeout: std::time::Duration,
+    drain: std::time::Duration,
+) {
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let mut connections = tokio::task::JoinSet::new();
+    let mut signal = std::pin::pin!(shutdown_signal());
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // Out of file descriptors, for instance: wait, then go on.
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                continue;
-            }
+        let stream = tokio::select! {
+            () = &mut signal => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, for instance: wait, then go on.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
         };
+        // Finished connections, reaped as new ones come.
+        while connections.try_join_next().is_some() {}
         let service = hyper_util::service::TowerToHyperService::new(router.clone());
-        tokio::spawn(async move {
-            let served = hyper::server::conn::http1::Builder::new()
+        let mut stopping = stopping.clone();
+        connections.spawn(async move {
+            let connection = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(header_timeout)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await;
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let mut connection = std::pin::pin!(connection);
+            let served = tokio::select! {
+                served = connection.as_mut() => served,
+                () = async { drop(stopping.wait_for(|stop| *stop).await) } => {
+                    // The request under way is answered, then the
+                    // connection closes; an idle one closes at once.
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
             if let Err(e) = served {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });
+    }
+    drop(listener);
+    let under_way = connections.len();
+    tracing::info!(
+        connections = under_way,
+        "stopping: no new connections; finishing the requests under way"
+    );
+    let _ = stop.send(true);
+    let drained =
+        tokio::time::timeout(drain, async { while connections.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!(
+            left = connections.len(),
+            "requests still under way after the drain: stopping anyway (their keys stay locked until the lock timeout)"
+        );
+    }
+    tracing::info!("payments service stopped");
+}
+
+/// Ctrl-C, or SIGTERM (what a service manager sends) on Unix.
+async fn shutdown_signal() {
+    let interrupted = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminated = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminated = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupted => {}
+        () = terminated => {}
     }
 }
