@@ -316,6 +316,8 @@ enum Db {
 struct Harness {
     addr: SocketAddr,
     app: App,
+    /// The layer, whose requests under way `Idem::idle` waits for.
+    idem: Idem,
     events: mpsc::UnboundedReceiver<&'static str>,
     store: Arc<dyn IdempotencyStore>,
     db: Db,
@@ -516,13 +518,14 @@ async fn start(store_timeout: Duration, kind: StoreKind) -> Option<Harness> {
         .route("/obs-text", post(obs_text))
         .route("/slow-tx", post(slow_in_transaction))
         .route("/validated", post(validated))
-        .layer(idem.layer())
+        .layer(idem.clone().layer())
         .layer(middleware::from_fn_with_state(app.clone(), watch_drops))
         .with_state(app.clone());
     let addr = idem_testkit::http::serve(router).await;
     Some(Harness {
         addr,
         app,
+        idem,
         events,
         store,
         db,
@@ -690,6 +693,38 @@ async fn a_client_that_leaves_while_the_handler_runs_cancels_nothing(h: Harness)
     assert_eq!((retry.status, retry.body.as_slice()), (201, &b"run 1"[..]));
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));
     assert_eq!(h.app.runs("plain"), 1);
+}
+
+/// `Idem::idle` (a graceful shutdown's wait) waits for an execution whose
+/// client left, which no connection waits for any more, until its answer
+/// is recorded; then it returns, and the retry replays that answer.
+async fn idle_waits_for_an_execution_whose_client_left(h: Harness) {
+    use futures_util::FutureExt as _;
+    // The key is this run's own (see above).
+    let key = idem_testkit::unique("k-idle");
+    let mut paused = pause::arm(pause::HANDLER_RETURNED, &key);
+    assert!(h.idem.idle().now_or_never().is_some(), "idle before any request");
+    let conn = post_req("/plain", "").key(&key).start(h.addr).await;
+    paused.reached().await;
+    let dropped = h.app.dropped.notified();
+    drop(conn);
+    dropped.await;
+    assert!(h.idem.under_way() > 0);
+    let mut idle = std::pin::pin!(h.idem.idle());
+    assert!(
+        (&mut idle).now_or_never().is_none(),
+        "idle while the execution runs"
+    );
+    paused.resume();
+    tokio::time::timeout(Duration::from_secs(20), idle)
+        .await
+        .expect("idle once the execution ended");
+    assert_eq!(h.idem.under_way(), 0);
+    let retry = post_req("/plain", "").key(&key).send(h.addr).await;
+    assert_eq!(
+        (retry.status, retry.header("idempotent-replayed")),
+        (201, Some("true"))
+    );
 }
 
 /// A reservation that committed but whose answer came after the store
@@ -1058,6 +1093,7 @@ mod every_store {
             a_body_that_panics_is_released,
             a_client_that_leaves_during_the_reservation_leaves_no_lock,
             a_client_that_leaves_while_the_handler_runs_cancels_nothing,
+            idle_waits_for_an_execution_whose_client_left,
             a_handler_that_blocks_its_thread_keeps_its_lease,
             a_large_body_that_fails_past_the_limit_is_released,
             a_large_body_streams_and_completes_when_it_ends,

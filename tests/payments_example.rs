@@ -385,6 +385,7 @@ idem_testkit::for_each_store! {
         a_crash_after_the_charge_is_taken_over_without_a_second_charge,
         a_crash_before_the_commit_leaves_nothing_behind,
         a_stop_signal_mid_payment_lets_it_finish_and_answer,
+        a_stop_signal_after_the_client_left_lets_the_payment_finish,
         slow_headers_are_cut_off_and_a_slow_body_takes_no_key,
     ],
 }
@@ -502,6 +503,47 @@ async fn a_stop_signal_mid_payment_lets_it_finish_and_answer(store: Store) {
     let replay = pay(svc.addr, &tenant, "stop-key", 2500).await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"), "{replay:?}");
     assert_eq!(replay.body, answered.body);
+    let (charges, calls, balance) = ledger(svc.addr, &tenant).await;
+    assert_eq!((charges, calls, balance), (1, 1, 1_000_000 - 2500));
+}
+
+/// The same, once the payment's client has gone away (its execution goes on
+/// in a task of idem's, which no connection waits for): the service waits
+/// for it (`Idem::idle`) before it exits, and the restarted service
+/// replays it rather than answering 409 until the lock's deadline.
+async fn a_stop_signal_after_the_client_left_lets_the_payment_finish(store: Store) {
+    use tokio::io::AsyncWriteExt as _;
+    let url = store.url();
+    let tenant = idem_testkit::unique("stop_gone");
+    let mut svc = Service::start(&url, &[("PAYMENTS_FAULT_AFTER_CHARGE_MS", "3000")]).await;
+    let body = payment(2500);
+    let mut client = tokio::net::TcpStream::connect(svc.addr).await.unwrap();
+    let request = format!(
+        "POST /v1/payments HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {tenant}\r\n\
+         idempotency-key: gone-key\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    client.write_all(request.as_bytes()).await.unwrap();
+    wait_for_charge(svc.addr, &tenant).await;
+    drop(client);
+    // Time for the server to see the client gone (either way the payment
+    // must finish: this only makes the detached path the one taken).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let signalled = Command::new("kill")
+        .args(["-TERM", &svc.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    let exited = svc.child.wait().unwrap();
+    assert!(exited.success(), "{exited:?}");
+
+    let svc = Service::start(&url, &[]).await;
+    let replay = pay(svc.addr, &tenant, "gone-key", 2500).await;
+    assert_eq!(
+        (replay.status, replay.header("idempotent-replayed")),
+        (201, Some("true")),
+        "{replay:?}"
+    );
     let (charges, calls, balance) = ledger(svc.addr, &tenant).await;
     assert_eq!((charges, calls, balance), (1, 1, 1_000_000 - 2500));
 }

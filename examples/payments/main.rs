@@ -18,8 +18,9 @@
 //! each: slow headers are cut off, slow bodies answered 408). Several
 //! processes on one `DATABASE_URL` behave as one service. On Ctrl-C or
 //! SIGTERM it stops accepting connections and lets the requests under way
-//! finish (their answers recorded and sent, for up to the lock timeout)
-//! before it exits: a restart loses no answer and leaves no lock.
+//! finish, those whose clients left included (their answers recorded and
+//! sent, for up to the lock timeout), before it exits: a restart loses no
+//! answer and leaves no lock. A second signal stops it at once.
 //!
 //! The handlers are in `api.rs`, the database of either kind in `db.rs`;
 //! `service.rs` puts them together.
@@ -73,20 +74,26 @@ async fn main() {
     let addr = listener.local_addr().unwrap_or(addr);
     tracing::info!(%addr, %store, "payments service listening");
     // The janitor runs for as long as it is held: while the service serves.
-    let service::Service { router, janitor } = service;
-    serve(listener, router, header_timeout, drain).await;
+    let service::Service {
+        router,
+        idem,
+        janitor,
+    } = service;
+    serve(listener, router, &idem, header_timeout, drain).await;
     drop(janitor);
 }
 
 /// Serves HTTP/1.1 connections until Ctrl-C or SIGTERM, then stops
-/// accepting, lets each connection finish the request under way (for up
-/// to `drain`: an execution's answer is recorded, then sent), and returns.
-/// Unlike `axum::serve`, a client that has not sent its whole request head
-/// within `header_timeout` is disconnected (slow headers hold no
-/// connection).
+/// accepting, lets each connection finish the request under way and
+/// `idem` the executions whose clients left (for up to `drain` in all: an
+/// execution's answer is recorded, then sent), and returns; a second
+/// signal stops it at once. Unlike `axum::serve`, a client that has not
+/// sent its whole request head within `header_timeout` is disconnected
+/// (slow headers hold no connection).
 async fn serve(
     listener: tokio::net::TcpListener,
     router: axum::Router,
+    idem: &idem::Idem,
     header_timeout: std::time::Duration,
     drain: std::time::Duration,
 ) {
@@ -137,13 +144,24 @@ async fn serve(
         "stopping: no new connections; finishing the requests under way"
     );
     let _ = stop.send(true);
-    let drained =
-        tokio::time::timeout(drain, async { while connections.join_next().await.is_some() {} }).await;
-    if drained.is_err() {
-        tracing::warn!(
-            left = connections.len(),
-            "requests still under way after the drain: stopping anyway (their keys stay locked until the lock timeout)"
-        );
+    // The connections' requests, then the executions whose clients left
+    // (a task of idem's each): their answers are recorded before the
+    // runtime, which would drop them, shuts down.
+    let finishing = async {
+        while connections.join_next().await.is_some() {}
+        idem.idle().await;
+    };
+    tokio::select! {
+        drained = tokio::time::timeout(drain, finishing) => if drained.is_err() {
+            tracing::warn!(
+                under_way = idem.under_way(),
+                "requests still under way after the drain: stopping anyway (their keys stay locked until the lock timeout)"
+            );
+        },
+        () = shutdown_signal() => tracing::warn!(
+            under_way = idem.under_way(),
+            "a second signal: stopping now (the keys of requests under way stay locked until the lock timeout)"
+        ),
     }
     tracing::info!("payments service stopped");
 }

@@ -12,6 +12,9 @@ use std::time::Duration;
 /// The service, ready to serve.
 pub struct Service {
     pub router: Router,
+    /// The idempotency layer, whose executions a shutdown waits for
+    /// (`Idem::idle`).
+    pub idem: idem::Idem,
     /// Deletes expired idempotency records every five minutes, for as long
     /// as it is kept.
     pub janitor: Janitor,
@@ -31,6 +34,7 @@ pub async fn start(config: Config) -> Result<Service, String> {
         .map_err(|e| e.to_string())?;
     let body_timeout = config.body_timeout;
     Ok(Service {
+        idem: idem.clone(),
         router: api::router(idem, db, config).layer(axum::middleware::from_fn(
             move |req: axum::extract::Request, next: axum::middleware::Next| {
                 api::body_within(body_timeout, req, next)

@@ -214,6 +214,39 @@ pub(crate) struct Engine {
     /// The handlers served through this `Idem`, by scope: shared by the
     /// ones configured from it, which share its store.
     pub(crate) scopes: Arc<crate::request::ScopeBook>,
+    /// The requests under way through this `Idem` and the ones configured
+    /// from it ([`Idem::idle`]).
+    pub(crate) under_way: Arc<UnderWay>,
+}
+
+/// How many requests are under way through an [`Idem`]: from the start of
+/// a keyed request's protocol to its answer, and an execution's from its
+/// start to its completion or release recorded (a body streamed on, a
+/// release finished in the background).
+#[derive(Debug, Default)]
+pub(crate) struct UnderWay {
+    count: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+impl UnderWay {
+    /// One more under way, until the guard is dropped.
+    pub(crate) fn enter(self: &Arc<Self>) -> UnderWayGuard {
+        self.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        UnderWayGuard(self.clone())
+    }
+}
+
+/// One request or execution under way (see [`UnderWay`]).
+#[derive(Debug)]
+pub(crate) struct UnderWayGuard(Arc<UnderWay>);
+
+impl Drop for UnderWayGuard {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 impl std::fmt::Debug for Idem {
@@ -256,6 +289,7 @@ impl Idem {
                 replay_headers: vec![CONTENT_TYPE, axum::http::header::LOCATION],
                 problem_base: None,
                 scopes: Arc::new(crate::request::ScopeBook::new()),
+                under_way: Arc::default(),
             }),
         }
     }
@@ -400,6 +434,54 @@ impl Idem {
             )));
         }
         Ok(self.change(|e| e.problem_base = Some(base.into())))
+    }
+
+    /// How many keyed requests and executions are under way through this
+    /// `Idem` (and the ones configured from it) now.
+    ///
+    /// ```
+    /// let idem = idem::Idem::new(idem::MemoryStore::new());
+    /// assert_eq!(idem.under_way(), 0);
+    /// ```
+    pub fn under_way(&self) -> usize {
+        self.inner
+            .under_way
+            .count
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until no keyed request or execution is under way through this
+    /// `Idem` (and the ones configured from it): for a graceful shutdown,
+    /// once the server accepts no more requests. An execution runs in a
+    /// task of its own, and goes on when its client leaves; a runtime shut
+    /// down before it ends drops it, and its key stays locked until its
+    /// lock timeout, as after a crash. This counts every protocol from its
+    /// start to its answer, and every execution until its completion or
+    /// release is recorded (an answer streamed past the stored limit, a
+    /// release finished in the background), whether its client waits or
+    /// not. Bound the wait yourself (`tokio::time::timeout`): an execution
+    /// may take as long as its handler.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let idem = idem::Idem::new(idem::MemoryStore::new());
+    /// // ... the server stopped accepting:
+    /// tokio::time::timeout(std::time::Duration::from_secs(60), idem.idle())
+    ///     .await
+    ///     .expect("every execution ended");
+    /// # }
+    /// ```
+    pub async fn idle(&self) {
+        let under_way = &self.inner.under_way;
+        loop {
+            let notified = under_way.idle.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if under_way.count.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Starts a [`crate::Janitor`] on this layer's store: every `every`,

@@ -117,11 +117,17 @@ struct Entry {
 /// [`Operation::lease_lost`]: crate::Operation::lease_lost
 pub(crate) struct Heartbeat {
     id: u64,
+    /// Its execution, under way until the lease ends (`Idem::idle`).
+    _under_way: crate::layer::UnderWayGuard,
 }
 
 impl Heartbeat {
     /// Starts keeping `info`'s lease. Must be called within a Tokio runtime.
-    pub(crate) fn start(info: &OperationInfo, clock: LeaseClock) -> Heartbeat {
+    pub(crate) fn start(
+        info: &OperationInfo,
+        clock: LeaseClock,
+        under_way: crate::layer::UnderWayGuard,
+    ) -> Heartbeat {
         let next_beat = next_beat(Instant::now(), &clock);
         let mut state = KEEPER.lock();
         let id = state.next_id;
@@ -149,7 +155,10 @@ impl Heartbeat {
             }
         }
         KEEPER.wake_by(&mut state, next_beat);
-        Heartbeat { id }
+        Heartbeat {
+            id,
+            _under_way: under_way,
+        }
     }
 }
 

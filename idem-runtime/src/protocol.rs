@@ -191,9 +191,16 @@ fn start(
     );
     // From its first poll on the protocol cannot be cancelled: a client
     // that goes away cancels neither the reservation nor the execution.
+    // Under way (`Idem::idle`) until it answers, or is dropped.
+    let under_way = engine.under_way.enter();
     Started::Protected {
         protocol: Box::pin(
-            protect(engine, ctx.tenant, spec, fingerprint, key, handler, ctx.reader).instrument(span),
+            async move {
+                let answer = protect(engine, ctx.tenant, spec, fingerprint, key, handler, ctx.reader).await;
+                drop(under_way);
+                answer
+            }
+            .instrument(span),
         ),
         base,
     }
@@ -517,7 +524,9 @@ pub(crate) fn execute(
                 "taking over an operation whose lock ran out"
             );
         }
-        let beat = Heartbeat::start(&info, clock);
+        // Under way until its completion or release is recorded, which
+        // the lease's keeper lasts until (`Idem::idle`).
+        let beat = Heartbeat::start(&info, clock, engine.under_way.enter());
         let outcome = AssertUnwindSafe(handler).catch_unwind().await;
         pause_point!(crate::pause::HANDLER_RETURNED, &info.id.key);
         finish(&engine, &info, clock.lock_timeout, outcome, beat, reader).await
