@@ -1601,9 +1601,10 @@ async fn a_give_back_whose_first_try_was_slow_goes_on_for_a_lock_timeout_after_i
         open_at: Mutex::new(None),
         released: released.clone(),
     };
+    let idem = Idem::new(store).single_tenant();
     let app = Router::new()
         .route("/answered", post(answered))
-        .layer(Idem::new(store).single_tenant().layer());
+        .layer(idem.clone().layer());
     let key = idem_testkit::unique("k-slow-release");
     let request = axum::http::Request::post("/answered")
         .header("idempotency-key", &key)
@@ -1611,15 +1612,16 @@ async fn a_give_back_whose_first_try_was_slow_goes_on_for_a_lock_timeout_after_i
         .unwrap();
     let answer = app.oneshot(request).await.unwrap();
     assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
-    // The background tries come 0.1, 0.3 and 0.7 s after the failed one.
-    let until = std::time::Instant::now() + Duration::from_secs(5);
-    while released.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-        assert!(
-            std::time::Instant::now() < until,
-            "the give-back stopped while the lock it gives back was still live"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // The background tries come 0.1, 0.3 and 0.7 s after the failed one,
+    // and a graceful shutdown waits for them (`Idem::idle`).
+    tokio::time::timeout(Duration::from_secs(5), idem.idle())
+        .await
+        .expect("the give-back stopped while the lock it gives back was still live");
+    assert_eq!(
+        released.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "idle before the key was given back"
+    );
 }
 
 /// A panic in the protocol outside the handler (here, the store's) is that

@@ -396,9 +396,12 @@ async fn retried(
             // may have extended the lock while that try took its time.
             let until = Instant::now() + lock_timeout;
             let (store, id, token) = (engine.store.clone(), id.clone(), token.to_owned());
+            // Under way (`Idem::idle`) until it is given back or given up.
+            let under_way = engine.under_way.enter();
             let retrying = async move {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let _ = crate::store::retry_until(until, || how.to(&*store, &id, &token)).await;
+                drop(under_way);
             };
             in_background(&*engine.store, retrying.in_current_span());
         }
