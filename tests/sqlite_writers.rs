@@ -391,20 +391,28 @@ async fn a_writer_in_line_past_its_timeout_is_unavailable_and_the_line_moves_on(
     }
 }
 
-/// Another process's writer (here another pool on the same file, outside
-/// this store's line) is not failed against but waited for, by SQLite's
-/// busy timeout.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_writer_of_another_process_is_waited_for() {
-    let (store, dir) = idem_testkit::sqlite_store().await;
+/// A connection of its own on the database in `dir` (another process's,
+/// as far as the store can tell), holding SQLite's write lock in a
+/// `BEGIN IMMEDIATE` transaction until it ends.
+async fn write_lock_held_elsewhere(dir: &std::path::Path) -> sqlx::SqliteConnection {
     let options = SqliteConnectOptions::new()
-        .filename(dir.path().join("idem.db"))
+        .filename(dir.join("idem.db"))
         .journal_mode(SqliteJournalMode::Wal);
     let mut other = sqlx::SqliteConnection::connect_with(&options).await.unwrap();
     sqlx::raw_sql("BEGIN IMMEDIATE")
         .execute(&mut other)
         .await
         .unwrap();
+    other
+}
+
+/// Another process's writer (here another pool on the same file, outside
+/// this store's line) is not failed against but waited for, by SQLite's
+/// busy timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_of_another_process_is_waited_for() {
+    let (store, dir) = idem_testkit::sqlite_store().await;
+    let mut other = write_lock_held_elsewhere(dir.path()).await;
 
     let key = idem_testkit::unique("waits");
     let first = {
@@ -3557,14 +3565,7 @@ mod writes_outside_the_groups {
 async fn sqlite_a_reservation_answered_503_behind_another_process_takes_nothing_later() {
     let (store, dir) = idem_testkit::sqlite_store().await;
     let store = store.with_timeout(Duration::from_millis(500));
-    let options = SqliteConnectOptions::new()
-        .filename(dir.path().join("idem.db"))
-        .journal_mode(SqliteJournalMode::Wal);
-    let mut other = sqlx::SqliteConnection::connect_with(&options).await.unwrap();
-    sqlx::raw_sql("BEGIN IMMEDIATE")
-        .execute(&mut other)
-        .await
-        .unwrap();
+    let mut other = write_lock_held_elsewhere(dir.path()).await;
     let key = idem_testkit::unique("behind");
     let given_up = store.reserve(req(&id(&key), idem_testkit::token())).await;
     assert!(matches!(&given_up, Err(e) if e.is_unavailable()), "{given_up:?}");
