@@ -1369,33 +1369,26 @@ mod runtimes {
     /// later one again.
     #[test]
     fn postgres_a_store_used_from_a_second_runtime_says_so_once() {
-        let logs = idem_testkit::logs();
+        let _ = idem_testkit::logs();
         let (first, second) = (idem_testkit::multi_thread(1), idem_testkit::multi_thread(1));
         let Some((_, schema, store)) = first.block_on(fresh_store(4, Duration::ZERO)) else {
             return;
         };
-        // This store's lines: the binary's other tests log into the same text.
-        let said = || {
-            logs.text()
-                .lines()
-                .filter(|l| {
-                    l.contains("a PgStore is used from a second Tokio runtime") && l.contains(&schema)
-                })
-                .count()
-        };
         let clone = store.clone().with_timeout(Duration::from_secs(5));
-        let fresh = |store: &idem::PgStore, rt: &tokio::runtime::Runtime| {
-            let id = RecordId::new("t", "runtimes", idem_testkit::unique("k"));
-            let answer = rt.block_on(async { reserve(store, &id, "fp", LONG, LONG).await });
-            assert!(matches!(answer, Reservation::Reserved(_)), "{answer:?}");
-        };
-        fresh(&store, &first);
-        fresh(&clone, &first);
-        assert_eq!(said(), 0);
-        fresh(&clone, &second);
-        fresh(&store, &second);
-        fresh(&store, &first);
-        assert_eq!(said(), 1);
+        reserved_on(&store, &first);
+        reserved_on(&clone, &first);
+        assert_eq!(second_runtime_said(&schema), 0);
+        reserved_on(&clone, &second);
+        reserved_on(&store, &second);
+        reserved_on(&store, &first);
+        assert_eq!(second_runtime_said(&schema), 1);
+    }
+
+    /// A fresh key reserved through `store`, from `rt`.
+    fn reserved_on(store: &idem::PgStore, rt: &tokio::runtime::Runtime) {
+        let id = RecordId::new("t", "runtimes", idem_testkit::unique("k"));
+        let answer = rt.block_on(async { reserve(store, &id, "fp", LONG, LONG).await });
+        assert!(matches!(answer, Reservation::Reserved(_)), "{answer:?}");
     }
 
     /// How many times the second-runtime warning was logged for `schema`'s
@@ -1437,9 +1430,7 @@ mod runtimes {
         });
         assert_eq!(second_runtime_said(&schema), 0);
         for (n, store) in [(1, &built), (2, &migrated), (2, &built)] {
-            let id = RecordId::new("t", "runtimes", idem_testkit::unique("k"));
-            let answer = server.block_on(async { reserve(store, &id, "fp", LONG, LONG).await });
-            assert!(matches!(answer, Reservation::Reserved(_)), "{answer:?}");
+            reserved_on(store, &server);
             assert_eq!(second_runtime_said(&schema), n);
         }
     }
@@ -1458,9 +1449,7 @@ mod runtimes {
             .with_table(Some(&schema), "idempotency_keys")
             .unwrap();
         for (store, rt) in [(&a, &first), (&b, &second), (&a, &second), (&b, &first)] {
-            let id = RecordId::new("t", "runtimes", idem_testkit::unique("k"));
-            let answer = rt.block_on(async { reserve(store, &id, "fp", LONG, LONG).await });
-            assert!(matches!(answer, Reservation::Reserved(_)), "{answer:?}");
+            reserved_on(store, rt);
         }
         assert_eq!(second_runtime_said(&schema), 1);
     }

@@ -620,6 +620,21 @@ async fn refund_shared(Json(a): Json<Amount>) -> String {
     format!("refunded {}", a.amount)
 }
 
+/// A payment and a refund handler given one scope, both attributes on the
+/// line of the macro's call.
+macro_rules! two_handlers_of_one_scope {
+    ($scope:literal, $pay:ident, $refund:ident) => {
+        #[idempotent(scope = $scope, fields(amount))]
+        async fn $pay(Json(a): Json<Amount>) -> String {
+            format!("paid {}", a.amount)
+        }
+        #[idempotent(scope = $scope, fields(amount))]
+        async fn $refund(Json(a): Json<Amount>) -> String {
+            format!("refunded {}", a.amount)
+        }
+    };
+}
+
 /// What was logged of handlers of one scope `scope` served through one
 /// `Idem`: this test's lines, since the binary's other tests log into the
 /// same text.
@@ -671,15 +686,7 @@ async fn two_handlers_of_one_scope_are_one_operation_and_the_second_says_so() {
     );
 }
 
-#[idempotent(scope = "apart.create", fields(amount))]
-async fn pay_apart(Json(a): Json<Amount>) -> String {
-    format!("paid {}", a.amount)
-}
-
-#[idempotent(scope = "apart.create", fields(amount))]
-async fn refund_apart(Json(a): Json<Amount>) -> String {
-    format!("refunded {}", a.amount)
-}
+two_handlers_of_one_scope!("apart.create", pay_apart, refund_apart);
 
 /// Handlers of one scope served through two `Idem`s over two stores (two
 /// services in one process, two tests in one binary) share no record: a
@@ -725,20 +732,7 @@ async fn one_handler_on_many_routes_and_apps_says_nothing_of_its_scope() {
     assert_eq!(same_scope_said("routed.create"), Vec::<String>::new());
 }
 
-macro_rules! two_handlers_of_one_scope {
-    ($pay:ident, $refund:ident) => {
-        #[idempotent(scope = "macro.create", fields(amount))]
-        async fn $pay(Json(a): Json<Amount>) -> String {
-            format!("paid {}", a.amount)
-        }
-        #[idempotent(scope = "macro.create", fields(amount))]
-        async fn $refund(Json(a): Json<Amount>) -> String {
-            format!("refunded {}", a.amount)
-        }
-    };
-}
-
-two_handlers_of_one_scope!(pay_by_macro, refund_by_macro);
+two_handlers_of_one_scope!("macro.create", pay_by_macro, refund_by_macro);
 
 /// Two handlers of one scope written by one macro have their attributes on
 /// one line: what is said names them apart by their names.
