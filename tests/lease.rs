@@ -727,6 +727,38 @@ async fn idle_waits_for_an_execution_whose_client_left(h: Harness) {
     );
 }
 
+/// A reservation given up on at the store's timeout (its write held at a
+/// pause point: on PostgreSQL committed, on SQLite before its commit) is
+/// still work of the store's, whose key may yet be taken and given back:
+/// `Idem::idle` waits for it, and returns once it is done.
+async fn idle_waits_for_a_reservation_given_up_at_its_timeout(h: Harness) {
+    use futures_util::FutureExt as _;
+    // The key is this run's own (see above).
+    let key = idem_testkit::unique("k-idle-given-up");
+    let point = match h.db {
+        Db::Sqlite(_) => pause::SQLITE_RESERVE_BEFORE_COMMIT,
+        _ => pause::RESERVE_AFTER,
+    };
+    let mut paused = pause::arm(point, &key);
+    let first = {
+        let (addr, key) = (h.addr, key.clone());
+        tokio::spawn(async move { post_req("/plain", "").key(&key).send(addr).await })
+    };
+    paused.reached().await;
+    let first = first.await.unwrap();
+    assert_eq!(first.problem(), "idempotency-store-unavailable");
+    assert!(
+        h.idem.idle().now_or_never().is_none(),
+        "idle while the given-up reservation is still to end"
+    );
+    paused.resume();
+    tokio::time::timeout(Duration::from_secs(20), h.idem.idle())
+        .await
+        .expect("idle once the given-up reservation ended");
+    let retry = post_req("/plain", "").key(&key).send(h.addr).await;
+    assert_eq!((retry.status, retry.body.as_slice()), (201, &b"run 1"[..]));
+}
+
 /// A reservation that committed but whose answer came after the store
 /// timeout is undone before the 503: the retry runs at once.
 async fn a_reservation_that_times_out_after_committing_is_undone(h: Harness) {
@@ -1144,6 +1176,7 @@ mod short_timeout {
             a_reservation_that_commits_after_its_timeout_is_given_back,
             a_fresh_reservation_undone_after_its_timeout_is_as_it_was_found,
             a_lost_retry_of_a_failed_run_keeps_the_key_bound,
+            idle_waits_for_a_reservation_given_up_at_its_timeout,
         ],
     }
 }

@@ -216,37 +216,7 @@ pub(crate) struct Engine {
     pub(crate) scopes: Arc<crate::request::ScopeBook>,
     /// The requests under way through this `Idem` and the ones configured
     /// from it ([`Idem::idle`]).
-    pub(crate) under_way: Arc<UnderWay>,
-}
-
-/// How many requests are under way through an [`Idem`]: from the start of
-/// a keyed request's protocol to its answer, and an execution's from its
-/// start to its completion or release recorded (a body streamed on, a
-/// release finished in the background).
-#[derive(Debug, Default)]
-pub(crate) struct UnderWay {
-    count: std::sync::atomic::AtomicUsize,
-    idle: tokio::sync::Notify,
-}
-
-impl UnderWay {
-    /// One more under way, until the guard is dropped.
-    pub(crate) fn enter(self: &Arc<Self>) -> UnderWayGuard {
-        self.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        UnderWayGuard(self.clone())
-    }
-}
-
-/// One request or execution under way (see [`UnderWay`]).
-#[derive(Debug)]
-pub(crate) struct UnderWayGuard(Arc<UnderWay>);
-
-impl Drop for UnderWayGuard {
-    fn drop(&mut self) {
-        if self.0.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
-            self.0.idle.notify_waiters();
-        }
-    }
+    pub(crate) under_way: Arc<crate::store::UnderWay>,
 }
 
 impl std::fmt::Debug for Idem {
@@ -444,10 +414,7 @@ impl Idem {
     /// assert_eq!(idem.under_way(), 0);
     /// ```
     pub fn under_way(&self) -> usize {
-        self.inner
-            .under_way
-            .count
-            .load(std::sync::atomic::Ordering::SeqCst)
+        self.inner.under_way.count()
     }
 
     /// Waits until no keyed request or execution is under way through this
@@ -459,8 +426,11 @@ impl Idem {
     /// start to its answer, and every execution until its completion or
     /// release is recorded (an answer streamed past the stored limit, a
     /// release finished in the background), whether its client waits or
-    /// not. Bound the wait yourself (`tokio::time::timeout`): an execution
-    /// may take as long as its handler.
+    /// not; and it waits for the stores' own work in the background (a
+    /// reservation given up on at the store's timeout whose key is still
+    /// to be given back), of any `Idem` of the process. Bound the wait
+    /// yourself (`tokio::time::timeout`): an execution may take as long as
+    /// its handler.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -472,15 +442,11 @@ impl Idem {
     /// # }
     /// ```
     pub async fn idle(&self) {
-        let under_way = &self.inner.under_way;
-        loop {
-            let notified = under_way.idle.notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
-            if under_way.count.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-                return;
-            }
-            notified.await;
+        let background = crate::store::background_work();
+        // Both at once: the wait for one may see the other start again.
+        while self.inner.under_way.count() + background.count() > 0 {
+            self.inner.under_way.idle().await;
+            background.idle().await;
         }
     }
 

@@ -118,7 +118,7 @@ struct Entry {
 pub(crate) struct Heartbeat {
     id: u64,
     /// Its execution, under way until the lease ends (`Idem::idle`).
-    _under_way: crate::layer::UnderWayGuard,
+    _under_way: crate::store::UnderWayGuard,
 }
 
 impl Heartbeat {
@@ -126,7 +126,7 @@ impl Heartbeat {
     pub(crate) fn start(
         info: &OperationInfo,
         clock: LeaseClock,
-        under_way: crate::layer::UnderWayGuard,
+        under_way: crate::store::UnderWayGuard,
     ) -> Heartbeat {
         let next_beat = next_beat(Instant::now(), &clock);
         let mut state = KEEPER.lock();

@@ -81,7 +81,10 @@ where
         Err(_) => {
             let (store, id, token) = (store.clone(), req.id.clone(), req.token.to_owned());
             let hold = req.lock_timeout.max(limit);
+            // Under way (`Idem::idle`) until it ends.
+            let under_way = crate::store::background_work().enter();
             let undo = async move {
+                let _under_way = under_way;
                 let until = tokio::time::Instant::now() + hold;
                 let late = tokio::time::timeout(hold, running).await;
                 let took = !matches!(

@@ -826,7 +826,12 @@ impl Drop for Delivered {
         else {
             return;
         };
-        let giving_back = store.give_back(owned, lease.is_takeover());
+        // Under way (`Idem::idle`) until the key is given back.
+        let under_way = crate::store::background_work().enter();
+        let giving_back = async move {
+            store.give_back(owned, lease.is_takeover()).await;
+            drop(under_way);
+        };
         // On the writers' runtime: the dropping one may be shutting down
         // (or be this leader's, see `Finishing`); on this one if that
         // runtime could not be started; nowhere outside any runtime.

@@ -38,7 +38,69 @@ pub use memory::RecordView;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
+
+/// How much work is under way (`Idem::idle`): through an `Idem`, its keyed
+/// requests from the start of their protocol to their answer and their
+/// executions until their completion or release is recorded; for the
+/// stores, their own work in the background ([`background_work`]).
+#[derive(Debug, Default)]
+pub(crate) struct UnderWay {
+    count: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+impl UnderWay {
+    /// One more under way, until the guard is dropped.
+    pub(crate) fn enter(self: &Arc<Self>) -> UnderWayGuard {
+        self.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        UnderWayGuard(self.clone())
+    }
+
+    /// How many are under way now.
+    pub(crate) fn count(&self) -> usize {
+        self.count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Once none is under way.
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
+    pub(crate) async fn idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if self.count() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// One piece of work under way (see [`UnderWay`]).
+#[derive(Debug)]
+pub(crate) struct UnderWayGuard(Arc<UnderWay>);
+
+impl Drop for UnderWayGuard {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// The stores' own work in the background, of the whole process: what a
+/// reservation given up on at the store's timeout leaves to do (its late
+/// answer awaited, its key given back).
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "axum")),
+    allow(dead_code)
+)]
+pub(crate) fn background_work() -> &'static Arc<UnderWay> {
+    static WORK: std::sync::OnceLock<Arc<UnderWay>> = std::sync::OnceLock::new();
+    WORK.get_or_init(Arc::default)
+}
 
 /// Where a record stands when a request with its key arrives: the rows of
 /// the state table in [the module docs](self).
