@@ -30,8 +30,8 @@ pub(crate) enum Collected {
     /// Larger than the limit, read to its end for a client that could not
     /// tell it broken from whole ([`Reader`]): the whole of it for that
     /// client, or `None` when it was dropped as it came (a `HEAD`, or past
-    /// [`MAX_HELD_FOR_HTTP10`]).
-    Over(Option<Vec<axum::body::Bytes>>),
+    /// [`MAX_HELD_FOR_HTTP10`]); and its length, which a `HEAD` is told.
+    Over(Option<Vec<axum::body::Bytes>>, usize),
 }
 
 /// What a request's client can tell of its answer's body.
@@ -88,17 +88,16 @@ pub(crate) async fn drain(
     mut rest: axum::body::BodyDataStream,
     panic: &mut Option<Box<dyn std::any::Any + Send>>,
 ) -> Collected {
-    let mut kept = (reader != Reader::Headless).then_some(head);
-    let mut len = kept
+    let mut len = head
         .iter()
-        .flatten()
         .map(axum::body::Bytes::len)
         .fold(0usize, usize::saturating_add);
+    let mut kept = (reader != Reader::Headless).then_some(head);
     while let Some(chunk) = rest.next().await {
         match chunk {
             Ok(chunk) => {
+                len = len.saturating_add(chunk.len());
                 if let Some(read) = kept.as_mut() {
-                    len = len.saturating_add(chunk.len());
                     if len > MAX_HELD_FOR_HTTP10 {
                         kept = None;
                     } else {
@@ -112,7 +111,7 @@ pub(crate) async fn drain(
         tokio::task::consume_budget().await;
     }
     drop_caught(rest, panic);
-    Collected::Over(kept)
+    Collected::Over(kept, len)
 }
 
 /// Reads `body` up to `limit` bytes, holding no more than that in memory.
@@ -373,7 +372,7 @@ mod tests {
             Collected::Whole(bytes) => bytes,
             Collected::Streamed { head, .. } => panic!("streamed, {} chunks read", head.len()),
             Collected::Failed(e) => panic!("failed: {e}"),
-            Collected::Over(read) => panic!("over the limit, {:?} chunks kept", read.map(|r| r.len())),
+            Collected::Over(read, _) => panic!("over the limit, {:?} chunks kept", read.map(|r| r.len())),
         }
     }
 
@@ -469,11 +468,11 @@ mod tests {
         let head = vec![Bytes::from_static(b"ab")];
         let rest = || chunks(&[b"cd", b"", b"e"]).into_data_stream();
         match drain(Reader::UntilClose, head.clone(), rest(), &mut None).await {
-            Collected::Over(Some(read)) => assert_eq!(read.concat(), b"abcde"),
+            Collected::Over(Some(read), len) => assert_eq!((read.concat(), len), (b"abcde".to_vec(), 5)),
             _ => panic!("not read to its end and kept"),
         }
         match drain(Reader::Headless, head.clone(), rest(), &mut None).await {
-            Collected::Over(None) => {}
+            Collected::Over(None, len) => assert_eq!(len, 5),
             _ => panic!("a HEAD's body was kept, or not read to its end"),
         }
         let broken = Body::from_stream(futures_util::stream::iter(vec![
@@ -498,7 +497,7 @@ mod tests {
             }),
         );
         match drain(Reader::UntilClose, Vec::new(), rest.into_data_stream(), &mut None).await {
-            Collected::Over(None) => {}
+            Collected::Over(None, len) => assert_eq!(len, MAX_HELD_FOR_HTTP10 + 2 + 4),
             _ => panic!("held past {MAX_HELD_FOR_HTTP10} bytes, or not read to its end"),
         }
         assert_eq!(

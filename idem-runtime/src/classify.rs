@@ -35,7 +35,9 @@ pub enum Classification {
 impl Classification {
     /// The default rule: 2xx and 3xx are stored; 400, 409 and 422 are
     /// rejected; 408, 425, 429 and every 5xx are released as failed; every
-    /// other 4xx is stored.
+    /// other 4xx is stored. A 1xx is not a final answer (HTTP cannot send
+    /// one as such): released as failed, and its client gets 500, whatever
+    /// a handler's error type says.
     ///
     /// ```
     /// # use idem::Classification;
@@ -43,11 +45,12 @@ impl Classification {
     /// assert_eq!(Classification::from_status(StatusCode::CONFLICT), Classification::Reject);
     /// assert_eq!(Classification::from_status(StatusCode::TOO_MANY_REQUESTS), Classification::Release);
     /// assert_eq!(Classification::from_status(StatusCode::NOT_FOUND), Classification::Store);
+    /// assert_eq!(Classification::from_status(StatusCode::CONTINUE), Classification::Release);
     /// ```
     pub fn from_status(status: StatusCode) -> Self {
         match status.as_u16() {
             400 | 409 | 422 => Classification::Reject,
-            408 | 425 | 429 | 500..=599 => Classification::Release,
+            100..=199 | 408 | 425 | 429 | 500..=599 => Classification::Release,
             _ => Classification::Store,
         }
     }

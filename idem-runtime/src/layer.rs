@@ -115,17 +115,36 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// The header that marks a replay whose body was too large to keep.
 pub const BODY_OMITTED_HEADER: &str = "idempotent-replay-body-omitted";
 
-/// Headers that are never stored, even when named.
+/// Headers that are never stored, even when named: credentials and
+/// cookies (not safe to keep for a day), `date` (the replay's own), and the
+/// headers of one connection or one message's framing (RFC 9110 7.6.1 and
+/// 11.7.1: `keep-alive` and `proxy-authenticate` speak to the one client
+/// or proxy next on that connection, not to whoever sends the retry).
 const NEVER_STORED: &[&str] = &[
     "set-cookie",
     "authorization",
     "proxy-authorization",
     "cookie",
     "date",
-    "www-authenticate",
     "content-length",
     "transfer-encoding",
     "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-authenticate",
+];
+
+/// The headers stored and replayed without being named: those without
+/// which the stored body is not the answer (its type, its encoding: a body
+/// the handler compressed itself is stored as it was sent) and a created
+/// resource's address.
+pub(crate) const STORED_BY_DEFAULT: [HeaderName; 3] = [
+    CONTENT_TYPE,
+    axum::http::header::CONTENT_ENCODING,
+    axum::http::header::LOCATION,
 ];
 
 /// The authenticated principal, as the application's auth layer puts it in
@@ -256,7 +275,7 @@ impl Idem {
                 lock_timeout: DEFAULT_LOCK_TIMEOUT,
                 single_tenant: false,
                 max_stored_body: DEFAULT_MAX_STORED_BODY,
-                replay_headers: vec![CONTENT_TYPE, axum::http::header::LOCATION],
+                replay_headers: STORED_BY_DEFAULT.to_vec(),
                 problem_base: None,
                 scopes: Arc::new(crate::request::ScopeBook::new()),
                 under_way: Arc::default(),
@@ -342,17 +361,23 @@ impl Idem {
     }
 
     /// Also stores and replays these response headers (besides
-    /// `content-type` and `location`).
+    /// `content-type`, `content-encoding` and `location`). A handler that
+    /// answers 401 itself names `www-authenticate`, so that the replayed 401
+    /// carries its challenge.
     ///
     /// # Errors
     ///
     /// [`ConfigError`] for a name that is not a header name, or one that is
-    /// never stored (`set-cookie`, `authorization`, `cookie`, `date`,
-    /// `content-length` and the like: stored data must be safe to keep).
+    /// never stored: credentials and cookies (`set-cookie`, `authorization`,
+    /// `cookie`: stored data must be safe to keep), `date`, and the headers
+    /// of one connection or of one message's framing (`content-length`,
+    /// `transfer-encoding`, `connection`, `keep-alive`, `upgrade`, `te`,
+    /// `trailer`, `proxy-connection`, `proxy-authenticate`).
     ///
     /// ```
-    /// let idem = idem::Idem::new(idem::MemoryStore::new()).replay_headers(["etag", "x-request-cost"])?;
+    /// let idem = idem::Idem::new(idem::MemoryStore::new()).replay_headers(["etag", "www-authenticate"])?;
     /// assert!(idem::Idem::new(idem::MemoryStore::new()).replay_headers(["set-cookie"]).is_err());
+    /// assert!(idem::Idem::new(idem::MemoryStore::new()).replay_headers(["keep-alive"]).is_err());
     /// # Ok::<(), idem::ConfigError>(())
     /// ```
     pub fn replay_headers<I, H>(self, names: I) -> Result<Self, ConfigError>
@@ -367,8 +392,8 @@ impl Idem {
                 .map_err(|_| ConfigError(format!("replay_headers: `{name}` is not a header name")))?;
             if NEVER_STORED.contains(&n.as_str()) {
                 return Err(ConfigError(format!(
-                    "replay_headers: `{name}` is never stored (credentials, cookies and framing headers are not \
-                     safe to keep or to replay)"
+                    "replay_headers: `{name}` is never stored (credentials, cookies, and the headers of one \
+                     connection or of one message's framing are not safe to keep or to replay)"
                 )));
             }
             checked.push(n);

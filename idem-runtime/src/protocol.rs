@@ -569,6 +569,25 @@ pub(crate) fn finish<'a>(
             ));
         }
     };
+    // A 1xx is no final answer: HTTP cannot send it as one (hyper answers
+    // 500 instead), so it is neither stored nor given; released as failed,
+    // as a panic is, whatever the handler's error type says.
+    if response.status().is_informational() {
+        tracing::error!(
+            status = response.status().as_u16(),
+            "the handler answered with an informational status, which is no final answer; releasing the key"
+        );
+        drop_unsent(response);
+        return Either::Left(keeping(
+            engine,
+            info,
+            lock_timeout,
+            beat,
+            None,
+            Problem::HandlerFailed.into_response(),
+            LetGo::Fail,
+        ));
+    }
     // A problem of the handler's own is stored, and so replayed, as its
     // client first gets it: under the configured base.
     let response = match &engine.problem_base {
@@ -943,7 +962,7 @@ fn complete_answer<'a>(
                 stored.body = Some(Vec::from(bytes));
                 None
             }
-            Collected::Over(read) => {
+            Collected::Over(read, len) => {
                 tracing::warn!(
                     limit = engine.max_stored_body,
                     "response body larger than the stored limit: a replay gets status and headers only"
@@ -966,6 +985,10 @@ fn complete_answer<'a>(
                             parts
                                 .headers
                                 .insert(BODY_OMITTED, HeaderValue::from_static("true"));
+                        } else {
+                            // A `HEAD`: told the length its `GET` would
+                            // have, not the empty body's (RFC 9110 9.3.2).
+                            parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(len));
                         }
                         Some(Body::empty())
                     }

@@ -48,7 +48,7 @@ impl Reply {
 
 /// A request under construction.
 pub struct Request {
-    /// `GET` or `POST`.
+    /// `GET`, `HEAD` or `POST`.
     method: &'static str,
     /// The path and query, as sent.
     path: String,
@@ -75,6 +75,14 @@ pub fn get(path: &str) -> Request {
         path: path.to_owned(),
         headers: vec![],
         body: vec![],
+    }
+}
+
+/// A HEAD of `path`: its answer has a head and no body.
+pub fn head(path: &str) -> Request {
+    Request {
+        method: "HEAD",
+        ..get(path)
     }
 }
 

@@ -1,0 +1,231 @@
+//! What a replay carries, over real HTTP on every store: the headers
+//! without which the stored answer is not the answer (a body's encoding, a
+//! 401's challenge when named), never the headers of another connection;
+//! a `HEAD` told the length of an answer too large to keep; and a 1xx,
+//! which HTTP cannot send as a final answer, never stored as one.
+
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use idem::{idempotent, Idem, Operation};
+use idem_testkit::http::{get as get_req, head, post as post_req, serve};
+use idem_testkit::Fixture;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+/// How many times the handler ran, by key.
+#[derive(Clone, Default)]
+struct Runs(Arc<Mutex<HashMap<String, u32>>>);
+
+impl Runs {
+    fn of(&self, key: &str) -> u32 {
+        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+}
+
+/// `{"id":"pay_1"}`, compressed with gzip by the handler itself.
+const GZIPPED: &[u8] = &[
+    0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x02, 0x03, 0xab, 0x56, 0xca, 0x4c, 0x51, 0xb2, 0x52,
+    0x2a, 0x48, 0xac, 0x8c, 0x37, 0x54, 0xaa, 0x05, 0x00, 0xe0, 0x15, 0x1f, 0x5d, 0x0e, 0x00, 0x00, 0x00,
+];
+
+/// The stored limit of the layer below: `big` answers are past it.
+const LIMIT: usize = 1024;
+
+/// Answers as `?kind=` says.
+#[idempotent(scope = "answer.kinds")]
+async fn answer(
+    State(runs): State<Runs>,
+    op: Operation,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    *runs.0.lock().unwrap().entry(op.key().to_owned()).or_default() += 1;
+    match q.get("kind").map(String::as_str).unwrap_or_default() {
+        "gzip" => (
+            StatusCode::CREATED,
+            [
+                (header::CONTENT_TYPE, "application/json"),
+                (header::CONTENT_ENCODING, "gzip"),
+            ],
+            GZIPPED,
+        )
+            .into_response(),
+        "unauthorized" => (
+            StatusCode::UNAUTHORIZED,
+            [(
+                header::WWW_AUTHENTICATE,
+                r#"Bearer realm="api", error="invalid_token""#,
+            )],
+            "expired",
+        )
+            .into_response(),
+        "keep-alive" => {
+            let mut r = (StatusCode::CREATED, "made").into_response();
+            r.headers_mut()
+                .insert("keep-alive", HeaderValue::from_static("timeout=5, max=1000"));
+            r
+        }
+        "big" => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/octet-stream")],
+            vec![b'z'; 4 * LIMIT],
+        )
+            .into_response(),
+        "small" => (StatusCode::OK, "ok").into_response(),
+        "early-hints" => (StatusCode::from_u16(103).unwrap(), "early hints").into_response(),
+        other => panic!("no kind {other}"),
+    }
+}
+
+struct App {
+    addr: SocketAddr,
+    runs: Runs,
+    _fixture: Fixture,
+}
+
+async fn app(fixture: Fixture) -> App {
+    let runs = Runs::default();
+    let idem = Idem::from_arc(fixture.store.clone())
+        .single_tenant()
+        .max_stored_body(LIMIT)
+        .unwrap()
+        .replay_headers(["www-authenticate"])
+        .unwrap();
+    let router = Router::new()
+        .route("/a", get(answer).post(answer))
+        .layer(idem.layer())
+        .with_state(runs.clone());
+    App {
+        addr: serve(router).await,
+        runs,
+        _fixture: fixture,
+    }
+}
+
+/// A body the handler compressed itself is replayed with its
+/// `content-encoding`, stored without being named: without it, the same
+/// bytes would be read as plain JSON.
+async fn a_body_encoded_by_the_handler_is_replayed_with_its_encoding(a: App) {
+    let send = || async move { post_req("/a?kind=gzip", "").key("k-gzip").send(a.addr).await };
+    let first = send().await;
+    assert_eq!(first.header("content-encoding"), Some("gzip"), "{first:?}");
+    let again = send().await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"), "{again:?}");
+    assert_eq!(again.header("content-encoding"), Some("gzip"), "{again:?}");
+    assert_eq!(again.header("content-type"), Some("application/json"));
+    assert_eq!(again.body, GZIPPED);
+    assert_eq!(a.runs.of("k-gzip"), 1);
+}
+
+/// A 401 the handler answers is stored (a rejection), and, with
+/// `www-authenticate` named, replayed with its challenge.
+async fn a_stored_401_is_replayed_with_its_named_challenge(a: App) {
+    let send = || async move {
+        post_req("/a?kind=unauthorized", "")
+            .key("k-401")
+            .send(a.addr)
+            .await
+    };
+    let first = send().await;
+    assert_eq!(first.status, 401, "{first:?}");
+    let again = send().await;
+    assert_eq!(
+        (again.status, again.header("idempotent-replayed")),
+        (401, Some("true")),
+        "{again:?}"
+    );
+    assert_eq!(
+        again.header("www-authenticate"),
+        Some(r#"Bearer realm="api", error="invalid_token""#)
+    );
+    assert_eq!(a.runs.of("k-401"), 1);
+}
+
+/// A HEAD of an answer past the stored limit is told the length its GET
+/// has, as without idem, not the length of the body it does not get.
+async fn a_head_of_an_answer_past_the_limit_is_told_its_length(a: App) {
+    let heads = head("/a?kind=big").key("k-head-big").send(a.addr).await;
+    assert_eq!(heads.status, 200, "{heads:?}");
+    let length = (4 * LIMIT).to_string();
+    assert_eq!(heads.header("content-length"), Some(length.as_str()), "{heads:?}");
+    assert!(heads.body.is_empty());
+    let got = get_req("/a?kind=big").key("k-get-big").send(a.addr).await;
+    assert_eq!(got.body.len(), 4 * LIMIT);
+    // Within the limit, as it was.
+    let small = head("/a?kind=small").key("k-head-small").send(a.addr).await;
+    assert_eq!(small.header("content-length"), Some("2"), "{small:?}");
+}
+
+/// A 1xx as a final answer (HTTP cannot send one): not stored, the key
+/// released as failed; the client gets 500 `handler-failed`, and its
+/// retry runs the handler again.
+async fn an_informational_status_is_no_answer(a: App) {
+    let send = || async move {
+        post_req("/a?kind=early-hints", "")
+            .key("k-103")
+            .send(a.addr)
+            .await
+    };
+    let first = send().await;
+    assert_eq!(first.problem(), "handler-failed", "{first:?}");
+    assert_eq!(first.status, 500);
+    let again = send().await;
+    assert_eq!(again.problem(), "handler-failed", "{again:?}");
+    assert_eq!(a.runs.of("k-103"), 2, "the retry was answered from a record");
+}
+
+idem_testkit::for_each_store! {
+    stores: [memory, sqlite, postgres],
+    setup: |kind| (match kind.fixture().await { Some(f) => Some(app(f).await), None => None }),
+    worker_threads: 2,
+    cases: [
+        a_body_encoded_by_the_handler_is_replayed_with_its_encoding,
+        a_stored_401_is_replayed_with_its_named_challenge,
+        a_head_of_an_answer_past_the_limit_is_told_its_length,
+        an_informational_status_is_no_answer,
+    ],
+}
+
+/// The headers of one connection are never stored, named or not:
+/// `replay_headers` refuses them, as it refuses `connection`.
+#[test]
+fn the_headers_of_one_connection_cannot_be_named() {
+    let idem = || Idem::new(idem::MemoryStore::new());
+    for name in [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authenticate",
+        "transfer-encoding",
+    ] {
+        let refused = idem().replay_headers([name]).err().map(|e| e.to_string());
+        assert!(
+            refused.as_deref().is_some_and(|e| e.contains("never stored")),
+            "{name}: {refused:?}"
+        );
+    }
+    assert!(idem().replay_headers(["www-authenticate"]).is_ok());
+}
+
+/// And unnamed, another connection's `keep-alive` is not replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_connections_keep_alive_is_not_replayed() {
+    let a = app(Fixture::memory()).await;
+    let send = || async move {
+        post_req("/a?kind=keep-alive", "")
+            .key("k-keep-alive")
+            .send(a.addr)
+            .await
+    };
+    let first = send().await;
+    assert_eq!(first.header("keep-alive"), Some("timeout=5, max=1000"));
+    let again = send().await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"), "{again:?}");
+    assert_eq!(again.header("keep-alive"), None, "{again:?}");
+}
