@@ -1077,6 +1077,191 @@ idem_testkit::for_each_store! {
     ],
 }
 
+/// A statement of the handler's that fails in its transaction (a primary
+/// key taken): PostgreSQL refuses every statement of that transaction
+/// after it, and commits none of it; SQLite fails the statement alone.
+mod a_statement_fails {
+    use super::*;
+
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct RefuseIn {
+        /// The status answered once the statement failed.
+        status: u16,
+    }
+
+    /// Writes the effect, tries to write it again (refused: its id is
+    /// taken), then answers `status`.
+    #[idempotent(scope = "effect.refused", fields(status))]
+    async fn write_twice(State(db): State<Db>, op: Operation, Json(input): Json<RefuseIn>) -> StatusCode {
+        let id = op.derived_key("effect");
+        let mut written = Vec::new();
+        for _ in 0..2 {
+            written.push(match &db {
+                Db::Pg(..) => {
+                    let mut conn = op.pg_transaction().await.unwrap();
+                    let sql = format!("INSERT INTO {} (id, note) VALUES ($1, 'refused')", db.effects());
+                    sqlx::query(sqlx::AssertSqlSafe(sql))
+                        .bind(&id)
+                        .execute(&mut *conn)
+                        .await
+                        .is_ok()
+                }
+                Db::Sqlite(_) => {
+                    let mut conn = op.sqlite_transaction().await.unwrap();
+                    let sql = format!("INSERT INTO {} (id, note) VALUES (?1, 'refused')", db.effects());
+                    sqlx::query(sqlx::AssertSqlSafe(sql))
+                        .bind(&id)
+                        .execute(&mut *conn)
+                        .await
+                        .is_ok()
+                }
+            });
+        }
+        assert_eq!(written, [true, false], "the second insert is refused");
+        StatusCode::from_u16(input.status).unwrap()
+    }
+
+    async fn app(store: Arc<dyn IdempotencyStore>, db: Db) -> std::net::SocketAddr {
+        db.create_table().await;
+        let app = Router::new()
+            .route("/refused", post(write_twice))
+            .layer(Idem::from_arc(store).single_tenant().layer())
+            .with_state(db);
+        serve(app).await
+    }
+
+    /// A rejection after the failure is the operation's answer: stored and
+    /// replayed on both stores, the handler run once. On PostgreSQL the
+    /// failed transaction's write is rolled back (nothing of it can
+    /// commit); on SQLite it commits with the rejection.
+    async fn a_rejection_after_a_failed_statement_is_stored(Sql { store, db, _dir }: Sql) {
+        let addr = app(store, db.clone()).await;
+        let send = || async move {
+            post_req("/refused", r#"{"status":402}"#)
+                .key("k-402")
+                .send(addr)
+                .await
+        };
+        let first = send().await;
+        assert_eq!(first.status, 402, "{first:?}");
+        assert_eq!(first.header("idempotent-replayed"), None);
+        let again = send().await;
+        assert_eq!(
+            (again.status, again.header("idempotent-replayed")),
+            (402, Some("true")),
+            "{again:?}"
+        );
+        let kept = match db {
+            Db::Pg(..) => 0,
+            Db::Sqlite(_) => 1,
+        };
+        assert_eq!(db.count().await, kept);
+    }
+
+    /// A success after the failure: on PostgreSQL its write cannot commit,
+    /// so it is not the answer (503, the key back as failed, the retry runs
+    /// again); on SQLite the transaction is whole and commits with it.
+    async fn a_success_after_a_failed_statement_commits_or_is_refused(Sql { store, db, _dir }: Sql) {
+        let addr = app(store, db.clone()).await;
+        let send = || async move {
+            post_req("/refused", r#"{"status":201}"#)
+                .key("k-201")
+                .send(addr)
+                .await
+        };
+        let first = send().await;
+        let again = send().await;
+        match db {
+            Db::Pg(..) => {
+                assert_eq!(first.problem(), "idempotency-store-unavailable", "{first:?}");
+                assert_eq!(again.problem(), "idempotency-store-unavailable", "{again:?}");
+                assert_eq!(db.count().await, 0);
+            }
+            Db::Sqlite(_) => {
+                assert_eq!(first.status, 201, "{first:?}");
+                assert_eq!(again.header("idempotent-replayed"), Some("true"), "{again:?}");
+                assert_eq!(db.count().await, 1);
+            }
+        }
+    }
+
+    idem_testkit::for_each_store! {
+        stores: [sqlite, postgres],
+        setup: |kind| sql(kind).await,
+        worker_threads: 2,
+        cases: [
+            a_rejection_after_a_failed_statement_is_stored,
+            a_success_after_a_failed_statement_commits_or_is_refused,
+        ],
+    }
+}
+
+/// A handler's PostgreSQL transaction at REPEATABLE READ and a checkpoint:
+/// one saved before the transaction's snapshot completes; one saved after
+/// it changes the record's row under the snapshot, and the completion in
+/// that transaction cannot be written (README, "Multi-step operations").
+mod repeatable_read {
+    use super::*;
+
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct When {
+        /// `before` or `after` the transaction's first write.
+        checkpoint: String,
+    }
+
+    #[idempotent(scope = "effect.repeatable", fields(checkpoint))]
+    async fn checkpointed(State(db): State<Db>, op: Operation, Json(when): Json<When>) -> StatusCode {
+        let mut conn = op.pg_transaction().await.unwrap();
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        if when.checkpoint == "before" {
+            op.checkpoint("started").await.unwrap();
+        }
+        let sql = format!("INSERT INTO {} (id, note) VALUES ($1, 'rr')", db.effects());
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(op.derived_key("effect"))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        if when.checkpoint == "after" {
+            op.checkpoint("written").await.unwrap();
+        }
+        StatusCode::CREATED
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_checkpoint_before_the_snapshot_completes_and_one_after_it_cannot() {
+        let logs = idem_testkit::logs();
+        let Some(Sql { store, db, _dir }) = sql(StoreKind::Postgres).await else {
+            return;
+        };
+        db.create_table().await;
+        let app = Router::new()
+            .route("/rr", post(checkpointed))
+            .layer(Idem::from_arc(store).single_tenant().layer())
+            .with_state(db.clone());
+        let addr = serve(app).await;
+        let before = post_req("/rr", r#"{"checkpoint":"before"}"#)
+            .key("k-before")
+            .send(addr)
+            .await;
+        assert_eq!(before.status, 201, "{before:?}");
+        assert_eq!(db.count().await, 1);
+        let after = post_req("/rr", r#"{"checkpoint":"after"}"#)
+            .key("k-after")
+            .send(addr)
+            .await;
+        assert_eq!(after.problem(), "idempotency-store-unavailable", "{after:?}");
+        assert_eq!(db.count().await, 1, "nothing of it committed");
+        assert!(
+            logs.text().contains("a checkpoint after its first statement"),
+            "the log does not say why"
+        );
+    }
+}
+
 /// SQLite ends a transaction by itself on some errors (here a trigger's
 /// `RAISE(ROLLBACK)`); every statement after that commits on its own.
 mod sqlite_ends_the_transaction {

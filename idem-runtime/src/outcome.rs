@@ -82,10 +82,39 @@ fn completing<'a>(
                 );
                 Err(Problem::LeaseLost.into_response())
             }
-            Err(TxFailure::NotCommitted(e)) => {
+            Err(TxFailure::Failed) if (400..500).contains(&stored.status) => {
+                // A rejection (such as 402 after a statement refused by a
+                // constraint): it needs none of the handler's writes, which
+                // can never commit. Recorded on its own, as on a store whose
+                // failed statements leave the transaction open.
+                tracing::warn!(
+                    status = stored.status,
+                    "a statement of the handler's failed its transaction: its writes were rolled back, \
+                     and its rejection is recorded without them"
+                );
+                Box::pin(complete(engine, info, lock_timeout, stored)).await
+            }
+            Err(failure @ (TxFailure::Failed | TxFailure::NotCommitted(_))) => {
                 // Nothing of this execution committed: the retry runs it again.
                 record(Outcome::Released);
-                tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back");
+                match failure {
+                    TxFailure::NotCommitted(e) => {
+                        // PostgreSQL's words for it, as sqlx passes them on.
+                        let hint = if e.to_string().contains("could not serialize") {
+                            " (the transaction runs above READ COMMITTED, and the record's row changed after \
+                             its snapshot: a lease extension, or a checkpoint after its first statement; \
+                             README, \"Multi-step operations\")"
+                        } else {
+                            ""
+                        };
+                        tracing::error!(error = %e, "completing in the handler's transaction failed; rolled back{hint}")
+                    }
+                    // An answer that claims writes that cannot commit.
+                    _ => tracing::error!(
+                        "a statement of the handler's failed its transaction, yet it answered as if it had \
+                         succeeded; rolled back"
+                    ),
+                }
                 if give_back(engine, &info.id, &info.lease.token, lock_timeout).await
                     == Err(StoreError::LockLost)
                 {

@@ -241,6 +241,14 @@ impl PendingTx {
 pub(crate) enum TxFailure {
     /// Nothing was committed: neither the handler's writes nor the completion.
     NotCommitted(StoreError),
+    /// The handler's transaction had failed before the outcome (on
+    /// PostgreSQL, one of its statements failed: it refuses every other
+    /// until it rolls back, and commits nothing): the completion was not
+    /// written, and the transaction is rolled back. None of its writes can
+    /// be part of the answer; one that needs none (a rejection) may be
+    /// recorded on its own.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    Failed,
     /// The commit itself failed: whether it took effect is unknown.
     Unknown(StoreError),
     /// The handler's transaction had ended before the outcome (SQLite
@@ -413,9 +421,7 @@ async fn complete_pg(
         Ok(PgStands::Open) => {}
         Ok(PgStands::Failed) => {
             pg_let_go(tx);
-            return Err(TxFailure::NotCommitted(StoreError::backend(
-                "a statement of the handler's failed its transaction",
-            )));
+            return Err(TxFailure::Failed);
         }
         Ok(PgStands::Ended) => {
             pg_let_go(tx);
