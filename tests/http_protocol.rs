@@ -1156,8 +1156,9 @@ async fn a_request_without_a_tenant_is_refused_unless_single_tenant() {
     assert_eq!(app.ran("alice"), 1);
 }
 
-/// A generic handler whose error type's `Classify` impl a bound names: it
-/// decides as it does in a concrete handler (a gateway timeout that may
+/// A generic handler whose error type's `Classify` impl a bound names (or
+/// an error type behind `impl Trait` whose bounds name it): it decides as
+/// it does in a concrete handler (a gateway timeout that may
 /// have charged is stored, so the retry is replayed, not charged again).
 mod generic_classification {
     use super::*;
@@ -1205,13 +1206,24 @@ mod generic_classification {
         g.charge()
     }
 
+    /// Behind `impl Trait`, a bound that names `Classify` (the macro
+    /// refuses one without: `tests/ui/fail/opaque_error_type_without_classify.rs`).
+    #[idempotent(scope = "payment.opaque")]
+    async fn opaque(
+        State(g): State<Arc<TimesOut>>,
+        _body: String,
+    ) -> Result<String, impl IntoResponse + Classify> {
+        g.charge()
+    }
+
     #[tokio::test]
     async fn a_bound_classify_impl_decides_in_a_generic_handler() {
-        for path in ["/concrete", "/generic"] {
+        for path in ["/concrete", "/generic", "/opaque"] {
             let gateway = Arc::new(TimesOut(AtomicUsize::new(0)));
             let app = Router::new()
                 .route("/generic", post(generic::<TimesOut>))
                 .route("/concrete", post(concrete))
+                .route("/opaque", post(opaque))
                 .with_state(gateway.clone())
                 .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
             let addr = serve(app).await;

@@ -386,14 +386,18 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStrea
 // Output: the block as a future whose value is typed as declared, so that
 //         `?` and an early `return` infer:
 //             async move {
-//                 let __idem_ret: Result<_, E> = { .. };
+//                 let __idem_ret = __private::returning::<Result<_, E>, _>(async move { .. }).await;
 //                 {
 //                     fn __idem_check<__IdemImpl0: IntoResponse>(value: Result<__IdemImpl0, E>)
 //                         -> Result<impl IntoResponse, E> { value }
 //                     __idem_check::<_>(__idem_ret)
 //                 }
 //             }
-//         Each `impl Trait` is left to inference in the binding and is a
+//         The block is an async block of its own, so that a `return` in it
+//         ends that block, with the value's own type, as it ends the
+//         handler without the attribute: ending the outer block, it would
+//         have to be the checking fn's opaque type. Each `impl Trait` is
+//         left to inference there and is a
 //         generic parameter of the checking fn, whose return type is the
 //         declared one, so that its bounds hold (and the names they use
 //         count as used). Without an `impl Trait` it is
@@ -429,7 +433,7 @@ fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> Token
     };
     quote! {
         async move {
-            let #ret_ident: #ret = #block;
+            let #ret_ident = #private::returning::<#ret, _>(async move #block).await;
             #check
         }
     }

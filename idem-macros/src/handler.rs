@@ -184,6 +184,38 @@ fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident
     Some((error, named))
 }
 
+/// The error type of a `Result<T, E>` return type that is an `impl Trait`
+/// whose bounds do not name `Classify`. Only the bounds can be seen through
+/// it: a `Classify` impl of the type behind it would be ignored, and the
+/// outcome recorded by its status code instead.
+fn opaque_error_type(sig: &syn::Signature) -> Option<&Type> {
+    let syn::ReturnType::Type(_, ty) = &sig.output else {
+        return None;
+    };
+    let seg = last_segment(ty)?;
+    if seg.ident != "Result" {
+        return None;
+    }
+    let PathArguments::AngleBracketed(args) = &seg.arguments else {
+        return None;
+    };
+    let Some(GenericArgument::Type(error)) = args.args.iter().nth(1) else {
+        return None;
+    };
+    let mut inner = error;
+    while let Type::Paren(syn::TypeParen { elem, .. }) | Type::Group(syn::TypeGroup { elem, .. }) = inner {
+        inner = elem;
+    }
+    let Type::ImplTrait(opaque) = inner else {
+        return None;
+    };
+    let classify = opaque.bounds.iter().any(|b| {
+        matches!(b, syn::TypeParamBound::Trait(t)
+            if t.path.segments.last().is_some_and(|s| s.ident == "Classify"))
+    });
+    (!classify).then_some(error)
+}
+
 /// The first identifier in `tokens` (groups included) that `wanted` accepts.
 fn first_ident(
     tokens: proc_macro2::TokenStream,
@@ -416,6 +448,14 @@ impl Handler {
                      so an impl would be ignored; say so in a bound on this type (such as `where \
                      {param}::Error: idem::Classify`), or return a concrete error type"
                 ),
+            ));
+        }
+        if let Some(error) = opaque_error_type(&item.sig) {
+            errors.push(syn::Error::new_spanned(
+                error,
+                "this error type is an `impl Trait`: only its bounds can be seen through it, so an \
+                 `idem::Classify` impl of the type behind it would be ignored; add `+ idem::Classify` to \
+                 its bounds, or return the concrete error type",
             ));
         }
         errors.finish()?;
