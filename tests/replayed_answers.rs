@@ -2,7 +2,8 @@
 //! without which the stored answer is not the answer (a body's encoding, a
 //! 401's challenge when named), never the headers of another connection;
 //! a `HEAD` told the length of an answer too large to keep; and a 1xx,
-//! which HTTP cannot send as a final answer, never stored as one.
+//! which HTTP cannot send as a final answer, never stored as one (but a
+//! 101, an upgrade, goes out as it does without idem).
 
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -74,6 +75,15 @@ async fn answer(
             vec![b'z'; 4 * LIMIT],
         )
             .into_response(),
+        "big-gzip" => (
+            StatusCode::OK,
+            [
+                (header::CONTENT_TYPE, "application/json"),
+                (header::CONTENT_ENCODING, "gzip"),
+            ],
+            [GZIPPED, &[0u8; 4 * LIMIT][..]].concat(),
+        )
+            .into_response(),
         "small" => (StatusCode::OK, "ok").into_response(),
         "early-hints" => (StatusCode::from_u16(103).unwrap(), "early hints").into_response(),
         other => panic!("no kind {other}"),
@@ -118,6 +128,30 @@ async fn a_body_encoded_by_the_handler_is_replayed_with_its_encoding(a: App) {
     assert_eq!(again.header("content-type"), Some("application/json"));
     assert_eq!(again.body, GZIPPED);
     assert_eq!(a.runs.of("k-gzip"), 1);
+}
+
+/// Past the stored limit, the replay has no body: nothing for its type or
+/// its encoding to describe, so neither is replayed (an empty payload
+/// labelled gzip is no gzip stream).
+async fn an_omitted_body_is_replayed_without_its_encoding(a: App) {
+    let send = || async move {
+        post_req("/a?kind=big-gzip", "")
+            .key("k-big-gzip")
+            .send(a.addr)
+            .await
+    };
+    let first = send().await;
+    assert_eq!(first.header("content-encoding"), Some("gzip"), "{first:?}");
+    let again = send().await;
+    assert_eq!(
+        again.header("idempotent-replay-body-omitted"),
+        Some("true"),
+        "{again:?}"
+    );
+    assert!(again.body.is_empty());
+    assert_eq!(again.header("content-type"), None, "{again:?}");
+    assert_eq!(again.header("content-encoding"), None, "{again:?}");
+    assert_eq!(a.runs.of("k-big-gzip"), 1);
 }
 
 /// A 401 the handler answers is stored (a rejection), and, with
@@ -183,6 +217,7 @@ idem_testkit::for_each_store! {
     worker_threads: 2,
     cases: [
         a_body_encoded_by_the_handler_is_replayed_with_its_encoding,
+        an_omitted_body_is_replayed_without_its_encoding,
         a_stored_401_is_replayed_with_its_named_challenge,
         a_head_of_an_answer_past_the_limit_is_told_its_length,
         an_informational_status_is_no_answer,
@@ -228,4 +263,75 @@ async fn another_connections_keep_alive_is_not_replayed() {
     let again = send().await;
     assert_eq!(again.header("idempotent-replayed"), Some("true"), "{again:?}");
     assert_eq!(again.header("keep-alive"), None, "{again:?}");
+}
+
+/// 101 Switching Protocols is the one 1xx that goes out as the answer (an
+/// upgrade): under the attribute the handler's upgrade happens, as
+/// without it.
+mod upgrades {
+    use super::*;
+    use axum::extract::FromRequestParts;
+    use axum::http::request::Parts;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// The connection's upgrade, taken from the request.
+    struct Upgrade(hyper::upgrade::OnUpgrade);
+
+    impl<S: Send + Sync> FromRequestParts<S> for Upgrade {
+        type Rejection = StatusCode;
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+            parts
+                .extensions
+                .remove::<hyper::upgrade::OnUpgrade>()
+                .map(Upgrade)
+                .ok_or(StatusCode::UPGRADE_REQUIRED)
+        }
+    }
+
+    /// Answers 101, then says `hello` on the upgraded connection.
+    fn switch(Upgrade(on): Upgrade) -> Response {
+        tokio::spawn(async move {
+            if let Ok(upgraded) = on.await {
+                let mut io = hyper_util::rt::TokioIo::new(upgraded);
+                let _ = io.write_all(b"hello").await;
+                let _ = io.shutdown().await;
+            }
+        });
+        (
+            StatusCode::SWITCHING_PROTOCOLS,
+            [(header::CONNECTION, "upgrade"), (header::UPGRADE, "echo")],
+        )
+            .into_response()
+    }
+
+    #[idempotent(scope = "answer.upgrade", body = "none")]
+    async fn upgrade(State(runs): State<Runs>, op: Operation, up: Upgrade) -> Response {
+        *runs.0.lock().unwrap().entry(op.key().to_owned()).or_default() += 1;
+        switch(up)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_upgrade_goes_out_as_it_does_without_idem() {
+        let runs = Runs::default();
+        let router = Router::new()
+            .route("/up", get(upgrade))
+            .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer())
+            .with_state(runs.clone());
+        let addr = serve(router).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!(
+            "GET /up HTTP/1.1\r\nhost: {addr}\r\nconnection: upgrade\r\nupgrade: echo\r\nidempotency-key: k-up\r\n\r\n"
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut raw = Vec::new();
+        // The upgraded side says `hello`, then closes.
+        tokio::time::timeout(std::time::Duration::from_secs(10), s.read_to_end(&mut raw))
+            .await
+            .expect("the upgraded connection ends within 10 s")
+            .unwrap();
+        let raw = String::from_utf8_lossy(&raw);
+        assert!(raw.starts_with("HTTP/1.1 101"), "{raw}");
+        assert!(raw.ends_with("hello"), "{raw}");
+        assert_eq!(runs.of("k-up"), 1);
+    }
 }

@@ -8,7 +8,7 @@ use crate::outcome::{let_go, record_completion, LetGo};
 use crate::protocol::{drop_caught, let_go_once_free, panic_message, record, Outcome};
 use crate::store::StoredResponse;
 use axum::body::Body;
-use axum::http::header::{HeaderName, HeaderValue, CONTENT_TYPE};
+use axum::http::header::{HeaderName, HeaderValue, CONTENT_ENCODING, CONTENT_TYPE};
 use axum::http::StatusCode;
 use axum::response::Response;
 use futures_util::{FutureExt as _, StreamExt as _};
@@ -330,7 +330,8 @@ pub(crate) fn replay(stored: StoredResponse) -> Response {
     *response.status_mut() = status;
     let headers = response.headers_mut();
     for (name, value) in stored.headers {
-        if omitted && name == CONTENT_TYPE.as_str() {
+        // No body: nothing for its type or its encoding to describe.
+        if omitted && (name == CONTENT_TYPE.as_str() || name == CONTENT_ENCODING.as_str()) {
             continue;
         }
         // The value's bytes move into it, uncopied.

@@ -35,9 +35,9 @@ pub enum Classification {
 impl Classification {
     /// The default rule: 2xx and 3xx are stored; 400, 409 and 422 are
     /// rejected; 408, 425, 429 and every 5xx are released as failed; every
-    /// other 4xx is stored. A 1xx is not a final answer (HTTP cannot send
-    /// one as such): released as failed, and its client gets 500, whatever
-    /// a handler's error type says.
+    /// other 4xx is stored. A 1xx other than 101 (an upgrade) is not a
+    /// final answer (HTTP cannot send one as such): released as failed, and
+    /// its client gets 500, whatever a handler's error type says.
     ///
     /// ```
     /// # use idem::Classification;
@@ -50,10 +50,16 @@ impl Classification {
     pub fn from_status(status: StatusCode) -> Self {
         match status.as_u16() {
             400 | 409 | 422 => Classification::Reject,
-            100..=199 | 408 | 425 | 429 | 500..=599 => Classification::Release,
+            100 | 102..=199 | 408 | 425 | 429 | 500..=599 => Classification::Release,
             _ => Classification::Store,
         }
     }
+}
+
+/// Whether `status` can never be a final answer: a 1xx other than 101
+/// Switching Protocols, which hyper sends as the answer to an upgrade.
+pub(crate) fn never_final(status: StatusCode) -> bool {
+    status.is_informational() && status != StatusCode::SWITCHING_PROTOCOLS
 }
 
 /// Lets a handler's error type (or whole return type) say how its outcome is

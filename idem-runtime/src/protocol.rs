@@ -18,7 +18,7 @@ use crate::request::Spec;
 use crate::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
 use crate::tx::PendingTx;
 use axum::body::Body;
-use axum::http::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::header::{HeaderValue, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
 use axum::response::{IntoResponse as _, Response};
 use futures_util::future::Either;
 use futures_util::{FutureExt as _, StreamExt as _};
@@ -569,10 +569,11 @@ pub(crate) fn finish<'a>(
             ));
         }
     };
-    // A 1xx is no final answer: HTTP cannot send it as one (hyper answers
+    // A 1xx other than 101 (an upgrade, which hyper sends as the final
+    // answer) is no final answer: HTTP cannot send it as one (hyper answers
     // 500 instead), so it is neither stored nor given; released as failed,
     // as a panic is, whatever the handler's error type says.
-    if response.status().is_informational() {
+    if crate::classify::never_final(response.status()) {
         tracing::error!(
             status = response.status().as_u16(),
             "the handler answered with an informational status, which is no final answer; releasing the key"
@@ -982,6 +983,7 @@ fn complete_answer<'a>(
                             // Past what is held for it: what a replay gets,
                             // the status and headers, said so.
                             parts.headers.remove(CONTENT_TYPE);
+                            parts.headers.remove(CONTENT_ENCODING);
                             parts
                                 .headers
                                 .insert(BODY_OMITTED, HeaderValue::from_static("true"));
