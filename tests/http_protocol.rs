@@ -1216,14 +1216,26 @@ mod generic_classification {
         g.charge()
     }
 
+    /// An error trait of the application's, with `Classify` as a supertrait.
+    trait GatewayError: IntoResponse + Classify {}
+
+    impl GatewayError for Timeout {}
+
+    /// Behind `impl Trait`, a bound that implies `Classify`.
+    #[idempotent(scope = "payment.supertrait")]
+    async fn supertrait(State(g): State<Arc<TimesOut>>, _body: String) -> Result<String, impl GatewayError> {
+        g.charge()
+    }
+
     #[tokio::test]
     async fn a_bound_classify_impl_decides_in_a_generic_handler() {
-        for path in ["/concrete", "/generic", "/opaque"] {
+        for path in ["/concrete", "/generic", "/opaque", "/supertrait"] {
             let gateway = Arc::new(TimesOut(AtomicUsize::new(0)));
             let app = Router::new()
                 .route("/generic", post(generic::<TimesOut>))
                 .route("/concrete", post(concrete))
                 .route("/opaque", post(opaque))
+                .route("/supertrait", post(supertrait))
                 .with_state(gateway.clone())
                 .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
             let addr = serve(app).await;

@@ -185,9 +185,12 @@ fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident
 }
 
 /// The error type of a `Result<T, E>` return type that is an `impl Trait`
-/// whose bounds do not name `Classify`. Only the bounds can be seen through
-/// it: a `Classify` impl of the type behind it would be ignored, and the
-/// outcome recorded by its status code instead.
+/// bounded only by traits that cannot imply `Classify` (axum's and the
+/// standard library's: see [`CANNOT_CLASSIFY`]). Only the bounds can be
+/// seen through it: a `Classify` impl of the type behind it would be
+/// ignored, and the outcome recorded by its status code instead. A trait
+/// of the application's may have `Classify` as a supertrait, which the
+/// macro cannot see: it is let through.
 fn opaque_error_type(sig: &syn::Signature) -> Option<&Type> {
     let syn::ReturnType::Type(_, ty) = &sig.output else {
         return None;
@@ -209,12 +212,33 @@ fn opaque_error_type(sig: &syn::Signature) -> Option<&Type> {
     let Type::ImplTrait(opaque) = inner else {
         return None;
     };
-    let classify = opaque.bounds.iter().any(|b| {
-        matches!(b, syn::TypeParamBound::Trait(t)
-            if t.path.segments.last().is_some_and(|s| s.ident == "Classify"))
+    let cannot_classify = opaque.bounds.iter().all(|b| match b {
+        syn::TypeParamBound::Trait(t) => t
+            .path
+            .segments
+            .last()
+            .is_some_and(|s| CANNOT_CLASSIFY.iter().any(|name| s.ident == name)),
+        // Lifetimes, `use<..>`: no trait.
+        _ => true,
     });
-    (!classify).then_some(error)
+    cannot_classify.then_some(error)
 }
+
+/// Traits whose bounds say nothing of `Classify`: an error type behind
+/// `impl` of these alone hides whether it implements it.
+const CANNOT_CLASSIFY: &[&str] = &[
+    "IntoResponse",
+    "Send",
+    "Sync",
+    "Unpin",
+    "Sized",
+    "Debug",
+    "Display",
+    "Error",
+    "Clone",
+    "Serialize",
+    "Any",
+];
 
 /// The first identifier in `tokens` (groups included) that `wanted` accepts.
 fn first_ident(
@@ -453,9 +477,10 @@ impl Handler {
         if let Some(error) = opaque_error_type(&item.sig) {
             errors.push(syn::Error::new_spanned(
                 error,
-                "this error type is an `impl Trait`: only its bounds can be seen through it, so an \
-                 `idem::Classify` impl of the type behind it would be ignored; add `+ idem::Classify` to \
-                 its bounds, or return the concrete error type",
+                "this error type is an `impl Trait` whose bounds do not say whether it implements \
+                 `idem::Classify`: only its bounds can be seen through it, so a `Classify` impl of the \
+                 type behind it would be ignored; add `+ idem::Classify` to its bounds, or return the \
+                 concrete error type",
             ));
         }
         errors.finish()?;
