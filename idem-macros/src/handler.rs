@@ -142,19 +142,7 @@ fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident
     if params.is_empty() {
         return None;
     }
-    let syn::ReturnType::Type(_, ty) = &sig.output else {
-        return None;
-    };
-    let seg = last_segment(ty)?;
-    if seg.ident != "Result" {
-        return None;
-    }
-    let PathArguments::AngleBracketed(args) = &seg.arguments else {
-        return None;
-    };
-    let Some(GenericArgument::Type(error)) = args.args.iter().nth(1) else {
-        return None;
-    };
+    let error = result_error_type(sig)?;
     let named = first_ident(error.to_token_stream(), &|i| params.contains(&i))?;
     // A bound that names `Classify` on the error type itself: in the
     // `where` clause, or on the type parameter that is the error type.
@@ -192,19 +180,7 @@ fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident
 /// of the application's may have `Classify` as a supertrait, which the
 /// macro cannot see: it is let through.
 fn opaque_error_type(sig: &syn::Signature) -> Option<&Type> {
-    let syn::ReturnType::Type(_, ty) = &sig.output else {
-        return None;
-    };
-    let seg = last_segment(ty)?;
-    if seg.ident != "Result" {
-        return None;
-    }
-    let PathArguments::AngleBracketed(args) = &seg.arguments else {
-        return None;
-    };
-    let Some(GenericArgument::Type(error)) = args.args.iter().nth(1) else {
-        return None;
-    };
+    let error = result_error_type(sig)?;
     let mut inner = error;
     while let Type::Paren(syn::TypeParen { elem, .. }) | Type::Group(syn::TypeGroup { elem, .. }) = inner {
         inner = elem;
@@ -239,6 +215,25 @@ const CANNOT_CLASSIFY: &[&str] = &[
     "Serialize",
     "Any",
 ];
+
+/// The error type `E` of a return type written `Result<T, E>` (any path
+/// ending in `Result`).
+fn result_error_type(sig: &syn::Signature) -> Option<&Type> {
+    let syn::ReturnType::Type(_, ty) = &sig.output else {
+        return None;
+    };
+    let seg = last_segment(ty)?;
+    if seg.ident != "Result" {
+        return None;
+    }
+    let PathArguments::AngleBracketed(args) = &seg.arguments else {
+        return None;
+    };
+    match args.args.iter().nth(1) {
+        Some(GenericArgument::Type(error)) => Some(error),
+        _ => None,
+    }
+}
 
 /// The first identifier in `tokens` (groups included) that `wanted` accepts.
 fn first_ident(

@@ -573,61 +573,38 @@ pub(crate) fn finish<'a>(
     // answer) is no final answer: HTTP cannot send it as one (hyper answers
     // 500 instead), so it is neither stored nor given; released as failed,
     // as a panic is, whatever the handler's error type says.
-    if crate::classify::never_final(response.status()) {
+    let (response, how) = if crate::classify::never_final(response.status()) {
         tracing::error!(
             status = response.status().as_u16(),
             "the handler answered with an informational status, which is no final answer; releasing the key"
         );
         drop_unsent(response);
-        return Either::Left(keeping(
-            engine,
-            info,
-            lock_timeout,
-            beat,
-            None,
-            Problem::HandlerFailed.into_response(),
-            LetGo::Fail,
-        ));
-    }
-    // A problem of the handler's own is stored, and so replayed, as its
-    // client first gets it: under the configured base.
-    let response = match &engine.problem_base {
-        Some(base) => crate::problem::rebase(response, base),
-        None => response,
+        (Problem::HandlerFailed.into_response(), LetGo::Fail)
+    } else {
+        // A problem of the handler's own is stored, and so replayed, as its
+        // client first gets it: under the configured base.
+        let response = match &engine.problem_base {
+            Some(base) => crate::problem::rebase(response, base),
+            None => response,
+        };
+        match declared.unwrap_or_else(|| Classification::from_status(response.status())) {
+            Classification::Reject => (response, LetGo::Reject),
+            Classification::Release => (response, LetGo::Fail),
+            Classification::Store => {
+                let (parts, body) = response.into_parts();
+                return Either::Right(complete_answer(
+                    engine,
+                    info,
+                    lock_timeout,
+                    parts,
+                    body,
+                    beat,
+                    reader,
+                ));
+            }
+        }
     };
-    let class = declared.unwrap_or_else(|| Classification::from_status(response.status()));
-    if class == Classification::Reject {
-        return Either::Left(keeping(
-            engine,
-            info,
-            lock_timeout,
-            beat,
-            None,
-            response,
-            LetGo::Reject,
-        ));
-    }
-    if class == Classification::Release {
-        return Either::Left(keeping(
-            engine,
-            info,
-            lock_timeout,
-            beat,
-            None,
-            response,
-            LetGo::Fail,
-        ));
-    }
-    let (parts, body) = response.into_parts();
-    Either::Right(complete_answer(
-        engine,
-        info,
-        lock_timeout,
-        parts,
-        body,
-        beat,
-        reader,
-    ))
+    Either::Left(keeping(engine, info, lock_timeout, beat, None, response, how))
 }
 
 /// The key let go as `how`, with the lease kept until that is done, and
