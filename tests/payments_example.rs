@@ -817,15 +817,13 @@ fn a_failed_start_says_why_and_logs_no_password() {
     }
 }
 
-/// Logs written to a pipe carry no terminal colour codes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn logs_to_a_pipe_are_plain_text() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("p.db").display());
+/// What the example logs, to a pipe, from its start until it listens on
+/// `url`'s database; then it is stopped.
+async fn logs_until_listening(url: &str) -> String {
     let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let mut child = tokio::process::Command::new(example_binary())
         .env("PAYMENTS_ADDR", addr.to_string())
-        .env("DATABASE_URL", &url)
+        .env("DATABASE_URL", url)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -845,10 +843,26 @@ async fn logs_to_a_pipe_are_plain_text() {
     })
     .await
     .expect("the example logs that it listens");
-    assert!(
-        !seen.contains(&0x1b),
-        "colour codes in a pipe: {:?}",
-        String::from_utf8_lossy(&seen)
-    );
     child.kill().await.unwrap();
+    String::from_utf8_lossy(&seen).into_owned()
+}
+
+/// Logs written to a pipe carry no terminal colour codes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_to_a_pipe_are_plain_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let seen = logs_until_listening(&format!("sqlite://{}", dir.path().join("p.db").display())).await;
+    assert!(!seen.contains('\x1b'), "colour codes in a pipe: {seen:?}");
+}
+
+/// A start on a PostgreSQL database whose tables are there logs no notice
+/// that they are ("relation ... already exists, skipping").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_start_on_postgres_logs_no_notices() {
+    let Some(store) = Store::postgres().await else {
+        return;
+    };
+    let _first = logs_until_listening(&store.url()).await;
+    let second = logs_until_listening(&store.url()).await;
+    assert!(!second.contains("already exists"), "{second}");
 }

@@ -73,11 +73,15 @@ impl Db {
             let store = PgStore::new(pool.clone());
             store.migrate().await.map_err(|e| e.to_string())?;
             let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
-            // One migrating process at a time.
-            sqlx::query("SELECT pg_advisory_xact_lock(7319002152)")
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| e.to_string())?;
+            // One migrating process at a time; and each start's
+            // "relation ... already exists, skipping" (a notice per table
+            // that is there) is not logged.
+            sqlx::raw_sql(
+                "SELECT pg_advisory_xact_lock(7319002152); SET LOCAL client_min_messages = warning",
+            )
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| e.to_string())?;
             for ddl in SCHEMA {
                 sqlx::query(*ddl)
                     .execute(&mut *tx)
