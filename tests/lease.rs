@@ -119,6 +119,23 @@ async fn loses_its_lease(State(app): State<App>, op: Operation) -> (StatusCode, 
     (StatusCode::CREATED, "first")
 }
 
+/// Waits for the test, then checkpoints (which another execution's token
+/// on the record refuses) and says whether it was told its lease is lost.
+/// Its lock runs for 10 s: only the checkpoint's refusal can tell it.
+#[idempotent(scope = "lease.checkpointed", lock_timeout = "10s")]
+async fn checkpoints_after_a_takeover(State(app): State<App>, op: Operation) -> StatusCode {
+    app.ran("checkpointed");
+    let go = app.gate.notified();
+    app.events.send("checkpointing").unwrap();
+    go.await;
+    assert_eq!(op.checkpoint("late").await, Err(StoreError::LockLost));
+    let told = op.is_lease_lost() && futures_util::FutureExt::now_or_never(op.lease_lost()).is_some();
+    app.events
+        .send(if told { "told_lost" } else { "not_told" })
+        .unwrap();
+    StatusCode::CREATED
+}
+
 /// A plain handler; a retry waits for a first execution in progress.
 #[idempotent(scope = "lease.plain", wait = "10s")]
 async fn plain(State(app): State<App>) -> (StatusCode, String) {
@@ -504,6 +521,7 @@ async fn start(store_timeout: Duration, kind: StoreKind) -> Option<Harness> {
         .route("/broken-body", post(broken_body))
         .route("/panicky-body", post(panicky_body))
         .route("/lease-lost", post(loses_its_lease))
+        .route("/checkpointed", post(checkpoints_after_a_takeover))
         .route("/plain", post(plain))
         .route("/tx", post(in_transaction))
         .route("/blocking", post(blocking))
@@ -652,6 +670,29 @@ async fn a_lost_lease_is_told_and_never_answered(mut h: Harness) {
         (201, &b"the other execution"[..])
     );
     assert_eq!(h.app.runs("lease_lost"), 1);
+}
+
+/// A checkpoint that the store refuses (another execution's token holds
+/// the record) tells the handler its lease is lost, as the keeper would:
+/// `is_lease_lost` and `lease_lost` agree with the refusal, and the answer
+/// is not given.
+async fn a_refused_checkpoint_tells_the_lease_lost(mut h: Harness) {
+    let first = {
+        let addr = h.addr;
+        tokio::spawn(async move {
+            post_req("/checkpointed", "")
+                .key("k-checkpointed")
+                .send(addr)
+                .await
+        })
+    };
+    h.told("checkpointing").await;
+    h.take_over_behind_its_back("lease.checkpointed", "k-checkpointed")
+        .await;
+    h.app.gate.notify_one();
+    h.told("told_lost").await;
+    let first = first.await.unwrap();
+    assert_eq!(first.problem(), "idempotency-lease-lost", "{first:?}");
 }
 
 /// A client that leaves while its key is being reserved cancels nothing:
@@ -1161,6 +1202,7 @@ mod taken_over {
         cases: [
             a_lost_lease_is_told_and_never_answered,
             a_whole_body_never_arrives_before_its_answer_is_recorded,
+            a_refused_checkpoint_tells_the_lease_lost,
         ],
     }
 }

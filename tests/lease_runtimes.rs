@@ -168,24 +168,33 @@ static HOG_RUNS: AtomicU32 = AtomicU32::new(0);
 static HOG_GATE: (std::sync::Mutex<bool>, std::sync::Condvar) =
     (std::sync::Mutex::new(false), std::sync::Condvar::new());
 
+/// Whether the first run of `hog` was told its lease is lost, once its
+/// thread was free again.
+static HOG_TOLD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Its first run blocks its thread (neither `block_in_place` nor
-/// `spawn_blocking`) until the test opens the gate.
+/// `spawn_blocking`) until the test opens the gate, then asks whether its
+/// lease holds, as a handler does before its next effect.
 #[idempotent(scope = "probe.hog", lock_timeout = "300ms")]
-async fn hog() -> (StatusCode, String) {
+async fn hog(op: Operation) -> (StatusCode, String) {
     let n = HOG_RUNS.fetch_add(1, Ordering::SeqCst) + 1;
     if n == 1 {
-        let (open, opened) = &HOG_GATE;
-        let mut open = open.lock().unwrap();
-        while !*open {
-            open = opened.wait(open).unwrap();
+        {
+            let (open, opened) = &HOG_GATE;
+            let mut open = open.lock().unwrap();
+            while !*open {
+                open = opened.wait(open).unwrap();
+            }
         }
+        HOG_TOLD.store(op.is_lease_lost(), Ordering::SeqCst);
     }
     (StatusCode::CREATED, format!("run {n}"))
 }
 
 /// What the README says of work that blocks a runtime's every worker: the
 /// keeper runs each extension on the execution's own runtime, so none runs
-/// while the runtime's only thread is blocked, and the lock runs out. A
+/// while the runtime's only thread is blocked, and the lock runs out; the
+/// handler is told its lease is lost once it asks. A
 /// retry meanwhile (from another runtime) takes the key over and runs the
 /// handler again; the blocked execution's late completion is fenced off by
 /// its token, never stored over the takeover's answer, and its client is
@@ -219,6 +228,12 @@ fn work_that_blocks_a_runtimes_only_thread_stops_its_extensions() {
     let (first_status, first_body) = first.join().unwrap();
     eprintln!("blocked execution answered {first_status} {first_body:?}");
     assert_ne!(first_status, StatusCode::CREATED, "its completion was fenced off");
+    // The keeper, a thread of its own, counted the deadline that passed
+    // although the extension it started could not run.
+    assert!(
+        HOG_TOLD.load(Ordering::SeqCst),
+        "the blocked run was not told its lease is lost"
+    );
     let replay = send();
     assert_eq!(
         (replay.0, &replay.1[..]),

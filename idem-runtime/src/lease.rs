@@ -231,6 +231,16 @@ impl Keeper {
             let mut lost = Vec::new();
             for (&id, entry) in &mut state.leases {
                 if entry.beating.as_ref().is_some_and(|b| !b.is_finished()) {
+                    // The extension under way decides, by the deadline at
+                    // the latest; unless its runtime does not run it (the
+                    // handler's blocking work holds its only thread): past
+                    // the deadline the lease is lost all the same, and the
+                    // handler is told.
+                    if now >= entry.clock.deadline {
+                        lost.push(id);
+                    } else {
+                        next = next.min(entry.clock.deadline);
+                    }
                     continue;
                 }
                 if now >= entry.clock.deadline {

@@ -345,14 +345,24 @@ impl Operation {
     ///
     /// [`StoreError::LockLost`] when another execution took the operation
     /// over, or when the lease is lost (see [`Operation::is_lease_lost`]):
-    /// stop, the record is not yours any more. Another [`StoreError`] when
+    /// stop, the record is not yours any more. The lease then counts as
+    /// lost ([`Operation::is_lease_lost`] is true, [`Operation::lease_lost`]
+    /// resolves). Another [`StoreError`] when
     /// the store fails.
     pub async fn checkpoint(&self, name: &str) -> Result<(), StoreError> {
         let info = &self.info;
         if info.is_lost() {
             return Err(StoreError::LockLost);
         }
-        info.store.checkpoint(&info.id, &info.lease.token, name).await?;
+        if let Err(e) = info.store.checkpoint(&info.id, &info.lease.token, name).await {
+            // The store says another token holds the record: the lease is
+            // lost, and the handler is told so everywhere (`is_lease_lost`,
+            // `lease_lost`), not only by this error.
+            if e == StoreError::LockLost && info.lease_ended() {
+                tracing::error!("a checkpoint found the operation taken over: the lease is lost");
+            }
+            return Err(e);
+        }
         *self.info.recovery_point.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.to_owned());
         Ok(())
     }
