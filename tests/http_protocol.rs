@@ -1139,10 +1139,21 @@ async fn a_request_without_a_tenant_is_refused_unless_single_tenant() {
         .await;
     assert_eq!(r.status, 500);
     assert_eq!(h.app.ran("alice"), 0);
+    // Without a key, an optional handler stores nothing, but the request is
+    // refused all the same: the misconfiguration shows before a key comes.
+    let r = post_req("/optional", &body(100, "opt")).send(h.addr).await;
+    assert_eq!(
+        (r.status, r.problem()),
+        (500, "idempotency-misconfigured".to_owned())
+    );
+    assert_eq!(h.app.ran("opt"), 0);
 
     let app = App::default();
     let idem = Idem::new(idem::MemoryStore::new()).single_tenant();
     let addr = serve(router(app.clone(), idem)).await;
+    let r = post_req("/optional", &body(100, "opt")).send(addr).await;
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(app.ran("opt"), 1);
     let r = post_req("/payments", &body(100, "alice"))
         .key("k")
         .send(addr)

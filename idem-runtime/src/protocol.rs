@@ -157,9 +157,16 @@ fn start(
         }
         None => IdempotencyKey::from_header_values(ctx.key.iter().map(HeaderValue::as_bytes)),
     };
+    let rebased = |refused: Response| match &base {
+        Some(base) => crate::problem::rebase(refused, base),
+        None => refused,
+    };
     let key = match key {
         Ok(key) => key,
         Err(KeyError::Missing) if spec.optional => {
+            if tenant_id(&engine, ctx.tenant.as_ref()).is_none() {
+                return Started::Answered(rebased(Problem::Misconfigured.into_response()));
+            }
             let span = tracing::info_span!(
                 "idem",
                 scope = spec.scope,
@@ -176,10 +183,7 @@ fn start(
                 header: spec.header,
             }
             .into_response();
-            return Started::Answered(match base {
-                Some(base) => crate::problem::rebase(refused, &base),
-                None => refused,
-            });
+            return Started::Answered(rebased(refused));
         }
     };
     let span = tracing::info_span!(
@@ -282,6 +286,35 @@ impl<F: Future<Output = Response> + Send + 'static> Drop for Detachable<F> {
     }
 }
 
+/// The tenant a request's records are keyed by; `None`, logged, when none
+/// was established (and the layer is not single-tenant) or it cannot key a
+/// record: the request is answered 500 `idempotency-misconfigured`, a
+/// keyless one to an `optional` handler too, which stores nothing but would
+/// otherwise hide the misconfiguration until a key comes.
+fn tenant_id(engine: &Engine, tenant: Option<&Tenant>) -> Option<String> {
+    match (tenant, engine.single_tenant) {
+        (Some(t), _) if !Tenant::storable(t.as_str()) => {
+            // Every store must key a record by it: refused the same way on
+            // all of them, before any store call.
+            tracing::error!(
+                len = t.as_str().len(),
+                "the tenant id cannot key a record: it must be 1 to {} bytes without control characters",
+                Tenant::MAX_LEN
+            );
+            None
+        }
+        (Some(t), _) => Some(t.as_str().to_owned()),
+        (None, true) => Some(String::new()),
+        (None, false) => {
+            tracing::error!(
+                "no tenant for this request: insert an `idem::Tenant` into the request extensions in \
+                 your auth layer, or call `Idem::single_tenant()` if the service has one tenant"
+            );
+            None
+        }
+    }
+}
+
 /// The protocol for one keyed request: tenant, fingerprint, reserve, then
 /// execute under the lease, or answer from the record.
 pub(crate) async fn protect(
@@ -293,26 +326,8 @@ pub(crate) async fn protect(
     handler: Unrun,
     reader: Reader,
 ) -> Response {
-    let tenant = match (tenant, engine.single_tenant) {
-        (Some(t), _) if !Tenant::storable(t.as_str()) => {
-            // Every store must key a record by it: refused the same way on
-            // all of them, before any store call.
-            tracing::error!(
-                len = t.as_str().len(),
-                "the tenant id cannot key a record: it must be 1 to {} bytes without control characters",
-                Tenant::MAX_LEN
-            );
-            return Problem::Misconfigured.into_response();
-        }
-        (Some(t), _) => t.as_str().to_owned(),
-        (None, true) => String::new(),
-        (None, false) => {
-            tracing::error!(
-                "no tenant for this request: insert an `idem::Tenant` into the request extensions in \
-                 your auth layer, or call `Idem::single_tenant()` if the service has one tenant"
-            );
-            return Problem::Misconfigured.into_response();
-        }
+    let Some(tenant) = tenant_id(&engine, tenant.as_ref()) else {
+        return Problem::Misconfigured.into_response();
     };
     let fingerprint = match fingerprint {
         Ok(fp) => fp,
