@@ -106,7 +106,14 @@ struct Entry {
     /// The runtime the execution runs on.
     runtime: Handle,
     /// The extension under way, if any.
-    beating: Option<JoinHandle<()>>,
+    beating: Option<Beating>,
+}
+
+/// An extension under way: its task, and whether its runtime has run it
+/// yet (it has asked the store).
+struct Beating {
+    task: JoinHandle<()>,
+    started: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// An execution's lease, kept (its lock extended every third of its lock
@@ -166,7 +173,7 @@ impl Drop for Heartbeat {
     fn drop(&mut self) {
         let entry = KEEPER.lock().leases.remove(&self.id);
         if let Some(beating) = entry.and_then(|e| e.beating) {
-            beating.abort();
+            beating.task.abort();
         }
     }
 }
@@ -230,16 +237,21 @@ impl Keeper {
             let mut next = now + IDLE;
             let mut lost = Vec::new();
             for (&id, entry) in &mut state.leases {
-                if entry.beating.as_ref().is_some_and(|b| !b.is_finished()) {
+                if let Some(beating) = entry.beating.as_ref().filter(|b| !b.task.is_finished()) {
                     // The extension under way decides, by the deadline at
-                    // the latest; unless its runtime does not run it (the
-                    // handler's blocking work holds its only thread): past
-                    // the deadline the lease is lost all the same, and the
-                    // handler is told.
-                    if now >= entry.clock.deadline {
-                        lost.push(id);
-                    } else {
-                        next = next.min(entry.clock.deadline);
+                    // the latest (its own timer, which looks at the store's
+                    // answer first: one that came in time counts, however
+                    // late its task is polled). Unless its runtime never
+                    // ran it (the handler's blocking work holds that
+                    // runtime's only thread): nothing was asked of the
+                    // store, so past the deadline the lease is lost all
+                    // the same, and the handler is told.
+                    if !beating.started.load(std::sync::atomic::Ordering::Acquire) {
+                        if now >= entry.clock.deadline {
+                            lost.push(id);
+                        } else {
+                            next = next.min(entry.clock.deadline);
+                        }
                     }
                     continue;
                 }
@@ -249,8 +261,18 @@ impl Keeper {
                     // Until the extension says otherwise, nothing is due
                     // before the deadline.
                     entry.next_beat = entry.clock.deadline;
-                    let beat = beat(id, entry.info.clone(), entry.clock).instrument(entry.span.clone());
-                    entry.beating = Some(entry.runtime.spawn(beat));
+                    let started = std::sync::Arc::default();
+                    let beat = beat(
+                        id,
+                        entry.info.clone(),
+                        entry.clock,
+                        std::sync::Arc::clone(&started),
+                    )
+                    .instrument(entry.span.clone());
+                    entry.beating = Some(Beating {
+                        task: entry.runtime.spawn(beat),
+                        started,
+                    });
                     next = next.min(entry.clock.deadline);
                 } else {
                     next = next.min(entry.next_beat);
@@ -272,8 +294,15 @@ impl Keeper {
     }
 }
 
-/// One extension of the lock of lease `id`, bounded by its deadline.
-async fn beat(id: u64, info: OperationInfo, clock: LeaseClock) {
+/// One extension of the lock of lease `id`, bounded by its deadline;
+/// `started` once its runtime runs it.
+async fn beat(
+    id: u64,
+    info: OperationInfo,
+    clock: LeaseClock,
+    started: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    started.store(true, std::sync::atomic::Ordering::Release);
     let asked = Instant::now();
     let extended = tokio::time::timeout_at(
         clock.deadline,
