@@ -1140,13 +1140,21 @@ async fn a_request_without_a_tenant_is_refused_unless_single_tenant() {
     assert_eq!(r.status, 500);
     assert_eq!(h.app.ran("alice"), 0);
     // Without a key, an optional handler stores nothing, but the request is
-    // refused all the same: the misconfiguration shows before a key comes.
+    // refused all the same: the misconfiguration shows before a key comes,
+    // logged with the handler's scope.
+    let logs = idem_testkit::logs();
     let r = post_req("/optional", &body(100, "opt")).send(h.addr).await;
     assert_eq!(
         (r.status, r.problem()),
         (500, "idempotency-misconfigured".to_owned())
     );
     assert_eq!(h.app.ran("opt"), 0);
+    assert!(
+        logs.text()
+            .lines()
+            .any(|l| l.contains("scope=\"payment.optional\"") && l.contains("no tenant for this request")),
+        "the refusal is not logged with its scope"
+    );
 
     let app = App::default();
     let idem = Idem::new(idem::MemoryStore::new()).single_tenant();

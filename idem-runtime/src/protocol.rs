@@ -164,7 +164,10 @@ fn start(
     let key = match key {
         Ok(key) => key,
         Err(KeyError::Missing) if spec.optional => {
-            if tenant_id(&engine, ctx.tenant.as_ref()).is_none() {
+            // Logged with its scope, as a keyed request's refusal is.
+            let checked = tracing::info_span!("idem", scope = spec.scope)
+                .in_scope(|| tenant_id(&engine, ctx.tenant.as_ref()));
+            if checked.is_none() {
                 return Started::Answered(rebased(Problem::Misconfigured.into_response()));
             }
             let span = tracing::info_span!(
