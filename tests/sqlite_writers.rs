@@ -262,6 +262,33 @@ async fn held_in_memory(hold: HookHold, at: HookAt) -> SqliteStore {
     store
 }
 
+/// A database in memory opened by URL (`sqlite::memory:`) gets one
+/// connection, as `in_memory()` does: several, sharing one database, lock
+/// whole tables without waiting, and concurrent requests on 40 keys were
+/// answered "database table is locked" (503) instead of reserved or 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_in_memory_opened_by_url_serves_concurrent_requests() {
+    let store = SqliteStore::open_url("sqlite::memory:").await.unwrap();
+    store.migrate().await.unwrap();
+    let tasks: Vec<_> = (0..400)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let (id, token) = (id(&format!("m-{}", i % 40)), idem_testkit::token());
+                match store.reserve(req(&id, token)).await? {
+                    Reservation::Reserved(_) => store.complete(&id, token, &answer("m")).await,
+                    Reservation::InProgress { .. } | Reservation::Completed(_) => Ok(()),
+                    other => panic!("{other:?}"),
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        let result = task.await.unwrap();
+        assert!(result.is_ok(), "{result:?}");
+    }
+}
+
 /// With no busy timeout at all, a writer of this process that met SQLite's
 /// write lock taken would fail at once (`SQLITE_BUSY`, a 503): 32 concurrent
 /// first requests only pass if this process's writers never meet it.

@@ -110,7 +110,11 @@ impl SqliteStore {
         Self::open_with(options).await
     }
 
-    /// Opens a `sqlite://` URL, such as `sqlite://payments.db`.
+    /// Opens a `sqlite://` URL, such as `sqlite://payments.db`. A database
+    /// in memory (`sqlite::memory:`, or `mode=memory`) gets the pool that
+    /// [`SqliteStore::in_memory`] makes: one connection, kept open (several
+    /// would lock whole tables without waiting, and answer concurrent
+    /// requests 503 where they should get 409).
     ///
     /// # Errors
     ///
@@ -122,12 +126,22 @@ impl SqliteStore {
     /// let dir = tempfile::tempdir().unwrap();
     /// let url = format!("sqlite://{}", dir.path().join("idem.db").display());
     /// let store = idem::SqliteStore::open_url(&url).await.unwrap();
+    /// let memory = idem::SqliteStore::open_url("sqlite::memory:").await.unwrap();
+    /// assert_eq!(memory.pool().options().get_max_connections(), 1);
     /// # }
     /// ```
     pub async fn open_url(url: &str) -> Result<Self, StoreError> {
         let options = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::backend(format!("invalid SQLite URL: {e}")))?
             .create_if_missing(true);
+        let lower = url.to_ascii_lowercase();
+        if lower.contains(":memory:") || lower.contains("mode=memory") {
+            return in_memory_pool()
+                .connect_with(options)
+                .await
+                .map(Self::new)
+                .map_err(|e| StoreError::unavailable(e.to_string()));
+        }
         Self::open_with(options).await
     }
 
@@ -153,11 +167,7 @@ impl SqliteStore {
     /// # }
     /// ```
     pub async fn in_memory() -> Result<Self, StoreError> {
-        let pool = SqlitePoolOptions::new()
-            .max_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .test_before_acquire(false)
+        let pool = in_memory_pool()
             .connect("sqlite::memory:")
             .await
             .map_err(|e| StoreError::unavailable(e.to_string()))?;
@@ -1527,4 +1537,16 @@ impl SqliteStore {
             ((job.run)(Err(e.clone())).await.answer)(Err(e.clone()));
         }
     }
+}
+
+/// The pool of a database in memory: one connection (connections that
+/// share one lock whole tables and never wait), never closed (the database
+/// lives as long as a connection to it), and handed over unpinged (a query
+/// of the application's given up on during a ping has sqlx close it).
+fn in_memory_pool() -> SqlitePoolOptions {
+    SqlitePoolOptions::new()
+        .max_connections(1)
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .test_before_acquire(false)
 }
