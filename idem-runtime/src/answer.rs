@@ -16,6 +16,10 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The headers that describe a body (its type, its encoding): dropped from
+/// an answer whose body is omitted, which has nothing for them to describe.
+pub(crate) const BODY_DESCRIPTION: [HeaderName; 2] = [CONTENT_TYPE, CONTENT_ENCODING];
+
 /// A response body, read under the lease.
 pub(crate) enum Collected {
     /// The whole body, within the stored limit.
@@ -330,8 +334,7 @@ pub(crate) fn replay(stored: StoredResponse) -> Response {
     *response.status_mut() = status;
     let headers = response.headers_mut();
     for (name, value) in stored.headers {
-        // No body: nothing for its type or its encoding to describe.
-        if omitted && (name == CONTENT_TYPE.as_str() || name == CONTENT_ENCODING.as_str()) {
+        if omitted && BODY_DESCRIPTION.iter().any(|h| h.as_str() == name) {
             continue;
         }
         // The value's bytes move into it, uncopied.

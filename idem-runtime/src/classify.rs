@@ -48,9 +48,12 @@ impl Classification {
     /// assert_eq!(Classification::from_status(StatusCode::CONTINUE), Classification::Release);
     /// ```
     pub fn from_status(status: StatusCode) -> Self {
+        if never_final(status) {
+            return Classification::Release;
+        }
         match status.as_u16() {
             400 | 409 | 422 => Classification::Reject,
-            100 | 102..=199 | 408 | 425 | 429 | 500..=599 => Classification::Release,
+            408 | 425 | 429 | 500..=599 => Classification::Release,
             _ => Classification::Store,
         }
     }

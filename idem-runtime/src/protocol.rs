@@ -18,7 +18,7 @@ use crate::request::Spec;
 use crate::store::{Lease, RecordId, Reservation, ReserveRequest, StoredResponse};
 use crate::tx::PendingTx;
 use axum::body::Body;
-use axum::http::header::{HeaderValue, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use axum::response::{IntoResponse as _, Response};
 use futures_util::future::Either;
 use futures_util::{FutureExt as _, StreamExt as _};
@@ -977,8 +977,9 @@ fn complete_answer<'a>(
                         if reader == Reader::UntilClose {
                             // Past what is held for it: what a replay gets,
                             // the status and headers, said so.
-                            parts.headers.remove(CONTENT_TYPE);
-                            parts.headers.remove(CONTENT_ENCODING);
+                            for described in crate::answer::BODY_DESCRIPTION {
+                                parts.headers.remove(described);
+                            }
                             parts
                                 .headers
                                 .insert(BODY_OMITTED, HeaderValue::from_static("true"));
