@@ -1272,3 +1272,43 @@ mod generic_classification {
         }
     }
 }
+
+/// `Idem` layers at two levels (the router's, and one route's own): the
+/// innermost, the last to run before the handler, configures it, as with
+/// any axum `Extension`: its settings apply and its store holds the record.
+#[tokio::test]
+async fn the_innermost_idem_layer_configures_its_routes() {
+    let app = App::default();
+    let (outer, inner) = (
+        Arc::new(idem::MemoryStore::new()),
+        Arc::new(idem::MemoryStore::new()),
+    );
+    let router = Router::new()
+        .route(
+            "/payments",
+            post(create_payment).layer(Idem::from_arc(inner.clone()).single_tenant().layer()),
+        )
+        .route("/refunds", post(create_refund))
+        .layer(Idem::from_arc(outer.clone()).layer())
+        .with_state(app.clone());
+    let addr = serve(router).await;
+    // The route's own layer is single-tenant: a request with no tenant runs,
+    // recorded in its store alone, and is replayed from it.
+    for _ in 0..2 {
+        let r = post_req("/payments", &body(100, "alice"))
+            .key("k")
+            .send(addr)
+            .await;
+        assert_eq!(r.status, 201, "{r:?}");
+    }
+    assert_eq!(app.ran("alice"), 1);
+    assert_eq!((inner.len(), outer.len()), (1, 0));
+    // The router's layer, which the other route has, is not: refused.
+    let r = post_req("/refunds", &body(100, "bob")).key("k").send(addr).await;
+    assert_eq!(
+        (r.status, r.problem()),
+        (500, "idempotency-misconfigured".to_owned())
+    );
+    assert_eq!(app.ran("bob"), 0);
+    assert_eq!((inner.len(), outer.len()), (1, 0));
+}

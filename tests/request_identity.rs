@@ -756,3 +756,38 @@ async fn handlers_of_one_scope_written_by_one_macro_are_named_apart() {
         "{said:?}"
     );
 }
+
+#[derive(serde::Deserialize, serde::Serialize)]
+struct Rate {
+    rate: f32,
+    note: Option<String>,
+}
+
+#[idempotent(scope = "rate.set", fields(rate))]
+async fn set_rate(Json(r): Json<Rate>) -> String {
+    r.rate.to_string()
+}
+
+/// A declared `f32`: a decimal it holds as the client wrote it (`0.1`, as
+/// its shortest form writes it) counts alone, so a changed undeclared
+/// member replays; one with more significant digits than an `f32` holds
+/// reads as another value, and the whole body counts.
+#[tokio::test]
+async fn a_decimal_an_f32_cannot_hold_makes_the_whole_body_count() {
+    let addr = serve(&memory(), Router::new().route("/rate", post(set_rate))).await;
+    let body = |rate: &str, note: &str| format!(r#"{{"rate": {rate}, "note": "{note}"}}"#);
+    for rate in ["0.1", "4.99", "123.456"] {
+        let key = format!("k-{rate}");
+        assert_eq!(send(addr, "/rate", &body(rate, "first"), &key).await.status, 200);
+        let again = send(addr, "/rate", &body(rate, "second"), &key).await;
+        assert!(replayed(&again), "{rate}: {again:?}");
+    }
+    assert_eq!(
+        send(addr, "/rate", &body("0.123456789", "first"), "k-long")
+            .await
+            .status,
+        200
+    );
+    let again = send(addr, "/rate", &body("0.123456789", "second"), "k-long").await;
+    assert_eq!(again.status, 422, "{again:?}");
+}

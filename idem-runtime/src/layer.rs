@@ -509,7 +509,10 @@ impl Idem {
     }
 
     /// The layer to add to the router: it makes this configuration
-    /// available to every `#[idempotent]` handler below it.
+    /// available to every `#[idempotent]` handler below it. It is an axum
+    /// `Extension`: where layers are added at two levels (a router's, and
+    /// one route's own), the innermost configures the handlers it covers,
+    /// its settings and its store alike.
     ///
     /// ```
     /// use axum::Router;
