@@ -292,6 +292,7 @@ fn reserve_in_task_tok(
     store: &idem::PgStore,
     id: &RecordId,
     fingerprint: &str,
+    lock: Duration,
 ) -> (
     &'static str,
     tokio::task::JoinHandle<Result<Reservation, StoreError>>,
@@ -307,7 +308,7 @@ fn reserve_in_task_tok(
                     fingerprint: &fingerprint,
                     token,
                     ttl: LONG,
-                    lock_timeout: LONG,
+                    lock_timeout: lock,
                 })
                 .await
         }),
@@ -377,7 +378,7 @@ async fn postgres_lookup_group_tenants_scopes_duplicates_and_held_row() {
         (&held, "fp"),
     ];
     for (n, (id, fp)) in plan.iter().enumerate() {
-        tasks.push(reserve_in_task_tok(&store, id, fp));
+        tasks.push(reserve_in_task_tok(&store, id, fp, LONG));
         until_lookups_waiting(&store, n + 1).await;
     }
     first.resume();
@@ -468,7 +469,7 @@ async fn postgres_lookup_group_killed_mid_statement() {
     let ([first, second], turns) = hold_the_lookup_turns(&store).await;
     let mut tasks = Vec::new();
     for (n, id) in [&fresh, &slow, &done].iter().enumerate() {
-        tasks.push(reserve_in_task_tok(&store, id, "fp"));
+        tasks.push(reserve_in_task_tok(&store, id, "fp", LONG));
         until_lookups_waiting(&store, n + 1).await;
     }
     first.resume();
@@ -1468,5 +1469,859 @@ mod runtimes {
         let answer = second.block_on(store.reserve(req(&id, "fp", LONG, LONG)));
         assert!(matches!(answer, Ok(Reservation::Reserved(_))), "{answer:?}");
         assert_eq!(second_runtime_said(&schema), 1);
+    }
+}
+
+/// Cancellation inside the groups: a caller's lookup or completion dropped
+/// while it holds the turn, while queued, or while its group's statement
+/// runs; group statements cancelled by a `statement_timeout`, killed while
+/// holding row locks, or cut by the pool's close; and, over HTTP, the client
+/// of the request holding the turn going away. The other members always get
+/// their own answers, nothing hangs, nothing runs twice, and a key a
+/// dropped caller's statement took is left as a crash leaves it (taken over
+/// after its lock deadline) or handed back.
+mod cancellation {
+    use super::*;
+
+    fn id(k: &str) -> RecordId {
+        RecordId::new("t", "s", idem_testkit::unique(k))
+    }
+
+    async fn within<T>(what: &str, t: tokio::task::JoinHandle<T>) -> T {
+        tokio::time::timeout(Duration::from_secs(20), t)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: never answered (hang)"))
+            .unwrap()
+    }
+
+    async fn ddl(store: &idem::PgStore, statements: &[String]) {
+        for s in statements {
+            sqlx::query(sqlx::AssertSqlSafe(s.clone()))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+    }
+
+    /// A trigger that sleeps `seconds` before completing a key starting `slow`.
+    async fn slow_completions(store: &idem::PgStore, seconds: f64) {
+        let (table, schema) = (pg_table(store), schema_of(store));
+        ddl(
+            store,
+            &[
+                format!(
+                    "CREATE FUNCTION {schema}.slow_complete() RETURNS trigger LANGUAGE plpgsql AS \
+                     $$ BEGIN IF NEW.key LIKE 'slow%' AND NEW.state = 'completed' THEN PERFORM pg_sleep({seconds}); END IF; RETURN NEW; END $$"
+                ),
+                format!(
+                    "CREATE TRIGGER slow_complete BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.slow_complete()"
+                ),
+            ],
+        )
+        .await;
+    }
+
+    async fn until_row<F: Fn(&Option<(String, Option<String>, Option<String>)>) -> bool>(
+        store: &idem::PgStore,
+        id: &RecordId,
+        what: &str,
+        cond: F,
+    ) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let row = pg_row(store, id).await;
+            if cond(&row) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{what}: row stayed {row:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// (b) A member aborted while queued for the next group: the others get
+    /// their own answers; the aborted one's key is not taken.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lookup_member_aborted_while_queued() {
+        let Some((_, _, store)) = fresh_store(8, Duration::ZERO).await else {
+            return;
+        };
+        let (a, b, c) = (id("a"), id("b"), id("c"));
+        let (pauses, turns) = hold_the_lookup_turns(&store).await;
+        let (_ta, ja) = reserve_in_task_tok(&store, &a, "fp", LONG);
+        until_lookups_waiting(&store, 1).await;
+        let (tb, jb) = reserve_in_task_tok(&store, &b, "fp", LONG);
+        until_lookups_waiting(&store, 2).await;
+        let (tc, jc) = reserve_in_task_tok(&store, &c, "fp", LONG);
+        until_lookups_waiting(&store, 3).await;
+        ja.abort();
+        assert!(ja.await.unwrap_err().is_cancelled());
+        let mut pauses = pauses.into_iter();
+        pauses.next().unwrap().resume();
+        for (name, tok, j, i) in [("b", tb, jb, &b), ("c", tc, jc, &c)] {
+            let got = within(name, j).await;
+            assert!(
+                matches!(&got, Ok(Reservation::Reserved(l)) if l.attempt == 1),
+                "{name}: {got:?}"
+            );
+            let (state, token, _) = pg_row(&store, i).await.unwrap();
+            assert_eq!(
+                (state.as_str(), token.as_deref()),
+                ("in_progress", Some(tok)),
+                "{name}"
+            );
+        }
+        pauses.next().unwrap().resume();
+        for t in turns {
+            let _ = within("turn", t).await;
+        }
+        assert!(
+            pg_row(&store, &a).await.is_none(),
+            "the aborted member's key was taken"
+        );
+    }
+
+    /// (c) A member aborted while its group's statement runs (slow: another
+    /// member's insert sleeps): the others are answered; the aborted one's
+    /// key, which the statement took, is handed back (not left locked).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lookup_member_aborted_while_its_group_runs() {
+        let Some((url, schema, store)) = fresh_store(8, Duration::ZERO).await else {
+            return;
+        };
+        slow_inserts(&store, 1.5).await;
+        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
+        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let (pauses, turns) = hold_the_lookup_turns(&store).await;
+        let (_ta, ja) = reserve_in_task_tok(&store, &a, "fp", LONG);
+        until_lookups_waiting(&store, 1).await;
+        let (ts, js) = reserve_in_task_tok(&store, &s, "fp", LONG);
+        until_lookups_waiting(&store, 2).await;
+        let mut pauses = pauses.into_iter();
+        pauses.next().unwrap().resume();
+        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+        let _pid = backend_of(&watcher, &schema, "%idem-group%", Some("PgSleep")).await;
+        ja.abort();
+        assert!(ja.await.unwrap_err().is_cancelled());
+        let got = within("slow", js).await;
+        assert!(matches!(&got, Ok(Reservation::Reserved(_))), "{got:?}");
+        let (state, token, _) = pg_row(&store, &s).await.unwrap();
+        assert_eq!((state.as_str(), token.as_deref()), ("in_progress", Some(ts)));
+        pauses.next().unwrap().resume();
+        for t in turns {
+            let _ = within("turn", t).await;
+        }
+        until_row(&store, &a, "aborted member's key handed back", |r| r.is_none()).await;
+        let again = reserve(&store, &a, "fp", LONG, LONG).await;
+        assert!(
+            matches!(&again, Reservation::Reserved(l) if l.attempt == 1 && !l.is_takeover()),
+            "{again:?}"
+        );
+    }
+
+    /// (a) The turn holder aborted while stopped at its turn: the queued members
+    /// get their answers (the turn is passed on).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lookup_leader_aborted_at_its_turn() {
+        let Some((_, _, store)) = fresh_store(8, Duration::ZERO).await else {
+            return;
+        };
+        let (b, c) = (id("b"), id("c"));
+        let (pauses, turns) = hold_the_lookup_turns(&store).await;
+        let (tb, jb) = reserve_in_task_tok(&store, &b, "fp", LONG);
+        until_lookups_waiting(&store, 1).await;
+        let (tc, jc) = reserve_in_task_tok(&store, &c, "fp", LONG);
+        until_lookups_waiting(&store, 2).await;
+        let mut turns = turns.into_iter();
+        let first = turns.next().unwrap();
+        first.abort();
+        assert!(first.await.unwrap_err().is_cancelled());
+        for (name, tok, j, i) in [("b", tb, jb, &b), ("c", tc, jc, &c)] {
+            let got = within(name, j).await;
+            assert!(matches!(&got, Ok(Reservation::Reserved(_))), "{name}: {got:?}");
+            assert_eq!(pg_row(&store, i).await.unwrap().1.as_deref(), Some(tok), "{name}");
+        }
+        drop(pauses);
+        for t in turns {
+            let _ = within("turn", t).await;
+        }
+        // The queue is not stuck: a later reservation is answered.
+        let d = id("d");
+        let _ = take(&store, &d, "fp", LONG, LONG).await;
+    }
+
+    /// (a) The turn holder aborted while its own statement runs (its insert
+    /// waits for another transaction's uncommitted insert of the same key).
+    /// Members queued meanwhile are answered; the aborted reservation may
+    /// commit afterwards, but then only as a crash leaves it: taken over once
+    /// its (short) lock deadline passes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lookup_leader_aborted_mid_statement() {
+        let Some((url, schema, store)) = fresh_store(8, Duration::ZERO).await else {
+            return;
+        };
+        let k = id("leader");
+        let holders = sqlx::PgPool::connect(&url).await.unwrap();
+        let holder = insert_uncommitted(&holders, &store, &[&k]).await;
+        let (tk, jk) = reserve_in_task_tok(&store, &k, "fp", Duration::from_millis(800));
+        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+        let _pid = backend_of(&watcher, &schema, "SELECT p.fingerprint%", Some("transactionid")).await;
+        jk.abort();
+        assert!(jk.await.unwrap_err().is_cancelled());
+        // Other reservations meanwhile.
+        let others: Vec<_> = (0..4).map(|n| (n, id("o"))).collect();
+        let mut tasks = Vec::new();
+        for (_, o) in &others {
+            tasks.push(reserve_in_task_tok(&store, o, "fp", LONG));
+        }
+        for ((tok, j), (n, o)) in tasks.into_iter().zip(&others) {
+            let got = within("other", j).await;
+            assert!(matches!(&got, Ok(Reservation::Reserved(_))), "{n}: {got:?}");
+            assert_eq!(pg_row(&store, o).await.unwrap().1.as_deref(), Some(tok));
+        }
+        // The holder goes away: the aborted statement's insert may now commit.
+        holder.rollback().await.unwrap();
+        until_row(&store, &k, "the aborted statement settled", |r| {
+            r.as_ref().is_some_and(|(_, t, _)| t.as_deref() == Some(tk)) || r.is_none()
+        })
+        .await;
+        // Never forever: past the lock deadline it is taken over.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match reserve(&store, &k, "fp", LONG, LONG).await {
+                Reservation::Reserved(_) => break,
+                Reservation::InProgress { .. } => {}
+                other => panic!("{other:?}"),
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the aborted reservation's key stayed locked"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// (a) The completion holding the turn aborted while stopped at it: the
+    /// queued completions are written, each its own answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn completion_leader_aborted_at_its_turn() {
+        let Some((_, _, store)) = fresh_store(8, LONG).await else {
+            return;
+        };
+        let ids: Vec<RecordId> = ["first", "b", "c"].iter().map(|k| id(k)).collect();
+        let mut leases = Vec::new();
+        for i in &ids {
+            leases.push(take(&store, i, "fp", LONG, LONG).await);
+        }
+        let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &ids[0].key);
+        let first = complete_in_task(&store, &ids[0], &leases[0].token, "first");
+        tokio::time::timeout(Duration::from_secs(10), turn.reached())
+            .await
+            .unwrap();
+        let b = complete_in_task(&store, &ids[1], &leases[1].token, "b");
+        until_waiting(&store, 1).await;
+        let c = complete_in_task(&store, &ids[2], &leases[2].token, "c");
+        until_waiting(&store, 2).await;
+        first.abort();
+        assert!(first.await.unwrap_err().is_cancelled());
+        assert_eq!(within("b", b).await, Ok(()));
+        assert_eq!(within("c", c).await, Ok(()));
+        drop(turn);
+        for (i, tag) in [(&ids[1], "b"), (&ids[2], "c")] {
+            assert_eq!(
+                reserve(&store, i, "fp", LONG, LONG).await,
+                Reservation::Completed(response(tag))
+            );
+        }
+        let (state, token, _) = pg_row(&store, &ids[0]).await.unwrap();
+        assert_eq!(
+            (state.as_str(), token.as_deref()),
+            ("in_progress", Some(leases[0].token.as_str()))
+        );
+        store
+            .complete(&ids[0], &leases[0].token, &response("first"))
+            .await
+            .unwrap();
+    }
+
+    /// (b) A completion aborted while queued: not written; the others are.
+    /// (c) One aborted while its group's statement runs (another member's
+    /// update sleeps in a trigger): the others are answered their own outcome.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn completion_members_aborted_queued_and_in_flight() {
+        let Some((url, schema, store)) = fresh_store(8, LONG).await else {
+            return;
+        };
+        slow_completions(&store, 1.5).await;
+        let ids: Vec<RecordId> = ["first", "q", "b", "f", "slow"].iter().map(|k| id(k)).collect();
+        let mut leases = Vec::new();
+        for i in &ids {
+            leases.push(take(&store, i, "fp", LONG, LONG).await);
+        }
+        let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &ids[0].key);
+        let first = complete_in_task(&store, &ids[0], &leases[0].token, "first");
+        tokio::time::timeout(Duration::from_secs(10), turn.reached())
+            .await
+            .unwrap();
+        let mut tasks = Vec::new();
+        for n in 1..5 {
+            tasks.push(complete_in_task(
+                &store,
+                &ids[n],
+                &leases[n].token,
+                &format!("t{n}"),
+            ));
+            until_waiting(&store, n).await;
+        }
+        // q aborted while queued.
+        let q = tasks.remove(0);
+        q.abort();
+        assert!(q.await.unwrap_err().is_cancelled());
+        turn.resume();
+        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+        let _ = backend_of(&watcher, &schema, "WITH c AS%", Some("PgSleep")).await;
+        // f aborted while its group's statement runs.
+        let f = tasks.remove(1);
+        f.abort();
+        assert!(f.await.unwrap_err().is_cancelled());
+        assert_eq!(within("first", first).await, Ok(()));
+        assert_eq!(within("b", tasks.remove(0)).await, Ok(()));
+        assert_eq!(within("slow", tasks.remove(0)).await, Ok(()));
+        for (n, tag) in [(0, "first"), (2, "t2"), (4, "t4")] {
+            assert_eq!(
+                reserve(&store, &ids[n], "fp", LONG, LONG).await,
+                Reservation::Completed(response(tag)),
+                "{tag}"
+            );
+        }
+        let (state, token, _) = pg_row(&store, &ids[1]).await.unwrap();
+        assert_eq!(
+            (state.as_str(), token.as_deref()),
+            ("in_progress", Some(leases[1].token.as_str())),
+            "a completion aborted while queued was written"
+        );
+        let f_row = pg_row(&store, &ids[3]).await.unwrap();
+        assert!(
+            f_row.0 == "completed" && f_row.2.as_deref() == Some("{\"id\":\"t3\"}")
+                || f_row.0 == "in_progress" && f_row.1.as_deref() == Some(leases[3].token.as_str()),
+            "{f_row:?}"
+        );
+    }
+
+    /// A store whose sessions have `statement_timeout` (as a role setting
+    /// would give them).
+    async fn store_with_statement_timeout(ms: u32) -> Option<(String, String, idem::PgStore)> {
+        let url = idem_testkit::pg_url()?;
+        let schema = idem_testkit::pg_schema(&url).await;
+        // Migrate with a plain store first.
+        let _ = idem_testkit::pg_store_in(&url, &schema, 2).await;
+        let sep = if url.contains('?') { '&' } else { '?' };
+        let timed = format!("{url}{sep}options=-c%20statement_timeout%3D{ms}");
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(8)
+            .connect(&timed)
+            .await
+            .unwrap();
+        let st: String = sqlx::query_scalar("SHOW statement_timeout")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(st, format!("{ms}ms"));
+        let store = idem::PgStore::new(pool)
+            .with_table(Some(&schema), "idempotency_keys")
+            .unwrap()
+            .with_timeout(Duration::from_secs(10))
+            .with_replay_cache(Duration::ZERO);
+        Some((url, schema, store))
+    }
+
+    /// A lookup group cancelled by statement_timeout (one insert sleeps past
+    /// it): every member gets an error or its own right answer; nothing is
+    /// taken for a member told an error; nothing is taken twice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lookup_group_cancelled_by_statement_timeout() {
+        let Some((_, _, store)) = store_with_statement_timeout(400).await else {
+            return;
+        };
+        slow_inserts(&store, 1.0).await;
+        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
+        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let z = RecordId::new("t", "s", idem_testkit::unique("zzz"));
+        let (pauses, turns) = hold_the_lookup_turns(&store).await;
+        let mut tasks = Vec::new();
+        for (n, i) in [&a, &s, &z].iter().enumerate() {
+            tasks.push(reserve_in_task_tok(&store, i, "fp", LONG));
+            until_lookups_waiting(&store, n + 1).await;
+        }
+        let mut pauses = pauses.into_iter();
+        pauses.next().unwrap().resume();
+        for ((tok, j), i) in tasks.into_iter().zip([&a, &s, &z]) {
+            let got = within(&i.key, j).await;
+            let row = pg_row(&store, i).await;
+            match got {
+                Ok(Reservation::Reserved(_)) => {
+                    assert_eq!(row.as_ref().and_then(|r| r.1.as_deref()), Some(tok), "{}", i.key)
+                }
+                Err(_) => assert!(
+                    row.as_ref().is_none_or(|r| r.1.as_deref() != Some(tok)),
+                    "{}: told an error but taken: {row:?}",
+                    i.key
+                ),
+                other => panic!("{}: {other:?}", i.key),
+            }
+        }
+        pauses.next().unwrap().resume();
+        for t in turns {
+            let _ = within("turn", t).await;
+        }
+    }
+
+    /// A completion group cancelled by statement_timeout (one member's update
+    /// sleeps past it): each member gets its own outcome; the slow one is
+    /// told it failed and nothing of it is stored; it can then be released
+    /// and retried (attempt 2), never replayed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn completion_group_cancelled_by_statement_timeout() {
+        let Some((_, _, store)) = store_with_statement_timeout(400).await else {
+            return;
+        };
+        slow_completions(&store, 1.0).await;
+        let first = RecordId::new("t", "s", idem_testkit::unique("first"));
+        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
+        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let z = RecordId::new("t", "s", idem_testkit::unique("zzz"));
+        let mut leases = Vec::new();
+        for i in [&first, &a, &s, &z] {
+            leases.push(take(&store, i, "fp", LONG, LONG).await);
+        }
+        let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &first.key);
+        let ft = complete_in_task(&store, &first, &leases[0].token, "first");
+        tokio::time::timeout(Duration::from_secs(10), turn.reached())
+            .await
+            .unwrap();
+        let mut tasks = Vec::new();
+        for (n, i) in [&a, &s, &z].iter().enumerate() {
+            tasks.push(complete_in_task(&store, i, &leases[n + 1].token, &i.key.clone()));
+            until_waiting(&store, n + 1).await;
+        }
+        turn.resume();
+        assert_eq!(within("first", ft).await, Ok(()));
+        let mut outs = Vec::new();
+        for (j, i) in tasks.into_iter().zip([&a, &s, &z]) {
+            let got = within(&i.key, j).await;
+            outs.push(got);
+        }
+        assert_eq!(outs[0], Ok(()));
+        assert_eq!(outs[2], Ok(()));
+        assert!(outs[1].is_err(), "{:?}", outs[1]);
+        for (i, tag) in [(&a, a.key.clone()), (&z, z.key.clone())] {
+            assert_eq!(
+                reserve(&store, i, "fp", LONG, LONG).await,
+                Reservation::Completed(response(&tag))
+            );
+        }
+        let (state, token, _) = pg_row(&store, &s).await.unwrap();
+        assert_eq!(
+            (state.as_str(), token.as_deref()),
+            ("in_progress", Some(leases[2].token.as_str()))
+        );
+        store.release(&s, &leases[2].token).await.unwrap();
+        let again = take(&store, &s, "fp", LONG, LONG).await;
+        assert_eq!(again.attempt, 2);
+    }
+
+    /// The pool closed (`pool.close()`) while members wait for the next group
+    /// and while a group's statement runs: every member is answered (an error
+    /// or its own answer), none hangs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pool_closed_mid_group() {
+        let Some((url, schema, store)) = fresh_store(8, Duration::ZERO).await else {
+            return;
+        };
+        slow_inserts(&store, 1.0).await;
+        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
+        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let (pauses, turns) = hold_the_lookup_turns(&store).await;
+        let mut tasks = Vec::new();
+        for (n, i) in [&a, &s].iter().enumerate() {
+            tasks.push(reserve_in_task_tok(&store, i, "fp", LONG));
+            until_lookups_waiting(&store, n + 1).await;
+        }
+        let mut pauses = pauses.into_iter();
+        pauses.next().unwrap().resume();
+        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+        let _ = backend_of(&watcher, &schema, "%idem-group%", Some("PgSleep")).await;
+        // Two more queue behind the running group.
+        let b = RecordId::new("t", "s", idem_testkit::unique("bbb"));
+        let c = RecordId::new("t", "s", idem_testkit::unique("ccc"));
+        let mut later = Vec::new();
+        for i in [&b, &c] {
+            later.push(reserve_in_task_tok(&store, i, "fp", LONG));
+        }
+        let closing = {
+            let pool = store.pool().clone();
+            tokio::spawn(async move { pool.close().await })
+        };
+        for ((tok, j), i) in tasks.into_iter().chain(later).zip([&a, &s, &b, &c]) {
+            let got = within(&i.key, j).await;
+            let row: Option<(String, Option<String>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT state, lock_token FROM {} WHERE tenant = $1 AND scope = $2 AND key = $3",
+                pg_table(&store)
+            )))
+            .bind(&i.tenant)
+            .bind(&i.scope)
+            .bind(&i.key)
+            .fetch_optional(&watcher)
+            .await
+            .unwrap();
+            match got {
+                Ok(Reservation::Reserved(_)) => assert_eq!(row.and_then(|r| r.1).as_deref(), Some(tok)),
+                Err(_) => assert!(row.is_none(), "{}: refused, yet taken: {row:?}", i.key),
+                other => panic!("{other:?}"),
+            }
+        }
+        drop(pauses);
+        for t in turns {
+            let _ = within("turn", t).await;
+        }
+        within("close", closing).await;
+    }
+
+    mod http {
+        use super::*;
+        use axum::extract::State;
+        use axum::http::StatusCode;
+        use axum::routing::post;
+        use axum::{Json, Router};
+        use idem::{idempotent, Idem, Operation};
+        use idem_testkit::http::post as post_req;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+
+        #[derive(Clone, Default)]
+        pub(crate) struct App {
+            runs: Arc<AtomicUsize>,
+        }
+
+        #[derive(serde::Deserialize)]
+        pub(crate) struct Body {
+            amount: i64,
+        }
+
+        #[idempotent(scope = "zz.quick", fields(amount))]
+        async fn quick(State(app): State<App>, op: Operation, Json(_b): Json<Body>) -> (StatusCode, String) {
+            let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+            (
+                StatusCode::CREATED,
+                format!("{{\"run\":{n},\"attempt\":{}}}", op.attempt()),
+            )
+        }
+
+        /// Request 1 holds a lookup turn (stopped at it), a store-level
+        /// reservation the other; request 2 queues for the next group; then
+        /// request 1's client disconnects. Both operations run once, their
+        /// retries replay; nothing stays locked.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn http_leader_client_disconnects() {
+            let Some((_, _, store)) = fresh_store(8, Duration::ZERO).await else {
+                return;
+            };
+            let app = App::default();
+            let router = Router::new()
+                .route("/quick", post(quick))
+                .layer(Idem::new(store.clone()).single_tenant().layer())
+                .with_state(app.clone());
+            let addr = idem_testkit::http::serve(router).await;
+            let k1 = idem_testkit::unique("lead");
+            let k2 = idem_testkit::unique("member");
+            let mut p1 = idem_runtime::pause::arm(idem_runtime::pause::RESERVE_TURN, &k1);
+            let conn1 = post_req("/quick", "{\"amount\": 1}").key(&k1).start(addr).await;
+            tokio::time::timeout(Duration::from_secs(10), p1.reached())
+                .await
+                .unwrap();
+            // The second turn.
+            let other = RecordId::new("", "zz.other", idem_testkit::unique("t2"));
+            let l = take(&store, &other, "fp", LONG, LONG).await;
+            store.complete(&other, &l.token, &response("o")).await.unwrap();
+            let mut p2 = idem_runtime::pause::arm(idem_runtime::pause::RESERVE_TURN, &other.key);
+            let t2 = reserve_in_task_tok(&store, &other, "fp", LONG).1;
+            tokio::time::timeout(Duration::from_secs(10), p2.reached())
+                .await
+                .unwrap();
+            let r2 = {
+                let k2 = k2.clone();
+                tokio::spawn(async move { post_req("/quick", "{\"amount\": 2}").key(&k2).send(addr).await })
+            };
+            until_lookups_waiting(&store, 1).await;
+            drop(conn1);
+            // The server sees the disconnect (or not: either way the protocol goes on).
+            p1.resume();
+            let r2 = within("request 2", r2).await;
+            assert_eq!(r2.status, 201);
+            p2.resume();
+            let _ = within("turn 2", t2).await;
+            let id1 = RecordId::new("", "zz.quick", k1.clone());
+            until_row(
+                &store,
+                &id1,
+                "the disconnected leader's execution completed",
+                |r| r.as_ref().is_some_and(|r| r.0 == "completed"),
+            )
+            .await;
+            let again = post_req("/quick", "{\"amount\": 1}").key(&k1).send(addr).await;
+            assert_eq!(
+                (again.status, again.header("idempotent-replayed")),
+                (201, Some("true"))
+            );
+            let again2 = post_req("/quick", "{\"amount\": 2}").key(&k2).send(addr).await;
+            assert_eq!((again2.status, again2.body.clone()), (201, r2.body.clone()));
+            assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+        }
+    }
+
+    /// The completion group's backend is terminated while it holds the row
+    /// locks of the members it updated (the last one's trigger sleeps): each
+    /// member is told an error; nothing is stored; each completes afterwards
+    /// with its own answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn completion_group_killed_holding_row_locks() {
+        let Some((url, schema, store)) = fresh_store(8, LONG).await else {
+            return;
+        };
+        slow_completions(&store, 5.0).await;
+        let first = RecordId::new("t", "s", idem_testkit::unique("first"));
+        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
+        let b = RecordId::new("t", "s", idem_testkit::unique("bbb"));
+        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let all = [&first, &a, &b, &s];
+        let mut leases = Vec::new();
+        for i in all {
+            leases.push(take(&store, i, "fp", LONG, LONG).await);
+        }
+        let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &first.key);
+        let ft = complete_in_task(&store, &first, &leases[0].token, "first");
+        tokio::time::timeout(Duration::from_secs(10), turn.reached())
+            .await
+            .unwrap();
+        let mut tasks = Vec::new();
+        for (n, i) in [&a, &b, &s].iter().enumerate() {
+            tasks.push(complete_in_task(&store, i, &leases[n + 1].token, &i.key.clone()));
+            until_waiting(&store, n + 1).await;
+        }
+        turn.resume();
+        assert_eq!(within("first", ft).await, Ok(()));
+        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+        let pid = backend_of(&watcher, &schema, "WITH c AS%", Some("PgSleep")).await;
+        // a's and b's rows are locked by the group now (the update reached s).
+        let locked: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM (SELECT 1 FROM {} WHERE key = ANY($1) FOR UPDATE SKIP LOCKED) AS f",
+            pg_table(&store)
+        )))
+        .bind(vec![a.key.clone(), b.key.clone()])
+        .fetch_one(&watcher)
+        .await
+        .unwrap();
+        assert_eq!(locked, 0, "the group holds a's and b's rows while it sleeps on s");
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&watcher)
+            .await
+            .unwrap();
+        assert!(killed);
+        let mut outs = Vec::new();
+        for (j, i) in tasks.into_iter().zip([&a, &b, &s]) {
+            let got = within(&i.key, j).await;
+            outs.push(got);
+        }
+        for (n, (out, i)) in outs.iter().zip([&a, &b, &s]).enumerate() {
+            let (state, token, body) = pg_row(&store, i).await.unwrap();
+            match out {
+                Ok(()) => assert_eq!(
+                    body.as_deref(),
+                    Some(format!("{{\"id\":\"{}\"}}", i.key).as_str())
+                ),
+                Err(_) => {
+                    assert_eq!(
+                        (state.as_str(), token.as_deref()),
+                        ("in_progress", Some(leases[n + 1].token.as_str())),
+                        "{}: told it failed, but stored",
+                        i.key
+                    );
+                }
+            }
+        }
+    }
+
+    /// A member whose group answered it (the key taken for it) but whose
+    /// caller dropped the reservation before reading the answer: the key is
+    /// left as a crash leaves it, in progress until its lock deadline, then
+    /// taken over by the same request; never locked forever, and never
+    /// answered to another.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lookup_member_answered_then_dropped_unread() {
+        let Some((_, _, store)) = fresh_store(8, Duration::ZERO).await else {
+            return;
+        };
+        let (a, b) = (id("a"), id("b"));
+        let (pauses, turns) = hold_the_lookup_turns(&store).await;
+        let tok_a = idem_testkit::token();
+        let lock = Duration::from_millis(1500);
+        let mut fut_a = store.reserve(ReserveRequest {
+            id: &a,
+            fingerprint: "fp",
+            token: tok_a,
+            ttl: LONG,
+            lock_timeout: lock,
+        });
+        // Polled once: it queues.
+        let waker = futures_util::task::noop_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        assert!(std::future::Future::poll(fut_a.as_mut(), &mut cx).is_pending());
+        until_lookups_waiting(&store, 1).await;
+        let (tb, jb) = reserve_in_task_tok(&store, &b, "fp", LONG);
+        until_lookups_waiting(&store, 2).await;
+        let mut pauses = pauses.into_iter();
+        pauses.next().unwrap().resume();
+        let got = within("b", jb).await;
+        assert!(matches!(&got, Ok(Reservation::Reserved(_))), "{got:?}");
+        assert_eq!(pg_row(&store, &b).await.unwrap().1.as_deref(), Some(tb));
+        // The group took a's key for it; its caller drops it unread.
+        drop(fut_a);
+        pauses.next().unwrap().resume();
+        for t in turns {
+            let _ = within("turn", t).await;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match reserve(&store, &a, "fp", LONG, LONG).await {
+                Reservation::Reserved(l) => {
+                    assert_eq!((l.attempt, l.takeover), (2, true), "taken over, as after a crash");
+                    break;
+                }
+                Reservation::InProgress { .. } => {}
+                other => panic!("{other:?}"),
+            }
+            assert!(Instant::now() < deadline, "a stayed locked");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// A lookup of a key in the next group while the running group holds a
+    /// lookup of the same key (sorted after a slow insert): exactly one of the
+    /// two takes it; the other is told it is in progress.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn same_key_in_the_next_group_while_one_runs() {
+        let Some((url, schema, store)) = fresh_store(8, Duration::ZERO).await else {
+            return;
+        };
+        slow_inserts(&store, 1.5).await;
+        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let k = RecordId::new("t", "s", idem_testkit::unique("zzz"));
+        let x = RecordId::new("t", "s", idem_testkit::unique("xxx"));
+        let (pauses, turns) = hold_the_lookup_turns(&store).await;
+        let mut g1 = Vec::new();
+        for (n, i) in [&s, &k].iter().enumerate() {
+            g1.push(reserve_in_task_tok(&store, i, "fp", LONG));
+            until_lookups_waiting(&store, n + 1).await;
+        }
+        let mut pauses = pauses.into_iter();
+        pauses.next().unwrap().resume();
+        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+        let _ = backend_of(&watcher, &schema, "%idem-group%", Some("PgSleep")).await;
+        until_lookups_waiting(&store, 0).await;
+        // The next group: the same key, and another.
+        let mut g2 = Vec::new();
+        for i in [&k, &x] {
+            g2.push(reserve_in_task_tok(&store, i, "fp", LONG));
+        }
+        let mut answers = Vec::new();
+        for ((tok, j), name) in g1.into_iter().chain(g2).zip(["s", "k1", "k2", "x"]) {
+            let got = within(name, j).await;
+            answers.push((tok, got));
+        }
+        pauses.next().unwrap().resume();
+        for t in turns {
+            let _ = within("turn", t).await;
+        }
+        let holders: Vec<&str> = [&answers[1], &answers[2]]
+            .iter()
+            .filter(|(_, a)| matches!(a, Ok(Reservation::Reserved(_))))
+            .map(|(t, _)| *t)
+            .collect();
+        assert_eq!(holders.len(), 1, "{answers:?}");
+        assert_eq!(pg_row(&store, &k).await.unwrap().1.as_deref(), Some(holders[0]));
+        for i in [1, 2] {
+            assert!(
+                matches!(
+                    answers[i].1,
+                    Ok(Reservation::Reserved(_)) | Ok(Reservation::InProgress { .. })
+                ),
+                "{:?}",
+                answers[i]
+            );
+        }
+    }
+
+    /// A member whose store call times out (the store's own timeout) while its
+    /// group's statement runs, the statement then taking its key: the key is
+    /// given back (contract: "a store call that times out never leaves a lock
+    /// that no execution holds"), and the same request then takes it afresh.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lookup_member_store_timeout_then_group_takes_its_key() {
+        let Some((_, _, store)) = fresh_store(8, Duration::ZERO).await else {
+            return;
+        };
+        let store = store.with_timeout(Duration::from_millis(400));
+        slow_inserts(&store, 1.5).await;
+        let watcher = sqlx::PgPool::connect(&idem_testkit::pg_url().unwrap())
+            .await
+            .unwrap();
+        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
+        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let (pauses, turns) = hold_the_lookup_turns(&store).await;
+        let mut tasks = Vec::new();
+        for (n, i) in [&a, &s].iter().enumerate() {
+            tasks.push(reserve_in_task_tok(&store, i, "fp", LONG));
+            until_lookups_waiting(&store, n + 1).await;
+        }
+        let mut pauses = pauses.into_iter();
+        pauses.next().unwrap().resume();
+        let mut outs = Vec::new();
+        for ((tok, j), i) in tasks.into_iter().zip([&a, &s]) {
+            let got = within(&i.key, j).await;
+            outs.push((tok, got));
+        }
+        drop(pauses);
+        for t in turns {
+            let _ = within("turn", t).await;
+        }
+        // The group's statement ends (it ran on after its callers gave up).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE '%idem-group%' \
+                 AND query LIKE '%' || $1 || '%'",
+            )
+            .bind(schema_of(&store))
+            .fetch_one(&watcher)
+            .await
+            .unwrap();
+            if n == 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for ((tok, out), i) in outs.iter().zip([&a, &s]) {
+            if out.is_err() {
+                until_row(&store, i, "a timed-out member's key given back", |r| {
+                    r.as_ref().is_none_or(|r| r.1.as_deref() != Some(*tok))
+                })
+                .await;
+                if i.key.starts_with("aaa") {
+                    let again = reserve(&store, i, "fp", LONG, LONG).await;
+                    assert!(matches!(&again, Reservation::Reserved(_)), "{}: {again:?}", i.key);
+                }
+            }
+        }
     }
 }
