@@ -1483,6 +1483,75 @@ mod runtimes {
 mod cancellation {
     use super::*;
 
+    type Reserving = (
+        &'static str,
+        tokio::task::JoinHandle<Result<Reservation, StoreError>>,
+    );
+
+    /// A group of lookups running: those of `ids` queue behind the two held
+    /// turns, the first turn is let go, and this returns once the group's
+    /// statement sleeps in the database (the slow insert of a key starting
+    /// `slow`, from `slow_inserts`). The second turn is still held.
+    struct Running {
+        second: idem_runtime::pause::Pause,
+        turns: [tokio::task::JoinHandle<Result<Reservation, StoreError>>; 2],
+        members: Vec<Reserving>,
+        watcher: sqlx::PgPool,
+    }
+
+    async fn a_group_running(url: &str, schema: &str, store: &idem::PgStore, ids: &[&RecordId]) -> Running {
+        let ([first, second], turns) = hold_the_lookup_turns(store).await;
+        let mut members = Vec::new();
+        for (n, i) in ids.iter().enumerate() {
+            members.push(reserve_in_task_tok(store, i, "fp", LONG));
+            until_lookups_waiting(store, n + 1).await;
+        }
+        first.resume();
+        let watcher = sqlx::PgPool::connect(url).await.unwrap();
+        backend_of(&watcher, schema, "%idem-group%", Some("PgSleep")).await;
+        Running {
+            second,
+            turns,
+            members,
+            watcher,
+        }
+    }
+
+    type Completing = tokio::task::JoinHandle<Result<(), StoreError>>;
+
+    /// Completions queued behind one that holds the turn: every key of
+    /// `ids` is reserved; the first's completion stops at its turn, then
+    /// the others' (each storing `response` of its key) queue behind it.
+    struct Queued {
+        leases: Vec<idem::store::Lease>,
+        turn: idem_runtime::pause::Pause,
+        first: Completing,
+        rest: Vec<Completing>,
+    }
+
+    async fn completions_queued(store: &idem::PgStore, ids: &[&RecordId]) -> Queued {
+        let mut leases = Vec::new();
+        for i in ids {
+            leases.push(take(store, i, "fp", LONG, LONG).await);
+        }
+        let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &ids[0].key);
+        let first = complete_in_task(store, ids[0], &leases[0].token, &ids[0].key);
+        tokio::time::timeout(Duration::from_secs(10), turn.reached())
+            .await
+            .expect("the completion never took its turn");
+        let mut rest = Vec::new();
+        for (n, i) in ids.iter().enumerate().skip(1) {
+            rest.push(complete_in_task(store, i, &leases[n].token, &i.key));
+            until_waiting(store, n).await;
+        }
+        Queued {
+            leases,
+            turn,
+            first,
+            rest,
+        }
+    }
+
     fn id(k: &str) -> RecordId {
         RecordId::new("t", "s", idem_testkit::unique(k))
     }
@@ -1591,22 +1660,20 @@ mod cancellation {
         slow_inserts(&store, 1.5).await;
         let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
         let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
-        let (pauses, turns) = hold_the_lookup_turns(&store).await;
-        let (_ta, ja) = reserve_in_task_tok(&store, &a, "fp", LONG);
-        until_lookups_waiting(&store, 1).await;
-        let (ts, js) = reserve_in_task_tok(&store, &s, "fp", LONG);
-        until_lookups_waiting(&store, 2).await;
-        let mut pauses = pauses.into_iter();
-        pauses.next().unwrap().resume();
-        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
-        let _pid = backend_of(&watcher, &schema, "%idem-group%", Some("PgSleep")).await;
+        let Running {
+            second,
+            turns,
+            members,
+            watcher: _,
+        } = a_group_running(&url, &schema, &store, &[&a, &s]).await;
+        let [(_, ja), (ts, js)] = <[Reserving; 2]>::try_from(members).unwrap_or_else(|_| unreachable!());
         ja.abort();
         assert!(ja.await.unwrap_err().is_cancelled());
         let got = within("slow", js).await;
         assert!(matches!(&got, Ok(Reservation::Reserved(_))), "{got:?}");
         let (state, token, _) = pg_row(&store, &s).await.unwrap();
         assert_eq!((state.as_str(), token.as_deref()), ("in_progress", Some(ts)));
-        pauses.next().unwrap().resume();
+        second.resume();
         for t in turns {
             let _ = within("turn", t).await;
         }
@@ -1708,28 +1775,22 @@ mod cancellation {
             return;
         };
         let ids: Vec<RecordId> = ["first", "b", "c"].iter().map(|k| id(k)).collect();
-        let mut leases = Vec::new();
-        for i in &ids {
-            leases.push(take(&store, i, "fp", LONG, LONG).await);
-        }
-        let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &ids[0].key);
-        let first = complete_in_task(&store, &ids[0], &leases[0].token, "first");
-        tokio::time::timeout(Duration::from_secs(10), turn.reached())
-            .await
-            .unwrap();
-        let b = complete_in_task(&store, &ids[1], &leases[1].token, "b");
-        until_waiting(&store, 1).await;
-        let c = complete_in_task(&store, &ids[2], &leases[2].token, "c");
-        until_waiting(&store, 2).await;
+        let Queued {
+            leases,
+            turn,
+            first,
+            rest,
+        } = completions_queued(&store, &[&ids[0], &ids[1], &ids[2]]).await;
+        let [b, c] = <[Completing; 2]>::try_from(rest).unwrap_or_else(|_| unreachable!());
         first.abort();
         assert!(first.await.unwrap_err().is_cancelled());
         assert_eq!(within("b", b).await, Ok(()));
         assert_eq!(within("c", c).await, Ok(()));
         drop(turn);
-        for (i, tag) in [(&ids[1], "b"), (&ids[2], "c")] {
+        for i in &ids[1..] {
             assert_eq!(
                 reserve(&store, i, "fp", LONG, LONG).await,
-                Reservation::Completed(response(tag))
+                Reservation::Completed(response(&i.key))
             );
         }
         let (state, token, _) = pg_row(&store, &ids[0]).await.unwrap();
@@ -1753,25 +1814,12 @@ mod cancellation {
         };
         slow_completions(&store, 1.5).await;
         let ids: Vec<RecordId> = ["first", "q", "b", "f", "slow"].iter().map(|k| id(k)).collect();
-        let mut leases = Vec::new();
-        for i in &ids {
-            leases.push(take(&store, i, "fp", LONG, LONG).await);
-        }
-        let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &ids[0].key);
-        let first = complete_in_task(&store, &ids[0], &leases[0].token, "first");
-        tokio::time::timeout(Duration::from_secs(10), turn.reached())
-            .await
-            .unwrap();
-        let mut tasks = Vec::new();
-        for n in 1..5 {
-            tasks.push(complete_in_task(
-                &store,
-                &ids[n],
-                &leases[n].token,
-                &format!("t{n}"),
-            ));
-            until_waiting(&store, n).await;
-        }
+        let Queued {
+            leases,
+            turn,
+            first,
+            rest: mut tasks,
+        } = completions_queued(&store, &ids.iter().collect::<Vec<_>>()).await;
         // q aborted while queued.
         let q = tasks.remove(0);
         q.abort();
@@ -1786,11 +1834,10 @@ mod cancellation {
         assert_eq!(within("first", first).await, Ok(()));
         assert_eq!(within("b", tasks.remove(0)).await, Ok(()));
         assert_eq!(within("slow", tasks.remove(0)).await, Ok(()));
-        for (n, tag) in [(0, "first"), (2, "t2"), (4, "t4")] {
+        for n in [0, 2, 4] {
             assert_eq!(
                 reserve(&store, &ids[n], "fp", LONG, LONG).await,
-                Reservation::Completed(response(tag)),
-                "{tag}"
+                Reservation::Completed(response(&ids[n].key)),
             );
         }
         let (state, token, _) = pg_row(&store, &ids[1]).await.unwrap();
@@ -1801,7 +1848,7 @@ mod cancellation {
         );
         let f_row = pg_row(&store, &ids[3]).await.unwrap();
         assert!(
-            f_row.0 == "completed" && f_row.2.as_deref() == Some("{\"id\":\"t3\"}")
+            f_row.0 == "completed" && f_row.2 == Some(format!("{{\"id\":\"{}\"}}", ids[3].key))
                 || f_row.0 == "in_progress" && f_row.1.as_deref() == Some(leases[3].token.as_str()),
             "{f_row:?}"
         );
@@ -1889,20 +1936,12 @@ mod cancellation {
         let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
         let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
         let z = RecordId::new("t", "s", idem_testkit::unique("zzz"));
-        let mut leases = Vec::new();
-        for i in [&first, &a, &s, &z] {
-            leases.push(take(&store, i, "fp", LONG, LONG).await);
-        }
-        let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &first.key);
-        let ft = complete_in_task(&store, &first, &leases[0].token, "first");
-        tokio::time::timeout(Duration::from_secs(10), turn.reached())
-            .await
-            .unwrap();
-        let mut tasks = Vec::new();
-        for (n, i) in [&a, &s, &z].iter().enumerate() {
-            tasks.push(complete_in_task(&store, i, &leases[n + 1].token, &i.key.clone()));
-            until_waiting(&store, n + 1).await;
-        }
+        let Queued {
+            leases,
+            turn,
+            first: ft,
+            rest: tasks,
+        } = completions_queued(&store, &[&first, &a, &s, &z]).await;
         turn.resume();
         assert_eq!(within("first", ft).await, Ok(()));
         let mut outs = Vec::new();
@@ -1940,16 +1979,12 @@ mod cancellation {
         slow_inserts(&store, 1.0).await;
         let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
         let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
-        let (pauses, turns) = hold_the_lookup_turns(&store).await;
-        let mut tasks = Vec::new();
-        for (n, i) in [&a, &s].iter().enumerate() {
-            tasks.push(reserve_in_task_tok(&store, i, "fp", LONG));
-            until_lookups_waiting(&store, n + 1).await;
-        }
-        let mut pauses = pauses.into_iter();
-        pauses.next().unwrap().resume();
-        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
-        let _ = backend_of(&watcher, &schema, "%idem-group%", Some("PgSleep")).await;
+        let Running {
+            second,
+            turns,
+            members: tasks,
+            watcher,
+        } = a_group_running(&url, &schema, &store, &[&a, &s]).await;
         // Two more queue behind the running group.
         let b = RecordId::new("t", "s", idem_testkit::unique("bbb"));
         let c = RecordId::new("t", "s", idem_testkit::unique("ccc"));
@@ -1979,7 +2014,7 @@ mod cancellation {
                 other => panic!("{other:?}"),
             }
         }
-        drop(pauses);
+        drop(second);
         for t in turns {
             let _ = within("turn", t).await;
         }
@@ -2093,20 +2128,12 @@ mod cancellation {
         let b = RecordId::new("t", "s", idem_testkit::unique("bbb"));
         let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
         let all = [&first, &a, &b, &s];
-        let mut leases = Vec::new();
-        for i in all {
-            leases.push(take(&store, i, "fp", LONG, LONG).await);
-        }
-        let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &first.key);
-        let ft = complete_in_task(&store, &first, &leases[0].token, "first");
-        tokio::time::timeout(Duration::from_secs(10), turn.reached())
-            .await
-            .unwrap();
-        let mut tasks = Vec::new();
-        for (n, i) in [&a, &b, &s].iter().enumerate() {
-            tasks.push(complete_in_task(&store, i, &leases[n + 1].token, &i.key.clone()));
-            until_waiting(&store, n + 1).await;
-        }
+        let Queued {
+            leases,
+            turn,
+            first: ft,
+            rest: tasks,
+        } = completions_queued(&store, &all).await;
         turn.resume();
         assert_eq!(within("first", ft).await, Ok(()));
         let watcher = sqlx::PgPool::connect(&url).await.unwrap();
@@ -2217,16 +2244,12 @@ mod cancellation {
         let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
         let k = RecordId::new("t", "s", idem_testkit::unique("zzz"));
         let x = RecordId::new("t", "s", idem_testkit::unique("xxx"));
-        let (pauses, turns) = hold_the_lookup_turns(&store).await;
-        let mut g1 = Vec::new();
-        for (n, i) in [&s, &k].iter().enumerate() {
-            g1.push(reserve_in_task_tok(&store, i, "fp", LONG));
-            until_lookups_waiting(&store, n + 1).await;
-        }
-        let mut pauses = pauses.into_iter();
-        pauses.next().unwrap().resume();
-        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
-        let _ = backend_of(&watcher, &schema, "%idem-group%", Some("PgSleep")).await;
+        let Running {
+            second,
+            turns,
+            members: g1,
+            watcher: _,
+        } = a_group_running(&url, &schema, &store, &[&s, &k]).await;
         until_lookups_waiting(&store, 0).await;
         // The next group: the same key, and another.
         let mut g2 = Vec::new();
@@ -2238,7 +2261,7 @@ mod cancellation {
             let got = within(name, j).await;
             answers.push((tok, got));
         }
-        pauses.next().unwrap().resume();
+        second.resume();
         for t in turns {
             let _ = within("turn", t).await;
         }
