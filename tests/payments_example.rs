@@ -370,6 +370,43 @@ async fn the_example_answers_input_errors_and_outages_alike_on_every_store(store
     );
 }
 
+/// Text a database cannot hold is refused before anything happens: a
+/// recipient with a NUL (PostgreSQL's `text` refuses U+0000, so the payment
+/// could never be written after its charge) or another control character
+/// gets 422 with nothing held or charged, and a payment id with one reads
+/// as no payment (404), never as the database being down.
+async fn text_no_database_can_hold_is_refused_before_any_charge(store: Store) {
+    let svc = Service::start(&store.url(), &[]).await;
+    let tenant = idem_testkit::unique("nul");
+    for (n, recipient) in [r"bob\u0000", r"bob\u001b[31m", r"bob\u0085"].iter().enumerate() {
+        let body = format!(r#"{{"amount": 100, "currency": "EUR", "recipient": "{recipient}"}}"#);
+        let key = format!("k-nul-{n}");
+        for _ in 0..2 {
+            let r = post("/v1/payments", &body)
+                .bearer(&tenant)
+                .key(&key)
+                .send(svc.addr)
+                .await;
+            assert_eq!(
+                (r.status, r.json()["type"].as_str()),
+                (422, Some("urn:payments:problem:invalid-request")),
+                "{recipient}: {r:?}"
+            );
+        }
+    }
+    assert_eq!(ledger(svc.addr, &tenant).await, (0, 0, 1_000_000));
+    let read = get("/v1/payments/pay_%00").bearer(&tenant).send(svc.addr).await;
+    assert_eq!(read.status, 404, "{read:?}");
+    for _ in 0..2 {
+        let refund = post("/v1/payments/pay_%00/refunds", r#"{"amount": 1}"#)
+            .bearer(&tenant)
+            .key("k-nul-refund")
+            .send(svc.addr)
+            .await;
+        assert_eq!(refund.status, 404, "{refund:?}");
+    }
+}
+
 // Each scenario on a temporary SQLite file and on PostgreSQL.
 idem_testkit::for_each_store! {
     stores: [sqlite, postgres],
@@ -387,6 +424,7 @@ idem_testkit::for_each_store! {
         a_stop_signal_mid_payment_lets_it_finish_and_answer,
         a_stop_signal_after_the_client_left_lets_the_payment_finish,
         slow_headers_are_cut_off_and_a_slow_body_takes_no_key,
+        text_no_database_can_hold_is_refused_before_any_charge,
     ],
 }
 

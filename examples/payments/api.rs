@@ -111,7 +111,11 @@ async fn create_refund(
     let id = format!("re_{}", &op.derived_key("refund-id")[5..29]);
     // The refund and the credit commit with the stored answer, or not at all.
     let mut tx = app.db.transaction(&op).await?;
-    let Some(paid) = tx.payment_amount(&payment_id, &tenant).await? else {
+    let paid = match possible_payment_id(&payment_id) {
+        true => tx.payment_amount(&payment_id, &tenant).await?,
+        false => None,
+    };
+    let Some(paid) = paid else {
         return Err(ApiError::problem(
             StatusCode::NOT_FOUND,
             "payment-not-found",
@@ -189,10 +193,22 @@ fn validate(p: &PaymentIn) -> Result<(), ApiError> {
     if p.currency.len() != 3 || !p.currency.bytes().all(|b| b.is_ascii_uppercase()) {
         return invalid("currency must be three uppercase letters");
     }
-    if p.recipient.is_empty() || p.recipient.chars().count() > 64 {
-        return invalid("recipient must be 1 to 64 characters");
+    // Before anything is held or charged: text the database cannot hold
+    // (PostgreSQL refuses U+0000) would fail the payment's insert after its
+    // charge, on every retry.
+    if p.recipient.is_empty() || p.recipient.chars().count() > 64 || p.recipient.chars().any(char::is_control)
+    {
+        return invalid("recipient must be 1 to 64 characters, none of them a control character");
     }
     Ok(())
+}
+
+/// Whether `id` may name a payment: ids are made here (`pay_` and 24 hex
+/// digits), so anything else is no payment, never a question for the
+/// database (which refuses some text, U+0000 on PostgreSQL, as an error).
+fn possible_payment_id(id: &str) -> bool {
+    id.strip_prefix("pay_")
+        .is_some_and(|hex| hex.len() == 24 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// The fake card gateway. It counts every call, waits its delay, and
@@ -228,10 +244,12 @@ async fn get_payment(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let (amount, currency, recipient, refunded) =
-        app.db.payment(&id, tenant.as_str()).await?.ok_or_else(|| {
-            ApiError::problem(StatusCode::NOT_FOUND, "payment-not-found", "no such payment")
-        })?;
+    let found = match possible_payment_id(&id) {
+        true => app.db.payment(&id, tenant.as_str()).await?,
+        false => None,
+    };
+    let (amount, currency, recipient, refunded) = found
+        .ok_or_else(|| ApiError::problem(StatusCode::NOT_FOUND, "payment-not-found", "no such payment"))?;
     Ok(Json(serde_json::json!({
         "id": id, "amount": amount, "currency": currency, "recipient": recipient,
         "refunded": refunded, "status": "succeeded",
