@@ -242,6 +242,21 @@ async fn create_flaky(
     )
 }
 
+#[derive(Deserialize, Serialize)]
+struct Progress {
+    checkpoint: String,
+}
+
+/// Saves the checkpoint the body names: 201 with the recovery point, or
+/// 400 with the error the checkpoint gave.
+#[idempotent(scope = "progress.save", fields(checkpoint))]
+async fn save_progress(op: Operation, Json(p): Json<Progress>) -> (StatusCode, String) {
+    match op.checkpoint(&p.checkpoint).await {
+        Ok(()) => (StatusCode::CREATED, op.recovery_point().unwrap_or_default()),
+        Err(e) => (StatusCode::BAD_REQUEST, e.to_string()),
+    }
+}
+
 #[idempotent(scope = "payment.custom", header = "X-Request-Id")]
 async fn create_custom_header(
     State(app): State<App>,
@@ -275,6 +290,7 @@ fn router(app: App, idem: Idem) -> Router {
         .route("/flaky", post(create_flaky))
         .route("/guarded", post(create_guarded))
         .route("/wait-briefly", post(create_waiting_briefly))
+        .route("/progress", post(save_progress))
         .layer(idem.layer())
         .layer(middleware::from_fn(auth))
         .with_state(app)
@@ -912,6 +928,25 @@ async fn a_body_sent_in_chunks_is_the_same_request_as_in_one_piece(h: Harness) {
     assert_eq!(h.app.ran("carol"), 1);
 }
 
+/// A checkpoint name is any text but U+0000, which PostgreSQL's `text`
+/// cannot hold: refused with the same clear error on every store, before
+/// the store is asked (the handler may pass it on, or answer otherwise).
+async fn a_checkpoint_holding_a_nul_is_refused_alike_on_every_store(h: Harness) {
+    let save = |name: &str, key: &str| {
+        post_req("/progress", &format!(r#"{{"checkpoint": "{name}"}}"#))
+            .bearer("acct_1")
+            .key(key)
+    };
+    let r = save(r"charged \u0001 \u00e9 \u2028", "k-odd").send(h.addr).await;
+    assert_eq!(
+        (r.status, String::from_utf8_lossy(&r.body)),
+        (201, "charged \u{1} \u{e9} \u{2028}".into())
+    );
+    let r = save(r"charged\u0000", "k-nul").send(h.addr).await;
+    assert_eq!(r.status, 400, "{r:?}");
+    assert!(String::from_utf8_lossy(&r.body).contains("U+0000"), "{r:?}");
+}
+
 idem_testkit::for_each_store! {
     stores: [memory, sqlite, postgres],
     setup: |kind| harness(kind).await,
@@ -944,6 +979,7 @@ idem_testkit::for_each_store! {
         a_retry_after_a_release_keeps_the_derived_keys,
         a_failed_request_stays_bound_to_its_body,
         a_body_sent_in_chunks_is_the_same_request_as_in_one_piece,
+        a_checkpoint_holding_a_nul_is_refused_alike_on_every_store,
     ],
 }
 

@@ -347,12 +347,31 @@ impl Operation {
     /// over, or when the lease is lost (see [`Operation::is_lease_lost`]):
     /// stop, the record is not yours any more. The lease then counts as
     /// lost ([`Operation::is_lease_lost`] is true, [`Operation::lease_lost`]
-    /// resolves). Another [`StoreError`] when
-    /// the store fails.
+    /// resolves). [`StoreError::Backend`], on every store alike and
+    /// before the store is asked, for a `name` holding U+0000, which
+    /// PostgreSQL's `text` cannot hold (any other text is kept as it is).
+    /// Another [`StoreError`] when the store fails.
+    ///
+    /// ```
+    /// # use idem::{idempotent, Operation, StoreError};
+    /// #[idempotent(scope = "order.ship")]
+    /// async fn ship(op: Operation) -> Result<&'static str, StoreError> {
+    ///     if op.recovery_point().as_deref() != Some("labelled") {
+    ///         // Buy the label under `op.derived_key("label")`, then:
+    ///         op.checkpoint("labelled").await?;
+    ///     }
+    ///     Ok("shipped")
+    /// }
+    /// ```
     pub async fn checkpoint(&self, name: &str) -> Result<(), StoreError> {
         let info = &self.info;
         if info.is_lost() {
             return Err(StoreError::LockLost);
+        }
+        if name.contains('\0') {
+            return Err(StoreError::backend(
+                "a checkpoint's name cannot hold U+0000 (PostgreSQL's text cannot store it)",
+            ));
         }
         if let Err(e) = info.store.checkpoint(&info.id, &info.lease.token, name).await {
             // The store says another token holds the record: the lease is
