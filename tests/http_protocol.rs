@@ -1348,3 +1348,69 @@ async fn the_innermost_idem_layer_configures_its_routes() {
     assert_eq!(app.ran("bob"), 0);
     assert_eq!((inner.len(), outer.len()), (1, 0));
 }
+
+/// The longest scope the attribute takes (255 bytes, not compressible),
+/// with the longest tenant (255 bytes of three-byte characters) and key
+/// (255 characters): a record every store keys, PostgreSQL's primary-key
+/// index included (2,704 bytes a row), taken, then replayed.
+mod the_longest_id {
+    use super::*;
+
+    #[idempotent(
+        scope = "kzde8gxd6.gf10epf.rd_hod_zdoc9i.jj8h_t9lg_mxg.re_dn581u33xtplpf_.j5v2seh60kvj50c.v9_uvw53.cfr4edt_2sywb3wkh5dn.yipzz5fk2z9.ii19r0wyojfljooa5lqsa.e8x_ui6d39zzz.m4zdmen2.fvdga_j8.dbenyjqwx4hh.p44tfjgvq4k7bn.qj8b7tfq7xkw.y886vompzo.g5wbbr4qmw2wxfo.d4mvn4a4wf"
+    )]
+    async fn longest(Json(p): Json<PaymentIn>) -> (StatusCode, String) {
+        (StatusCode::CREATED, p.recipient)
+    }
+
+    /// The tenant is the `x-tenant` header's bytes, read as UTF-8.
+    async fn tenant_from_header(mut req: Request, next: Next) -> Response {
+        let tenant = req
+            .headers()
+            .get("x-tenant")
+            .and_then(|v| String::from_utf8(v.as_bytes().to_vec()).ok());
+        if let Some(t) = tenant {
+            req.extensions_mut().insert(Tenant::new(t));
+        }
+        next.run(req).await
+    }
+
+    async fn taken_and_replayed(h: Harness) {
+        let router = Router::new()
+            .route("/longest", post(longest))
+            .layer(Idem::from_arc(h.store.clone()).layer())
+            .layer(middleware::from_fn(tenant_from_header));
+        let addr = serve(router).await;
+        // Three-byte characters spread over the CJK block: nothing repeats.
+        let tenant: String = (0..85u32)
+            .map(|i| char::from_u32(0x4e00 + (i * 7919) % 0x5000).unwrap())
+            .collect();
+        let key: String = (0..255u32)
+            .map(|i| {
+                char::from(
+                    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"[(i * 37 % 62) as usize],
+                )
+            })
+            .collect();
+        assert_eq!((tenant.len(), key.len()), (255, 255));
+        for replayed in [None, Some("true")] {
+            let r = post_req("/longest", &body(100, "alice"))
+                .header("x-tenant", &tenant)
+                .key(&key)
+                .send(addr)
+                .await;
+            assert_eq!(
+                (r.status, r.header("idempotent-replayed")),
+                (201, replayed),
+                "{r:?}"
+            );
+        }
+    }
+
+    idem_testkit::for_each_store! {
+        stores: [memory, sqlite, postgres],
+        setup: |kind| harness(kind).await,
+        worker_threads: 2,
+        cases: [taken_and_replayed],
+    }
+}

@@ -186,8 +186,14 @@ fn duration(
     }
 }
 
+/// The longest scope, in bytes: with the longest tenant and key (255
+/// each), a record's id stays within what PostgreSQL's primary-key index
+/// holds (2,704 bytes a row).
+const MAX_SCOPE_LEN: usize = 255;
+
 fn valid_scope(scope: &str) -> bool {
     !scope.is_empty()
+        && scope.len() <= MAX_SCOPE_LEN
         && scope.split('.').all(|part| {
             let mut chars = part.chars();
             matches!(chars.next(), Some('a'..='z')) && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'))
@@ -272,7 +278,16 @@ impl Parse for IdempotentArgs {
             if lookahead.peek(kw::scope) {
                 let k: kw::scope = input.parse()?;
                 let lit: LitStr = value(input)?;
-                if !valid_scope(&lit.value()) {
+                let scope = lit.value();
+                if scope.len() > MAX_SCOPE_LEN {
+                    errors.push(syn::Error::new(
+                        lit.span(),
+                        format!(
+                            "`scope` is {} bytes long; at most {MAX_SCOPE_LEN} are allowed",
+                            scope.len()
+                        ),
+                    ));
+                } else if !valid_scope(&scope) {
                     errors.push(syn::Error::new(
                         lit.span(),
                         "`scope` must be a lowercase dotted name such as `\"payment.create\"`",
@@ -491,6 +506,9 @@ mod tests {
         for bad in ["", "Payment", "payment.", ".x", "a..b", "a-b", "1a"] {
             assert!(!valid_scope(bad), "{bad}");
         }
+        let longest = format!("a.{}", "b".repeat(MAX_SCOPE_LEN - 2));
+        assert!(valid_scope(&longest));
+        assert!(!valid_scope(&format!("{longest}c")));
         for bad in ["", "5", "s", "0s", "5 s", "-5s", "5sec", "99999999999999999999d"] {
             let lit = LitStr::new(bad, Span::call_site());
             assert!(DurationLit::parse_lit(&lit).is_err(), "{bad}");
