@@ -1090,6 +1090,54 @@ async fn postgres_a_role_refused_plpgsql_migrates_an_up_to_date_table() {
     migrated.unwrap();
 }
 
+/// A database not encoded in UTF8 (LATIN1 here) cannot hold every tenant
+/// and checkpoint name: `migrate()` refuses it, naming the encoding,
+/// before it creates anything, and `check_schema()` refuses it too, where
+/// requests whose text it cannot convert would get 503 on every retry.
+#[tokio::test]
+async fn postgres_a_database_not_encoded_in_utf8_is_refused() {
+    use sqlx::postgres::PgConnectOptions;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let database = format!(
+        "idem_latin1_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::UNIX_EPOCH
+            .elapsed()
+            .unwrap()
+            .subsec_nanos()
+    );
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "CREATE DATABASE {database} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+        )))
+        .await
+        .unwrap();
+    let options: PgConnectOptions = url.parse().unwrap();
+    let pool = sqlx::PgPool::connect_with(options.database(&database))
+        .await
+        .unwrap();
+    let store = PgStore::new(pool.clone());
+    let migrated = store.migrate().await.map_err(|e| e.to_string());
+    let checked = store.check_schema().await.map_err(|e| e.to_string());
+    let created: Option<String> = sqlx::query_scalar("SELECT to_regclass('idempotency_keys')::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE {database} WITH (FORCE)"
+        )))
+        .await
+        .unwrap();
+    for refused in [migrated, checked] {
+        let reason = refused.expect_err("a LATIN1 database is refused");
+        assert!(reason.contains("LATIN1") && reason.contains("UTF8"), "{reason}");
+    }
+    assert_eq!(created, None, "migrate() created the table before refusing");
+}
+
 /// The columns the completion writes (`state`, `lock_token`, the answer,
 /// `created_at`, `expires_at`): none may be indexed, so that PostgreSQL
 /// stores an answer in place (a HOT update: no new index entries, less WAL),

@@ -216,10 +216,12 @@ macro_rules! check_schema {
         /// # Errors
         ///
         /// [`StoreError::Backend`](crate::StoreError::Backend) naming the table and what
-        /// is missing, or [`StoreError::Unavailable`](crate::StoreError::Unavailable).
+        /// is missing (or, on PostgreSQL, a database not encoded in `UTF8`
+        /// or `SQL_ASCII`), or [`StoreError::Unavailable`](crate::StoreError::Unavailable).
         $vis async fn $name(&self) -> Result<(), $crate::StoreError> {
             let sql = &self.sql;
             let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
+            $crate::sql::refuse_encoding(&self.pool, sql).await?;
             $crate::sql::refuse_found_elsewhere(&self.pool, sql).await?;
             let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
                 .fetch_all(&self.pool)
@@ -300,6 +302,32 @@ where
              this service's)",
             sql.table,
             here.as_deref().unwrap_or("(none)"),
+        ))),
+    }
+}
+
+/// Refuses a database whose encoding cannot hold every Unicode text: a
+/// tenant or a checkpoint's name it cannot convert would fail every request
+/// that carries it, on every retry, where the other stores keep it.
+/// PostgreSQL's `UTF8` holds them all, and `SQL_ASCII` keeps the bytes as
+/// sent; nothing to check on SQLite.
+pub(crate) async fn refuse_encoding<'c, E, DB>(conn: E, sql: &super::Statements) -> Result<(), StoreError>
+where
+    DB: sqlx::Database,
+    E: sqlx::Executor<'c, Database = DB>,
+    for<'r> (String,): sqlx::FromRow<'r, DB::Row>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    let Some(query) = sql.encoding else {
+        return Ok(());
+    };
+    let (encoding,): (String,) = sqlx::query_as(query).fetch_one(conn).await.map_err(map_err)?;
+    match encoding.as_str() {
+        "UTF8" | "SQL_ASCII" => Ok(()),
+        other => Err(StoreError::backend(format!(
+            "the database of the table {} is encoded in {other}, which cannot hold every tenant and \
+             checkpoint name (idem's text is Unicode): use a database created with ENCODING 'UTF8'",
+            sql.table
         ))),
     }
 }

@@ -16,7 +16,9 @@ mod replays;
 pub(crate) mod sqlite;
 
 pub use migrate::Migration;
-pub(crate) use migrate::{check_schema, found, migrate_in, migrations, refuse_found_elsewhere, schema_error};
+pub(crate) use migrate::{
+    check_schema, found, migrate_in, migrations, refuse_encoding, refuse_found_elsewhere, schema_error,
+};
 #[cfg(feature = "postgres")]
 pub(crate) use run::columns_are;
 #[cfg(feature = "axum")]
@@ -116,6 +118,9 @@ pub(crate) struct Dialect {
     /// Whether the reservation's write path is a server-side function
     /// (PostgreSQL), created by migration 4.
     reserve_function: bool,
+    /// PostgreSQL: the database's encoding, which must hold any Unicode
+    /// text (a tenant, a checkpoint's name).
+    encoding: Option<&'static str>,
 }
 
 #[cfg(feature = "postgres")]
@@ -151,6 +156,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
         include_str!("../../migrations/postgres/drop_state_check.sql"),
     )),
     reserve_function: true,
+    encoding: Some("SELECT current_setting('server_encoding')"),
 };
 
 #[cfg(feature = "sqlite")]
@@ -177,6 +183,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
     },
     drop_state_check: None,
     reserve_function: false,
+    encoding: None,
 };
 
 /// Every statement a store runs, for one table.
@@ -243,6 +250,9 @@ pub(crate) struct Statements {
     pub(crate) reserve_function: String,
     /// Whether that function exists (true or false), where there is one.
     pub(crate) has_reserve_function: Option<String>,
+    /// The database's encoding, where it may be one that cannot hold all
+    /// of Unicode (see [`refuse_encoding`]).
+    pub(crate) encoding: Option<&'static str>,
     /// Creates or replaces that function: a migration run does when the
     /// function is missing or is not this build's.
     pub(crate) reserve_ddl: Option<String>,
@@ -540,6 +550,7 @@ impl Statements {
                 ms(5),
                 latest = d.latest
             ),
+            encoding: d.encoding,
             has_reserve_function: d.reserve_function.then(|| {
                 format!(
                     "SELECT to_regprocedure({function_ref}) \

@@ -599,6 +599,9 @@ impl PgStore {
     ///
     /// [`StoreError`] when the database is unreachable, refuses the DDL, or
     /// the table does not match afterwards;
+    /// [`StoreError::Backend`], before any change, when the database is
+    /// not encoded in `UTF8` (or `SQL_ASCII`): another encoding cannot hold
+    /// every tenant and checkpoint name;
     /// [`StoreError::Unavailable`] when the table's lock stayed taken
     /// through every try (nothing was changed: run `migrate()` again once
     /// those transactions end).
@@ -611,6 +614,9 @@ impl PgStore {
     /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
         self.first_runtime.note(&self.sql.table);
+        // Before any DDL: a database that cannot hold idem's text is refused
+        // as it is.
+        sql::refuse_encoding(&self.pool, &self.sql).await?;
         let mut pauses = MIGRATION_PAUSES.iter();
         loop {
             let mut tx = begin_to_its_answer(&self.pool, None).await?;
