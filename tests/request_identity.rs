@@ -757,6 +757,18 @@ async fn handlers_of_one_scope_written_by_one_macro_are_named_apart() {
     );
 }
 
+/// A number other than zero whose double is zero keeps its exact value:
+/// `1e-400` and `0` are two requests (a handler reading a decimal type
+/// tells them apart), `1e-400` and `10e-401` one.
+#[tokio::test]
+async fn a_number_too_small_for_a_double_is_not_zero() {
+    let addr = serve(&memory(), Router::new().route("/n", post(number))).await;
+    assert_eq!(send(addr, "/n", "1e-400", "k-tiny").await.status, 200);
+    assert!(replayed(&send(addr, "/n", "10e-401", "k-tiny").await));
+    assert_eq!(send(addr, "/n", "0", "k-tiny").await.status, 422);
+    assert_eq!(send(addr, "/n", "2e-400", "k-tiny").await.status, 422);
+}
+
 #[derive(serde::Deserialize, serde::Serialize)]
 struct Rate {
     rate: f32,
