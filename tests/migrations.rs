@@ -1022,6 +1022,15 @@ async fn postgres_a_role_that_does_not_own_the_function_migrates_an_up_to_date_t
     migrated.unwrap();
 }
 
+/// A name no other test run uses, for a database or a role of its own.
+fn unique_suffix() -> String {
+    let nanos = std::time::SystemTime::UNIX_EPOCH
+        .elapsed()
+        .unwrap()
+        .subsec_nanos();
+    format!("{}_{nanos}", std::process::id())
+}
+
 /// A database that refuses PL/pgSQL to its service role (`USAGE` on the
 /// language revoked from PUBLIC, a common hardening): once the check on
 /// `state` is gone, that role's `migrate()` runs no PL/pgSQL, and succeeds
@@ -1031,14 +1040,7 @@ async fn postgres_a_role_refused_plpgsql_migrates_an_up_to_date_table() {
     use sqlx::postgres::PgConnectOptions;
     let Some(url) = idem_testkit::pg_url() else { return };
     let admin = sqlx::PgPool::connect(&url).await.unwrap();
-    let unique = format!(
-        "{}_{}",
-        std::process::id(),
-        std::time::SystemTime::UNIX_EPOCH
-            .elapsed()
-            .unwrap()
-            .subsec_nanos()
-    );
+    let unique = unique_suffix();
     let (database, role) = (format!("idem_hardened_{unique}"), format!("idem_svc_{unique}"));
     admin
         .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
@@ -1099,14 +1101,7 @@ async fn postgres_a_database_not_encoded_in_utf8_is_refused() {
     use sqlx::postgres::PgConnectOptions;
     let Some(url) = idem_testkit::pg_url() else { return };
     let admin = sqlx::PgPool::connect(&url).await.unwrap();
-    let database = format!(
-        "idem_latin1_{}_{}",
-        std::process::id(),
-        std::time::SystemTime::UNIX_EPOCH
-            .elapsed()
-            .unwrap()
-            .subsec_nanos()
-    );
+    let database = format!("idem_latin1_{}", unique_suffix());
     admin
         .execute(sqlx::AssertSqlSafe(format!(
             "CREATE DATABASE {database} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
