@@ -31,3 +31,37 @@ async fn the_janitor_refuses_a_zero_batch_or_period() {
     assert!(idem().start_janitor(Duration::from_secs(60), 0).is_err());
     assert!(idem().start_janitor(Duration::from_secs(60), 500).is_ok());
 }
+
+#[idem::idempotent(scope = "order.place")]
+async fn place() -> (axum::http::StatusCode, &'static str) {
+    (axum::http::StatusCode::CREATED, "placed")
+}
+
+/// A SQL store's timeout of `Duration::MAX` ("no bound") bounds nothing:
+/// the request is reserved, answered and replayed on both SQL stores, as
+/// with any other timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_timeout_of_duration_max_bounds_nothing() {
+    use idem::IdempotencyStore;
+    use idem_testkit::http::{post, serve};
+    let (sqlite, _dir) = idem_testkit::sqlite_store().await;
+    let mut stores: Vec<(&str, std::sync::Arc<dyn IdempotencyStore>)> =
+        vec![("sqlite", std::sync::Arc::new(sqlite.with_timeout(Duration::MAX)))];
+    if let Some(pg) = idem_testkit::pg_store().await {
+        stores.push(("postgres", std::sync::Arc::new(pg.with_timeout(Duration::MAX))));
+    }
+    for (name, store) in stores {
+        let router = axum::Router::new()
+            .route("/orders", axum::routing::post(place))
+            .layer(Idem::from_arc(store).single_tenant().layer());
+        let addr = serve(router).await;
+        for replayed in [None, Some("true")] {
+            let r = post("/orders", "").key("k-max").send(addr).await;
+            assert_eq!(
+                (r.status, r.body.as_slice(), r.header("idempotent-replayed")),
+                (201, &b"placed"[..], replayed),
+                "{name}: {r:?}"
+            );
+        }
+    }
+}

@@ -2,7 +2,7 @@
 
 use crate::sql::millis;
 use crate::sql::{self, Statements};
-use crate::store::{random_token_inline, BoxFuture};
+use crate::store::{deadline_after, random_token_inline, BoxFuture};
 use crate::store::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use std::time::Duration;
@@ -359,6 +359,7 @@ impl PgStore {
 
     /// Bounds every operation (connection included) by `timeout`; past it the
     /// operation fails with [`StoreError::Unavailable`]. Default: 2 seconds.
+    /// `Duration::MAX` bounds nothing.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -949,15 +950,6 @@ struct Queue {
     waiting: Vec<Waiting>,
 }
 
-/// `timeout` from now, as `tokio::time::timeout` counts it: a timeout past
-/// what the clock can tell (`Duration::MAX`, say "no bound") is about 30
-/// years away.
-fn deadline_after(timeout: Duration) -> tokio::time::Instant {
-    let now = tokio::time::Instant::now();
-    now.checked_add(timeout)
-        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30))
-}
-
 /// The most completions one statement writes.
 const GROUP_MAX: usize = 64;
 
@@ -1423,7 +1415,7 @@ impl PgStore {
     /// already or gone, fenced by its token.
     async fn hand_back_all(&self, gone: Vec<(&LookupBinds, bool)>) {
         for (b, taken_over) in gone {
-            let until = tokio::time::Instant::now() + self.timeout;
+            let until = deadline_after(self.timeout);
             let _ = crate::store::retry_until(until, || self.hand_back(&b.id, &b.token, taken_over)).await;
         }
     }

@@ -85,7 +85,7 @@ where
             let under_way = crate::store::background_work().enter();
             let undo = async move {
                 let _under_way = under_way;
-                let until = tokio::time::Instant::now() + hold;
+                let until = crate::store::deadline_after(hold);
                 let late = tokio::time::timeout(hold, running).await;
                 let took = !matches!(
                     late,

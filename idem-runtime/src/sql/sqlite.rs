@@ -259,7 +259,7 @@ impl SqliteStore {
 
     /// Bounds every operation by `timeout` (default: the busy timeout plus
     /// one second); past it the operation fails with
-    /// [`StoreError::Unavailable`].
+    /// [`StoreError::Unavailable`]. `Duration::MAX` bounds nothing.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -465,7 +465,7 @@ pub(crate) const HANDLER_MARK: &str = "SAVEPOINT idem_handler";
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
         Box::pin(async move {
-            let deadline = tokio::time::Instant::now() + self.timeout;
+            let deadline = crate::store::deadline_after(self.timeout);
             // A read first, in the caller's task (a read given up on leaves
             // nothing behind): a replay, a mismatch or a live lock is
             // answered without the write lock (WAL readers never wait for a
@@ -754,7 +754,7 @@ impl SqliteStore {
     /// lock stays that nobody holds.
     async fn give_back(self, owned: sql::OwnedReserve, taken_over: bool) {
         tracing::warn!("a reservation took its key after its caller gave up; giving the key back");
-        let until = tokio::time::Instant::now() + owned.lock_timeout();
+        let until = crate::store::deadline_after(owned.lock_timeout());
         let given = crate::store::retry_until(until, || {
             IdempotencyStore::hand_back(&self, owned.id(), owned.token(), taken_over)
         })

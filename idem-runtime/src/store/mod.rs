@@ -565,6 +565,16 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
     }
 }
 
+/// `timeout` from now, as `tokio::time::timeout` counts it: a timeout past
+/// what the clock can tell (`Duration::MAX`, say, for "no bound") is about
+/// 30 years away, never an overflow.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) fn deadline_after(timeout: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30))
+}
+
 /// Tries `give_back` (a release or a hand-back, fenced by a token) until
 /// the store answers: at once, then, while the store fails, again every
 /// 100 ms doubling to 2 s, as long as `until` has not passed. It stops at
