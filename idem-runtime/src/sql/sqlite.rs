@@ -512,29 +512,16 @@ impl IdempotencyStore for SqliteStore {
         response: &'a crate::store::StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(sql::bounded(self.timeout, async move {
-            let (answer, answered) = tokio::sync::oneshot::channel();
-            let store = self.clone();
-            let (owned_id, token, response) = (id.clone(), token.to_owned(), response.clone());
-            self.join_group(job(true, move |conn| {
-                Box::pin(async move {
-                    let (conn, answer) = match start_job(conn, answer) {
-                        Ok(started) => started,
-                        Err(written) => return written,
-                    };
-                    let done = store
-                        .complete_with(&mut *conn, &owned_id, &token, &response)
-                        .await;
-                    Written {
-                        failed: done.is_err(),
-                        answer: Box::new(move |committed| {
-                            let _ = answer.send(done.and(committed));
-                        }),
-                    }
-                })
-            }));
-            answered
-                .await
-                .map_err(|_| StoreError::backend("the completion's write did not finish"))??;
+            // Rolled back with another write of its group that failed, it
+            // goes back in line at once, for a group without that write
+            // (whose own retries keep its pace): twice at most.
+            let mut tries = 1;
+            loop {
+                match self.complete_in_group(id, token, response).await {
+                    Err(e) if rolled_back_with_its_group(&e) && tries < 3 => tries += 1,
+                    done => break done?,
+                }
+            }
             pause_point!(crate::pause::COMPLETE_AFTER, &id.key);
             Ok(())
         }))
@@ -701,6 +688,38 @@ impl SqliteStore {
             }
         }
         Ok(None)
+    }
+
+    /// A completion's write, in the next group commit.
+    async fn complete_in_group(
+        &self,
+        id: &crate::store::RecordId,
+        token: &str,
+        response: &crate::store::StoredResponse,
+    ) -> Result<(), StoreError> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let store = self.clone();
+        let (owned_id, token, response) = (id.clone(), token.to_owned(), response.clone());
+        self.join_group(job(true, move |conn| {
+            Box::pin(async move {
+                let (conn, answer) = match start_job(conn, answer) {
+                    Ok(started) => started,
+                    Err(written) => return written,
+                };
+                let done = store
+                    .complete_with(&mut *conn, &owned_id, &token, &response)
+                    .await;
+                Written {
+                    failed: done.is_err(),
+                    answer: Box::new(move |committed| {
+                        let _ = answer.send(done.and(committed));
+                    }),
+                }
+            })
+        }));
+        answered
+            .await
+            .map_err(|_| StoreError::backend("the completion's write did not finish"))?
     }
 
     /// A reservation's write, as long as it takes: its caller bounds it,
@@ -1004,6 +1023,17 @@ fn start_job<T: Send + 'static>(
         Ok(_) if answer.is_closed() => Err(Written::nothing()),
         Ok(conn) => Ok((conn, answer)),
     }
+}
+
+/// The failure a write of a group is answered with when SQLite rolled the
+/// group's transaction back whole after another write's statement failed:
+/// its own statements had succeeded.
+const ROLLED_BACK_WITH_ITS_GROUP: &str =
+    "rolled back with another write of its group, whose statement failed";
+
+/// Whether `e` is [`ROLLED_BACK_WITH_ITS_GROUP`].
+fn rolled_back_with_its_group(e: &StoreError) -> bool {
+    matches!(e, StoreError::Backend { reason, .. } if reason == ROLLED_BACK_WITH_ITS_GROUP)
 }
 
 /// Where a job's caller waits for its answer.
@@ -1458,6 +1488,7 @@ impl SqliteStore {
         };
         let mut jobs = jobs.into_iter();
         let mut answers = Vec::new();
+        let mut one_failed = false;
         let committed = {
             let mut tx = match sqlx::Connection::begin_with(&mut **conn, "BEGIN IMMEDIATE").await {
                 Ok(tx) => tx,
@@ -1467,6 +1498,7 @@ impl SqliteStore {
                 let written = (job.run)(Ok(&mut *tx)).await;
                 answers.push(written.answer);
                 if written.failed {
+                    one_failed = true;
                     break;
                 }
             }
@@ -1491,8 +1523,23 @@ impl SqliteStore {
         if !rest.is_empty() {
             self.group.lock().jobs.splice(0..0, rest);
         }
+        // A write that failed answers its own failure (its closure holds
+        // it). When the commit failed after it, SQLite rolled back the writes
+        // before it too, though theirs succeeded: they are told so, and a
+        // completion then goes back in line for a group without it.
+        let outcome = match committed {
+            Err(StoreError::Backend { source, .. } | StoreError::Unavailable { source, .. })
+                if one_failed =>
+            {
+                Err(StoreError::Backend {
+                    reason: ROLLED_BACK_WITH_ITS_GROUP.to_owned(),
+                    source,
+                })
+            }
+            other => other,
+        };
         for answer in answers {
-            answer(committed.clone());
+            answer(outcome.clone());
         }
     }
 
