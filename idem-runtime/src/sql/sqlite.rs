@@ -512,15 +512,18 @@ impl IdempotencyStore for SqliteStore {
         response: &'a crate::store::StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(sql::bounded(self.timeout, async move {
-            // Rolled back with another write of its group that failed, it
-            // goes back in line at once, for a group without that write
-            // (whose own retries keep its pace): twice at most.
-            let mut tries = 1;
-            loop {
-                match self.complete_in_group(id, token, response).await {
-                    Err(e) if rolled_back_with_its_group(&e) && tries < 3 => tries += 1,
-                    done => break done?,
+            match self.complete_in_group(id, token, response).await {
+                // Rolled back with another write of its group that failed:
+                // written again at once, alone in its turn at the write
+                // lock, where no other write can roll it back.
+                Err(e) if rolled_back_with_its_group(&e) => {
+                    let (id, token, response) = (id.clone(), token.to_owned(), response.clone());
+                    self.queued(move |store| async move {
+                        store.complete_with(&store.pool, &id, &token, &response).await
+                    })
+                    .await?;
                 }
+                done => done?,
             }
             pause_point!(crate::pause::COMPLETE_AFTER, &id.key);
             Ok(())
