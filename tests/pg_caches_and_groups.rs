@@ -1658,8 +1658,8 @@ mod cancellation {
             return;
         };
         slow_inserts(&store, 1.5).await;
-        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
-        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let a = id("aaa");
+        let s = id("slow");
         let Running {
             second,
             turns,
@@ -1890,9 +1890,9 @@ mod cancellation {
             return;
         };
         slow_inserts(&store, 1.0).await;
-        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
-        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
-        let z = RecordId::new("t", "s", idem_testkit::unique("zzz"));
+        let a = id("aaa");
+        let s = id("slow");
+        let z = id("zzz");
         let (pauses, turns) = hold_the_lookup_turns(&store).await;
         let mut tasks = Vec::new();
         for (n, i) in [&a, &s, &z].iter().enumerate() {
@@ -1932,10 +1932,10 @@ mod cancellation {
             return;
         };
         slow_completions(&store, 1.0).await;
-        let first = RecordId::new("t", "s", idem_testkit::unique("first"));
-        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
-        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
-        let z = RecordId::new("t", "s", idem_testkit::unique("zzz"));
+        let first = id("first");
+        let a = id("aaa");
+        let s = id("slow");
+        let z = id("zzz");
         let Queued {
             leases,
             turn,
@@ -1977,8 +1977,8 @@ mod cancellation {
             return;
         };
         slow_inserts(&store, 1.0).await;
-        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
-        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let a = id("aaa");
+        let s = id("slow");
         let Running {
             second,
             turns,
@@ -1986,8 +1986,8 @@ mod cancellation {
             watcher,
         } = a_group_running(&url, &schema, &store, &[&a, &s]).await;
         // Two more queue behind the running group.
-        let b = RecordId::new("t", "s", idem_testkit::unique("bbb"));
-        let c = RecordId::new("t", "s", idem_testkit::unique("ccc"));
+        let b = id("bbb");
+        let c = id("ccc");
         let mut later = Vec::new();
         for i in [&b, &c] {
             later.push(reserve_in_task_tok(&store, i, "fp", LONG));
@@ -2123,10 +2123,10 @@ mod cancellation {
             return;
         };
         slow_completions(&store, 5.0).await;
-        let first = RecordId::new("t", "s", idem_testkit::unique("first"));
-        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
-        let b = RecordId::new("t", "s", idem_testkit::unique("bbb"));
-        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let first = id("first");
+        let a = id("aaa");
+        let b = id("bbb");
+        let s = id("slow");
         let all = [&first, &a, &b, &s];
         let Queued {
             leases,
@@ -2241,9 +2241,9 @@ mod cancellation {
             return;
         };
         slow_inserts(&store, 1.5).await;
-        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
-        let k = RecordId::new("t", "s", idem_testkit::unique("zzz"));
-        let x = RecordId::new("t", "s", idem_testkit::unique("xxx"));
+        let s = id("slow");
+        let k = id("zzz");
+        let x = id("xxx");
         let Running {
             second,
             turns,
@@ -2298,8 +2298,8 @@ mod cancellation {
         let watcher = sqlx::PgPool::connect(&idem_testkit::pg_url().unwrap())
             .await
             .unwrap();
-        let a = RecordId::new("t", "s", idem_testkit::unique("aaa"));
-        let s = RecordId::new("t", "s", idem_testkit::unique("slow"));
+        let a = id("aaa");
+        let s = id("slow");
         let (pauses, turns) = hold_the_lookup_turns(&store).await;
         let mut tasks = Vec::new();
         for (n, i) in [&a, &s].iter().enumerate() {
