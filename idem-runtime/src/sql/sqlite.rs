@@ -114,12 +114,14 @@ impl SqliteStore {
     /// in memory (`sqlite::memory:`, or `mode=memory`) gets the pool that
     /// [`SqliteStore::in_memory`] makes: one connection, kept open (several
     /// would lock whole tables without waiting, and answer concurrent
-    /// requests 503 where they should get 409).
+    /// requests 503 where they should get 409). For that reason a file's
+    /// URL asking for a shared cache (`cache=shared`) is refused.
     ///
     /// # Errors
     ///
-    /// [`StoreError::Backend`] for a URL that does not parse,
-    /// [`StoreError::Unavailable`] when the file cannot be opened.
+    /// [`StoreError::Backend`] for a URL that does not parse or asks a
+    /// file for a shared cache, [`StoreError::Unavailable`] when the file
+    /// cannot be opened.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -128,6 +130,8 @@ impl SqliteStore {
     /// let store = idem::SqliteStore::open_url(&url).await.unwrap();
     /// let memory = idem::SqliteStore::open_url("sqlite::memory:").await.unwrap();
     /// assert_eq!(memory.pool().options().get_max_connections(), 1);
+    /// let shared = idem::SqliteStore::open_url(&format!("{url}?cache=shared")).await;
+    /// assert!(shared.unwrap_err().to_string().contains("cache=shared"));
     /// # }
     /// ```
     pub async fn open_url(url: &str) -> Result<Self, StoreError> {
@@ -141,6 +145,14 @@ impl SqliteStore {
                 .await
                 .map(Self::new)
                 .map_err(|e| StoreError::unavailable(e.to_string()));
+        }
+        let query = lower.split_once('?').map_or("", |(_, q)| q);
+        if query.split('&').any(|pair| pair == "cache=shared") {
+            return Err(StoreError::backend(
+                "invalid SQLite URL: cache=shared on a file is refused: connections that share a cache \
+                 lock whole tables and never wait, so concurrent requests would get 503 where they should \
+                 get 409; open the file without it",
+            ));
         }
         Self::open_with(options).await
     }
