@@ -142,6 +142,115 @@ async fn sqlite_a_table_from_before_versions_were_recorded_is_recognised() {
     serves_after_the_upgrade(&store).await;
 }
 
+/// A table at a version this build does not know, whose records table that
+/// newer build renamed or dropped: `migrate()` refuses before it writes
+/// anything (no table of this build's made beside it), and both it and
+/// `check_schema()` say to upgrade idem, not to run `migrate()`.
+fn says_upgrade_idem(what: &str, result: Result<(), idem::StoreError>) {
+    let err = result.expect_err(what).to_string();
+    assert!(
+        err.contains("newer than this build of idem knows (6): upgrade idem")
+            && !err.contains("run migrate()"),
+        "{what}: {err}"
+    );
+}
+
+#[tokio::test]
+async fn sqlite_a_newer_schema_is_refused_before_anything_is_written() {
+    let (store, _dir) = idem_testkit::sqlite_store().await;
+    for statement in [
+        "INSERT INTO idempotency_keys_migrations (version, name, applied_at) VALUES (7, 'a newer build', 0)",
+        "DROP TABLE idempotency_keys",
+    ] {
+        store.pool().execute(statement).await.unwrap();
+    }
+    says_upgrade_idem("migrate()", store.migrate().await);
+    says_upgrade_idem("check_schema()", store.check_schema().await);
+    let made: i64 = sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE name = 'idempotency_keys'")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(made, 0, "migrate() made a table before it refused");
+}
+
+#[tokio::test]
+async fn postgres_a_newer_schema_is_refused_before_anything_is_written() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    for statement in [
+        format!(
+            "INSERT INTO \"{schema}\".idempotency_keys_migrations (version, name, applied_at) \
+             VALUES (7, 'a newer build', 0)"
+        ),
+        format!("DROP TABLE \"{schema}\".idempotency_keys"),
+    ] {
+        pool.execute(sqlx::AssertSqlSafe(statement)).await.unwrap();
+    }
+    says_upgrade_idem("migrate()", store.migrate().await);
+    says_upgrade_idem("check_schema()", store.check_schema().await);
+    let made: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'idempotency_keys'",
+    )
+    .bind(&schema)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(made, 0, "migrate() made a table before it refused");
+}
+
+/// A table of this build whose versions table is gone (the table alone
+/// copied to another file, say): recognised by its columns as at least
+/// version 5, whose column SQLite cannot add twice, and served.
+#[tokio::test]
+async fn sqlite_a_current_table_without_its_versions_is_recognised() {
+    let (store, _dir) = idem_testkit::sqlite_store().await;
+    let id = RecordId::new("t", "s", "kept");
+    let lease = idem_testkit::records::take(&store, &id, "fp", LONG, LONG).await;
+    store
+        .complete(&id, &lease.token, &created(b"kept"))
+        .await
+        .unwrap();
+    store
+        .pool()
+        .execute("DROP TABLE idempotency_keys_migrations")
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    assert_eq!(
+        store.reserve(req(&id, "fp")).await.unwrap(),
+        Reservation::Completed(created(b"kept"))
+    );
+    let versions: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM idempotency_keys_migrations ORDER BY version")
+            .fetch_all(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
+}
+
+#[tokio::test]
+async fn postgres_a_current_table_without_its_versions_is_recognised() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    let id = RecordId::new("t", "s", "kept");
+    let lease = idem_testkit::records::take(&store, &id, "fp", LONG, LONG).await;
+    store
+        .complete(&id, &lease.token, &created(b"kept"))
+        .await
+        .unwrap();
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE \"{schema}\".idempotency_keys_migrations"
+    )))
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    assert_eq!(
+        store.reserve(req(&id, "fp")).await.unwrap(),
+        Reservation::Completed(created(b"kept"))
+    );
+    takes_completes_replays(&store, "new").await;
+}
+
 /// A table that claims the latest version but lacks a column refuses to
 /// serve, and says what to do.
 #[tokio::test]

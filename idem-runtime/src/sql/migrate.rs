@@ -93,6 +93,13 @@ macro_rules! migrate_in {
             .await
             .map_err($crate::sql::map_err)?;
         let mut current = applied.last().copied().unwrap_or(0);
+        let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
+        // A newer build's table is refused before anything is written, also
+        // when its records table is gone (that build may have renamed it):
+        // this build's table made beside it would be found by neither.
+        if current > latest {
+            return Err($crate::sql::newer_schema(&sql.table, current, latest));
+        }
         let mut exists = $tx.begin().await.map_err($crate::sql::map_err)?;
         let table_exists = $crate::sql::found(run(&sql.table_exists).execute(&mut *exists).await)?;
         exists.rollback().await.map_err($crate::sql::map_err)?;
@@ -115,7 +122,14 @@ macro_rules! migrate_in {
                     sql.table
                 )));
             }
-            for (version, probe) in [(1, &sql.table_exists), (2, &sql.has_taken_over)] {
+            // Version 5's column says 3 and 4 are there too (3's index is
+            // gone with it; 4 changed no table); a table of this build moved
+            // without its versions has it, and SQLite cannot add it twice.
+            for (version, probe) in [
+                (1, &sql.table_exists),
+                (2, &sql.has_taken_over),
+                (5, &sql.has_purge_at),
+            ] {
                 let mut savepoint = $tx.begin().await.map_err($crate::sql::map_err)?;
                 let found = $crate::sql::found(run(probe).execute(&mut *savepoint).await)?;
                 savepoint.rollback().await.map_err($crate::sql::map_err)?;
@@ -124,14 +138,6 @@ macro_rules! migrate_in {
                 }
                 current = version;
             }
-        }
-        let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
-        if current > latest {
-            return Err($crate::StoreError::backend(format!(
-                "the table {} is at schema version {current}, newer than this build of idem knows \
-                 ({latest}): upgrade idem",
-                sql.table
-            )));
         }
         for (migration, text) in &sql.migrations {
             if migration.version > current {
@@ -228,6 +234,9 @@ macro_rules! check_schema {
                 .await
                 .map_err(|e| $crate::sql::schema_error(&sql.table, latest, e))?;
             let current = applied.last().copied().unwrap_or(0);
+            if current > latest {
+                return Err($crate::sql::newer_schema(&sql.table, current, latest));
+            }
             if current != latest {
                 return Err($crate::StoreError::backend(format!(
                     "the table {} is at schema version {current}, this build of idem needs {latest}: \
@@ -330,6 +339,15 @@ where
             sql.table
         ))),
     }
+}
+
+/// A table a newer build of idem migrated: this build refuses it, and its
+/// `migrate()` cannot help.
+pub(crate) fn newer_schema(table: &str, current: i64, latest: i64) -> StoreError {
+    StoreError::backend(format!(
+        "the table {table} is at schema version {current}, newer than this build of idem knows \
+         ({latest}): upgrade idem"
+    ))
 }
 
 /// A schema check that failed: unreachable, or a table that does not match.

@@ -17,7 +17,8 @@ pub(crate) mod sqlite;
 
 pub use migrate::Migration;
 pub(crate) use migrate::{
-    check_schema, found, migrate_in, migrations, refuse_encoding, refuse_found_elsewhere, schema_error,
+    check_schema, found, migrate_in, migrations, newer_schema, refuse_encoding, refuse_found_elsewhere,
+    schema_error,
 };
 #[cfg(feature = "postgres")]
 pub(crate) use run::columns_are;
@@ -202,6 +203,8 @@ pub(crate) struct Statements {
     pub(crate) table_exists: String,
     /// Reads nothing, but fails unless version 2's column exists.
     pub(crate) has_taken_over: String,
+    /// Version 5's column, probed the same way.
+    pub(crate) has_purge_at: String,
     /// Reads the columns of schema version 1 (fails on a table without them).
     pub(crate) has_v1_columns: String,
     /// Reads nothing, but fails unless every column the code needs exists.
@@ -481,6 +484,7 @@ impl Statements {
             ),
             table_exists: format!("SELECT 1 FROM {t} LIMIT 0"),
             has_taken_over: format!("SELECT taken_over FROM {t} LIMIT 0"),
+            has_purge_at: format!("SELECT purge_at FROM {t} LIMIT 0"),
             has_v1_columns: format!(
                 "SELECT tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, \
                  lock_expires_at, recovery_point, response_status, response_headers, response_body, \
