@@ -1107,6 +1107,75 @@ async fn declined(_body: String) -> axum::response::Response {
     )
 }
 
+/// `idem::problem(...)`, then a body of the handler's own in its place.
+#[idempotent(scope = "lease.own_body")]
+async fn problem_with_own_body(
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+) -> axum::response::Response {
+    let status = if q.contains_key("reject") {
+        StatusCode::CONFLICT
+    } else {
+        StatusCode::PAYMENT_REQUIRED
+    };
+    let mut r = idem::problem(status, "card-declined", "Card declined", "insufficient funds");
+    if q.contains_key("own") {
+        *r.body_mut() = axum::body::Body::from(r#"{"type":"x","balance":3}"#);
+        r.headers_mut().insert(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("application/json"),
+        );
+    }
+    r
+}
+
+/// A body the handler put in place of its problem's own is answered as
+/// written, under a problem base too (the base used to write the problem's
+/// body over it, and that was stored and replayed): stored (402) or
+/// rejected (409), first answer and replay. A problem's own body still
+/// gets the base, at its right length.
+#[tokio::test]
+async fn a_body_put_in_place_of_a_problems_own_is_answered_as_written() {
+    for base in [None, Some("https://docs.example.com/errors/")] {
+        let mut idem = Idem::new(idem::MemoryStore::new()).single_tenant();
+        if let Some(base) = base {
+            idem = idem.problem_type_base(base).unwrap();
+        }
+        let router = Router::new()
+            .route("/own", post(problem_with_own_body))
+            .layer(idem.layer());
+        let addr = idem_testkit::http::serve(router).await;
+        for (query, status) in [("?own", 402), ("?own&reject", 409)] {
+            let key = format!("k{query}");
+            for attempt in ["first", "again"] {
+                let r = post_req(&format!("/own{query}"), "").key(&key).send(addr).await;
+                assert_eq!(r.status, status, "{base:?} {query} {attempt}: {r:?}");
+                assert_eq!(
+                    String::from_utf8_lossy(&r.body),
+                    r#"{"type":"x","balance":3}"#,
+                    "{base:?} {query} {attempt}"
+                );
+                assert_eq!(r.header("content-type"), Some("application/json"));
+            }
+        }
+        for (query, status) in [("", 402), ("?reject", 409)] {
+            let r = post_req(&format!("/own{query}"), "")
+                .key(&format!("kept{query}"))
+                .send(addr)
+                .await;
+            assert_eq!(r.status, status);
+            assert_eq!(
+                r.json()["type"],
+                format!("{}card-declined", base.unwrap_or("urn:idem:problem:")),
+                "{query}"
+            );
+            assert_eq!(
+                r.header("content-length"),
+                Some(r.body.len().to_string().as_str())
+            );
+        }
+    }
+}
+
 /// A replayed header keeps its bytes, obs-text included.
 async fn a_replayed_header_keeps_every_byte(h: Harness) {
     let first = post_req("/obs-text", "").key("k-obs").send_raw(h.addr).await;

@@ -4,11 +4,12 @@
 
 use crate::key::KeyError;
 use axum::body::Body;
+use axum::body::Bytes;
 use axum::http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use std::borrow::Cow;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// The start of every problem `type` of this layer; the name follows.
@@ -253,6 +254,7 @@ impl IntoResponse for Problem {
             name: Cow::Borrowed(self.type_name()),
             title: Cow::Borrowed(self.title()),
             detail: self.detail(),
+            rebased: None,
         };
         let status = self.status();
         let mut response = match self.fixed() {
@@ -294,12 +296,69 @@ impl IntoResponse for crate::StoreError {
 /// assert_eq!(r.headers()["content-type"], "application/problem+json");
 /// ```
 pub fn problem(status: StatusCode, name: &str, title: &str, detail: &str) -> Response {
-    Parts {
+    let parts = Parts {
         name: Cow::Owned(name.to_owned()),
         title: Cow::Owned(title.to_owned()),
         detail: Cow::Owned(detail.to_owned()),
+        rebased: None,
+    };
+    // The handler may put a body of its own in this one's place: the text
+    // is chosen when the body is read, so that a rebase changes this body
+    // alone, never the one the handler wrote.
+    let text = Arc::new(ProblemText {
+        first: Bytes::from(parts.body(status, PROBLEM_TYPE_PREFIX)),
+        rebased: OnceLock::new(),
+    });
+    let body = Body::new(ProblemBody {
+        text: Some(text.clone()),
+    });
+    Parts {
+        rebased: Some(text),
+        ..parts
     }
-    .response(status)
+    .response_with(status, body)
+}
+
+/// The text of a handler's problem: as first written, or under the base the
+/// layer rebased it to before it was read.
+struct ProblemText {
+    first: Bytes,
+    rebased: OnceLock<Bytes>,
+}
+
+impl ProblemText {
+    fn now(&self) -> &Bytes {
+        self.rebased.get().unwrap_or(&self.first)
+    }
+}
+
+/// The body [`problem`] gives: one frame, the text as it is when read.
+struct ProblemBody {
+    text: Option<Arc<ProblemText>>,
+}
+
+impl http_body::Body for ProblemBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        let frame = self
+            .text
+            .take()
+            .map(|text| Ok(http_body::Frame::data(text.now().clone())));
+        std::task::Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.text.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.text.as_ref().map_or(0, |text| text.now().len() as u64))
+    }
 }
 
 /// What a problem response says, kept in its extensions so that its `type`
@@ -310,6 +369,8 @@ struct Parts {
     name: Cow<'static, str>,
     title: Cow<'static, str>,
     detail: Cow<'static, str>,
+    /// A handler's problem: its body reads the rebased text from here.
+    rebased: Option<Arc<ProblemText>>,
 }
 
 impl Parts {
@@ -355,10 +416,16 @@ pub(crate) fn rebase(mut response: Response, base: &str) -> Response {
     let Some(parts) = response.extensions_mut().remove::<Parts>() else {
         return response;
     };
+    let text = parts.body(response.status(), base);
+    if let Some(shared) = &parts.rebased {
+        // The handler's own problem: its body, if still the one `problem()`
+        // gave, reads this text; a body the handler wrote stays as written.
+        let _ = shared.rebased.set(Bytes::from(text));
+        return response;
+    }
     let (mut head, _) = response.into_parts();
-    let body = parts.body(head.status, base);
     head.headers.remove(axum::http::header::CONTENT_LENGTH);
-    Response::from_parts(head, Body::from(body))
+    Response::from_parts(head, Body::from(text))
 }
 
 #[cfg(test)]
@@ -421,6 +488,7 @@ mod tests {
                     name: Cow::Borrowed(p.type_name()),
                     title: Cow::Borrowed(p.title()),
                     detail: p.detail(),
+                    rebased: None,
                 }
                 .body(p.status(), PROBLEM_TYPE_PREFIX);
                 let body = p.clone().into_response().into_body();
@@ -453,6 +521,7 @@ mod tests {
                         name: Cow::Owned(format!("name-{text}")),
                         title: Cow::Owned(format!("title {text}")),
                         detail: Cow::Owned(text.to_owned()),
+                        rebased: None,
                     };
                     // serde_json's escaping of each text, in the body's
                     // fixed member order (a map's order would depend on
