@@ -335,3 +335,94 @@ mod upgrades {
         assert_eq!(runs.of("k-up"), 1);
     }
 }
+
+/// HTTP trailers, which idem neither stores nor passes on (README, "What is
+/// stored"): the first answer is the data without them, and without the
+/// `Trailer` header that would announce them (it went out announcing a
+/// trailer that never came), as its replay is.
+mod trailers {
+    use super::*;
+    use axum::body::{Body, Bytes};
+    use hyper::body::Frame;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    /// `abc`, then the trailer `x-checksum`.
+    struct WithTrailer(u8);
+
+    impl hyper::body::Body for WithTrailer {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            self.0 += 1;
+            Poll::Ready(match self.0 {
+                1 => Some(Ok(Frame::data(Bytes::from_static(b"abc")))),
+                2 => {
+                    let mut trailers = axum::http::HeaderMap::new();
+                    trailers.insert("x-checksum", HeaderValue::from_static("sha256-abc"));
+                    Some(Ok(Frame::trailers(trailers)))
+                }
+                _ => None,
+            })
+        }
+    }
+
+    fn with_trailer() -> Response {
+        (
+            StatusCode::CREATED,
+            [(header::TRAILER, "x-checksum")],
+            Body::new(WithTrailer(0)),
+        )
+            .into_response()
+    }
+
+    async fn bare() -> Response {
+        with_trailer()
+    }
+
+    #[idempotent(scope = "answer.trailers", body = "none")]
+    async fn keyed() -> Response {
+        with_trailer()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_first_answer_announces_no_trailer_it_does_not_send() {
+        let router = Router::new()
+            .route("/bare", axum::routing::post(bare))
+            .route("/keyed", axum::routing::post(keyed))
+            .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
+        let addr = serve(router).await;
+        // Without idem, the trailer goes out (the client asks for them).
+        let raw = post_req("/bare", "")
+            .header("te", "trailers")
+            .send_raw(addr)
+            .await;
+        let raw = String::from_utf8_lossy(&raw).to_lowercase();
+        assert!(
+            raw.contains("trailer: x-checksum") && raw.contains("x-checksum: sha256-abc"),
+            "{raw}"
+        );
+        for attempt in ["first", "replay"] {
+            let raw = post_req("/keyed", "")
+                .header("te", "trailers")
+                .key("k-tr")
+                .send_raw(addr)
+                .await;
+            let raw = String::from_utf8_lossy(&raw).to_lowercase();
+            assert!(raw.starts_with("http/1.1 201"), "{attempt}: {raw}");
+            assert!(!raw.contains("x-checksum"), "{attempt}: {raw}");
+            assert!(
+                raw.contains("content-length: 3\r\n") && raw.ends_with("\r\n\r\nabc"),
+                "{attempt}: {raw}"
+            );
+            assert_eq!(
+                raw.contains("idempotent-replayed: true"),
+                attempt == "replay",
+                "{raw}"
+            );
+        }
+    }
+}

@@ -869,6 +869,9 @@ fn complete_answer<'a>(
     reader: Reader,
 ) -> impl Future<Output = Response> + Send + 'a {
     async move {
+        // The body is read as data: its trailers are neither stored nor
+        // passed on, so the answer does not announce any (README).
+        parts.headers.remove(axum::http::header::TRAILER);
         let stream = parts
             .headers
             .get(CONTENT_TYPE)
