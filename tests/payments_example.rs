@@ -684,6 +684,16 @@ async fn sqlite_the_example_answers_as_its_readme_says() {
         .send(addr)
         .await;
     assert_eq!(bad.status, 401);
+    // Two credentials are ambiguous: refused before anything is held or
+    // charged, whichever comes first.
+    let two = post("/v1/payments", &payment(1))
+        .bearer(&t)
+        .header("authorization", format!("Bearer {t}-other"))
+        .key("k-two")
+        .send(addr)
+        .await;
+    assert_eq!(two.status, 401, "{two:?}");
+    assert_eq!(two.header("www-authenticate"), Some("Bearer"));
 
     let created = pay(addr, &t, "p1", 4990).await;
     assert_eq!(created.status, 201);

@@ -332,11 +332,13 @@ pub async fn body_within(within: std::time::Duration, req: Request, next: Next) 
 }
 
 /// Demo authentication, not for production: the bearer token is the tenant
-/// id (1 to 64 of `[A-Za-z0-9_-]`).
+/// id (1 to 64 of `[A-Za-z0-9_-]`), in exactly one `Authorization` header
+/// (two are ambiguous: which tenant's records would the request touch?).
 async fn auth(mut req: Request, next: Next) -> Response {
-    let token = req
-        .headers()
-        .get(header::AUTHORIZATION)
+    let mut all = req.headers().get_all(header::AUTHORIZATION).iter();
+    let token = all
+        .next()
+        .filter(|_| all.next().is_none())
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split_once(' '))
         // The scheme is case-insensitive (RFC 9110, 11.1).
@@ -357,7 +359,7 @@ async fn auth(mut req: Request, next: Next) -> Response {
             let mut r = ApiError::problem(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
-                "send `Authorization: Bearer <tenant id>` (1 to 64 of A-Z a-z 0-9 _ -)",
+                "send one `Authorization: Bearer <tenant id>` header (1 to 64 of A-Z a-z 0-9 _ -)",
             )
             .into_response();
             r.headers_mut()
