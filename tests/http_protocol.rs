@@ -1211,9 +1211,9 @@ async fn a_request_without_a_tenant_is_refused_unless_single_tenant() {
     assert_eq!(app.ran("alice"), 1);
 }
 
-/// A generic handler whose error type's `Classify` impl a bound names (or
-/// an error type behind `impl Trait` whose bounds name it): it decides as
-/// it does in a concrete handler (a gateway timeout that may
+/// A generic handler whose error type's (or whole return type's)
+/// `Classify` impl a bound names, or an answer behind `impl Trait`: it
+/// decides as it does in a concrete handler (a gateway timeout that may
 /// have charged is stored, so the retry is replayed, not charged again).
 mod generic_classification {
     use super::*;
@@ -1261,8 +1261,7 @@ mod generic_classification {
         g.charge()
     }
 
-    /// Behind `impl Trait`, a bound that names `Classify` (the macro
-    /// refuses one without: `tests/ui/fail/opaque_error_type_without_classify.rs`).
+    /// Behind `impl Trait`, a bound that names `Classify`.
     #[idempotent(scope = "payment.opaque")]
     async fn opaque(
         State(g): State<Arc<TimesOut>>,
@@ -1282,15 +1281,66 @@ mod generic_classification {
         g.charge()
     }
 
+    /// Behind `impl Trait` whose bounds do not name `Classify` (they once
+    /// hid the impl, and the 504 was released as failed: charged twice).
+    #[idempotent(scope = "payment.hidden")]
+    async fn hidden(State(g): State<Arc<TimesOut>>, _body: String) -> Result<String, impl IntoResponse> {
+        g.charge()
+    }
+
+    #[idempotent(scope = "payment.hidden_std")]
+    async fn hidden_std(
+        State(g): State<Arc<TimesOut>>,
+        _body: String,
+    ) -> Result<String, impl IntoResponse + Send + 'static> {
+        g.charge()
+    }
+
+    /// The whole return type behind `impl IntoResponse`.
+    #[idempotent(scope = "payment.hidden_whole")]
+    async fn hidden_whole(State(g): State<Arc<TimesOut>>, _body: String) -> impl IntoResponse {
+        match g.charge() {
+            Ok(_) => unreachable!("the gateway times out"),
+            Err(e) => e,
+        }
+    }
+
+    /// A generic whole return type whose bound names `Classify` (without
+    /// it the macro refuses: `tests/ui/fail/generic_return_type_without_classify.rs`).
+    #[idempotent(scope = "payment.generic_whole")]
+    async fn generic_whole<G: Gateway>(State(g): State<Arc<G>>, _body: String) -> G::Error
+    where
+        G::Error: Classify,
+    {
+        match g.charge() {
+            Ok(_) => unreachable!("the gateway times out"),
+            Err(e) => e,
+        }
+    }
+
     #[tokio::test]
     async fn a_bound_classify_impl_decides_in_a_generic_handler() {
-        for path in ["/concrete", "/generic", "/opaque", "/supertrait"] {
+        let paths = [
+            "/concrete",
+            "/generic",
+            "/opaque",
+            "/supertrait",
+            "/hidden",
+            "/hidden_std",
+            "/hidden_whole",
+            "/generic_whole",
+        ];
+        for path in paths {
             let gateway = Arc::new(TimesOut(AtomicUsize::new(0)));
             let app = Router::new()
                 .route("/generic", post(generic::<TimesOut>))
                 .route("/concrete", post(concrete))
                 .route("/opaque", post(opaque))
                 .route("/supertrait", post(supertrait))
+                .route("/hidden", post(hidden))
+                .route("/hidden_std", post(hidden_std))
+                .route("/hidden_whole", post(hidden_whole))
+                .route("/generic_whole", post(generic_whole::<TimesOut>))
                 .with_state(gateway.clone())
                 .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
             let addr = serve(app).await;

@@ -384,15 +384,21 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStrea
 
 // Input:  `-> Result<impl IntoResponse, E>` and the handler's block `{ .. }`.
 // Output: the block as a future whose value is typed as declared, so that
-//         `?` and an early `return` infer:
+//         `?` and an early `return` infer, with its classification:
 //             async move {
 //                 let __idem_ret = __private::returning::<Result<_, E>, _>(async move { .. }).await;
-//                 {
+//                 let __idem_class = {
+//                     use ::idem::__private::classifying::*;
+//                     (&&&::idem::__private::Probe(&__idem_ret)).__idem_classify()
+//                 };
+//                 ({
 //                     fn __idem_check<__IdemImpl0: IntoResponse>(value: Result<__IdemImpl0, E>)
 //                         -> Result<impl IntoResponse, E> { value }
 //                     __idem_check::<_>(__idem_ret)
-//                 }
+//                 }, __idem_class)
 //             }
+//         The value is classified before the check, with its own type:
+//         behind the declared `impl Trait` a `Classify` impl is hidden.
 //         The block is an async block of its own, so that a `return` in it
 //         ends that block, with the value's own type, as it ends the
 //         handler without the attribute: ending the outer block, it would
@@ -404,17 +410,18 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStrea
 //         `__private::returning::<R, _>(async move { .. })`: the block is
 //         the async block's own body, so a body that never returns leaves no
 //         generated code unreachable (no warning on a `todo!()` stub).
-fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> TokenStream {
+fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> Pinned {
     let ret_ident = &names.ret;
     let private = &names.private;
+    let class = &names.class;
     let (ret, check) = match output {
         // The block is the async block's own body, with nothing after it:
         // a body that never returns (`todo!()`) leaves no code unreachable.
-        ReturnType::Default => return quote!(#private::returning::<(), _>(async move #block)),
+        ReturnType::Default => return Pinned::Value(quote!(#private::returning::<(), _>(async move #block))),
         ReturnType::Type(_, ty) => {
             let (inferred, generic, params, declared) = split_return_type(ty);
             if params.is_empty() {
-                return quote!(#private::returning::<#ty, _>(async move #block));
+                return Pinned::Value(quote!(#private::returning::<#ty, _>(async move #block)));
             } else {
                 let (impl_params, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
                 let placeholders = impl_params.iter().map(|_| quote!(_));
@@ -431,12 +438,27 @@ fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> Token
             }
         }
     };
-    quote! {
+    // Classified here, where the value still has its own type: behind the
+    // `impl Trait` only the bounds can be seen, and a `Classify` impl of
+    // the type behind them would be ignored.
+    Pinned::Classified(quote! {
         async move {
             let #ret_ident = #private::returning::<#ret, _>(async move #block).await;
-            #check
+            let #class = {
+                use #private::classifying::*;
+                (&&&#private::Probe(&#ret_ident)).__idem_classify()
+            };
+            (#check, #class)
         }
-    }
+    })
+}
+
+/// The handler's block as a future: of its value, or (where the declared
+/// type hides the value's own behind an `impl Trait`) of the value and how
+/// it is classified.
+enum Pinned {
+    Value(TokenStream),
+    Classified(TokenStream),
 }
 
 /// Calls `f` on `ty` and, where `f` says to go on, on every type nested in
@@ -528,7 +550,7 @@ fn run_call(
     names: &Names,
     keying: &Keying,
     body_binding: Option<&TokenStream>,
-    block: TokenStream,
+    block: Pinned,
     output: &ReturnType,
 ) -> TokenStream {
     let Names {
@@ -555,15 +577,21 @@ fn run_call(
     };
     let out_at_type = Ident::new(&out.to_string(), Span::mixed_site().located_at(span));
     let response = quote_spanned!(span=> #private::IntoResponse::into_response(#out_at_type));
-    quote! {
-        #private::#run(#ctx, #spec, #fp, move |#op| async move {
-            #operation_binding
-            #body_binding
+    let outcome = match block {
+        Pinned::Value(block) => quote! {
             let #out = #block.await;
             let #class = {
                 use #private::classifying::*;
                 (&&&#private::Probe(&#out)).__idem_classify()
             };
+        },
+        Pinned::Classified(block) => quote!(let (#out, #class) = #block.await;),
+    };
+    quote! {
+        #private::#run(#ctx, #spec, #fp, move |#op| async move {
+            #operation_binding
+            #body_binding
+            #outcome
             (#response, #class)
         })
         .await

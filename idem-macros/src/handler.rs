@@ -136,13 +136,16 @@ fn wrapped_body(ty: &Type) -> bool {
 /// is decided where the handler is compiled, before its parameters are
 /// known: without such a bound (on that type) an impl would be ignored, and the outcome
 /// recorded by its status code instead.
-fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident)> {
+fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident, bool)> {
     use quote::ToTokens as _;
     let params: Vec<&proc_macro2::Ident> = sig.generics.type_params().map(|p| &p.ident).collect();
     if params.is_empty() {
         return None;
     }
-    let error = result_error_type(sig)?;
+    let (error, is_error) = match result_error_type(sig) {
+        Some(error) => (error, true),
+        None => (generic_return_type(sig, &params)?, false),
+    };
     let named = first_ident(error.to_token_stream(), &|i| params.contains(&i))?;
     // A bound that names `Classify` on the error type itself: in the
     // `where` clause, or on the type parameter that is the error type.
@@ -169,52 +172,33 @@ fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident
     if in_where || on_param {
         return None;
     }
-    Some((error, named))
+    Some((error, named, is_error))
 }
 
-/// The error type of a `Result<T, E>` return type that is an `impl Trait`
-/// bounded only by traits that cannot imply `Classify` (axum's and the
-/// standard library's: see [`CANNOT_CLASSIFY`]). Only the bounds can be
-/// seen through it: a `Classify` impl of the type behind it would be
-/// ignored, and the outcome recorded by its status code instead. A trait
-/// of the application's may have `Classify` as a supertrait, which the
-/// macro cannot see: it is let through.
-fn opaque_error_type(sig: &syn::Signature) -> Option<&Type> {
-    let error = result_error_type(sig)?;
-    let mut inner = error;
+/// A whole return type (no `Result`) that is one of the handler's type
+/// parameters, or a type reached from one (`R`, `G::Answer`, `<G as
+/// Gateway>::Answer`): its `Classify` impl would be ignored the same way.
+/// A type that only has one among its arguments (`Json<T>`) is let
+/// through: it cannot implement `Classify` for some `T` and not others
+/// unless its own crate says so.
+fn generic_return_type<'a>(sig: &'a syn::Signature, params: &[&proc_macro2::Ident]) -> Option<&'a Type> {
+    let syn::ReturnType::Type(_, ty) = &sig.output else {
+        return None;
+    };
+    let mut inner: &Type = ty;
     while let Type::Paren(syn::TypeParen { elem, .. }) | Type::Group(syn::TypeGroup { elem, .. }) = inner {
         inner = elem;
     }
-    let Type::ImplTrait(opaque) = inner else {
-        return None;
+    let Type::Path(path) = inner else { return None };
+    let leading = match &path.qself {
+        Some(qself) => match &*qself.ty {
+            Type::Path(q) => q.path.segments.first()?,
+            _ => return None,
+        },
+        None => path.path.segments.first()?,
     };
-    let cannot_classify = opaque.bounds.iter().all(|b| match b {
-        syn::TypeParamBound::Trait(t) => t
-            .path
-            .segments
-            .last()
-            .is_some_and(|s| CANNOT_CLASSIFY.iter().any(|name| s.ident == name)),
-        // Lifetimes, `use<..>`: no trait.
-        _ => true,
-    });
-    cannot_classify.then_some(error)
+    params.contains(&&leading.ident).then_some(&**ty)
 }
-
-/// Traits whose bounds say nothing of `Classify`: an error type behind
-/// `impl` of these alone hides whether it implements it.
-const CANNOT_CLASSIFY: &[&str] = &[
-    "IntoResponse",
-    "Send",
-    "Sync",
-    "Unpin",
-    "Sized",
-    "Debug",
-    "Display",
-    "Error",
-    "Clone",
-    "Serialize",
-    "Any",
-];
 
 /// The error type `E` of a return type written `Result<T, E>` (any path
 /// ending in `Result`).
@@ -458,25 +442,35 @@ impl Handler {
                 body = Some((*i, BodyKind::Extracted));
             }
         }
-        if let Some((error, param)) = generic_error_type(&item.sig) {
-            errors.push(syn::Error::new(
-                error.span(),
-                format!(
-                    "this error type names the generic parameter `{param}`: whether it implements \
-                     `idem::Classify` is decided where the handler is compiled, before `{param}` is known, \
-                     so an impl would be ignored; say so in a bound on this type (such as `where \
-                     {param}::Error: idem::Classify`), or return a concrete error type"
-                ),
-            ));
-        }
-        if let Some(error) = opaque_error_type(&item.sig) {
-            errors.push(syn::Error::new_spanned(
-                error,
-                "this error type is an `impl Trait` whose bounds do not say whether it implements \
-                 `idem::Classify`: only its bounds can be seen through it, so a `Classify` impl of the \
-                 type behind it would be ignored; add `+ idem::Classify` to its bounds, or return the \
-                 concrete error type",
-            ));
+        if let Some((ty, param, is_error)) = generic_error_type(&item.sig) {
+            let why = format!(
+                "whether it implements `idem::Classify` is decided where the handler is compiled, before \
+                 `{param}` is known, so an impl would be ignored"
+            );
+            errors.push(if is_error {
+                syn::Error::new(
+                    ty.span(),
+                    format!(
+                        "this error type names the generic parameter `{param}`: {why}; say so in a bound on \
+                         this type (such as `where {param}::Error: idem::Classify`), or return a concrete \
+                         error type"
+                    ),
+                )
+            } else {
+                let bound = match ty {
+                    Type::Path(p) if p.qself.is_none() && p.path.is_ident(&param) => {
+                        format!("`where {param}: idem::Classify`")
+                    }
+                    _ => "a `where` clause on this very type".to_owned(),
+                };
+                syn::Error::new_spanned(
+                    ty,
+                    format!(
+                        "this return type comes from the generic parameter `{param}`: {why}; say so in a \
+                         bound on this type ({bound}), or return a concrete type"
+                    ),
+                )
+            });
         }
         errors.finish()?;
         Ok(Handler { item, body, keying })
