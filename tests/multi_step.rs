@@ -4801,3 +4801,92 @@ mod sqlite_nested_left_open {
         assert!(idem_testkit::dropped_transaction_rolls_back(&pool).await);
     }
 }
+
+/// Checkpoints from two tasks of one execution (clones of its `Operation`):
+/// "a" is written first and held after its write, then "b" is asked for.
+/// "b" used to be written and return while "a" was held, and "a" then set
+/// the execution's own `recovery_point()` last: it said "a" where the store
+/// kept "b" (the one the next attempt is told). Checkpoints are now written
+/// one at a time: "b" waits for "a" to return.
+mod concurrent_checkpoints {
+    use super::*;
+    use idem_runtime::pause;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[derive(Clone, Default)]
+    struct Steps {
+        runs: Arc<AtomicUsize>,
+        /// The test says when to ask for "b".
+        ask_b: Arc<tokio::sync::Notify>,
+        /// "b" returned.
+        b_done: Arc<tokio::sync::Notify>,
+    }
+
+    /// The first run checkpoints "a" in a task and "b" itself, then fails
+    /// (503, released) telling what `recovery_point()` says; the retry
+    /// answers with what it was told.
+    #[idempotent(scope = "steps.concurrent")]
+    async fn two_tasks(State(s): State<Steps>, op: Operation) -> (StatusCode, String) {
+        if s.runs.fetch_add(1, Ordering::SeqCst) > 0 {
+            return (StatusCode::OK, op.recovery_point().unwrap_or_default());
+        }
+        let a = tokio::spawn({
+            let op = op.clone();
+            async move { op.checkpoint("a").await }
+        });
+        s.ask_b.notified().await;
+        op.checkpoint("b").await.unwrap();
+        s.b_done.notify_one();
+        a.await.unwrap().unwrap();
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            op.recovery_point().unwrap_or_default(),
+        )
+    }
+
+    async fn the_last_checkpoint_set_is_the_last_stored(f: idem_testkit::Fixture) {
+        let steps = Steps::default();
+        let app = Router::new()
+            .route("/steps", post(two_tasks))
+            .layer(Idem::from_arc(f.store.clone()).single_tenant().layer())
+            .with_state(steps.clone());
+        let addr = serve(app).await;
+        let key = idem_testkit::unique("steps");
+        let mut a_written = pause::arm(pause::CHECKPOINT_AFTER, &key);
+        let first = tokio::spawn({
+            let key = key.clone();
+            async move { post_req("/steps", "").key(&key).send(addr).await }
+        });
+        a_written.reached().await;
+        steps.ask_b.notify_one();
+        // Nothing holds "b" up but "a": it used to return within
+        // milliseconds. Half a second is the bound given to it.
+        let overtook = tokio::time::timeout(Duration::from_millis(500), steps.b_done.notified())
+            .await
+            .is_ok();
+        a_written.resume();
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 503, "{first:?}");
+        let retry = post_req("/steps", "").key(&key).send(addr).await;
+        assert_eq!(retry.status, 200, "{retry:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&first.body),
+            String::from_utf8_lossy(&retry.body),
+            "what the execution said it set (left), against what the store kept (right)"
+        );
+        assert_eq!(retry.body, b"b", "the last checkpoint asked for is the one kept");
+        assert!(
+            !overtook,
+            "\"b\" was written and returned while \"a\" had not returned"
+        );
+    }
+
+    idem_testkit::for_each_store! {
+        stores: [memory, sqlite, postgres],
+        setup: |kind| kind.fixture().await,
+        worker_threads: 2,
+        cases: [
+            the_last_checkpoint_set_is_the_last_stored,
+        ],
+    }
+}

@@ -49,6 +49,10 @@ pub(crate) struct Shared {
     phase: std::sync::atomic::AtomicU8,
     /// The recovery point as this execution last set it.
     pub(crate) recovery_point: std::sync::Mutex<Option<String>>,
+    /// Held by a checkpoint from its write to setting `recovery_point`:
+    /// checkpoints from several tasks are written one at a time, so the
+    /// last one set is the last one the store kept.
+    checkpoints: tokio::sync::Mutex<()>,
     /// The handler's transaction, once it asked for one; the execution
     /// takes it for the completion ([`OperationInfo::take_tx`]).
     pub(crate) tx: tokio::sync::Mutex<Option<PendingTx>>,
@@ -89,6 +93,7 @@ impl OperationInfo {
             lost_told: tokio::sync::Notify::new(),
             phase: std::sync::atomic::AtomicU8::new(RUNNING),
             recovery_point: std::sync::Mutex::new(None),
+            checkpoints: tokio::sync::Mutex::const_new(()),
             tx: tokio::sync::Mutex::new(None),
             tx_wait,
             tx_closed: std::sync::atomic::AtomicBool::new(false),
@@ -339,7 +344,9 @@ impl Operation {
     }
 
     /// Persists `name` as the operation's progress, under this execution's
-    /// lock token.
+    /// lock token. Checkpoints from several tasks (clones of this
+    /// `Operation`) are written one at a time, in the order they are
+    /// called: [`Operation::recovery_point`] is then the last one stored.
     ///
     /// # Errors
     ///
@@ -373,6 +380,7 @@ impl Operation {
                 "a checkpoint's name cannot hold U+0000 (PostgreSQL's text cannot store it)",
             ));
         }
+        let _one_at_a_time = info.checkpoints.lock().await;
         if let Err(e) = info.store.checkpoint(&info.id, &info.lease.token, name).await {
             // The store says another token holds the record: the lease is
             // lost, and the handler is told so everywhere (`is_lease_lost`,
