@@ -207,8 +207,16 @@ const CREDENTIAL_HEADERS: &[&str] = &[
     "proxy-authorization",
     "cookie",
     "set-cookie",
+    "x-access-token",
     "x-api-key",
+    "x-auth-token",
+    "x-csrf-token",
+    "x-xsrf-token",
 ];
+
+/// Prefixes of headers that describe the client (client hints, fetch
+/// metadata), refused as the headers of [`MESSAGE_HEADERS`] are.
+const MESSAGE_HEADER_PREFIXES: &[&str] = &["sec-ch-", "sec-fetch-"];
 
 /// Headers that describe the message, its connection or its client, which
 /// many requests carry with one value: never a key (different operations
@@ -221,6 +229,7 @@ const MESSAGE_HEADERS: &[&str] = &[
     "access-control-request-headers",
     "access-control-request-method",
     "cache-control",
+    "cf-connecting-ip",
     "connection",
     "content-encoding",
     "content-language",
@@ -242,17 +251,15 @@ const MESSAGE_HEADERS: &[&str] = &[
     "pragma",
     "range",
     "referer",
-    "sec-fetch-dest",
-    "sec-fetch-mode",
-    "sec-fetch-site",
-    "sec-fetch-user",
     "te",
     "trailer",
+    "true-client-ip",
     "transfer-encoding",
     "upgrade",
     "upgrade-insecure-requests",
     "user-agent",
     "via",
+    "x-client-ip",
     "x-forwarded-for",
     "x-forwarded-host",
     "x-forwarded-port",
@@ -261,6 +268,11 @@ const MESSAGE_HEADERS: &[&str] = &[
     "x-real-ip",
     "x-requested-with",
 ];
+
+/// Whether a header (its name in lowercase) describes the message.
+fn describes_the_message(name: &str) -> bool {
+    MESSAGE_HEADERS.contains(&name) || MESSAGE_HEADER_PREFIXES.iter().any(|p| name.starts_with(p))
+}
 
 fn valid_header(name: &str) -> bool {
     !name.is_empty()
@@ -359,7 +371,7 @@ impl Parse for IdempotentArgs {
                         "`header` cannot be a credential header: the key is stored with the record, and \
                          credentials are never stored; use a header of its own, such as `\"Idempotency-Key\"`",
                     ));
-                } else if MESSAGE_HEADERS.contains(&lit.value().to_ascii_lowercase().as_str()) {
+                } else if describes_the_message(&lit.value().to_ascii_lowercase()) {
                     errors.push(syn::Error::new(
                         lit.span(),
                         format!(

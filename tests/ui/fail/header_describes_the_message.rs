@@ -12,4 +12,10 @@ async fn cancel() {}
 #[idempotent(scope = "transfer.retry", header = "If-Match")]
 async fn retry() {}
 
+#[idempotent(scope = "transfer.proxied", header = "True-Client-IP")]
+async fn proxied() {}
+
+#[idempotent(scope = "transfer.hinted", header = "Sec-CH-UA-Platform")]
+async fn hinted() {}
+
 fn main() {}

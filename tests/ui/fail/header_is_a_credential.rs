@@ -9,4 +9,7 @@ async fn update() {}
 #[idempotent(scope = "payment.cancel", header = "X-API-Key")]
 async fn cancel() {}
 
+#[idempotent(scope = "payment.refund", header = "X-Auth-Token")]
+async fn refund() {}
+
 fn main() {}
