@@ -232,7 +232,10 @@ pub fn print_body<E: FingerprintBody>(raw: &Raw<E>) -> crate::fingerprint::BodyP
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BodyFormat {
     /// JSON: fingerprinted in its canonical form; `fields(...)` may name
-    /// its members.
+    /// its members. The macro reads a named field at `.0` of the extractor
+    /// (`body.0.amount`), as in axum's `Json<T>`: an extractor of your own
+    /// used with `fields(...)` is a tuple struct with the value first
+    /// (otherwise the compiler says it has no field `0`).
     Json,
     /// `application/x-www-form-urlencoded`: fingerprinted by its pairs.
     Form,
