@@ -424,15 +424,20 @@ fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> Pinne
                 return Pinned::Value(quote!(#private::returning::<#ty, _>(async move #block)));
             } else {
                 let (impl_params, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
-                let placeholders = impl_params.iter().map(|_| quote!(_));
+                let placeholders = impl_params.iter().map(|_| quote_spanned!(ty.span()=> _));
                 let check_fn = mixed("__idem_check");
+                // A bound the value does not meet is reported at the
+                // declared type, as without the attribute, not at it.
+                let ret_at_type =
+                    Ident::new(&ret_ident.to_string(), Span::mixed_site().located_at(ty.span()));
+                let call = quote_spanned!(ty.span()=> #check_fn::<#(#placeholders),*>(#ret_at_type));
                 (
                     quote!(#inferred),
                     quote!({
                         fn #check_fn<#(#impl_params: #bounds),*>(value: #generic) -> #declared {
                             value
                         }
-                        #check_fn::<#(#placeholders),*>(#ret_ident)
+                        #call
                     }),
                 )
             }
