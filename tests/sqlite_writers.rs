@@ -292,13 +292,20 @@ async fn a_database_in_memory_opened_by_url_serves_concurrent_requests() {
 /// A file opened by URL with a shared cache (`cache=shared`) would lock
 /// whole tables without waiting as the database in memory did (10 of 20
 /// concurrent reservations answered "database table is locked"): refused
-/// before the file is made, saying why. The same file's URL with another
+/// before the file is made, saying why, however the URL spells it (sqlx
+/// decodes percent escapes). The same file's URL with another
 /// parameter (`mode=rwc`) serves concurrent requests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_file_opened_by_url_with_a_shared_cache_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("idem.db");
-    for query in ["cache=shared", "mode=rwc&cache=shared"] {
+    for query in [
+        "cache=shared",
+        "mode=rwc&cache=shared",
+        "cache=%73hared",
+        "c%61che=shared",
+        "mode=rwc&cache=%73hared",
+    ] {
         let url = format!("sqlite://{}?{query}", path.display());
         let err = SqliteStore::open_url(&url).await.map(|_| ()).unwrap_err();
         assert!(
@@ -306,6 +313,12 @@ async fn a_file_opened_by_url_with_a_shared_cache_is_refused() {
             "{url}: {err}"
         );
         assert!(!path.exists(), "{url} made the file it refused");
+    }
+    // A database in memory gets its one connection however it is spelled.
+    for query in ["mode=memory", "mode=%6Demory", "m%6Fde=memory"] {
+        let url = format!("sqlite://shared-probe?{query}");
+        let store = SqliteStore::open_url(&url).await.unwrap();
+        assert_eq!(store.pool().options().get_max_connections(), 1, "{url}");
     }
     let store = SqliteStore::open_url(&format!("sqlite://{}?mode=rwc", path.display()))
         .await

@@ -138,16 +138,29 @@ impl SqliteStore {
         let options = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::backend(format!("invalid SQLite URL: {e}")))?
             .create_if_missing(true);
-        let lower = url.to_ascii_lowercase();
-        if lower.contains(":memory:") || lower.contains("mode=memory") {
+        // The query read as sqlx reads it: each name and value
+        // percent-decoded.
+        let decoded = |text: &str| {
+            percent_encoding::percent_decode_str(text)
+                .decode_utf8_lossy()
+                .to_lowercase()
+        };
+        let query = url.split_once('?').map_or("", |(_, q)| q);
+        let asks = |wanted_name: &str, wanted_value: &str| {
+            query.split('&').any(|pair| {
+                let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+                decoded(name) == wanted_name && decoded(value) == wanted_value
+            })
+        };
+        if url.to_ascii_lowercase().contains(":memory:") || asks("mode", "memory") {
             return in_memory_pool()
                 .connect_with(options)
                 .await
                 .map(Self::new)
                 .map_err(|e| StoreError::unavailable(e.to_string()));
         }
-        let query = lower.split_once('?').map_or("", |(_, q)| q);
-        if query.split('&').any(|pair| pair == "cache=shared") {
+        let shared = asks("cache", "shared");
+        if shared {
             return Err(StoreError::backend(
                 "invalid SQLite URL: cache=shared on a file is refused: connections that share a cache \
                  lock whole tables and never wait, so concurrent requests would get 503 where they should \
