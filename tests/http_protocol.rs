@@ -1318,6 +1318,20 @@ mod generic_classification {
         }
     }
 
+    /// In a generic handler, behind `impl Trait` whose bounds name
+    /// `Classify` (without, the macro refuses:
+    /// `tests/ui/fail/generic_handler_opaque_without_classify.rs`).
+    #[idempotent(scope = "payment.generic_opaque")]
+    async fn generic_opaque<G: Gateway>(
+        State(g): State<Arc<G>>,
+        _body: String,
+    ) -> Result<String, impl IntoResponse + Classify>
+    where
+        G::Error: Classify,
+    {
+        g.charge()
+    }
+
     #[tokio::test]
     async fn a_bound_classify_impl_decides_in_a_generic_handler() {
         let paths = [
@@ -1329,6 +1343,7 @@ mod generic_classification {
             "/hidden_std",
             "/hidden_whole",
             "/generic_whole",
+            "/generic_opaque",
         ];
         for path in paths {
             let gateway = Arc::new(TimesOut(AtomicUsize::new(0)));
@@ -1341,6 +1356,7 @@ mod generic_classification {
                 .route("/hidden_std", post(hidden_std))
                 .route("/hidden_whole", post(hidden_whole))
                 .route("/generic_whole", post(generic_whole::<TimesOut>))
+                .route("/generic_opaque", post(generic_opaque::<TimesOut>))
                 .with_state(gateway.clone())
                 .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
             let addr = serve(app).await;

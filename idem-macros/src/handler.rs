@@ -175,6 +175,35 @@ fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident
     Some((error, named, is_error))
 }
 
+/// In a handler with type parameters, the `impl Trait` that stands for its
+/// error type (`Result<T, impl IntoResponse>`) or its whole return type
+/// (`-> impl IntoResponse`), unless a bound of it names `Classify`. The
+/// value is classified with its own type, but in a generic handler that
+/// type may be a parameter (`E`, `R`), whose `Classify` impl is decided
+/// before it is known: it would be ignored.
+fn generic_opaque_type(sig: &syn::Signature) -> Option<&Type> {
+    sig.generics.type_params().next()?;
+    let classified = match result_error_type(sig) {
+        Some(error) => error,
+        None => match &sig.output {
+            syn::ReturnType::Type(_, ty) => ty,
+            syn::ReturnType::Default => return None,
+        },
+    };
+    let mut inner = classified;
+    while let Type::Paren(syn::TypeParen { elem, .. }) | Type::Group(syn::TypeGroup { elem, .. }) = inner {
+        inner = elem;
+    }
+    let Type::ImplTrait(opaque) = inner else {
+        return None;
+    };
+    let names_classify = opaque.bounds.iter().any(|b| {
+        matches!(b, syn::TypeParamBound::Trait(t)
+            if t.path.segments.last().is_some_and(|s| s.ident == "Classify"))
+    });
+    (!names_classify).then_some(classified)
+}
+
 /// A whole return type (no `Result`) that is one of the handler's type
 /// parameters, or a type reached from one (`R`, `G::Answer`, `<G as
 /// Gateway>::Answer`): its `Classify` impl would be ignored the same way.
@@ -471,6 +500,14 @@ impl Handler {
                     ),
                 )
             });
+        }
+        if let Some(opaque) = generic_opaque_type(&item.sig) {
+            errors.push(syn::Error::new_spanned(
+                opaque,
+                "in a handler with type parameters, this `impl Trait` may stand for one of them, whose \
+                 `idem::Classify` impl is decided where the handler is compiled, before it is known, so it \
+                 would be ignored: add `+ idem::Classify` to its bounds, or return a concrete type",
+            ));
         }
         errors.finish()?;
         Ok(Handler { item, body, keying })
