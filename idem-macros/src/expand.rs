@@ -466,6 +466,15 @@ enum Pinned {
     Classified(TokenStream),
 }
 
+/// Whether `ty` is a path whose last segment is `Result`.
+fn is_named_result(ty: &Type) -> bool {
+    let mut inner = ty;
+    while let Type::Paren(syn::TypeParen { elem, .. }) | Type::Group(syn::TypeGroup { elem, .. }) = inner {
+        inner = elem;
+    }
+    matches!(inner, Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Result"))
+}
+
 /// Calls `f` on `ty` and, where `f` says to go on, on every type nested in
 /// it (generic arguments, tuples, references, arrays).
 fn visit_types(ty: &mut Type, f: &mut dyn FnMut(&mut Type) -> bool) {
@@ -582,6 +591,15 @@ fn run_call(
     };
     let out_at_type = Ident::new(&out.to_string(), Span::mixed_site().located_at(span));
     let response = quote_spanned!(span=> #private::IntoResponse::into_response(#out_at_type));
+    // A return type named `Result` is read as the standard library's (its
+    // error type decides): one of another crate's under that name is an
+    // error, not an ignored `Classify` impl.
+    let named_result = match output {
+        ReturnType::Type(_, ty) if is_named_result(ty) => {
+            quote_spanned!(span=> #private::named_result(&#out_at_type);)
+        }
+        _ => quote!(),
+    };
     let outcome = match block {
         Pinned::Value(block) => quote! {
             let #out = #block.await;
@@ -597,6 +615,7 @@ fn run_call(
             #operation_binding
             #body_binding
             #outcome
+            #named_result
             (#response, #class)
         })
         .await

@@ -138,7 +138,13 @@ fn wrapped_body(ty: &Type) -> bool {
 /// recorded by its status code instead.
 fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident, bool)> {
     use quote::ToTokens as _;
-    let params: Vec<&proc_macro2::Ident> = sig.generics.type_params().map(|p| &p.ident).collect();
+    // Const parameters too: `CErr<N>` may implement `Classify` for one `N`.
+    let params: Vec<&proc_macro2::Ident> = sig
+        .generics
+        .type_params()
+        .map(|p| &p.ident)
+        .chain(sig.generics.const_params().map(|p| &p.ident))
+        .collect();
     if params.is_empty() {
         return None;
     }
@@ -175,6 +181,24 @@ fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident
     Some((error, named, is_error))
 }
 
+/// A type as it is written, for a message: `G::Error`, `Code<N>`.
+fn written(ty: &Type) -> String {
+    use quote::ToTokens as _;
+    let mut text = ty.to_token_stream().to_string();
+    for (spaced, tight) in [
+        (" :: ", "::"),
+        (":: ", "::"),
+        (" ::", "::"),
+        (" <", "<"),
+        ("< ", "<"),
+        (" >", ">"),
+        (" ,", ","),
+    ] {
+        text = text.replace(spaced, tight);
+    }
+    text
+}
+
 /// In a handler with type parameters, the `impl Trait` that stands for its
 /// error type (`Result<T, impl IntoResponse>`) or its whole return type
 /// (`-> impl IntoResponse`), unless a bound of it names `Classify`. The
@@ -182,7 +206,9 @@ fn generic_error_type(sig: &syn::Signature) -> Option<(&Type, proc_macro2::Ident
 /// type may be a parameter (`E`, `R`), whose `Classify` impl is decided
 /// before it is known: it would be ignored.
 fn generic_opaque_type(sig: &syn::Signature) -> Option<&Type> {
-    sig.generics.type_params().next()?;
+    if sig.generics.type_params().next().is_none() && sig.generics.const_params().next().is_none() {
+        return None;
+    }
     let classified = match result_error_type(sig) {
         Some(error) => error,
         None => match &sig.output {
@@ -481,8 +507,8 @@ impl Handler {
                     ty.span(),
                     format!(
                         "this error type names the generic parameter `{param}`: {why}; say so in a bound on \
-                         this type (such as `where {param}::Error: idem::Classify`), or return a concrete \
-                         error type"
+                         this type (`where {}: idem::Classify`), or return a concrete error type",
+                        written(ty)
                     ),
                 )
             } else {

@@ -106,6 +106,24 @@ pub trait Classify {
 #[doc(hidden)]
 pub struct Probe<'a, T>(pub &'a T);
 
+/// A return type named `Result`, which the macro reads as the standard
+/// library's (its second argument the error type whose `Classify` impl
+/// decides): it must be that one, or the impl would be ignored.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent]` reads a return type named `Result` as the standard library's, whose error type's \
+               `Classify` impl decides; `{Self}` is another type, whose error's impl would be ignored",
+    label = "not `std::result::Result`",
+    note = "return `std::result::Result` (or an alias of it), or give this type another name"
+)]
+pub trait NamedResult {}
+
+impl<T, E> NamedResult for Result<T, E> {}
+
+/// Checks at compile time that a return type named `Result` is one.
+#[doc(hidden)]
+pub fn named_result<T: NamedResult>(_: &T) {}
+
 #[doc(hidden)]
 pub trait ViaErr {
     fn __idem_classify(&self) -> Option<Classification>;

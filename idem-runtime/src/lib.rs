@@ -102,7 +102,7 @@ pub mod migrations {
 #[cfg(feature = "axum")]
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::classify::Probe;
+    pub use crate::classify::{named_result, Probe};
     pub use crate::fingerprint::BodyPrint;
     pub use crate::fingerprint::FingerprintError;
     pub use crate::layer::{Context, CustomKeyHeader, DefaultKeyHeader, KeyHeader};

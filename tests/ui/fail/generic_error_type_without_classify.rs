@@ -20,4 +20,18 @@ async fn update<G: Gateway + idem::Classify>(_body: String) -> Result<String, G:
     unimplemented!()
 }
 
+// A const parameter is one too: `Code<N>` may implement `Classify` for one `N`.
+pub struct Code<const N: u16>;
+
+impl<const N: u16> IntoResponse for Code<N> {
+    fn into_response(self) -> axum::response::Response {
+        axum::http::StatusCode::BAD_GATEWAY.into_response()
+    }
+}
+
+#[idempotent(scope = "payment.refund")]
+async fn refund<const N: u16>(_body: String) -> Result<String, Code<N>> {
+    Err(Code::<N>)
+}
+
 fn main() {}

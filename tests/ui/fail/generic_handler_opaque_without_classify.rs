@@ -14,6 +14,12 @@ async fn update<R: IntoResponse + Default + Send + 'static>(_body: String) -> im
     R::default()
 }
 
+// A const parameter is one too.
+#[idempotent(scope = "payment.retry")]
+async fn retry<const N: u16>(_body: String) -> impl IntoResponse {
+    axum::http::StatusCode::from_u16(N).unwrap()
+}
+
 // Its bounds naming `Classify` say it.
 #[idempotent(scope = "payment.cancel")]
 async fn cancel<R: IntoResponse + idem::Classify + Default + Send + 'static>(
