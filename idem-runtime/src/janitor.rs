@@ -5,8 +5,10 @@ use crate::store::{IdempotencyStore, StoreError};
 use std::time::Duration;
 
 /// Deletes every record past its TTL, `batch` at a time (each batch one
-/// short statement, so no long table lock), and says how many it deleted.
-/// Call it from a scheduler, or let [`crate::Idem::start_janitor`] do it.
+/// short statement, so no long table lock; a `batch` of 0 counts as 1,
+/// where a store's own `purge_expired(0)` deletes nothing), and says how
+/// many it deleted. Call it from a scheduler, or let
+/// [`crate::Idem::start_janitor`] do it.
 ///
 /// # Errors
 ///
