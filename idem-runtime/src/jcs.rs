@@ -280,9 +280,10 @@ fn significant_digits(lexeme: &str) -> usize {
     digits().count().saturating_sub(leading + trailing)
 }
 
-/// How far from the units a number's point may be (`1e-1000000000000000`
-/// and beyond are refused, as `1e400` is): far past a double's range, and
-/// far from the ends of an `i64`.
+/// How many places from the units a number's first digit may be
+/// (`1e-1000000000000000` is the smallest accepted, `1e-1000000000000001`
+/// refused as `1e400` is): far past a double's range, and far from the
+/// ends of an `i64`.
 const MAX_POINT: u64 = 1_000_000_000_000_000;
 
 /// The exact decimal value of a number's text (JSON's grammar, or
@@ -297,8 +298,8 @@ struct Exact {
 }
 
 impl Exact {
-    /// `None` when the point is more than [`MAX_POINT`] places from the
-    /// units (far past any double's range, at either end).
+    /// `None` when the first digit is more than [`MAX_POINT`] places from
+    /// the units (far past any double's range, at either end).
     fn of(text: &str) -> Option<Self> {
         let (negative, unsigned) = match text.strip_prefix('-') {
             Some(rest) => (true, rest),
@@ -324,7 +325,8 @@ impl Exact {
             .ok()?
             .checked_sub(i64::try_from(leading).ok()?)?
             .checked_add(exponent)?;
-        if point.unsigned_abs() > MAX_POINT {
+        // The first digit stands at 10^(point - 1).
+        if point.checked_sub(1)?.unsigned_abs() > MAX_POINT {
             return None;
         }
         Some(Exact {
@@ -617,6 +619,28 @@ mod tests {
 
     fn canon(json: &str) -> String {
         canonical_json(json.as_bytes()).unwrap()
+    }
+
+    /// The README's bound: a first digit more than 10^15 places from the
+    /// units is refused, however the number is written; at 10^15 it is not.
+    #[test]
+    fn a_digit_more_than_ten_to_the_fifteen_places_from_the_units_is_refused() {
+        for accepted in [
+            "1e-1000000000000000",
+            "0.1e-999999999999999",
+            "10e-1000000000000001",
+        ] {
+            assert!(Exact::of(accepted).is_some(), "{accepted}");
+        }
+        for refused in [
+            "1e-1000000000000001",
+            "0.1e-1000000000000000",
+            "0.01e-999999999999999",
+        ] {
+            assert!(Exact::of(refused).is_none(), "{refused}");
+        }
+        assert!(Exact::of("1e1000000000000000").is_some());
+        assert!(Exact::of("1e1000000000000001").is_none());
     }
 
     #[test]
