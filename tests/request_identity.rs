@@ -803,3 +803,42 @@ async fn a_decimal_an_f32_cannot_hold_makes_the_whole_body_count() {
     let again = send(addr, "/rate", &body("0.123456789", "second"), "k-long").await;
     assert_eq!(again.status, 422, "{again:?}");
 }
+
+#[idempotent(scope = "account.touch", body = "none")]
+async fn touch(method: axum::http::Method) -> String {
+    format!("{method} ran")
+}
+
+#[derive(serde::Deserialize)]
+struct Ratio {
+    x: f64,
+}
+
+#[idempotent(scope = "ratio.set")]
+async fn ratio(Json(r): Json<Ratio>) -> String {
+    format!("inverse {}", 1.0 / r.x)
+}
+
+/// What the README says does not count, pinned: the method (one handler
+/// routed for two methods is one scope), and the sign of a zero (RFC 8785
+/// writes `-0.0` as `0`), though the handler tells each apart.
+#[tokio::test]
+async fn the_method_and_the_sign_of_a_zero_do_not_count() {
+    let addr = serve(
+        &memory(),
+        Router::new()
+            .route("/touch", axum::routing::get(touch).post(touch))
+            .route("/ratio", post(ratio)),
+    )
+    .await;
+    let first = post_req("/touch", "").key("k-method").send(addr).await;
+    assert_eq!(first.body, b"POST ran");
+    let other = idem_testkit::http::get("/touch").key("k-method").send(addr).await;
+    assert!(replayed(&other), "{other:?}");
+    assert_eq!(other.body, b"POST ran");
+    let negative = send(addr, "/ratio", r#"{"x": -0.0}"#, "k-zero").await;
+    assert_eq!(negative.body, b"inverse -inf");
+    let positive = send(addr, "/ratio", r#"{"x": 0.0}"#, "k-zero").await;
+    assert!(replayed(&positive), "{positive:?}");
+    assert_eq!(positive.body, b"inverse -inf");
+}
