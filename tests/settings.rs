@@ -25,6 +25,56 @@ fn each_invalid_setting_is_refused_with_its_range() {
     assert!(idem().max_stored_body(0).is_ok() && idem().max_stored_body(MAX_STORED_BODY_LIMIT).is_ok());
 }
 
+/// What the README calls "the like" of the never-stored headers, refused
+/// too: older cookies and authentication answers; and a problem base a URI
+/// cannot hold as it is.
+#[test]
+fn cookie_like_headers_and_bases_no_uri_holds_are_refused() {
+    for name in [
+        "set-cookie2",
+        "Cookie2",
+        "authentication-info",
+        "proxy-authentication-info",
+    ] {
+        let refused = idem().replay_headers([name]).map(|_| ()).unwrap_err().to_string();
+        assert!(refused.contains("never stored"), "{name}: {refused}");
+    }
+    for base in [
+        "https://docs.example.com/<errors>/",
+        "https://docs.example.com/\"e\"/",
+        "https://docs.example.com/{e}/",
+        "https://docs.example.com/a|b/",
+        "https://docs.example.com\\e/",
+        "https://dócs.example.com/",
+        "\u{200b}https://docs.example.com/",
+    ] {
+        let refused = idem()
+            .problem_type_base(base)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(refused.contains("URI prefix"), "{base:?}: {refused}");
+    }
+    for base in [
+        "urn:example:problem:",
+        "https://docs.example.com/errors/",
+        "https://d.example/%C3%A9/?t=",
+    ] {
+        assert!(idem().problem_type_base(base).is_ok(), "{base}");
+    }
+}
+
+/// Outside a Tokio runtime the janitor cannot start: an error, not a panic.
+#[test]
+fn the_janitor_outside_a_runtime_is_an_error() {
+    let refused = idem()
+        .start_janitor(Duration::from_secs(60), 100)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("outside a Tokio runtime"), "{refused}");
+}
+
 #[tokio::test]
 async fn the_janitor_refuses_a_zero_batch_or_period() {
     assert!(idem().start_janitor(Duration::ZERO, 10).is_err());

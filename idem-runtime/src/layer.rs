@@ -122,9 +122,13 @@ pub const BODY_OMITTED_HEADER: &str = "idempotent-replay-body-omitted";
 /// or proxy next on that connection, not to whoever sends the retry).
 const NEVER_STORED: &[&str] = &[
     "set-cookie",
+    "set-cookie2",
     "authorization",
     "proxy-authorization",
+    "authentication-info",
+    "proxy-authentication-info",
     "cookie",
+    "cookie2",
     "date",
     "content-length",
     "transfer-encoding",
@@ -419,13 +423,20 @@ impl Idem {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] for an empty base, or one with spaces.
+    /// [`ConfigError`] for an empty base, or one with a character a URI
+    /// cannot hold as it is (a space, `"`, `<`, `{`, non-ASCII text:
+    /// percent-encode it).
     pub fn problem_type_base(self, base: impl Into<String>) -> Result<Self, ConfigError> {
         let base: String = base.into();
-        if base.is_empty() || base.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        // RFC 3986's characters only (percent escapes included): a `type`
+        // is a URI reference.
+        let uri_char = |c: char| c.is_ascii_alphanumeric() || "-._~:/?#[]@!$&'()*+,;=%".contains(c);
+        if base.is_empty() || !base.chars().all(uri_char) {
             return Err(ConfigError(format!(
-                "problem_type_base `{base}` must be a URI prefix without spaces, such as \
-                 `https://docs.example.com/errors/`"
+                "problem_type_base `{}` must be a URI prefix: ASCII letters, digits and -._~:/?#[]@!$&'()*+,;=% \
+                 only (no spaces, quotes, angle brackets or other text; percent-encode it), such as \
+                 `https://docs.example.com/errors/`",
+                base.escape_debug()
             )));
         }
         Ok(self.change(|e| e.problem_base = Some(base.into())))
@@ -480,8 +491,9 @@ impl Idem {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] for `every` under 1 second or over 1 day, or `batch`
-    /// outside 1 to 100,000.
+    /// [`ConfigError`] for `every` under 1 second or over 1 day, `batch`
+    /// outside 1 to 100,000, or when called outside a Tokio runtime (the
+    /// janitor is a task of it).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem::ConfigError> {
@@ -499,6 +511,13 @@ impl Idem {
             return Err(ConfigError(format!(
                 "janitor batch is {batch}; allowed: 1 to 100000"
             )));
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(ConfigError(
+                "start_janitor was called outside a Tokio runtime: the janitor is a task of the runtime \
+                 it is started in; call it from within one (in main, or a task)"
+                    .to_owned(),
+            ));
         }
         Ok(crate::Janitor::start(self.inner.store.clone(), every, batch))
     }

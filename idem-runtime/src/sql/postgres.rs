@@ -359,7 +359,12 @@ impl PgStore {
 
     /// Bounds every operation (connection included) by `timeout`; past it the
     /// operation fails with [`StoreError::Unavailable`]. Default: 2 seconds.
-    /// `Duration::MAX` bounds nothing.
+    /// `Duration::MAX` bounds nothing. The wait for a connection is bounded
+    /// by the pool too: a pool [`PgStore::connect`] builds gives up after 2
+    /// seconds, so a longer `timeout` waits longer for the database, not for
+    /// a connection (build the pool with a longer `acquire_timeout` and use
+    /// [`PgStore::new`] for that). A `timeout` shorter than a round trip to
+    /// the database (zero, say) fails every request with 503.
     ///
     /// ```
     /// # use std::time::Duration;

@@ -284,7 +284,11 @@ impl SqliteStore {
 
     /// Bounds every operation by `timeout` (default: the busy timeout plus
     /// one second); past it the operation fails with
-    /// [`StoreError::Unavailable`]. `Duration::MAX` bounds nothing.
+    /// [`StoreError::Unavailable`]. `Duration::MAX` bounds nothing. The wait
+    /// for a connection is bounded by the pool too: a pool
+    /// [`SqliteStore::open`] builds gives up after the 5 second busy
+    /// timeout (build your own pool for a longer one). A `timeout` too short
+    /// for a write (zero, or a millisecond) fails every request with 503.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
