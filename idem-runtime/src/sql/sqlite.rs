@@ -2,7 +2,7 @@
 
 use crate::sql::millis;
 use crate::sql::{self, Statements};
-use crate::store::{random_token_inline, BoxFuture};
+use crate::store::{deadline_after, random_token_inline, BoxFuture};
 use crate::store::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use std::str::FromStr;
@@ -159,8 +159,7 @@ impl SqliteStore {
                 .map(Self::new)
                 .map_err(|e| StoreError::unavailable(e.to_string()));
         }
-        let shared = asks("cache", "shared");
-        if shared {
+        if asks("cache", "shared") {
             return Err(StoreError::backend(
                 "invalid SQLite URL: cache=shared on a file is refused: connections that share a cache \
                  lock whole tables and never wait, so concurrent requests would get 503 where they should \
@@ -494,7 +493,7 @@ pub(crate) const HANDLER_MARK: &str = "SAVEPOINT idem_handler";
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
         Box::pin(async move {
-            let deadline = crate::store::deadline_after(self.timeout);
+            let deadline = deadline_after(self.timeout);
             // A read first, in the caller's task (a read given up on leaves
             // nothing behind): a replay, a mismatch or a live lock is
             // answered without the write lock (WAL readers never wait for a
@@ -805,7 +804,7 @@ impl SqliteStore {
     /// lock stays that nobody holds.
     async fn give_back(self, owned: sql::OwnedReserve, taken_over: bool) {
         tracing::warn!("a reservation took its key after its caller gave up; giving the key back");
-        let until = crate::store::deadline_after(owned.lock_timeout());
+        let until = deadline_after(owned.lock_timeout());
         let given = crate::store::retry_until(until, || {
             IdempotencyStore::hand_back(&self, owned.id(), owned.token(), taken_over)
         })
