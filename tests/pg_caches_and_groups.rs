@@ -649,8 +649,10 @@ async fn postgres_completion_group_mixed_members() {
 }
 
 /// The completion group's statement is terminated (`pg_terminate_backend`)
-/// while it waits for the table (a test connection holds it in SHARE mode):
-/// each member is told it failed, and nothing of the group was stored;
+/// while it waits for the table (a test connection holds it in SHARE mode),
+/// as is the first completion's, which runs once more on a tested
+/// connection (it ran alone, untested) and is terminated again: each
+/// member is told it failed, and nothing of the group was stored;
 /// completed again, each stores its answer once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_completion_group_killed() {
@@ -685,12 +687,36 @@ async fn postgres_completion_group_killed() {
     .unwrap();
     turn.resume();
     let watcher = sqlx::PgPool::connect(&url).await.unwrap();
-    let pid = backend_of(&watcher, &schema, "UPDATE%", Some("relation")).await;
-    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(pid)
-        .fetch_one(&watcher)
+    // Its statement, alone, took an idle connection untested: ended, it
+    // runs again once on a tested one, which is ended in turn.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut ended = std::collections::HashSet::new();
+    while !first_task.is_finished() {
+        assert!(Instant::now() < deadline, "the first completion never ended");
+        let waiting: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE state = 'active' AND query LIKE 'UPDATE%' \
+             AND query LIKE '%' || $1 || '%' AND wait_event = 'relation'",
+        )
+        .bind(&schema)
+        .fetch_all(&watcher)
         .await
         .unwrap();
+        for pid in waiting {
+            if ended.insert(pid) {
+                let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+                    .bind(pid)
+                    .fetch_one(&watcher)
+                    .await
+                    .unwrap();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(
+        ended.len(),
+        2,
+        "the first completion's statement and its second try"
+    );
     let first_out = first_task.await.unwrap();
     let pid = backend_of(&watcher, &schema, "WITH c AS%", Some("relation")).await;
     let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")

@@ -876,6 +876,308 @@ async fn postgres_connect_replaces_terminated_connections_unseen() {
     );
 }
 
+/// A store of its own pool, its connections named `name` (so that a test
+/// can find and end their sessions), on `schema`'s table, migrated, every
+/// replay read from the database.
+async fn named_pg_store(url: &str, schema: &str, name: &str) -> idem::PgStore {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let store = idem::PgStore::connect(&format!("{url}{sep}application_name={name}"))
+        .unwrap()
+        .with_table(Some(schema), "idempotency_keys")
+        .unwrap()
+        .with_replay_cache(Duration::ZERO);
+    store.migrate().await.unwrap();
+    store
+}
+
+/// Waits until every connection of `store`'s pool is idle, then ends the
+/// sessions named `name` and waits until they are gone.
+async fn end_idle_sessions(store: &idem::PgStore, watcher: &sqlx::PgPool, name: &str) {
+    all_idle(store).await;
+    let until = Instant::now() + Duration::from_secs(10);
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1")
+        .bind(name)
+        .execute(watcher)
+        .await
+        .unwrap();
+    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+        .bind(name)
+        .fetch_one(watcher)
+        .await
+        .unwrap()
+        > 0
+    {
+        assert!(Instant::now() < until, "the sessions did not end");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits until every connection of `store`'s pool is idle (sqlx gives
+/// each back from a task of its own), and there is one.
+async fn all_idle(store: &idem::PgStore) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while store.pool().num_idle() < store.pool().size() as usize || store.pool().num_idle() == 0 {
+        assert!(Instant::now() < until, "a connection never came back to the pool");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Waits until a session named `name` waits for a lock, and ends it.
+async fn end_the_waiting_session(watcher: &sqlx::PgPool, name: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ended: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(name)
+        .fetch_all(watcher)
+        .await
+        .unwrap();
+        if ended.contains(&true) {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "no statement of the store waited for the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A completion written on an idle connection whose session the database
+/// ended is written again on a tested one: the answer is stored, and
+/// replayed. (A store that took an idle connection as it is and did not
+/// run the statement again fails this.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_completion_on_an_ended_session_is_written_again() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let name = idem_testkit::unique("idem_gone_c");
+    let store = named_pg_store(&url, &schema, &name).await;
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    for round in 0..3 {
+        let id = RecordId::new("t", "s", format!("complete-{round}"));
+        let lease = take(&store, &id, "fp", LONG, LONG).await;
+        end_idle_sessions(&store, &watcher, &name).await;
+        store
+            .complete(&id, &lease.token, &response("c"))
+            .await
+            .expect("the completion");
+        assert_eq!(
+            reserve(&store, &id, "fp", LONG, LONG).await,
+            Reservation::Completed(response("c"))
+        );
+    }
+}
+
+/// A statement whose session ends while it waits for a row lock (so that
+/// it wrote nothing) runs again, once the lock is let go: a reservation
+/// takes its key, a completion stores its answer, each exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_statement_whose_session_ends_while_it_waits_runs_again() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let name = idem_testkit::unique("idem_gone_w");
+    let store = Arc::new(named_pg_store(&url, &schema, &name).await);
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    // Three connections in the pool, idle: a statement's second try, and
+    // the completion that follows the one that skips the held row, each
+    // find one.
+    let lent: Vec<_> = futures_util::future::join_all((0..3).map(|_| store.pool().acquire())).await;
+    drop(lent);
+
+    // The reservation: its insert waits for another transaction's.
+    let id = RecordId::new("t", "s", "waits");
+    let holder = insert_uncommitted(&watcher, &store, &[&id]).await;
+    all_idle(&store).await;
+    let reserving = tokio::spawn({
+        let (store, id) = (store.clone(), id.clone());
+        async move { store.reserve(req(&id, "fp", LONG, LONG)).await }
+    });
+    end_the_waiting_session(&watcher, &name).await;
+    // Its second try waits in turn; the other transaction ends unwritten.
+    end_the_waiting_session_not(&watcher, &name).await;
+    holder.rollback().await.unwrap();
+    let lease = match reserving.await.unwrap() {
+        Ok(Reservation::Reserved(lease)) => lease,
+        other => panic!("expected the key taken by the second try, got {other:?}"),
+    };
+
+    // The completion: its row held by another transaction.
+    let holder = hold_row(&watcher, &store, &id).await;
+    all_idle(&store).await;
+    let completing = tokio::spawn({
+        let (store, id, token) = (store.clone(), id.clone(), lease.token.clone());
+        async move { store.complete(&id, &token, &response("w")).await }
+    });
+    end_the_waiting_session(&watcher, &name).await;
+    end_the_waiting_session_not(&watcher, &name).await;
+    holder.rollback().await.unwrap();
+    completing
+        .await
+        .unwrap()
+        .expect("the completion, written by its second try");
+    assert_eq!(
+        reserve(&*store, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("w"))
+    );
+}
+
+/// Waits until a session named `name` waits for a lock again (the
+/// statement's second try), without ending it.
+async fn end_the_waiting_session_not(watcher: &sqlx::PgPool, name: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
+    )
+    .bind(name)
+    .fetch_one(watcher)
+    .await
+    .unwrap()
+        == 0
+    {
+        assert!(
+            Instant::now() < until,
+            "the statement's second try never waited for the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A reservation whose first try's session ended, and whose second try
+/// finds the key in progress, is answered as the first try failed
+/// (unavailable), not as a conflict: that record may be the one the first
+/// try took before its answer was lost, which its caller then hands back.
+/// Here it is another execution's, which the hand-back leaves alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_second_try_that_finds_the_key_running_fails_as_the_first() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let name = idem_testkit::unique("idem_gone_r");
+    let store = named_pg_store(&url, &schema, &name).await;
+    let other = named_pg_store(&url, &schema, &idem_testkit::unique("idem_other")).await;
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    let warm = RecordId::new("t", "s", "warm");
+    take(&store, &warm, "fp", LONG, LONG).await;
+    let id = RecordId::new("t", "s", "running");
+    let running = take(&other, &id, "fp", LONG, LONG).await;
+
+    end_idle_sessions(&store, &watcher, &name).await;
+    let mine = req(&id, "fp", LONG, LONG);
+    let token = mine.token.to_owned();
+    let e = store
+        .reserve(mine)
+        .await
+        .expect_err("answered as the first try failed");
+    assert!(e.is_unavailable(), "{e:?}");
+    // With the sessions in place (every connection the pool lends now is
+    // tested, which replaces any other it ended), the same is a conflict.
+    let lent = futures_util::future::join_all((0..store.pool().size()).map(|_| store.pool().acquire())).await;
+    drop(lent);
+    all_idle(&store).await;
+    assert!(matches!(
+        reserve(&store, &id, "fp", LONG, LONG).await,
+        Reservation::InProgress { .. }
+    ));
+    // The caller's hand-back, fenced by its token, leaves the other's alone.
+    assert_eq!(
+        store.hand_back(&id, &token, true).await,
+        Err(StoreError::LockLost)
+    );
+    other.complete(&id, &running.token, &response("o")).await.unwrap();
+    assert_eq!(
+        reserve(&store, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("o"))
+    );
+}
+
+/// The statements a request waits for take an idle connection as it is,
+/// without the pool's test (which would run its `before_acquire` hook, as
+/// it does for every lent connection); `with_tested_connections(true)`
+/// takes them as the pool lends them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_request_statements_skip_the_pools_test_unless_told() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let tested = Arc::new(AtomicUsize::new(0));
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .before_acquire({
+            let tested = tested.clone();
+            move |_, _| {
+                tested.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async { Ok(true) })
+            }
+        })
+        .connect(&url)
+        .await
+        .unwrap();
+    let store = idem::PgStore::new(pool)
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap()
+        .with_replay_cache(Duration::ZERO);
+    store.migrate().await.unwrap();
+    let idle = || all_idle(&store);
+    let first_request = |store: idem::PgStore, key: &'static str| async move {
+        let id = RecordId::new("t", "s", key);
+        let lease = take(&store, &id, "fp", LONG, LONG).await;
+        store.complete(&id, &lease.token, &response(key)).await.unwrap();
+        assert_eq!(
+            reserve(&store, &id, "fp", LONG, LONG).await,
+            Reservation::Completed(response(key))
+        );
+    };
+    idle().await;
+    let before = tested.load(Ordering::SeqCst);
+    first_request(store.clone(), "untested").await;
+    assert_eq!(
+        tested.load(Ordering::SeqCst),
+        before,
+        "a request's statement was lent a tested connection"
+    );
+    idle().await;
+    let before = tested.load(Ordering::SeqCst);
+    first_request(store.clone().with_tested_connections(true), "tested").await;
+    assert!(
+        tested.load(Ordering::SeqCst) >= before + 3,
+        "the reservation, the completion and the replay each take a tested connection"
+    );
+
+    // While another statement of the store is under way (a completion
+    // waiting for a row another transaction holds), a reservation takes
+    // a tested connection.
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    let held = RecordId::new("t", "s", "held");
+    let lease = take(&store, &held, "fp", LONG, LONG).await;
+    let holder = hold_row(&watcher, &store, &held).await;
+    let completing = tokio::spawn({
+        let (store, held, token) = (store.clone(), held.clone(), lease.token.clone());
+        async move { store.complete(&held, &token, &response("held")).await }
+    });
+    let until = Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'UPDATE%'",
+    )
+    .fetch_one(&watcher)
+    .await
+    .unwrap()
+        == 0
+    {
+        assert!(Instant::now() < until, "the completion never waited for the row");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = tested.load(Ordering::SeqCst);
+    take(&store, &RecordId::new("t", "s", "beside"), "fp", LONG, LONG).await;
+    assert!(
+        tested.load(Ordering::SeqCst) > before,
+        "a reservation beside a statement under way took an untested connection"
+    );
+    holder.rollback().await.unwrap();
+    completing.await.unwrap().unwrap();
+}
+
 /// Expiry is judged by the database's clock: moving the record's times
 /// back in the database (as if its clock ran ahead of this server's) is
 /// all it takes, while this process's clock has not moved. With answers
