@@ -1045,50 +1045,120 @@ async fn end_the_waiting_session_not(watcher: &sqlx::PgPool, name: &str) {
     }
 }
 
-/// A reservation whose first try's session ended, and whose second try
-/// finds the key in progress, is answered as the first try failed
-/// (unavailable), not as a conflict: that record may be the one the first
-/// try took before its answer was lost, which its caller then hands back.
-/// Here it is another execution's, which the hand-back leaves alone.
+/// After the store's idle sessions were ended (a restart), each
+/// reservation's first try fails on its connection and runs again, and is
+/// answered as it would have been without the restart: another
+/// execution's running record is a conflict, another fingerprint a
+/// mismatch, a record released as failed or a stale lock taken again.
+/// None of these can be what the first try wrote.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_second_try_that_finds_the_key_running_fails_as_the_first() {
+async fn postgres_a_second_try_answers_what_it_finds_as_the_first_would_have() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let name = idem_testkit::unique("idem_gone_r");
     let store = named_pg_store(&url, &schema, &name).await;
     let other = named_pg_store(&url, &schema, &idem_testkit::unique("idem_other")).await;
     let watcher = sqlx::PgPool::connect(&url).await.unwrap();
-    let warm = RecordId::new("t", "s", "warm");
-    take(&store, &warm, "fp", LONG, LONG).await;
-    let id = RecordId::new("t", "s", "running");
-    let running = take(&other, &id, "fp", LONG, LONG).await;
+    take(&store, &RecordId::new("t", "s", "warm"), "fp", LONG, LONG).await;
+    let (running, released, stale) = (
+        RecordId::new("t", "s", "running"),
+        RecordId::new("t", "s", "released"),
+        RecordId::new("t", "s", "stale"),
+    );
+    take(&other, &running, "fp", LONG, LONG).await;
+    let lease = take(&other, &released, "fp", LONG, LONG).await;
+    other.release(&released, &lease.token).await.unwrap();
+    take(&other, &stale, "fp", LONG, LONG).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {} SET lock_expires_at = now() - interval '1 second' WHERE key = 'stale'",
+        table_of(&store)
+    )))
+    .execute(&watcher)
+    .await
+    .unwrap();
 
     end_idle_sessions(&store, &watcher, &name).await;
+    assert!(matches!(
+        store.reserve(req(&running, "fp", LONG, LONG)).await,
+        Ok(Reservation::InProgress { .. })
+    ));
+    end_idle_sessions(&store, &watcher, &name).await;
+    assert_eq!(
+        store.reserve(req(&running, "other", LONG, LONG)).await,
+        Ok(Reservation::Mismatch)
+    );
+    for id in [&released, &stale] {
+        end_idle_sessions(&store, &watcher, &name).await;
+        let taken = store.reserve(req(id, "fp", LONG, LONG)).await;
+        assert!(
+            matches!(&taken, Ok(Reservation::Reserved(l)) if l.attempt == 2),
+            "{}: {taken:?}",
+            id.key
+        );
+    }
+}
+
+/// A reservation whose first try's session ended, and whose second try
+/// finds the key held under its own token (what the first try wrote,
+/// its answer lost), is answered as the first try failed: unavailable.
+/// The caller's hand-back, fenced by that token, frees the key, and the
+/// client's retry takes it. (The first try's write is made here by another
+/// store under the same token: a session that ends between a statement's
+/// commit and its answer cannot be timed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_second_try_that_finds_its_own_token_fails_as_the_first() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let name = idem_testkit::unique("idem_gone_o");
+    let store = named_pg_store(&url, &schema, &name).await;
+    let other = named_pg_store(&url, &schema, &idem_testkit::unique("idem_other")).await;
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    take(&store, &RecordId::new("t", "s", "warm"), "fp", LONG, LONG).await;
+    let id = RecordId::new("t", "s", "own");
     let mine = req(&id, "fp", LONG, LONG);
     let token = mine.token.to_owned();
+    assert!(matches!(other.reserve(mine).await, Ok(Reservation::Reserved(_))));
+
+    end_idle_sessions(&store, &watcher, &name).await;
     let e = store
         .reserve(mine)
         .await
         .expect_err("answered as the first try failed");
     assert!(e.is_unavailable(), "{e:?}");
-    // With the sessions in place (every connection the pool lends now is
-    // tested, which replaces any other it ended), the same is a conflict.
-    let lent = futures_util::future::join_all((0..store.pool().size()).map(|_| store.pool().acquire())).await;
+    store.hand_back(&id, &token, false).await.unwrap();
+    let taken = reserve(&store, &id, "fp", LONG, LONG).await;
+    assert!(matches!(taken, Reservation::Reserved(_)), "{taken:?}");
+}
+
+/// A completion whose first try's session ended, and whose row another
+/// transaction holds when it runs again, waits for the row and is
+/// written, as without the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_completion_run_again_waits_for_a_held_row() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let name = idem_testkit::unique("idem_gone_h");
+    let store = Arc::new(named_pg_store(&url, &schema, &name).await);
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    let lent: Vec<_> = futures_util::future::join_all((0..3).map(|_| store.pool().acquire())).await;
     drop(lent);
-    all_idle(&store).await;
-    assert!(matches!(
-        reserve(&store, &id, "fp", LONG, LONG).await,
-        Reservation::InProgress { .. }
-    ));
-    // The caller's hand-back, fenced by its token, leaves the other's alone.
+    let id = RecordId::new("t", "s", "held");
+    let lease = take(&*store, &id, "fp", LONG, LONG).await;
+    let holder = hold_row(&watcher, &store, &id).await;
+    end_idle_sessions(&store, &watcher, &name).await;
+    let completing = tokio::spawn({
+        let (store, id, token) = (store.clone(), id.clone(), lease.token.clone());
+        async move { store.complete(&id, &token, &response("h")).await }
+    });
+    end_the_waiting_session_not(&watcher, &name).await;
+    holder.rollback().await.unwrap();
+    completing
+        .await
+        .unwrap()
+        .expect("the completion, written once the row is let go");
     assert_eq!(
-        store.hand_back(&id, &token, true).await,
-        Err(StoreError::LockLost)
-    );
-    other.complete(&id, &running.token, &response("o")).await.unwrap();
-    assert_eq!(
-        reserve(&store, &id, "fp", LONG, LONG).await,
-        Reservation::Completed(response("o"))
+        reserve(&*store, &id, "fp", LONG, LONG).await,
+        Reservation::Completed(response("h"))
     );
 }
 

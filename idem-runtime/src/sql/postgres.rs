@@ -416,8 +416,9 @@ impl PgStore {
     /// execution's lock token, and where the first try may have been
     /// written (its session ended while it ran), the answer is the one
     /// that try's failure would have given: a reservation that then finds
-    /// the key in progress, or a completion that then finds its lock gone,
-    /// fails as unavailable, as without the second try.
+    /// the key held under its own lock token, or a completion that then
+    /// finds its lock gone, fails as unavailable, as without the second
+    /// try. Anything else found is answered as it would have been.
     ///
     /// `true` is for a pool whose `before_acquire` hook must run before
     /// every statement, idem's included. Other statements (heartbeats,
@@ -835,17 +836,19 @@ impl PgStore {
                     self.complete_rows(conn, &self.complete_free, id, token, response)
                         .await
                 })?;
-                if let (0, Some(first)) = (completed, again) {
-                    // Its first try may have been written: as in `complete_alone`.
-                    return Err(first);
-                }
                 if completed == 1 {
                     return Ok(());
                 }
                 // Its lock lost, or its row held by another transaction:
-                // the turn goes on, and this one waits for its own row only.
+                // the turn goes on, and this one waits for its own row
+                // only. After a first try whose session ended, the lock
+                // found lost may be that try's writing: answered as it
+                // failed (see `complete_alone`).
                 drop(turn);
-                self.complete_alone(id, token, response).await
+                match (self.complete_alone(id, token, response).await, again) {
+                    (Err(StoreError::LockLost), Some(first)) => Err(first),
+                    (done, _) => done,
+                }
             }
         }
     }
@@ -1778,12 +1781,12 @@ impl PgStore {
         })?
         .ok_or_else(|| StoreError::backend("the reserving statement returned no row"))?;
         match again {
-            // Run again after a first try whose session ended: a record in
-            // progress that this try did not take may be the one that try
-            // took (its answer lost). Answered as that try failed, as it
-            // would have without the second: the caller hands the key
-            // back, fenced by its token, and the client's retry runs.
-            Some(first) if found_running(&row) => Err(first),
+            // Run again after a first try whose session ended: a record
+            // that try may have taken (its answer lost) is answered as that
+            // try failed, as it would have without the second: the caller
+            // hands the key back, fenced by its token, and the client's
+            // retry runs. Anything else is judged as found.
+            Some(first) if may_be_first_tries(&row, req) => Err(first),
             _ => Ok(row),
         }
     }
@@ -1808,12 +1811,26 @@ impl PgStore {
     }
 }
 
-/// Whether the lookup's or the reserving statement's `row` found a record
-/// in progress and took nothing.
-fn found_running(row: &sqlx::postgres::PgRow) -> bool {
-    let state: Option<&str> = sqlx::Row::try_get(row, "state").ok().flatten();
+/// Whether the record the lookup's or the reserving statement's `row`
+/// found (and did not take) may be the one an earlier try of `req` took:
+/// held under `req`'s token, as the lookup's row says; the reserving
+/// statement's, which does not name the holder, a live lock under `req`'s
+/// fingerprint. A record released, a lock past its deadline, another
+/// fingerprint or another holder is not.
+fn may_be_first_tries(row: &sqlx::postgres::PgRow, req: &ReserveRequest<'_>) -> bool {
     let taken: Option<Vec<Option<String>>> = sqlx::Row::try_get(row, "taken").ok().flatten();
-    state == Some(crate::store::RecordState::IN_PROGRESS_COLUMN) && taken.is_none()
+    let state: Option<&str> = sqlx::Row::try_get(row, "state").ok().flatten();
+    if taken.is_some() || state != Some(crate::store::RecordState::IN_PROGRESS_COLUMN) {
+        return false;
+    }
+    match sqlx::Row::try_get::<Option<&str>, _>(row, "lock_token") {
+        Ok(holder) => holder == Some(req.token),
+        Err(_) => {
+            let fingerprint: Option<&str> = sqlx::Row::try_get(row, "fingerprint").ok().flatten();
+            let lock_left: i64 = sqlx::Row::try_get(row, "lock_left_ms").unwrap_or(0);
+            fingerprint == Some(req.fingerprint) && lock_left > 0
+        }
+    }
 }
 
 /// The binds of the lookup and of the reserving statement, in their
