@@ -410,7 +410,7 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStrea
 //         `__private::returning::<R, _>(async move { .. })`: the block is
 //         the async block's own body, so a body that never returns leaves no
 //         generated code unreachable (no warning on a `todo!()` stub).
-fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> Pinned {
+fn pinned_block(names: &Names, output: &ReturnType, generics: &syn::Generics, block: &syn::Block) -> Pinned {
     let ret_ident = &names.ret;
     let private = &names.private;
     let class = &names.class;
@@ -425,16 +425,29 @@ fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> Pinne
             } else {
                 let (impl_params, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
                 let placeholders = impl_params.iter().map(|_| quote_spanned!(ty.span()=> _));
+                // A fn item cannot name the handler's parameters, nor
+                // `Self`: it declares its own of the same names (without
+                // their bounds, which the call's types meet where the
+                // handler's are known), and the call names them.
+                let OuterParams {
+                    decls: outer,
+                    where_clause,
+                    args: outer_args,
+                    generic,
+                    declared,
+                    bounds,
+                } = outer_params(generics, generic, declared, bounds);
                 let check_fn = mixed("__idem_check");
                 // A bound the value does not meet is reported at the
                 // declared type, as without the attribute, not at it.
                 let ret_at_type =
                     Ident::new(&ret_ident.to_string(), Span::mixed_site().located_at(ty.span()));
-                let call = quote_spanned!(ty.span()=> #check_fn::<#(#placeholders),*>(#ret_at_type));
+                let call = quote_spanned!(ty.span()=> #check_fn::<#(#outer_args,)* #(#placeholders),*>(#ret_at_type));
                 (
                     quote!(#inferred),
                     quote!({
-                        fn #check_fn<#(#impl_params: #bounds),*>(value: #generic) -> #declared {
+                        #[allow(non_camel_case_types)]
+                        fn #check_fn<#(#outer,)* #(#impl_params: #bounds),*>(value: #generic) -> #declared #where_clause {
                             value
                         }
                         #call
@@ -456,6 +469,105 @@ fn pinned_block(names: &Names, output: &ReturnType, block: &syn::Block) -> Pinne
             (#check, #class)
         }
     })
+}
+
+/// The handler's parameters as the checking fn's own, with their bounds
+/// and the handler's `where` clause (a bound in the declared type, or an
+/// associated type such as `G::Error`, may need them), and `Self`, if
+/// the types or the bounds name it, as one more: their declarations, the
+/// `where` clause, the arguments the call passes for them (lifetimes are
+/// left to inference), and the types and bounds with `Self` renamed.
+fn outer_params(
+    generics: &syn::Generics,
+    generic: Type,
+    declared: Type,
+    bounds: Vec<TokenStream>,
+) -> OuterParams {
+    use quote::ToTokens as _;
+    let mut decls: Vec<TokenStream> = generics.params.iter().map(|p| p.to_token_stream()).collect();
+    let mut args: Vec<TokenStream> = generics
+        .params
+        .iter()
+        .filter_map(|p| match p {
+            syn::GenericParam::Type(t) => Some(t.ident.to_token_stream()),
+            syn::GenericParam::Const(c) => {
+                let ident = &c.ident;
+                Some(quote!({ #ident }))
+            }
+            syn::GenericParam::Lifetime(_) => None,
+        })
+        .collect();
+    let mut where_clause = generics.where_clause.to_token_stream();
+    let mut parts: Vec<TokenStream> = [generic.to_token_stream(), declared.to_token_stream()]
+        .into_iter()
+        .chain(bounds)
+        .collect();
+    let self_ident = Ident::new("Self", Span::call_site());
+    if parts
+        .iter()
+        .chain([&where_clause])
+        .chain(&decls)
+        .any(|t| names_ident(t.clone(), &self_ident))
+    {
+        let renamed = Ident::new("__IdemSelf", Span::mixed_site());
+        for part in parts
+            .iter_mut()
+            .chain([&mut where_clause])
+            .chain(decls.iter_mut())
+        {
+            *part = rename_ident(std::mem::take(part), "Self", &renamed);
+        }
+        decls.push(quote!(#renamed));
+        args.push(quote!(Self));
+    }
+    let mut parts = parts.into_iter();
+    let generic =
+        syn::parse2(parts.next().unwrap_or_default()).expect("a type with `Self` renamed is a type");
+    let declared =
+        syn::parse2(parts.next().unwrap_or_default()).expect("a type with `Self` renamed is a type");
+    OuterParams {
+        decls,
+        where_clause,
+        args,
+        generic,
+        declared,
+        bounds: parts.collect(),
+    }
+}
+
+/// What [`outer_params`] returns.
+struct OuterParams {
+    decls: Vec<TokenStream>,
+    where_clause: TokenStream,
+    args: Vec<TokenStream>,
+    generic: Type,
+    declared: Type,
+    bounds: Vec<TokenStream>,
+}
+
+/// Whether `tokens` (groups included) hold the identifier `ident`.
+fn names_ident(tokens: TokenStream, ident: &Ident) -> bool {
+    tokens.into_iter().any(|tree| match tree {
+        proc_macro2::TokenTree::Ident(i) => i == *ident,
+        proc_macro2::TokenTree::Group(g) => names_ident(g.stream(), ident),
+        _ => false,
+    })
+}
+
+/// `tokens` with every identifier `from` replaced by `to`.
+fn rename_ident(tokens: TokenStream, from: &str, to: &Ident) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|tree| match tree {
+            proc_macro2::TokenTree::Ident(i) if i == from => proc_macro2::TokenTree::Ident(to.clone()),
+            proc_macro2::TokenTree::Group(g) => {
+                let mut renamed = proc_macro2::Group::new(g.delimiter(), rename_ident(g.stream(), from, to));
+                renamed.set_span(g.span());
+                proc_macro2::TokenTree::Group(renamed)
+            }
+            other => other,
+        })
+        .collect()
 }
 
 /// The handler's block as a future: of its value, or (where the declared
@@ -665,7 +777,7 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
         &names,
         &handler.keying,
         body.as_ref().map(|body| &body.binding),
-        pinned_block(&names, &sig.output, block),
+        pinned_block(&names, &sig.output, &sig.generics, block),
         &sig.output,
     );
     let syn::Signature {

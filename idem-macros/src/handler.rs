@@ -206,7 +206,7 @@ fn written(ty: &Type) -> String {
 /// type may be a parameter (`E`, `R`), whose `Classify` impl is decided
 /// before it is known: it would be ignored.
 fn generic_opaque_type(sig: &syn::Signature) -> Option<&Type> {
-    if sig.generics.type_params().next().is_none() && sig.generics.const_params().next().is_none() {
+    if !is_generic(sig) {
         return None;
     }
     let classified = match result_error_type(sig) {
@@ -228,6 +228,73 @@ fn generic_opaque_type(sig: &syn::Signature) -> Option<&Type> {
             if t.path.segments.last().is_some_and(|s| s.ident == "Classify"))
     });
     (!names_classify).then_some(classified)
+}
+
+/// Whether the handler has type or const parameters, declared or made by
+/// an `impl Trait` among its parameters' types (`State<impl Gateway>`).
+fn is_generic(sig: &syn::Signature) -> bool {
+    let mut argument_impl = false;
+    for input in &sig.inputs {
+        if let syn::FnArg::Typed(pt) = input {
+            let mut ty = (*pt.ty).clone();
+            visit_nested(&mut ty, &mut |t| {
+                argument_impl |= matches!(t, Type::ImplTrait(_));
+                !argument_impl
+            });
+        }
+    }
+    argument_impl
+        || sig.generics.type_params().next().is_some()
+        || sig.generics.const_params().next().is_some()
+}
+
+/// The first macro in the return type (`answer!(E)`): what it stands for
+/// cannot be seen where the attribute reads the handler.
+fn macro_in_return_type(sig: &syn::Signature) -> Option<Type> {
+    let syn::ReturnType::Type(_, ty) = &sig.output else {
+        return None;
+    };
+    let mut found = None;
+    let mut ty = (**ty).clone();
+    visit_nested(&mut ty, &mut |t| {
+        if found.is_none() && matches!(t, Type::Macro(_)) {
+            found = Some(t.clone());
+        }
+        found.is_none()
+    });
+    found
+}
+
+/// Calls `f` on `ty` and on every type nested in it (generic arguments,
+/// tuples, references, arrays, slices, pointers), while `f` says to go on.
+fn visit_nested(ty: &mut Type, f: &mut dyn FnMut(&Type) -> bool) {
+    if !f(ty) {
+        return;
+    }
+    match ty {
+        Type::Path(p) => {
+            if let Some(q) = &mut p.qself {
+                visit_nested(&mut q.ty, f);
+            }
+            for seg in p.path.segments.iter_mut() {
+                if let PathArguments::AngleBracketed(args) = &mut seg.arguments {
+                    for arg in args.args.iter_mut() {
+                        if let GenericArgument::Type(t) = arg {
+                            visit_nested(t, f);
+                        }
+                    }
+                }
+            }
+        }
+        Type::Tuple(t) => t.elems.iter_mut().for_each(|t| visit_nested(t, f)),
+        Type::Paren(syn::TypeParen { elem, .. })
+        | Type::Group(syn::TypeGroup { elem, .. })
+        | Type::Array(syn::TypeArray { elem, .. })
+        | Type::Slice(syn::TypeSlice { elem, .. })
+        | Type::Ptr(syn::TypePtr { elem, .. })
+        | Type::Reference(syn::TypeReference { elem, .. }) => visit_nested(elem, f),
+        _ => {}
+    }
 }
 
 /// A whole return type (no `Result`) that is one of the handler's type
@@ -527,11 +594,19 @@ impl Handler {
                 )
             });
         }
+        if let Some(written_by_macro) = macro_in_return_type(&item.sig) {
+            errors.push(syn::Error::new_spanned(
+                written_by_macro,
+                "idem reads the return type to classify the answer (its `Result`, its error type, an \
+                 `impl Trait`), and cannot see what a macro here stands for: write the type out, or name \
+                 it with a type alias",
+            ));
+        }
         if let Some(opaque) = generic_opaque_type(&item.sig) {
             errors.push(syn::Error::new_spanned(
                 opaque,
-                "in a handler with type parameters, this `impl Trait` may stand for one of them, whose \
-                 `idem::Classify` impl is decided where the handler is compiled, before it is known, so it \
+                "in a handler with type parameters (declared, or an `impl Trait` among its parameters' \
+                 types), this `impl Trait` may stand for one of them, whose `idem::Classify` impl is decided where the handler is compiled, before it is known, so it \
                  would be ignored: add `+ idem::Classify` to its bounds, or return a concrete type",
             ));
         }
