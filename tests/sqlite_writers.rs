@@ -333,6 +333,77 @@ async fn a_file_opened_by_url_with_a_shared_cache_is_refused() {
     serves_concurrent_requests(&store, "f").await;
 }
 
+/// SQLite reads a file name that is itself a URI (`file:...`, which sqlx
+/// opens with URIs allowed) with its own parameters: a shared cache asked
+/// there (`%3F` decodes to the `?`) answered 278 of 400 concurrent
+/// reservations "database table is locked". Such names are refused, by
+/// URL and by path, before a file is made. A shared cache asked and then
+/// taken back (`cache=shared&cache=private`: the last counts, as for sqlx)
+/// is a private one, and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_uri_file_name_is_refused_and_the_last_cache_parameter_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    for url in [
+        format!("sqlite://file:{}%3Fcache%3Dshared", path.display()),
+        format!("sqlite:file:{}%3Fmode%3Drwc%26cache%3Dshared", path.display()),
+        format!("sqlite://FILE:{}", path.display()),
+    ] {
+        let err = SqliteStore::open_url(&url).await.map(|_| ()).unwrap_err();
+        assert!(
+            matches!(err, idem::StoreError::Backend { .. }) && err.to_string().contains("URI file name"),
+            "{url}: {err}"
+        );
+        assert!(!path.exists(), "{url} made the file it refused");
+    }
+    let by_path = format!("file:{}?cache=shared", path.display());
+    let err = SqliteStore::open(&by_path).await.map(|_| ()).unwrap_err();
+    assert!(err.to_string().contains("URI file name"), "{err}");
+    assert!(!path.exists());
+
+    let url = format!("sqlite://{}?cache=shared&cache=private", path.display());
+    let store = SqliteStore::open_url(&url).await.unwrap();
+    store.migrate().await.unwrap();
+    serves_concurrent_requests(&store, "p").await;
+}
+
+/// A database in memory is told from its name as SQLite reads it: `:memory:`
+/// escaped (`%3Amemory%3A`, which sqlx decodes) or given as a path is one
+/// (one connection: eight would be eight databases, and the migration's
+/// check would run on another than its tables), while a file whose path
+/// merely holds `:memory:` is a file, opened in WAL mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_in_memory_is_told_by_its_name_as_sqlite_reads_it() {
+    for store in [
+        SqliteStore::open_url("sqlite:%3Amemory%3A").await.unwrap(),
+        SqliteStore::open(":memory:").await.unwrap(),
+    ] {
+        assert_eq!(store.pool().options().get_max_connections(), 1);
+        store.migrate().await.unwrap();
+        serves_concurrent_requests(&store, "m").await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let holder = dir.path().join("a:memory:b");
+    std::fs::create_dir(&holder).unwrap();
+    let path = holder.join("idem.db");
+    let store = SqliteStore::open_url(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    assert!(store.pool().options().get_max_connections() > 1);
+    store.migrate().await.unwrap();
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(mode, "wal");
+    assert!(path.exists());
+    let err = SqliteStore::open_url(&format!("sqlite://{}?cache=shared", path.display()))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert!(err.to_string().contains("cache=shared"), "{err}");
+}
+
 /// With no busy timeout at all, a writer of this process that met SQLite's
 /// write lock taken would fail at once (`SQLITE_BUSY`, a 503): 32 concurrent
 /// first requests only pass if this process's writers never meet it.

@@ -93,11 +93,15 @@ impl std::fmt::Debug for SqliteStore {
 
 impl SqliteStore {
     /// Opens (creating if needed) the database file at `path`, in WAL mode
-    /// with a 5 second busy timeout.
+    /// with a 5 second busy timeout. `:memory:`, which SQLite opens in
+    /// memory, gets [`SqliteStore::in_memory`]'s one connection; a path that
+    /// is a URI file name (`file:...`) is refused (see
+    /// [`SqliteStore::open_url`]).
     ///
     /// # Errors
     ///
-    /// [`StoreError::Unavailable`] when the file cannot be opened or created.
+    /// [`StoreError::Unavailable`] when the file cannot be opened or created;
+    /// [`StoreError::Backend`] for a URI file name.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -106,22 +110,34 @@ impl SqliteStore {
     /// # }
     /// ```
     pub async fn open(path: impl AsRef<std::path::Path>) -> Result<Self, StoreError> {
+        let memory = filename_kind(&path.as_ref().to_string_lossy())? == FilenameKind::Memory;
         let options = SqliteConnectOptions::new().filename(path).create_if_missing(true);
+        if memory {
+            return in_memory_pool()
+                .connect_with(options)
+                .await
+                .map(Self::new)
+                .map_err(|e| StoreError::unavailable(e.to_string()));
+        }
         Self::open_with(options).await
     }
 
-    /// Opens a `sqlite://` URL, such as `sqlite://payments.db`. A database
-    /// in memory (`sqlite::memory:`, or `mode=memory`) gets the pool that
+    /// Opens a `sqlite://` URL, such as `sqlite://payments.db`, read as
+    /// sqlx reads it (percent escapes decoded, the last of a parameter
+    /// counting). A database in memory (`sqlite::memory:`, `mode=memory`,
+    /// or a name that SQLite reads as `:memory:`) gets the pool that
     /// [`SqliteStore::in_memory`] makes: one connection, kept open (several
     /// would lock whole tables without waiting, and answer concurrent
     /// requests 503 where they should get 409). For that reason a file's
-    /// URL asking for a shared cache (`cache=shared`) is refused.
+    /// URL asking for a shared cache (`cache=shared`) is refused, and so is
+    /// a file name that is itself a URI (`file:...`), whose own parameters
+    /// could ask for one unseen.
     ///
     /// # Errors
     ///
-    /// [`StoreError::Backend`] for a URL that does not parse or asks a
-    /// file for a shared cache, [`StoreError::Unavailable`] when the file
-    /// cannot be opened.
+    /// [`StoreError::Backend`] for a URL that does not parse, asks a file
+    /// for a shared cache, or names a URI file name;
+    /// [`StoreError::Unavailable`] when the file cannot be opened.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -138,28 +154,36 @@ impl SqliteStore {
         let options = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::backend(format!("invalid SQLite URL: {e}")))?
             .create_if_missing(true);
-        // The query read as sqlx reads it: each name and value
-        // percent-decoded.
-        let decoded = |text: &str| {
-            percent_encoding::percent_decode_str(text)
-                .decode_utf8_lossy()
-                .to_lowercase()
-        };
-        let query = url.split_once('?').map_or("", |(_, q)| q);
-        let asks = |wanted_name: &str, wanted_value: &str| {
-            query.split('&').any(|pair| {
-                let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-                decoded(name) == wanted_name && decoded(value) == wanted_value
-            })
-        };
-        if url.to_ascii_lowercase().contains(":memory:") || asks("mode", "memory") {
+        // Read as sqlx reads it: the scheme trimmed, the database up to the
+        // first `?` (in memory when it is `:memory:` as written), and each
+        // parameter decoded, the last of a name counting.
+        let rest = url.trim_start_matches("sqlite://").trim_start_matches("sqlite:");
+        let (database, params) = rest.split_once('?').unwrap_or((rest, ""));
+        let mut in_memory = database == ":memory:";
+        let mut shared_cache = in_memory;
+        for (name, value) in form_urlencoded::parse(params.as_bytes()) {
+            match (&*name, &*value) {
+                ("mode", "memory") => (in_memory, shared_cache) = (true, true),
+                ("cache", "shared") => shared_cache = true,
+                ("cache", "private") => shared_cache = false,
+                _ => {}
+            }
+        }
+        // What SQLite then makes of the decoded name (sqlx names its own
+        // database for `:memory:`).
+        if database != ":memory:"
+            && filename_kind(&options.get_filename().to_string_lossy())? == FilenameKind::Memory
+        {
+            in_memory = true;
+        }
+        if in_memory {
             return in_memory_pool()
                 .connect_with(options)
                 .await
                 .map(Self::new)
                 .map_err(|e| StoreError::unavailable(e.to_string()));
         }
-        if asks("cache", "shared") {
+        if shared_cache {
             return Err(StoreError::backend(
                 "invalid SQLite URL: cache=shared on a file is refused: connections that share a cache \
                  lock whole tables and never wait, so concurrent requests would get 503 where they should \
@@ -1627,4 +1651,32 @@ fn in_memory_pool() -> SqlitePoolOptions {
         .idle_timeout(None)
         .max_lifetime(None)
         .test_before_acquire(false)
+}
+
+/// What SQLite opens under a file name.
+#[derive(Debug, PartialEq, Eq)]
+enum FilenameKind {
+    File,
+    /// `:memory:`: a database in memory, one per connection.
+    Memory,
+}
+
+/// What SQLite makes of `name`, which sqlx opens with URIs allowed: a URI
+/// filename (`file:...`) is refused, as its own parameters (a shared
+/// cache, a database in memory) would go unseen here.
+fn filename_kind(name: &str) -> Result<FilenameKind, StoreError> {
+    if name == ":memory:" {
+        return Ok(FilenameKind::Memory);
+    }
+    if name
+        .get(..5)
+        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("file:"))
+    {
+        return Err(StoreError::backend(format!(
+            "invalid SQLite file name {name:?}: a URI file name is refused, since its parameters \
+             (cache=shared, mode=memory) would change how the store must open it; give the path, and \
+             parameters in the URL's own query (sqlite://path?mode=rwc)"
+        )));
+    }
+    Ok(FilenameKind::File)
 }
