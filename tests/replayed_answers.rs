@@ -388,6 +388,49 @@ mod trailers {
         with_trailer()
     }
 
+    /// `with_trailer`'s body and header under `status`.
+    fn with_trailer_as(status: StatusCode) -> Response {
+        let mut response = with_trailer();
+        *response.status_mut() = status;
+        response
+    }
+
+    #[idempotent(scope = "answer.trailers.reject", body = "none")]
+    async fn rejected() -> Response {
+        with_trailer_as(StatusCode::UNPROCESSABLE_ENTITY)
+    }
+
+    #[idempotent(scope = "answer.trailers.fail", body = "none")]
+    async fn failed() -> Response {
+        with_trailer_as(StatusCode::SERVICE_UNAVAILABLE)
+    }
+
+    /// A rejected answer (its key released to a corrected request) and a
+    /// failed one (its key released for the retry) are not stored, and go
+    /// out as a stored one does: their data, and neither the trailer nor
+    /// the header that announces it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rejected_or_failed_answer_announces_and_sends_no_trailer() {
+        let router = Router::new()
+            .route("/reject", axum::routing::post(rejected))
+            .route("/fail", axum::routing::post(failed))
+            .layer(Idem::new(idem::MemoryStore::new()).single_tenant().layer());
+        let addr = serve(router).await;
+        for (path, status) in [("/reject", "422"), ("/fail", "503")] {
+            let raw = post_req(path, "")
+                .header("te", "trailers")
+                .key("k-tr")
+                .send_raw(addr)
+                .await;
+            let raw = String::from_utf8_lossy(&raw).to_lowercase();
+            assert!(raw.starts_with(&format!("http/1.1 {status}")), "{path}: {raw}");
+            assert!(!raw.contains("x-checksum"), "{path}: {raw}");
+            // Streamed as the handler gave it (its length unknown): its
+            // one chunk, then the last, with no trailer after it.
+            assert!(raw.ends_with("\r\n\r\n3\r\nabc\r\n0\r\n\r\n"), "{path}: {raw}");
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_first_answer_announces_no_trailer_it_does_not_send() {
         let router = Router::new()

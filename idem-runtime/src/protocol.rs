@@ -638,6 +638,11 @@ fn keeping<'a>(
     how: LetGo,
 ) -> crate::store::BoxFuture<'a, Response> {
     Box::pin(async move {
+        // Its body is passed on as data, as a stored answer's is: trailers
+        // are neither kept nor passed on, so none is announced (README).
+        let (mut parts, body) = response.into_parts();
+        parts.headers.remove(axum::http::header::TRAILER);
+        let response = Response::from_parts(parts, Body::new(DataOnly(body)));
         let Some(tx) = info.try_take_tx() else {
             return keeping_held(engine, info, lock_timeout, beat, panic, response, how).await;
         };
@@ -646,6 +651,35 @@ fn keeping<'a>(
         drop(beat);
         response
     })
+}
+
+/// A body's data frames, its trailers left out; its size and end as the
+/// body says.
+struct DataOnly(Body);
+
+impl http_body::Body for DataOnly {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        loop {
+            match std::task::ready!(Pin::new(&mut self.0).poll_frame(cx)) {
+                Some(Ok(frame)) if !frame.is_data() => {}
+                other => return std::task::Poll::Ready(other),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.0.size_hint()
+    }
 }
 
 /// [`keeping`] while a task holds the transaction's connection, which it
