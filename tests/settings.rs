@@ -47,6 +47,10 @@ fn cookie_like_headers_and_bases_no_uri_holds_are_refused() {
         "https://docs.example.com\\e/",
         "https://dócs.example.com/",
         "\u{200b}https://docs.example.com/",
+        "https://docs.example.com/100%/",
+        "https://docs.example.com/%zz/",
+        "https://docs.example.com/%",
+        "https://docs.example.com/%4",
     ] {
         let refused = idem()
             .problem_type_base(base)

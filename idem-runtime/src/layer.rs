@@ -431,11 +431,16 @@ impl Idem {
         // RFC 3986's characters only (percent escapes included): a `type`
         // is a URI reference.
         let uri_char = |c: char| c.is_ascii_alphanumeric() || "-._~:/?#[]@!$&'()*+,;=%".contains(c);
-        if base.is_empty() || !base.chars().all(uri_char) {
+        // Each `%` begins an escape: two hex digits follow it.
+        let escapes_whole = base.match_indices('%').all(|(at, _)| {
+            base.get(at + 1..at + 3)
+                .is_some_and(|h| h.chars().all(|c| c.is_ascii_hexdigit()))
+        });
+        if base.is_empty() || !base.chars().all(uri_char) || !escapes_whole {
             return Err(ConfigError(format!(
                 "problem_type_base `{}` must be a URI prefix: ASCII letters, digits and -._~:/?#[]@!$&'()*+,;=% \
-                 only (no spaces, quotes, angle brackets or other text; percent-encode it), such as \
-                 `https://docs.example.com/errors/`",
+                 only, each % followed by two hex digits (no spaces, quotes, angle brackets or other text; \
+                 percent-encode it), such as `https://docs.example.com/errors/`",
                 base.escape_debug()
             )));
         }
