@@ -221,6 +221,10 @@ fn number(lexeme: &str) -> Result<Cow<'_, str>, String> {
         })
         .filter(|_| !lexeme.contains(['e', 'E']))
     {
+        // Past a double's range as any other spelling of it is.
+        if !v.is_finite() {
+            return Err(beyond());
+        }
         return Ok(Cow::Owned(integer(v, whole)));
     }
     if !v.is_finite() {
@@ -764,8 +768,23 @@ mod tests {
         assert!(canonical_json(&[b'"', 0xff, b'"']).is_err());
         let deep = "[".repeat(129) + &"]".repeat(129);
         assert!(canonical_json(deep.as_bytes()).is_err());
+        // Past a double's range however it is spelled: digits, a point,
+        // an exponent.
         let huge = "1".repeat(400);
-        assert_eq!(canon(&huge), format!("{huge}.0"));
+        for spelling in [
+            huge.clone(),
+            format!("{huge}.0"),
+            format!("{huge}e0"),
+            format!("-{huge}"),
+        ] {
+            let error = canonical_json(spelling.as_bytes()).unwrap_err().to_string();
+            assert!(error.contains("beyond the range of a double"), "{error}");
+        }
+        // The largest double's integer, in digits: kept.
+        let largest = format!("17976931348623157{}", "0".repeat(292));
+        assert_eq!(canon(&largest), "1.7976931348623157e+308");
+        let near = format!("1{}", "1".repeat(307));
+        assert_eq!(canon(&near), format!("{near}.0"));
         let fine = "[".repeat(128) + &"]".repeat(128);
         assert!(canonical_json(fine.as_bytes()).is_ok());
     }
