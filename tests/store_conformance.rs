@@ -997,7 +997,7 @@ async fn postgres_a_statement_whose_session_ends_while_it_waits_runs_again() {
     });
     end_the_waiting_session(&watcher, &name).await;
     // Its second try waits in turn; the other transaction ends unwritten.
-    end_the_waiting_session_not(&watcher, &name).await;
+    until_a_session_waits(&watcher, &name).await;
     holder.rollback().await.unwrap();
     let lease = match reserving.await.unwrap() {
         Ok(Reservation::Reserved(lease)) => lease,
@@ -1012,7 +1012,7 @@ async fn postgres_a_statement_whose_session_ends_while_it_waits_runs_again() {
         async move { store.complete(&id, &token, &response("w")).await }
     });
     end_the_waiting_session(&watcher, &name).await;
-    end_the_waiting_session_not(&watcher, &name).await;
+    until_a_session_waits(&watcher, &name).await;
     holder.rollback().await.unwrap();
     completing
         .await
@@ -1026,7 +1026,7 @@ async fn postgres_a_statement_whose_session_ends_while_it_waits_runs_again() {
 
 /// Waits until a session named `name` waits for a lock again (the
 /// statement's second try), without ending it.
-async fn end_the_waiting_session_not(watcher: &sqlx::PgPool, name: &str) {
+async fn until_a_session_waits(watcher: &sqlx::PgPool, name: &str) {
     let until = Instant::now() + Duration::from_secs(10);
     while sqlx::query_scalar::<_, i64>(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
@@ -1150,7 +1150,7 @@ async fn postgres_a_completion_run_again_waits_for_a_held_row() {
         let (store, id, token) = (store.clone(), id.clone(), lease.token.clone());
         async move { store.complete(&id, &token, &response("h")).await }
     });
-    end_the_waiting_session_not(&watcher, &name).await;
+    until_a_session_waits(&watcher, &name).await;
     holder.rollback().await.unwrap();
     completing
         .await

@@ -588,13 +588,17 @@ fn is_named_result(ty: &Type) -> bool {
 }
 
 /// Calls `f` on `ty` and, where `f` says to go on, on every type nested in
-/// it (generic arguments, tuples, references, arrays).
-fn visit_types(ty: &mut Type, f: &mut dyn FnMut(&mut Type) -> bool) {
+/// it (generic arguments, a qualified path's type, tuples, references,
+/// pointers, arrays, slices).
+pub(crate) fn visit_types(ty: &mut Type, f: &mut dyn FnMut(&mut Type) -> bool) {
     if !f(ty) {
         return;
     }
     match ty {
         Type::Path(p) => {
+            if let Some(q) = &mut p.qself {
+                visit_types(&mut q.ty, f);
+            }
             for seg in p.path.segments.iter_mut() {
                 if let syn::PathArguments::AngleBracketed(args) = &mut seg.arguments {
                     for arg in args.args.iter_mut() {
@@ -610,6 +614,7 @@ fn visit_types(ty: &mut Type, f: &mut dyn FnMut(&mut Type) -> bool) {
         | Type::Group(syn::TypeGroup { elem, .. })
         | Type::Array(syn::TypeArray { elem, .. })
         | Type::Slice(syn::TypeSlice { elem, .. })
+        | Type::Ptr(syn::TypePtr { elem, .. })
         | Type::Reference(syn::TypeReference { elem, .. }) => visit_types(elem, f),
         _ => {}
     }

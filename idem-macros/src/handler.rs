@@ -237,7 +237,7 @@ fn is_generic(sig: &syn::Signature) -> bool {
     for input in &sig.inputs {
         if let syn::FnArg::Typed(pt) = input {
             let mut ty = (*pt.ty).clone();
-            visit_nested(&mut ty, &mut |t| {
+            crate::expand::visit_types(&mut ty, &mut |t| {
                 argument_impl |= matches!(t, Type::ImplTrait(_));
                 !argument_impl
             });
@@ -256,45 +256,13 @@ fn macro_in_return_type(sig: &syn::Signature) -> Option<Type> {
     };
     let mut found = None;
     let mut ty = (**ty).clone();
-    visit_nested(&mut ty, &mut |t| {
+    crate::expand::visit_types(&mut ty, &mut |t| {
         if found.is_none() && matches!(t, Type::Macro(_)) {
             found = Some(t.clone());
         }
         found.is_none()
     });
     found
-}
-
-/// Calls `f` on `ty` and on every type nested in it (generic arguments,
-/// tuples, references, arrays, slices, pointers), while `f` says to go on.
-fn visit_nested(ty: &mut Type, f: &mut dyn FnMut(&Type) -> bool) {
-    if !f(ty) {
-        return;
-    }
-    match ty {
-        Type::Path(p) => {
-            if let Some(q) = &mut p.qself {
-                visit_nested(&mut q.ty, f);
-            }
-            for seg in p.path.segments.iter_mut() {
-                if let PathArguments::AngleBracketed(args) = &mut seg.arguments {
-                    for arg in args.args.iter_mut() {
-                        if let GenericArgument::Type(t) = arg {
-                            visit_nested(t, f);
-                        }
-                    }
-                }
-            }
-        }
-        Type::Tuple(t) => t.elems.iter_mut().for_each(|t| visit_nested(t, f)),
-        Type::Paren(syn::TypeParen { elem, .. })
-        | Type::Group(syn::TypeGroup { elem, .. })
-        | Type::Array(syn::TypeArray { elem, .. })
-        | Type::Slice(syn::TypeSlice { elem, .. })
-        | Type::Ptr(syn::TypePtr { elem, .. })
-        | Type::Reference(syn::TypeReference { elem, .. }) => visit_nested(elem, f),
-        _ => {}
-    }
 }
 
 /// A whole return type (no `Result`) that is one of the handler's type

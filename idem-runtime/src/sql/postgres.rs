@@ -755,9 +755,6 @@ impl PgStore {
 impl PgStore {
     sql::complete_with!(sqlx::Postgres);
 
-    /// [`IdempotencyStore::complete`]: written at once when no other
-    /// completion of this store is being written; otherwise it waits for
-    /// the next group (see [`Completions`]).
     /// Writes one completion as the plain statement.
     async fn complete_alone(
         &self,
@@ -780,6 +777,9 @@ impl PgStore {
         }
     }
 
+    /// [`IdempotencyStore::complete`]: written at once when no other
+    /// completion of this store is being written; otherwise it waits for
+    /// the next group (see [`Completions`]).
     async fn complete_grouped(
         &self,
         id: &crate::store::RecordId,
