@@ -347,7 +347,6 @@ async fn a_uri_file_name_is_refused_and_the_last_cache_parameter_counts() {
     for url in [
         format!("sqlite://file:{}%3Fcache%3Dshared", path.display()),
         format!("sqlite:file:{}%3Fmode%3Drwc%26cache%3Dshared", path.display()),
-        format!("sqlite://FILE:{}", path.display()),
     ] {
         let err = SqliteStore::open_url(&url).await.map(|_| ()).unwrap_err();
         assert!(
@@ -368,15 +367,23 @@ async fn a_uri_file_name_is_refused_and_the_last_cache_parameter_counts() {
 }
 
 /// A database in memory is told from its name as SQLite reads it: `:memory:`
-/// escaped (`%3Amemory%3A`, which sqlx decodes) or given as a path is one
+/// escaped (`%3Amemory%3A`, which sqlx decodes) or given as a path is one,
+/// as are no name and `vfs=memdb`
 /// (one connection: eight would be eight databases, and the migration's
 /// check would run on another than its tables), while a file whose path
 /// merely holds `:memory:` is a file, opened in WAL mode.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_database_in_memory_is_told_by_its_name_as_sqlite_reads_it() {
+    // No name at all is a temporary database, one per connection too, and
+    // so is SQLite's VFS of databases in memory under a relative name.
     for store in [
         SqliteStore::open_url("sqlite:%3Amemory%3A").await.unwrap(),
         SqliteStore::open(":memory:").await.unwrap(),
+        SqliteStore::open_url("sqlite://?mode=rwc").await.unwrap(),
+        SqliteStore::open("").await.unwrap(),
+        SqliteStore::open_url("sqlite://idem-memdb-probe.db?vfs=memdb")
+            .await
+            .unwrap(),
     ] {
         assert_eq!(store.pool().options().get_max_connections(), 1);
         store.migrate().await.unwrap();

@@ -164,6 +164,9 @@ impl SqliteStore {
         for (name, value) in form_urlencoded::parse(params.as_bytes()) {
             match (&*name, &*value) {
                 ("mode", "memory") => (in_memory, shared_cache) = (true, true),
+                // SQLite's VFS of databases in memory: one per connection
+                // under most names.
+                ("vfs", "memdb") => in_memory = true,
                 ("cache", "shared") => shared_cache = true,
                 ("cache", "private") => shared_cache = false,
                 _ => {}
@@ -1657,7 +1660,8 @@ fn in_memory_pool() -> SqlitePoolOptions {
 #[derive(Debug, PartialEq, Eq)]
 enum FilenameKind {
     File,
-    /// `:memory:`: a database in memory, one per connection.
+    /// `:memory:`, or no name (a temporary database): one database per
+    /// connection.
     Memory,
 }
 
@@ -1665,13 +1669,11 @@ enum FilenameKind {
 /// filename (`file:...`) is refused, as its own parameters (a shared
 /// cache, a database in memory) would go unseen here.
 fn filename_kind(name: &str) -> Result<FilenameKind, StoreError> {
-    if name == ":memory:" {
+    if name == ":memory:" || name.is_empty() {
         return Ok(FilenameKind::Memory);
     }
-    if name
-        .get(..5)
-        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("file:"))
-    {
+    // SQLite reads a name as a URI only when it begins so, in lower case.
+    if name.starts_with("file:") {
         return Err(StoreError::backend(format!(
             "invalid SQLite file name {name:?}: a URI file name is refused, since its parameters \
              (cache=shared, mode=memory) would change how the store must open it; give the path, and \
