@@ -436,7 +436,10 @@ fn pinned_block(names: &Names, output: &ReturnType, generics: &syn::Generics, bl
                     generic,
                     declared,
                     bounds,
-                } = outer_params(generics, generic, declared, bounds);
+                } = match outer_params(generics, generic, declared, bounds) {
+                    Ok(outer) => outer,
+                    Err(why) => return Pinned::Value(syn::Error::new_spanned(ty, why).to_compile_error()),
+                };
                 let check_fn = mixed("__idem_check");
                 // A bound the value does not meet is reported at the
                 // declared type, as without the attribute, not at it.
@@ -471,68 +474,150 @@ fn pinned_block(names: &Names, output: &ReturnType, generics: &syn::Generics, bl
     })
 }
 
-/// The handler's parameters as the checking fn's own, with their bounds
-/// and the handler's `where` clause (a bound in the declared type, or an
-/// associated type such as `G::Error`, may need them), and `Self`, if
-/// the types or the bounds name it, as one more: their declarations, the
+/// The handler's parameters as the checking fn's own, and `Self`, if the
+/// types or the bounds name it, as one more: their declarations, the
 /// `where` clause, the arguments the call passes for them (lifetimes are
 /// left to inference), and the types and bounds with `Self` renamed.
+/// Declared without their bounds, which may name the parameters of the
+/// `impl` block around the handler (a fn item cannot), except a type
+/// parameter reached through a path (`G::Error`, `<G as Gateway>::Error`):
+/// its own bounds, and the `where` predicates on it alone, resolve the
+/// path. `<Self as Trait>::X` gets `Self: Trait` the same way; `Self::X`
+/// and `Self` in a const argument cannot be checked outside the `impl`
+/// block: an error says so.
 fn outer_params(
     generics: &syn::Generics,
     generic: Type,
     declared: Type,
     bounds: Vec<TokenStream>,
-) -> OuterParams {
+) -> Result<OuterParams, &'static str> {
     use quote::ToTokens as _;
-    let mut decls: Vec<TokenStream> = generics.params.iter().map(|p| p.to_token_stream()).collect();
-    let mut args: Vec<TokenStream> = generics
-        .params
-        .iter()
-        .filter_map(|p| match p {
-            syn::GenericParam::Type(t) => Some(t.ident.to_token_stream()),
-            syn::GenericParam::Const(c) => {
-                let ident = &c.ident;
-                Some(quote!({ #ident }))
+    let mut qualified: Vec<(Ident, syn::Path)> = Vec::new();
+    for ty in [&generic, &declared] {
+        visit_types(&mut ty.clone(), &mut |t| {
+            if let Type::Path(syn::TypePath { qself: Some(q), path }) = t {
+                if let Type::Path(p) = &*q.ty {
+                    if let Some(ident) = p.path.get_ident() {
+                        let mut trait_path = path.clone();
+                        trait_path.segments = path.segments.iter().take(q.position).cloned().collect();
+                        qualified.push((ident.clone(), trait_path));
+                    }
+                }
             }
-            syn::GenericParam::Lifetime(_) => None,
-        })
-        .collect();
-    let mut where_clause = generics.where_clause.to_token_stream();
-    let mut parts: Vec<TokenStream> = [generic.to_token_stream(), declared.to_token_stream()]
+            true
+        });
+    }
+    let parts: Vec<TokenStream> = [generic.to_token_stream(), declared.to_token_stream()]
         .into_iter()
         .chain(bounds)
         .collect();
+    let projected = |ident: &Ident| {
+        qualified.iter().any(|(q, _)| q == ident)
+            || parts.iter().any(|t| names_path_through(t.clone(), ident))
+    };
+    let mut decls = Vec::new();
+    let mut args = Vec::new();
+    let mut predicates: Vec<TokenStream> = Vec::new();
+    for param in &generics.params {
+        match param {
+            syn::GenericParam::Lifetime(l) => {
+                let lifetime = &l.lifetime;
+                decls.push(quote!(#lifetime));
+            }
+            syn::GenericParam::Type(t) => {
+                let ident = &t.ident;
+                if projected(ident) {
+                    let own = t.bounds.iter();
+                    decls.push(quote!(#ident: #(#own)+*));
+                    for predicate in generics.where_clause.iter().flat_map(|w| &w.predicates) {
+                        if let syn::WherePredicate::Type(pt) = predicate {
+                            if matches!(&pt.bounded_ty, Type::Path(p) if p.qself.is_none() && p.path.is_ident(ident))
+                            {
+                                predicates.push(pt.to_token_stream());
+                            }
+                        }
+                    }
+                } else {
+                    decls.push(quote!(#ident));
+                }
+                args.push(quote!(#ident));
+            }
+            syn::GenericParam::Const(c) => {
+                let (ident, ty) = (&c.ident, &c.ty);
+                decls.push(quote!(const #ident: #ty));
+                args.push(quote!({ #ident }));
+            }
+        }
+    }
     let self_ident = Ident::new("Self", Span::call_site());
-    if parts
-        .iter()
-        .chain([&where_clause])
-        .chain(&decls)
-        .any(|t| names_ident(t.clone(), &self_ident))
-    {
-        let renamed = Ident::new("__IdemSelf", Span::mixed_site());
-        for part in parts
-            .iter_mut()
-            .chain([&mut where_clause])
-            .chain(decls.iter_mut())
+    let mut parts = parts;
+    if parts.iter().any(|t| names_ident(t.clone(), &self_ident)) {
+        if parts
+            .iter()
+            .any(|t| names_path_through(t.clone(), &self_ident) || self_in_braces(t.clone(), false))
         {
+            return Err(
+                "beside an `impl Trait`, idem checks the declared return type outside the `impl` block, \
+                 where `Self::...` and `Self` in a const argument cannot be named: write the type out \
+                 (or `<Self as Trait>::...`)",
+            );
+        }
+        let renamed = Ident::new("__IdemSelf", Span::mixed_site());
+        for part in &mut parts {
             *part = rename_ident(std::mem::take(part), "Self", &renamed);
+        }
+        for (ident, trait_path) in &qualified {
+            if *ident == "Self" {
+                predicates.push(quote!(#renamed: #trait_path));
+            }
         }
         decls.push(quote!(#renamed));
         args.push(quote!(Self));
     }
+    let where_clause = if predicates.is_empty() {
+        TokenStream::new()
+    } else {
+        quote!(where #(#predicates),*)
+    };
     let mut parts = parts.into_iter();
     let generic =
         syn::parse2(parts.next().unwrap_or_default()).expect("a type with `Self` renamed is a type");
     let declared =
         syn::parse2(parts.next().unwrap_or_default()).expect("a type with `Self` renamed is a type");
-    OuterParams {
+    Ok(OuterParams {
         decls,
         where_clause,
         args,
         generic,
         declared,
         bounds: parts.collect(),
-    }
+    })
+}
+
+/// Whether `tokens` hold `ident ::` (a path through it, such as `G::Error`).
+fn names_path_through(tokens: TokenStream, ident: &Ident) -> bool {
+    let trees: Vec<proc_macro2::TokenTree> = tokens.into_iter().collect();
+    trees.iter().enumerate().any(|(at, tree)| match tree {
+        proc_macro2::TokenTree::Ident(i) => {
+            i == ident
+                && matches!(trees.get(at + 1), Some(proc_macro2::TokenTree::Punct(p)) if p.as_char() == ':')
+                && matches!(trees.get(at + 2), Some(proc_macro2::TokenTree::Punct(p)) if p.as_char() == ':')
+        }
+        proc_macro2::TokenTree::Group(g) => names_path_through(g.stream(), ident),
+        _ => false,
+    })
+}
+
+/// Whether `tokens` hold `Self` inside braces (a const argument).
+fn self_in_braces(tokens: TokenStream, inside: bool) -> bool {
+    tokens.into_iter().any(|tree| match tree {
+        proc_macro2::TokenTree::Ident(i) => inside && i == "Self",
+        proc_macro2::TokenTree::Group(g) => self_in_braces(
+            g.stream(),
+            inside || g.delimiter() == proc_macro2::Delimiter::Brace,
+        ),
+        _ => false,
+    })
 }
 
 /// What [`outer_params`] returns.
@@ -588,7 +673,8 @@ fn is_named_result(ty: &Type) -> bool {
 }
 
 /// Calls `f` on `ty` and, where `f` says to go on, on every type nested in
-/// it (generic arguments, a qualified path's type, tuples, references,
+/// it (generic arguments and associated type bindings, a qualified path's
+/// type, the bounds of `dyn` and `impl` types, tuples, references,
 /// pointers, arrays, slices).
 pub(crate) fn visit_types(ty: &mut Type, f: &mut dyn FnMut(&mut Type) -> bool) {
     if !f(ty) {
@@ -599,13 +685,13 @@ pub(crate) fn visit_types(ty: &mut Type, f: &mut dyn FnMut(&mut Type) -> bool) {
             if let Some(q) = &mut p.qself {
                 visit_types(&mut q.ty, f);
             }
-            for seg in p.path.segments.iter_mut() {
-                if let syn::PathArguments::AngleBracketed(args) = &mut seg.arguments {
-                    for arg in args.args.iter_mut() {
-                        if let syn::GenericArgument::Type(t) = arg {
-                            visit_types(t, f);
-                        }
-                    }
+            visit_path(&mut p.path, f);
+        }
+        Type::TraitObject(syn::TypeTraitObject { bounds, .. })
+        | Type::ImplTrait(syn::TypeImplTrait { bounds, .. }) => {
+            for bound in bounds.iter_mut() {
+                if let syn::TypeParamBound::Trait(t) = bound {
+                    visit_path(&mut t.path, f);
                 }
             }
         }
@@ -617,6 +703,30 @@ pub(crate) fn visit_types(ty: &mut Type, f: &mut dyn FnMut(&mut Type) -> bool) {
         | Type::Ptr(syn::TypePtr { elem, .. })
         | Type::Reference(syn::TypeReference { elem, .. }) => visit_types(elem, f),
         _ => {}
+    }
+}
+
+/// [`visit_types`] on the types among `path`'s arguments.
+fn visit_path(path: &mut syn::Path, f: &mut dyn FnMut(&mut Type) -> bool) {
+    for seg in path.segments.iter_mut() {
+        match &mut seg.arguments {
+            syn::PathArguments::AngleBracketed(args) => {
+                for arg in args.args.iter_mut() {
+                    match arg {
+                        syn::GenericArgument::Type(t) => visit_types(t, f),
+                        syn::GenericArgument::AssocType(binding) => visit_types(&mut binding.ty, f),
+                        _ => {}
+                    }
+                }
+            }
+            syn::PathArguments::Parenthesized(args) => {
+                args.inputs.iter_mut().for_each(|t| visit_types(t, f));
+                if let ReturnType::Type(_, t) = &mut args.output {
+                    visit_types(t, f);
+                }
+            }
+            syn::PathArguments::None => {}
+        }
     }
 }
 
