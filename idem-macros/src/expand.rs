@@ -392,11 +392,15 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStrea
 //                     (&&&::idem::__private::Probe(&__idem_ret)).__idem_classify()
 //                 };
 //                 ({
-//                     fn __idem_check<__IdemImpl0: IntoResponse>(value: Result<__IdemImpl0, E>)
-//                         -> Result<impl IntoResponse, E> { value }
-//                     __idem_check::<_>(__idem_ret)
+//                     fn __idem_check<__IdemPart0, __IdemImpl0: IntoResponse>(
+//                         value: Result<__IdemImpl0, __IdemPart0>,
+//                     ) -> Result<impl IntoResponse, __IdemPart0> { value }
+//                     __idem_check::<E, _>(__idem_ret)
 //                 }, __idem_class)
 //             }
+//         The checking fn, an item, cannot name the handler's parameters,
+//         the `impl` block's or `Self`: each part of the declared type
+//         without an `impl Trait` is its parameter, named by the call.
 //         The value is classified before the check, with its own type:
 //         behind the declared `impl Trait` a `Classify` impl is hidden.
 //         The block is an async block of its own, so that a `return` in it
@@ -419,38 +423,36 @@ fn pinned_block(names: &Names, output: &ReturnType, generics: &syn::Generics, bl
         // a body that never returns (`todo!()`) leaves no code unreachable.
         ReturnType::Default => return Pinned::Value(quote!(#private::returning::<(), _>(async move #block))),
         ReturnType::Type(_, ty) => {
-            let (inferred, generic, params, declared) = split_return_type(ty);
+            let (inferred, _, params, _) = split_return_type(ty);
             if params.is_empty() {
                 return Pinned::Value(quote!(#private::returning::<#ty, _>(async move #block)));
             } else {
+                // A fn item cannot name the handler's parameters, the
+                // `impl` block's, nor `Self`: each part of the declared
+                // type without an `impl Trait` in it (in the bounds too)
+                // is a parameter of its own, and the call, inside the
+                // handler, names it as declared.
+                let mut abstracted = (**ty).clone();
+                let mut parts = Vec::new();
+                abstract_named_parts(&mut abstracted, &mut parts);
+                let (_, generic, params, declared) = split_return_type(&abstracted);
                 let (impl_params, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
                 let placeholders = impl_params.iter().map(|_| quote_spanned!(ty.span()=> _));
-                // A fn item cannot name the handler's parameters, nor
-                // `Self`: it declares its own of the same names (without
-                // their bounds, which the call's types meet where the
-                // handler's are known), and the call names them.
-                let OuterParams {
-                    decls: outer,
-                    where_clause,
-                    args: outer_args,
-                    generic,
-                    declared,
-                    bounds,
-                } = match outer_params(generics, generic, declared, bounds) {
-                    Ok(outer) => outer,
-                    Err(why) => return Pinned::Value(syn::Error::new_spanned(ty, why).to_compile_error()),
-                };
+                let (part_params, part_types): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
+                // Lifetimes as the fn's own, left to inference.
+                let lifetimes = generics.lifetimes().map(|l| &l.lifetime);
                 let check_fn = mixed("__idem_check");
                 // A bound the value does not meet is reported at the
                 // declared type, as without the attribute, not at it.
                 let ret_at_type =
                     Ident::new(&ret_ident.to_string(), Span::mixed_site().located_at(ty.span()));
-                let call = quote_spanned!(ty.span()=> #check_fn::<#(#outer_args,)* #(#placeholders),*>(#ret_at_type));
+                let call = quote_spanned!(ty.span()=> #check_fn::<#(#part_types,)* #(#placeholders),*>(#ret_at_type));
                 (
                     quote!(#inferred),
                     quote!({
-                        #[allow(non_camel_case_types)]
-                        fn #check_fn<#(#outer,)* #(#impl_params: #bounds),*>(value: #generic) -> #declared #where_clause {
+                        fn #check_fn<#(#lifetimes,)* #(#part_params,)* #(#impl_params: #bounds),*>(
+                            value: #generic,
+                        ) -> #declared {
                             value
                         }
                         #call
@@ -474,185 +476,74 @@ fn pinned_block(names: &Names, output: &ReturnType, generics: &syn::Generics, bl
     })
 }
 
-/// The handler's parameters as the checking fn's own, and `Self`, if the
-/// types or the bounds name it, as one more: their declarations, the
-/// `where` clause, the arguments the call passes for them (lifetimes are
-/// left to inference), and the types and bounds with `Self` renamed.
-/// Declared without their bounds, which may name the parameters of the
-/// `impl` block around the handler (a fn item cannot), except a type
-/// parameter reached through a path (`G::Error`, `<G as Gateway>::Error`):
-/// its own bounds, and the `where` predicates on it alone, resolve the
-/// path. `<Self as Trait>::X` gets `Self: Trait` the same way; `Self::X`
-/// and `Self` in a const argument cannot be checked outside the `impl`
-/// block: an error says so.
-fn outer_params(
-    generics: &syn::Generics,
-    generic: Type,
-    declared: Type,
-    bounds: Vec<TokenStream>,
-) -> Result<OuterParams, &'static str> {
-    use quote::ToTokens as _;
-    let mut qualified: Vec<(Ident, syn::Path)> = Vec::new();
-    for ty in [&generic, &declared] {
-        visit_types(&mut ty.clone(), &mut |t| {
-            if let Type::Path(syn::TypePath { qself: Some(q), path }) = t {
-                if let Type::Path(p) = &*q.ty {
-                    if let Some(ident) = p.path.get_ident() {
-                        let mut trait_path = path.clone();
-                        trait_path.segments = path.segments.iter().take(q.position).cloned().collect();
-                        qualified.push((ident.clone(), trait_path));
-                    }
+/// Replaces each part of `ty` that has no `impl Trait` in it (a whole
+/// generic argument, tuple element or referenced type; a type in an `impl
+/// Trait`'s bounds) with a new type parameter, and pushes its name with
+/// the part: `Result<impl Into<T>, Wrap<G>>` becomes `Result<impl
+/// Into<__IdemPart0>, __IdemPart1>`, `T` and `Wrap<G>` pushed.
+fn abstract_named_parts(ty: &mut Type, parts: &mut Vec<(Ident, Type)>) {
+    if !has_impl_trait(ty) {
+        let name = Ident::new(&format!("__IdemPart{}", parts.len()), Span::mixed_site());
+        let part = std::mem::replace(ty, syn::parse_quote!(#name));
+        parts.push((name, part));
+        return;
+    }
+    match ty {
+        Type::ImplTrait(it) => {
+            for bound in it.bounds.iter_mut() {
+                if let syn::TypeParamBound::Trait(t) = bound {
+                    abstract_path_parts(&mut t.path, parts);
                 }
             }
-            true
-        });
+        }
+        Type::Path(p) => abstract_path_parts(&mut p.path, parts),
+        Type::Tuple(t) => t.elems.iter_mut().for_each(|t| abstract_named_parts(t, parts)),
+        Type::Paren(syn::TypeParen { elem, .. })
+        | Type::Group(syn::TypeGroup { elem, .. })
+        | Type::Array(syn::TypeArray { elem, .. })
+        | Type::Slice(syn::TypeSlice { elem, .. })
+        | Type::Ptr(syn::TypePtr { elem, .. })
+        | Type::Reference(syn::TypeReference { elem, .. }) => abstract_named_parts(elem, parts),
+        _ => {}
     }
-    let parts: Vec<TokenStream> = [generic.to_token_stream(), declared.to_token_stream()]
-        .into_iter()
-        .chain(bounds)
-        .collect();
-    let projected = |ident: &Ident| {
-        qualified.iter().any(|(q, _)| q == ident)
-            || parts.iter().any(|t| names_path_through(t.clone(), ident))
-    };
-    let mut decls = Vec::new();
-    let mut args = Vec::new();
-    let mut predicates: Vec<TokenStream> = Vec::new();
-    for param in &generics.params {
-        match param {
-            syn::GenericParam::Lifetime(l) => {
-                let lifetime = &l.lifetime;
-                decls.push(quote!(#lifetime));
-            }
-            syn::GenericParam::Type(t) => {
-                let ident = &t.ident;
-                if projected(ident) {
-                    let own = t.bounds.iter();
-                    decls.push(quote!(#ident: #(#own)+*));
-                    for predicate in generics.where_clause.iter().flat_map(|w| &w.predicates) {
-                        if let syn::WherePredicate::Type(pt) = predicate {
-                            if matches!(&pt.bounded_ty, Type::Path(p) if p.qself.is_none() && p.path.is_ident(ident))
-                            {
-                                predicates.push(pt.to_token_stream());
-                            }
+}
+
+/// [`abstract_named_parts`] on the types among `path`'s arguments.
+fn abstract_path_parts(path: &mut syn::Path, parts: &mut Vec<(Ident, Type)>) {
+    for seg in path.segments.iter_mut() {
+        match &mut seg.arguments {
+            syn::PathArguments::AngleBracketed(args) => {
+                for arg in args.args.iter_mut() {
+                    match arg {
+                        syn::GenericArgument::Type(t) => abstract_named_parts(t, parts),
+                        syn::GenericArgument::AssocType(binding) => {
+                            abstract_named_parts(&mut binding.ty, parts)
                         }
+                        _ => {}
                     }
-                } else {
-                    decls.push(quote!(#ident));
                 }
-                args.push(quote!(#ident));
             }
-            syn::GenericParam::Const(c) => {
-                let (ident, ty) = (&c.ident, &c.ty);
-                decls.push(quote!(const #ident: #ty));
-                args.push(quote!({ #ident }));
+            syn::PathArguments::Parenthesized(args) => {
+                args.inputs
+                    .iter_mut()
+                    .for_each(|t| abstract_named_parts(t, parts));
+                if let ReturnType::Type(_, t) = &mut args.output {
+                    abstract_named_parts(t, parts);
+                }
             }
+            syn::PathArguments::None => {}
         }
     }
-    let self_ident = Ident::new("Self", Span::call_site());
-    let mut parts = parts;
-    if parts.iter().any(|t| names_ident(t.clone(), &self_ident)) {
-        if parts
-            .iter()
-            .any(|t| names_path_through(t.clone(), &self_ident) || self_in_braces(t.clone(), false))
-        {
-            return Err(
-                "beside an `impl Trait`, idem checks the declared return type outside the `impl` block, \
-                 where `Self::...` and `Self` in a const argument cannot be named: write the type out \
-                 (or `<Self as Trait>::...`)",
-            );
-        }
-        let renamed = Ident::new("__IdemSelf", Span::mixed_site());
-        for part in &mut parts {
-            *part = rename_ident(std::mem::take(part), "Self", &renamed);
-        }
-        for (ident, trait_path) in &qualified {
-            if *ident == "Self" {
-                predicates.push(quote!(#renamed: #trait_path));
-            }
-        }
-        decls.push(quote!(#renamed));
-        args.push(quote!(Self));
-    }
-    let where_clause = if predicates.is_empty() {
-        TokenStream::new()
-    } else {
-        quote!(where #(#predicates),*)
-    };
-    let mut parts = parts.into_iter();
-    let generic =
-        syn::parse2(parts.next().unwrap_or_default()).expect("a type with `Self` renamed is a type");
-    let declared =
-        syn::parse2(parts.next().unwrap_or_default()).expect("a type with `Self` renamed is a type");
-    Ok(OuterParams {
-        decls,
-        where_clause,
-        args,
-        generic,
-        declared,
-        bounds: parts.collect(),
-    })
 }
 
-/// Whether `tokens` hold `ident ::` (a path through it, such as `G::Error`).
-fn names_path_through(tokens: TokenStream, ident: &Ident) -> bool {
-    let trees: Vec<proc_macro2::TokenTree> = tokens.into_iter().collect();
-    trees.iter().enumerate().any(|(at, tree)| match tree {
-        proc_macro2::TokenTree::Ident(i) => {
-            i == ident
-                && matches!(trees.get(at + 1), Some(proc_macro2::TokenTree::Punct(p)) if p.as_char() == ':')
-                && matches!(trees.get(at + 2), Some(proc_macro2::TokenTree::Punct(p)) if p.as_char() == ':')
-        }
-        proc_macro2::TokenTree::Group(g) => names_path_through(g.stream(), ident),
-        _ => false,
-    })
-}
-
-/// Whether `tokens` hold `Self` inside braces (a const argument).
-fn self_in_braces(tokens: TokenStream, inside: bool) -> bool {
-    tokens.into_iter().any(|tree| match tree {
-        proc_macro2::TokenTree::Ident(i) => inside && i == "Self",
-        proc_macro2::TokenTree::Group(g) => self_in_braces(
-            g.stream(),
-            inside || g.delimiter() == proc_macro2::Delimiter::Brace,
-        ),
-        _ => false,
-    })
-}
-
-/// What [`outer_params`] returns.
-struct OuterParams {
-    decls: Vec<TokenStream>,
-    where_clause: TokenStream,
-    args: Vec<TokenStream>,
-    generic: Type,
-    declared: Type,
-    bounds: Vec<TokenStream>,
-}
-
-/// Whether `tokens` (groups included) hold the identifier `ident`.
-fn names_ident(tokens: TokenStream, ident: &Ident) -> bool {
-    tokens.into_iter().any(|tree| match tree {
-        proc_macro2::TokenTree::Ident(i) => i == *ident,
-        proc_macro2::TokenTree::Group(g) => names_ident(g.stream(), ident),
-        _ => false,
-    })
-}
-
-/// `tokens` with every identifier `from` replaced by `to`.
-fn rename_ident(tokens: TokenStream, from: &str, to: &Ident) -> TokenStream {
-    tokens
-        .into_iter()
-        .map(|tree| match tree {
-            proc_macro2::TokenTree::Ident(i) if i == from => proc_macro2::TokenTree::Ident(to.clone()),
-            proc_macro2::TokenTree::Group(g) => {
-                let mut renamed = proc_macro2::Group::new(g.delimiter(), rename_ident(g.stream(), from, to));
-                renamed.set_span(g.span());
-                proc_macro2::TokenTree::Group(renamed)
-            }
-            other => other,
-        })
-        .collect()
+/// Whether `ty` has an `impl Trait` in it.
+fn has_impl_trait(ty: &Type) -> bool {
+    let mut found = false;
+    visit_types(&mut ty.clone(), &mut |t| {
+        found |= matches!(t, Type::ImplTrait(_));
+        !found
+    });
+    found
 }
 
 /// The handler's block as a future: of its value, or (where the declared

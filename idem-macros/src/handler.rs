@@ -231,14 +231,16 @@ fn generic_opaque_type(sig: &syn::Signature) -> Option<&Type> {
 }
 
 /// Whether the handler has type or const parameters, declared or made by
-/// an `impl Trait` among its parameters' types (`State<impl Gateway>`).
+/// an `impl Trait` among its parameters' types (`State<impl Gateway>`, or
+/// a macro there, which may write one).
 fn is_generic(sig: &syn::Signature) -> bool {
     let mut argument_impl = false;
     for input in &sig.inputs {
         if let syn::FnArg::Typed(pt) = input {
             let mut ty = (*pt.ty).clone();
             crate::expand::visit_types(&mut ty, &mut |t| {
-                argument_impl |= matches!(t, Type::ImplTrait(_));
+                // A macro there may write one.
+                argument_impl |= matches!(t, Type::ImplTrait(_) | Type::Macro(_));
                 !argument_impl
             });
         }
@@ -574,7 +576,7 @@ impl Handler {
             errors.push(syn::Error::new_spanned(
                 opaque,
                 "in a handler with type parameters (declared, or an `impl Trait` among its parameters' \
-                 types), this `impl Trait` may stand for one of them, whose `idem::Classify` impl is decided where the handler is compiled, before it is known, so it \
+                 types, or a macro there), this `impl Trait` may stand for one of them, whose `idem::Classify` impl is decided where the handler is compiled, before it is known, so it \
                  would be ignored: add `+ idem::Classify` to its bounds, or return a concrete type",
             ));
         }

@@ -1,6 +1,4 @@
-// `Self::CODE` in a const argument of the error type, beside an `impl Trait`:
-// idem checks the declared type outside the `impl` block, where it cannot be
-// named, and says so.
+// `Self::CODE` in a const argument of the error type, beside an `impl Trait`.
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{routing::post, Router};

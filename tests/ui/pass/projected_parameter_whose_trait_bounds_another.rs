@@ -1,0 +1,43 @@
+// G::Error where G: Gateway<C> and Gateway's parameter is bounded (C: Currency).
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{routing::post, Router};
+use idem::{idempotent, Classification, Classify};
+use std::marker::PhantomData;
+
+struct PayErr;
+impl IntoResponse for PayErr {
+    fn into_response(self) -> Response {
+        StatusCode::PAYMENT_REQUIRED.into_response()
+    }
+}
+impl Classify for PayErr {
+    fn classify(&self) -> Classification {
+        Classification::Store
+    }
+}
+
+trait Currency: Send + Sync + 'static {}
+impl Currency for u8 {}
+trait Gateway<C: Currency>: Clone + Send + Sync + 'static {
+    type Error: IntoResponse + Send;
+}
+#[derive(Clone)]
+struct Stripe;
+impl Gateway<u8> for Stripe {
+    type Error = PayErr;
+}
+#[idempotent(scope = "payment.create")]
+async fn create<C: Currency, G: Gateway<C>>(State(_g): State<G>, body: String) -> Result<impl IntoResponse, G::Error>
+where
+    G::Error: Classify,
+{
+    if body.is_empty() {
+        return Err(todo!());
+    }
+    Ok("ok")
+}
+fn main() {
+    let _app: Router = Router::new().route("/a", post(create::<u8, Stripe>)).with_state(Stripe);
+}
