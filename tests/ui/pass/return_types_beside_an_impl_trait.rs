@@ -3,26 +3,44 @@
 // an item of its own, names none of the handler's parameters, the `impl`
 // block's or `Self`: the call inside the handler does.
 
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{routing::post, Json, Router};
+use idem::{idempotent, Classification, Classify};
+use std::marker::PhantomData;
+
+/// A 402 that classifies itself as stored.
+struct PayErr;
+impl IntoResponse for PayErr {
+    fn into_response(self) -> Response {
+        StatusCode::PAYMENT_REQUIRED.into_response()
+    }
+}
+impl Classify for PayErr {
+    fn classify(&self) -> Classification {
+        Classification::Store
+    }
+}
+
+/// A 502 of any `T` that classifies itself as stored.
+struct Wrap<T>(PhantomData<T>);
+impl<T> IntoResponse for Wrap<T> {
+    fn into_response(self) -> Response {
+        StatusCode::BAD_GATEWAY.into_response()
+    }
+}
+impl<T> Classify for Wrap<T> {
+    fn classify(&self) -> Classification {
+        Classification::Store
+    }
+}
+
 // A generic error type named by a `where` bound, as the README asks, beside
 // an `impl IntoResponse` success type.
 mod generic_error_named_by_a_where_bound_beside_an_impl_trait {
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::{idempotent, Classification, Classify};
-    use std::marker::PhantomData;
-
-    struct Wrap<T>(PhantomData<T>);
-    impl<T> IntoResponse for Wrap<T> {
-        fn into_response(self) -> Response {
-            StatusCode::BAD_GATEWAY.into_response()
-        }
-    }
-    impl<T> Classify for Wrap<T> {
-        fn classify(&self) -> Classification {
-            Classification::Store
-        }
-    }
+    use super::*;
 
     #[idempotent(scope = "payment.create")]
     async fn create<T: Send + 'static>(body: String) -> Result<impl IntoResponse, Wrap<T>>
@@ -44,10 +62,7 @@ mod generic_error_named_by_a_where_bound_beside_an_impl_trait {
 // its error behind `impl IntoResponse + Classify`, as the
 // README asks of generic handlers.
 mod generic_success_type_beside_a_classified_impl_trait {
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Json, Router};
-    use idem::{idempotent, Classification, Classify};
+    use super::*;
 
     struct Declined;
     impl IntoResponse for Declined {
@@ -79,21 +94,11 @@ mod generic_success_type_beside_a_classified_impl_trait {
 // A handler in an `impl` block whose return type names `Self` next to an
 // `impl Trait`.
 mod self_beside_an_impl_trait_in_an_impl_block {
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Json, Router};
-    use idem::idempotent;
+    use super::*;
 
     #[derive(serde::Deserialize, serde::Serialize)]
     struct Payment {
         amount: i64,
-    }
-
-    struct PayErr;
-    impl IntoResponse for PayErr {
-        fn into_response(self) -> Response {
-            StatusCode::PAYMENT_REQUIRED.into_response()
-        }
     }
 
     impl Payment {
@@ -127,18 +132,7 @@ mod self_beside_an_impl_trait_in_an_impl_block {
 // and an `impl Trait` success type with a concrete error. Compiles without
 // the attribute.
 mod where_clause_naming_the_impl_blocks_parameter {
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::idempotent;
-    use std::marker::PhantomData;
-
-    struct PayErr;
-    impl IntoResponse for PayErr {
-        fn into_response(self) -> Response {
-            StatusCode::PAYMENT_REQUIRED.into_response()
-        }
-    }
+    use super::*;
 
     struct Svc<T>(PhantomData<T>);
 
@@ -163,18 +157,7 @@ mod where_clause_naming_the_impl_blocks_parameter {
 // A generic handler in `impl<T> Svc<T>` whose own parameter's bound names
 // the impl's `T`; the answer hides its success type.
 mod parameter_bound_naming_the_impl_blocks_parameter {
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::idempotent;
-    use std::marker::PhantomData;
-
-    struct PayErr;
-    impl IntoResponse for PayErr {
-        fn into_response(self) -> Response {
-            StatusCode::PAYMENT_REQUIRED.into_response()
-        }
-    }
+    use super::*;
 
     struct Svc<T>(PhantomData<T>);
 
@@ -196,17 +179,7 @@ mod parameter_bound_naming_the_impl_blocks_parameter {
 // `<Self as Gateway>::Error` beside an `impl Trait` in an inherent impl of a
 // concrete type: a concrete error type.
 mod qualified_self_error_beside_an_impl_trait {
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::idempotent;
-
-    struct PayErr;
-    impl IntoResponse for PayErr {
-        fn into_response(self) -> Response {
-            StatusCode::PAYMENT_REQUIRED.into_response()
-        }
-    }
+    use super::*;
 
     trait Gateway {
         type Error;
@@ -235,18 +208,7 @@ mod qualified_self_error_beside_an_impl_trait {
 // `Self` in a generic parameter's bound and in the `where` clause of a
 // handler in a generic impl, beside an `impl Trait`.
 mod self_in_a_bound_and_where_clause_beside_an_impl_trait {
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::idempotent;
-    use std::marker::PhantomData;
-
-    struct PayErr;
-    impl IntoResponse for PayErr {
-        fn into_response(self) -> Response {
-            StatusCode::PAYMENT_REQUIRED.into_response()
-        }
-    }
+    use super::*;
 
     #[derive(Clone)]
     struct Svc(PhantomData<u8>);
@@ -276,23 +238,7 @@ mod self_in_a_bound_and_where_clause_beside_an_impl_trait {
 
 // A lifetime parameter beside a type parameter, the README's form.
 mod lifetime_and_type_parameters_beside_an_impl_trait {
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::{idempotent, Classification, Classify};
-    use std::marker::PhantomData;
-
-    struct Wrap<T>(PhantomData<T>);
-    impl<T> IntoResponse for Wrap<T> {
-        fn into_response(self) -> Response {
-            StatusCode::BAD_GATEWAY.into_response()
-        }
-    }
-    impl<T> Classify for Wrap<T> {
-        fn classify(&self) -> Classification {
-            Classification::Store
-        }
-    }
+    use super::*;
 
     #[idempotent(scope = "payment.create")]
     async fn create<'a, T: Send + 'static>(body: String) -> Result<impl IntoResponse + 'a, Wrap<T>>
@@ -313,10 +259,7 @@ mod lifetime_and_type_parameters_beside_an_impl_trait {
 
 // `Self::CODE` in a const argument of the error type, beside an `impl Trait`.
 mod self_in_a_const_argument_beside_an_impl_trait {
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::idempotent;
+    use super::*;
 
     struct Code<const N: u16>;
     impl<const N: u16> IntoResponse for Code<N> {
@@ -345,24 +288,7 @@ mod self_in_a_const_argument_beside_an_impl_trait {
 
 // The error type is a struct whose parameter is bounded (it holds G::Error).
 mod error_struct_with_a_bounded_parameter_beside_an_impl_trait {
-    use axum::extract::State;
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::{idempotent, Classification, Classify};
-    use std::marker::PhantomData;
-
-    struct PayErr;
-    impl IntoResponse for PayErr {
-        fn into_response(self) -> Response {
-            StatusCode::PAYMENT_REQUIRED.into_response()
-        }
-    }
-    impl Classify for PayErr {
-        fn classify(&self) -> Classification {
-            Classification::Store
-        }
-    }
+    use super::*;
 
     trait Gateway: Clone + Send + Sync + 'static {
         type Error: Send;
@@ -400,24 +326,7 @@ mod error_struct_with_a_bounded_parameter_beside_an_impl_trait {
 
 // G::Error where G: Store<Self>, in an inherent impl of a concrete type.
 mod projected_parameter_bound_naming_self {
-    use axum::extract::State;
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::{idempotent, Classification, Classify};
-    use std::marker::PhantomData;
-
-    struct PayErr;
-    impl IntoResponse for PayErr {
-        fn into_response(self) -> Response {
-            StatusCode::PAYMENT_REQUIRED.into_response()
-        }
-    }
-    impl Classify for PayErr {
-        fn classify(&self) -> Classification {
-            Classification::Store
-        }
-    }
+    use super::*;
 
     trait Store<Owner>: Clone + Send + Sync + 'static {
         type Error: IntoResponse + Send;
@@ -447,24 +356,7 @@ mod projected_parameter_bound_naming_self {
 
 // G::Error where G: Gateway<T> and T is the impl block's parameter.
 mod projected_parameter_bound_naming_the_impl_blocks_parameter {
-    use axum::extract::State;
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::{idempotent, Classification, Classify};
-    use std::marker::PhantomData;
-
-    struct PayErr;
-    impl IntoResponse for PayErr {
-        fn into_response(self) -> Response {
-            StatusCode::PAYMENT_REQUIRED.into_response()
-        }
-    }
-    impl Classify for PayErr {
-        fn classify(&self) -> Classification {
-            Classification::Store
-        }
-    }
+    use super::*;
 
     trait Gateway<T>: Clone + Send + Sync + 'static {
         type Error: IntoResponse + Send;
@@ -494,24 +386,7 @@ mod projected_parameter_bound_naming_the_impl_blocks_parameter {
 
 // G::Error where G: Gateway<C> and Gateway's parameter is bounded (C: Currency).
 mod projected_parameter_whose_trait_bounds_another {
-    use axum::extract::State;
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::{idempotent, Classification, Classify};
-    use std::marker::PhantomData;
-
-    struct PayErr;
-    impl IntoResponse for PayErr {
-        fn into_response(self) -> Response {
-            StatusCode::PAYMENT_REQUIRED.into_response()
-        }
-    }
-    impl Classify for PayErr {
-        fn classify(&self) -> Classification {
-            Classification::Store
-        }
-    }
+    use super::*;
 
     trait Currency: Send + Sync + 'static {}
     impl Currency for u8 {}
@@ -540,24 +415,7 @@ mod projected_parameter_whose_trait_bounds_another {
 
 // `<Self as Handles<Self>>::Error` beside an `impl Trait`.
 mod qualified_self_with_self_as_trait_argument {
-    use axum::extract::State;
-    use axum::http::StatusCode;
-    use axum::response::{IntoResponse, Response};
-    use axum::{routing::post, Router};
-    use idem::{idempotent, Classification, Classify};
-    use std::marker::PhantomData;
-
-    struct PayErr;
-    impl IntoResponse for PayErr {
-        fn into_response(self) -> Response {
-            StatusCode::PAYMENT_REQUIRED.into_response()
-        }
-    }
-    impl Classify for PayErr {
-        fn classify(&self) -> Classification {
-            Classification::Store
-        }
-    }
+    use super::*;
 
     trait Handles<T> {
         type Error;
