@@ -482,58 +482,14 @@ fn pinned_block(names: &Names, output: &ReturnType, generics: &syn::Generics, bl
 /// the part: `Result<impl Into<T>, Wrap<G>>` becomes `Result<impl
 /// Into<__IdemPart0>, __IdemPart1>`, `T` and `Wrap<G>` pushed.
 fn abstract_named_parts(ty: &mut Type, parts: &mut Vec<(Ident, Type)>) {
-    if !has_impl_trait(ty) {
+    visit_types(ty, &mut |t| {
+        if has_impl_trait(t) {
+            return true;
+        }
         let name = Ident::new(&format!("__IdemPart{}", parts.len()), Span::mixed_site());
-        let part = std::mem::replace(ty, syn::parse_quote!(#name));
-        parts.push((name, part));
-        return;
-    }
-    match ty {
-        Type::ImplTrait(it) => {
-            for bound in it.bounds.iter_mut() {
-                if let syn::TypeParamBound::Trait(t) = bound {
-                    abstract_path_parts(&mut t.path, parts);
-                }
-            }
-        }
-        Type::Path(p) => abstract_path_parts(&mut p.path, parts),
-        Type::Tuple(t) => t.elems.iter_mut().for_each(|t| abstract_named_parts(t, parts)),
-        Type::Paren(syn::TypeParen { elem, .. })
-        | Type::Group(syn::TypeGroup { elem, .. })
-        | Type::Array(syn::TypeArray { elem, .. })
-        | Type::Slice(syn::TypeSlice { elem, .. })
-        | Type::Ptr(syn::TypePtr { elem, .. })
-        | Type::Reference(syn::TypeReference { elem, .. }) => abstract_named_parts(elem, parts),
-        _ => {}
-    }
-}
-
-/// [`abstract_named_parts`] on the types among `path`'s arguments.
-fn abstract_path_parts(path: &mut syn::Path, parts: &mut Vec<(Ident, Type)>) {
-    for seg in path.segments.iter_mut() {
-        match &mut seg.arguments {
-            syn::PathArguments::AngleBracketed(args) => {
-                for arg in args.args.iter_mut() {
-                    match arg {
-                        syn::GenericArgument::Type(t) => abstract_named_parts(t, parts),
-                        syn::GenericArgument::AssocType(binding) => {
-                            abstract_named_parts(&mut binding.ty, parts)
-                        }
-                        _ => {}
-                    }
-                }
-            }
-            syn::PathArguments::Parenthesized(args) => {
-                args.inputs
-                    .iter_mut()
-                    .for_each(|t| abstract_named_parts(t, parts));
-                if let ReturnType::Type(_, t) = &mut args.output {
-                    abstract_named_parts(t, parts);
-                }
-            }
-            syn::PathArguments::None => {}
-        }
-    }
+        parts.push((name.clone(), std::mem::replace(t, syn::parse_quote!(#name))));
+        false
+    });
 }
 
 /// Whether `ty` has an `impl Trait` in it.
