@@ -894,38 +894,52 @@ async fn named_pg_store(url: &str, schema: &str, name: &str) -> idem::PgStore {
 /// sessions named `name` and waits until they are gone.
 async fn end_idle_sessions(store: &idem::PgStore, watcher: &sqlx::PgPool, name: &str) {
     all_idle(store).await;
-    let until = Instant::now() + Duration::from_secs(10);
     sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1")
         .bind(name)
         .execute(watcher)
         .await
         .unwrap();
-    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
-        .bind(name)
-        .fetch_one(watcher)
-        .await
-        .unwrap()
-        > 0
-    {
-        assert!(Instant::now() < until, "the sessions did not end");
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    within_ten_seconds("the sessions to end", async || {
+        sessions(watcher, name, "").await == 0
+    })
+    .await;
+}
+
+/// Polls `done` every 5 ms until it holds; fails the test, saying what it
+/// waited for, after ten seconds.
+async fn within_ten_seconds(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while !done().await {
+        assert!(Instant::now() < until, "waited ten seconds for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// How many sessions named `name` there are, of those whose state
+/// satisfies `and` (an SQL condition on `pg_stat_activity`, or nothing).
+async fn sessions(watcher: &sqlx::PgPool, name: &str, and: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 {and}"
+    )))
+    .bind(name)
+    .fetch_one(watcher)
+    .await
+    .unwrap()
 }
 
 /// Waits until every connection of `store`'s pool is idle (sqlx gives
 /// each back from a task of its own), and there is one.
 async fn all_idle(store: &idem::PgStore) {
-    let until = Instant::now() + Duration::from_secs(10);
-    while store.pool().num_idle() < store.pool().size() as usize || store.pool().num_idle() == 0 {
-        assert!(Instant::now() < until, "a connection never came back to the pool");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let pool = store.pool();
+    within_ten_seconds("every connection back in the pool", async || {
+        pool.num_idle() == pool.size() as usize && pool.num_idle() > 0
+    })
+    .await;
 }
 
 /// Waits until a session named `name` waits for a lock, and ends it.
 async fn end_the_waiting_session(watcher: &sqlx::PgPool, name: &str) {
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
+    within_ten_seconds("a statement of the store to wait for the lock", async || {
         let ended: Vec<bool> = sqlx::query_scalar(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
              WHERE application_name = $1 AND wait_event_type = 'Lock'",
@@ -934,15 +948,9 @@ async fn end_the_waiting_session(watcher: &sqlx::PgPool, name: &str) {
         .fetch_all(watcher)
         .await
         .unwrap();
-        if ended.contains(&true) {
-            return;
-        }
-        assert!(
-            Instant::now() < until,
-            "no statement of the store waited for the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+        ended.contains(&true)
+    })
+    .await;
 }
 
 /// A completion written on an idle connection whose session the database
@@ -1027,22 +1035,10 @@ async fn postgres_a_statement_whose_session_ends_while_it_waits_runs_again() {
 /// Waits until a session named `name` waits for a lock again (the
 /// statement's second try), without ending it.
 async fn until_a_session_waits(watcher: &sqlx::PgPool, name: &str) {
-    let until = Instant::now() + Duration::from_secs(10);
-    while sqlx::query_scalar::<_, i64>(
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
-    )
-    .bind(name)
-    .fetch_one(watcher)
-    .await
-    .unwrap()
-        == 0
-    {
-        assert!(
-            Instant::now() < until,
-            "the statement's second try never waited for the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    within_ten_seconds("the statement's second try to wait for the lock", async || {
+        sessions(watcher, name, "AND wait_event_type = 'Lock'").await > 0
+    })
+    .await;
 }
 
 /// After the store's idle sessions were ended (a restart), each
@@ -1226,18 +1222,16 @@ async fn postgres_request_statements_skip_the_pools_test_unless_told() {
         let (store, held, token) = (store.clone(), held.clone(), lease.token.clone());
         async move { store.complete(&held, &token, &response("held")).await }
     });
-    let until = Instant::now() + Duration::from_secs(10);
-    while sqlx::query_scalar::<_, i64>(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'UPDATE%'",
-    )
-    .fetch_one(&watcher)
-    .await
-    .unwrap()
-        == 0
-    {
-        assert!(Instant::now() < until, "the completion never waited for the row");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    within_ten_seconds("the completion to wait for the row", async || {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'UPDATE%'",
+        )
+        .fetch_one(&watcher)
+        .await
+        .unwrap()
+            > 0
+    })
+    .await;
     let before = tested.load(Ordering::SeqCst);
     take(&store, &RecordId::new("t", "s", "beside"), "fp", LONG, LONG).await;
     assert!(
