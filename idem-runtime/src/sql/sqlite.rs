@@ -113,11 +113,7 @@ impl SqliteStore {
         let memory = filename_kind(&path.as_ref().to_string_lossy())? == FilenameKind::Memory;
         let options = SqliteConnectOptions::new().filename(path).create_if_missing(true);
         if memory {
-            return in_memory_pool()
-                .connect_with(options)
-                .await
-                .map(Self::new)
-                .map_err(|e| StoreError::unavailable(e.to_string()));
+            return Self::open_in_memory(options).await;
         }
         Self::open_with(options).await
     }
@@ -180,11 +176,7 @@ impl SqliteStore {
             in_memory = true;
         }
         if in_memory {
-            return in_memory_pool()
-                .connect_with(options)
-                .await
-                .map(Self::new)
-                .map_err(|e| StoreError::unavailable(e.to_string()));
+            return Self::open_in_memory(options).await;
         }
         if shared_cache {
             return Err(StoreError::backend(
@@ -225,6 +217,16 @@ impl SqliteStore {
         let store = Self::new(pool);
         store.migrate().await?;
         Ok(store)
+    }
+
+    /// A store on the database in memory `options` name, on the pool
+    /// that [`SqliteStore::in_memory`] makes.
+    async fn open_in_memory(options: SqliteConnectOptions) -> Result<Self, StoreError> {
+        in_memory_pool()
+            .connect_with(options)
+            .await
+            .map(Self::new)
+            .map_err(|e| StoreError::unavailable(e.to_string()))
     }
 
     async fn open_with(options: SqliteConnectOptions) -> Result<Self, StoreError> {
