@@ -4890,3 +4890,186 @@ mod concurrent_checkpoints {
         ],
     }
 }
+
+/// A handler that points its own transaction at another schema (a schema
+/// per tenant, `SET LOCAL search_path`), on a store given no schema: idem's
+/// completion, written in that transaction, finds its table as idem's other
+/// statements do, through the search path the transaction began with.
+mod pg_search_path {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[derive(Clone)]
+    struct Tenant {
+        idem_schema: String,
+        tenant_schema: String,
+        runs: Arc<AtomicUsize>,
+        /// Whether the handler also deletes idem's record in its
+        /// transaction: the completion then finds no row, with no takeover.
+        delete_the_record: bool,
+    }
+
+    #[idempotent(scope = "order.create")]
+    async fn create_order(State(t): State<Tenant>, op: Operation) -> Result<StatusCode, StatusCode> {
+        t.runs.fetch_add(1, Ordering::SeqCst);
+        let mut conn = op
+            .pg_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SET LOCAL search_path TO \"{}\"",
+            t.tenant_schema
+        )))
+        .execute(&mut *conn)
+        .await
+        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        sqlx::query("INSERT INTO orders (id) VALUES ($1)")
+            .bind(op.derived_key("order"))
+            .execute(&mut *conn)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        if t.delete_the_record {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DELETE FROM \"{}\".idempotency_keys WHERE key = $1",
+                t.idem_schema
+            )))
+            .bind(op.key().to_owned())
+            .execute(&mut *conn)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        }
+        Ok(StatusCode::CREATED)
+    }
+
+    struct Served {
+        addr: std::net::SocketAddr,
+        pool: sqlx::PgPool,
+        tenant: Tenant,
+    }
+
+    /// A store given no schema, on a pool whose search path is a fresh
+    /// schema (where `migrate` puts the table), and a tenant schema with
+    /// the application's `orders`; `shadow`: the tenant schema also has a
+    /// table of idem's name and shape, empty.
+    async fn served(shadow: bool, delete_the_record: bool) -> Option<Served> {
+        let url = idem_testkit::pg_url()?;
+        let idem_schema = idem_testkit::pg_schema(&url).await;
+        let tenant_schema = idem_testkit::pg_schema(&url).await;
+        let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.options([("search_path", idem_schema.as_str())]))
+            .await
+            .unwrap();
+        let store = idem::PgStore::new(pool.clone());
+        store.migrate().await.unwrap();
+        let mut setup = format!("CREATE TABLE \"{tenant_schema}\".orders (id TEXT PRIMARY KEY);");
+        if shadow {
+            setup += &format!(
+                "CREATE TABLE \"{tenant_schema}\".idempotency_keys \
+                 (LIKE \"{idem_schema}\".idempotency_keys INCLUDING ALL);"
+            );
+        }
+        sqlx::raw_sql(sqlx::AssertSqlSafe(setup))
+            .execute(&pool)
+            .await
+            .unwrap();
+        let tenant = Tenant {
+            idem_schema,
+            tenant_schema,
+            runs: Arc::default(),
+            delete_the_record,
+        };
+        let app = Router::new()
+            .route("/orders", post(create_order))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(tenant.clone());
+        Some(Served {
+            addr: serve(app).await,
+            pool,
+            tenant,
+        })
+    }
+
+    impl Served {
+        async fn count(&self, table: &str, schema: &str) -> i64 {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM \"{schema}\".{table}"
+            )))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+        }
+
+        /// The record's state and lock token, in idem's own table.
+        async fn record(&self, key: &str) -> Option<(String, Option<String>)> {
+            sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT state, lock_token FROM \"{}\".idempotency_keys WHERE key = $1",
+                self.tenant.idem_schema
+            )))
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .unwrap()
+        }
+    }
+
+    /// Once answered, retried: replayed, the handler run once, its row
+    /// committed with the answer, idem's record completed in its own table.
+    async fn commits_and_replays(s: &Served) {
+        let first = post_req("/orders", "").key("k-order").send(s.addr).await;
+        assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
+        let retry = post_req("/orders", "").key("k-order").send(s.addr).await;
+        assert_eq!(
+            (retry.status, retry.header("idempotent-replayed")),
+            (201, Some("true"))
+        );
+        assert_eq!(s.tenant.runs.load(Ordering::SeqCst), 1);
+        assert_eq!(s.count("orders", &s.tenant.tenant_schema).await, 1);
+        assert_eq!(
+            s.record("k-order").await.map(|(state, _)| state).as_deref(),
+            Some("completed")
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handler_that_sets_its_search_path_commits_with_its_answer() {
+        let Some(s) = served(false, false).await else {
+            return;
+        };
+        commits_and_replays(&s).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_table_of_idems_name_on_the_handlers_path_is_left_alone() {
+        let Some(s) = served(true, false).await else {
+            return;
+        };
+        commits_and_replays(&s).await;
+        assert_eq!(s.count("idempotency_keys", &s.tenant.tenant_schema).await, 0);
+    }
+
+    /// A completion in the handler's transaction that finds no row of its
+    /// own when no execution took the record over (here the handler
+    /// deleted it) gives the key back: no lock is left that no execution
+    /// holds, and the retry continues the operation at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_completion_that_finds_no_row_gives_the_key_back() {
+        let Some(s) = served(false, true).await else {
+            return;
+        };
+        let first = post_req("/orders", "").key("k-gone").send(s.addr).await;
+        let body = String::from_utf8_lossy(&first.body).into_owned();
+        assert_eq!(first.status, 503, "{body}");
+        assert!(body.contains("idempotency-lease-lost"), "{body}");
+        assert_eq!(s.count("orders", &s.tenant.tenant_schema).await, 0, "rolled back");
+        let record = s.record("k-gone").await;
+        assert!(
+            matches!(&record, Some((state, None)) if state == "in_progress"),
+            "released, not left locked: {record:?}"
+        );
+        let retry = post_req("/orders", "").key("k-gone").send(s.addr).await;
+        assert_eq!(retry.status, 503, "{}", String::from_utf8_lossy(&retry.body));
+        assert_eq!(s.tenant.runs.load(Ordering::SeqCst), 2, "the retry ran at once");
+    }
+}

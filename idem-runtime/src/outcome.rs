@@ -80,6 +80,11 @@ fn completing<'a>(
                     "cannot complete: another execution took this operation over; this execution's writes \
                  were rolled back"
                 );
+                // Given back, fenced by the token: after a takeover this
+                // changes nothing, and where the completion found no row
+                // for another reason the key is not left locked by an
+                // execution that has ended.
+                let _ = give_back(engine, &info.id, &info.lease.token, lock_timeout).await;
                 Err(Problem::LeaseLost.into_response())
             }
             Err(TxFailure::Failed) if (400..500).contains(&stored.status) => {

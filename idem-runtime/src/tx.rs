@@ -132,7 +132,7 @@ async fn pg_stands(
     conn: &mut sqlx::PgConnection,
     mark: crate::fingerprint::HexStr<32>,
 ) -> Result<PgStands, StoreError> {
-    match sqlx::query_scalar::<_, Option<String>>("SELECT current_setting('idem.handler', true)")
+    match sqlx::query_scalar::<_, Option<String>>("SELECT pg_catalog.current_setting('idem.handler', true)")
         .fetch_one(&mut *conn)
         .await
     {
@@ -436,7 +436,7 @@ async fn complete_pg(
     // from memory.
     pg.finish_running(id, token);
     if let Err(e) = deadline
-        .bound(pg.complete_with(&mut *tx, id, token, response))
+        .bound(pg.complete_in_handlers_tx(&mut *tx, id, token, response))
         .await
     {
         pg_let_go(tx);

@@ -119,6 +119,23 @@ pub struct PgStore {
     /// store over that pool: a reservation from another one is reported
     /// once.
     first_runtime: std::sync::Arc<FirstRuntime>,
+    /// The completion written in a handler's transaction, shared by the
+    /// store's clones.
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
+    in_tx: std::sync::Arc<InTx>,
+}
+
+/// The completion a handler's transaction writes, whose search path is the
+/// handler's to set (a schema per tenant): with the table named in its
+/// schema, so that it finds the table idem's other statements find. With
+/// a schema named, `complete`; with none, `complete` with the schema where
+/// the pool's search path finds the table, found once (at the first
+/// transaction that finds the table there).
+#[cfg_attr(not(feature = "axum"), allow(dead_code))]
+struct InTx {
+    /// The table's own name, when no schema is named.
+    unqualified: Option<String>,
+    complete: std::sync::OnceLock<std::sync::Arc<str>>,
 }
 
 /// The runtime a pool was first used on by a store (a store built over
@@ -639,6 +656,13 @@ impl PgStore {
             t = sql.table,
         );
         let first_runtime = FirstRuntime::of(&pool);
+        let in_tx = InTx {
+            unqualified: schema.is_none().then(|| table.to_owned()),
+            complete: match schema {
+                Some(_) => std::sync::OnceLock::from(std::sync::Arc::from(sql.complete.as_str())),
+                None => std::sync::OnceLock::new(),
+            },
+        };
         Ok(PgStore {
             pool,
             sql: std::sync::Arc::new(sql),
@@ -655,6 +679,7 @@ impl PgStore {
             timeout: DEFAULT_OPERATION_TIMEOUT,
             tested: false,
             statements: std::sync::Arc::default(),
+            in_tx: std::sync::Arc::new(in_tx),
         })
     }
 
@@ -1005,9 +1030,62 @@ impl PgStore {
         let mark = random_token_inline();
         // Hexadecimal digits only: nothing to quote.
         let begin = format!("BEGIN; SET LOCAL idem.handler = '{}'", mark.as_str());
-        crate::sql::bounded(self.timeout, begin_to_its_answer(&self.pool, Some(begin)))
-            .await
-            .map(|tx| (tx, mark))
+        crate::sql::bounded(self.timeout, async {
+            self.find_the_tables_schema().await?;
+            begin_to_its_answer(&self.pool, Some(begin)).await
+        })
+        .await
+        .map(|tx| (tx, mark))
+    }
+
+    /// Finds, once, the schema where the pool's search path finds the table
+    /// (when the store names none), for the completion written in a
+    /// handler's transaction ([`InTx`]). Not found yet (no table), it is
+    /// looked for again at the next transaction; a schema whose name is not
+    /// a plain identifier leaves that completion to the search path.
+    #[cfg(feature = "axum")]
+    async fn find_the_tables_schema(&self) -> Result<(), StoreError> {
+        let Some(table) = &self.in_tx.unqualified else {
+            return Ok(());
+        };
+        if self.in_tx.complete.get().is_some() {
+            return Ok(());
+        }
+        let schema: Option<String> = sqlx::query_scalar(
+            "SELECT n.nspname::text FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.oid = pg_catalog.to_regclass($1)",
+        )
+        .bind(format!("\"{table}\""))
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(sql::map_err)?;
+        if let Some(schema) = schema {
+            let complete = match Statements::new(sql::POSTGRES, POSTGRES_MIGRATIONS, Some(&schema), table) {
+                Ok(qualified) => qualified.complete,
+                Err(_) => self.sql.complete.clone(),
+            };
+            let _ = self.in_tx.complete.set(complete.into());
+        }
+        Ok(())
+    }
+
+    /// The completion in a handler's transaction (see [`InTx`]).
+    #[cfg(feature = "axum")]
+    pub(crate) async fn complete_in_handlers_tx(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        id: &crate::store::RecordId,
+        token: &str,
+        response: &crate::store::StoredResponse,
+    ) -> Result<(), StoreError> {
+        let statement = self
+            .in_tx
+            .complete
+            .get()
+            .map_or(self.sql.complete.as_str(), |c| &**c);
+        let completed = self.complete_rows(tx, statement, id, token, response).await?;
+        sql::fenced(completed)
     }
 }
 
