@@ -5073,3 +5073,102 @@ mod pg_search_path {
         assert_eq!(s.tenant.runs.load(Ordering::SeqCst), 2, "the retry ran at once");
     }
 }
+
+/// One purge statement stays within its batch on PostgreSQL whatever plan
+/// the planner picks: with the statistics a round that emptied the table
+/// leaves (pages, no live row), new rows are estimated at one, and a choice
+/// of rows written as a subquery was run again for each deleted row.
+mod pg_purge_batches {
+    use super::*;
+
+    /// Statistics as a janitor round that purged every row leaves them.
+    async fn analyzed_while_empty(pool: &sqlx::PgPool, t: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {t} (tenant, scope, key, fingerprint, state, operation_id, attempt, lock_expires_at, \
+             created_at, expires_at, purge_at) SELECT 't', 's', 'gone-' || n, 'fp', 'completed', 'op', 1, \
+             now() - interval '2 hours', now() - interval '3 hours', now() - interval '1 hour', \
+             now() - interval '1 hour' FROM generate_series(1, 200) AS n; \
+             DELETE FROM {t}; ANALYZE {t};"
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
+        let tuples: f32 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT reltuples FROM pg_class WHERE oid = '{t}'::regclass"
+        )))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        assert_eq!(tuples, 0.0, "the statistics the test needs");
+    }
+
+    /// 50 rows of `state` and `purge_at` as given, expired an hour ago.
+    async fn fifty(pool: &sqlx::PgPool, t: &str, purge_at: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {t} (tenant, scope, key, fingerprint, state, operation_id, attempt, lock_expires_at, \
+             created_at, expires_at, purge_at) SELECT 't', 's', 'k-' || n, 'fp', 'completed', 'op', 1, \
+             now() - interval '2 hours', now() - interval '3 hours', now() - interval '1 hour', \
+             {purge_at} FROM generate_series(1, 50) AS n"
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    async fn served() -> Option<(sqlx::PgPool, String, idem::PgStore)> {
+        let url = idem_testkit::pg_url()?;
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        let t = format!("\"{schema}\".idempotency_keys");
+        analyzed_while_empty(&pool, &t).await;
+        Some((pool, t, store))
+    }
+
+    #[tokio::test]
+    async fn one_purge_deletes_at_most_its_batch() {
+        let Some((pool, t, store)) = served().await else {
+            return;
+        };
+        fifty(&pool, &t, "now() - interval '1 hour'").await;
+        assert_eq!(store.purge_expired(5).await.unwrap(), 5);
+        let left: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {t}")))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(left, 45);
+    }
+
+    /// The backfill of rows an earlier build wrote (`purge_at` not set):
+    /// each statement (its own transaction) sets at most the batch; a row
+    /// trigger notes the transaction of every row set.
+    #[tokio::test]
+    async fn one_backfill_statement_sets_at_most_its_batch() {
+        let Some((pool, t, store)) = served().await else {
+            return;
+        };
+        let schema = t.split('.').next().unwrap().to_owned();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {schema}.seen (tx bigint); \
+             CREATE FUNCTION {schema}.note() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN INSERT INTO {schema}.seen VALUES (txid_current()); RETURN NEW; END $$; \
+             CREATE TRIGGER note AFTER UPDATE OF purge_at ON {t} FOR EACH ROW EXECUTE FUNCTION {schema}.note();"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        fifty(&pool, &t, "'-infinity'").await;
+        store.purge_expired(5).await.unwrap();
+        let per_statement: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {schema}.seen GROUP BY tx ORDER BY 1 DESC"
+        )))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert!(!per_statement.is_empty());
+        assert!(
+            per_statement.iter().all(|&n| n <= 5),
+            "rows set per backfill statement with a batch of 5: {per_statement:?}"
+        );
+    }
+}

@@ -77,6 +77,12 @@ pub(crate) struct Dialect {
     /// What the purge adds to its choice of rows: on PostgreSQL it locks
     /// them and skips those another transaction holds.
     purge_lock: &'static str,
+    /// How the purge's choice of rows is kept, so that it is made once per
+    /// statement: on PostgreSQL a subquery that locks its rows may be run
+    /// again for each row of a nested loop, each run choosing the next
+    /// rows past those already taken, and its `LIMIT` would then bound each
+    /// run, not the statement.
+    purge_chosen: &'static str,
     /// The `purge_at` of a row written before migration 5 or by an earlier
     /// build: not set yet (the column's default).
     purge_unset: &'static str,
@@ -135,6 +141,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     // millisecond to the time left, which a 409 reports as `Retry-After`.
     left: |col, now| format!("GREATEST(0, CEIL(date_part('epoch', {col} - {now}) * 1000))::bigint"),
     purge_lock: " FOR UPDATE SKIP LOCKED",
+    purge_chosen: "MATERIALIZED ",
     purge_unset: "'-infinity'::timestamptz",
     purge_floor: "'epoch'::timestamptz",
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
@@ -168,6 +175,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
     left: |col, now| format!("MAX(0, {col} - {now})"),
     // One statement under SQLite's write lock: nothing changes meanwhile.
     purge_lock: "",
+    purge_chosen: "",
     purge_unset: "0",
     purge_floor: "1",
     epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
@@ -583,23 +591,29 @@ impl Statements {
                 )
             }),
             reserve_function: function,
-            // Candidates come from the `purge_at` index. The conditions stand
-            // twice: on the chosen rows and on the row deleted, so a row that
-            // changed in between (reserved afresh) is judged again and kept.
+            // Candidates come from the `purge_at` index, chosen once per
+            // statement (`purge_chosen`): at most the batch. The conditions
+            // stand twice: on the chosen rows and on the row deleted, so a
+            // row that changed in between (reserved afresh) is judged again
+            // and kept.
             purge: format!(
-                "DELETE FROM {t} AS cur WHERE (cur.tenant, cur.scope, cur.key) IN (SELECT tenant, scope, key \
-                 FROM {t} AS cur WHERE cur.purge_at > {unset} AND cur.purge_at <= {now} AND {expired} \
+                "WITH chosen AS {chosen}(SELECT tenant, scope, key FROM {t} AS cur \
+                 WHERE cur.purge_at > {unset} AND cur.purge_at <= {now} AND {expired} \
                  AND NOT {live_lock} LIMIT {}{lock}) \
-                 AND {expired} AND NOT {live_lock}",
+                 DELETE FROM {t} AS cur WHERE (cur.tenant, cur.scope, cur.key) IN \
+                 (SELECT tenant, scope, key FROM chosen) AND {expired} AND NOT {live_lock}",
                 p(1),
+                chosen = d.purge_chosen,
                 lock = d.purge_lock,
                 unset = d.purge_unset,
             ),
             purge_set: format!(
-                "UPDATE {t} SET purge_at = CASE WHEN expires_at > {unset} THEN expires_at ELSE {floor} END \
-                 WHERE (tenant, scope, key) IN (SELECT tenant, scope, key FROM {t} WHERE purge_at = {unset} \
-                 LIMIT {}{lock})",
+                "WITH chosen AS {chosen}(SELECT tenant, scope, key FROM {t} WHERE purge_at = {unset} \
+                 LIMIT {}{lock}) \
+                 UPDATE {t} SET purge_at = CASE WHEN expires_at > {unset} THEN expires_at ELSE {floor} END \
+                 WHERE (tenant, scope, key) IN (SELECT tenant, scope, key FROM chosen)",
                 p(1),
+                chosen = d.purge_chosen,
                 lock = d.purge_lock,
                 unset = d.purge_unset,
                 floor = d.purge_floor,
