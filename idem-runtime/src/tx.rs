@@ -436,7 +436,7 @@ async fn complete_pg(
     // from memory.
     pg.finish_running(id, token);
     if let Err(e) = deadline
-        .bound(pg.complete_in_handlers_tx(&mut *tx, id, token, response))
+        .bound(pg.complete_in_handlers_tx(&mut tx, id, token, response))
         .await
     {
         pg_let_go(tx);
