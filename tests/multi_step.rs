@@ -4951,14 +4951,26 @@ mod pg_search_path {
     /// schema (where `migrate` puts the table), and a tenant schema with
     /// the application's `orders`; `shadow`: the tenant schema also has a
     /// table of idem's name and shape, empty.
-    async fn served(shadow: bool, delete_the_record: bool) -> Option<Served> {
+    ///
+    /// `hyphen`: idem's schema has a name that is no plain identifier
+    /// (PostgreSQL takes any, quoted).
+    async fn served(shadow: bool, delete_the_record: bool, hyphen: bool) -> Option<Served> {
         let url = idem_testkit::pg_url()?;
-        let idem_schema = idem_testkit::pg_schema(&url).await;
+        let mut idem_schema = idem_testkit::pg_schema(&url).await;
         let tenant_schema = idem_testkit::pg_schema(&url).await;
+        if hyphen {
+            idem_schema += "-x";
+            let admin = sqlx::PgPool::connect(&url).await.unwrap();
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA \"{idem_schema}\"")))
+                .execute(&admin)
+                .await
+                .unwrap();
+        }
         let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        let path = format!("\"{idem_schema}\"");
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(4)
-            .connect_with(options.options([("search_path", idem_schema.as_str())]))
+            .connect_with(options.options([("search_path", path.as_str())]))
             .await
             .unwrap();
         let store = idem::PgStore::new(pool.clone());
@@ -5034,7 +5046,7 @@ mod pg_search_path {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_handler_that_sets_its_search_path_commits_with_its_answer() {
-        let Some(s) = served(false, false).await else {
+        let Some(s) = served(false, false, false).await else {
             return;
         };
         commits_and_replays(&s).await;
@@ -5042,11 +5054,109 @@ mod pg_search_path {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_table_of_idems_name_on_the_handlers_path_is_left_alone() {
-        let Some(s) = served(true, false).await else {
+        let Some(s) = served(true, false, false).await else {
             return;
         };
         commits_and_replays(&s).await;
         assert_eq!(s.count("idempotency_keys", &s.tenant.tenant_schema).await, 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_schema_named_with_a_hyphen_is_named_too() {
+        let Some(s) = served(false, false, true).await else {
+            return;
+        };
+        commits_and_replays(&s).await;
+    }
+
+    #[idempotent(scope = "order.gated")]
+    async fn gated(State(gate): State<Gate>, op: Operation) -> Result<StatusCode, StatusCode> {
+        let signals = gate.0.lock().unwrap().take();
+        if let Some((started, go)) = signals {
+            started.send(()).unwrap();
+            go.await.unwrap();
+        }
+        let mut conn = op
+            .pg_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        sqlx::query("SELECT 1")
+            .execute(&mut *conn)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        Ok(StatusCode::CREATED)
+    }
+
+    /// The first handler told the test it started, and waits for its go.
+    type Signals = (
+        tokio::sync::oneshot::Sender<()>,
+        tokio::sync::oneshot::Receiver<()>,
+    );
+    #[derive(Clone, Default)]
+    struct Gate(Arc<std::sync::Mutex<Option<Signals>>>);
+
+    /// The schema is looked up on a session that has a temporary table of
+    /// idem's table's name (PostgreSQL's search path finds temporary
+    /// tables first): the session's own temporary schema is not where
+    /// idem's table is, and is not kept for the store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_temporary_table_of_the_same_name_is_not_taken_for_the_table() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let idem_schema = idem_testkit::pg_schema(&url).await;
+        let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(options.options([("search_path", idem_schema.as_str())]))
+            .await
+            .unwrap();
+        let store = idem::PgStore::new(pool.clone());
+        store.migrate().await.unwrap();
+        // Both connections in hand: the first gets the temporary table, the
+        // second is left for the reservation.
+        let mut with_temp = pool.acquire().await.unwrap();
+        let other = pool.acquire().await.unwrap();
+        sqlx::raw_sql("CREATE TEMP TABLE idempotency_keys (note text)")
+            .execute(&mut *with_temp)
+            .await
+            .unwrap();
+        drop(other);
+        let (started_tx, started) = tokio::sync::oneshot::channel();
+        let (go, go_rx) = tokio::sync::oneshot::channel();
+        let gate = Gate::default();
+        *gate.0.lock().unwrap() = Some((started_tx, go_rx));
+        let app = Router::new()
+            .route("/orders", post(gated))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(gate);
+        let addr = serve(app).await;
+        let first = tokio::spawn(async move { post_req("/orders", "").key("k-temp-1").send(addr).await });
+        started.await.unwrap();
+        // Reserved on the other connection, which the test now holds: the
+        // store's first transaction looks its schema up on the one with the
+        // temporary table.
+        let held = pool.acquire().await.unwrap();
+        drop(with_temp);
+        go.send(()).unwrap();
+        let first = first.await.unwrap();
+        drop(held);
+        assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
+        // Gone from every session: later requests, on either connection.
+        let mut a = pool.acquire().await.unwrap();
+        let mut b = pool.acquire().await.unwrap();
+        for conn in [&mut a, &mut b] {
+            sqlx::raw_sql("DROP TABLE IF EXISTS pg_temp.idempotency_keys")
+                .execute(&mut **conn)
+                .await
+                .unwrap();
+        }
+        drop((a, b));
+        for i in 0..3 {
+            let r = post_req("/orders", "")
+                .key(&format!("k-temp-after-{i}"))
+                .send(addr)
+                .await;
+            assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+        }
     }
 
     /// A completion in the handler's transaction that finds no row of its
@@ -5055,7 +5165,7 @@ mod pg_search_path {
     /// holds, and the retry continues the operation at once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_completion_that_finds_no_row_gives_the_key_back() {
-        let Some(s) = served(false, true).await else {
+        let Some(s) = served(false, true, false).await else {
             return;
         };
         let first = post_req("/orders", "").key("k-gone").send(s.addr).await;
@@ -5072,6 +5182,27 @@ mod pg_search_path {
         assert_eq!(retry.status, 503, "{}", String::from_utf8_lossy(&retry.body));
         assert_eq!(s.tenant.runs.load(Ordering::SeqCst), 2, "the retry ran at once");
     }
+}
+
+/// The purge's choice of rows has a name no table can have: on SQLite a
+/// table named as the choice, read inside it, would be the choice itself.
+#[tokio::test]
+async fn sqlite_a_table_named_chosen_is_purged() {
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect("sqlite::memory:")
+        .await
+        .unwrap();
+    let store = idem::SqliteStore::new(pool.clone()).with_table("Chosen").unwrap();
+    store.migrate().await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO chosen (tenant, scope, key, fingerprint, state, operation_id, attempt, lock_expires_at, \
+         created_at, expires_at, purge_at) VALUES ('t', 's', 'k', 'fp', 'completed', 'op', 1, 1, 1, 2, 2)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(store.purge_expired(5).await.unwrap(), 1);
 }
 
 /// One purge statement stays within its batch on PostgreSQL whatever plan
@@ -5170,5 +5301,69 @@ mod pg_purge_batches {
             per_statement.iter().all(|&n| n <= 5),
             "rows set per backfill statement with a batch of 5: {per_statement:?}"
         );
+    }
+}
+
+/// What a handler's statements on its SQLite transaction leave on the
+/// pooled connection must not change which table idem reads and writes.
+mod sqlite_temp_table {
+    use super::*;
+
+    /// An effect row in the operation's transaction; with `temp`, a `TEMP`
+    /// table of idem's table's name too (SQLite finds `temp` before `main`),
+    /// a copy of idem's rows, left on the connection.
+    #[idempotent(scope = "lite.temp", lock_timeout = "1s")]
+    async fn handler(op: Operation, Json(temp): Json<bool>) -> StatusCode {
+        let mut conn = op.sqlite_transaction().await.unwrap();
+        sqlx::query("INSERT INTO main.effects (id, note) VALUES (?1, 'x')")
+            .bind(op.key().to_owned())
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        if temp {
+            sqlx::raw_sql("CREATE TEMP TABLE idempotency_keys AS SELECT * FROM main.idempotency_keys")
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+        }
+        StatusCode::CREATED
+    }
+
+    #[tokio::test]
+    async fn a_temp_table_of_idems_name_takes_nothing_from_it() {
+        let (store, _dir) = idem_testkit::sqlite_store().await;
+        let db = Db::Sqlite(store.pool().clone());
+        db.create_table().await;
+        let addr = serve(
+            Router::new()
+                .route("/temp", post(handler))
+                .layer(Idem::new(store).single_tenant().layer()),
+        )
+        .await;
+        let first = post_req("/temp", "true").key("k-temp").send(addr).await;
+        assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
+        // The connection keeps the temporary table: every later request,
+        // whichever connection it gets, is recorded in idem's table.
+        for i in 0..8 {
+            let key = format!("k-after-{i}");
+            let r = post_req("/temp", "false").key(&key).send(addr).await;
+            assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+        }
+        let Db::Sqlite(pool) = &db else { unreachable!() };
+        let completed: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM main.idempotency_keys WHERE state = 'completed'")
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        assert_eq!(completed, 9);
+        for key in ["k-temp", "k-after-0", "k-after-7"] {
+            let body = if key == "k-temp" { "true" } else { "false" };
+            let retry = post_req("/temp", body).key(key).send(addr).await;
+            assert_eq!(
+                (retry.status, retry.header("idempotent-replayed")),
+                (201, Some("true"))
+            );
+        }
+        assert_eq!(db.count().await, 9, "a handler ran twice");
     }
 }

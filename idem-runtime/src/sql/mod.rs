@@ -83,6 +83,11 @@ pub(crate) struct Dialect {
     /// rows past those already taken, and its `LIMIT` would then bound each
     /// run, not the statement.
     purge_chosen: &'static str,
+    /// The schema the request statements name their table in when none is
+    /// configured (SQLite's `main`: a `TEMP` table of the same name, which
+    /// SQLite finds first, would otherwise be read and written instead);
+    /// `None`: the search path finds it.
+    rows_schema: Option<&'static str>,
     /// The `purge_at` of a row written before migration 5 or by an earlier
     /// build: not set yet (the column's default).
     purge_unset: &'static str,
@@ -142,6 +147,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     left: |col, now| format!("GREATEST(0, CEIL(date_part('epoch', {col} - {now}) * 1000))::bigint"),
     purge_lock: " FOR UPDATE SKIP LOCKED",
     purge_chosen: "MATERIALIZED ",
+    rows_schema: None,
     purge_unset: "'-infinity'::timestamptz",
     purge_floor: "'epoch'::timestamptz",
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
@@ -176,6 +182,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
     // One statement under SQLite's write lock: nothing changes meanwhile.
     purge_lock: "",
     purge_chosen: "",
+    rows_schema: Some("main"),
     purge_unset: "0",
     purge_floor: "1",
     epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
@@ -303,6 +310,17 @@ pub(crate) fn check_identifier(name: &str, max: usize) -> Result<(), StoreError>
 }
 
 impl Statements {
+    /// `complete` on the table named `qualified`, a quoted name with its
+    /// schema: `complete` names the table once, first.
+    #[cfg(all(feature = "postgres", feature = "axum"))]
+    pub(crate) fn complete_on(&self, qualified: &str) -> String {
+        let rest = self
+            .complete
+            .strip_prefix(&format!("UPDATE {} ", self.table))
+            .unwrap_or_else(|| unreachable!("`complete` begins with its table"));
+        format!("UPDATE {qualified} {rest}")
+    }
+
     pub(crate) fn new(
         d: Dialect,
         migrations: &[Migration],
@@ -317,7 +335,13 @@ impl Statements {
             Some(s) => format!("\"{s}\".\"{name}\""),
             None => format!("\"{name}\""),
         };
-        let t = qualify(table);
+        // The table as the migrations make it, and as the request
+        // statements name it.
+        let t_made = qualify(table);
+        let t = match (schema, d.rows_schema) {
+            (None, Some(rows)) => format!("\"{rows}\".{t_made}"),
+            _ => t_made.clone(),
+        };
         let versions_table = qualify(&derived_name(table, "migrations"));
         let index = format!("\"{}\"", derived_name(table, "expires_at_idx"));
         let expiry_index = qualify(&derived_name(table, "expires_at_idx"));
@@ -462,14 +486,14 @@ impl Statements {
             String::new()
         };
         Ok(Statements {
-            table: t.clone(),
+            table: t_made.clone(),
             migrations: migrations
                 .iter()
                 .map(|m| {
                     (
                         *m,
                         m.sql
-                            .replace("{table}", &t)
+                            .replace("{table}", &t_made)
                             .replace("{index}", &index)
                             .replace("{purge_index}", &purge_index)
                             .replace("{expiry_index}", &expiry_index)
@@ -572,7 +596,7 @@ impl Statements {
             reserve_ddl: d.reserve_function.then(|| reserve_ddl.clone()),
             drop_state_check: d
                 .drop_state_check
-                .map(|(probe, step)| (probe.replace("{table}", &t), step.replace("{table}", &t))),
+                .map(|(probe, step)| (probe.replace("{table}", &t_made), step.replace("{table}", &t_made))),
             reserve_source: d.reserve_function.then(|| {
                 (
                     reserve_body.clone(),
@@ -592,26 +616,29 @@ impl Statements {
             }),
             reserve_function: function,
             // Candidates come from the `purge_at` index, chosen once per
-            // statement (`purge_chosen`): at most the batch. The conditions
+            // statement (`purge_chosen`): at most the batch. The choice's
+            // name cannot be a table's, which is a checked identifier (on
+            // SQLite a table of the same name, read inside the choice,
+            // would be the choice itself). The conditions
             // stand twice: on the chosen rows and on the row deleted, so a
             // row that changed in between (reserved afresh) is judged again
             // and kept.
             purge: format!(
-                "WITH chosen AS {chosen}(SELECT tenant, scope, key FROM {t} AS cur \
+                "WITH \"idem-chosen\" AS {chosen}(SELECT tenant, scope, key FROM {t} AS cur \
                  WHERE cur.purge_at > {unset} AND cur.purge_at <= {now} AND {expired} \
                  AND NOT {live_lock} LIMIT {}{lock}) \
                  DELETE FROM {t} AS cur WHERE (cur.tenant, cur.scope, cur.key) IN \
-                 (SELECT tenant, scope, key FROM chosen) AND {expired} AND NOT {live_lock}",
+                 (SELECT tenant, scope, key FROM \"idem-chosen\") AND {expired} AND NOT {live_lock}",
                 p(1),
                 chosen = d.purge_chosen,
                 lock = d.purge_lock,
                 unset = d.purge_unset,
             ),
             purge_set: format!(
-                "WITH chosen AS {chosen}(SELECT tenant, scope, key FROM {t} WHERE purge_at = {unset} \
+                "WITH \"idem-chosen\" AS {chosen}(SELECT tenant, scope, key FROM {t} WHERE purge_at = {unset} \
                  LIMIT {}{lock}) \
                  UPDATE {t} SET purge_at = CASE WHEN expires_at > {unset} THEN expires_at ELSE {floor} END \
-                 WHERE (tenant, scope, key) IN (SELECT tenant, scope, key FROM chosen)",
+                 WHERE (tenant, scope, key) IN (SELECT tenant, scope, key FROM \"idem-chosen\")",
                 p(1),
                 chosen = d.purge_chosen,
                 lock = d.purge_lock,

@@ -1040,9 +1040,10 @@ impl PgStore {
 
     /// Finds, once, the schema where the pool's search path finds the table
     /// (when the store names none), for the completion written in a
-    /// handler's transaction ([`InTx`]). Not found yet (no table), it is
-    /// looked for again at the next transaction; a schema whose name is not
-    /// a plain identifier leaves that completion to the search path.
+    /// handler's transaction ([`InTx`]). A temporary table of the same name
+    /// on the session asked is not it: it is that session's alone, and it
+    /// is not where idem's table is. Not found yet (no table), it is looked
+    /// for again at the next transaction.
     #[cfg(feature = "axum")]
     async fn find_the_tables_schema(&self) -> Result<(), StoreError> {
         let Some(table) = &self.in_tx.unqualified else {
@@ -1051,21 +1052,22 @@ impl PgStore {
         if self.in_tx.complete.get().is_some() {
             return Ok(());
         }
+        // The search path's schemas in its order, as `current_schemas`
+        // gives them (pg_catalog left out: idem's table is never there).
         let schema: Option<String> = sqlx::query_scalar(
-            "SELECT n.nspname::text FROM pg_catalog.pg_class c \
-             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
-             WHERE c.oid = pg_catalog.to_regclass($1)",
+            "SELECT n.nspname::text FROM unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS s (name, i) \
+             JOIN pg_catalog.pg_namespace n ON n.nspname = s.name \
+             JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = $1 \
+             WHERE n.oid <> pg_catalog.pg_my_temp_schema() AND c.relkind IN ('r', 'p') \
+             ORDER BY s.i LIMIT 1",
         )
-        .bind(format!("\"{table}\""))
+        .bind(table)
         .fetch_optional(&self.pool)
         .await
         .map_err(sql::map_err)?;
         if let Some(schema) = schema {
-            let complete = match Statements::new(sql::POSTGRES, POSTGRES_MIGRATIONS, Some(&schema), table) {
-                Ok(qualified) => qualified.complete,
-                Err(_) => self.sql.complete.clone(),
-            };
-            let _ = self.in_tx.complete.set(complete.into());
+            let qualified = format!("\"{}\".\"{table}\"", schema.replace('"', "\"\""));
+            let _ = self.in_tx.complete.set(self.sql.complete_on(&qualified).into());
         }
         Ok(())
     }
