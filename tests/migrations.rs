@@ -1563,3 +1563,258 @@ async fn sqlite_another_services_table_of_the_same_name_is_left_alone() {
         "migrate() made something beside their table"
     );
 }
+
+/// SQLite: every statement of idem's, the migrations and the checks
+/// included, names `main`, so that a `TEMP` table of idem's table's name
+/// (a handler's, left on a pooled connection) or an attached database's
+/// tables are never read or written instead.
+mod sqlite_names_main {
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use axum::{Json, Router};
+    use idem::{idempotent, Idem, Operation};
+    use idem_testkit::http::{post as post_req, serve};
+
+    /// Leaves, in its transaction on the pooled connection, a TEMP table of
+    /// idem's table's name.
+    #[idempotent(scope = "lite.review")]
+    async fn leaves_temp(op: Operation, Json(temp): Json<bool>) -> StatusCode {
+        let mut conn = op.sqlite_transaction().await.unwrap();
+        if temp {
+            sqlx::raw_sql("CREATE TEMP TABLE idempotency_keys (note TEXT NOT NULL)")
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+        }
+        StatusCode::CREATED
+    }
+
+    /// The in-memory store (one connection: every statement of idem's runs
+    /// where the handler left its TEMP table): requests, `check_schema` and
+    /// a second `migrate` all see idem's table.
+    #[tokio::test]
+    async fn a_handlers_temp_table_is_not_what_check_schema_judges() {
+        let store = idem::SqliteStore::in_memory().await.unwrap();
+        store.check_schema().await.unwrap();
+        let addr = serve(
+            Router::new()
+                .route("/t", post(leaves_temp))
+                .layer(Idem::new(store.clone()).single_tenant().layer()),
+        )
+        .await;
+        let first = post_req("/t", "true").key("k-1").send(addr).await;
+        assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
+        // Requests are served from idem's table (main): they work.
+        let second = post_req("/t", "false").key("k-2").send(addr).await;
+        assert_eq!(second.status, 201, "{}", String::from_utf8_lossy(&second.body));
+        let replay = post_req("/t", "false").key("k-2").send(addr).await;
+        assert_eq!(
+            (replay.status, replay.header("idempotent-replayed")),
+            (201, Some("true"))
+        );
+        // idem's table is unchanged and matches this build.
+        let checked = store.check_schema().await;
+        assert!(
+            checked.is_ok(),
+            "check_schema after a handler's TEMP table: {checked:?}"
+        );
+        let migrated = store.migrate().await;
+        assert!(
+            migrated.is_ok(),
+            "migrate after a handler's TEMP table: {migrated:?}"
+        );
+    }
+
+    /// idem's table (main) has a column idem does not fill and that has no
+    /// default, so every reservation fails: `check_schema` says so, with or
+    /// without a TEMP table of the same name on the connection.
+    #[tokio::test]
+    async fn check_schema_judges_mains_table_whatever_temp_holds() {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        // idem's table as this build makes it, plus someone else's required column.
+        sqlx::raw_sql(
+            "CREATE TABLE idempotency_keys (tenant TEXT NOT NULL, scope TEXT NOT NULL, key TEXT NOT NULL, \
+             fingerprint TEXT NOT NULL, state TEXT NOT NULL CHECK (state IN ('in_progress', 'completed')), \
+             operation_id TEXT NOT NULL, lock_token TEXT, attempt INTEGER NOT NULL, lock_expires_at INTEGER NOT NULL, \
+             recovery_point TEXT, response_status INTEGER, response_headers TEXT, response_body BLOB, \
+             created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, taken_over INTEGER NOT NULL DEFAULT 0, \
+             purge_at INTEGER NOT NULL DEFAULT 0, extra TEXT NOT NULL, PRIMARY KEY (tenant, scope, key)) WITHOUT ROWID",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let store = idem::SqliteStore::new(pool.clone());
+        // Refused, rightly: the versions are recorded, the column is named.
+        let refused = store.migrate().await;
+        assert!(
+            format!("{refused:?}").contains("extra"),
+            "without a TEMP table: {refused:?}"
+        );
+        assert!(store.check_schema().await.is_err());
+        // A handler's TEMP table of idem's name on the (only) connection.
+        sqlx::raw_sql("CREATE TEMP TABLE idempotency_keys (note TEXT)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let addr = serve(
+            Router::new()
+                .route("/t", post(leaves_temp))
+                .layer(Idem::new(store.clone()).single_tenant().layer()),
+        )
+        .await;
+        let r = post_req("/t", "false").key("k-1").send(addr).await;
+        let checked = store.check_schema().await;
+        assert!(
+            checked.is_err(),
+            "check_schema passed idem's table, whose every request fails ({})",
+            r.status
+        );
+    }
+
+    /// `migrate()` on a connection that has a TEMP table of idem's table's
+    /// name makes the table, its index and its columns in main, and leaves
+    /// the TEMP table as it was.
+    #[tokio::test]
+    async fn migrate_leaves_a_temp_table_of_idems_name_alone() {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        sqlx::raw_sql("CREATE TEMP TABLE idempotency_keys (note TEXT)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let store = idem::SqliteStore::new(pool.clone());
+        let migrated = store.migrate().await;
+        let temp_columns: Vec<String> =
+            sqlx::query_scalar("SELECT name FROM pragma_table_info('idempotency_keys', 'temp')")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert!(
+            migrated.is_ok(),
+            "migrate with a TEMP table of idem's name: {migrated:?}"
+        );
+        assert_eq!(temp_columns, ["note"], "migrate changed the TEMP table");
+    }
+
+    /// The same, with a TEMP table that has an `expires_at` column (which an
+    /// index on the bare name would find): the versions recorded are those
+    /// main's table got, and once the TEMP table is gone the table serves.
+    #[tokio::test]
+    async fn migrate_records_only_what_mains_table_got() {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        sqlx::raw_sql("CREATE TEMP TABLE idempotency_keys (expires_at INTEGER)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let store = idem::SqliteStore::new(pool.clone());
+        let migrated = store.migrate().await;
+        let temp_columns: Vec<String> =
+            sqlx::query_scalar("SELECT name FROM pragma_table_info('idempotency_keys', 'temp')")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        let temp_indexes: Vec<String> =
+            sqlx::query_scalar("SELECT name FROM temp.sqlite_master WHERE type = 'index'")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        let versions: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM main.idempotency_keys_migrations ORDER BY version")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        let main_columns: Vec<String> =
+            sqlx::query_scalar("SELECT name FROM pragma_table_info('idempotency_keys', 'main')")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        // The handler's TEMP table gone (the connection is clean again).
+        sqlx::raw_sql("DROP TABLE temp.idempotency_keys")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let again = store.migrate().await;
+        assert!(
+            again.is_ok(),
+            "migrate() on a clean connection afterwards: {again:?}"
+        );
+    }
+
+    /// A pool whose connection ATTACHes another idem database (say, an older
+    /// one kept to read from): on a fresh main database, `migrate()` records
+    /// its versions in main's migrations table, and leaves the attached
+    /// database's alone.
+    #[tokio::test]
+    async fn migrate_records_its_versions_in_main_not_an_attached_database() {
+        let dir = tempfile::tempdir().unwrap();
+        let aux_path = dir.path().join("old.db");
+        {
+            let old = idem::SqliteStore::open(&aux_path).await.unwrap();
+            old.migrate().await.unwrap();
+            // An older build's: versions 1 to 5.
+            sqlx::raw_sql("DELETE FROM idempotency_keys_migrations WHERE version = 6")
+                .execute(old.pool())
+                .await
+                .unwrap();
+            old.pool().close().await;
+        }
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect(&format!(
+                "sqlite://{}?mode=rwc",
+                dir.path().join("main.db").display()
+            ))
+            .await
+            .unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "ATTACH DATABASE '{}' AS old",
+            aux_path.display()
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let store = idem::SqliteStore::new(pool.clone());
+        let migrated = store.migrate().await;
+        let main_versions: Option<String> = sqlx::query_scalar(
+            "SELECT name FROM main.sqlite_master WHERE name = 'idempotency_keys_migrations'",
+        )
+        .fetch_optional(&pool)
+        .await
+        .unwrap();
+        let old_versions: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM old.idempotency_keys_migrations ORDER BY version")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert!(migrated.is_ok());
+        assert_eq!(
+            old_versions,
+            [1, 2, 3, 4, 5],
+            "migrate wrote into the attached database"
+        );
+        assert!(main_versions.is_some(), "main has no migrations table");
+    }
+}

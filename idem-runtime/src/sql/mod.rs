@@ -193,7 +193,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
     kept_span: |a, b| format!("({a} - {b})"),
     required_columns: |_, table, known| {
         format!(
-            "SELECT name FROM pragma_table_info('{table}') WHERE \"notnull\" = 1 AND dflt_value IS NULL \
+            "SELECT name FROM pragma_table_info('{table}', 'main') WHERE \"notnull\" = 1 AND dflt_value IS NULL \
              AND name NOT IN ({known})"
         )
     },
@@ -335,17 +335,28 @@ impl Statements {
             Some(s) => format!("\"{s}\".\"{name}\""),
             None => format!("\"{name}\""),
         };
-        // The table as the migrations make it, and as the request
-        // statements name it.
-        let t_made = qualify(table);
-        let t = match (schema, d.rows_schema) {
-            (None, Some(rows)) => format!("\"{rows}\".{t_made}"),
-            _ => t_made.clone(),
+        // A name as the statements write it: in the configured schema, or
+        // in the dialect's own (`rows_schema`) where none is configured.
+        let named = |name: &str| match (schema, d.rows_schema) {
+            (None, Some(rows)) => format!("\"{rows}\".\"{name}\""),
+            _ => qualify(name),
         };
-        let versions_table = qualify(&derived_name(table, "migrations"));
-        let index = format!("\"{}\"", derived_name(table, "expires_at_idx"));
-        let expiry_index = qualify(&derived_name(table, "expires_at_idx"));
-        let purge_index = format!("\"{}\"", derived_name(table, "purge_at_idx"));
+        // The table as errors and pause points name it, and as statements
+        // and migrations write it.
+        let t_shown = qualify(table);
+        let t = named(table);
+        let versions_table = named(&derived_name(table, "migrations"));
+        // An index as `CREATE INDEX` names it: PostgreSQL's, bare, goes to
+        // its table's schema; SQLite's names its schema, and then its table
+        // (`indexed_table`) is bare.
+        let index_named = |name: &str| match (schema, d.rows_schema) {
+            (None, Some(_)) => named(name),
+            _ => format!("\"{name}\""),
+        };
+        let indexed_table = format!("\"{table}\"");
+        let index = index_named(&derived_name(table, "expires_at_idx"));
+        let expiry_index = named(&derived_name(table, "expires_at_idx"));
+        let purge_index = index_named(&derived_name(table, "purge_at_idx"));
         let function = qualify(&derived_name(table, "take"));
         // The function as the checks look it up: in the table's schema, or,
         // with none named, in the one new objects go to (where `migrate`
@@ -486,14 +497,15 @@ impl Statements {
             String::new()
         };
         Ok(Statements {
-            table: t_made.clone(),
+            table: t_shown,
             migrations: migrations
                 .iter()
                 .map(|m| {
                     (
                         *m,
                         m.sql
-                            .replace("{table}", &t_made)
+                            .replace("{indexed_table}", &indexed_table)
+                            .replace("{table}", &t)
                             .replace("{index}", &index)
                             .replace("{purge_index}", &purge_index)
                             .replace("{expiry_index}", &expiry_index)
@@ -596,7 +608,7 @@ impl Statements {
             reserve_ddl: d.reserve_function.then(|| reserve_ddl.clone()),
             drop_state_check: d
                 .drop_state_check
-                .map(|(probe, step)| (probe.replace("{table}", &t_made), step.replace("{table}", &t_made))),
+                .map(|(probe, step)| (probe.replace("{table}", &t), step.replace("{table}", &t))),
             reserve_source: d.reserve_function.then(|| {
                 (
                     reserve_body.clone(),
