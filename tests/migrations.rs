@@ -1817,4 +1817,61 @@ mod sqlite_names_main {
         );
         assert!(main_versions.is_some(), "main has no migrations table");
     }
+
+    /// The migrations' own text is what a team that applies them with its
+    /// own tool fills in: the placeholders `Migration` documents, bare names,
+    /// and nothing else; `check_schema` then agrees and the store serves.
+    #[tokio::test]
+    async fn the_migrations_text_is_filled_as_documented() {
+        use idem::store::{RecordId, Reservation, ReserveRequest};
+        use idem::IdempotencyStore as _;
+        let dir = tempfile::tempdir().unwrap();
+        let store = idem::SqliteStore::open(dir.path().join("own.db")).await.unwrap();
+        let t = "idempotency_keys";
+        sqlx::raw_sql(
+            "CREATE TABLE idempotency_keys_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, \
+             applied_at BIGINT NOT NULL)",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        for m in idem::migrations::SQLITE_MIGRATIONS {
+            let sql = m
+                .sql
+                .replace("{table}", &format!("\"{t}\""))
+                .replace("{index}", &format!("\"{t}_expires_at_idx\""))
+                .replace("{purge_index}", &format!("\"{t}_purge_at_idx\""))
+                .replace("{expiry_index}", &format!("\"{t}_expires_at_idx\""))
+                .replace("{reserve_function}", "")
+                .replace("{take_function}", "");
+            assert!(
+                !sql.contains('{'),
+                "a placeholder no doc names, in version {}",
+                m.version
+            );
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(store.pool())
+                .await
+                .unwrap();
+            sqlx::query("INSERT INTO idempotency_keys_migrations VALUES (?, ?, 0)")
+                .bind(m.version)
+                .bind(m.name)
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+        store.check_schema().await.unwrap();
+        let id = RecordId::new("t", "s", "own-tool");
+        let reserved = store
+            .reserve(ReserveRequest {
+                id: &id,
+                fingerprint: "fp",
+                token: "tok",
+                ttl: std::time::Duration::from_secs(60),
+                lock_timeout: std::time::Duration::from_secs(60),
+            })
+            .await
+            .unwrap();
+        assert!(matches!(reserved, Reservation::Reserved(_)), "{reserved:?}");
+    }
 }

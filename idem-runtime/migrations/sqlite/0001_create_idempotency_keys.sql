@@ -1,8 +1,6 @@
 -- idem: idempotency records (contract sections 4 and 7).
 -- Times are milliseconds since the Unix epoch, from SQLite's own clock.
--- {table} and {index} are replaced by the configured, quoted names, in the
--- schema `main` (a TEMP table of the same name is never the one meant);
--- {indexed_table} by the table's bare name, which `CREATE INDEX` wants.
+-- {table} and {index} are replaced by the configured, quoted names.
 CREATE TABLE IF NOT EXISTS {table} (
     tenant           TEXT    NOT NULL,
     scope            TEXT    NOT NULL,
@@ -22,4 +20,4 @@ CREATE TABLE IF NOT EXISTS {table} (
     PRIMARY KEY (tenant, scope, key)
 ) WITHOUT ROWID;
 
-CREATE INDEX IF NOT EXISTS {index} ON {indexed_table} (expires_at);
+CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);

@@ -6,7 +6,7 @@
 -- from their expiry in small batches. Either way it deletes only what is
 -- expired by the records' own rule.
 -- {table}, {purge_index} and {expiry_index} are replaced by the configured,
--- quoted names (in `main`), {indexed_table} by the table's bare name.
+-- quoted names.
 ALTER TABLE {table} ADD COLUMN purge_at INTEGER NOT NULL DEFAULT 0;
-CREATE INDEX IF NOT EXISTS {purge_index} ON {indexed_table} (purge_at);
+CREATE INDEX IF NOT EXISTS {purge_index} ON {table} (purge_at);
 DROP INDEX IF EXISTS {expiry_index};

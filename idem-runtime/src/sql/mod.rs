@@ -347,13 +347,14 @@ impl Statements {
         let t = named(table);
         let versions_table = named(&derived_name(table, "migrations"));
         // An index as `CREATE INDEX` names it: PostgreSQL's, bare, goes to
-        // its table's schema; SQLite's names its schema, and then its table
-        // (`indexed_table`) is bare.
-        let index_named = |name: &str| match (schema, d.rows_schema) {
-            (None, Some(_)) => named(name),
-            _ => format!("\"{name}\""),
+        // its table's schema; SQLite's names its schema, and then the table
+        // it is on (`ON {table} (`, filled with `indexed_table`) is bare.
+        // The migrations' own text is never edited: a team that applies
+        // them with its own tool fills `{table}` and `{index}` bare.
+        let (index_named, indexed_table): (&dyn Fn(&str) -> String, String) = match (schema, d.rows_schema) {
+            (None, Some(_)) => (&named, format!("\"{table}\"")),
+            _ => (&|name: &str| format!("\"{name}\""), named(table)),
         };
-        let indexed_table = format!("\"{table}\"");
         let index = index_named(&derived_name(table, "expires_at_idx"));
         let expiry_index = named(&derived_name(table, "expires_at_idx"));
         let purge_index = index_named(&derived_name(table, "purge_at_idx"));
@@ -504,7 +505,7 @@ impl Statements {
                     (
                         *m,
                         m.sql
-                            .replace("{indexed_table}", &indexed_table)
+                            .replace(" ON {table} (", &format!(" ON {indexed_table} ("))
                             .replace("{table}", &t)
                             .replace("{index}", &index)
                             .replace("{purge_index}", &purge_index)
