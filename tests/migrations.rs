@@ -1748,6 +1748,16 @@ mod sqlite_names_main {
                 .fetch_all(&pool)
                 .await
                 .unwrap();
+        migrated.unwrap();
+        assert_eq!(temp_columns, ["expires_at"], "the TEMP table changed");
+        assert!(
+            temp_indexes.is_empty(),
+            "an index on the TEMP table: {temp_indexes:?}"
+        );
+        assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
+        for column in ["taken_over", "purge_at"] {
+            assert!(main_columns.iter().any(|c| c == column), "{main_columns:?}");
+        }
         // The handler's TEMP table gone (the connection is clean again).
         sqlx::raw_sql("DROP TABLE temp.idempotency_keys")
             .execute(&pool)
