@@ -1575,6 +1575,20 @@ mod sqlite_names_main {
     use idem::{idempotent, Idem, Operation};
     use idem_testkit::http::{post as post_req, serve};
 
+    /// A pool of one connection to `url`, kept open: what one statement
+    /// leaves on the connection (a TEMP table, an attached database) is
+    /// there for the next.
+    async fn one_connection(url: &str) -> sqlx::SqlitePool {
+        sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect(url)
+            .await
+            .unwrap()
+    }
+
     /// Leaves, in its transaction on the pooled connection, a TEMP table of
     /// idem's table's name.
     #[idempotent(scope = "lite.review")]
@@ -1630,14 +1644,7 @@ mod sqlite_names_main {
     /// without a TEMP table of the same name on the connection.
     #[tokio::test]
     async fn check_schema_judges_mains_table_whatever_temp_holds() {
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .connect("sqlite::memory:")
-            .await
-            .unwrap();
+        let pool = one_connection("sqlite::memory:").await;
         // idem's table as this build makes it, plus someone else's required column.
         sqlx::raw_sql(
             "CREATE TABLE idempotency_keys (tenant TEXT NOT NULL, scope TEXT NOT NULL, key TEXT NOT NULL, \
@@ -1679,95 +1686,55 @@ mod sqlite_names_main {
     }
 
     /// `migrate()` on a connection that has a TEMP table of idem's table's
-    /// name makes the table, its index and its columns in main, and leaves
-    /// the TEMP table as it was.
+    /// name (one with an `expires_at` column too, which an index on the bare
+    /// name would find) makes the table, its indexes and its columns in
+    /// main, records the versions main's table got, and leaves the TEMP
+    /// table as it was; once the TEMP table is gone the table serves.
     #[tokio::test]
     async fn migrate_leaves_a_temp_table_of_idems_name_alone() {
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .connect("sqlite::memory:")
-            .await
-            .unwrap();
-        sqlx::raw_sql("CREATE TEMP TABLE idempotency_keys (note TEXT)")
+        for column in ["note", "expires_at"] {
+            let pool = one_connection("sqlite::memory:").await;
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "CREATE TEMP TABLE idempotency_keys ({column} INTEGER)"
+            )))
             .execute(&pool)
             .await
             .unwrap();
-        let store = idem::SqliteStore::new(pool.clone());
-        let migrated = store.migrate().await;
-        let temp_columns: Vec<String> =
-            sqlx::query_scalar("SELECT name FROM pragma_table_info('idempotency_keys', 'temp')")
-                .fetch_all(&pool)
+            let store = idem::SqliteStore::new(pool.clone());
+            store.migrate().await.unwrap();
+            let names = |sql: &'static str| {
+                let pool = pool.clone();
+                async move {
+                    sqlx::query_scalar::<_, String>(sql)
+                        .fetch_all(&pool)
+                        .await
+                        .unwrap()
+                }
+            };
+            let temp_columns = names("SELECT name FROM pragma_table_info('idempotency_keys', 'temp')").await;
+            assert_eq!(temp_columns, [column], "the TEMP table changed");
+            let temp_indexes = names("SELECT name FROM temp.sqlite_master WHERE type = 'index'").await;
+            assert!(
+                temp_indexes.is_empty(),
+                "an index on the TEMP table: {temp_indexes:?}"
+            );
+            let versions: Vec<i64> =
+                sqlx::query_scalar("SELECT version FROM main.idempotency_keys_migrations ORDER BY version")
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+            assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
+            let main_columns = names("SELECT name FROM pragma_table_info('idempotency_keys', 'main')").await;
+            for column in ["taken_over", "purge_at"] {
+                assert!(main_columns.iter().any(|c| c == column), "{main_columns:?}");
+            }
+            sqlx::raw_sql("DROP TABLE temp.idempotency_keys")
+                .execute(&pool)
                 .await
                 .unwrap();
-        assert!(
-            migrated.is_ok(),
-            "migrate with a TEMP table of idem's name: {migrated:?}"
-        );
-        assert_eq!(temp_columns, ["note"], "migrate changed the TEMP table");
-    }
-
-    /// The same, with a TEMP table that has an `expires_at` column (which an
-    /// index on the bare name would find): the versions recorded are those
-    /// main's table got, and once the TEMP table is gone the table serves.
-    #[tokio::test]
-    async fn migrate_records_only_what_mains_table_got() {
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .connect("sqlite::memory:")
-            .await
-            .unwrap();
-        sqlx::raw_sql("CREATE TEMP TABLE idempotency_keys (expires_at INTEGER)")
-            .execute(&pool)
-            .await
-            .unwrap();
-        let store = idem::SqliteStore::new(pool.clone());
-        let migrated = store.migrate().await;
-        let temp_columns: Vec<String> =
-            sqlx::query_scalar("SELECT name FROM pragma_table_info('idempotency_keys', 'temp')")
-                .fetch_all(&pool)
-                .await
-                .unwrap();
-        let temp_indexes: Vec<String> =
-            sqlx::query_scalar("SELECT name FROM temp.sqlite_master WHERE type = 'index'")
-                .fetch_all(&pool)
-                .await
-                .unwrap();
-        let versions: Vec<i64> =
-            sqlx::query_scalar("SELECT version FROM main.idempotency_keys_migrations ORDER BY version")
-                .fetch_all(&pool)
-                .await
-                .unwrap();
-        let main_columns: Vec<String> =
-            sqlx::query_scalar("SELECT name FROM pragma_table_info('idempotency_keys', 'main')")
-                .fetch_all(&pool)
-                .await
-                .unwrap();
-        migrated.unwrap();
-        assert_eq!(temp_columns, ["expires_at"], "the TEMP table changed");
-        assert!(
-            temp_indexes.is_empty(),
-            "an index on the TEMP table: {temp_indexes:?}"
-        );
-        assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
-        for column in ["taken_over", "purge_at"] {
-            assert!(main_columns.iter().any(|c| c == column), "{main_columns:?}");
+            store.migrate().await.unwrap();
+            store.check_schema().await.unwrap();
         }
-        // The handler's TEMP table gone (the connection is clean again).
-        sqlx::raw_sql("DROP TABLE temp.idempotency_keys")
-            .execute(&pool)
-            .await
-            .unwrap();
-        let again = store.migrate().await;
-        assert!(
-            again.is_ok(),
-            "migrate() on a clean connection afterwards: {again:?}"
-        );
     }
 
     /// A pool whose connection ATTACHes another idem database (say, an older
@@ -1788,17 +1755,11 @@ mod sqlite_names_main {
                 .unwrap();
             old.pool().close().await;
         }
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .connect(&format!(
-                "sqlite://{}?mode=rwc",
-                dir.path().join("main.db").display()
-            ))
-            .await
-            .unwrap();
+        let pool = one_connection(&format!(
+            "sqlite://{}?mode=rwc",
+            dir.path().join("main.db").display()
+        ))
+        .await;
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "ATTACH DATABASE '{}' AS old",
             aux_path.display()
