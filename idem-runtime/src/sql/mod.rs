@@ -83,10 +83,11 @@ pub(crate) struct Dialect {
     /// rows past those already taken, and its `LIMIT` would then bound each
     /// run, not the statement.
     purge_chosen: &'static str,
-    /// The schema the request statements name their table in when none is
-    /// configured (SQLite's `main`: a `TEMP` table of the same name, which
-    /// SQLite finds first, would otherwise be read and written instead);
-    /// `None`: the search path finds it.
+    /// The schema every statement names the table, its migrations table
+    /// and its indexes in when none is configured (SQLite's `main`: a
+    /// `TEMP` table of the same name, which SQLite finds first, or an
+    /// attached database's, would otherwise be read and written instead);
+    /// `None`: the search path finds them.
     rows_schema: Option<&'static str>,
     /// The `purge_at` of a row written before migration 5 or by an earlier
     /// build: not set yet (the column's default).
@@ -632,10 +633,9 @@ impl Statements {
             // statement (`purge_chosen`): at most the batch. The choice's
             // name cannot be a table's, which is a checked identifier (on
             // SQLite a table of the same name, read inside the choice,
-            // would be the choice itself). The conditions
-            // stand twice: on the chosen rows and on the row deleted, so a
-            // row that changed in between (reserved afresh) is judged again
-            // and kept.
+            // would be the choice itself). The conditions stand twice: on
+            // the chosen rows and on the row deleted, so a row that changed
+            // in between (reserved afresh) is judged again and kept.
             purge: format!(
                 "WITH \"idem-chosen\" AS {chosen}(SELECT tenant, scope, key FROM {t} AS cur \
                  WHERE cur.purge_at > {unset} AND cur.purge_at <= {now} AND {expired} \
