@@ -336,11 +336,16 @@ impl Statements {
             Some(s) => format!("\"{s}\".\"{name}\""),
             None => format!("\"{name}\""),
         };
+        // The dialect's own schema (`rows_schema`) where none is configured.
+        let own_schema = match (schema, d.rows_schema) {
+            (None, Some(rows)) => Some(rows),
+            _ => None,
+        };
         // A name as the statements write it: in the configured schema, or
-        // in the dialect's own (`rows_schema`) where none is configured.
-        let named = |name: &str| match (schema, d.rows_schema) {
-            (None, Some(rows)) => format!("\"{rows}\".\"{name}\""),
-            _ => qualify(name),
+        // in the dialect's own.
+        let named = |name: &str| match own_schema {
+            Some(rows) => format!("\"{rows}\".\"{name}\""),
+            None => qualify(name),
         };
         // The table as errors and pause points name it, and as statements
         // and migrations write it.
@@ -352,9 +357,13 @@ impl Statements {
         // it is on (`ON {table} (`, filled with `indexed_table`) is bare.
         // The migrations' own text is never edited: a team that applies
         // them with its own tool fills `{table}` and `{index}` bare.
-        let (index_named, indexed_table): (&dyn Fn(&str) -> String, String) = match (schema, d.rows_schema) {
-            (None, Some(_)) => (&named, format!("\"{table}\"")),
-            _ => (&|name: &str| format!("\"{name}\""), named(table)),
+        let index_named = |name: &str| match own_schema {
+            Some(_) => named(name),
+            None => format!("\"{name}\""),
+        };
+        let indexed_table = match own_schema {
+            Some(_) => format!("\"{table}\""),
+            None => t.clone(),
         };
         let index = index_named(&derived_name(table, "expires_at_idx"));
         let expiry_index = named(&derived_name(table, "expires_at_idx"));
