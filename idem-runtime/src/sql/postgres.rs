@@ -1472,57 +1472,66 @@ impl PgStore {
         // lookup is sent alone, and never queues.
         let multi_thread = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if !multi_thread {
-            return self.run_reserving(&self.lookup, req, operation_id).await;
-        }
-        let waiting = {
-            let mut queue = self.lookups.lock();
-            if queue.busy >= LOOKUP_TURNS {
-                let (answer, answered) = tokio::sync::oneshot::channel();
-                queue.waiting.push(LookupWaiting {
-                    binds: LookupBinds {
-                        id: req.id.clone(),
-                        fingerprint: req.fingerprint.to_owned(),
-                        token: req.token.to_owned(),
-                        operation_id: operation_id.to_owned(),
-                        ttl_ms: millis(req.ttl),
-                        lock_ms: millis(req.lock_timeout),
-                    },
-                    deadline: deadline_after(self.timeout),
-                    answer,
-                });
-                Some(answered)
-            } else {
-                queue.busy += 1;
-                None
-            }
-        };
-        match waiting {
-            Some(answered) => match answered.await {
-                Ok(LookedUp::Row(row)) => Ok(row),
-                Ok(LookedUp::Failed(e)) => Err(e),
-                Ok(LookedUp::Alone) => self.run_reserving(&self.lookup, req, operation_id).await,
-                // Its group may have been sent: not known to have taken
-                // nothing (the caller hands the key back, fenced by its token).
-                Err(_) => Err(StoreError::unavailable(
-                    "the task running this reservation's group ended before answering it",
-                )),
-            },
-            None => {
-                // Whether answered, failed, given up on, or still waiting
-                // after `TURN_HELD_MAX`, the lookups that queued meanwhile
-                // go on without it.
-                let mut turn = Some(LookupTurn(self));
-                pause_point!(crate::pause::RESERVE_TURN, &req.id.key);
-                let held_until = tokio::time::Instant::now() + TURN_HELD_MAX;
-                let mut running = std::pin::pin!(self.run_reserving(&self.lookup, req, operation_id));
-                tokio::select! {
-                    row = &mut running => row,
-                    () = tokio::time::sleep_until(held_until) => {
-                        drop(turn.take());
-                        running.await
-                    }
+        // `Some` while this lookup holds a turn, `None` when it is sent alone.
+        let turn = if multi_thread {
+            let waiting = {
+                let mut queue = self.lookups.lock();
+                if queue.busy >= LOOKUP_TURNS {
+                    let (answer, answered) = tokio::sync::oneshot::channel();
+                    queue.waiting.push(LookupWaiting {
+                        binds: LookupBinds {
+                            id: req.id.clone(),
+                            fingerprint: req.fingerprint.to_owned(),
+                            token: req.token.to_owned(),
+                            operation_id: operation_id.to_owned(),
+                            ttl_ms: millis(req.ttl),
+                            lock_ms: millis(req.lock_timeout),
+                        },
+                        deadline: deadline_after(self.timeout),
+                        answer,
+                    });
+                    Some(answered)
+                } else {
+                    queue.busy += 1;
+                    None
                 }
+            };
+            match waiting {
+                Some(answered) => match answered.await {
+                    Ok(LookedUp::Row(row)) => return Ok(row),
+                    Ok(LookedUp::Failed(e)) => return Err(e),
+                    Ok(LookedUp::Alone) => None,
+                    // Its group may have been sent: not known to have taken
+                    // nothing (the caller hands the key back, fenced by its token).
+                    Err(_) => {
+                        return Err(StoreError::unavailable(
+                            "the task running this reservation's group ended before answering it",
+                        ))
+                    }
+                },
+                None => Some(LookupTurn(self)),
+            }
+        } else {
+            None
+        };
+        // The statement's future is built in this one place: it is several
+        // kilobytes, and each place that awaited one would add them to this
+        // future's size, which the reservation's own future carries.
+        let mut running = std::pin::pin!(self.run_reserving(&self.lookup, req, operation_id));
+        let Some(turn) = turn else {
+            return running.await;
+        };
+        // Whether answered, failed, given up on, or still waiting after
+        // `TURN_HELD_MAX`, the lookups that queued meanwhile go on without
+        // it.
+        let mut turn = Some(turn);
+        pause_point!(crate::pause::RESERVE_TURN, &req.id.key);
+        let held_until = tokio::time::Instant::now() + TURN_HELD_MAX;
+        tokio::select! {
+            row = &mut running => row,
+            () = tokio::time::sleep_until(held_until) => {
+                drop(turn.take());
+                running.await
             }
         }
     }

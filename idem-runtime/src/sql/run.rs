@@ -703,12 +703,68 @@ where
         .await
 }
 
-/// Bounds a store operation by `limit`: past it, [`StoreError::Unavailable`].
-pub(crate) async fn bounded<T>(
-    limit: Duration,
-    fut: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    Deadline::start(limit).bound(fut).await
+/// Bounds a store operation by `limit`, counted from its first poll: past
+/// it, [`StoreError::Unavailable`].
+pub(crate) fn bounded<F>(limit: Duration, fut: F) -> Bounded<F> {
+    Bounded {
+        fut,
+        timer: None,
+        deadline: None,
+        limit,
+        started: false,
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// [`bounded`]'s and [`Deadline::bound`]'s future. It holds the
+    /// operation's future once, where an `async fn` would keep it as its
+    /// argument and again as what it awaits: the statements' futures are
+    /// several kilobytes, each copied whenever the future that holds them
+    /// is built, moved or boxed.
+    pub(crate) struct Bounded<F> {
+        #[pin]
+        fut: F,
+        // Set at the first poll, unless the deadline is too far to be
+        // told (it never passes).
+        #[pin]
+        timer: Option<tokio::time::Sleep>,
+        // `None` for [`bounded`], until its first poll starts it.
+        deadline: Option<Deadline>,
+        limit: Duration,
+        started: bool,
+    }
+}
+
+impl<T, F: Future<Output = Result<T, StoreError>>> Future for Bounded<F> {
+    type Output = Result<T, StoreError>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let mut this = self.project();
+        let limit = *this.limit;
+        let deadline = *this.deadline.get_or_insert_with(|| Deadline::start(limit));
+        if !*this.started {
+            *this.started = true;
+            // A step due once nothing is left is not started at all.
+            if let Some(e) = deadline.passed() {
+                return std::task::Poll::Ready(Err(e));
+            }
+            if let Some(at) = deadline.started.checked_add(deadline.limit) {
+                this.timer.set(Some(tokio::time::sleep_until(at)));
+            }
+        }
+        // The operation first, as `tokio::time::timeout` does: one that is
+        // ready when the time is up is answered.
+        if let std::task::Poll::Ready(out) = this.fut.poll(cx) {
+            return std::task::Poll::Ready(out);
+        }
+        match this.timer.as_pin_mut().map(|timer| timer.poll(cx)) {
+            Some(std::task::Poll::Ready(())) => std::task::Poll::Ready(Err(deadline.error())),
+            _ => std::task::Poll::Pending,
+        }
+    }
 }
 
 /// One store timeout shared by the steps of one call (a completion and
@@ -749,19 +805,17 @@ impl Deadline {
         StoreError::unavailable(format!("no answer within {} ms", self.limit.as_millis()))
     }
 
-    /// Runs `fut` within what is left: past it,
-    /// [`StoreError::Unavailable`], naming the whole limit. A step due
-    /// once nothing is left is not started at all (see [`passed`](Self::passed)).
-    pub(crate) async fn bound<T>(
-        &self,
-        fut: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        if let Some(e) = self.passed() {
-            return Err(e);
-        }
-        match tokio::time::timeout(self.left(), fut).await {
-            Ok(result) => result,
-            Err(_) => Err(self.error()),
+    /// Runs `fut` within what is left, counted when it is first polled:
+    /// past it, [`StoreError::Unavailable`], naming the whole limit. A step
+    /// due once nothing is left is not started at all (see
+    /// [`passed`](Self::passed)).
+    pub(crate) fn bound<F>(&self, fut: F) -> Bounded<F> {
+        Bounded {
+            fut,
+            timer: None,
+            deadline: Some(*self),
+            limit: self.limit,
+            started: false,
         }
     }
 }
@@ -981,5 +1035,102 @@ mod encode_tests {
         assert!(!e.is_unavailable(), "{e:?}");
         let text = e.to_string();
         assert!(text.contains("argument $2") && text.contains("refused"), "{text}");
+    }
+}
+
+#[cfg(test)]
+mod bound_tests {
+    use super::{bounded, Deadline};
+    use crate::StoreError;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    /// An operation that never answers is answered `Unavailable` once its
+    /// limit is spent, naming the limit.
+    #[tokio::test]
+    async fn an_operation_that_never_answers_is_unavailable_after_its_limit() {
+        let answer = bounded(
+            Duration::from_millis(30),
+            std::future::pending::<Result<(), StoreError>>(),
+        )
+        .await;
+        match answer {
+            Err(StoreError::Unavailable { reason, .. }) => {
+                assert!(reason.contains("no answer within 30 ms"), "{reason}")
+            }
+            other => panic!("expected Unavailable, got {other:?}"),
+        }
+    }
+
+    /// `bounded` counts from its first poll, not from when it was built:
+    /// an operation built long before it is awaited still gets its limit.
+    #[tokio::test]
+    async fn bounded_counts_from_its_first_poll() {
+        let built = bounded(Duration::from_millis(20), async {
+            tokio::task::yield_now().await;
+            Ok::<_, StoreError>(7)
+        });
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(built.await.unwrap(), 7);
+    }
+
+    /// A step of a shared deadline that is due once nothing is left is not
+    /// started at all.
+    #[tokio::test]
+    async fn a_step_due_after_its_deadline_is_not_started() {
+        let deadline = Deadline::start(Duration::from_millis(10));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let polled = AtomicBool::new(false);
+        let answer = deadline
+            .bound(async {
+                polled.store(true, Ordering::SeqCst);
+                Ok::<_, StoreError>(())
+            })
+            .await;
+        assert!(
+            matches!(answer, Err(StoreError::Unavailable { .. })),
+            "{answer:?}"
+        );
+        assert!(!polled.load(Ordering::SeqCst), "the step ran past its deadline");
+    }
+
+    /// The steps of one deadline share it: the second is bounded by what
+    /// the first left, not by the whole limit again.
+    #[tokio::test]
+    async fn steps_share_one_deadline() {
+        let deadline = Deadline::start(Duration::from_millis(400));
+        deadline
+            .bound(async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok::<_, StoreError>(())
+            })
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let second = deadline
+            .bound(std::future::pending::<Result<(), StoreError>>())
+            .await;
+        assert!(
+            matches!(second, Err(StoreError::Unavailable { .. })),
+            "{second:?}"
+        );
+        // About 100 ms left; the whole limit again would be 400.
+        assert!(
+            started.elapsed() < Duration::from_millis(300),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    /// A limit too far for the clock to tell never passes, and does not
+    /// panic.
+    #[tokio::test]
+    async fn a_limit_past_the_clock_never_passes() {
+        let answer = bounded(Duration::MAX, async {
+            tokio::task::yield_now().await;
+            Ok::<_, StoreError>(1)
+        })
+        .await;
+        assert_eq!(answer.unwrap(), 1);
     }
 }
