@@ -842,3 +842,141 @@ async fn the_method_and_the_sign_of_a_zero_do_not_count() {
     assert!(replayed(&positive), "{positive:?}");
     assert_eq!(positive.body, b"inverse -inf");
 }
+
+/// A declared field whose value is an object: serde writes its absent
+/// `Option` members as `null`, where the client left them out.
+mod nested {
+    use super::*;
+
+    #[derive(serde::Deserialize, serde::Serialize)]
+    pub(crate) struct Recipient {
+        pub(crate) account: String,
+        pub(crate) bank: Option<String>,
+    }
+
+    #[derive(serde::Deserialize)]
+    pub(crate) struct TransferIn {
+        pub(crate) amount: i64,
+        pub(crate) recipient: Recipient,
+        #[allow(dead_code)]
+        pub(crate) comment: Option<String>,
+    }
+
+    #[idempotent(scope = "transfer.create", fields(amount, recipient))]
+    pub(crate) async fn transfer(Json(t): Json<TransferIn>) -> String {
+        format!(
+            "{} to {} at {:?}",
+            t.amount, t.recipient.account, t.recipient.bank
+        )
+    }
+
+    /// The same, before a deploy that added `bank`, which this client
+    /// does not send.
+    #[derive(serde::Deserialize, serde::Serialize)]
+    pub(crate) struct RecipientBefore {
+        pub(crate) account: String,
+    }
+
+    #[derive(serde::Deserialize)]
+    pub(crate) struct TransferBefore {
+        pub(crate) amount: i64,
+        pub(crate) recipient: RecipientBefore,
+    }
+
+    #[idempotent(scope = "transfer.create", fields(amount, recipient))]
+    pub(crate) async fn transfer_before(Json(t): Json<TransferBefore>) -> String {
+        format!("{} to {} at None", t.amount, t.recipient.account)
+    }
+
+    /// A declared field read from another wire name than its path: the
+    /// member at the path is not what the handler read.
+    #[derive(serde::Deserialize)]
+    pub(crate) struct Renamed {
+        pub(crate) amount: i64,
+        #[serde(rename = "to")]
+        pub(crate) recipient: Recipient,
+    }
+
+    #[idempotent(scope = "transfer.renamed", fields(amount, recipient))]
+    pub(crate) async fn renamed(Json(t): Json<Renamed>) -> String {
+        format!(
+            "{} to {} at {:?}",
+            t.amount, t.recipient.account, t.recipient.bank
+        )
+    }
+}
+
+/// A declared object whose optional member the client leaves out is still
+/// its declared value: a retry that changes an undeclared member replays.
+#[tokio::test]
+async fn a_declared_object_without_its_optional_members_keeps_undeclared_fields_out() {
+    let store = memory();
+    let addr = serve(&store, Router::new().route("/transfers", post(nested::transfer))).await;
+    let first = r#"{"amount": 5, "recipient": {"account": "acct_bob"}, "comment": "first"}"#;
+    let a = send(addr, "/transfers", first, "k-nested").await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    let retry = r#"{"comment": "second", "recipient": {"account": "acct_bob"}, "amount": 5}"#;
+    let b = send(addr, "/transfers", retry, "k-nested").await;
+    assert_eq!(
+        (b.status, b.body.clone(), replayed(&b)),
+        (200, a.body.clone(), true),
+        "{}",
+        String::from_utf8_lossy(&b.body)
+    );
+    // The declared object still counts, member by member.
+    let other_bank =
+        r#"{"amount": 5, "recipient": {"account": "acct_bob", "bank": "B"}, "comment": "first"}"#;
+    let c = send(addr, "/transfers", other_bank, "k-nested").await;
+    assert_eq!(c.status, 422, "{}", String::from_utf8_lossy(&c.body));
+    // A member sent as `null` is sent: another request than one without it
+    // (stricter, never looser).
+    let null_bank = r#"{"amount": 5, "recipient": {"account": "acct_bob", "bank": null}}"#;
+    let d = send(addr, "/transfers", null_bank, "k-nested").await;
+    assert_eq!(d.status, 422, "{}", String::from_utf8_lossy(&d.body));
+}
+
+/// A deploy that adds an optional member to a declared object, which the
+/// client does not send, keeps the request's fingerprint.
+#[tokio::test]
+async fn a_deploy_that_adds_an_optional_member_to_a_declared_object_replays() {
+    let store = memory();
+    let before = serve(
+        &store,
+        Router::new().route("/transfers", post(nested::transfer_before)),
+    )
+    .await;
+    let after = serve(&store, Router::new().route("/transfers", post(nested::transfer))).await;
+    let body = r#"{"amount": 5, "recipient": {"account": "acct_bob"}}"#;
+    let a = send(before, "/transfers", body, "k-deploy-nested").await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    let b = send(after, "/transfers", body, "k-deploy-nested").await;
+    assert_eq!(
+        (b.status, b.body.clone(), replayed(&b)),
+        (200, a.body.clone(), true),
+        "{}",
+        String::from_utf8_lossy(&b.body)
+    );
+}
+
+/// The `null` members are left out of the check only: where the handler
+/// read a member that the value at the declared path lacks (the field is
+/// read from another wire name), the whole body counts, and a change to
+/// what it read is another request.
+#[tokio::test]
+async fn a_declared_object_read_from_elsewhere_makes_the_whole_body_count() {
+    let store = memory();
+    let addr = serve(&store, Router::new().route("/renamed", post(nested::renamed))).await;
+    let first =
+        r#"{"amount": 5, "to": {"account": "acct_bob", "bank": "A"}, "recipient": {"account": "acct_bob"}}"#;
+    let a = send(addr, "/renamed", first, "k-renamed").await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    let other =
+        r#"{"amount": 5, "to": {"account": "acct_bob", "bank": "B"}, "recipient": {"account": "acct_bob"}}"#;
+    let b = send(addr, "/renamed", other, "k-renamed").await;
+    assert_eq!(
+        b.status,
+        422,
+        "another bank met the first request's answer: {}",
+        String::from_utf8_lossy(&b.body)
+    );
+}

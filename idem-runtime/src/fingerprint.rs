@@ -227,12 +227,15 @@ fn digest(req: &RequestPrint<'_>, canonical: &mut String) -> Result<[u8; 32], Fi
             let body = jcs::parse(text)?;
             // Where the handler read something else than the member at the
             // wire path, that member does not identify the request. Two
-            // values are equal exactly when their canonical forms are.
+            // values are equal exactly when their canonical forms are, but
+            // for the `null` members of their objects (`Node::read_from`):
+            // the value sent, which the fingerprint covers, still decides
+            // the value read.
             let agrees = |i: usize, node: &Node| match read {
                 None => true,
                 Some(read) => read.get(i).copied().flatten().is_some_and(|json| {
                     plain_equals(json, node)
-                        .unwrap_or_else(|| jcs::parse(json).is_ok_and(|typed| typed == *node))
+                        .unwrap_or_else(|| jcs::parse(json).is_ok_and(|typed| typed.read_from(node)))
                 }),
             };
             // Every declared field where its wire path says; else (the
