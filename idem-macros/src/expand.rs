@@ -305,8 +305,10 @@ fn spec_block(names: &Names, args: &IdempotentArgs, keying: &Keying, name: &syn:
 // Output: a check, spanned at `fields`, that the body reads JSON, whose
 //         members the fields name:
 //             const _: () = ::core::assert!(::idem::__private::is_json::<Form<In>>(), "..");
-//         In a generic handler an inline `const { .. };`: an item is checked
-//         at once but cannot name the handler's generic parameters, an
+//         In a generic handler, or where the body type has generic
+//         arguments of its own (which may be an `impl` block's parameters,
+//         unseen here), an inline `const { .. };`: an item is checked at
+//         once but cannot name generic parameters from outside it, an
 //         inline const is checked when the handler is instantiated.
 //         Nothing without `fields(...)`.
 fn json_check(
@@ -328,8 +330,26 @@ fn json_check(
         }
         has_self(b.ty.to_token_stream())
     });
+    // Nor can it name an `impl` block's parameters, which the attribute
+    // does not see: a body type with generic arguments of its own
+    // (`Json<Envelope<T>>`) may name them, and is checked inline.
+    let nested_arguments = body.is_some_and(|b| {
+        fn angles(tokens: TokenStream) -> usize {
+            tokens
+                .into_iter()
+                .map(|t| match t {
+                    proc_macro2::TokenTree::Punct(p) if p.as_char() == '<' => 1,
+                    proc_macro2::TokenTree::Group(g) => angles(g.stream()),
+                    _ => 0,
+                })
+                .sum()
+        }
+        angles(b.ty.to_token_stream()) > 1
+    });
     match (&args.fields, body) {
-        (Some((kw, _)), Some(BodyParam { ty, .. })) if generics.params.is_empty() && !names_self => {
+        (Some((kw, _)), Some(BodyParam { ty, .. }))
+            if generics.params.is_empty() && !names_self && !nested_arguments =>
+        {
             quote_spanned!(kw.span=>
                 const _: () = ::core::assert!(
                     #private::is_json::<#ty>(),
@@ -909,5 +929,24 @@ mod tests {
         );
         assert!(out.starts_with("struct S ;"), "{out}");
         assert!(out.contains("compile_error"), "{out}");
+    }
+
+    /// The JSON check is an item, checked at once, unless the body type
+    /// has generic arguments of its own, which may be an `impl` block's
+    /// parameters (unseen here, and no item can name them): then it is an
+    /// inline const, checked when the handler is instantiated.
+    #[test]
+    fn the_json_check_is_inline_where_the_body_may_name_outer_parameters() {
+        let check = |body: TokenStream| {
+            expand(
+                quote!(scope = "payment.create", fields(amount)),
+                quote!(async fn f(Json(p): #body) -> u8 { 1 }),
+            )
+        };
+        let plain = check(quote!(Json<In>));
+        assert!(plain.contains("const _ : () = :: core :: assert !"), "{plain}");
+        let nested = check(quote!(Json<Envelope<T>>));
+        assert!(!nested.contains("const _ : ()"), "{nested}");
+        assert!(nested.contains("const { :: core :: assert !"), "{nested}");
     }
 }

@@ -402,6 +402,9 @@ fn asks_for(ty: &Type) -> Option<AsksFor> {
     }
 }
 
+/// The most extractors axum's `Handler` is implemented for.
+const AXUM_EXTRACTORS_MAX: usize = 16;
+
 impl Handler {
     /// Checks the handler's shape; every problem is reported, combined.
     pub(crate) fn analyze(item: ItemFn, optional: bool, no_body: bool) -> Result<Self, syn::Error> {
@@ -533,6 +536,32 @@ impl Handler {
                 // cannot be fingerprinted.
                 body = Some((*i, BodyKind::Extracted));
             }
+        }
+        // axum implements `Handler` for at most 16 extractors, and idem
+        // adds its context first and, without a body, an extractor that
+        // reads nothing last: past that, axum's error would name a function
+        // the user never wrote. Parameters under `cfg` may go: not counted.
+        let injected = if body.is_some() || body_under_cfg { 1 } else { 2 };
+        let counted: Vec<&syn::PatType> = extracted
+            .iter()
+            .map(|(_, pt)| *pt)
+            .filter(|pt| !pt.attrs.iter().any(removes_under_cfg))
+            .collect();
+        if let Some(first_too_many) = counted.get(AXUM_EXTRACTORS_MAX - injected) {
+            errors.push(syn::Error::new(
+                first_too_many.span(),
+                format!(
+                    "an `#[idempotent]` handler takes at most {} extractors here: axum takes {AXUM_EXTRACTORS_MAX}, \
+                     and idem adds its own context{}; group some into one extractor of your own (a struct \
+                     that implements `FromRequestParts`)",
+                    AXUM_EXTRACTORS_MAX - injected,
+                    if injected == 2 {
+                        " and, as it fingerprints no body, an extractor that reads nothing"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
         }
         if let Some((ty, param, is_error)) = generic_error_type(&item.sig) {
             let why = format!(
