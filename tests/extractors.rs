@@ -67,3 +67,43 @@ async fn a_parameter_the_handler_never_names_lives_until_it_answers() {
 fn text(body: &[u8]) -> &str {
     std::str::from_utf8(body).unwrap()
 }
+
+/// How many times `with_auth_extractor` ran.
+static AUTH_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+/// An extractor that establishes the tenant, written before the body.
+struct Auth;
+
+impl<S: Send + Sync> FromRequestParts<S> for Auth {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        parts.extensions.insert(idem::Tenant::new("acct_1"));
+        Ok(Auth)
+    }
+}
+
+#[idempotent(scope = "auth.extractor", fields(amount))]
+async fn with_auth_extractor(_auth: Auth, Json(p): Json<PaymentIn>) -> String {
+    AUTH_RUNS.fetch_add(1, Ordering::SeqCst);
+    p.amount.to_string()
+}
+
+/// idem reads the tenant before the handler's own extractors run: one that
+/// an extractor inserts is not seen, and the request is refused as having
+/// none (500 `idempotency-misconfigured`), the handler never run (README,
+/// "Tenants": insert it in a middleware).
+#[tokio::test]
+async fn a_tenant_inserted_by_an_extractor_is_not_seen_and_nothing_runs() {
+    let app = Router::new()
+        .route("/auth", post(with_auth_extractor))
+        .layer(Idem::new(idem::MemoryStore::new()).layer());
+    let addr = serve(app).await;
+    let reply = post_req("/auth", r#"{"amount": 5}"#)
+        .key("k-auth")
+        .send(addr)
+        .await;
+    assert_eq!(reply.status, 500);
+    assert_eq!(reply.problem(), "idempotency-misconfigured");
+    assert_eq!(AUTH_RUNS.load(Ordering::SeqCst), 0);
+}
