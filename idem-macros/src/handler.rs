@@ -451,6 +451,16 @@ impl Handler {
                 }
                 FnArg::Typed(pt) => pt,
             };
+            if let Type::Reference(r) = &*pt.ty {
+                if asks_for(&r.elem).is_some() {
+                    errors.push(syn::Error::new(
+                        pt.ty.span(),
+                        "the handler owns its `Operation`: take it by value (`op: Operation`, or \
+                         `Option<Operation>`), not by reference",
+                    ));
+                    continue;
+                }
+            }
             let Some(asks) = asks_for(&pt.ty) else { continue };
             let param = OperationParam {
                 at: i,
