@@ -780,28 +780,23 @@ async fn set_rate(Json(r): Json<Rate>) -> String {
     r.rate.to_string()
 }
 
-/// A declared `f32`: a decimal it holds as the client wrote it (`0.1`, as
-/// its shortest form writes it) counts alone, so a changed undeclared
-/// member replays; one with more significant digits than an `f32` holds
-/// reads as another value, and the whole body counts.
+/// A declared `f32` counts alone, as the client wrote it: a changed
+/// undeclared member replays, also for a decimal with more significant
+/// digits than an `f32` holds (the value sent, read as an `f32`, is what
+/// the handler read). Another spelling of the same `f32` is another request
+/// (stricter, never looser).
 #[tokio::test]
-async fn a_decimal_an_f32_cannot_hold_makes_the_whole_body_count() {
+async fn a_declared_f32_counts_alone_as_the_client_wrote_it() {
     let addr = serve(&memory(), Router::new().route("/rate", post(set_rate))).await;
     let body = |rate: &str, note: &str| format!(r#"{{"rate": {rate}, "note": "{note}"}}"#);
-    for rate in ["0.1", "4.99", "123.456"] {
+    for rate in ["0.1", "4.99", "123.456", "0.123456789"] {
         let key = format!("k-{rate}");
         assert_eq!(send(addr, "/rate", &body(rate, "first"), &key).await.status, 200);
         let again = send(addr, "/rate", &body(rate, "second"), &key).await;
         assert!(replayed(&again), "{rate}: {again:?}");
     }
-    assert_eq!(
-        send(addr, "/rate", &body("0.123456789", "first"), "k-long")
-            .await
-            .status,
-        200
-    );
-    let again = send(addr, "/rate", &body("0.123456789", "second"), "k-long").await;
-    assert_eq!(again.status, 422, "{again:?}");
+    let other_spelling = send(addr, "/rate", &body("0.12345679", "first"), "k-0.123456789").await;
+    assert_eq!(other_spelling.status, 422, "{other_spelling:?}");
 }
 
 #[idempotent(scope = "account.touch", body = "none")]
@@ -904,6 +899,78 @@ mod nested {
             t.amount, t.recipient.account, t.recipient.bank
         )
     }
+
+    /// A merge-patch map, read from another wire name than its path:
+    /// `null` deletes a key.
+    #[derive(serde::Deserialize)]
+    pub(crate) struct Patch {
+        pub(crate) amount: i64,
+        #[serde(rename = "meta")]
+        pub(crate) metadata: std::collections::BTreeMap<String, Option<String>>,
+    }
+
+    #[idempotent(scope = "patch.map", fields(amount, metadata))]
+    pub(crate) async fn patch_map(Json(p): Json<Patch>) -> String {
+        let deleted: Vec<&String> = p
+            .metadata
+            .iter()
+            .filter(|(_, v)| v.is_none())
+            .map(|(k, _)| k)
+            .collect();
+        format!("amount {} delete {:?}", p.amount, deleted)
+    }
+
+    fn cleared<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
+        <Option<String> as serde::Deserialize>::deserialize(d).map(Some)
+    }
+
+    /// Patch semantics: `bank` absent leaves it, `null` clears it.
+    #[derive(serde::Deserialize, serde::Serialize)]
+    pub(crate) struct RecipientPatch {
+        pub(crate) account: String,
+        #[serde(
+            default,
+            deserialize_with = "cleared",
+            skip_serializing_if = "Option::is_none"
+        )]
+        pub(crate) bank: Option<Option<String>>,
+    }
+
+    #[derive(serde::Deserialize)]
+    pub(crate) struct PatchRenamed {
+        pub(crate) amount: i64,
+        #[serde(rename = "to")]
+        pub(crate) recipient: RecipientPatch,
+    }
+
+    #[idempotent(scope = "patch.recipient", fields(amount, recipient))]
+    pub(crate) async fn patch_recipient(Json(t): Json<PatchRenamed>) -> String {
+        match t.recipient.bank {
+            None => format!("{} to {}: bank left", t.amount, t.recipient.account),
+            Some(None) => format!("{} to {}: bank cleared", t.amount, t.recipient.account),
+            Some(Some(b)) => format!("{} to {}: bank {b}", t.amount, t.recipient.account),
+        }
+    }
+
+    /// After a deploy that added a defaulted member, which this client
+    /// does not send.
+    #[derive(serde::Deserialize, serde::Serialize)]
+    pub(crate) struct RecipientTagged {
+        pub(crate) account: String,
+        #[serde(default)]
+        pub(crate) tags: Vec<String>,
+    }
+
+    #[derive(serde::Deserialize)]
+    pub(crate) struct TransferTagged {
+        pub(crate) amount: i64,
+        pub(crate) recipient: RecipientTagged,
+    }
+
+    #[idempotent(scope = "transfer.create", fields(amount, recipient))]
+    pub(crate) async fn transfer_tagged(Json(t): Json<TransferTagged>) -> String {
+        format!("{} to {} at None", t.amount, t.recipient.account)
+    }
 }
 
 /// A declared object whose optional member the client leaves out is still
@@ -979,4 +1046,134 @@ async fn a_declared_object_read_from_elsewhere_makes_the_whole_body_count() {
         "another bank met the first request's answer: {}",
         String::from_utf8_lossy(&b.body)
     );
+}
+
+/// A deploy that adds a defaulted member (not an `Option`) to a declared
+/// object, which the client does not send: the value sent, read as the new
+/// type reads it, is what the handler read, and the retry replays.
+#[tokio::test]
+async fn a_deploy_that_adds_a_defaulted_member_to_a_declared_object_replays() {
+    let store = memory();
+    let before = serve(
+        &store,
+        Router::new().route("/transfers", post(nested::transfer_before)),
+    )
+    .await;
+    let after = serve(
+        &store,
+        Router::new().route("/transfers", post(nested::transfer_tagged)),
+    )
+    .await;
+    let body = r#"{"amount": 5, "recipient": {"account": "acct_bob"}}"#;
+    let a = send(before, "/transfers", body, "k-deploy-tags").await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    let b = send(after, "/transfers", body, "k-deploy-tags").await;
+    assert_eq!(
+        (b.status, b.body.clone(), replayed(&b)),
+        (200, a.body.clone(), true),
+        "{}",
+        String::from_utf8_lossy(&b.body)
+    );
+}
+
+/// A map of `Option`s read from another wire name than its path: a `null`
+/// entry the handler read (a key to delete) that the map at the path lacks
+/// makes the whole body count, never the first request's replay.
+#[tokio::test]
+async fn a_null_the_handler_read_from_elsewhere_is_another_request() {
+    let store = memory();
+    let addr = serve(&store, Router::new().route("/patch", post(nested::patch_map))).await;
+    let a = send(
+        addr,
+        "/patch",
+        r#"{"amount": 5, "meta": {}, "metadata": {}}"#,
+        "k-map",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    let b = send(
+        addr,
+        "/patch",
+        r#"{"amount": 5, "meta": {"tier": null}, "metadata": {}}"#,
+        "k-map",
+    )
+    .await;
+    assert_eq!(b.status, 422, "{}", String::from_utf8_lossy(&b.body));
+    // The same with a patch's double option: left (absent) against cleared
+    // (`null`), the object at the declared path the same.
+    let addr = serve(
+        &store,
+        Router::new().route("/recipient", post(nested::patch_recipient)),
+    )
+    .await;
+    let left = r#"{"amount": 5, "to": {"account": "acct_bob"}, "recipient": {"account": "acct_bob"}}"#;
+    let c = send(addr, "/recipient", left, "k-double").await;
+    assert_eq!(c.status, 200, "{}", String::from_utf8_lossy(&c.body));
+    let cleared =
+        r#"{"amount": 5, "to": {"account": "acct_bob", "bank": null}, "recipient": {"account": "acct_bob"}}"#;
+    let d = send(addr, "/recipient", cleared, "k-double").await;
+    assert_eq!(d.status, 422, "{}", String::from_utf8_lossy(&d.body));
+}
+
+mod wide {
+    use super::*;
+
+    #[derive(serde::Deserialize)]
+    pub(crate) struct AsInteger {
+        pub(crate) amount: i64,
+    }
+
+    #[idempotent(scope = "wide.amount", fields(amount))]
+    pub(crate) async fn as_integer(Json(p): Json<AsInteger>) -> String {
+        format!("charged {}", p.amount)
+    }
+
+    #[derive(serde::Deserialize)]
+    pub(crate) struct AsFloat {
+        pub(crate) amount: f64,
+    }
+
+    #[idempotent(scope = "wide.amount", fields(amount))]
+    pub(crate) async fn as_float(Json(p): Json<AsFloat>) -> String {
+        format!("charged {}", p.amount)
+    }
+}
+
+/// An integer past 2^53, declared `i64`, then `f64` after a deploy: the
+/// value sent counts in both, and the retry replays; another integer that
+/// the `f64` reads as the same double is another request.
+#[tokio::test]
+async fn an_integer_past_2_pow_53_keeps_its_fingerprint_from_i64_to_f64() {
+    let store = memory();
+    let before = serve(&store, Router::new().route("/a", post(wide::as_integer))).await;
+    let after = serve(&store, Router::new().route("/a", post(wide::as_float))).await;
+    let a = send(
+        before,
+        "/a",
+        r#"{"amount": 9007199254740993, "note": "x"}"#,
+        "k-wide",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    let b = send(
+        after,
+        "/a",
+        r#"{"note": "y", "amount": 9007199254740993}"#,
+        "k-wide",
+    )
+    .await;
+    assert_eq!(
+        (b.status, b.body.clone(), replayed(&b)),
+        (200, a.body.clone(), true),
+        "{}",
+        String::from_utf8_lossy(&b.body)
+    );
+    let c = send(
+        after,
+        "/a",
+        r#"{"amount": 9007199254740992, "note": "x"}"#,
+        "k-wide",
+    )
+    .await;
+    assert_eq!(c.status, 422, "{}", String::from_utf8_lossy(&c.body));
 }

@@ -375,10 +375,9 @@ fn json_check(
 //         value:
 //             let __idem_read: [::idem::__private::FieldJson; 2] = {
 //                 use ::idem::__private::reading::*;
-//                 [(&&::idem::__private::FieldProbe(&__idem_body.value.0.amount)).__idem_json(), ..]
+//                 [(&&&::idem::__private::FieldProbe(&__idem_body.value.0.amount)).__idem_json(), ..]
 //             };
-//         and, for the fingerprint, each one's bytes:
-//             &[__idem_read[0].bytes(), __idem_read[1].bytes()]
+//         and, for the fingerprint, all of them: `&__idem_read`.
 //         Each access is spanned at the field's name in the attribute, so
 //         that rustc reports a field the body type lacks there.
 fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStream) {
@@ -387,7 +386,7 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStrea
         let segments = field.segments.iter();
         let body = Ident::new("__idem_body", Span::mixed_site().located_at(field.span()));
         quote_spanned!(field.span()=>
-            (&&#private::FieldProbe(&#body.value.0 #(.#segments)*)).__idem_json()
+            (&&&#private::FieldProbe(&#body.value.0 #(.#segments)*)).__idem_json()
         )
     });
     let count = args.fields.iter().flat_map(|(_, list)| list).count();
@@ -397,9 +396,7 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStrea
             [#(#reads),*]
         };
     };
-    let index = (0..count).map(syn::Index::from);
-    let bytes = quote!(&[#(#read[#index].bytes()),*]);
-    (reading, bytes)
+    (reading, quote!(&#read))
 }
 
 // Input:  `-> Result<impl IntoResponse, E>` and the handler's block `{ .. }`.

@@ -31,10 +31,10 @@ impl Typed {
     /// The JSON the `#[idempotent]` expansion reads for a declared field
     /// (its probe: `serde_json` of the typed value, on the stack when short).
     fn read(&self) -> FieldJson {
-        use idem_runtime::__private::{reading::ViaSerialize as _, FieldProbe};
+        use idem_runtime::__private::{reading::ViaDeserialize as _, FieldProbe};
         match self {
-            Typed::Int(n) => (&&FieldProbe(n)).__idem_json(),
-            Typed::Text(s) => (&&FieldProbe(s)).__idem_json(),
+            Typed::Int(n) => (&&&FieldProbe(n)).__idem_json(),
+            Typed::Text(s) => (&&&FieldProbe(s)).__idem_json(),
         }
     }
 }

@@ -103,7 +103,7 @@ impl From<JsonError> for FingerprintError {
 /// names, a lone surrogate, a number beyond the range of a double, nesting
 /// deeper than 128.
 pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
-    Ok(fingerprint_hex(req)?.as_str().to_owned())
+    Ok(fingerprint_hex(req, &[])?.as_str().to_owned())
 }
 
 /// A request's fingerprint as the generated code hands it to the protocol:
@@ -111,8 +111,10 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
 #[doc(hidden)]
 pub type Printed = Result<HexStr<64>, FingerprintError>;
 
-/// [`fingerprint`], its digits kept inline.
-pub(crate) fn fingerprint_hex(req: &RequestPrint<'_>) -> Printed {
+/// [`fingerprint`], its digits kept inline. `rereads`: how each declared
+/// field's type reads a value sent, where it can say (see `agrees` in
+/// [`digest`]).
+pub(crate) fn fingerprint_hex(req: &RequestPrint<'_>, rereads: &[Option<crate::request::Reread>]) -> Printed {
     // One buffer per thread for the canonical texts, kept between requests
     // unless a large body made it large. Taken, not borrowed: a call made
     // while it is out gets a new one.
@@ -123,7 +125,7 @@ pub(crate) fn fingerprint_hex(req: &RequestPrint<'_>) -> Printed {
     // A thread tearing down its locals gets a buffer of its own.
     let mut canonical = CANONICAL.try_with(std::cell::Cell::take).unwrap_or_default();
     canonical.clear();
-    let digest = digest(req, &mut canonical);
+    let digest = digest(req, rereads, &mut canonical);
     if canonical.capacity() <= KEPT {
         let _ = CANONICAL.try_with(|kept| kept.set(canonical));
     }
@@ -166,7 +168,11 @@ pub(crate) fn gathered<T: Copy + Default, R>(
 
 /// The SHA-256 of the request's parts, `canonical` holding each canonical
 /// text in turn.
-fn digest(req: &RequestPrint<'_>, canonical: &mut String) -> Result<[u8; 32], FingerprintError> {
+fn digest(
+    req: &RequestPrint<'_>,
+    rereads: &[Option<crate::request::Reread>],
+    canonical: &mut String,
+) -> Result<[u8; 32], FingerprintError> {
     let mut hasher = Sha256::new();
     let mut put = |bytes: &[u8]| {
         hasher.update((bytes.len() as u64).to_be_bytes());
@@ -227,15 +233,26 @@ fn digest(req: &RequestPrint<'_>, canonical: &mut String) -> Result<[u8; 32], Fi
             let body = jcs::parse(text)?;
             // Where the handler read something else than the member at the
             // wire path, that member does not identify the request. Two
-            // values are equal exactly when their canonical forms are, but
-            // for the `null` members of their objects (`Node::read_from`):
-            // the value sent, which the fingerprint covers, still decides
-            // the value read.
+            // values are equal exactly when their canonical forms are. Or
+            // where the value sent, read as the field's type reads it (when
+            // that type is `Deserialize` too), writes as what the handler
+            // read: an object whose `Option` members the client left out,
+            // which serde writes as `null`, or fills with their defaults.
+            // The fingerprint covers the value sent, which then decides
+            // what the handler's type reads.
             let agrees = |i: usize, node: &Node| match read {
                 None => true,
                 Some(read) => read.get(i).copied().flatten().is_some_and(|json| {
-                    plain_equals(json, node)
-                        .unwrap_or_else(|| jcs::parse(json).is_ok_and(|typed| typed.read_from(node)))
+                    plain_equals(json, node).unwrap_or_else(|| {
+                        let Ok(typed) = jcs::parse(json) else { return false };
+                        typed == *node
+                            || rereads.get(i).copied().flatten().is_some_and(|reread| {
+                                let mut sent = String::new();
+                                node.write(&mut sent);
+                                reread(sent.as_bytes())
+                                    .is_some_and(|again| jcs::parse(&again).is_ok_and(|again| again == typed))
+                            })
+                    })
                 }),
             };
             // Every declared field where its wire path says; else (the

@@ -120,36 +120,6 @@ impl Node<'_> {
         }
     }
 
-    /// Whether `self` (a declared field as the handler read it) is `sent`
-    /// (the value at its wire path), once the members of their objects,
-    /// at any depth, whose value is `null` are left out: serde writes an
-    /// absent `Option` member of a struct as `null`, where the client left
-    /// it out. Anything else must be the same value.
-    pub(crate) fn read_from(&self, sent: &Node<'_>) -> bool {
-        match (self, sent) {
-            (Node::Object(read), Node::Object(sent)) => {
-                let given = |members: &[(Cow<'_, str>, Node<'_>)]| {
-                    members.iter().filter(|(_, v)| !matches!(v, Node::Null)).count()
-                };
-                // Both sorted by name: one walk.
-                let mut sent_members = sent.iter().filter(|(_, v)| !matches!(v, Node::Null));
-                given(read) == given(sent)
-                    && read
-                        .iter()
-                        .filter(|(_, v)| !matches!(v, Node::Null))
-                        .all(|(name, v)| {
-                            sent_members
-                                .next()
-                                .is_some_and(|(n, s)| n == name && v.read_from(s))
-                        })
-            }
-            (Node::Array(read), Node::Array(sent)) => {
-                read.len() == sent.len() && read.iter().zip(sent).all(|(r, s)| r.read_from(s))
-            }
-            _ => self == sent,
-        }
-    }
-
     /// The member at `path` (names, outermost first), if every step is an
     /// object that has it.
     pub(crate) fn get(&self, path: &str) -> Option<&Self> {
@@ -650,28 +620,6 @@ impl<'a> Parser<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A declared object read through serde, whose absent `Option`
-    /// members it writes as `null`, is the object the client sent without
-    /// them; any other difference is another value.
-    #[test]
-    fn a_value_read_is_the_value_sent_but_for_its_null_members() {
-        let read_from = |read: &str, sent: &str| {
-            parse(read.as_bytes())
-                .unwrap()
-                .read_from(&parse(sent.as_bytes()).unwrap())
-        };
-        assert!(read_from(r#"{"account":"a","bank":null}"#, r#"{"account":"a"}"#));
-        assert!(read_from(r#"{"account":"a"}"#, r#"{"bank":null,"account":"a"}"#));
-        assert!(read_from(r#"[{"x":{"y":null,"z":1}}]"#, r#"[{"x":{"z":1}}]"#));
-        assert!(read_from("null", "null"));
-        assert!(!read_from(r#"{"account":"a","bank":"b"}"#, r#"{"account":"a"}"#));
-        assert!(!read_from(r#"{"account":"a"}"#, r#"{"account":"a","bank":"b"}"#));
-        assert!(!read_from(r#"{"account":"a"}"#, r#"{"account":"b"}"#));
-        assert!(!read_from(r#"[null]"#, r#"[]"#));
-        assert!(!read_from("null", r#"{}"#));
-        assert!(!read_from(r#"{"a":1,"c":null}"#, r#"{"b":1}"#));
-    }
 
     fn canon(json: &str) -> String {
         canonical_json(json.as_bytes()).unwrap()

@@ -124,6 +124,6 @@ pub mod __private {
 
     /// The field reads' probe traits, imported whole the same way.
     pub mod reading {
-        pub use crate::request::{ViaNothing, ViaSerialize};
+        pub use crate::request::{ViaDeserialize, ViaNothing, ViaSerialize};
     }
 }

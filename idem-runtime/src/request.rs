@@ -109,29 +109,37 @@ impl Spec {
 }
 
 /// The fingerprint of the request: the scope, the path parameters, the
-/// query and `body`, as the handler's attribute says.
+/// query and `body`, as the handler's attribute says; `read`, each declared
+/// field as the handler read it.
 #[doc(hidden)]
 pub fn fingerprint_request<K>(
     ctx: &Context<K>,
     spec: &Spec,
     body: crate::fingerprint::BodyPrint<'_>,
-    read: &[Option<&[u8]>],
+    read: &[FieldJson],
 ) -> crate::fingerprint::Printed {
-    let body = match body {
-        crate::fingerprint::BodyPrint::Json { text, .. } => crate::fingerprint::BodyPrint::Json {
-            text,
-            fields: spec.fields,
-            read: Some(read),
-        },
-        other => other,
-    };
-    crate::fingerprint::gathered(ctx.path.iter(), |path| {
-        crate::fingerprint::fingerprint_hex(&crate::fingerprint::RequestPrint {
-            scope: spec.scope,
-            path,
-            query: ctx.query.as_ref().and_then(|q| q.query()),
-            body,
-            ignore: spec.ignore,
+    crate::fingerprint::gathered(read.iter().map(FieldJson::bytes), |bytes| {
+        crate::fingerprint::gathered(read.iter().map(FieldJson::reread), |rereads| {
+            let body = match body {
+                crate::fingerprint::BodyPrint::Json { text, .. } => crate::fingerprint::BodyPrint::Json {
+                    text,
+                    fields: spec.fields,
+                    read: Some(bytes),
+                },
+                other => other,
+            };
+            crate::fingerprint::gathered(ctx.path.iter(), |path| {
+                crate::fingerprint::fingerprint_hex(
+                    &crate::fingerprint::RequestPrint {
+                        scope: spec.scope,
+                        path,
+                        query: ctx.query.as_ref().and_then(|q| q.query()),
+                        body,
+                        ignore: spec.ignore,
+                    },
+                    rereads,
+                )
+            })
         })
     })
 }
@@ -314,9 +322,19 @@ pub struct FieldProbe<'a, T>(pub &'a T);
 
 /// A declared field as the handler read it, as JSON: on the stack when it
 /// is as short as most fields are (an amount, a currency, an id), so that
-/// reading it allocates nothing.
+/// reading it allocates nothing. With the field's type, where it is
+/// `Deserialize` too, to read a value sent as the handler's type does.
 #[doc(hidden)]
-pub enum FieldJson {
+pub struct FieldJson {
+    text: FieldText,
+    reread: Option<Reread>,
+}
+
+/// Reads the JSON text of a value as a declared field's type would, and
+/// writes what it read back as JSON; `None` where that type refuses it.
+pub(crate) type Reread = fn(&[u8]) -> Option<Vec<u8>>;
+
+enum FieldText {
     /// Its type cannot say (not `Serialize`, or its serialization failed).
     Unknown,
     /// The first `.0` bytes of `.1`.
@@ -330,11 +348,48 @@ impl FieldJson {
 
     /// The JSON text, if its type could say.
     pub fn bytes(&self) -> Option<&[u8]> {
-        match self {
-            FieldJson::Unknown => None,
-            FieldJson::Short(len, buf) => buf.get(..usize::from(*len)),
-            FieldJson::Long(json) => Some(json),
+        match &self.text {
+            FieldText::Unknown => None,
+            FieldText::Short(len, buf) => buf.get(..usize::from(*len)),
+            FieldText::Long(json) => Some(json),
         }
+    }
+
+    /// How the field's type reads a value sent, if it can say.
+    pub(crate) fn reread(&self) -> Option<Reread> {
+        self.reread
+    }
+
+    /// `value` as JSON.
+    fn of<T: serde::Serialize>(value: &T, reread: Option<Reread>) -> Self {
+        // Written once, whatever its length: a `Serialize` may not give the
+        // same text twice, and a write that never fails leaves no error for
+        // a `Display` behind `collect_str` to ignore.
+        let mut out = FieldJson {
+            text: FieldText::Short(0, [0; FieldJson::SHORT]),
+            reread,
+        };
+        if serde_json::to_writer(&mut out, value).is_err() {
+            out.text = FieldText::Unknown;
+        }
+        out
+    }
+}
+
+/// The JSON text `sent`, read as `T` and written back.
+fn reread<T: serde::Serialize + serde::de::DeserializeOwned>(sent: &[u8]) -> Option<Vec<u8>> {
+    let value: T = serde_json::from_slice(sent).ok()?;
+    serde_json::to_vec(&value).ok()
+}
+
+#[doc(hidden)]
+pub trait ViaDeserialize {
+    fn __idem_json(&self) -> FieldJson;
+}
+
+impl<T: serde::Serialize + serde::de::DeserializeOwned> ViaDeserialize for &&FieldProbe<'_, T> {
+    fn __idem_json(&self) -> FieldJson {
+        FieldJson::of(self.0, Some(reread::<T>))
     }
 }
 
@@ -345,22 +400,15 @@ pub trait ViaSerialize {
 
 impl<T: serde::Serialize> ViaSerialize for &FieldProbe<'_, T> {
     fn __idem_json(&self) -> FieldJson {
-        // Written once, whatever its length: a `Serialize` may not give the
-        // same text twice, and a write that never fails leaves no error for
-        // a `Display` behind `collect_str` to ignore.
-        let mut out = FieldJson::Short(0, [0; FieldJson::SHORT]);
-        match serde_json::to_writer(&mut out, self.0) {
-            Ok(()) => out,
-            Err(_) => FieldJson::Unknown,
-        }
+        FieldJson::of(self.0, None)
     }
 }
 
 /// Fills the stack buffer, then moves to the heap: it never fails.
 impl std::io::Write for FieldJson {
     fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        match self {
-            FieldJson::Short(len, buf) => {
+        match &mut self.text {
+            FieldText::Short(len, buf) => {
                 let at = usize::from(*len);
                 match buf.get_mut(at..at + data.len()) {
                     Some(room) => {
@@ -371,12 +419,12 @@ impl std::io::Write for FieldJson {
                         let mut all = Vec::with_capacity((at + data.len()).max(2 * FieldJson::SHORT));
                         all.extend_from_slice(&buf[..at]);
                         all.extend_from_slice(data);
-                        *self = FieldJson::Long(all);
+                        self.text = FieldText::Long(all);
                     }
                 }
             }
-            FieldJson::Long(all) => all.extend_from_slice(data),
-            FieldJson::Unknown => {}
+            FieldText::Long(all) => all.extend_from_slice(data),
+            FieldText::Unknown => {}
         }
         Ok(data.len())
     }
@@ -393,7 +441,10 @@ pub trait ViaNothing {
 
 impl<T> ViaNothing for FieldProbe<'_, T> {
     fn __idem_json(&self) -> FieldJson {
-        FieldJson::Unknown
+        FieldJson {
+            text: FieldText::Unknown,
+            reread: None,
+        }
     }
 }
 
