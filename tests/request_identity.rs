@@ -28,6 +28,27 @@ fn replayed(r: &Reply) -> bool {
     r.header("idempotent-replayed") == Some("true")
 }
 
+/// Sends `body` under `key` to `before`, then the same to `after` (a deploy,
+/// on one store): the second is the first's replay.
+async fn replays_across_a_deploy(
+    store: &Arc<dyn IdempotencyStore>,
+    before: Router,
+    after: Router,
+    body: &str,
+    key: &str,
+) {
+    let (before, after) = (serve(store, before).await, serve(store, after).await);
+    let a = send(before, "/", body, key).await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    let b = send(after, "/", body, key).await;
+    assert_eq!(
+        (b.status, b.body.clone(), replayed(&b)),
+        (200, a.body.clone(), true),
+        "{}",
+        String::from_utf8_lossy(&b.body)
+    );
+}
+
 mod v1 {
     use super::*;
 
@@ -1006,29 +1027,19 @@ async fn a_declared_object_without_its_optional_members_keeps_undeclared_fields_
 /// client does not send, keeps the request's fingerprint.
 #[tokio::test]
 async fn a_deploy_that_adds_an_optional_member_to_a_declared_object_replays() {
-    let store = memory();
-    let before = serve(
-        &store,
-        Router::new().route("/transfers", post(nested::transfer_before)),
+    replays_across_a_deploy(
+        &memory(),
+        Router::new().route("/", post(nested::transfer_before)),
+        Router::new().route("/", post(nested::transfer)),
+        r#"{"amount": 5, "recipient": {"account": "acct_bob"}}"#,
+        "k-deploy-nested",
     )
     .await;
-    let after = serve(&store, Router::new().route("/transfers", post(nested::transfer))).await;
-    let body = r#"{"amount": 5, "recipient": {"account": "acct_bob"}}"#;
-    let a = send(before, "/transfers", body, "k-deploy-nested").await;
-    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
-    let b = send(after, "/transfers", body, "k-deploy-nested").await;
-    assert_eq!(
-        (b.status, b.body.clone(), replayed(&b)),
-        (200, a.body.clone(), true),
-        "{}",
-        String::from_utf8_lossy(&b.body)
-    );
 }
 
-/// The `null` members are left out of the check only: where the handler
-/// read a member that the value at the declared path lacks (the field is
-/// read from another wire name), the whole body counts, and a change to
-/// what it read is another request.
+/// Where the handler read a member that the value at the declared path
+/// lacks (the field is read from another wire name), the whole body
+/// counts, and a change to what it read is another request.
 #[tokio::test]
 async fn a_declared_object_read_from_elsewhere_makes_the_whole_body_count() {
     let store = memory();
@@ -1053,27 +1064,14 @@ async fn a_declared_object_read_from_elsewhere_makes_the_whole_body_count() {
 /// type reads it, is what the handler read, and the retry replays.
 #[tokio::test]
 async fn a_deploy_that_adds_a_defaulted_member_to_a_declared_object_replays() {
-    let store = memory();
-    let before = serve(
-        &store,
-        Router::new().route("/transfers", post(nested::transfer_before)),
+    replays_across_a_deploy(
+        &memory(),
+        Router::new().route("/", post(nested::transfer_before)),
+        Router::new().route("/", post(nested::transfer_tagged)),
+        r#"{"amount": 5, "recipient": {"account": "acct_bob"}}"#,
+        "k-deploy-tags",
     )
     .await;
-    let after = serve(
-        &store,
-        Router::new().route("/transfers", post(nested::transfer_tagged)),
-    )
-    .await;
-    let body = r#"{"amount": 5, "recipient": {"account": "acct_bob"}}"#;
-    let a = send(before, "/transfers", body, "k-deploy-tags").await;
-    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
-    let b = send(after, "/transfers", body, "k-deploy-tags").await;
-    assert_eq!(
-        (b.status, b.body.clone(), replayed(&b)),
-        (200, a.body.clone(), true),
-        "{}",
-        String::from_utf8_lossy(&b.body)
-    );
 }
 
 /// A map of `Option`s read from another wire name than its path: a `null`
