@@ -1005,6 +1005,27 @@ mod nested {
     pub(crate) async fn transfer_tagged(Json(t): Json<TransferTagged>) -> String {
         format!("{} to {} at None", t.amount, t.recipient.account)
     }
+
+    /// A card whose number its type never writes.
+    #[derive(serde::Deserialize, serde::Serialize)]
+    pub(crate) struct Card {
+        pub(crate) last4: String,
+        #[serde(skip_serializing)]
+        pub(crate) number: String,
+    }
+
+    /// Read from `paymentCard`, declared at `payment_card`.
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub(crate) struct Charge {
+        pub(crate) amount: i64,
+        pub(crate) payment_card: Card,
+    }
+
+    #[idempotent(scope = "charge.create", fields(amount, payment_card))]
+    pub(crate) async fn charge(Json(c): Json<Charge>) -> String {
+        format!("charged {} to card {}", c.amount, c.payment_card.number)
+    }
 }
 
 /// A declared object whose optional member the client leaves out is still
@@ -1157,4 +1178,21 @@ async fn an_integer_past_2_pow_53_keeps_its_fingerprint_from_i64_to_f64() {
         "k-wide",
     )
     .await;
+}
+
+/// A member of the value sent that the handler's value never shows (its
+/// type skips it when writing) may stand for another member the handler
+/// read: where the field is read from another wire name, the value at the
+/// declared path does not count for it, and another card is another
+/// request.
+#[tokio::test]
+async fn a_member_the_type_never_writes_does_not_stand_for_the_one_read() {
+    let addr = serve(&memory(), Router::new().route("/c", post(nested::charge))).await;
+    let card = |number: &str| {
+        format!(
+            r#"{{"amount": 5, "paymentCard": {{"last4": "4242", "number": "{number}"}}, "payment_card": {{"last4": "4242", "number": "x"}}}}"#
+        )
+    };
+    ran(addr, "/c", &card("4000000000004242"), "k-card").await;
+    refused(addr, "/c", &card("5555555555554242"), "k-card").await;
 }

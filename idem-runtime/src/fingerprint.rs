@@ -239,7 +239,11 @@ fn digest(
             // read: an object whose `Option` members the client left out,
             // which serde writes as `null`, or fills with their defaults.
             // The fingerprint covers the value sent, which then decides
-            // what the handler's type reads.
+            // what the handler's type reads. Not where the value sent has a
+            // member that what the handler read does not show (one its
+            // type never writes, `skip_serializing`): where the field is
+            // read from another wire name, that member would stand for one
+            // the handler read, and is not it.
             let agrees = |i: usize, node: &Node| match read {
                 None => true,
                 Some(read) => read.get(i).copied().flatten().is_some_and(|json| {
@@ -249,8 +253,10 @@ fn digest(
                             || rereads.get(i).copied().flatten().is_some_and(|reread| {
                                 let mut sent = String::new();
                                 node.write(&mut sent);
-                                reread(sent.as_bytes())
-                                    .is_some_and(|again| jcs::parse(&again).is_ok_and(|again| again == typed))
+                                node.shown_in(&typed)
+                                    && reread(sent.as_bytes()).is_some_and(|again| {
+                                        jcs::parse(&again).is_ok_and(|again| again == typed)
+                                    })
                             })
                     })
                 }),

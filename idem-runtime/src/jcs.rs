@@ -120,6 +120,26 @@ impl Node<'_> {
         }
     }
 
+    /// Whether every member of every object in `self` (a value sent) is in
+    /// `written` (a value as a type wrote it) at the same place: `written`
+    /// may have more members, and other scalars.
+    pub(crate) fn shown_in(&self, written: &Node<'_>) -> bool {
+        match (self, written) {
+            (Node::Object(sent), Node::Object(written)) => sent.iter().all(|(name, value)| {
+                written
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .is_some_and(|(_, w)| value.shown_in(w))
+            }),
+            (Node::Object(_), _) => false,
+            (Node::Array(sent), Node::Array(written)) => {
+                sent.len() == written.len() && sent.iter().zip(written).all(|(s, w)| s.shown_in(w))
+            }
+            (Node::Array(_), _) => false,
+            _ => true,
+        }
+    }
+
     /// The member at `path` (names, outermost first), if every step is an
     /// object that has it.
     pub(crate) fn get(&self, path: &str) -> Option<&Self> {
