@@ -106,6 +106,10 @@ pub fn fingerprint(req: &RequestPrint<'_>) -> Result<String, FingerprintError> {
     Ok(fingerprint_hex(req, &[])?.as_str().to_owned())
 }
 
+/// Reads the JSON text of a value as a declared field's type would, and
+/// writes what it read back as JSON; `None` where that type refuses it.
+pub(crate) type Reread = fn(&[u8]) -> Option<Vec<u8>>;
+
 /// A request's fingerprint as the generated code hands it to the protocol:
 /// its digits, kept inline, or why the body has none.
 #[doc(hidden)]
@@ -114,7 +118,7 @@ pub type Printed = Result<HexStr<64>, FingerprintError>;
 /// [`fingerprint`], its digits kept inline. `rereads`: how each declared
 /// field's type reads a value sent, where it can say (see `agrees` in
 /// [`digest`]).
-pub(crate) fn fingerprint_hex(req: &RequestPrint<'_>, rereads: &[Option<crate::request::Reread>]) -> Printed {
+pub(crate) fn fingerprint_hex(req: &RequestPrint<'_>, rereads: &[Option<Reread>]) -> Printed {
     // One buffer per thread for the canonical texts, kept between requests
     // unless a large body made it large. Taken, not borrowed: a call made
     // while it is out gets a new one.
@@ -170,7 +174,7 @@ pub(crate) fn gathered<T: Copy + Default, R>(
 /// text in turn.
 fn digest(
     req: &RequestPrint<'_>,
-    rereads: &[Option<crate::request::Reread>],
+    rereads: &[Option<Reread>],
     canonical: &mut String,
 ) -> Result<[u8; 32], FingerprintError> {
     let mut hasher = Sha256::new();

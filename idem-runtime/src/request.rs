@@ -327,12 +327,8 @@ pub struct FieldProbe<'a, T>(pub &'a T);
 #[doc(hidden)]
 pub struct FieldJson {
     text: FieldText,
-    reread: Option<Reread>,
+    reread: Option<crate::fingerprint::Reread>,
 }
-
-/// Reads the JSON text of a value as a declared field's type would, and
-/// writes what it read back as JSON; `None` where that type refuses it.
-pub(crate) type Reread = fn(&[u8]) -> Option<Vec<u8>>;
 
 enum FieldText {
     /// Its type cannot say (not `Serialize`, or its serialization failed).
@@ -356,12 +352,12 @@ impl FieldJson {
     }
 
     /// How the field's type reads a value sent, if it can say.
-    pub(crate) fn reread(&self) -> Option<Reread> {
+    pub(crate) fn reread(&self) -> Option<crate::fingerprint::Reread> {
         self.reread
     }
 
     /// `value` as JSON.
-    fn of<T: serde::Serialize>(value: &T, reread: Option<Reread>) -> Self {
+    fn of<T: serde::Serialize>(value: &T, reread: Option<crate::fingerprint::Reread>) -> Self {
         // Written once, whatever its length: a `Serialize` may not give the
         // same text twice, and a write that never fails leaves no error for
         // a `Display` behind `collect_str` to ignore.
