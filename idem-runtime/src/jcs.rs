@@ -125,12 +125,19 @@ impl Node<'_> {
     /// may have more members, and other scalars.
     pub(crate) fn shown_in(&self, written: &Node<'_>) -> bool {
         match (self, written) {
-            (Node::Object(sent), Node::Object(written)) => sent.iter().all(|(name, value)| {
-                written
-                    .iter()
-                    .find(|(n, _)| n == name)
-                    .is_some_and(|(_, w)| value.shown_in(w))
-            }),
+            // Both sorted by name: one walk, however many members.
+            (Node::Object(sent), Node::Object(written)) => {
+                let mut written = written.iter().peekable();
+                sent.iter().all(|(name, value)| {
+                    while written
+                        .next_if(|(n, _)| utf16_cmp(n, name) == Ordering::Less)
+                        .is_some()
+                    {}
+                    written
+                        .next_if(|(n, _)| n == name)
+                        .is_some_and(|(_, w)| value.shown_in(w))
+                })
+            }
             (Node::Object(_), _) => false,
             (Node::Array(sent), Node::Array(written)) => {
                 sent.len() == written.len() && sent.iter().zip(written).all(|(s, w)| s.shown_in(w))
@@ -640,6 +647,32 @@ impl<'a> Parser<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A value sent is shown in a value written when every member of its
+    /// objects is there, at the same place, whatever else is written.
+    #[test]
+    fn a_value_sent_is_shown_where_each_of_its_members_is_written() {
+        let shown = |sent: &str, written: &str| {
+            parse(sent.as_bytes())
+                .unwrap()
+                .shown_in(&parse(written.as_bytes()).unwrap())
+        };
+        assert!(shown(r#"{"account":"a"}"#, r#"{"account":"a","bank":null}"#));
+        assert!(shown(
+            r#"{"b":1,"d":[{"x":1}]}"#,
+            r#"{"a":0,"b":2,"c":0,"d":[{"x":3,"y":4}]}"#
+        ));
+        assert!(shown(
+            r#"{"\ue000":1,"\ud800\udc00":1}"#,
+            r#"{"\ud800\udc00":1,"\ue000":1,"z":0}"#
+        ));
+        assert!(shown("1.5", "2"));
+        assert!(!shown(r#"{"account":"a","number":"4242"}"#, r#"{"account":"a"}"#));
+        assert!(!shown(r#"{"a":{"b":1}}"#, r#"{"a":{"c":1}}"#));
+        assert!(!shown(r#"[{"b":1}]"#, r#"[{"c":1}]"#));
+        assert!(!shown("[1]", "[1,2]"));
+        assert!(!shown(r#"{"a":1}"#, "\"a\""));
+    }
 
     fn canon(json: &str) -> String {
         canonical_json(json.as_bytes()).unwrap()
