@@ -157,6 +157,8 @@ struct BodyParam {
 //         through idem's extractor (the runtime hands over the `Operation`):
 //             __idem_ctx: ::idem::__private::Context, State(s): State<App>,
 //             __idem_body: ::idem::__private::Raw<Json<In>>
+//         (`Tail<String>` for a body read whole, which keeps only the
+//         tenant; `NoBody` last when there is no body)
 //         and, for the body, its binding `let Json(p) = __idem_body.value;`,
 //         its print `::idem::__private::print_body::<Json<In>>(&__idem_body)`
 //         and its type `Json<In>`.
@@ -184,9 +186,9 @@ fn parameters(names: &Names, handler: &Handler) -> (Vec<TokenStream>, Option<Bod
                         quote_spanned!(ty.span()=> #private::print_body::<#ty>(&#body_ident)),
                     ),
                     BodyKind::Raw => (
-                        quote!(#ty),
-                        quote!(#body_ident),
-                        quote!(#private::raw(&#body_ident)),
+                        quote_spanned!(ty.span()=> #private::Tail<#ty>),
+                        quote!(#body_ident.value),
+                        quote!(#private::raw(&#body_ident.value)),
                     ),
                 };
                 // Its `cfg`s on the parameter as well; its lints only on
@@ -195,7 +197,7 @@ fn parameters(names: &Names, handler: &Handler) -> (Vec<TokenStream>, Option<Bod
                 let cfgs = attrs.iter().filter(|a| {
                     crate::handler::is_attr(a.path(), "cfg") || crate::handler::is_attr(a.path(), "cfg_attr")
                 });
-                params.push(quote!(#(#cfgs)* #body_ident: #param_ty));
+                params.push(quote!(#(#cfgs)* mut #body_ident: #param_ty));
                 body = Some(BodyParam {
                     // The parameter's attributes (lints such as
                     // `#[allow(unused_mut)]`) hold for its binding too.
@@ -779,8 +781,9 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
     // for a head extractor by its name): every parameter stands before
     // idem's last one, which reads nothing, so axum refuses one that reads
     // the body (a type alias of `Json<T>`, whatever its name).
+    let body_ident = &names.body;
     if body.is_none() {
-        params.push(quote!(_: #private::NoBody));
+        params.push(quote!(mut #body_ident: #private::NoBody));
     }
     quote! {
         #(#attrs)*
@@ -794,6 +797,9 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
                 #reads
                 #private::fingerprint_request(&#ctx, #spec, #print, #read_bytes)
             };
+            // The tenant as the last extractor saw it: one of the
+            // handler's own extractors may have established it.
+            let #ctx = #ctx.seen_last(#body_ident.tenant.take());
             #run
         }
     }

@@ -636,6 +636,14 @@ impl HeaderValues {
 }
 
 impl<K> Context<K> {
+    /// The context with the tenant as idem's last extractor saw it, once
+    /// the handler's own extractors ran: one of them may establish it.
+    #[doc(hidden)]
+    pub fn seen_last(mut self, tenant: Option<Tenant>) -> Self {
+        self.tenant = tenant;
+        self
+    }
+
     /// The same context, its header name no longer in its type.
     pub(crate) fn erase(self) -> Context {
         Context {
@@ -679,7 +687,9 @@ impl<S: Send + Sync, K: KeyHeader> FromRequestParts<S> for Context<K> {
         };
         Ok(Context {
             idem: parts.extensions.get::<Idem>().cloned(),
-            tenant: parts.extensions.get::<Tenant>().cloned(),
+            // Read by idem's last extractor, once the handler's own ran
+            // (`seen_last`): one of them may establish it.
+            tenant: None,
             key: K::NAME.map_or_else(HeaderValues::default, |name| {
                 let mut values = parts.headers.get_all(name).iter().cloned();
                 HeaderValues {

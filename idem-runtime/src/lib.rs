@@ -110,6 +110,7 @@ pub mod __private {
     pub use crate::protocol::{returning, run, run_optional};
     pub use crate::request::{
         fingerprint_request, is_json, print_body, raw, FieldJson, FieldProbe, NoBody, Raw, ScopeNoted, Spec,
+        Tail,
     };
     pub use axum::response::{IntoResponse, Response};
     pub use std::time::Duration;

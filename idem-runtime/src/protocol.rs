@@ -311,8 +311,7 @@ fn tenant_id(engine: &Engine, tenant: Option<&Tenant>) -> Option<String> {
         (None, false) => {
             tracing::error!(
                 "no tenant for this request: insert an `idem::Tenant` into the request extensions in \
-                 your auth layer, a middleware that runs before the handler (idem reads it before the \
-                 handler's own extractors run: one inserted by an extractor is not seen), or call \
+                 your auth layer (a middleware, or an extractor of the handler's), or call \
                  `Idem::single_tenant()` if the service has one tenant"
             );
             None

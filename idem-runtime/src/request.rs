@@ -157,6 +157,34 @@ pub fn raw<T: AsRef<[u8]>>(body: &T) -> crate::fingerprint::BodyPrint<'_> {
 pub struct Raw<E> {
     pub value: E,
     pub bytes: axum::body::Bytes,
+    /// The tenant once every extractor before it ran ([`Tail`]).
+    pub tenant: Option<crate::Tenant>,
+}
+
+/// The last extractor of a handler whose body is read whole (`String`,
+/// `Bytes`): the body, and the tenant as the request carries it once every
+/// extractor before it ran, one of which (an `Auth` extractor) may have
+/// established it. Rejections are the extractor's own.
+#[doc(hidden)]
+pub struct Tail<E> {
+    pub value: E,
+    pub tenant: Option<crate::Tenant>,
+}
+
+impl<S, E> axum::extract::FromRequest<S> for Tail<E>
+where
+    S: Send + Sync,
+    E: axum::extract::FromRequest<S>,
+{
+    type Rejection = E::Rejection;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+        let tenant = req.extensions().get::<crate::Tenant>().cloned();
+        Ok(Tail {
+            value: E::from_request(req, state).await?,
+            tenant,
+        })
+    }
 }
 
 impl<S, E> axum::extract::FromRequest<S> for Raw<E>
@@ -170,6 +198,7 @@ where
     /// reads: `E` sees the request as it came (its own checks, its own body
     /// limit, its own rejections, in its own order).
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+        let tenant = req.extensions().get::<crate::Tenant>().cloned();
         /// The chunks read, the first apart: most bodies are one.
         type Seen = (Option<axum::body::Bytes>, Vec<axum::body::Bytes>);
         let seen: Arc<std::sync::Mutex<Seen>> = Arc::default();
@@ -202,7 +231,7 @@ where
                 all.into()
             }
         };
-        Ok(Raw { value, bytes })
+        Ok(Raw { value, bytes, tenant })
     }
 }
 
@@ -211,14 +240,20 @@ where
 /// extractors of the request's head (`FromRequestParts`). A parameter that
 /// reads the body (one idem cannot tell by its name, such as a type alias of
 /// `Json<T>`) is then a compile error, never an unseen body.
+/// It keeps the tenant as the request carries it once every extractor
+/// before it ran ([`Tail`]).
 #[doc(hidden)]
-pub struct NoBody;
+pub struct NoBody {
+    pub tenant: Option<crate::Tenant>,
+}
 
 impl<S: Send + Sync> axum::extract::FromRequest<S> for NoBody {
     type Rejection = std::convert::Infallible;
 
-    async fn from_request(_: axum::extract::Request, _: &S) -> Result<Self, Self::Rejection> {
-        Ok(NoBody)
+    async fn from_request(req: axum::extract::Request, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(NoBody {
+            tenant: req.extensions().get::<crate::Tenant>().cloned(),
+        })
     }
 }
 
