@@ -719,7 +719,7 @@ fn run_call(
 // Output: the handler as axum sees it, with the same attributes, visibility
 //         and generics, whose body is one runtime call:
 //             #[attrs] vis async fn create(__idem_ctx: ::idem::__private::Context,
-//                     State(s): State<App>, __idem_body: ::idem::__private::Raw<Json<In>>)
+//                     State(s): State<App>, mut __idem_body: ::idem::__private::Raw<Json<In>>)
 //                     -> ::idem::__private::Response {
 //                 let __idem_spec = ..;   // `spec_block`
 //                 const _: () = ..;       // `json_check`
@@ -728,6 +728,7 @@ fn run_call(
 //                     ::idem::__private::fingerprint_request(&__idem_ctx, __idem_spec,
 //                         ::idem::__private::print_body::<Json<In>>(&__idem_body), &[..])
 //                 };
+//                 let __idem_ctx = __idem_ctx.seen_last(__idem_body.tenant.take());
 //                 ::idem::__private::run(__idem_ctx, __idem_spec, __idem_fp, ..).await // `run_call`
 //             }
 fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
