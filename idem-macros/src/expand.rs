@@ -726,7 +726,7 @@ fn run_call(
 //                 let __idem_fp = {
 //                     let __idem_read = ..;   // `field_reads`
 //                     ::idem::__private::fingerprint_request(&__idem_ctx, __idem_spec,
-//                         ::idem::__private::print_body::<Json<In>>(&__idem_body), &[..])
+//                         ::idem::__private::print_body::<Json<In>>(&__idem_body), &__idem_read)
 //                 };
 //                 let __idem_ctx = __idem_ctx.seen_last(__idem_body.tenant.take());
 //                 ::idem::__private::run(__idem_ctx, __idem_spec, __idem_fp, ..).await // `run_call`
