@@ -725,9 +725,11 @@ pin_project_lite::pin_project! {
         #[pin]
         fut: F,
         // Set at the first poll, unless the deadline is too far to be
-        // told (it never passes).
+        // told (it never passes). Outside the task's cooperative budget,
+        // which an operation busy with ready work may spend on every poll:
+        // the time is up all the same.
         #[pin]
-        timer: Option<tokio::time::Sleep>,
+        timer: Option<tokio::task::Unconstrained<tokio::time::Sleep>>,
         // `None` for [`bounded`], until its first poll starts it.
         deadline: Option<Deadline>,
         limit: Duration,
@@ -752,7 +754,8 @@ impl<T, F: Future<Output = Result<T, StoreError>>> Future for Bounded<F> {
                 return std::task::Poll::Ready(Err(e));
             }
             if let Some(at) = deadline.started.checked_add(deadline.limit) {
-                this.timer.set(Some(tokio::time::sleep_until(at)));
+                this.timer
+                    .set(Some(tokio::task::unconstrained(tokio::time::sleep_until(at))));
             }
         }
         // The operation first, as `tokio::time::timeout` does: one that is
@@ -1119,6 +1122,30 @@ mod bound_tests {
             started.elapsed() < Duration::from_millis(300),
             "{:?}",
             started.elapsed()
+        );
+    }
+
+    /// An operation that spends the task's whole cooperative budget on
+    /// each poll (one busy with ready work) still times out: the bound's
+    /// timer does not wait for budget, as tokio's own `timeout` does not.
+    #[tokio::test]
+    async fn a_bound_fires_while_its_operation_spends_every_budget() {
+        let busy = async {
+            loop {
+                tokio::task::consume_budget().await;
+            }
+        };
+        let answer = tokio::time::timeout(
+            Duration::from_secs(5),
+            bounded(Duration::from_millis(50), async {
+                busy.await;
+                Ok::<(), StoreError>(())
+            }),
+        )
+        .await;
+        assert!(
+            matches!(answer, Ok(Err(StoreError::Unavailable { .. }))),
+            "the bound never fired: {answer:?}"
         );
     }
 
