@@ -254,14 +254,11 @@ fn digest(
                     plain_equals(json, node).unwrap_or_else(|| {
                         let Ok(typed) = jcs::parse(json) else { return false };
                         typed == *node
-                            || rereads.get(i).copied().flatten().is_some_and(|reread| {
-                                let mut sent = String::new();
-                                node.write(&mut sent);
-                                node.shown_in(&typed)
-                                    && reread(sent.as_bytes()).is_some_and(|again| {
-                                        jcs::parse(&again).is_ok_and(|again| again == typed)
-                                    })
-                            })
+                            || rereads
+                                .get(i)
+                                .copied()
+                                .flatten()
+                                .is_some_and(|reread| reads_as(reread, node, &typed))
                     })
                 }),
             };
@@ -301,6 +298,18 @@ fn digest(
         }
     }
     Ok(hasher.finalize().into())
+}
+
+/// Whether `sent`, read by a declared field's type (`reread`) and written
+/// back, is `typed`, what the handler read, and has no member `typed` does
+/// not show (see `agrees` in [`digest`]).
+fn reads_as(reread: Reread, sent: &Node<'_>, typed: &Node<'_>) -> bool {
+    if !sent.shown_in(typed) {
+        return false;
+    }
+    let mut text = String::new();
+    sent.write(&mut text);
+    reread(text.as_bytes()).is_some_and(|again| jcs::parse(&again).is_ok_and(|again| again == *typed))
 }
 
 /// Whether the JSON text `json` is the value `node`, without parsing it,

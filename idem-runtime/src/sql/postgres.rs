@@ -1518,13 +1518,13 @@ impl PgStore {
         // kilobytes, and each place that awaited one would add them to this
         // future's size, which the reservation's own future carries.
         let mut running = std::pin::pin!(self.run_reserving(&self.lookup, req, operation_id));
-        let Some(turn) = turn else {
+        if turn.is_none() {
             return running.await;
-        };
+        }
         // Whether answered, failed, given up on, or still waiting after
         // `TURN_HELD_MAX`, the lookups that queued meanwhile go on without
         // it.
-        let mut turn = Some(turn);
+        let mut turn = turn;
         pause_point!(crate::pause::RESERVE_TURN, &req.id.key);
         let held_until = tokio::time::Instant::now() + TURN_HELD_MAX;
         tokio::select! {
