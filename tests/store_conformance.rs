@@ -3246,11 +3246,21 @@ async fn postgres_a_replay_grouped_with_an_insert_that_waits_is_answered() {
 /// that ends 60 ms after the group starts waiting for it (no wait reaching
 /// `GROUP_LOCK_WAIT` alone), is answered within its bound: the group is
 /// refused once its waits add up to it, and each lookup runs alone.
+///
+/// Once they run alone, the lookups of the fresh keys whose transactions
+/// are still open wait for them, each on a connection of its own: the pool
+/// has one for each lookup, so that the replay's never waits for one of
+/// theirs (with fewer, the replay got a connection only when it happened
+/// to ask before them, and was refused otherwise, the pool's to blame and
+/// not the group's bound).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_groups_lock_waits_add_up_to_one_bound() {
-    let Some((url, store)) = pg_lookup_store_bounded().await else {
+    let Some((url, store)) = pg_group_store(16).await else {
         return;
     };
+    let store = store
+        .with_replay_cache(Duration::ZERO)
+        .with_timeout(Duration::from_millis(500));
     let done = lookup_id("done");
     complete_as_done(&store, &done).await;
     let fresh: Vec<RecordId> = (0..10).map(|i| lookup_id(&format!("f{i}"))).collect();
