@@ -35,7 +35,7 @@ pub(crate) enum Collected {
     /// tell it broken from whole ([`Reader`]): the whole of it for that
     /// client, or `None` when it was dropped as it came (a `HEAD`, or past
     /// [`MAX_HELD_FOR_HTTP10`]); and its length, which a `HEAD` is told.
-    Over(Option<Vec<axum::body::Bytes>>, usize),
+    Over(Option<axum::body::Bytes>, usize),
 }
 
 /// What a request's client can tell of its answer's body.
@@ -83,9 +83,10 @@ impl Reader {
 /// client that cannot tell a broken body from a whole one: it gets the
 /// answer once it is recorded (or a problem, never a body that looks whole
 /// and is not). `head` is what was read. The bytes are kept for an HTTP/1.0
-/// client, up to [`MAX_HELD_FOR_HTTP10`]; past it, and for a `HEAD`, they
-/// are dropped as they come. A body that ended is dropped here, its drop
-/// caught as in [`collect`].
+/// client, up to [`MAX_HELD_FOR_HTTP10`], in one buffer (a body of many
+/// small or empty chunks holds its bytes, not a handle for each chunk);
+/// past it, and for a `HEAD`, they are dropped as they come. A body that
+/// ended is dropped here, its drop caught as in [`collect`].
 pub(crate) async fn drain(
     reader: Reader,
     head: Vec<axum::body::Bytes>,
@@ -96,7 +97,7 @@ pub(crate) async fn drain(
         .iter()
         .map(axum::body::Bytes::len)
         .fold(0usize, usize::saturating_add);
-    let mut kept = (reader != Reader::Headless).then_some(head);
+    let mut kept = (reader != Reader::Headless && len <= MAX_HELD_FOR_HTTP10).then(|| head.concat());
     while let Some(chunk) = rest.next().await {
         match chunk {
             Ok(chunk) => {
@@ -105,7 +106,7 @@ pub(crate) async fn drain(
                     if len > MAX_HELD_FOR_HTTP10 {
                         kept = None;
                     } else {
-                        read.push(chunk);
+                        read.extend_from_slice(&chunk);
                     }
                 }
             }
@@ -115,7 +116,7 @@ pub(crate) async fn drain(
         tokio::task::consume_budget().await;
     }
     drop_caught(rest, panic);
-    Collected::Over(kept, len)
+    Collected::Over(kept.map(axum::body::Bytes::from), len)
 }
 
 /// Reads `body` up to `limit` bytes, holding no more than that in memory.
@@ -155,16 +156,22 @@ pub(crate) async fn collect(
         drop_caught(rest, panic);
         return Collected::Whole(first);
     }
-    let (mut head, mut len) = (Vec::new(), first.len());
-    head.push(first);
+    // Joined as they come: what is held is the bytes read (at most the
+    // limit), never a handle for each chunk, which a body of many empty or
+    // one-byte chunks would make many times larger than its bytes.
+    let mut read = first.to_vec();
     while let Some(chunk) = rest.next().await {
         match chunk {
             Ok(chunk) => {
-                len = len.saturating_add(chunk.len());
-                head.push(chunk);
-                if len > limit {
+                if chunk.len() > limit - read.len() {
+                    let head = if read.is_empty() {
+                        vec![chunk]
+                    } else {
+                        vec![read.into(), chunk]
+                    };
                     return Collected::Streamed { head, rest };
                 }
+                read.extend_from_slice(&chunk);
                 // A body always ready (empty chunks) never returns Pending:
                 // the runtime gets its turn here, to drive the lease's
                 // extensions (on a current-thread runtime, nothing else would).
@@ -174,11 +181,7 @@ pub(crate) async fn collect(
         }
     }
     drop_caught(rest, panic);
-    let mut whole = Vec::with_capacity(len);
-    for chunk in head {
-        whole.extend_from_slice(&chunk);
-    }
-    Collected::Whole(whole.into())
+    Collected::Whole(read.into())
 }
 
 /// What the streamer sends to the client's body.
@@ -376,7 +379,7 @@ mod tests {
             Collected::Whole(bytes) => bytes,
             Collected::Streamed { head, .. } => panic!("streamed, {} chunks read", head.len()),
             Collected::Failed(e) => panic!("failed: {e}"),
-            Collected::Over(read, _) => panic!("over the limit, {:?} chunks kept", read.map(|r| r.len())),
+            Collected::Over(read, _) => panic!("over the limit, {:?} bytes kept", read.map(|r| r.len())),
         }
     }
 
@@ -413,6 +416,12 @@ mod tests {
         for (body, read, sent) in [
             (Body::from("abcde"), 1, &b"abcde"[..]),
             (chunks(&[b"ab", b"cde", b"f"]), 2, b"abcdef"),
+            // What was read is one buffer, however many chunks it came in.
+            (
+                chunks(&[b"a", b"", b"b", b"c", b"", b"d", b"ef", b"g"]),
+                2,
+                b"abcdefg",
+            ),
         ] {
             match collect(body, 4, false, &mut None).await {
                 Collected::Streamed { head, rest } => {
@@ -472,7 +481,7 @@ mod tests {
         let head = vec![Bytes::from_static(b"ab")];
         let rest = || chunks(&[b"cd", b"", b"e"]).into_data_stream();
         match drain(Reader::UntilClose, head.clone(), rest(), &mut None).await {
-            Collected::Over(Some(read), len) => assert_eq!((read.concat(), len), (b"abcde".to_vec(), 5)),
+            Collected::Over(Some(read), len) => assert_eq!((&read[..], len), (&b"abcde"[..], 5)),
             _ => panic!("not read to its end and kept"),
         }
         match drain(Reader::Headless, head.clone(), rest(), &mut None).await {
