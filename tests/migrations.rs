@@ -97,7 +97,7 @@ async fn postgres_the_first_released_schema_upgrades_and_serves() {
     .unwrap();
     assert_eq!(
         versions,
-        [1, 2, 3, 4, 5, 6],
+        [1, 2, 3, 4, 5, 6, 7],
         "the check's drop is no schema version"
     );
     assert_eq!(
@@ -149,9 +149,174 @@ async fn sqlite_a_table_from_before_versions_were_recorded_is_recognised() {
 fn says_upgrade_idem(what: &str, result: Result<(), idem::StoreError>) {
     let err = result.expect_err(what).to_string();
     assert!(
-        err.contains("newer than this build of idem knows (6): upgrade idem")
+        err.contains("newer than this build of idem knows (7): upgrade idem")
             && !err.contains("run migrate()"),
         "{what}: {err}"
+    );
+}
+
+/// Runs `statement`, binding `key`, on `store`'s database.
+async fn edit(store: &SqliteStore, statement: &str, key: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(sqlx::AssertSqlSafe(statement.to_owned()))
+        .bind(key)
+        .execute(store.pool())
+        .await
+        .map(drop)
+}
+
+/// Takes `key` on `store`, and completes it with `created(b"done")` when
+/// `complete`.
+async fn taken(store: &SqliteStore, key: &str, complete: bool) -> RecordId {
+    let id = RecordId::new("t", "s", key);
+    let Reservation::Reserved(lease) = store.reserve(req(&id, "fp")).await.unwrap() else {
+        panic!("a fresh key was not taken")
+    };
+    if complete {
+        store
+            .complete(&id, &lease.token, &created(b"done"))
+            .await
+            .unwrap();
+    }
+    id
+}
+
+/// SQLite stores what it is given in a column of any type, and ranks text
+/// above every number: a lock edited by hand as a date never ran out (409
+/// forever), one edited as a fraction (`julianday` arithmetic) could not
+/// be read (503), and a record expired by hand as dates was replayed and
+/// never purged. A time that is not an integer is now refused where it is
+/// written, saying what to write; the record is as it was.
+#[tokio::test]
+async fn sqlite_times_written_by_hand_are_integers_or_refused() {
+    let (store, _dir) = idem_testkit::sqlite_store().await;
+    let running = taken(&store, "running", false).await;
+    for set in [
+        "lock_expires_at = (julianday('now') - 2440587.5) * 86400000.0 + 600000",
+        "lock_expires_at = datetime('now', '-1 hour')",
+        "created_at = datetime('now', '-2 days'), expires_at = datetime('now', '-1 day')",
+        "expires_at = 1.5",
+        "purge_at = 'soon'",
+    ] {
+        let refused = edit(
+            &store,
+            &format!("UPDATE idempotency_keys SET {set} WHERE key = ?1"),
+            "running",
+        )
+        .await;
+        let said = refused.map_err(|e| e.to_string());
+        assert!(
+            said.as_ref()
+                .is_err_and(|e| e.contains("integers, milliseconds since the Unix epoch")),
+            "{set}: {said:?}"
+        );
+    }
+    let refused = edit(
+        &store,
+        "INSERT INTO idempotency_keys (tenant, scope, key, fingerprint, state, operation_id, attempt, \
+         lock_expires_at, created_at, expires_at) VALUES ('t', 's', ?1, 'fp', 'in_progress', 'op', 1, \
+         datetime('now'), 0, 0)",
+        "inserted",
+    )
+    .await;
+    assert!(refused.is_err(), "a text time inserted by hand was stored");
+    let Ok(Reservation::InProgress { retry_after }) = store.reserve(req(&running, "fp")).await else {
+        panic!("the record changed")
+    };
+    assert!(retry_after > Duration::from_secs(3000), "{retry_after:?}");
+    // The same edit written as an integer frees the lock.
+    edit(
+        &store,
+        "UPDATE idempotency_keys SET lock_expires_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) - 3600000 \
+         WHERE key = ?1",
+        "running",
+    )
+    .await
+    .unwrap();
+    let taken_over = store.reserve(req(&running, "fp")).await.unwrap();
+    assert!(
+        matches!(&taken_over, Reservation::Reserved(l) if l.is_takeover()),
+        "{taken_over:?}"
+    );
+}
+
+/// Times edited by hand before the upgrade that checks them are read once
+/// as SQLite reads them: a fraction as its milliseconds, a date as its
+/// instant, a purge time as not set yet; text that is no date is left.
+#[tokio::test]
+async fn sqlite_times_edited_before_the_upgrade_are_read_as_times() {
+    let (store, _dir) = idem_testkit::sqlite_store().await;
+    let extended = taken(&store, "extended", false).await;
+    let freed = taken(&store, "freed", false).await;
+    let expired = taken(&store, "expired", true).await;
+    let odd = taken(&store, "odd", true).await;
+    // A table of the build before: no triggers, version 7 not applied.
+    for statement in [
+        "DROP TRIGGER IF EXISTS idempotency_keys_times_on_insert",
+        "DROP TRIGGER IF EXISTS idempotency_keys_times_on_update",
+        "DELETE FROM idempotency_keys_migrations WHERE version = 7",
+    ] {
+        store.pool().execute(statement).await.unwrap();
+    }
+    for (set, key) in [
+        (
+            "lock_expires_at = (julianday('now') - 2440587.5) * 86400000.0 + 600000",
+            "extended",
+        ),
+        ("lock_expires_at = datetime('now', '-1 hour')", "freed"),
+        (
+            "created_at = datetime('now', '-2 days'), expires_at = datetime('now', '-1 day'), purge_at = 1.5",
+            "expired",
+        ),
+        ("purge_at = 'soon', lock_expires_at = 'whenever'", "odd"),
+    ] {
+        edit(
+            &store,
+            &format!("UPDATE idempotency_keys SET {set} WHERE key = ?1"),
+            key,
+        )
+        .await
+        .unwrap();
+    }
+    store.migrate().await.unwrap();
+    let types: Vec<(String, String, String, String, String)> = sqlx::query_as(
+        "SELECT key, typeof(lock_expires_at), typeof(created_at), typeof(expires_at), typeof(purge_at) \
+         FROM idempotency_keys ORDER BY key",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    let integer = || "integer".to_owned();
+    for (key, lock, created_at, expires_at, purge_at) in types {
+        let lock_kept_as_text = key == "odd";
+        assert_eq!(
+            (lock == "integer", created_at, expires_at, purge_at),
+            (!lock_kept_as_text, integer(), integer(), integer()),
+            "{key}"
+        );
+    }
+    // Ten minutes left on the lock: 409 with about that.
+    let Ok(Reservation::InProgress { retry_after }) = store.reserve(req(&extended, "fp")).await else {
+        panic!("the extended lock was not read as ten minutes")
+    };
+    assert!(
+        retry_after > Duration::from_secs(500) && retry_after <= Duration::from_secs(600),
+        "{retry_after:?}"
+    );
+    let taken_over = store.reserve(req(&freed, "fp")).await.unwrap();
+    assert!(
+        matches!(&taken_over, Reservation::Reserved(l) if l.is_takeover()),
+        "{taken_over:?}"
+    );
+    // Past its retention: absent, then purged by the janitor's rule.
+    assert_eq!(idem::purge_expired(&store, 100).await.unwrap(), 1);
+    let fresh = store.reserve(req(&expired, "another request")).await.unwrap();
+    assert!(
+        matches!(&fresh, Reservation::Reserved(l) if !l.is_takeover()),
+        "{fresh:?}"
+    );
+    assert_eq!(
+        store.reserve(req(&odd, "fp")).await.unwrap(),
+        Reservation::Completed(created(b"done"))
     );
 }
 
@@ -159,7 +324,7 @@ fn says_upgrade_idem(what: &str, result: Result<(), idem::StoreError>) {
 async fn sqlite_a_newer_schema_is_refused_before_anything_is_written() {
     let (store, _dir) = idem_testkit::sqlite_store().await;
     for statement in [
-        "INSERT INTO idempotency_keys_migrations (version, name, applied_at) VALUES (7, 'a newer build', 0)",
+        "INSERT INTO idempotency_keys_migrations (version, name, applied_at) VALUES (8, 'a newer build', 0)",
         "DROP TABLE idempotency_keys",
     ] {
         store.pool().execute(statement).await.unwrap();
@@ -180,7 +345,7 @@ async fn postgres_a_newer_schema_is_refused_before_anything_is_written() {
     for statement in [
         format!(
             "INSERT INTO \"{schema}\".idempotency_keys_migrations (version, name, applied_at) \
-             VALUES (7, 'a newer build', 0)"
+             VALUES (8, 'a newer build', 0)"
         ),
         format!("DROP TABLE \"{schema}\".idempotency_keys"),
     ] {
@@ -225,7 +390,7 @@ async fn sqlite_a_current_table_without_its_versions_is_recognised() {
             .fetch_all(store.pool())
             .await
             .unwrap();
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7]);
 }
 
 #[tokio::test]
@@ -264,7 +429,7 @@ async fn postgres_a_table_that_does_not_match_refuses_to_start() {
     .unwrap();
     let err = store.migrate().await.unwrap_err().to_string();
     assert!(
-        err.contains("does not match schema version 6")
+        err.contains("does not match schema version 7")
             && err.contains("response_headers")
             && err.contains("run migrate()"),
         "{err}"
@@ -704,7 +869,7 @@ async fn postgres_an_upgrade_that_could_not_take_the_lock_applies_once_it_frees(
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7]);
     serves_after_the_upgrade(&store).await;
 }
 
@@ -785,7 +950,7 @@ async fn postgres_a_lock_wait_in_the_schema_probe_is_never_read_as_a_missing_tab
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7]);
 }
 
 /// The wait for the migration lock (another process migrating) is not the
@@ -1723,7 +1888,7 @@ mod sqlite_names_main {
                     .fetch_all(&pool)
                     .await
                     .unwrap();
-            assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
+            assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7]);
             let main_columns = names("SELECT name FROM pragma_table_info('idempotency_keys', 'main')").await;
             for column in ["taken_over", "purge_at"] {
                 assert!(main_columns.iter().any(|c| c == column), "{main_columns:?}");
@@ -1749,7 +1914,7 @@ mod sqlite_names_main {
             let old = idem::SqliteStore::open(&aux_path).await.unwrap();
             old.migrate().await.unwrap();
             // An older build's: versions 1 to 5.
-            sqlx::raw_sql("DELETE FROM idempotency_keys_migrations WHERE version = 6")
+            sqlx::raw_sql("DELETE FROM idempotency_keys_migrations WHERE version >= 6")
                 .execute(old.pool())
                 .await
                 .unwrap();
@@ -1813,6 +1978,8 @@ mod sqlite_names_main {
                 .replace("{index}", &format!("\"{t}_expires_at_idx\""))
                 .replace("{purge_index}", &format!("\"{t}_purge_at_idx\""))
                 .replace("{expiry_index}", &format!("\"{t}_expires_at_idx\""))
+                .replace("{times_on_insert}", &format!("\"{t}_times_on_insert\""))
+                .replace("{times_on_update}", &format!("\"{t}_times_on_update\""))
                 .replace("{reserve_function}", "")
                 .replace("{take_function}", "");
             assert!(

@@ -6,7 +6,8 @@ use crate::store::StoreError;
 
 /// One schema change: a new file for every change, never an edited one.
 /// `{table}`, `{index}`, `{purge_index}` and `{expiry_index}` stand for the
-/// configured, quoted names (the last one qualified); `{reserve_function}`
+/// configured, quoted names (the last one qualified), as are
+/// `{times_on_insert}` and `{times_on_update}` (SQLite's triggers); `{reserve_function}`
 /// and `{take_function}` for the generated functions' definitions.
 #[derive(Clone, Copy, Debug)]
 pub struct Migration {
@@ -60,6 +61,11 @@ macro_rules! migrations {
                 version: 6,
                 name: "take function",
                 sql: include_str!(concat!("../../migrations/", $dir, "/0006_take_function.sql")),
+            },
+            $crate::sql::Migration {
+                version: 7,
+                name: "integer times",
+                sql: include_str!(concat!("../../migrations/", $dir, "/0007_integer_times.sql")),
             },
         ]
     };

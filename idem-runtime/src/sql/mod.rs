@@ -368,6 +368,9 @@ impl Statements {
         let index = index_named(&derived_name(table, "expires_at_idx"));
         let expiry_index = named(&derived_name(table, "expires_at_idx"));
         let purge_index = index_named(&derived_name(table, "purge_at_idx"));
+        // SQLite's triggers, named and placed as its indexes are.
+        let times_on_insert = index_named(&derived_name(table, "times_on_insert"));
+        let times_on_update = index_named(&derived_name(table, "times_on_update"));
         let function = qualify(&derived_name(table, "take"));
         // The function as the checks look it up: in the table's schema, or,
         // with none named, in the one new objects go to (where `migrate`
@@ -516,6 +519,9 @@ impl Statements {
                         *m,
                         m.sql
                             .replace(" ON {table} (", &format!(" ON {indexed_table} ("))
+                            .replace(" ON {table} FOR EACH ROW", &format!(" ON {indexed_table} FOR EACH ROW"))
+                            .replace("{times_on_insert}", &times_on_insert)
+                            .replace("{times_on_update}", &times_on_update)
                             .replace("{table}", &t)
                             .replace("{index}", &index)
                             .replace("{purge_index}", &purge_index)
