@@ -1958,6 +1958,45 @@ async fn postgres_a_record_whose_times_were_edited_to_infinity_is_still_answered
     }
 }
 
+/// A record whose creation time was edited by hand to `-infinity`, from
+/// which PostgreSQL cannot subtract its expiry (the retention the rules
+/// read): the janitor still purges the other records (one such row failed
+/// every purge of the table), the row itself is kept (its retention cannot
+/// be told), and its key is still taken once its lock has run out.
+#[tokio::test]
+async fn postgres_a_record_whose_retention_cannot_be_told_holds_up_no_purge() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
+    for (key, state, created) in [
+        ("expired", "completed", "now() - interval '2 days'"),
+        ("edited", "in_progress", "'-infinity'"),
+    ] {
+        insert_record(
+            &store,
+            &schema,
+            key,
+            (state, "fp", "'tok'"),
+            ("now() - interval '2 days'", created, "now() - interval '1 day'"),
+        )
+        .await;
+    }
+    assert_eq!(idem::purge_expired(&store, 100).await, Ok(1));
+    let left: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT key FROM \"{schema}\".idempotency_keys ORDER BY key"
+    )))
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(left, ["edited"]);
+    let id = RecordId::new("t", "s", "edited");
+    let taken = store.reserve(req(&id, "fp", LONG, LONG)).await;
+    assert!(
+        matches!(&taken, Ok(Reservation::Reserved(l)) if l.is_takeover()),
+        "{taken:?}"
+    );
+}
+
 /// A table whose columns were changed by hand (the status widened or
 /// narrowed, the times without a time zone, NULL times where the
 /// constraint was dropped), which `check_schema()` accepts: the lookup

@@ -115,9 +115,10 @@ pub(crate) struct Dialect {
     /// which a time zone with daylight saving stretches).
     span: fn(&str, &str) -> String,
     /// The same, for the completion alone. On PostgreSQL it is computed in
-    /// `float8` (within a microsecond for any TTL), not `numeric`:
-    /// `span` stays as it is because the reservation function's source,
-    /// which a migration wrote and `check_schema` compares, uses it.
+    /// `float8` (within a microsecond for any TTL), not `numeric`. (`span`
+    /// is in the reservation function's source, which `check_schema`
+    /// compares: a change to it is a new function, which `migrate()`
+    /// creates in place of the old one.)
     kept_span: fn(&str, &str) -> String,
     /// Lists the columns of `table` (in `schema`) that a row must fill (no
     /// default, not null) and that are not in `known` (a list of quoted
@@ -154,7 +155,16 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
     clock: "statement_timestamp()",
     latest: "clock_timestamp()",
-    span: |a, b| format!("(EXTRACT(EPOCH FROM ({a} - {b})) * interval '1 second')"),
+    // NULL where either time is infinite (edited by hand), which
+    // PostgreSQL cannot subtract: a retention that cannot be told is not
+    // past, and no statement fails on that row (the purge of the whole
+    // table did).
+    span: |a, b| {
+        format!(
+            "(CASE WHEN isfinite({a}) AND isfinite({b}) \
+             THEN EXTRACT(EPOCH FROM ({a} - {b})) * interval '1 second' END)"
+        )
+    },
     kept_span: |a, b| format!("(date_part('epoch', {a} - {b}) * interval '1 second')"),
     required_columns: |schema, table, known| {
         let schema = schema.map_or_else(|| "current_schema()".to_owned(), |s| format!("'{s}'"));
