@@ -1962,7 +1962,8 @@ async fn postgres_a_record_whose_times_were_edited_to_infinity_is_still_answered
 /// which PostgreSQL cannot subtract its expiry (the retention the rules
 /// read): the janitor still purges the other records (one such row failed
 /// every purge of the table), the row itself is kept (its retention cannot
-/// be told), and its key is still taken once its lock has run out.
+/// be told), and its key is still taken once its lock has run out, its
+/// retention counted afresh, so that its answer is stored.
 #[tokio::test]
 async fn postgres_a_record_whose_retention_cannot_be_told_holds_up_no_purge() {
     let Some(url) = idem_testkit::pg_url() else { return };
@@ -1991,9 +1992,21 @@ async fn postgres_a_record_whose_retention_cannot_be_told_holds_up_no_purge() {
     assert_eq!(left, ["edited"]);
     let id = RecordId::new("t", "s", "edited");
     let taken = store.reserve(req(&id, "fp", LONG, LONG)).await;
-    assert!(
-        matches!(&taken, Ok(Reservation::Reserved(l)) if l.is_takeover()),
-        "{taken:?}"
+    let Ok(Reservation::Reserved(lease)) = taken else {
+        panic!("{taken:?}")
+    };
+    assert!(lease.is_takeover());
+    // Its retention counted afresh from the takeover: the answer is
+    // stored, and replayed (it was refused, and each retry ran again).
+    let done = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Some(b"done".to_vec()),
+    };
+    assert_eq!(store.complete(&id, &lease.token, &done).await, Ok(()));
+    assert_eq!(
+        store.reserve(req(&id, "fp", LONG, LONG)).await,
+        Ok(Reservation::Completed(done))
     );
 }
 

@@ -440,6 +440,11 @@ impl Statements {
         // Taking it: `new(col)` is the new value of a column. A new operation
         // starts afresh; the same one keeps its id and recovery point, so
         // that its derived keys stay the same.
+        // A retention that cannot be told (PostgreSQL: a time edited by hand
+        // to an infinity) is counted afresh from the taking, so that the
+        // completion, which counts the answer's retention from the
+        // record's, can be written.
+        let untold = format!("({} IS NULL)", (d.span)("cur.expires_at", "cur.created_at"));
         let take_set = |new: &dyn Fn(&str) -> String| {
             let fresh = format!("({expired})");
             format!(
@@ -448,8 +453,8 @@ impl Statements {
                  taken_over = CASE WHEN {fresh} OR cur.lock_token IS NULL THEN 0 ELSE 1 END, \
                  recovery_point = CASE WHEN {fresh} THEN NULL ELSE cur.recovery_point END, \
                  operation_id = CASE WHEN {fresh} THEN {op} ELSE cur.operation_id END, \
-                 created_at = CASE WHEN {fresh} THEN {created} ELSE cur.created_at END, \
-                 expires_at = CASE WHEN {fresh} THEN {expires} ELSE cur.expires_at END, \
+                 created_at = CASE WHEN {fresh} OR {untold} THEN {created} ELSE cur.created_at END, \
+                 expires_at = CASE WHEN {fresh} OR {untold} THEN {expires} ELSE cur.expires_at END, \
                  purge_at = CASE WHEN {fresh} THEN {purge} ELSE cur.purge_at END, \
                  response_status = NULL, response_headers = NULL, response_body = NULL",
                 fp = new("fingerprint"),
