@@ -241,7 +241,8 @@ async fn sqlite_times_written_by_hand_are_integers_or_refused() {
 
 /// Times edited by hand before the upgrade that checks them are read once
 /// as SQLite reads them: a fraction as its milliseconds, a date as its
-/// instant, a purge time as not set yet; text that is no date is left.
+/// instant, a purge time as not set yet; text that is no date is left, and
+/// holds up no purge.
 #[tokio::test]
 async fn sqlite_times_edited_before_the_upgrade_are_read_as_times() {
     let (store, _dir) = idem_testkit::sqlite_store().await;
@@ -249,6 +250,8 @@ async fn sqlite_times_edited_before_the_upgrade_are_read_as_times() {
     let freed = taken(&store, "freed", false).await;
     let expired = taken(&store, "expired", true).await;
     let odd = taken(&store, "odd", true).await;
+    let never = taken(&store, "never", true).await;
+    let never_running = taken(&store, "never-running", false).await;
     // A table of the build before: no triggers, version 7 not applied.
     for statement in [
         "DROP TRIGGER IF EXISTS idempotency_keys_times_on_insert",
@@ -268,6 +271,16 @@ async fn sqlite_times_edited_before_the_upgrade_are_read_as_times() {
             "expired",
         ),
         ("purge_at = 'soon', lock_expires_at = 'whenever'", "odd"),
+        // Kept for ever by hand: left as text, and its purge time, read as
+        // not set yet, is set by the janitor to the earliest time, never
+        // to the text (which the triggers refuse: every purge failed).
+        ("expires_at = 'never', purge_at = 0", "never"),
+        // Its lock run out: taken over, its retention counted afresh (not
+        // from 'never' read as 0), its answer then stored and replayed.
+        (
+            "expires_at = 'never', lock_expires_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) - 1000",
+            "never-running",
+        ),
     ] {
         edit(
             &store,
@@ -287,10 +300,10 @@ async fn sqlite_times_edited_before_the_upgrade_are_read_as_times() {
     .unwrap();
     let integer = || "integer".to_owned();
     for (key, lock, created_at, expires_at, purge_at) in types {
-        let lock_kept_as_text = key == "odd";
+        let (lock_kept_as_text, expiry_kept_as_text) = (key == "odd", key.starts_with("never"));
         assert_eq!(
-            (lock == "integer", created_at, expires_at, purge_at),
-            (!lock_kept_as_text, integer(), integer(), integer()),
+            (lock == "integer", created_at, expires_at == "integer", purge_at),
+            (!lock_kept_as_text, integer(), !expiry_kept_as_text, integer()),
             "{key}"
         );
     }
@@ -314,9 +327,24 @@ async fn sqlite_times_edited_before_the_upgrade_are_read_as_times() {
         matches!(&fresh, Reservation::Reserved(l) if !l.is_takeover()),
         "{fresh:?}"
     );
+    for kept in [&odd, &never] {
+        assert_eq!(
+            store.reserve(req(kept, "fp")).await.unwrap(),
+            Reservation::Completed(created(b"done"))
+        );
+    }
+    assert_eq!(idem::purge_expired(&store, 100).await.unwrap(), 0);
+    let Ok(Reservation::Reserved(lease)) = store.reserve(req(&never_running, "fp")).await else {
+        panic!("a record whose lock ran out was not taken over")
+    };
+    assert!(lease.is_takeover());
+    store
+        .complete(&never_running, &lease.token, &created(b"again"))
+        .await
+        .unwrap();
     assert_eq!(
-        store.reserve(req(&odd, "fp")).await.unwrap(),
-        Reservation::Completed(created(b"done"))
+        store.reserve(req(&never_running, "fp")).await.unwrap(),
+        Reservation::Completed(created(b"again"))
     );
 }
 

@@ -96,6 +96,11 @@ pub(crate) struct Dialect {
     /// expiry is no later than "not set" gets (an expiry nobody writes but
     /// someone could, by hand).
     purge_floor: &'static str,
+    /// Whether a row's expiry is a time the janitor may copy into
+    /// `purge_at` (beside being later than "not set"): on SQLite, an
+    /// integer (text left by the upgrade to version 7, which its triggers
+    /// refuse to see written, gets `purge_floor`).
+    purge_copies: &'static str,
     /// The store's clock in milliseconds since the Unix epoch.
     epoch_millis: &'static str,
     /// The time now, even inside a transaction (PostgreSQL's `now()` is the
@@ -152,6 +157,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     rows_schema: None,
     purge_unset: "'-infinity'::timestamptz",
     purge_floor: "'epoch'::timestamptz",
+    purge_copies: "TRUE",
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
     clock: "statement_timestamp()",
     latest: "clock_timestamp()",
@@ -196,11 +202,17 @@ pub(crate) const SQLITE: Dialect = Dialect {
     rows_schema: Some("main"),
     purge_unset: "0",
     purge_floor: "1",
+    purge_copies: "typeof(expires_at) = 'integer'",
     epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     clock: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     // Computed as the statement runs, under the write lock.
     latest: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
-    span: |a, b| format!("({a} - {b})"),
+    // NULL where either time is not an integer (text that is no date,
+    // left by the upgrade to version 7): SQLite would read it as 0, and a
+    // completion would count the answer's retention from 1970.
+    span: |a, b| {
+        format!("(CASE WHEN typeof({a}) = 'integer' AND typeof({b}) = 'integer' THEN {a} - {b} END)")
+    },
     kept_span: |a, b| format!("({a} - {b})"),
     required_columns: |_, table, known| {
         format!(
@@ -680,13 +692,15 @@ impl Statements {
             purge_set: format!(
                 "WITH \"idem-chosen\" AS {chosen}(SELECT tenant, scope, key FROM {t} WHERE purge_at = {unset} \
                  LIMIT {}{lock}) \
-                 UPDATE {t} SET purge_at = CASE WHEN expires_at > {unset} THEN expires_at ELSE {floor} END \
+                 UPDATE {t} SET purge_at = CASE WHEN expires_at > {unset} AND {copies} THEN expires_at \
+                 ELSE {floor} END \
                  WHERE (tenant, scope, key) IN (SELECT tenant, scope, key FROM \"idem-chosen\")",
                 p(1),
                 chosen = d.purge_chosen,
                 lock = d.purge_lock,
                 unset = d.purge_unset,
                 floor = d.purge_floor,
+                copies = d.purge_copies,
             ),
         })
     }
