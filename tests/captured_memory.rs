@@ -195,3 +195,76 @@ async fn an_http10_answer_past_the_limit_in_empty_chunks_holds_its_bytes() {
     assert_eq!(body_of(&raw), [FIRST, b"end"].concat());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// The handler's own data (a file it holds, say): 32 MiB, made before any
+/// measurement.
+static SHARED: std::sync::LazyLock<Bytes> = std::sync::LazyLock::new(|| Bytes::from(vec![b's'; 32 << 20]));
+
+#[derive(Clone)]
+struct Slices {
+    read: mpsc::UnboundedSender<()>,
+    go: Arc<Semaphore>,
+}
+
+/// `SHARED` in slices of 1 MiB, then (once the test has measured) `end`.
+#[idempotent(scope = "memory.slices")]
+async fn slices(State(s): State<Slices>, _op: Operation) -> Response {
+    const MIB: usize = 1 << 20;
+    let body = futures_util::stream::unfold(0usize, move |n| {
+        let s = s.clone();
+        async move {
+            let chunk = if n < SHARED.len() / MIB {
+                SHARED.slice(n * MIB..(n + 1) * MIB)
+            } else if n == SHARED.len() / MIB {
+                let _ = s.read.send(());
+                s.go.acquire().await.unwrap().forget();
+                Bytes::from_static(b"end")
+            } else {
+                return None;
+            };
+            Some((Ok::<_, std::io::Error>(chunk), n + 1))
+        }
+    });
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
+/// An answer past the stored limit for an HTTP/1.0 client, made of slices
+/// of a buffer the handler holds: kept for the client as those slices, not
+/// copied (a copy would be 32 MiB more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http10_answer_of_slices_of_one_buffer_is_kept_not_copied() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let _one = ONE_AT_A_TIME.lock().await;
+    std::sync::LazyLock::force(&SHARED);
+    let (read, mut all_read) = mpsc::unbounded_channel();
+    let s = Slices {
+        read,
+        go: Arc::new(Semaphore::new(0)),
+    };
+    let app = Router::new()
+        .route("/s", post(slices))
+        .layer(Idem::new(MemoryStore::new()).single_tenant().layer())
+        .with_state(s.clone());
+    let addr = serve(app).await;
+    let before = resident();
+    let client = tokio::spawn(async move {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"POST /s HTTP/1.0\r\nidempotency-key: slices\r\ncontent-length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        let mut raw = Vec::new();
+        let _ = c.read_to_end(&mut raw).await;
+        raw
+    });
+    let waited = tokio::time::timeout(Duration::from_secs(120), all_read.recv()).await;
+    assert_eq!(waited, Ok(Some(())), "the body was never read to its last chunk");
+    let held = resident() - before;
+    s.go.add_permits(1);
+    let raw = tokio::time::timeout(Duration::from_secs(60), client)
+        .await
+        .expect("an answer")
+        .unwrap();
+    assert!(held < BOUND, "{held} bytes held beyond the handler's 32 MiB");
+    assert!(String::from_utf8_lossy(&raw[..16]).starts_with("HTTP/1.0 201"));
+    assert_eq!(body_of(&raw).len(), SHARED.len() + 3);
+}

@@ -35,7 +35,7 @@ pub(crate) enum Collected {
     /// tell it broken from whole ([`Reader`]): the whole of it for that
     /// client, or `None` when it was dropped as it came (a `HEAD`, or past
     /// [`MAX_HELD_FOR_HTTP10`]); and its length, which a `HEAD` is told.
-    Over(Option<axum::body::Bytes>, usize),
+    Over(Option<Vec<axum::body::Bytes>>, usize),
 }
 
 /// What a request's client can tell of its answer's body.
@@ -83,10 +83,10 @@ impl Reader {
 /// client that cannot tell a broken body from a whole one: it gets the
 /// answer once it is recorded (or a problem, never a body that looks whole
 /// and is not). `head` is what was read. The bytes are kept for an HTTP/1.0
-/// client, up to [`MAX_HELD_FOR_HTTP10`], in one buffer (a body of many
-/// small or empty chunks holds its bytes, not a handle for each chunk);
-/// past it, and for a `HEAD`, they are dropped as they come. A body that
-/// ended is dropped here, its drop caught as in [`collect`].
+/// client, up to [`MAX_HELD_FOR_HTTP10`] ([`Kept`]: its bytes, never a
+/// handle for each small chunk, and a large chunk not copied); past it,
+/// and for a `HEAD`, they are dropped as they come. A body that ended is
+/// dropped here, its drop caught as in [`collect`].
 pub(crate) async fn drain(
     reader: Reader,
     head: Vec<axum::body::Bytes>,
@@ -97,7 +97,11 @@ pub(crate) async fn drain(
         .iter()
         .map(axum::body::Bytes::len)
         .fold(0usize, usize::saturating_add);
-    let mut kept = (reader != Reader::Headless && len <= MAX_HELD_FOR_HTTP10).then(|| head.concat());
+    let mut kept = (reader != Reader::Headless && len <= MAX_HELD_FOR_HTTP10).then(|| {
+        let mut kept = Kept::default();
+        head.into_iter().for_each(|chunk| kept.push(chunk));
+        kept
+    });
     while let Some(chunk) = rest.next().await {
         match chunk {
             Ok(chunk) => {
@@ -106,7 +110,7 @@ pub(crate) async fn drain(
                     if len > MAX_HELD_FOR_HTTP10 {
                         kept = None;
                     } else {
-                        read.extend_from_slice(&chunk);
+                        read.push(chunk);
                     }
                 }
             }
@@ -116,7 +120,50 @@ pub(crate) async fn drain(
         tokio::task::consume_budget().await;
     }
     drop_caught(rest, panic);
-    Collected::Over(kept.map(axum::body::Bytes::from), len)
+    Collected::Over(kept.map(Kept::into_chunks), len)
+}
+
+/// Chunks shorter than this are joined to their neighbours when kept.
+const JOINED_BELOW: usize = 4096;
+
+/// A body's chunks as they are kept: one shorter than [`JOINED_BELOW`] is
+/// copied into a buffer with its neighbours, so that a body of many empty
+/// or tiny chunks holds its bytes rather than a handle (32 bytes) for each;
+/// a longer one is kept as it is, not copied (it may be a slice of a buffer
+/// the handler holds anyway). Every handle kept stands for at least
+/// [`JOINED_BELOW`] bytes, or for what came before a long chunk.
+#[derive(Default)]
+struct Kept {
+    chunks: Vec<axum::body::Bytes>,
+    joined: Vec<u8>,
+}
+
+impl Kept {
+    fn push(&mut self, chunk: axum::body::Bytes) {
+        if chunk.len() >= JOINED_BELOW {
+            self.flush();
+            self.chunks.push(chunk);
+            return;
+        }
+        if self.joined.capacity() == 0 {
+            self.joined.reserve(JOINED_BELOW);
+        }
+        self.joined.extend_from_slice(&chunk);
+        if self.joined.len() >= JOINED_BELOW {
+            self.flush();
+        }
+    }
+
+    fn flush(&mut self) {
+        if !self.joined.is_empty() {
+            self.chunks.push(std::mem::take(&mut self.joined).into());
+        }
+    }
+
+    fn into_chunks(mut self) -> Vec<axum::body::Bytes> {
+        self.flush();
+        self.chunks
+    }
 }
 
 /// Reads `body` up to `limit` bytes, holding no more than that in memory.
@@ -379,7 +426,7 @@ mod tests {
             Collected::Whole(bytes) => bytes,
             Collected::Streamed { head, .. } => panic!("streamed, {} chunks read", head.len()),
             Collected::Failed(e) => panic!("failed: {e}"),
-            Collected::Over(read, _) => panic!("over the limit, {:?} bytes kept", read.map(|r| r.len())),
+            Collected::Over(read, _) => panic!("over the limit, {:?} chunks kept", read.map(|r| r.len())),
         }
     }
 
@@ -481,7 +528,10 @@ mod tests {
         let head = vec![Bytes::from_static(b"ab")];
         let rest = || chunks(&[b"cd", b"", b"e"]).into_data_stream();
         match drain(Reader::UntilClose, head.clone(), rest(), &mut None).await {
-            Collected::Over(Some(read), len) => assert_eq!((&read[..], len), (&b"abcde"[..], 5)),
+            Collected::Over(Some(read), len) => {
+                assert_eq!((read.concat(), len), (b"abcde".to_vec(), 5));
+                assert_eq!(read.len(), 1, "small chunks kept apart");
+            }
             _ => panic!("not read to its end and kept"),
         }
         match drain(Reader::Headless, head.clone(), rest(), &mut None).await {
@@ -496,6 +546,32 @@ mod tests {
             drain(Reader::UntilClose, head, broken.into_data_stream(), &mut None).await,
             Collected::Failed(_)
         ));
+    }
+
+    #[test]
+    fn small_chunks_are_joined_and_large_ones_kept_as_they_are() {
+        let large = Bytes::from(vec![b'l'; JOINED_BELOW]);
+        let mut kept = Kept::default();
+        for chunk in [
+            Bytes::from_static(b"a"),
+            Bytes::new(),
+            Bytes::from_static(b"b"),
+            large.clone(),
+            Bytes::from_static(b"c"),
+        ] {
+            kept.push(chunk);
+        }
+        for _ in 0..JOINED_BELOW {
+            kept.push(Bytes::from_static(b"d"));
+        }
+        let chunks = kept.into_chunks();
+        let lengths: Vec<usize> = chunks.iter().map(Bytes::len).collect();
+        assert_eq!(lengths, [2, JOINED_BELOW, JOINED_BELOW, 1]);
+        assert_eq!(chunks[1].as_ptr(), large.as_ptr(), "a large chunk was copied");
+        let all = chunks.concat();
+        assert_eq!(&all[..3], b"abl");
+        assert_eq!(all[2 + JOINED_BELOW], b'c');
+        assert!(all[3 + JOINED_BELOW..].iter().all(|&b| b == b'd'));
     }
 
     #[tokio::test]

@@ -1005,10 +1005,11 @@ fn complete_answer<'a>(
                 match read {
                     // With its length, which the client can check.
                     Some(read) => {
-                        parts
-                            .headers
-                            .insert(CONTENT_LENGTH, HeaderValue::from(read.len()));
-                        Some(Body::from(read))
+                        let len = read.iter().map(axum::body::Bytes::len).sum::<usize>();
+                        parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(len));
+                        Some(Body::from_stream(futures_util::stream::iter(
+                            read.into_iter().map(Ok::<_, axum::Error>),
+                        )))
                     }
                     None => {
                         if reader == Reader::UntilClose {
