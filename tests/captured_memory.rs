@@ -202,20 +202,29 @@ static SHARED: std::sync::LazyLock<Bytes> = std::sync::LazyLock::new(|| Bytes::f
 
 #[derive(Clone)]
 struct Slices {
+    /// How long each slice of `SHARED` is.
+    slice: usize,
+    /// A chunk sent after each slice, if not empty (a record's newline).
+    separator: &'static [u8],
     read: mpsc::UnboundedSender<()>,
     go: Arc<Semaphore>,
 }
 
-/// `SHARED` in slices of 1 MiB, then (once the test has measured) `end`.
+/// `SHARED` in slices, each followed by the separator, then (once the test
+/// has measured) `end`.
 #[idempotent(scope = "memory.slices")]
 async fn slices(State(s): State<Slices>, _op: Operation) -> Response {
-    const MIB: usize = 1 << 20;
+    let per = 1 + usize::from(!s.separator.is_empty());
+    let count = SHARED.len() / s.slice * per;
     let body = futures_util::stream::unfold(0usize, move |n| {
         let s = s.clone();
         async move {
-            let chunk = if n < SHARED.len() / MIB {
-                SHARED.slice(n * MIB..(n + 1) * MIB)
-            } else if n == SHARED.len() / MIB {
+            let chunk = if n < count && n % per == 0 {
+                let at = n / per * s.slice;
+                SHARED.slice(at..at + s.slice)
+            } else if n < count {
+                Bytes::from_static(s.separator)
+            } else if n == count {
                 let _ = s.read.send(());
                 s.go.acquire().await.unwrap().forget();
                 Bytes::from_static(b"end")
@@ -228,16 +237,17 @@ async fn slices(State(s): State<Slices>, _op: Operation) -> Response {
     (StatusCode::CREATED, Body::from_stream(body)).into_response()
 }
 
-/// An answer past the stored limit for an HTTP/1.0 client, made of slices
-/// of a buffer the handler holds: kept for the client as those slices, not
-/// copied (a copy would be 32 MiB more).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_http10_answer_of_slices_of_one_buffer_is_kept_not_copied() {
+/// An answer past the stored limit for an HTTP/1.0 client, made of
+/// `slice`-long slices of a buffer the handler holds, each followed by
+/// `separator`: returns the memory held beyond that buffer while it was
+/// read, and the body the client got.
+async fn held_for_slices(slice: usize, separator: &'static [u8]) -> (isize, Vec<u8>) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let _one = ONE_AT_A_TIME.lock().await;
     std::sync::LazyLock::force(&SHARED);
     let (read, mut all_read) = mpsc::unbounded_channel();
     let s = Slices {
+        slice,
+        separator,
         read,
         go: Arc::new(Semaphore::new(0)),
     };
@@ -264,7 +274,29 @@ async fn an_http10_answer_of_slices_of_one_buffer_is_kept_not_copied() {
         .await
         .expect("an answer")
         .unwrap();
-    assert!(held < BOUND, "{held} bytes held beyond the handler's 32 MiB");
     assert!(String::from_utf8_lossy(&raw[..16]).starts_with("HTTP/1.0 201"));
-    assert_eq!(body_of(&raw).len(), SHARED.len() + 3);
+    (held, body_of(&raw).to_vec())
+}
+
+/// An answer past the stored limit for an HTTP/1.0 client, made of slices
+/// of a buffer the handler holds: kept for the client as those slices, not
+/// copied (a copy would be 32 MiB more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http10_answer_of_slices_of_one_buffer_is_kept_not_copied() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (held, body) = held_for_slices(1 << 20, b"").await;
+    assert!(held < BOUND, "{held} bytes held beyond the handler's 32 MiB");
+    assert_eq!(body.len(), SHARED.len() + 3);
+}
+
+/// The same in 4 KiB slices, each followed by a one-byte chunk (records
+/// and their newlines): each byte between two slices is kept as a byte,
+/// not in a buffer of 4 KiB (8,192 of them were 32 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http10_answer_of_slices_and_newlines_holds_its_newlines_as_bytes() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (held, body) = held_for_slices(4096, b"\n").await;
+    assert!(held < BOUND, "{held} bytes held beyond the handler's 32 MiB");
+    assert_eq!(body.len(), SHARED.len() + SHARED.len() / 4096 + 3);
+    assert_eq!((body[4096], body[4097], body[8193]), (b'\n', b's', b'\n'));
 }

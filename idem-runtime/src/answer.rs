@@ -131,7 +131,8 @@ const JOINED_BELOW: usize = 4096;
 /// or tiny chunks holds its bytes rather than a handle (32 bytes) for each;
 /// a longer one is kept as it is, not copied (it may be a slice of a buffer
 /// the handler holds anyway). Every handle kept stands for at least
-/// [`JOINED_BELOW`] bytes, or for what came before a long chunk.
+/// [`JOINED_BELOW`] bytes, or for what came before a long chunk, and holds
+/// no more memory than its bytes.
 #[derive(Default)]
 struct Kept {
     chunks: Vec<axum::body::Bytes>,
@@ -154,9 +155,14 @@ impl Kept {
         }
     }
 
+    /// Keeps what was joined, copied to a buffer of its own length (a
+    /// buffer handed over whole would keep its whole capacity, 4 KiB for a
+    /// byte between two long chunks), and keeps the joining buffer for what
+    /// comes next.
     fn flush(&mut self) {
         if !self.joined.is_empty() {
-            self.chunks.push(std::mem::take(&mut self.joined).into());
+            self.chunks.push(axum::body::Bytes::copy_from_slice(&self.joined));
+            self.joined.clear();
         }
     }
 
