@@ -2010,6 +2010,55 @@ async fn postgres_a_record_whose_retention_cannot_be_told_holds_up_no_purge() {
     );
 }
 
+/// A record kept for ever by hand (`expires_at = 'infinity'`), whose
+/// `purge_at` the janitor set from that expiry, is taken over once its
+/// lock has run out, its retention counted afresh: once that retention has
+/// passed, the janitor deletes it (it looked at it only at `infinity`).
+#[tokio::test]
+async fn postgres_a_retention_counted_afresh_is_purged_once_past() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2).await;
+    insert_record(
+        &store,
+        &schema,
+        "forever",
+        ("in_progress", "fp", "'tok'"),
+        (
+            "now() - interval '1 second'",
+            "now() - interval '1 minute'",
+            "'infinity'",
+        ),
+    )
+    .await;
+    // Its `purge_at`, not set yet, is set from the expiry: `infinity`.
+    assert_eq!(idem::purge_expired(&store, 100).await, Ok(0));
+    let id = RecordId::new("t", "s", "forever");
+    let short = Duration::from_millis(1);
+    let Ok(Reservation::Reserved(lease)) = store.reserve(req(&id, "fp", short, LONG)).await else {
+        panic!("the record was not taken over")
+    };
+    assert!(lease.is_takeover());
+    let done = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Some(b"done".to_vec()),
+    };
+    assert_eq!(store.complete(&id, &lease.token, &done).await, Ok(()));
+    // Until the answer's retention has passed by the database's clock.
+    let past = format!("SELECT bool_and(expires_at < now()) FROM \"{schema}\".idempotency_keys");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(past.clone()))
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+    {
+        assert!(Instant::now() < deadline, "the retention never passed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(idem::purge_expired(&store, 100).await, Ok(1));
+}
+
 /// A table whose columns were changed by hand (the status widened or
 /// narrowed, the times without a time zone, NULL times where the
 /// constraint was dropped), which `check_schema()` accepts: the lookup

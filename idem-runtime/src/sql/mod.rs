@@ -455,7 +455,8 @@ impl Statements {
         // A retention that cannot be told (PostgreSQL: a time edited by hand
         // to an infinity) is counted afresh from the taking, so that the
         // completion, which counts the answer's retention from the
-        // record's, can be written.
+        // record's, can be written, and the janitor first looks at the
+        // record at its new expiry (not at an `infinity` copied from it).
         let untold = format!("({} IS NULL)", (d.span)("cur.expires_at", "cur.created_at"));
         let take_set = |new: &dyn Fn(&str) -> String| {
             let fresh = format!("({expired})");
@@ -467,7 +468,7 @@ impl Statements {
                  operation_id = CASE WHEN {fresh} THEN {op} ELSE cur.operation_id END, \
                  created_at = CASE WHEN {fresh} OR {untold} THEN {created} ELSE cur.created_at END, \
                  expires_at = CASE WHEN {fresh} OR {untold} THEN {expires} ELSE cur.expires_at END, \
-                 purge_at = CASE WHEN {fresh} THEN {purge} ELSE cur.purge_at END, \
+                 purge_at = CASE WHEN {fresh} OR {untold} THEN {purge} ELSE cur.purge_at END, \
                  response_status = NULL, response_headers = NULL, response_body = NULL",
                 fp = new("fingerprint"),
                 token = new("lock_token"),
