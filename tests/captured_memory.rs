@@ -88,7 +88,6 @@ async fn held_while_read(
     each: &'static [u8],
     send: &'static [u8],
 ) -> (isize, Vec<u8>, std::net::SocketAddr, Arc<AtomicUsize>) {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let (read, mut all_read) = mpsc::unbounded_channel();
     let a = Answer {
         first,
@@ -107,6 +106,20 @@ async fn held_while_read(
         .layer(idem.layer())
         .with_state(a.clone());
     let addr = serve(app).await;
+    let (held, raw) = sent_and_held(addr, send, &mut all_read, &a.go).await;
+    (held, raw, addr, a.runs)
+}
+
+/// Sends `send` to `addr` and waits until the body has read its chunks
+/// (`all_read`); returns how much the process's resident memory grew by
+/// then, and, once `go` lets the body end, the raw answer.
+async fn sent_and_held(
+    addr: std::net::SocketAddr,
+    send: &'static [u8],
+    all_read: &mut mpsc::UnboundedReceiver<()>,
+    go: &Semaphore,
+) -> (isize, Vec<u8>) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let before = resident();
     let client = tokio::spawn(async move {
         let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -118,12 +131,12 @@ async fn held_while_read(
     let waited = tokio::time::timeout(Duration::from_secs(120), all_read.recv()).await;
     assert_eq!(waited, Ok(Some(())), "the body was never read to its last chunk");
     let held = resident() - before;
-    a.go.add_permits(1);
+    go.add_permits(1);
     let raw = tokio::time::timeout(Duration::from_secs(60), client)
         .await
         .expect("an answer")
         .unwrap();
-    (held, raw, addr, a.runs)
+    (held, raw)
 }
 
 fn body_of(raw: &[u8]) -> &[u8] {
@@ -242,7 +255,6 @@ async fn slices(State(s): State<Slices>, _op: Operation) -> Response {
 /// `separator`: returns the memory held beyond that buffer while it was
 /// read, and the body the client got.
 async fn held_for_slices(slice: usize, separator: &'static [u8]) -> (isize, Vec<u8>) {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     std::sync::LazyLock::force(&SHARED);
     let (read, mut all_read) = mpsc::unbounded_channel();
     let s = Slices {
@@ -256,24 +268,8 @@ async fn held_for_slices(slice: usize, separator: &'static [u8]) -> (isize, Vec<
         .layer(Idem::new(MemoryStore::new()).single_tenant().layer())
         .with_state(s.clone());
     let addr = serve(app).await;
-    let before = resident();
-    let client = tokio::spawn(async move {
-        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-        c.write_all(b"POST /s HTTP/1.0\r\nidempotency-key: slices\r\ncontent-length: 0\r\n\r\n")
-            .await
-            .unwrap();
-        let mut raw = Vec::new();
-        let _ = c.read_to_end(&mut raw).await;
-        raw
-    });
-    let waited = tokio::time::timeout(Duration::from_secs(120), all_read.recv()).await;
-    assert_eq!(waited, Ok(Some(())), "the body was never read to its last chunk");
-    let held = resident() - before;
-    s.go.add_permits(1);
-    let raw = tokio::time::timeout(Duration::from_secs(60), client)
-        .await
-        .expect("an answer")
-        .unwrap();
+    let send = b"POST /s HTTP/1.0\r\nidempotency-key: slices\r\ncontent-length: 0\r\n\r\n";
+    let (held, raw) = sent_and_held(addr, send, &mut all_read, &s.go).await;
     assert!(String::from_utf8_lossy(&raw[..16]).starts_with("HTTP/1.0 201"));
     (held, body_of(&raw).to_vec())
 }

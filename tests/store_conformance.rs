@@ -1990,24 +1990,25 @@ async fn postgres_a_record_whose_retention_cannot_be_told_holds_up_no_purge() {
     .await
     .unwrap();
     assert_eq!(left, ["edited"]);
-    let id = RecordId::new("t", "s", "edited");
-    let taken = store.reserve(req(&id, "fp", LONG, LONG)).await;
-    let Ok(Reservation::Reserved(lease)) = taken else {
-        panic!("{taken:?}")
-    };
-    assert!(lease.is_takeover());
     // Its retention counted afresh from the takeover: the answer is
     // stored, and replayed (it was refused, and each retry ran again).
-    let done = StoredResponse {
-        status: 201,
-        headers: vec![],
-        body: Some(b"done".to_vec()),
-    };
-    assert_eq!(store.complete(&id, &lease.token, &done).await, Ok(()));
+    let id = RecordId::new("t", "s", "edited");
+    taken_over_and_completed(&store, &id, LONG).await;
     assert_eq!(
         store.reserve(req(&id, "fp", LONG, LONG)).await,
-        Ok(Reservation::Completed(done))
+        Ok(Reservation::Completed(response("done")))
     );
+}
+
+/// Takes `id` over (its lock has run out) with a retention of `ttl`, and
+/// stores `response("done")` as its answer.
+async fn taken_over_and_completed(store: &idem::PgStore, id: &RecordId, ttl: Duration) {
+    let taken = store.reserve(req(id, "fp", ttl, LONG)).await;
+    let Ok(Reservation::Reserved(lease)) = taken else {
+        panic!("not taken over: {taken:?}")
+    };
+    assert!(lease.is_takeover());
+    assert_eq!(store.complete(id, &lease.token, &response("done")).await, Ok(()));
 }
 
 /// A record kept for ever by hand (`expires_at = 'infinity'`), whose
@@ -2034,17 +2035,7 @@ async fn postgres_a_retention_counted_afresh_is_purged_once_past() {
     // Its `purge_at`, not set yet, is set from the expiry: `infinity`.
     assert_eq!(idem::purge_expired(&store, 100).await, Ok(0));
     let id = RecordId::new("t", "s", "forever");
-    let short = Duration::from_millis(1);
-    let Ok(Reservation::Reserved(lease)) = store.reserve(req(&id, "fp", short, LONG)).await else {
-        panic!("the record was not taken over")
-    };
-    assert!(lease.is_takeover());
-    let done = StoredResponse {
-        status: 201,
-        headers: vec![],
-        body: Some(b"done".to_vec()),
-    };
-    assert_eq!(store.complete(&id, &lease.token, &done).await, Ok(()));
+    taken_over_and_completed(&store, &id, Duration::from_millis(1)).await;
     // Until the answer's retention has passed by the database's clock.
     let past = format!("SELECT bool_and(expires_at < now()) FROM \"{schema}\".idempotency_keys");
     let deadline = Instant::now() + Duration::from_secs(10);
