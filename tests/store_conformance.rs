@@ -2050,6 +2050,61 @@ async fn postgres_a_retention_counted_afresh_is_purged_once_past() {
     assert_eq!(idem::purge_expired(&store, 100).await, Ok(1));
 }
 
+/// A lock edited by hand to `-infinity` has run out, and one edited to
+/// `infinity` on a record past its retention changes nothing: the statement
+/// that judges in SQL, which such rows go to, answers them (it failed on
+/// the lock left, which PostgreSQL cannot subtract from an infinity, and
+/// every request for the key got 503).
+#[tokio::test]
+async fn postgres_an_infinite_lock_is_judged_not_refused() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2)
+        .await
+        .with_replay_cache(Duration::ZERO);
+    for (key, state, lock, created, expires) in [
+        (
+            "ran-out",
+            "in_progress",
+            "'-infinity'",
+            "now() - interval '1 minute'",
+            "now() + interval '1 hour'",
+        ),
+        (
+            "expired",
+            "completed",
+            "'infinity'",
+            "now() - interval '2 days'",
+            "now() - interval '1 day'",
+        ),
+    ] {
+        insert_record(
+            &store,
+            &schema,
+            key,
+            (state, "fp", "'tok'"),
+            (lock, created, expires),
+        )
+        .await;
+    }
+    let ran_out = RecordId::new("t", "s", "ran-out");
+    assert_eq!(
+        store.reserve(req(&ran_out, "other", LONG, LONG)).await,
+        Ok(Reservation::Mismatch)
+    );
+    let taken = store.reserve(req(&ran_out, "fp", LONG, LONG)).await;
+    assert!(
+        matches!(&taken, Ok(Reservation::Reserved(l)) if l.is_takeover()),
+        "{taken:?}"
+    );
+    let expired = RecordId::new("t", "s", "expired");
+    let fresh = store.reserve(req(&expired, "other", LONG, LONG)).await;
+    assert!(
+        matches!(&fresh, Ok(Reservation::Reserved(l)) if !l.is_takeover() && l.attempt == 1),
+        "{fresh:?}"
+    );
+}
+
 /// A table whose columns were changed by hand (the status widened or
 /// narrowed, the times without a time zone, NULL times where the
 /// constraint was dropped), which `check_schema()` accepts: the lookup

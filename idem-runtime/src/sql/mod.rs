@@ -151,7 +151,14 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     // `numeric`, whose arithmetic costs every lookup (a replay's, a 409's)
     // up to a microsecond more than `float8`'s. Its rounding can only add a
     // millisecond to the time left, which a 409 reports as `Retry-After`.
-    left: |col, now| format!("GREATEST(0, CEIL(date_part('epoch', {col} - {now}) * 1000))::bigint"),
+    // An infinite lock (edited by hand), which PostgreSQL cannot subtract:
+    // a hundred years left, or none.
+    left: |col, now| {
+        format!(
+            "(CASE WHEN isfinite({col}) THEN GREATEST(0, CEIL(date_part('epoch', {col} - {now}) * 1000))::bigint \
+             WHEN {col} > {now} THEN 3155760000000 ELSE 0 END)"
+        )
+    },
     purge_lock: " FOR UPDATE SKIP LOCKED",
     purge_chosen: "MATERIALIZED ",
     rows_schema: None,
