@@ -212,7 +212,7 @@ pub(crate) async fn collect(
     // Joined as they come: what is held is the bytes read (at most the
     // limit), never a handle for each chunk, which a body of many empty or
     // one-byte chunks would make many times larger than its bytes.
-    let mut read = first.to_vec();
+    let mut read = Vec::from(first);
     while let Some(chunk) = rest.next().await {
         match chunk {
             Ok(chunk) => {
