@@ -456,15 +456,16 @@ impl Statements {
             "NOT {live_lock} AND ({expired} OR (cur.state = '{in_progress}' AND cur.fingerprint = {}))",
             p(4)
         );
+        // A retention that cannot be told (a time edited by hand: to an
+        // infinity on PostgreSQL, to text on SQLite) is counted afresh from
+        // the taking, so that the completion, which counts the answer's
+        // retention from the record's, can be written, and the janitor
+        // first looks at the record at its new expiry (not at an
+        // `infinity` copied from it).
+        let untold = format!("({} IS NULL)", (d.span)("cur.expires_at", "cur.created_at"));
         // Taking it: `new(col)` is the new value of a column. A new operation
         // starts afresh; the same one keeps its id and recovery point, so
         // that its derived keys stay the same.
-        // A retention that cannot be told (PostgreSQL: a time edited by hand
-        // to an infinity) is counted afresh from the taking, so that the
-        // completion, which counts the answer's retention from the
-        // record's, can be written, and the janitor first looks at the
-        // record at its new expiry (not at an `infinity` copied from it).
-        let untold = format!("({} IS NULL)", (d.span)("cur.expires_at", "cur.created_at"));
         let take_set = |new: &dyn Fn(&str) -> String| {
             let fresh = format!("({expired})");
             format!(
