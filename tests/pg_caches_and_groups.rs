@@ -1006,6 +1006,154 @@ mod http {
             assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")));
         }
     }
+
+    #[derive(Clone, Default)]
+    struct Waits {
+        runs: Arc<AtomicUsize>,
+        first_may_end: Arc<tokio::sync::Notify>,
+        second_may_end: Arc<tokio::sync::Notify>,
+    }
+
+    /// The first execution ends with a 400 (rejected: the key is free); the
+    /// others run until the test lets them end.
+    #[idempotent(scope = "race.wait", fields(amount), wait = "20s")]
+    async fn wait_pay(State(w): State<Waits>, Json(_b): Json<Body>) -> (StatusCode, String) {
+        let n = w.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == 1 {
+            let _ = tokio::time::timeout(Duration::from_secs(20), w.first_may_end.notified()).await;
+            return (StatusCode::BAD_REQUEST, "rejected".into());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(20), w.second_may_end.notified()).await;
+        (StatusCode::CREATED, format!("{{\"run\":{n}}}"))
+    }
+
+    #[idempotent(scope = "race.other", fields(amount))]
+    async fn other(Json(_b): Json<Body>) -> (StatusCode, String) {
+        (StatusCode::CREATED, "other".into())
+    }
+
+    /// A `wait`ing request's first try is answered 409 by its group's read
+    /// apart while the group's statement still runs (an insert sleeps);
+    /// the key is freed and the next try takes it and runs; then the
+    /// group's statement is terminated (a failover), and the group hands
+    /// back, fenced by a token, the key it may have taken for the first
+    /// try. Each try has a token of its own: the running execution's record
+    /// is untouched, and the same request on another server waits for it
+    /// and replays it, never running a second time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_http_a_waiting_retry_keeps_its_key_when_an_earlier_try_is_handed_back() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let here = idem_testkit::pg_store_in(&url, &schema, 8)
+            .await
+            .with_timeout(idem::DEFAULT_OPERATION_TIMEOUT);
+        let there = idem_testkit::pg_store_in(&url, &schema, 8)
+            .await
+            .with_timeout(idem::DEFAULT_OPERATION_TIMEOUT);
+        slow_inserts(&here, 30.0).await;
+        let w = Waits::default();
+        let router = |store: idem::PgStore| {
+            Router::new()
+                .route("/pay", post(wait_pay))
+                .route("/other", post(other))
+                .layer(Idem::new(store).single_tenant().layer())
+                .with_state(w.clone())
+        };
+        let a_here = idem_testkit::http::serve(router(here.clone())).await;
+        let a_there = idem_testkit::http::serve(router(there.clone())).await;
+        let key = idem_testkit::unique("k");
+        let send = |addr, path: &'static str, key: String| {
+            tokio::spawn(async move { post_req(path, "{\"amount\": 5}").key(&key).send(addr).await })
+        };
+        let until_runs = |n: usize| {
+            let w = w.clone();
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while w.runs.load(Ordering::SeqCst) < n {
+                    assert!(Instant::now() < deadline, "run {n} never started");
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
+        };
+        // The first execution, on the other server, holds the key.
+        let first = send(a_there, "/pay", key.clone());
+        until_runs(1).await;
+        // Here both lookup turns are held: the waiting request's first try
+        // and a request with a fresh key whose insert sleeps queue into one
+        // group.
+        let ([turn_1, turn_2], turns) = hold_the_lookup_turns(&here).await;
+        let mut answered = idem_runtime::pause::arm(idem_runtime::pause::RESERVE_AFTER, &key);
+        let waiting = send(a_here, "/pay", key.clone());
+        until_lookups_waiting(&here, 1).await;
+        let slow = send(a_here, "/other", idem_testkit::unique("slow"));
+        until_lookups_waiting(&here, 2).await;
+        turn_1.resume();
+        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+        let pid = backend_of(&watcher, &schema, "%idem-group%", Some("PgSleep")).await;
+        // The read apart answers the first try: in progress.
+        tokio::time::timeout(Duration::from_secs(10), answered.reached())
+            .await
+            .expect("the first try was never answered");
+        // The first execution is rejected: the key is free, and the next
+        // try takes it and runs.
+        w.first_may_end.notify_one();
+        assert_eq!(first.await.unwrap().status, 400);
+        answered.resume();
+        until_runs(2).await;
+        let id = RecordId::new("", "race.wait", key.clone());
+        let running = pg_row(&here, &id).await;
+        assert!(
+            matches!(&running, Some((state, Some(_), None)) if state == "in_progress"),
+            "{running:?}"
+        );
+        // The group's statement ends; it hands back what it may have taken
+        // for the first try.
+        let mut handed_back = idem_runtime::pause::arm(idem_runtime::pause::HAND_BACK_AFTER, &key);
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&watcher)
+            .await
+            .unwrap();
+        assert!(killed);
+        tokio::time::timeout(Duration::from_secs(10), handed_back.reached())
+            .await
+            .expect("the group never handed back the first try's key");
+        handed_back.resume();
+        assert_eq!(
+            pg_row(&here, &id).await,
+            running,
+            "the record of the running execution was handed back"
+        );
+        // The same request on the other server is answered in progress.
+        let mut asked = idem_runtime::pause::arm(idem_runtime::pause::RESERVE_AFTER, &key);
+        let again = send(a_there, "/pay", key.clone());
+        tokio::time::timeout(Duration::from_secs(10), asked.reached())
+            .await
+            .expect("the same request elsewhere was never answered");
+        assert_eq!(
+            pg_row(&here, &id).await,
+            running,
+            "the same request elsewhere took the key"
+        );
+        asked.resume();
+        w.second_may_end.notify_one();
+        let (waiting, again) = (waiting.await.unwrap(), again.await.unwrap());
+        assert_eq!(
+            (waiting.status, waiting.body.as_ref()),
+            (201, b"{\"run\":2}".as_ref())
+        );
+        assert_eq!(
+            (again.status, again.body.as_ref()),
+            (201, b"{\"run\":2}".as_ref())
+        );
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+        assert_eq!(w.runs.load(Ordering::SeqCst), 2, "the handler ran again");
+        let _ = slow.await;
+        turn_2.resume();
+        for t in turns {
+            let _ = t.await;
+        }
+    }
 }
 
 /// After a group refused for its lock waits (it set `lock_timeout` for its

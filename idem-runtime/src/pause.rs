@@ -52,6 +52,9 @@ pub const COMPLETE_TURN: &str = "complete.turn";
 pub const RELEASE_AFTER: &str = "release.after";
 /// A rejection committed, before it returns.
 pub const REJECT_AFTER: &str = "reject.after";
+/// SQL stores: a hand-back of a key a reservation may have taken ran,
+/// whatever it found (fenced out, or the key given back), before it returns.
+pub const HAND_BACK_AFTER: &str = "hand_back.after";
 /// A checkpoint committed, before it returns.
 pub const CHECKPOINT_AFTER: &str = "checkpoint.after";
 /// A lock extension committed, before it returns.

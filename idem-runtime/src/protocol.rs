@@ -341,17 +341,22 @@ pub(crate) async fn protect(
         }
     };
     let id = RecordId::new(tenant, spec.scope, key.into_string());
-    let token = crate::store::random_token_inline();
-    let request = ReserveRequest {
-        id: &id,
-        fingerprint: fingerprint.as_str(),
-        token: token.as_str(),
-        ttl: spec.ttl.unwrap_or(engine.ttl),
-        lock_timeout: spec.lock_timeout.unwrap_or(engine.lock_timeout),
-    };
     let waited_until = spec.wait.map(|w| Instant::now() + w);
     let mut pause = Duration::from_millis(20);
     loop {
+        // A token of its own for each try of a `wait`: a store may still
+        // hand back, fenced by its token, a key that an earlier try took
+        // after it was answered 409 (a PostgreSQL group's statement that
+        // failed after its read apart answered), and with one token for
+        // all that would give back the key this try took and is running.
+        let token = crate::store::random_token_inline();
+        let request = ReserveRequest {
+            id: &id,
+            fingerprint: fingerprint.as_str(),
+            token: token.as_str(),
+            ttl: spec.ttl.unwrap_or(engine.ttl),
+            lock_timeout: spec.lock_timeout.unwrap_or(engine.lock_timeout),
+        };
         let asked = Instant::now();
         let reservation = match engine.store.reserve(request).await {
             Ok(r) => r,

@@ -211,10 +211,11 @@ macro_rules! fenced_ops {
             taken_over: bool,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
             self.replays.finish(id, token);
-            Box::pin($crate::sql::bounded(
-                self.timeout,
-                self.hand_back_statements(id, token, taken_over),
-            ))
+            Box::pin($crate::sql::bounded(self.timeout, async move {
+                let handed_back = self.hand_back_statements(id, token, taken_over).await;
+                pause_point!($crate::pause::HAND_BACK_AFTER, &id.key);
+                handed_back
+            }))
         }
 
         fn checkpoint<'a>(

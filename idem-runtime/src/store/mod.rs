@@ -234,7 +234,11 @@ pub struct ReserveRequest<'a> {
     pub fingerprint: &'a str,
     /// The lock token this execution will hold if it takes the key (128
     /// random bits, chosen by the caller): a reservation whose answer never
-    /// arrives (a timeout, a cancellation) is undone by releasing it.
+    /// arrives (a timeout, a cancellation) is undone by releasing it. A
+    /// fresh one for every call, a retry of the same request's included: a
+    /// store may give back, later and fenced by this token, a key that a
+    /// call took after it had answered (see [`IdempotencyStore::reserve`]),
+    /// which with a token used again could be a later call's live key.
     pub token: &'a str,
     /// How long the record is kept, counted from its first reservation
     /// (and again from its completion). A duration past what a store's
@@ -454,7 +458,8 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
     /// taken, holds `req.token`. An error means the key may or may not have
     /// been taken: the caller gives it back with [`IdempotencyStore::release`]
     /// and that token, and a store whose statements may still commit after
-    /// it answered with a timeout gives the key back itself when they do.
+    /// it answered (with a timeout, or with a state read apart) gives the
+    /// key back itself when they do.
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>>;
 
     /// Marks the record completed with `response`.
