@@ -85,6 +85,21 @@ async fn answer(
         )
             .into_response(),
         "small" => (StatusCode::OK, "ok").into_response(),
+        // Whole and small, with a media type that begins like an event
+        // stream's (and one that is an event stream's, with a parameter).
+        kind @ ("event-streamx" | "event-stream-json" | "event-stream-charset") => {
+            let media = match kind {
+                "event-streamx" => "text/event-streamx",
+                "event-stream-json" => "text/event-stream-json",
+                _ => "Text/Event-Stream ; charset=utf-8",
+            };
+            (
+                StatusCode::CREATED,
+                [(header::CONTENT_TYPE, media)],
+                "whole-answer",
+            )
+                .into_response()
+        }
         "early-hints" => (StatusCode::from_u16(103).unwrap(), "early hints").into_response(),
         other => panic!("no kind {other}"),
     }
@@ -211,6 +226,39 @@ async fn an_informational_status_is_no_answer(a: App) {
     assert_eq!(a.runs.of("k-103"), 2, "the retry was answered from a record");
 }
 
+/// Only `text/event-stream` (any case, with or without parameters) is an
+/// event stream, completed at its headers; another media type that begins
+/// with its letters is an ordinary answer, replayed byte for byte.
+async fn only_the_event_stream_media_type_is_completed_at_its_headers(a: App) {
+    for (kind, media) in [
+        ("event-streamx", "text/event-streamx"),
+        ("event-stream-json", "text/event-stream-json"),
+    ] {
+        let (key, path) = (format!("k-{kind}"), format!("/a?kind={kind}"));
+        let send = || async { post_req(&path, "").key(&key).send(a.addr).await };
+        assert_eq!(send().await.body, b"whole-answer");
+        let again = send().await;
+        assert_eq!(again.header("idempotent-replayed"), Some("true"), "{again:?}");
+        assert_eq!(again.header("idempotent-replay-body-omitted"), None, "{again:?}");
+        assert_eq!(again.header("content-type"), Some(media), "{again:?}");
+        assert_eq!(again.body, b"whole-answer", "{kind}");
+    }
+    let send = || async move {
+        post_req("/a?kind=event-stream-charset", "")
+            .key("k-event-stream-charset")
+            .send(a.addr)
+            .await
+    };
+    assert_eq!(send().await.body, b"whole-answer");
+    let again = send().await;
+    assert_eq!(
+        again.header("idempotent-replay-body-omitted"),
+        Some("true"),
+        "{again:?}"
+    );
+    assert!(again.body.is_empty());
+}
+
 idem_testkit::for_each_store! {
     stores: [memory, sqlite, postgres],
     setup: |kind| (match kind.fixture().await { Some(f) => Some(app(f).await), None => None }),
@@ -221,6 +269,7 @@ idem_testkit::for_each_store! {
         a_stored_401_is_replayed_with_its_named_challenge,
         a_head_of_an_answer_past_the_limit_is_told_its_length,
         an_informational_status_is_no_answer,
+        only_the_event_stream_media_type_is_completed_at_its_headers,
     ],
 }
 

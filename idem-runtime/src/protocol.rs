@@ -915,8 +915,7 @@ fn complete_answer<'a>(
         let stream = parts
             .headers
             .get(CONTENT_TYPE)
-            .and_then(|v| v.as_bytes().get(..EVENT_STREAM.len()))
-            .is_some_and(|v| v.eq_ignore_ascii_case(EVENT_STREAM));
+            .is_some_and(|v| is_event_stream(v.as_bytes()));
         // A payload of the body's drop (the handler's code), dropped on
         // leaving, once the key is let go or the answer recorded.
         let mut body_panic = None;
@@ -1119,6 +1118,19 @@ fn complete_answer<'a>(
 
 /// The media type of server-sent events, compared without regard to case.
 pub(crate) const EVENT_STREAM: &[u8] = b"text/event-stream";
+
+/// Whether a `content-type` names the event stream's media type
+/// ([`EVENT_STREAM`], without regard to case, with or without parameters),
+/// not another type that begins with its letters (`text/event-streamx`).
+fn is_event_stream(content_type: &[u8]) -> bool {
+    let Some((name, rest)) = content_type
+        .trim_ascii_start()
+        .split_at_checked(EVENT_STREAM.len())
+    else {
+        return false;
+    };
+    name.eq_ignore_ascii_case(EVENT_STREAM) && matches!(rest.trim_ascii_start().first(), None | Some(b';'))
+}
 
 pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic
