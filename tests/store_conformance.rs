@@ -3802,3 +3802,37 @@ async fn memory_requests_racing_the_purge_of_their_expired_records_start_afresh(
     }
     assert!(purger.await.unwrap() <= ids.len() as u64);
 }
+
+/// The memory store's janitor reads each record about once a round,
+/// whatever its batch: with 20,000 records within their retention and
+/// 10,000 past it, purged one at a time, a round reads its tables about
+/// twice, where starting every batch at the first shard read the shards
+/// already swept again for each record (hundreds of millions of reads,
+/// seconds of locked shards, growing with the square of the store).
+#[tokio::test]
+async fn memory_a_round_of_small_batches_reads_each_record_about_once() {
+    let store = idem::MemoryStore::new();
+    // The short-lived last: a shard that grows drops what is expired.
+    for (n, ttl) in [(20_000, LONG), (10_000, Duration::from_secs(1))] {
+        for i in 0..n {
+            let id = RecordId::new("t", "purge.rounds", format!("k-{}-{i}", ttl.as_millis()));
+            let lease = take(&store, &id, "fp", ttl, LONG).await;
+            store.complete(&id, &lease.token, &response("r")).await.unwrap();
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Those a growing shard dropped already (on a slow machine) aside.
+    let expired = store.len() - 20_000;
+    assert!(expired > 5_000, "{expired}");
+    assert_eq!(idem::purge_expired(&store, 1).await.unwrap(), expired as u64);
+    assert_eq!(store.len(), 20_000);
+    let reads = store.purge_reads();
+    // A table has a few buckets for each record it ever held (at most ten
+    // here, however it grew); read twice, and some spare.
+    assert!(reads <= 20 * 30_000, "{reads} buckets read for 30,000 records");
+    // A round that finds nothing reads each table once.
+    let before = store.purge_reads();
+    assert_eq!(idem::purge_expired(&store, 500).await.unwrap(), 0);
+    let once = store.purge_reads() - before;
+    assert!(once <= 10 * 30_000, "{once} buckets read for 20,000 records");
+}

@@ -126,6 +126,14 @@ pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     /// Keyed at random per store: the keys are the clients'.
     hasher: std::hash::RandomState,
+    /// Where the last purge that filled its batch stopped: a shard (the
+    /// high 16 bits) and a bucket of its table (the rest), where the next
+    /// one starts, so that a janitor's round reads each record about once
+    /// whatever its batch (see [`purge_expired`](IdempotencyStore::purge_expired)).
+    purge_from: std::sync::atomic::AtomicU64,
+    /// How many of its tables' buckets purges have read (for tests).
+    #[cfg(feature = "pause-points")]
+    purge_reads: std::sync::atomic::AtomicU64,
 }
 
 /// One shard's records, each with its id's hash: a store call hashes its
@@ -255,6 +263,9 @@ impl Default for MemoryStore {
         MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             hasher: std::hash::RandomState::new(),
+            purge_from: std::sync::atomic::AtomicU64::new(0),
+            #[cfg(feature = "pause-points")]
+            purge_reads: std::sync::atomic::AtomicU64::new(0),
         }
     }
 }
@@ -273,6 +284,14 @@ impl MemoryStore {
     /// Whether it holds no record.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// How many buckets of its shards' tables purges have read so far (for
+    /// tests, with the `pause-points` feature only).
+    #[cfg(feature = "pause-points")]
+    #[doc(hidden)]
+    pub fn purge_reads(&self) -> u64 {
+        self.purge_reads.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Where `id` lies, its shard locked.
@@ -482,23 +501,74 @@ impl IdempotencyStore for MemoryStore {
 
     fn purge_expired(&self, batch: u32) -> BoxFuture<'_, Result<u64, StoreError>> {
         Box::pin(async move {
-            // One shard locked at a time.
-            let mut removed = 0u64;
-            for shard in self.shards.iter() {
-                let left = u64::from(batch).saturating_sub(removed);
-                if left == 0 {
-                    break;
-                }
-                let now = Instant::now();
-                lock(shard).retain(|slot| {
-                    let doomed = removed < u64::from(batch) && slot.purgeable(now);
-                    removed += u64::from(doomed);
-                    !doomed
-                });
-            }
+            let removed = self.purge_round(u64::from(batch));
             pause_point!(crate::pause::PURGE_AFTER, "");
             Ok(removed)
         })
+    }
+}
+
+impl MemoryStore {
+    /// Removes up to `batch` purgeable records, reading the tables from
+    /// where the last purge that filled its batch stopped, one shard locked
+    /// at a time, at most once around: the first shard from that bucket on,
+    /// every other shard, then the first shard's beginning. A batch that
+    /// fills leaves the next purge its place, so a janitor's round (batch
+    /// after batch, until one comes back short) reads each bucket about
+    /// twice whatever its batch, where starting from the first shard every
+    /// time read the records of every shard already swept again, for each
+    /// batch. A table that grew since (rebuilt, its buckets in a new order)
+    /// is still read whole by a round that does not fill its batch.
+    fn purge_round(&self, batch: u64) -> u64 {
+        use std::sync::atomic::Ordering::Relaxed;
+        const BUCKET_BITS: u32 = 48;
+        if batch == 0 {
+            return 0;
+        }
+        let from = self.purge_from.load(Relaxed);
+        let first = (from >> BUCKET_BITS) as usize % SHARDS;
+        let first_bucket = (from & ((1 << BUCKET_BITS) - 1)) as usize;
+        let mut removed = 0;
+        let mut read = 0u64;
+        let mut stopped = None;
+        for step in 0..=SHARDS {
+            let index = (first + step) % SHARDS;
+            let (start, end) = match step {
+                0 => (first_bucket, usize::MAX),
+                SHARDS => (0, first_bucket),
+                _ => (0, usize::MAX),
+            };
+            let now = Instant::now();
+            let mut table = lock(&self.shards[index]);
+            let end = end.min(table.num_buckets());
+            for bucket in start..end {
+                read += 1;
+                if !table.get_bucket(bucket).is_some_and(|slot| slot.purgeable(now)) {
+                    continue;
+                }
+                if let Ok(entry) = table.get_bucket_entry(bucket) {
+                    drop(entry.remove());
+                    removed += 1;
+                }
+                if removed == batch {
+                    stopped = Some((index, bucket + 1));
+                    break;
+                }
+            }
+            drop(table);
+            if stopped.is_some() {
+                break;
+            }
+        }
+        if let Some((shard, bucket)) = stopped {
+            self.purge_from
+                .store(((shard as u64) << BUCKET_BITS) | bucket as u64, Relaxed);
+        }
+        #[cfg(feature = "pause-points")]
+        self.purge_reads.fetch_add(read, Relaxed);
+        #[cfg(not(feature = "pause-points"))]
+        let _ = read;
+        removed
     }
 }
 
