@@ -95,18 +95,18 @@ async fn reserve_behind(
     loser.await.unwrap().unwrap()
 }
 
-/// The janitor picks an expired record, then waits on a row lock while a
-/// new operation reserves that key afresh: it must not delete the new, live
-/// record when it resumes.
+/// The janitor never waits on a row lock: a record that another
+/// transaction holds (here `FOR KEY SHARE`, which a `DELETE` waits for) is
+/// skipped, left to a later round. So it cannot wait while a new operation
+/// reserves the key afresh and then delete the new record.
 #[tokio::test]
-async fn postgres_the_janitor_never_deletes_a_record_reserved_afresh_while_it_waited() {
+async fn postgres_the_janitor_skips_a_record_another_transaction_holds() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
-    let store = std::sync::Arc::new(idem_testkit::pg_store_in(&url, &schema, 8).await);
+    let store = idem_testkit::pg_store_in(&url, &schema, 8).await;
     let id = RecordId::new("t", "s", "janitor-race");
-    expired_record(&*store, &id).await;
+    expired_record(&store, &id).await;
 
-    // A reader holds FOR KEY SHARE: a DELETE waits for it, an UPDATE does not.
     let mut reader = sqlx::PgConnection::connect(&url).await.unwrap();
     sqlx::query("BEGIN").execute(&mut reader).await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -115,24 +115,73 @@ async fn postgres_the_janitor_never_deletes_a_record_reserved_afresh_while_it_wa
     .execute(&mut reader)
     .await
     .unwrap();
+    // A purge that waited would wait until the reader commits.
+    let purged = tokio::time::timeout(Duration::from_secs(10), store.purge_expired(10))
+        .await
+        .expect("the purge waited for a row lock");
+    assert_eq!(purged, Ok(0));
+    sqlx::query("COMMIT").execute(&mut reader).await.unwrap();
+    assert_eq!(store.purge_expired(10).await, Ok(1));
+}
 
+/// The janitor stopped in its `DELETE` (a row trigger waits for an
+/// advisory lock a test connection holds), the expired record chosen and
+/// locked; a new operation reserves the key meanwhile and waits for that
+/// row. The purge deletes the expired record alone; the reservation then
+/// takes the key afresh (attempt 1, a new operation), and the new record
+/// survives: its owner completes it, and it replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_reservation_behind_the_janitors_delete_takes_the_key_afresh() {
+    const ADVISORY: i64 = 77_001;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = std::sync::Arc::new(idem_testkit::pg_store_in(&url, &schema, 8).await);
+    let expired = RecordId::new("t", "s", "janitor-behind");
+    expired_record(&*store, &expired).await;
+    let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION \"{schema}\".hold() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN PERFORM pg_advisory_xact_lock_shared({ADVISORY}); RETURN OLD; END $$; \
+         CREATE TRIGGER hold BEFORE DELETE ON \"{schema}\".idempotency_keys FOR EACH ROW \
+         EXECUTE FUNCTION \"{schema}\".hold(); \
+         SELECT pg_advisory_lock({ADVISORY})"
+    )))
+    .execute(&mut holder)
+    .await
+    .unwrap();
     let purging = {
         let store = store.clone();
         tokio::spawn(async move { store.purge_expired(10).await })
     };
-    until_blocked_or_done(&url, &schema, "DELETE", || purging.is_finished()).await;
+    until_blocked_or_done(&url, &schema, "", || purging.is_finished()).await;
+    assert!(!purging.is_finished(), "the purge did not stop in its DELETE");
 
-    // A new operation takes the expired key while the janitor waits.
-    let Reservation::Reserved(fresh) = store.reserve(req(&id, "fp-new", LONG)).await.unwrap() else {
+    let reserving = {
+        let (store, expired) = (store.clone(), expired.clone());
+        tokio::spawn(async move { store.reserve(req(&expired, "fp-new", LONG)).await })
+    };
+    until_blocked_or_done(&url, &schema, "SELECT p.fingerprint", || reserving.is_finished()).await;
+    assert!(
+        !reserving.is_finished(),
+        "the reservation did not wait for the purge's row"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_advisory_unlock({ADVISORY})"
+    )))
+    .execute(&mut holder)
+    .await
+    .unwrap();
+    assert_eq!(purging.await.unwrap(), Ok(1));
+    let Reservation::Reserved(fresh) = reserving.await.unwrap().unwrap() else {
         panic!("an expired record must be taken afresh")
     };
-    sqlx::query("COMMIT").execute(&mut reader).await.unwrap();
-    purging.await.unwrap().unwrap();
-
-    // The live record survived: its owner completes it, and it replays.
-    store.complete(&id, &fresh.token, &answer("new")).await.unwrap();
+    assert_eq!(fresh.attempt, 1);
+    store
+        .complete(&expired, &fresh.token, &answer("new"))
+        .await
+        .unwrap();
     assert_eq!(
-        store.reserve(req(&id, "fp-new", LONG)).await.unwrap(),
+        store.reserve(req(&expired, "fp-new", LONG)).await.unwrap(),
         Reservation::Completed(answer("new"))
     );
 }
