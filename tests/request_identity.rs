@@ -315,6 +315,61 @@ async fn one_handler_on_two_routes_is_one_scope() {
     );
 }
 
+trait Provider: Send + Sync + 'static {
+    const NAME: &'static str;
+}
+
+struct Stripe;
+struct Adyen;
+
+impl Provider for Stripe {
+    const NAME: &'static str = "stripe";
+}
+
+impl Provider for Adyen {
+    const NAME: &'static str = "adyen";
+}
+
+#[idempotent(scope = "charge.generic", fields(amount))]
+async fn charge_with<P: Provider>(Json(c): Json<Charge>) -> String {
+    format!("charged {} on {}", c.amount, P::NAME)
+}
+
+#[idempotent(scope = "charge.adyen", fields(amount))]
+async fn charge_adyen(c: Json<Charge>) -> String {
+    charge_with_code::<Adyen>(c)
+}
+
+fn charge_with_code<P: Provider>(Json(c): Json<Charge>) -> String {
+    format!("charged {} on {}", c.amount, P::NAME)
+}
+
+/// A generic handler is one handler (README): its instantiations share its
+/// scope, so one key sent to two of them is one request, replayed; a thin
+/// handler of its own per instantiation keeps them apart.
+#[tokio::test]
+async fn a_generic_handlers_instantiations_are_one_scope() {
+    let addr = serve(
+        &memory(),
+        Router::new()
+            .route("/stripe/charges", post(charge_with::<Stripe>))
+            .route("/adyen/charges", post(charge_with::<Adyen>))
+            .route("/adyen-own/charges", post(charge_adyen)),
+    )
+    .await;
+    let body = r#"{"amount": 500}"#;
+    let stripe = send(addr, "/stripe/charges", body, "k-generic").await;
+    assert_eq!(stripe.body, b"charged 500 on stripe");
+    let adyen = send(addr, "/adyen/charges", body, "k-generic").await;
+    assert!(replayed(&adyen), "{adyen:?}");
+    assert_eq!(adyen.body, stripe.body);
+    let own = send(addr, "/adyen-own/charges", body, "k-generic").await;
+    assert_eq!(
+        (own.body.as_slice(), replayed(&own)),
+        (&b"charged 500 on adyen"[..], false)
+    );
+}
+
 #[derive(serde::Deserialize)]
 struct Signup {
     email: String,
