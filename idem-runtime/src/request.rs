@@ -289,6 +289,9 @@ pub enum BodyFormat {
 /// Says how `#[idempotent]` fingerprints the body a body extractor reads.
 /// idem implements it for axum's `Json<T>` and `Form<T>`; implement it for
 /// an extractor of your own (such as a `Json<T>` with your own rejections).
+/// Another crate's extractor (`axum_extra`'s `WithRejection`, say) cannot
+/// take it here (Rust's orphan rule): wrap it in a type of your own, as
+/// `AppJson` wraps `Json` below.
 ///
 /// ```
 /// use axum::extract::{FromRequest, Request};
@@ -314,7 +317,8 @@ pub enum BodyFormat {
 #[diagnostic::on_unimplemented(
     message = "`#[idempotent]` cannot tell what the body extractor `{Self}` reads, so it cannot fingerprint it",
     label = "idem must see this request body",
-    note = "implement `idem::FingerprintBody` for `{Self}` (JSON, a form or raw bytes), take the body as axum's \
+    note = "implement `idem::FingerprintBody` for `{Self}` (JSON, a form or raw bytes; for another crate's extractor, \
+            for a wrapper of your own around it), take the body as axum's \
             `Json<T>`, `Form<T>`, `String` or `Bytes`, or add `body = \"none\"` to the attribute if this parameter \
             reads only the request head",
     note = "if this parameter is idem's `Operation` imported under another name, write it as `Operation`: \
