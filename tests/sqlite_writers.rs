@@ -299,8 +299,9 @@ async fn serves_concurrent_requests(store: &SqliteStore, prefix: &'static str) {
 /// whole tables without waiting as the database in memory did (10 of 20
 /// concurrent reservations answered "database table is locked"): refused
 /// before the file is made, saying why, however the URL spells it (sqlx
-/// decodes percent escapes). The same file's URL with another
-/// parameter (`mode=rwc`) serves concurrent requests.
+/// decodes percent escapes); so is a VFS that takes no file locks
+/// (`vfs=unix-none`). The same file's URL with another parameter
+/// (`mode=rwc`) serves concurrent requests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_file_opened_by_url_with_a_shared_cache_is_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -316,6 +317,17 @@ async fn a_file_opened_by_url_with_a_shared_cache_is_refused() {
         let err = SqliteStore::open_url(&url).await.map(|_| ()).unwrap_err();
         assert!(
             matches!(err, idem::StoreError::Backend { .. }) && err.to_string().contains("cache=shared"),
+            "{url}: {err}"
+        );
+        assert!(!path.exists(), "{url} made the file it refused");
+    }
+    // Nor a VFS that takes no file locks: two stores on the file each
+    // reserved one key (the last `vfs` counts, as for sqlx).
+    for query in ["vfs=unix-none", "vfs=unix&vfs=unix-none", "vfs=unix-n%6Fne"] {
+        let url = format!("sqlite://{}?{query}", path.display());
+        let err = SqliteStore::open_url(&url).await.map(|_| ()).unwrap_err();
+        assert!(
+            matches!(err, idem::StoreError::Backend { .. }) && err.to_string().contains("vfs=unix-none"),
             "{url}: {err}"
         );
         assert!(!path.exists(), "{url} made the file it refused");

@@ -127,12 +127,14 @@ impl SqliteStore {
     /// requests 503 where they should get 409). For that reason a file's
     /// URL asking for a shared cache (`cache=shared`) is refused, and so is
     /// a file name that is itself a URI (`file:...`), whose own parameters
-    /// could ask for one unseen.
+    /// could ask for one unseen, and a VFS that takes no file locks
+    /// (`vfs=unix-none`), under which two connections could each take one
+    /// key.
     ///
     /// # Errors
     ///
     /// [`StoreError::Backend`] for a URL that does not parse, asks a file
-    /// for a shared cache, or names a URI file name;
+    /// for a shared cache or a VFS without locks, or names a URI file name;
     /// [`StoreError::Unavailable`] when the file cannot be opened.
     ///
     /// ```
@@ -157,16 +159,29 @@ impl SqliteStore {
         let (database, params) = rest.split_once('?').unwrap_or((rest, ""));
         let mut in_memory = database == ":memory:";
         let mut shared_cache = in_memory;
+        let mut vfs = None;
         for (name, value) in form_urlencoded::parse(params.as_bytes()) {
             match (&*name, &*value) {
                 ("mode", "memory") => (in_memory, shared_cache) = (true, true),
-                // SQLite's VFS of databases in memory: one per connection
-                // under most names.
-                ("vfs", "memdb") => in_memory = true,
+                ("vfs", _) => vfs = Some(value),
                 ("cache", "shared") => shared_cache = true,
                 ("cache", "private") => shared_cache = false,
                 _ => {}
             }
+        }
+        match vfs.as_deref() {
+            // SQLite's VFS of databases in memory: one per connection
+            // under most names.
+            Some("memdb") => in_memory = true,
+            // A VFS that locks nothing (`unix-none`, `win32-none`): two
+            // connections, or two processes, would each take one key.
+            Some(none) if none.ends_with("-none") => {
+                return Err(StoreError::backend(format!(
+                    "invalid SQLite URL: vfs={none} is refused: it takes no file locks, so two connections or \
+                     processes could each reserve one key; open the file without it"
+                )));
+            }
+            _ => {}
         }
         // What SQLite then makes of the decoded name (sqlx names its own
         // database for `:memory:`).
