@@ -5367,3 +5367,125 @@ mod sqlite_temp_table {
         assert_eq!(db.count().await, 9, "a handler ran twice");
     }
 }
+
+/// A checkpoint that passed its first check, then waited on the record's
+/// row (held by a test connection) while the lease keeper counted the lease
+/// lost (its extension waits on the row too): it is written once the row
+/// is free, under the token that still holds the record, and the handler is
+/// told `LockLost` all the same, as `checkpoint` promises once the lease is
+/// lost; its client gets 503 `idempotency-lease-lost`. The order is read
+/// from the database and the lease's own flag, never hoped for.
+mod a_checkpoint_written_as_the_lease_runs_out {
+    use super::*;
+    use std::sync::Mutex;
+    use tokio::sync::{mpsc, Notify};
+
+    #[derive(Clone)]
+    struct Probe {
+        slot: Arc<Mutex<Option<Operation>>>,
+        go: Arc<Notify>,
+        events: mpsc::UnboundedSender<String>,
+    }
+
+    #[idempotent(scope = "checkpoint.late", lock_timeout = "1s")]
+    async fn checkpointing(State(p): State<Probe>, op: Operation) -> (StatusCode, &'static str) {
+        p.slot.lock().unwrap().replace(op.clone());
+        p.events.send("ready".into()).unwrap();
+        p.go.notified().await;
+        let r = op.checkpoint("cp").await;
+        p.events
+            .send(format!("checkpoint={r:?} lost_at_return={}", op.is_lease_lost()))
+            .unwrap();
+        (StatusCode::CREATED, "first")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_a_checkpoint_written_after_the_lease_was_lost_says_lock_lost() {
+        use sqlx::Connection as _;
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 8).await;
+        let pool = store.pool().clone();
+        let (tx, mut events) = mpsc::unbounded_channel();
+        let probe = Probe {
+            slot: Arc::default(),
+            go: Arc::default(),
+            events: tx,
+        };
+        let idem = Idem::new(store).single_tenant();
+        let router = Router::new()
+            .route("/cp", post(checkpointing))
+            .layer(idem.layer())
+            .with_state(probe.clone());
+        let addr = idem_testkit::http::serve(router).await;
+
+        let first = tokio::spawn(async move { post_req("/cp", "").key("k-cp").send(addr).await });
+        assert_eq!(events.recv().await.unwrap(), "ready");
+
+        // A test connection holds the record's row.
+        let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT 1 FROM \"{schema}\".idempotency_keys WHERE key = $1 FOR UPDATE"
+        )))
+        .bind("k-cp")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+
+        let op = probe.slot.lock().unwrap().clone().unwrap();
+        assert!(
+            !op.is_lease_lost(),
+            "too slow a setup: the lease was lost before the checkpoint"
+        );
+        probe.go.notify_one();
+
+        // The checkpoint's UPDATE waits on the row lock.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND query LIKE '%SET recovery_point%' AND query LIKE '%' || $1 || '%'",
+            )
+            .bind(&schema)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            if waiting > 0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the checkpoint never waited on the row"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The keeper counts the lease lost (its extension waits on the row too).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !op.is_lease_lost() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the lease was never counted lost"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+
+        let said = events.recv().await.unwrap();
+        let first = first.await.unwrap();
+        assert_eq!(
+            (first.status, first.problem()),
+            (503, "idempotency-lease-lost".to_owned())
+        );
+        let rp: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT recovery_point FROM \"{schema}\".idempotency_keys WHERE key = 'k-cp'"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        // Written under the token that still held the record: kept for the
+        // execution that takes the operation over.
+        assert_eq!(rp.as_deref(), Some("cp"));
+        assert_eq!(said, "checkpoint=Err(LockLost) lost_at_return=true");
+    }
+}

@@ -351,8 +351,10 @@ impl Operation {
     /// # Errors
     ///
     /// [`StoreError::LockLost`] when another execution took the operation
-    /// over, or when the lease is lost (see [`Operation::is_lease_lost`]):
-    /// stop, the record is not yours any more. The lease then counts as
+    /// over, or when the lease is lost (see [`Operation::is_lease_lost`]),
+    /// also while the checkpoint was written (it is then stored, for the
+    /// execution that takes the operation over): stop, the record is not
+    /// yours any more. The lease then counts as
     /// lost ([`Operation::is_lease_lost`] is true, [`Operation::lease_lost`]
     /// resolves). [`StoreError::Backend`], on every store alike and
     /// before the store is asked, for a `name` holding U+0000, which
@@ -381,6 +383,10 @@ impl Operation {
             ));
         }
         let _one_at_a_time = info.checkpoints.lock().await;
+        // Lost while an earlier checkpoint was written.
+        if info.is_lost() {
+            return Err(StoreError::LockLost);
+        }
         if let Err(e) = info.store.checkpoint(&info.id, &info.lease.token, name).await {
             // The store says another token holds the record: the lease is
             // lost, and the handler is told so everywhere (`is_lease_lost`,
@@ -391,6 +397,13 @@ impl Operation {
             return Err(e);
         }
         *self.info.recovery_point.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.to_owned());
+        // Written under this token, which still held the record, but while
+        // the write waited (a row lock, a slow store) the lease ran out: the
+        // handler must stop all the same. The recovery point stays, for the
+        // retry that takes the operation over.
+        if info.is_lost() {
+            return Err(StoreError::LockLost);
+        }
         Ok(())
     }
 
@@ -494,6 +507,11 @@ impl Operation {
         }
         if slot.is_none() {
             *slot = Some(begin.await?);
+        }
+        // Lost while the connection was waited for, or the transaction
+        // begun: it is rolled back with the execution's end.
+        if self.info.is_lost() {
+            return Err(StoreError::LockLost);
         }
         tokio::sync::MutexGuard::try_map(slot, |slot| slot.as_mut().and_then(connection))
             .map_err(|_| StoreError::backend("the operation holds a transaction of another store"))
