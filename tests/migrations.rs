@@ -2041,3 +2041,109 @@ mod sqlite_names_main {
         assert!(matches!(reserved, Reservation::Reserved(_)), "{reserved:?}");
     }
 }
+
+/// A table with every column but no unique key on (tenant, scope, key)
+/// (dropped by hand, or made by hand), on which every reservation's
+/// `ON CONFLICT` fails: `check_schema` and `migrate` refuse it, saying
+/// what it needs, before a request is served.
+#[tokio::test]
+async fn postgres_a_table_without_its_unique_key_refuses_to_start() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    let table = format!("\"{schema}\".idempotency_keys");
+    let key: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT conname::text FROM pg_constraint WHERE conrelid = '{table}'::regclass AND contype = 'p'"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE {table} DROP CONSTRAINT \"{key}\""
+    )))
+    .await
+    .unwrap();
+    for (what, said) in [
+        ("check_schema", store.check_schema().await),
+        ("migrate", store.migrate().await),
+    ] {
+        let err = said.unwrap_err();
+        assert!(
+            matches!(err, idem::StoreError::Backend { .. })
+                && err.to_string().contains("cannot take a reservation")
+                && err.to_string().contains("unique key on (tenant, scope, key)"),
+            "{what}: {err}"
+        );
+    }
+    // Given back its key, it serves.
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE {table} ADD PRIMARY KEY (tenant, scope, key)"
+    )))
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    takes_completes_replays(&store, "keyed").await;
+}
+
+/// The same on SQLite, whose primary key cannot be dropped: a table made by
+/// hand with every column and no key is refused by `migrate`.
+#[tokio::test]
+async fn sqlite_a_table_without_its_unique_key_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("no-key.db")).await.unwrap();
+    store
+        .pool()
+        .execute(
+            "CREATE TABLE idempotency_keys (tenant TEXT NOT NULL, scope TEXT NOT NULL, key TEXT NOT NULL, \
+             fingerprint TEXT NOT NULL, state TEXT NOT NULL, operation_id TEXT NOT NULL, lock_token TEXT, \
+             attempt INTEGER NOT NULL, taken_over INTEGER NOT NULL DEFAULT 0, \
+             lock_expires_at INTEGER NOT NULL, recovery_point TEXT, response_status INTEGER, \
+             response_headers TEXT, response_body BLOB, created_at INTEGER NOT NULL, \
+             expires_at INTEGER NOT NULL, purge_at INTEGER NOT NULL DEFAULT 0)",
+        )
+        .await
+        .unwrap();
+    // Refused before anything is recorded: the versions it would have
+    // recorded are rolled back with it.
+    let err = store.migrate().await.unwrap_err();
+    assert!(
+        err.to_string().contains("cannot take a reservation")
+            && err.to_string().contains("unique key on (tenant, scope, key)"),
+        "{err}"
+    );
+}
+
+/// A database that reads but cannot be written (a replica, a read-only
+/// session, a read-only file) finds an up-to-date table and writes
+/// nothing to migrate it: `migrate` asks for a write all the same, so that
+/// a service refuses to start rather than answer every request 503.
+#[tokio::test]
+async fn a_database_that_cannot_be_written_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("read-only.db");
+    let store = SqliteStore::open(&path).await.unwrap();
+    store.migrate().await.unwrap();
+    let read_only = SqliteStore::open_url(&format!("sqlite://{}?mode=ro", path.display()))
+        .await
+        .unwrap();
+    read_only.check_schema().await.unwrap();
+    let err = read_only.migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains("cannot take a reservation") && err.contains("readonly"),
+        "{err}"
+    );
+
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (_, schema, _) = migrated_pg_store(&url).await;
+    let pool = sqlx::PgPool::connect(&with_setting(&url, "default_transaction_read_only", "on"))
+        .await
+        .unwrap();
+    let read_only = PgStore::new(pool)
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    read_only.check_schema().await.unwrap();
+    let err = read_only.migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains("cannot take a reservation") && err.contains("read-only transaction"),
+        "{err}"
+    );
+}

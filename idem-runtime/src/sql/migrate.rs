@@ -184,6 +184,14 @@ macro_rules! migrate_in {
                 run(step).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
             }
         }
+        // A table this build finds current writes nothing above: whether it
+        // can be written at all (a read-only file or replica, a role
+        // without the right) is asked here, so that a service refuses to
+        // start rather than answer every request 503.
+        run(&sql.writes)
+            .execute(&mut *$tx)
+            .await
+            .map_err(|e| $crate::sql::cannot_reserve(&sql.table, e))?;
         $tx.commit().await.map_err($crate::sql::map_err)?;
         Ok::<(), $crate::StoreError>(())
     }};
@@ -222,7 +230,8 @@ macro_rules! check_schema {
     };
     ($vis:vis $name:ident) => {
         /// Checks that the table matches what this build of idem needs (every
-        /// migration applied): a service should refuse to start otherwise.
+        /// migration applied, every column, and a unique key on (tenant,
+        /// scope, key)): a service should refuse to start otherwise.
         /// [`migrate`](Self::migrate) ends with it.
         ///
         /// # Errors
@@ -266,6 +275,13 @@ macro_rules! check_schema {
                     )));
                 }
             }
+            // Every reservation's `ON CONFLICT (tenant, scope, key)` needs a
+            // unique key on those columns (a table made by hand may have
+            // every column and none).
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql.has_unique_key.clone()))
+                .execute(&self.pool)
+                .await
+                .map_err(|e| $crate::sql::cannot_reserve(&sql.table, e))?;
             // A column of someone else's that every row must fill would make
             // every reservation fail.
             let unknown: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.unknown_required.as_str()))
@@ -357,6 +373,24 @@ pub(crate) fn newer_schema(table: &str, current: i64, latest: i64) -> StoreError
 }
 
 /// A schema check that failed: unreachable, or a table that does not match.
+/// The error of a table that no reservation could be written to: the
+/// database's own answer (no unique key on (tenant, scope, key), a
+/// read-only database, a missing right), with what the table needs; a store
+/// that did not answer stays unavailable.
+pub(crate) fn cannot_reserve(table: &str, e: sqlx::Error) -> StoreError {
+    match map_err(e) {
+        StoreError::Backend { reason, source } => StoreError::Backend {
+            reason: format!(
+                "the table {table} cannot take a reservation ({reason}): it needs a unique key on \
+                 (tenant, scope, key), its primary key as migrate() makes it, and a database and role that \
+                 may write it"
+            ),
+            source,
+        },
+        other => other,
+    }
+}
+
 pub(crate) fn schema_error(table: &str, latest: i64, e: sqlx::Error) -> StoreError {
     match map_err(e) {
         StoreError::Backend { reason, source } => StoreError::Backend {

@@ -17,8 +17,8 @@ pub(crate) mod sqlite;
 
 pub use migrate::Migration;
 pub(crate) use migrate::{
-    check_schema, found, migrate_in, migrations, newer_schema, refuse_encoding, refuse_found_elsewhere,
-    schema_error,
+    cannot_reserve, check_schema, found, migrate_in, migrations, newer_schema, refuse_encoding,
+    refuse_found_elsewhere, schema_error,
 };
 #[cfg(feature = "postgres")]
 pub(crate) use run::columns_are;
@@ -256,6 +256,14 @@ pub(crate) struct Statements {
     pub(crate) has_columns: String,
     /// The columns a row must fill that the code does not know.
     pub(crate) unknown_required: String,
+    /// An upsert of no row under the reservations' conflict target,
+    /// explained, not run: fails unless a unique key on (tenant, scope,
+    /// key) is there for every reservation's `ON CONFLICT`.
+    pub(crate) has_unique_key: String,
+    /// The same upsert of no row, run: fails also where the table cannot be
+    /// written (a read-only file, database or transaction, a role without
+    /// the right), which reads alone never tell.
+    pub(crate) writes: String,
     /// Takes the key (insert, or update of a takeable row) in one upsert.
     /// Binds: tenant, scope, key, fingerprint, token, operation id, ttl ms, lock ms.
     #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
@@ -381,6 +389,13 @@ impl Statements {
         let t_shown = qualify(table);
         let t = named(table);
         let versions_table = named(&derived_name(table, "migrations"));
+        // Takes nothing (its `SELECT` has no row; SQLite's parser needs its
+        // `WHERE` before an upsert), but is planned with the reservations'
+        // conflict target, and run it writes.
+        let no_row_upsert = format!(
+            "INSERT INTO {t} (tenant, scope, key) SELECT tenant, scope, key FROM {t} WHERE 1 = 0 \
+             ON CONFLICT (tenant, scope, key) DO NOTHING"
+        );
         // An index as `CREATE INDEX` names it: PostgreSQL's, bare, goes to
         // its table's schema; SQLite's names its schema, and then the table
         // it is on (`ON {table} (`, filled with `indexed_table`) is bare.
@@ -588,6 +603,8 @@ impl Statements {
                  created_at, expires_at FROM {t} LIMIT 0"
             ),
             has_columns: format!("SELECT {COLUMNS} FROM {t} LIMIT 0"),
+            has_unique_key: format!("EXPLAIN {no_row_upsert}"),
+            writes: no_row_upsert.clone(),
             unknown_required: (d.required_columns)(
                 schema,
                 table,

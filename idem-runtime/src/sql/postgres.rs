@@ -710,7 +710,10 @@ impl PgStore {
     /// # Errors
     ///
     /// [`StoreError`] when the database is unreachable, refuses the DDL, or
-    /// the table does not match afterwards;
+    /// the table does not match afterwards (without a unique key on
+    /// (tenant, scope, key), say); [`StoreError::Backend`] when the table
+    /// cannot be written (a read-only transaction or replica, a role
+    /// without the right), even when nothing was to be done;
     /// [`StoreError::Backend`], before any change, when the database is
     /// not encoded in `UTF8` (or `SQL_ASCII`): another encoding cannot hold
     /// every tenant and checkpoint name;

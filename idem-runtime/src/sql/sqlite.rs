@@ -421,8 +421,10 @@ impl SqliteStore {
     ///
     /// # Errors
     ///
-    /// [`StoreError`] when the file is not writable, or the table does not
-    /// match afterwards.
+    /// [`StoreError`] when the file is not writable (even when the table is
+    /// current and nothing is to be done), or the table does not match
+    /// afterwards (a table made by hand without a unique key on (tenant,
+    /// scope, key), say).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
