@@ -92,20 +92,15 @@ impl Db {
             Ok(Db::Pg(store))
         } else if url.starts_with("sqlite:") {
             // Several processes may start on one file at once: opening (which
-            // switches the file to WAL) and migrating wait for each other, a few
-            // busy timeouts at most.
-            let mut tries = 0;
-            let store = loop {
-                let opened = match SqliteStore::open_url(url).await {
-                    Ok(store) => store.migrate().await.map(|()| store),
-                    Err(e) => Err(e),
-                };
-                match opened {
-                    Ok(store) => break store,
-                    Err(e) if e.is_unavailable() && tries < 5 => tries += 1,
-                    Err(e) => return Err(format!("cannot open {shown}: {e}")),
-                }
-            };
+            // switches the file to WAL) and migrating wait for each other,
+            // within SQLite's busy timeout.
+            let store = SqliteStore::open_url(url)
+                .await
+                .map_err(|e| format!("cannot open {shown}: {e}"))?;
+            store
+                .migrate()
+                .await
+                .map_err(|e| format!("cannot open {shown}: {e}"))?;
             for ddl in SCHEMA {
                 sqlx::query(*ddl)
                     .execute(store.pool())

@@ -249,13 +249,27 @@ impl SqliteStore {
             .journal_mode(SqliteJournalMode::Wal)
             .busy_timeout(DEFAULT_BUSY_TIMEOUT)
             .foreign_keys(true);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(8)
-            .acquire_timeout(DEFAULT_BUSY_TIMEOUT)
-            .connect_with(options)
-            .await
-            .map_err(|e| StoreError::unavailable(e.to_string()))?;
-        Ok(Self::new(pool))
+        // The switch to WAL takes the file's exclusive lock without
+        // SQLite's busy handler: beside another process opening or reading
+        // the file it fails at once, so it is tried again within the busy
+        // timeout, as every other wait for the file is.
+        let deadline = tokio::time::Instant::now() + DEFAULT_BUSY_TIMEOUT;
+        let mut pause = Duration::from_millis(5);
+        loop {
+            match SqlitePoolOptions::new()
+                .max_connections(8)
+                .acquire_timeout(DEFAULT_BUSY_TIMEOUT)
+                .connect_with(options.clone())
+                .await
+            {
+                Ok(pool) => return Ok(Self::new(pool)),
+                Err(e) if busy_or_locked(&e) && tokio::time::Instant::now() + pause < deadline => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(100));
+                }
+                Err(e) => return Err(StoreError::unavailable(e.to_string())),
+            }
+        }
     }
 
     /// A store over an existing pool (which should use WAL mode and a busy
@@ -1700,4 +1714,15 @@ fn filename_kind(name: &str) -> Result<FilenameKind, StoreError> {
         )));
     }
     Ok(FilenameKind::File)
+}
+
+/// Whether SQLite answered busy or locked (5 or 6, or an extended code of
+/// either, whose low byte is the primary code).
+fn busy_or_locked(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    db.code()
+        .and_then(|code| code.parse::<i32>().ok())
+        .is_some_and(|code| matches!(code & 0xff, 5 | 6))
 }
