@@ -138,6 +138,8 @@ async fn serve(
         });
     }
     drop(listener);
+    // Those that ended since the last accept are not under way.
+    while connections.try_join_next().is_some() {}
     let under_way = connections.len();
     tracing::info!(
         connections = under_way,
