@@ -317,7 +317,10 @@ impl SqliteStore {
         Self::build(pool, sql::DEFAULT_TABLE).unwrap_or_else(|_| unreachable!("default names are valid"))
     }
 
-    /// Uses another table name.
+    /// Uses another table name. SQLite compares names without regard to
+    /// the case of ASCII letters, quoted or not: `Keys` and `keys` are one
+    /// table, whose records two stores so named share (on PostgreSQL,
+    /// which idem's quoting keeps case-sensitive, they are two).
     ///
     /// # Errors
     ///
