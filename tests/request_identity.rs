@@ -370,6 +370,47 @@ async fn a_generic_handlers_instantiations_are_one_scope() {
     );
 }
 
+#[idempotent(scope = "refund.by_query")]
+async fn refund_by_query(
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> String {
+    format!("refund to {:?}", q.get("\u{FFFD}"))
+}
+
+#[idempotent(scope = "refund.by_form")]
+async fn refund_by_form(Form(q): Form<std::collections::HashMap<String, String>>) -> String {
+    format!("refund to {:?}", q.get("\u{FFFD}"))
+}
+
+/// Names that are not UTF-8 (`%FF`, `%FE`, `%EF%BF%BD`) are one name to a
+/// handler (axum decodes them lossily, to U+FFFD), whose map keeps the last
+/// value: their order as sent is two requests, as one name's values are,
+/// never one replayed for the other.
+#[tokio::test]
+async fn names_a_handler_reads_as_one_keep_their_order() {
+    let addr = serve(
+        &memory(),
+        Router::new()
+            .route("/refunds", post(refund_by_query))
+            .route("/form-refunds", post(refund_by_form)),
+    )
+    .await;
+    let alice_then_bob = send(addr, "/refunds?%FF=acct_alice&%FE=acct_bob", "", "k-query").await;
+    assert_eq!(alice_then_bob.body, b"refund to Some(\"acct_bob\")");
+    refused(addr, "/refunds?%FE=acct_bob&%FF=acct_alice", "", "k-query").await;
+    let form = |body: &'static str, key: &'static str| async move {
+        post_req("/form-refunds", body)
+            .content_type("application/x-www-form-urlencoded")
+            .key(key)
+            .send(addr)
+            .await
+    };
+    let first = form("%FF=acct_alice&%EF%BF%BD=acct_bob", "k-form").await;
+    assert_eq!(first.body, b"refund to Some(\"acct_bob\")");
+    let other = form("%EF%BF%BD=acct_bob&%FF=acct_alice", "k-form").await;
+    assert_eq!(other.status, 422, "{other:?}");
+}
+
 #[derive(serde::Deserialize)]
 struct Signup {
     email: String,

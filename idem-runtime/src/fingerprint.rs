@@ -331,10 +331,14 @@ fn plain_equals(json: &[u8], node: &Node<'_>) -> Option<bool> {
 }
 
 /// `application/x-www-form-urlencoded` pairs as canonical JSON: an array of
-/// `[name, value]`, sorted by name, each name's values in their order. A
-/// name or value whose bytes are not UTF-8 once decoded is the array of its
-/// bytes, so that two different byte strings never read as one (a lossy
-/// decoding would make `%FF` and `%FE` the same character).
+/// `[name, value]`, sorted by name as a handler reads it, each name's
+/// values in their order. A name or value whose bytes are not UTF-8 once
+/// decoded is the array of its bytes, so that two different byte strings
+/// never read as one (a lossy decoding would make `%FF` and `%FE` the same
+/// character); but the names are ordered by their lossy text, as axum's
+/// `Query` and `Form` read them (`%FF`, `%FE` and `%EF%BF%BD` all U+FFFD),
+/// so that the order of names a handler reads as one, whose last value a
+/// map keeps, counts as that of one name's values does.
 fn pairs(encoded: &[u8], counts: &dyn Fn(&str) -> bool) -> String {
     let mut pairs: Vec<(Component, Node<'static>)> = encoded
         .split(|&b| b == b'&')
@@ -350,9 +354,10 @@ fn pairs(encoded: &[u8], counts: &dyn Fn(&str) -> bool) -> String {
             counted.then(|| (name, Component::decode(value).node()))
         })
         .collect();
-    // By name (UTF-16 code units, then bytes: names that are not UTF-8 have
-    // an order too); one name's values keep theirs.
-    pairs.sort_by(|(a, _), (b, _)| jcs::utf16_cmp(&a.lossy, &b.lossy).then_with(|| a.bytes.cmp(&b.bytes)));
+    // By name as read (UTF-16 code units of the lossy text), in a stable
+    // sort: the pairs of one name, and of names that read as one, keep
+    // their order.
+    pairs.sort_by(|(a, _), (b, _)| jcs::utf16_cmp(&a.lossy, &b.lossy));
     Node::Array(
         pairs
             .into_iter()
@@ -462,10 +467,12 @@ mod tests {
         // Valid text reads as before, however it is encoded.
         assert_eq!(p("ref=caf%C3%A9"), p("ref=café"));
         assert_eq!(p("a=1+2"), p("a=1%202"));
-        // Names that are not UTF-8 are ordered too: their order as sent
-        // does not count.
-        assert_eq!(p("%FF=1&%FE=1"), p("%FE=1&%FF=1"));
-        assert_eq!(p("%FF=1&%EF%BF%BD=2"), p("%EF%BF%BD=2&%FF=1"));
+        // Names that a handler reads as one (U+FFFD, lossily) keep their
+        // order, as one name's values do: a map keeps the last.
+        assert_ne!(p("%FF=1&%FE=2"), p("%FE=2&%FF=1"));
+        assert_ne!(p("%FF=1&%EF%BF%BD=2"), p("%EF%BF%BD=2&%FF=1"));
+        // Names that read apart are ordered, whatever their bytes.
+        assert_eq!(p("%FF=1&b=2"), p("b=2&%FF=1"));
     }
 
     fn print<'a>(path: &'a [(&'a str, &'a str)], query: Option<&'a str>, body: BodyPrint<'a>) -> String {
