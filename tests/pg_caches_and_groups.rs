@@ -2522,3 +2522,101 @@ mod cancellation {
         }
     }
 }
+
+/// A record's row held for long by another transaction (a test connection
+/// here, an operator's elsewhere) while its execution completes: every try
+/// of that completion, and of the release after it, gives up at the
+/// store's timeout on the server too, so its connection comes back. Before,
+/// each kept waiting for the row on the server with its connection, the
+/// pool was used up, and another key's completion, on a row nobody held,
+/// failed: its client got 503 and its retry ran the handler again.
+mod held_rows {
+    use super::*;
+    use axum::extract::State;
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use axum::{Json, Router};
+    use idem::{idempotent, Idem, Operation};
+    use idem_testkit::http::post as post_req;
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    struct Runs(Arc<Mutex<HashMap<String, usize>>>);
+
+    #[derive(serde::Deserialize)]
+    struct Body {
+        #[allow(dead_code)]
+        amount: i64,
+    }
+
+    #[idempotent(scope = "held.pay", fields(amount))]
+    async fn pay(State(runs): State<Runs>, op: Operation, Json(_b): Json<Body>) -> (StatusCode, String) {
+        let n = {
+            let mut runs = runs.0.lock().unwrap();
+            let n = runs.entry(op.key().to_owned()).or_default();
+            *n += 1;
+            *n
+        };
+        (StatusCode::CREATED, format!("{{\"run\":{n}}}"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_a_held_row_never_fails_another_keys_completion() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        // A small pool and a short timeout, to use it up quickly.
+        let store = idem_testkit::pg_store_in(&url, &schema, 4)
+            .await
+            .with_timeout(Duration::from_millis(300));
+        let runs = Runs::default();
+        let router = Router::new()
+            .route("/pay", post(pay))
+            .layer(Idem::new(store.clone()).single_tenant().layer())
+            .with_state(runs.clone());
+        let addr = idem_testkit::http::serve(router).await;
+        let (held_key, free_key) = (idem_testkit::unique("held"), idem_testkit::unique("free"));
+        let held_id = RecordId::new("", "held.pay", held_key.clone());
+        let send = |key: String| {
+            tokio::spawn(async move { post_req("/pay", "{\"amount\": 1}").key(&key).send(addr).await })
+        };
+
+        // The free key's handler has returned; its completion waits.
+        let mut free_returned = idem_runtime::pause::arm(idem_runtime::pause::HANDLER_RETURNED, &free_key);
+        let free_first = send(free_key.clone());
+        tokio::time::timeout(Duration::from_secs(10), free_returned.reached())
+            .await
+            .unwrap();
+        // The held key's row is held once its handler returned: its
+        // completion, then its release, cannot be written.
+        let mut held_returned = idem_runtime::pause::arm(idem_runtime::pause::HANDLER_RETURNED, &held_key);
+        let held_first = send(held_key.clone());
+        tokio::time::timeout(Duration::from_secs(10), held_returned.reached())
+            .await
+            .unwrap();
+        let holders = sqlx::PgPool::connect(&url).await.unwrap();
+        let holder = pg_hold_row(&holders, &store, &held_id).await;
+        held_returned.resume();
+        let held_answer = tokio::time::timeout(Duration::from_secs(30), held_first)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(held_answer.status, 503, "{held_answer:?}");
+
+        // The free key's completion, its row held by nobody, is recorded.
+        free_returned.resume();
+        let free_answer = tokio::time::timeout(Duration::from_secs(30), free_first)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (free_answer.status, free_answer.body.as_slice()),
+            (201, b"{\"run\":1}".as_slice()),
+            "{free_answer:?}"
+        );
+        holder.rollback().await.unwrap();
+        let again = send(free_key.clone()).await.unwrap();
+        assert_eq!(again.header("idempotent-replayed"), Some("true"), "{again:?}");
+        assert_eq!(runs.0.lock().unwrap().get(&free_key), Some(&1));
+    }
+}

@@ -96,6 +96,9 @@ pub struct PgStore {
     /// `complete` on a row no other transaction holds, else nothing: the
     /// completion that takes the turn never waits on a row lock with it.
     complete_free: std::sync::Arc<str>,
+    /// The writes fenced by a lock token that may wait on a record's row,
+    /// each bounded on the server by this store's timeout.
+    fenced: std::sync::Arc<FencedWrites>,
     /// The completions that wait for the one being written, shared by the
     /// store's clones ([`with_timeout`](Self::with_timeout) and
     /// [`with_table`](Self::with_table) start their own).
@@ -400,6 +403,7 @@ impl PgStore {
     /// ```
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self.fenced = std::sync::Arc::new(FencedWrites::new(&self.sql, timeout));
         // Its completions and lookups queue apart: a group is bounded by
         // the timeout of the store that runs it.
         self.completions = std::sync::Arc::default();
@@ -665,6 +669,7 @@ impl PgStore {
         };
         Ok(PgStore {
             pool,
+            fenced: std::sync::Arc::new(FencedWrites::new(&sql, DEFAULT_OPERATION_TIMEOUT)),
             sql: std::sync::Arc::new(sql),
             lookup: lookup.into(),
             lookup_group: lookup_group.into(),
@@ -782,6 +787,12 @@ impl PgStore {
 
 impl PgStore {
     sql::complete_with!(sqlx::Postgres);
+
+    /// The token-fenced writes, each bounded on the server (see
+    /// [`FencedWrites`]).
+    fn fenced_writes(&self) -> &FencedWrites {
+        &self.fenced
+    }
 
     /// Writes one completion as the plain statement.
     async fn complete_alone(
@@ -1976,6 +1987,46 @@ const BOUNDED_LOCK_WAIT: &str = "SELECT set_config('lock_timeout', greatest(1, r
     CASE WHEN current_setting('lock_timeout') <> '0' THEN current_setting('lock_timeout')::interval END, \
     CASE WHEN current_setting('statement_timeout') <> '0' \
     THEN current_setting('statement_timeout')::interval / 2 END)) * 1000))::bigint || 'ms', true)";
+
+/// The writes fenced by a lock token that may wait on a record's row held
+/// by another transaction (an operator's, a takeover's), each bounded on
+/// the server by the store's timeout: a wait given up on at the timeout
+/// would otherwise end on idem's side alone, the statement waiting on for
+/// the row with its connection, one for each try of a completion and of a
+/// release, until the pool was used up and other keys' completions failed
+/// too. At the bound the statement fails (`lock_not_available`) and gives
+/// its connection back; a shorter `lock_timeout` of the session's stands.
+/// The statement's own transaction's setting: it goes with the statement.
+/// A completion that takes the turn never waits (`complete_free`), nor do
+/// a group's.
+pub(crate) struct FencedWrites {
+    pub(crate) release: String,
+    pub(crate) reject: String,
+    pub(crate) checkpoint: String,
+    pub(crate) extend: String,
+    /// The completion written alone.
+    pub(crate) complete: String,
+}
+
+impl FencedWrites {
+    fn new(sql: &Statements, wait: Duration) -> Self {
+        let ms = wait.as_millis().clamp(1, i32::MAX as u128);
+        let bounded = |statement: &str| {
+            format!(
+                "{statement} AND set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') <> '0' \
+                 AND current_setting('lock_timeout')::interval < interval '{ms} ms' \
+                 THEN current_setting('lock_timeout') ELSE '{ms}ms' END, true) IS NOT NULL"
+            )
+        };
+        FencedWrites {
+            release: bounded(&sql.release),
+            reject: bounded(&sql.reject),
+            checkpoint: bounded(&sql.checkpoint),
+            extend: bounded(&sql.extend),
+            complete: bounded(&sql.complete),
+        }
+    }
+}
 
 /// Whether `e` is PostgreSQL's `lock_not_available`: a lock wait ran out.
 fn lock_not_available(e: &StoreError) -> bool {

@@ -185,7 +185,10 @@ macro_rules! fenced_ops {
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
             self.replays.finish(id, token);
             Box::pin($crate::sql::bounded(self.timeout, async move {
-                $crate::sql::fenced(self.owned_write(&self.sql.release, id, token).await?)?;
+                $crate::sql::fenced(
+                    self.owned_write(&self.fenced_writes().release, id, token)
+                        .await?,
+                )?;
                 pause_point!($crate::pause::RELEASE_AFTER, &id.key);
                 Ok(())
             }))
@@ -225,15 +228,17 @@ macro_rules! fenced_ops {
             recovery_point: &'a str,
         ) -> $crate::store::BoxFuture<'a, Result<(), $crate::StoreError>> {
             Box::pin($crate::sql::bounded(self.timeout, async move {
-                let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.checkpoint.as_str()))
-                    .bind(&id.tenant)
-                    .bind(&id.scope)
-                    .bind(&id.key)
-                    .bind(token)
-                    .bind(recovery_point)
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::sql::map_err)?;
+                let done = sqlx::query(sqlx::AssertSqlSafe(
+                    self.fenced_writes().checkpoint.as_str(),
+                ))
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .bind(token)
+                .bind(recovery_point)
+                .execute(&self.pool)
+                .await
+                .map_err($crate::sql::map_err)?;
                 $crate::sql::fenced(done.rows_affected())?;
                 pause_point!($crate::pause::CHECKPOINT_AFTER, &id.key);
                 Ok(())
@@ -325,7 +330,7 @@ macro_rules! complete_with {
             token: &str,
             lock_timeout: std::time::Duration,
         ) -> Result<u64, $crate::StoreError> {
-            let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.extend.as_str()))
+            let done = sqlx::query(sqlx::AssertSqlSafe(self.fenced_writes().extend.as_str()))
                 .bind(&id.tenant)
                 .bind(&id.scope)
                 .bind(&id.key)
@@ -348,8 +353,14 @@ macro_rules! complete_with {
             id: &$crate::store::RecordId,
             token: &str,
         ) -> Result<(), $crate::StoreError> {
-            if self.owned_write(&self.sql.reject, id, token).await? > 0
-                || self.owned_write(&self.sql.release, id, token).await? > 0
+            if self
+                .owned_write(&self.fenced_writes().reject, id, token)
+                .await?
+                > 0
+                || self
+                    .owned_write(&self.fenced_writes().release, id, token)
+                    .await?
+                    > 0
             {
                 return Ok(());
             }
@@ -379,14 +390,19 @@ macro_rules! complete_with {
             token: &str,
             taken_over: bool,
         ) -> Result<(), $crate::StoreError> {
-            if self.owned_write(&self.sql.reject, id, token).await? > 0 {
+            if self
+                .owned_write(&self.fenced_writes().reject, id, token)
+                .await?
+                > 0
+            {
                 return Ok(());
             }
             let put_back = if taken_over {
                 self.extend_write(id, token, std::time::Duration::ZERO)
                     .await?
             } else {
-                self.owned_write(&self.sql.release, id, token).await?
+                self.owned_write(&self.fenced_writes().release, id, token)
+                    .await?
             };
             $crate::sql::fenced(put_back)
         }
@@ -402,7 +418,13 @@ macro_rules! complete_with {
             E: sqlx::Executor<'e, Database = $db>,
         {
             let completed = self
-                .complete_rows(executor, &self.sql.complete, id, token, response)
+                .complete_rows(
+                    executor,
+                    &self.fenced_writes().complete,
+                    id,
+                    token,
+                    response,
+                )
                 .await?;
             $crate::sql::fenced(completed)
         }

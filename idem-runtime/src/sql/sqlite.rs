@@ -500,6 +500,12 @@ impl SqliteStore {
 impl SqliteStore {
     sql::complete_with!(sqlx::Sqlite);
 
+    /// The token-fenced writes, as written: SQLite's waits for the file
+    /// are its busy timeout's, which ends the statement with its wait.
+    fn fenced_writes(&self) -> &Statements {
+        &self.sql
+    }
+
     /// The bound on one store operation.
     #[cfg(feature = "axum")]
     pub(crate) fn timeout(&self) -> Duration {
