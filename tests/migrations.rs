@@ -2143,7 +2143,33 @@ async fn a_database_that_cannot_be_written_refuses_to_start() {
     read_only.check_schema().await.unwrap();
     let err = read_only.migrate().await.unwrap_err().to_string();
     assert!(
-        err.contains("cannot take a reservation") && err.contains("read-only transaction"),
+        err.contains("cannot take a reservation") && err.contains("the session is read only"),
         "{err}"
     );
+}
+
+/// A plain `CREATE INDEX` on the table holds its SHARE lock while it builds
+/// (a test connection holds it here): `check_schema` (a health check) and
+/// `migrate` of a current table read the catalog, never wait for that
+/// lock, and answer at once.
+#[tokio::test]
+async fn postgres_the_checks_never_wait_for_the_tables_lock() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "LOCK TABLE \"{schema}\".idempotency_keys IN SHARE MODE"
+    )))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let within = |what: &'static str| {
+        move |r: Result<Result<(), idem::StoreError>, _>| match r {
+            Ok(done) => done.unwrap_or_else(|e| panic!("{what}: {e}")),
+            Err(_) => panic!("{what} waited for the table's lock"),
+        }
+    };
+    within("check_schema")(tokio::time::timeout(Duration::from_secs(10), store.check_schema()).await);
+    within("migrate")(tokio::time::timeout(Duration::from_secs(10), store.migrate()).await);
+    holder.rollback().await.unwrap();
 }

@@ -188,10 +188,24 @@ macro_rules! migrate_in {
         // can be written at all (a read-only file or replica, a role
         // without the right) is asked here, so that a service refuses to
         // start rather than answer every request 503.
-        run(&sql.writes)
-            .execute(&mut *$tx)
-            .await
-            .map_err(|e| $crate::sql::cannot_reserve(&sql.table, e))?;
+        if sql.checks_read {
+            let cannot: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.writes.as_str()))
+                .fetch_one(&mut *$tx)
+                .await
+                .map_err($crate::sql::map_err)?;
+            if let Some(why) = cannot {
+                return Err($crate::StoreError::backend(format!(
+                    "the table {} cannot take a reservation: {why}; it needs a database and role that may \
+                     write it",
+                    sql.table
+                )));
+            }
+        } else {
+            run(&sql.writes)
+                .execute(&mut *$tx)
+                .await
+                .map_err(|e| $crate::sql::cannot_reserve(&sql.table, e))?;
+        }
         $tx.commit().await.map_err($crate::sql::map_err)?;
         Ok::<(), $crate::StoreError>(())
     }};
@@ -278,10 +292,25 @@ macro_rules! check_schema {
             // Every reservation's `ON CONFLICT (tenant, scope, key)` needs a
             // unique key on those columns (a table made by hand may have
             // every column and none).
-            sqlx::raw_sql(sqlx::AssertSqlSafe(sql.has_unique_key.clone()))
-                .execute(&self.pool)
-                .await
-                .map_err(|e| $crate::sql::cannot_reserve(&sql.table, e))?;
+            if sql.checks_read {
+                let keyed: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.has_unique_key.as_str()))
+                    .fetch_one(&self.pool)
+                    .await
+                    .map_err($crate::sql::map_err)?;
+                if !keyed {
+                    return Err($crate::StoreError::backend(format!(
+                        "the table {} cannot take a reservation: it has no unique key on (tenant, scope, key), \
+                         which every reservation's ON CONFLICT needs; give it one (its primary key, as \
+                         migrate() makes it)",
+                        sql.table
+                    )));
+                }
+            } else {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql.has_unique_key.clone()))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(|e| $crate::sql::cannot_reserve(&sql.table, e))?;
+            }
             // A column of someone else's that every row must fill would make
             // every reservation fail.
             let unknown: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.unknown_required.as_str()))

@@ -256,14 +256,21 @@ pub(crate) struct Statements {
     pub(crate) has_columns: String,
     /// The columns a row must fill that the code does not know.
     pub(crate) unknown_required: String,
-    /// An upsert of no row under the reservations' conflict target,
-    /// explained, not run: fails unless a unique key on (tenant, scope,
-    /// key) is there for every reservation's `ON CONFLICT`.
+    /// Whether a unique key on (tenant, scope, key) is there for every
+    /// reservation's `ON CONFLICT`. PostgreSQL: read from the catalog (no
+    /// lock of the table's, which a `CREATE INDEX` building would hold up),
+    /// one row, true or false. SQLite: an upsert of no row under that
+    /// conflict target, explained, not run, which fails without the key.
     pub(crate) has_unique_key: String,
-    /// The same upsert of no row, run: fails also where the table cannot be
-    /// written (a read-only file, database or transaction, a role without
-    /// the right), which reads alone never tell.
+    /// Why the table cannot be written, which reads alone never tell.
+    /// PostgreSQL: from the catalog and the session (a standby, a read-only
+    /// session, a role without the rights), one row, NULL when it can.
+    /// SQLite: the same upsert of no row, run, which fails on a read-only
+    /// file (within the migration's own write transaction).
     pub(crate) writes: String,
+    /// Whether `has_unique_key` and `writes` are read (PostgreSQL) rather
+    /// than run to fail (SQLite).
+    pub(crate) checks_read: bool,
     /// Takes the key (insert, or update of a takeable row) in one upsert.
     /// Binds: tenant, scope, key, fingerprint, token, operation id, ttl ms, lock ms.
     #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
@@ -603,8 +610,35 @@ impl Statements {
                  created_at, expires_at FROM {t} LIMIT 0"
             ),
             has_columns: format!("SELECT {COLUMNS} FROM {t} LIMIT 0"),
-            has_unique_key: format!("EXPLAIN {no_row_upsert}"),
-            writes: no_row_upsert.clone(),
+            has_unique_key: if d.reserve_function {
+                // The key's columns, in any order, and nothing else: what
+                // `ON CONFLICT (tenant, scope, key)` infers its index from
+                // (unique, not partial, not deferred, no expression).
+                format!(
+                    "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = to_regclass('{t}') \
+                     AND i.indisunique AND i.indimmediate AND i.indisvalid AND i.indpred IS NULL \
+                     AND i.indexprs IS NULL AND i.indnkeyatts = 3 \
+                     AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_catalog.pg_attribute a \
+                     WHERE a.attrelid = i.indrelid AND a.attnum = ANY ((i.indkey::int2[])[0:2])) \
+                     = ARRAY['key', 'scope', 'tenant'])"
+                )
+            } else {
+                format!("EXPLAIN {no_row_upsert}")
+            },
+            writes: if d.reserve_function {
+                format!(
+                    "SELECT CASE WHEN pg_catalog.pg_is_in_recovery() THEN 'the database is a standby, read only' \
+                     WHEN current_setting('transaction_read_only') = 'on' THEN 'the session is read only \
+                     (default_transaction_read_only)' \
+                     WHEN NOT (has_table_privilege(to_regclass('{t}'), 'INSERT') \
+                     AND has_table_privilege(to_regclass('{t}'), 'UPDATE') \
+                     AND has_table_privilege(to_regclass('{t}'), 'DELETE')) \
+                     THEN 'this role may not insert, update and delete its rows' END"
+                )
+            } else {
+                no_row_upsert.clone()
+            },
+            checks_read: d.reserve_function,
             unknown_required: (d.required_columns)(
                 schema,
                 table,
