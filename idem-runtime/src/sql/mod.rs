@@ -25,7 +25,8 @@ pub(crate) use run::columns_are;
 #[cfg(feature = "axum")]
 pub(crate) use run::Deadline;
 pub(crate) use run::{
-    bounded, complete_with, encode_err, fenced, judge_row, map_err, millis, purge_within, sized_arguments,
+    bounded, complete_with, encode_err, fenced, judge_row, map_err, map_wait_err, millis, purge_within,
+    sized_arguments,
 };
 #[cfg(feature = "postgres")]
 pub(crate) use run::{fenced_ops, judge_existing, reserve_detached};

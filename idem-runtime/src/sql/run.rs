@@ -147,6 +147,19 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
     store_error(e, unavailable)
 }
 
+/// [`map_err`] for a write that may wait for a record's row: PostgreSQL's
+/// `lock_not_available` (55P03), the bound of that wait run out (see
+/// `FencedWrites`), is the store not answering within its timeout, as
+/// that timeout on idem's side is: [`StoreError::Unavailable`].
+pub(crate) fn map_wait_err(e: sqlx::Error) -> StoreError {
+    let waited = matches!(&e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"));
+    if waited {
+        store_error(e, true)
+    } else {
+        map_err(e)
+    }
+}
+
 fn store_error(e: sqlx::Error, unavailable: bool) -> StoreError {
     let reason = e.to_string();
     if unavailable {
@@ -238,7 +251,7 @@ macro_rules! fenced_ops {
                 .bind(recovery_point)
                 .execute(&self.pool)
                 .await
-                .map_err($crate::sql::map_err)?;
+                .map_err($crate::sql::map_wait_err)?;
                 $crate::sql::fenced(done.rows_affected())?;
                 pause_point!($crate::pause::CHECKPOINT_AFTER, &id.key);
                 Ok(())
@@ -317,7 +330,7 @@ macro_rules! complete_with {
                 .bind(token)
                 .execute(&self.pool)
                 .await
-                .map_err($crate::sql::map_err)?;
+                .map_err($crate::sql::map_wait_err)?;
             Ok(done.rows_affected())
         }
 
@@ -338,7 +351,7 @@ macro_rules! complete_with {
                 .bind($crate::sql::millis(lock_timeout))
                 .execute(&self.pool)
                 .await
-                .map_err($crate::sql::map_err)?;
+                .map_err($crate::sql::map_wait_err)?;
             Ok(done.rows_affected())
         }
 
@@ -469,7 +482,7 @@ macro_rules! complete_with {
             let done = sqlx::query_with(sqlx::AssertSqlSafe(statement), args)
                 .execute(executor)
                 .await
-                .map_err($crate::sql::map_err)?;
+                .map_err($crate::sql::map_wait_err)?;
             Ok(done.rows_affected())
         }
     };
