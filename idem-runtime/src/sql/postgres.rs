@@ -392,7 +392,12 @@ impl PgStore {
     /// seconds, so a longer `timeout` waits longer for the database, not for
     /// a connection (build the pool with a longer `acquire_timeout` and use
     /// [`PgStore::new`] for that). A `timeout` shorter than a round trip to
-    /// the database (zero, say) fails every request with 503.
+    /// the database (zero, say) fails every request with 503. A write
+    /// fenced by a lock token (a completion written alone, a release, a
+    /// lease's extension, a checkpoint) that waits for a record's row held
+    /// by another transaction is bounded by `timeout` on the database too
+    /// (its statement's `lock_timeout`, unless the session's is shorter),
+    /// so that it gives its connection back when idem gives up on it.
     ///
     /// ```
     /// # use std::time::Duration;
