@@ -2619,4 +2619,70 @@ mod held_rows {
         assert_eq!(again.header("idempotent-replayed"), Some("true"), "{again:?}");
         assert_eq!(runs.0.lock().unwrap().get(&free_key), Some(&1));
     }
+
+    #[derive(Clone)]
+    struct Holding {
+        store: idem::PgStore,
+        holders: sqlx::PgPool,
+        held: Arc<Mutex<Vec<sqlx::Transaction<'static, sqlx::Postgres>>>>,
+    }
+
+    /// Writes in its own transaction, then holds its record's row from
+    /// another connection: the completion in its transaction waits for it.
+    #[idempotent(scope = "held.tx")]
+    async fn in_tx(
+        State(h): State<Holding>,
+        op: Operation,
+    ) -> Result<(StatusCode, &'static str), idem::StoreError> {
+        let mut conn = op.pg_transaction().await?;
+        sqlx::query("SELECT 1")
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| idem::StoreError::backend(e.to_string()))?;
+        drop(conn);
+        let id = RecordId::new("", "held.tx", op.key().to_owned());
+        let holder = pg_hold_row(&h.holders, &h.store, &id).await;
+        h.held.lock().unwrap().push(holder);
+        Ok((StatusCode::CREATED, "tx"))
+    }
+
+    #[idempotent(scope = "held.plain")]
+    async fn plain() -> (StatusCode, &'static str) {
+        (StatusCode::CREATED, "plain")
+    }
+
+    /// The same for the completion written in the handler's transaction:
+    /// its wait for the held row ends on the server at the timeout, so the
+    /// `ROLLBACK` after it does not wait with the connection, and with a
+    /// pool of two, two such keys leave a third key's request served.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_a_held_row_never_holds_a_transactions_connection() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 2)
+            .await
+            .with_timeout(Duration::from_millis(300));
+        let holding = Holding {
+            store: store.clone(),
+            holders: sqlx::PgPool::connect(&url).await.unwrap(),
+            held: Arc::default(),
+        };
+        let router = Router::new()
+            .route("/tx", post(in_tx))
+            .route("/plain", post(plain))
+            .layer(Idem::new(store.clone()).single_tenant().layer())
+            .with_state(holding.clone());
+        let addr = idem_testkit::http::serve(router).await;
+        for n in 0..2 {
+            let key = idem_testkit::unique(&format!("held-tx-{n}"));
+            let held = post_req("/tx", "{}").key(&key).send(addr).await;
+            assert_eq!(held.status, 503, "{held:?}");
+        }
+        let free = post_req("/plain", "{}")
+            .key(&idem_testkit::unique("free"))
+            .send(addr)
+            .await;
+        assert_eq!(free.status, 201, "another key's request was held up: {free:?}");
+        holding.held.lock().unwrap().clear();
+    }
 }

@@ -1105,7 +1105,12 @@ impl PgStore {
             .complete
             .get()
             .map_or(self.sql.complete.as_str(), |c| &**c);
-        let completed = self.complete_rows(tx, statement, id, token, response).await?;
+        // Its wait for the row bounded on the server as the other fenced
+        // writes' are: given up on, the `ROLLBACK` after it would wait for
+        // its answer, and the connection with it. The setting is the
+        // handler's transaction's, which only the commit follows.
+        let statement = bounded_row_wait(statement, self.timeout);
+        let completed = self.complete_rows(tx, &statement, id, token, response).await?;
         sql::fenced(completed)
     }
 }
@@ -2013,16 +2018,20 @@ pub(crate) struct FencedWrites {
     pub(crate) complete: String,
 }
 
+/// `statement`, a fenced write ending in its `WHERE`, with its wait for a
+/// row bounded by `wait` on the server (see [`FencedWrites`]).
+fn bounded_row_wait(statement: &str, wait: Duration) -> String {
+    let ms = wait.as_millis().clamp(1, i32::MAX as u128);
+    format!(
+        "{statement} AND set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') <> '0' \
+         AND current_setting('lock_timeout')::interval < interval '{ms} ms' \
+         THEN current_setting('lock_timeout') ELSE '{ms}ms' END, true) IS NOT NULL"
+    )
+}
+
 impl FencedWrites {
     fn new(sql: &Statements, wait: Duration) -> Self {
-        let ms = wait.as_millis().clamp(1, i32::MAX as u128);
-        let bounded = |statement: &str| {
-            format!(
-                "{statement} AND set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') <> '0' \
-                 AND current_setting('lock_timeout')::interval < interval '{ms} ms' \
-                 THEN current_setting('lock_timeout') ELSE '{ms}ms' END, true) IS NOT NULL"
-            )
-        };
+        let bounded = |statement: &str| bounded_row_wait(statement, wait);
         FencedWrites {
             release: bounded(&sql.release),
             reject: bounded(&sql.reject),
