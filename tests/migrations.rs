@@ -2173,3 +2173,66 @@ async fn postgres_the_checks_never_wait_for_the_tables_lock() {
     within("migrate")(tokio::time::timeout(Duration::from_secs(10), store.migrate()).await);
     holder.rollback().await.unwrap();
 }
+
+/// A role that may write every column idem writes, granted column by
+/// column, migrates and serves; a role that may only read is refused by
+/// `migrate()`, saying why.
+#[tokio::test]
+async fn postgres_a_role_is_judged_by_the_rights_it_has() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (admin, schema, _) = migrated_pg_store(&url).await;
+    let table = format!("\"{schema}\".idempotency_keys");
+    let columns: String = sqlx::query_scalar(
+        "SELECT string_agg(quote_ident(column_name::text), ', ') FROM information_schema.columns \
+         WHERE table_schema = $1 AND table_name = 'idempotency_keys'",
+    )
+    .bind(&schema)
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    let suffix = schema[schema.len() - 10..].to_lowercase();
+    let (writer, reader) = (format!("idem_cols_{suffix}"), format!("idem_reads_{suffix}"));
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP ROLE IF EXISTS {writer}; DROP ROLE IF EXISTS {reader}; \
+             CREATE ROLE {writer} LOGIN; CREATE ROLE {reader} LOGIN; \
+             GRANT USAGE ON SCHEMA \"{schema}\" TO {writer}, {reader}; \
+             GRANT SELECT ON ALL TABLES IN SCHEMA \"{schema}\" TO {writer}, {reader}; \
+             GRANT DELETE ON {table} TO {writer}; \
+             GRANT INSERT ({columns}), UPDATE ({columns}) ON {table} TO {writer}"
+        )))
+        .await
+        .unwrap();
+    let as_role = |role: &str| {
+        let url = url.replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+        let schema = schema.clone();
+        async move {
+            PgStore::new(sqlx::PgPool::connect(&url).await.unwrap())
+                .with_table(Some(&schema), "idempotency_keys")
+                .unwrap()
+        }
+    };
+    let writes = as_role(&writer).await;
+    let migrated = writes.migrate().await;
+    let served = async {
+        takes_completes_replays(&writes, "by-column").await;
+    };
+    if migrated.is_ok() {
+        served.await;
+    }
+    let refused = as_role(&reader).await.migrate().await;
+    writes.pool().close().await;
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA \"{schema}\" CASCADE; DROP OWNED BY {writer}, {reader}; \
+             DROP ROLE {writer}; DROP ROLE {reader}"
+        )))
+        .await
+        .unwrap();
+    migrated.expect("a role that writes every column idem writes");
+    let err = refused.unwrap_err().to_string();
+    assert!(
+        err.contains("this role may not insert, update and delete"),
+        "{err}"
+    );
+}

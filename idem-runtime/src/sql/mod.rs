@@ -631,8 +631,8 @@ impl Statements {
                     "SELECT CASE WHEN pg_catalog.pg_is_in_recovery() THEN 'the database is a standby, read only' \
                      WHEN current_setting('transaction_read_only') = 'on' THEN 'the session is read only \
                      (default_transaction_read_only)' \
-                     WHEN NOT (has_table_privilege(to_regclass('{t}'), 'INSERT') \
-                     AND has_table_privilege(to_regclass('{t}'), 'UPDATE') \
+                     WHEN NOT (has_any_column_privilege(to_regclass('{t}'), 'INSERT') \
+                     AND has_any_column_privilege(to_regclass('{t}'), 'UPDATE') \
                      AND has_table_privilege(to_regclass('{t}'), 'DELETE')) \
                      THEN 'this role may not insert, update and delete its rows' END"
                 )
