@@ -1108,8 +1108,13 @@ impl PgStore {
         // Its wait for the row bounded on the server as the other fenced
         // writes' are: given up on, the `ROLLBACK` after it would wait for
         // its answer, and the connection with it. The setting is the
-        // handler's transaction's, which only the commit follows.
-        let statement = bounded_row_wait(statement, self.timeout);
+        // handler's transaction's: the transaction's own is put back once
+        // the row is written, so that the commit after it (a deferred
+        // trigger's wait, say) is bounded as it was, and may land late.
+        let statement = format!(
+            "{} RETURNING set_config('lock_timeout', current_setting('idem.lock_timeout'), true)",
+            bounded_row_wait(statement, self.timeout, true)
+        );
         let completed = self.complete_rows(tx, &statement, id, token, response).await?;
         sql::fenced(completed)
     }
@@ -2019,11 +2024,18 @@ pub(crate) struct FencedWrites {
 }
 
 /// `statement`, a fenced write ending in its `WHERE`, with its wait for a
-/// row bounded by `wait` on the server (see [`FencedWrites`]).
-fn bounded_row_wait(statement: &str, wait: Duration) -> String {
+/// row bounded by `wait` on the server (see [`FencedWrites`]); `kept`: the
+/// transaction's own `lock_timeout` first kept in `idem.lock_timeout`,
+/// for the statement to put back (its `RETURNING`).
+fn bounded_row_wait(statement: &str, wait: Duration, kept: bool) -> String {
     let ms = wait.as_millis().clamp(1, i32::MAX as u128);
+    let keep = if kept {
+        "set_config('idem.lock_timeout', current_setting('lock_timeout'), true) IS NOT NULL AND "
+    } else {
+        ""
+    };
     format!(
-        "{statement} AND set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') <> '0' \
+        "{statement} AND set_config('lock_timeout', CASE WHEN {keep}current_setting('lock_timeout') <> '0' \
          AND current_setting('lock_timeout')::interval < interval '{ms} ms' \
          THEN current_setting('lock_timeout') ELSE '{ms}ms' END, true) IS NOT NULL"
     )
@@ -2031,7 +2043,7 @@ fn bounded_row_wait(statement: &str, wait: Duration) -> String {
 
 impl FencedWrites {
     fn new(sql: &Statements, wait: Duration) -> Self {
-        let bounded = |statement: &str| bounded_row_wait(statement, wait);
+        let bounded = |statement: &str| bounded_row_wait(statement, wait, false);
         FencedWrites {
             release: bounded(&sql.release),
             reject: bounded(&sql.reject),
