@@ -5489,3 +5489,121 @@ mod a_checkpoint_written_as_the_lease_runs_out {
         assert_eq!(said, "checkpoint=Err(LockLost) lost_at_return=true");
     }
 }
+
+/// The completion in the handler's transaction bounds its own wait for the
+/// record's row, then puts the transaction's `lock_timeout` back for the
+/// commit. When another transaction updated the row while it waited
+/// (idem's own heartbeat does), PostgreSQL judges the row again, and the
+/// `lock_timeout` kept must still be the transaction's own (here the
+/// handler's `SET LOCAL lock_timeout = '7s'`, which a deferred trigger
+/// records at the commit), not the bound set by then.
+mod the_commit_keeps_the_transactions_lock_timeout {
+    use super::*;
+    use std::sync::Mutex;
+
+    #[derive(Clone)]
+    struct Held {
+        schema: String,
+        store: idem::PgStore,
+        holders: sqlx::PgPool,
+        holder: Arc<Mutex<Option<sqlx::Transaction<'static, sqlx::Postgres>>>>,
+    }
+
+    #[idempotent(scope = "kept.create")]
+    async fn create(State(h): State<Held>, op: Operation) -> Result<(StatusCode, &'static str), StatusCode> {
+        let mut conn = op
+            .pg_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SET LOCAL lock_timeout = '7s'; INSERT INTO \"{}\".made (id) VALUES ('one')",
+            h.schema
+        )))
+        .execute(&mut *conn)
+        .await
+        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        drop(conn);
+        // The record's row updated, uncommitted, by another transaction.
+        let mut holder = h.holders.begin().await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {} SET lock_expires_at = lock_expires_at WHERE key = $1",
+            idem_testkit::records::pg_table(&h.store)
+        )))
+        .bind(op.key())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+        *h.holder.lock().unwrap() = Some(holder);
+        Ok((StatusCode::CREATED, "made"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_even_when_the_row_was_updated_while_it_waited() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = idem_testkit::pg_schema(&url).await;
+        // A bound shorter than the handler's 7 s.
+        let store = idem_testkit::pg_store_in(&url, &schema, 4)
+            .await
+            .with_timeout(Duration::from_secs(2));
+        let pool = store.pool().clone();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE \"{schema}\".made (id TEXT PRIMARY KEY); \
+             CREATE TABLE \"{schema}\".seen (lock_timeout TEXT); \
+             CREATE FUNCTION \"{schema}\".see() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN INSERT INTO \"{schema}\".seen VALUES (current_setting('lock_timeout')); RETURN NULL; END $$; \
+             CREATE CONSTRAINT TRIGGER see AFTER INSERT ON \"{schema}\".made \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION \"{schema}\".see()"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let held = Held {
+            schema: schema.clone(),
+            store: store.clone(),
+            holders: sqlx::PgPool::connect(&url).await.unwrap(),
+            holder: Arc::default(),
+        };
+        let app = Router::new()
+            .route("/made", post(create))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(held.clone());
+        let addr = serve(app).await;
+        let key = idem_testkit::unique("k-kept");
+        let first = {
+            let key = key.clone();
+            tokio::spawn(async move { post_req("/made", "").key(&key).send(addr).await })
+        };
+        // The completion waits for the row; then the other transaction
+        // commits its update.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND query LIKE '%RETURNING set_config%' AND query LIKE '%' || $1 || '%'",
+            )
+            .bind(&schema)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            if waiting > 0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the completion never waited for the row"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let holder = held.holder.lock().unwrap().take().unwrap();
+        holder.commit().await.unwrap();
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 201, "{first:?}");
+        let seen: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT lock_timeout FROM \"{schema}\".seen"
+        )))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(seen, ["7s"]);
+    }
+}

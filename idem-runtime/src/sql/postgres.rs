@@ -1112,7 +1112,7 @@ impl PgStore {
         // the row is written, so that the commit after it (a deferred
         // trigger's wait, say) is bounded as it was, and may land late.
         let statement = format!(
-            "{} RETURNING set_config('lock_timeout', current_setting('idem.lock_timeout'), true)",
+            "{} RETURNING set_config('lock_timeout', current_setting('idem.kept_lock_timeout'), true)",
             bounded_row_wait(statement, self.timeout, true)
         );
         let completed = self.complete_rows(tx, &statement, id, token, response).await?;
@@ -2025,12 +2025,18 @@ pub(crate) struct FencedWrites {
 
 /// `statement`, a fenced write ending in its `WHERE`, with its wait for a
 /// row bounded by `wait` on the server (see [`FencedWrites`]); `kept`: the
-/// transaction's own `lock_timeout` first kept in `idem.lock_timeout`,
-/// for the statement to put back (its `RETURNING`).
+/// transaction's own `lock_timeout` first kept in `idem.kept_lock_timeout`
+/// (empty outside the statement's transaction), for the statement to put
+/// back (its `RETURNING`).
 fn bounded_row_wait(statement: &str, wait: Duration, kept: bool) -> String {
     let ms = wait.as_millis().clamp(1, i32::MAX as u128);
+    // Kept once: a row that another transaction updated while the
+    // statement waited for it is judged again (its `WHERE` evaluated anew,
+    // the bound set by then), and must not keep the bound for the own.
     let keep = if kept {
-        "set_config('idem.lock_timeout', current_setting('lock_timeout'), true) IS NOT NULL AND "
+        "set_config('idem.kept_lock_timeout', CASE WHEN coalesce(current_setting('idem.kept_lock_timeout', true), \
+         '') = '' THEN current_setting('lock_timeout') ELSE current_setting('idem.kept_lock_timeout', true) END, \
+         true) IS NOT NULL AND "
     } else {
         ""
     };
