@@ -5441,25 +5441,7 @@ mod a_checkpoint_written_as_the_lease_runs_out {
         probe.go.notify_one();
 
         // The checkpoint's UPDATE waits on the row lock.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-                 AND query LIKE '%SET recovery_point%' AND query LIKE '%' || $1 || '%'",
-            )
-            .bind(&schema)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-            if waiting > 0 {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the checkpoint never waited on the row"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        until_waiting_for_a_lock(&pool, &schema, "SET recovery_point").await;
         // The keeper counts the lease lost (its extension waits on the row too).
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while !op.is_lease_lost() {
@@ -5575,25 +5557,7 @@ mod the_commit_keeps_the_transactions_lock_timeout {
         };
         // The completion waits for the row; then the other transaction
         // commits its update.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-                 AND query LIKE '%RETURNING set_config%' AND query LIKE '%' || $1 || '%'",
-            )
-            .bind(&schema)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-            if waiting > 0 {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the completion never waited for the row"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        until_waiting_for_a_lock(&pool, &schema, "RETURNING set_config").await;
         let holder = held.holder.lock().unwrap().take().unwrap();
         holder.commit().await.unwrap();
         let first = first.await.unwrap();
@@ -5605,5 +5569,30 @@ mod the_commit_keeps_the_transactions_lock_timeout {
         .await
         .unwrap();
         assert_eq!(seen, ["7s"]);
+    }
+}
+
+/// Until a statement of the test's schema whose text holds `part` waits for
+/// a lock, as the database says (never an ordering hoped for).
+async fn until_waiting_for_a_lock(pool: &sqlx::PgPool, schema: &str, part: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE '%' || $2 || '%' AND query LIKE '%' || $1 || '%'",
+        )
+        .bind(schema)
+        .bind(part)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no statement with {part:?} waited for a lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
