@@ -20,14 +20,16 @@ pub(crate) use migrate::{
     cannot_reserve, check_schema, found, migrate_in, migrations, newer_schema, refuse_encoding,
     refuse_found_elsewhere, schema_error,
 };
-#[cfg(feature = "postgres")]
-pub(crate) use run::columns_are;
+#[cfg(feature = "sqlite")]
+pub(crate) use run::sqlite_busy_or_locked;
 #[cfg(feature = "axum")]
 pub(crate) use run::Deadline;
 pub(crate) use run::{
     bounded, complete_with, encode_err, fenced, judge_row, map_err, map_wait_err, millis, purge_within,
     sized_arguments,
 };
+#[cfg(feature = "postgres")]
+pub(crate) use run::{columns_are, lock_wait_ran_out};
 #[cfg(feature = "postgres")]
 pub(crate) use run::{fenced_ops, judge_existing, reserve_detached};
 #[cfg(feature = "sqlite")]

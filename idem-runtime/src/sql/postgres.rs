@@ -2073,9 +2073,7 @@ fn lock_not_available(e: &StoreError) -> bool {
     };
     source
         .downcast_ref::<sqlx::Error>()
-        .and_then(sqlx::Error::as_database_error)
-        .and_then(|db| db.code())
-        .is_some_and(|code| code == "55P03")
+        .is_some_and(sql::lock_wait_ran_out)
 }
 
 /// How many lookups (or groups of them) one store runs at once; the rest

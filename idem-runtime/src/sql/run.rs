@@ -125,21 +125,13 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
     let unavailable = match &e {
         E::Io(_) | E::Tls(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed => true,
         E::Database(db) => {
-            let code = db.code().unwrap_or_default();
-            // SQLite: 5 busy, 6 locked (the busy timeout ran out, or a
-            // table of a shared-cache database is locked), as primary codes
-            // or extended ones (such as 262 or 517), whose low byte is the
-            // primary code.
             #[cfg(feature = "sqlite")]
             if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-                let primary = code
-                    .split('/')
-                    .next()
-                    .and_then(|c| c.parse::<i32>().ok())
-                    .map(|c| c & 0xff);
-                return store_error(e, matches!(primary, Some(5 | 6)));
+                let busy = sqlite_busy_or_locked(&**db);
+                return store_error(e, busy);
             }
             // PostgreSQL: 08 connection, 53 resources, 57P0x shutdown/crash.
+            let code = db.code().unwrap_or_default();
             code.starts_with("08") || code.starts_with("53") || code.starts_with("57P0")
         }
         _ => false,
@@ -152,12 +144,30 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
 /// `FencedWrites`), is the store not answering within its timeout, as
 /// that timeout on idem's side is: [`StoreError::Unavailable`].
 pub(crate) fn map_wait_err(e: sqlx::Error) -> StoreError {
-    let waited = matches!(&e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"));
-    if waited {
+    if lock_wait_ran_out(&e) {
         store_error(e, true)
     } else {
         map_err(e)
     }
+}
+
+/// SQLite's answer that it is busy or locked: 5 busy, 6 locked (the busy
+/// timeout ran out, or a table of a shared-cache database is locked), as
+/// primary codes or extended ones (such as 262 or 517), whose low byte is
+/// the primary code.
+#[cfg(feature = "sqlite")]
+pub(crate) fn sqlite_busy_or_locked(db: &dyn sqlx::error::DatabaseError) -> bool {
+    db.code()
+        .and_then(|code| code.split('/').next().and_then(|c| c.parse::<i32>().ok()))
+        .is_some_and(|code| matches!(code & 0xff, 5 | 6))
+}
+
+/// PostgreSQL's `lock_not_available` (55P03): a wait for a lock ran out
+/// (a `lock_timeout`, of the session's or of idem's own bound).
+pub(crate) fn lock_wait_ran_out(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| code == "55P03")
 }
 
 fn store_error(e: sqlx::Error, unavailable: bool) -> StoreError {

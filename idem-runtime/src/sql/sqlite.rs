@@ -263,7 +263,9 @@ impl SqliteStore {
                 .await
             {
                 Ok(pool) => return Ok(Self::new(pool)),
-                Err(e) if busy_or_locked(&e) && tokio::time::Instant::now() + pause < deadline => {
+                Err(sqlx::Error::Database(db))
+                    if sql::sqlite_busy_or_locked(&*db) && tokio::time::Instant::now() + pause < deadline =>
+                {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(100));
                 }
@@ -1723,15 +1725,4 @@ fn filename_kind(name: &str) -> Result<FilenameKind, StoreError> {
         )));
     }
     Ok(FilenameKind::File)
-}
-
-/// Whether SQLite answered busy or locked (5 or 6, or an extended code of
-/// either, whose low byte is the primary code).
-fn busy_or_locked(e: &sqlx::Error) -> bool {
-    let sqlx::Error::Database(db) = e else {
-        return false;
-    };
-    db.code()
-        .and_then(|code| code.parse::<i32>().ok())
-        .is_some_and(|code| matches!(code & 0xff, 5 | 6))
 }
