@@ -188,24 +188,7 @@ macro_rules! migrate_in {
         // can be written at all (a read-only file or replica, a role
         // without the right) is asked here, so that a service refuses to
         // start rather than answer every request 503.
-        if sql.checks_read {
-            let cannot: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.writes.as_str()))
-                .fetch_one(&mut *$tx)
-                .await
-                .map_err($crate::sql::map_err)?;
-            if let Some(why) = cannot {
-                return Err($crate::StoreError::backend(format!(
-                    "the table {} cannot take a reservation: {why}; it needs a database and role that may \
-                     write it",
-                    sql.table
-                )));
-            }
-        } else {
-            run(&sql.writes)
-                .execute(&mut *$tx)
-                .await
-                .map_err(|e| $crate::sql::cannot_reserve(&sql.table, e))?;
-        }
+        $crate::sql::refuse_unreservable(&mut *$tx, sql, &sql.writes).await?;
         $tx.commit().await.map_err($crate::sql::map_err)?;
         Ok::<(), $crate::StoreError>(())
     }};
@@ -292,25 +275,7 @@ macro_rules! check_schema {
             // Every reservation's `ON CONFLICT (tenant, scope, key)` needs a
             // unique key on those columns (a table made by hand may have
             // every column and none).
-            if sql.checks_read {
-                let keyed: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.has_unique_key.as_str()))
-                    .fetch_one(&self.pool)
-                    .await
-                    .map_err($crate::sql::map_err)?;
-                if !keyed {
-                    return Err($crate::StoreError::backend(format!(
-                        "the table {} cannot take a reservation: it has no unique key on (tenant, scope, key), \
-                         which every reservation's ON CONFLICT needs; give it one (its primary key, as \
-                         migrate() makes it)",
-                        sql.table
-                    )));
-                }
-            } else {
-                sqlx::raw_sql(sqlx::AssertSqlSafe(sql.has_unique_key.clone()))
-                    .execute(&self.pool)
-                    .await
-                    .map_err(|e| $crate::sql::cannot_reserve(&sql.table, e))?;
-            }
+            $crate::sql::refuse_unreservable(&self.pool, sql, &sql.has_unique_key).await?;
             // A column of someone else's that every row must fill would make
             // every reservation fail.
             let unknown: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.unknown_required.as_str()))
@@ -402,21 +367,48 @@ pub(crate) fn newer_schema(table: &str, current: i64, latest: i64) -> StoreError
 }
 
 /// A schema check that failed: unreachable, or a table that does not match.
-/// The error of a table that no reservation could be written to: the
-/// database's own answer (no unique key on (tenant, scope, key), a
-/// read-only database, a missing right), with what the table needs; a store
-/// that did not answer stays unavailable.
-pub(crate) fn cannot_reserve(table: &str, e: sqlx::Error) -> StoreError {
-    match map_err(e) {
-        StoreError::Backend { reason, source } => StoreError::Backend {
-            reason: format!(
-                "the table {table} cannot take a reservation ({reason}): it needs a unique key on \
-                 (tenant, scope, key), its primary key as migrate() makes it, and a database and role that \
-                 may write it"
-            ),
-            source,
-        },
-        other => other,
+/// Refuses a table that no reservation could be written to, by `check`
+/// (its `has_unique_key` or `writes`): read where `checks_read`
+/// (PostgreSQL: why not, or NULL), else run (SQLite: the database's own
+/// error, with what the table needs). A store that did not answer stays
+/// unavailable.
+pub(crate) async fn refuse_unreservable<'c, E, DB>(
+    conn: E,
+    sql: &super::Statements,
+    check: &str,
+) -> Result<(), StoreError>
+where
+    DB: sqlx::Database,
+    E: sqlx::Executor<'c, Database = DB>,
+    for<'r> (Option<String>,): sqlx::FromRow<'r, DB::Row>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    let why = if sql.checks_read {
+        let (why,): (Option<String>,) = sqlx::query_as(sqlx::AssertSqlSafe(check))
+            .fetch_one(conn)
+            .await
+            .map_err(map_err)?;
+        why
+    } else {
+        match conn
+            .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(check)))
+            .await
+            .map_err(map_err)
+        {
+            Ok(_) => None,
+            Err(StoreError::Backend { reason, .. }) => Some(format!(
+                "{reason}; it needs a unique key on (tenant, scope, key), its primary key as migrate() makes \
+                 it, and a database and role that may write it"
+            )),
+            Err(other) => return Err(other),
+        }
+    };
+    match why {
+        None => Ok(()),
+        Some(why) => Err(StoreError::backend(format!(
+            "the table {} cannot take a reservation: {why}",
+            sql.table
+        ))),
     }
 }
 

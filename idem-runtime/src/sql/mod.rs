@@ -17,8 +17,8 @@ pub(crate) mod sqlite;
 
 pub use migrate::Migration;
 pub(crate) use migrate::{
-    cannot_reserve, check_schema, found, migrate_in, migrations, newer_schema, refuse_encoding,
-    refuse_found_elsewhere, schema_error,
+    check_schema, found, migrate_in, migrations, newer_schema, refuse_encoding, refuse_found_elsewhere,
+    refuse_unreservable, schema_error,
 };
 #[cfg(feature = "sqlite")]
 pub(crate) use run::sqlite_busy_or_locked;
@@ -262,7 +262,7 @@ pub(crate) struct Statements {
     /// Whether a unique key on (tenant, scope, key) is there for every
     /// reservation's `ON CONFLICT`. PostgreSQL: read from the catalog (no
     /// lock of the table's, which a `CREATE INDEX` building would hold up),
-    /// one row, true or false. SQLite: an upsert of no row under that
+    /// one row, why not or NULL. SQLite: an upsert of no row under that
     /// conflict target, explained, not run, which fails without the key.
     pub(crate) has_unique_key: String,
     /// Why the table cannot be written, which reads alone never tell.
@@ -618,12 +618,15 @@ impl Statements {
                 // `ON CONFLICT (tenant, scope, key)` infers its index from
                 // (unique, not partial, not deferred, no expression).
                 format!(
-                    "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = to_regclass('{t}') \
+                    "SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
+                     WHERE i.indrelid = to_regclass('{t}') \
                      AND i.indisunique AND i.indimmediate AND i.indisvalid AND i.indpred IS NULL \
                      AND i.indexprs IS NULL AND i.indnkeyatts = 3 \
                      AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_catalog.pg_attribute a \
                      WHERE a.attrelid = i.indrelid AND a.attnum = ANY ((i.indkey::int2[])[0:2])) \
-                     = ARRAY['key', 'scope', 'tenant'])"
+                     = ARRAY['key', 'scope', 'tenant']) \
+                     THEN 'it has no unique key on (tenant, scope, key), which every reservation''s ON CONFLICT \
+                     needs; give it one (its primary key, as migrate() makes it)' END"
                 )
             } else {
                 format!("EXPLAIN {no_row_upsert}")
@@ -636,7 +639,8 @@ impl Statements {
                      WHEN NOT (has_any_column_privilege(to_regclass('{t}'), 'INSERT') \
                      AND has_any_column_privilege(to_regclass('{t}'), 'UPDATE') \
                      AND has_table_privilege(to_regclass('{t}'), 'DELETE')) \
-                     THEN 'this role may not insert, update and delete its rows' END"
+                     THEN 'this role may not insert, update and delete its rows' END \
+                     || '; it needs a database and role that may write it'"
                 )
             } else {
                 no_row_upsert.clone()
