@@ -3,11 +3,13 @@
 //! serving. (Slow headers are the HTTP server's to time out: see
 //! RELIABILITY.md.)
 
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::Response;
 use axum::routing::post;
-use axum::{Json, Router};
-use idem::{idempotent, Idem, SqliteStore};
+use axum::{Form, Json, RequestExt as _, Router};
+use idem::{idempotent, Idem, MemoryStore, SqliteStore};
 use idem_testkit::http::{post as req, serve};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -138,6 +140,69 @@ async fn a_body_past_the_limit_is_refused() {
     let r = s.send("/pay", &body, "k-huge").await;
     assert_eq!(r.status, 413);
     s.refused_cleanly(r.status, "body past the limit").await;
+}
+
+/// The request as axum alone reads it, for a body idem reads beside its
+/// extractor (`Json`, `Form`) and for one it passes on (`String`).
+async fn plain(Json(p): Json<Pay>) -> (StatusCode, String) {
+    (StatusCode::CREATED, format!("paid {}", p.amount))
+}
+
+#[idempotent(scope = "hostile.form")]
+async fn form(State(app): State<App>, Form(p): Form<Pay>) -> (StatusCode, String) {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    (StatusCode::CREATED, format!("paid {}", p.amount))
+}
+
+/// A body-limit layer of the application's own in front of the routes, as
+/// tower-http's `RequestBodyLimitLayer` is one (the body wrapped in
+/// `http_body_util::Limited`), axum's default limit disabled on the routes
+/// as axum's docs say: a body past it gets the extractor's 413, as without
+/// idem, not a 400 for a body idem reads beside the extractor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_past_a_limit_layer_of_the_apps_own_is_the_extractors_413() {
+    async fn limited(req: Request, next: Next) -> Response {
+        next.run(req.with_limited_body()).await
+    }
+    let store = Arc::new(MemoryStore::new());
+    let app = App::default();
+    let router = Router::new()
+        .route("/plain", post(plain))
+        .route("/pay", post(pay))
+        .route("/form", post(form))
+        .route("/text", post(text))
+        .layer(DefaultBodyLimit::disable())
+        .layer(axum::middleware::from_fn(limited))
+        .layer(DefaultBodyLimit::max(256))
+        .layer(Idem::from_arc(store.clone()).single_tenant().layer())
+        .with_state(app.clone());
+    let addr = serve(router).await;
+    let pad = "x".repeat(1000);
+    let json = format!(r#"{{"amount":1,"pad":"{pad}"}}"#);
+    let without = req("/plain", &json).key("k-plain").send(addr).await;
+    let text = |r: &idem_testkit::http::Reply| String::from_utf8_lossy(&r.body).into_owned();
+    assert_eq!(without.status, 413, "axum alone: {:?}", text(&without));
+    for (path, body, content_type) in [
+        ("/pay", json.as_str(), "application/json"),
+        (
+            "/form",
+            &format!("amount=1&pad={pad}"),
+            "application/x-www-form-urlencoded",
+        ),
+        ("/text", json.as_str(), "text/plain"),
+    ] {
+        let r = req(path, body)
+            .content_type(content_type)
+            .key(&format!("k-limit{path}"))
+            .send(addr)
+            .await;
+        assert_eq!((r.status, text(&r)), (413, text(&without)), "{path}");
+    }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 0, "a handler ran");
+    assert_eq!(store.len(), 0, "a record was stored");
+    // Under the limit, the same routes serve.
+    let r = req("/pay", r#"{"amount":1}"#).key("k-small").send(addr).await;
+    assert_eq!(r.status, 201, "{:?}", text(&r));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,6 @@
 use crate::layer::Context;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt as _;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -199,21 +198,12 @@ where
     /// limit, its own rejections, in its own order).
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
         let tenant = req.extensions().get::<crate::Tenant>().cloned();
-        /// The chunks read, the first apart: most bodies are one.
-        type Seen = (Option<axum::body::Bytes>, Vec<axum::body::Bytes>);
         let seen: Arc<std::sync::Mutex<Seen>> = Arc::default();
-        let tap = seen.clone();
         let req = req.map(|body| {
-            Body::from_stream(body.into_data_stream().map(move |chunk| {
-                if let Ok(bytes) = &chunk {
-                    let mut seen = tap.lock().unwrap_or_else(|e| e.into_inner());
-                    match &seen.0 {
-                        None => seen.0 = Some(bytes.clone()),
-                        Some(_) => seen.1.push(bytes.clone()),
-                    }
-                }
-                chunk
-            }))
+            Body::new(Tapped {
+                body,
+                seen: seen.clone(),
+            })
         });
         let value = E::from_request(req, state)
             .await
@@ -232,6 +222,48 @@ where
             }
         };
         Ok(Raw { value, bytes, tenant })
+    }
+}
+
+/// The chunks read, the first apart: most bodies are one.
+type Seen = (Option<axum::body::Bytes>, Vec<axum::body::Bytes>);
+
+/// A request's body as [`Raw`]'s extractor reads it, each data frame kept
+/// in `seen` as it passes. Frames, size and end are the body's; so is an
+/// error: taken out of the [`axum::Error`] the body put it in, which
+/// [`Body::new`] puts it back in, so that the extractor finds it as deep as
+/// without idem (axum answers 413 for a body-limit layer's error only
+/// where it finds it within two).
+struct Tapped {
+    body: Body,
+    seen: Arc<std::sync::Mutex<Seen>>,
+}
+
+impl http_body::Body for Tapped {
+    type Data = axum::body::Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let frame = std::task::ready!(std::pin::Pin::new(&mut self.body).poll_frame(cx));
+        if let Some(bytes) = frame.as_ref().and_then(|f| f.as_ref().ok()?.data_ref()) {
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            match &seen.0 {
+                None => seen.0 = Some(bytes.clone()),
+                Some(_) => seen.1.push(bytes.clone()),
+            }
+        }
+        std::task::Poll::Ready(frame.map(|f| f.map_err(axum::Error::into_inner)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }
 
