@@ -407,8 +407,16 @@ fn without_expressions(reserve: &str) -> String {
             .unwrap_or_else(|| panic!("{to} in the statement"));
         format!("{}{with}{}", &sql[..a], &sql[b..])
     };
-    let sql = cut(reserve, "GREATEST(0,", " AS lock_left_ms", "0::bigint", 0);
-    let join = sql.find("LEFT JOIN (").expect("the lookup's join");
+    // Within the lookup: the lock left is the expression between the
+    // body's column and its name, whatever form it takes.
+    let join = reserve.find("LEFT JOIN (").expect("the lookup's join");
+    let sql = cut(
+        reserve,
+        "response_body, ",
+        " AS lock_left_ms",
+        "response_body, 0::bigint",
+        join,
+    );
     cut(&sql, "CASE WHEN", " AS takeable", "0", join)
 }
 
