@@ -435,8 +435,9 @@ impl PgStore {
     /// it comes back (sqlx does, off the request's path), so an idle one
     /// answered then. While other statements of the store are under way,
     /// each takes a lent one: those waits are what lets lookups and
-    /// completions gather into groups (BENCHMARKS.md measured 10 to 20%
-    /// fewer requests a second at 16 clients without them).
+    /// completions gather into groups (the benchmark log,
+    /// `docs/benchmarks-log.md`, measured 10 to 20% fewer requests a second
+    /// at 16 clients without them).
     ///
     /// A statement run again cannot run twice: each is fenced by the
     /// execution's lock token, and where the first try may have been
@@ -2077,7 +2078,7 @@ fn lock_not_available(e: &StoreError) -> bool {
 }
 
 /// How many lookups (or groups of them) one store runs at once; the rest
-/// queue for the next group. Two, measured (BENCHMARKS.md, "What changed"):
+/// queue for the next group. Two, measured (docs/benchmarks-log.md, "What changed"):
 /// with one, a group of fresh keys waits for the commit of the group before
 /// it, and first requests at 16 clients lost a sixth of their throughput;
 /// with eight or more, lookups rarely queue, and little is grouped.

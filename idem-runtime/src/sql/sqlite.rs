@@ -1272,7 +1272,7 @@ fn writer_runtime() -> Option<tokio::runtime::Handle> {
 /// one, such as a database in memory). A multi-thread runtime's workers run
 /// its tasks whatever its callers do, so there everything stays on the
 /// caller's runtime, without a thread hop (hops for every caller cost a
-/// first request on SQLite about 60% more CPU at one client: BENCHMARKS.md).
+/// first request on SQLite about 60% more CPU at one client: docs/benchmarks-log.md).
 pub(crate) fn off_caller() -> Option<tokio::runtime::Handle> {
     match tokio::runtime::Handle::try_current() {
         Ok(caller) if caller.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => None,
