@@ -2686,3 +2686,125 @@ mod held_rows {
         holding.held.lock().unwrap().clear();
     }
 }
+
+/// A row of a group that the database refuses with an error of its own (a
+/// trigger's, here one raising a SQLSTATE of the classes that otherwise
+/// say the database is out of reach: 08, as dblink or postgres_fdw raise
+/// for a remote they cannot reach, and 53) fails only its own request: the
+/// other members of its group are answered their own outcome.
+mod refused_rows {
+    use super::*;
+
+    /// The codes: a serialization failure (40001, as before) and the two
+    /// classes a group took for the database out of reach.
+    const CODES: [&str; 3] = ["40001", "08006", "53300"];
+
+    /// A trigger on `event` (`INSERT` or `UPDATE`) raising `code` for the
+    /// rows whose key starts with `bad`.
+    async fn refuse_bad_rows(store: &idem::PgStore, schema: &str, event: &str, code: &str) {
+        let table = pg_table(store);
+        for ddl in [
+            format!(
+                "CREATE OR REPLACE FUNCTION \"{schema}\".refuse() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN IF NEW.key LIKE 'bad%' THEN RAISE EXCEPTION 'refused by a trigger' \
+                 USING ERRCODE = '{code}'; END IF; RETURN NEW; END $$"
+            ),
+            format!("DROP TRIGGER IF EXISTS refuse ON {table}"),
+            format!(
+                "CREATE TRIGGER refuse BEFORE {event} ON {table} FOR EACH ROW \
+                 EXECUTE FUNCTION \"{schema}\".refuse()"
+            ),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(ddl))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+    }
+
+    fn members() -> Vec<RecordId> {
+        ["good-1", "bad", "good-2"]
+            .iter()
+            .map(|k| RecordId::new("t", "s", idem_testkit::unique(k)))
+            .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_completion_refused_in_a_group_fails_only_itself() {
+        for code in CODES {
+            let Some((_, schema, store)) = fresh_store(8, Duration::ZERO).await else {
+                return;
+            };
+            let first = RecordId::new("t", "s", idem_testkit::unique("first"));
+            let ids = members();
+            let mut tokens = Vec::new();
+            for id in std::iter::once(&first).chain(&ids) {
+                tokens.push(take(&store, id, "fp", LONG, LONG).await.token);
+            }
+            refuse_bad_rows(&store, &schema, "UPDATE", code).await;
+            // The first completion takes the turn and stops there: the
+            // others queue, and are written as one group when it goes on.
+            let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &first.key);
+            let first_task = complete_in_task(&store, &first, &tokens[0], "first");
+            tokio::time::timeout(Duration::from_secs(10), turn.reached())
+                .await
+                .unwrap();
+            let mut tasks = Vec::new();
+            for (n, (id, token)) in ids.iter().zip(&tokens[1..]).enumerate() {
+                tasks.push(complete_in_task(&store, id, token, &id.key));
+                until_waiting(&store, n + 1).await;
+            }
+            turn.resume();
+            assert_eq!(first_task.await.unwrap(), Ok(()), "{code}");
+            for (id, task) in ids.iter().zip(tasks) {
+                let got = tokio::time::timeout(Duration::from_secs(20), task)
+                    .await
+                    .unwrap()
+                    .unwrap();
+                let state = pg_row(&store, id).await.unwrap().0;
+                if id.key.starts_with("bad") {
+                    assert!(got.is_err(), "{code}: the refused row was written: {got:?}");
+                    assert_eq!(state, "in_progress", "{code}");
+                } else {
+                    assert_eq!(got, Ok(()), "{code}: {} failed with the refused row", id.key);
+                    assert_eq!(state, "completed", "{code}: {}", id.key);
+                }
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_reservation_refused_in_a_group_fails_only_itself() {
+        for code in CODES {
+            let Some((_, schema, store)) = fresh_store(8, Duration::ZERO).await else {
+                return;
+            };
+            refuse_bad_rows(&store, &schema, "INSERT", code).await;
+            let (pauses, turns) = hold_the_lookup_turns(&store).await;
+            let ids = members();
+            let mut tasks = Vec::new();
+            for (n, id) in ids.iter().enumerate() {
+                tasks.push(reserve_in_task_tok(&store, id, "fp", LONG));
+                until_lookups_waiting(&store, n + 1).await;
+            }
+            let [first, second] = pauses;
+            first.resume();
+            let answers = answers_of(tasks).await;
+            drop(second);
+            for turn in turns {
+                let _ = turn.await;
+            }
+            for (id, (_, got)) in ids.iter().zip(&answers) {
+                if id.key.starts_with("bad") {
+                    assert!(got.is_err(), "{code}: the refused row was reserved: {got:?}");
+                } else {
+                    assert!(
+                        matches!(got, Ok(Reservation::Reserved(_))),
+                        "{code}: {} failed with the refused row: {got:?}",
+                        id.key
+                    );
+                }
+            }
+        }
+    }
+}

@@ -997,7 +997,7 @@ impl PgStore {
                     });
                 }
             }
-            Err(e) if e.is_unavailable() => {
+            Err(e) if e.is_unavailable() && !refused_by_its_statement(&e) => {
                 for w in group {
                     let _ = w.answer.send(Grouped::Written(Err(e.clone())));
                 }
@@ -1166,6 +1166,30 @@ impl Drop for UnderWay {
     fn drop(&mut self) {
         self.statements.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
     }
+}
+
+/// Whether PostgreSQL refused the statement itself and the session goes
+/// on: an ERROR, whatever its SQLSTATE. A trigger may raise a class that
+/// otherwise says the database is out of reach (08, 53) for one row of a
+/// group; the group's members then run alone, so that the row fails only
+/// its own request. A failure of the connection or of the server (I/O, the
+/// pool, the bound run out, a FATAL or PANIC, which ends the session)
+/// fails every member of the group, as it would each alone.
+fn refused_by_its_statement(e: &StoreError) -> bool {
+    let (StoreError::Backend {
+        source: Some(source), ..
+    }
+    | StoreError::Unavailable {
+        source: Some(source), ..
+    }) = e
+    else {
+        return false;
+    };
+    source
+        .downcast_ref::<sqlx::Error>()
+        .and_then(sqlx::Error::as_database_error)
+        .and_then(|db| db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .is_some_and(|pg| matches!(pg.severity(), sqlx::postgres::PgSeverity::Error))
 }
 
 /// Whether a statement's error says that its connection is gone: an I/O
@@ -1665,7 +1689,7 @@ impl PgStore {
         let mut rows = match read {
             Ok(rows) => rows,
             Err(e) => {
-                let unavailable = e.is_unavailable();
+                let unavailable = e.is_unavailable() && !refused_by_its_statement(&e);
                 let mut gone = Vec::new();
                 for (b, answer) in binds.iter().zip(answers) {
                     match answer {
