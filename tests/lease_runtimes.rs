@@ -266,3 +266,159 @@ fn answer_on(
         (status, body)
     })
 }
+
+/// A runtime that ends (as `#[tokio::main]` does when `main` returns after
+/// a drain that ran out, or on a second signal) while a handler's blocking
+/// work, handed a clone of `op` in `spawn_blocking` as the README advises,
+/// still runs: the runtime's drop waits for that work, and drops the
+/// execution (its lease with it) at once. The work is told its lease is
+/// lost, so that it stops before its next effect: the lock lapses, and the
+/// next process takes the operation over and runs it.
+mod runtime_ended {
+    use super::*;
+    use idem::SqliteStore;
+    use std::sync::{mpsc, Mutex};
+    use std::time::Instant;
+
+    /// Effects made (a card charged, say): once per execution that went ahead.
+    static EFFECTS: AtomicU32 = AtomicU32::new(0);
+    /// The first execution's blocking work: tells it started, waits for the gate.
+    static STARTED: Mutex<Option<mpsc::Sender<()>>> = Mutex::new(None);
+    static GATE: Mutex<Option<mpsc::Receiver<()>>> = Mutex::new(None);
+    /// What the first execution's blocking work saw at its effect: its lease lost?
+    static SEEN: Mutex<Option<mpsc::Sender<bool>>> = Mutex::new(None);
+
+    #[idempotent(scope = "lease.runtime_ended", lock_timeout = "300ms")]
+    async fn charge(op: Operation) -> (StatusCode, String) {
+        let attempt = op.attempt();
+        if attempt == 1 {
+            let op2 = op.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                let started = STARTED.lock().unwrap().take().unwrap();
+                let gate = GATE.lock().unwrap().take().unwrap();
+                let seen = SEEN.lock().unwrap().take().unwrap();
+                started.send(()).unwrap();
+                // Long blocking work (a slow legacy call), longer than the drain.
+                let _ = gate.recv();
+                // The README: stop before the next external effect once told.
+                let lost = op2.is_lease_lost();
+                if !lost {
+                    EFFECTS.fetch_add(1, Ordering::SeqCst);
+                }
+                let _ = seen.send(lost);
+            })
+            .await;
+        } else {
+            EFFECTS.fetch_add(1, Ordering::SeqCst);
+        }
+        (StatusCode::CREATED, format!("attempt {attempt}"))
+    }
+
+    fn app_on(store: impl idem::IdempotencyStore) -> Router {
+        Router::new()
+            .route("/charge", post(charge))
+            .layer(Idem::new(store).single_tenant().layer())
+    }
+
+    fn req_of(key: &str) -> Request<Body> {
+        Request::post("/charge")
+            .header("idempotency-key", key)
+            .body(Body::empty())
+            .unwrap()
+    }
+
+    fn multi_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// One scenario at a time: they share the handler's statics.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+    /// The old process serves the first attempt on a store `open` makes on its
+    /// runtime; its runtime ends while the blocking work runs; the new process,
+    /// a store of its own from `open`, takes the operation over once the lock
+    /// lapsed; then the old blocking work reaches its next effect.
+    fn scenario<S, F>(open: impl Fn() -> F, key: &str)
+    where
+        S: idem::IdempotencyStore,
+        F: std::future::Future<Output = S>,
+    {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        EFFECTS.store(0, Ordering::SeqCst);
+        let (started_tx, started_rx) = mpsc::channel();
+        let (gate_tx, gate_rx) = mpsc::channel::<()>();
+        let (seen_tx, seen_rx) = mpsc::channel();
+        *STARTED.lock().unwrap() = Some(started_tx);
+        *GATE.lock().unwrap() = Some(gate_rx);
+        *SEEN.lock().unwrap() = Some(seen_tx);
+
+        // The old process: its runtime serves the first attempt.
+        let old = multi_thread();
+        let old_app = app_on(old.block_on(open()));
+        let first = req_of(key);
+        drop(old.spawn(async move { old_app.oneshot(first).await }));
+        started_rx.recv().unwrap();
+        // `main` returns: the runtime is dropped, which waits for the blocking
+        // work (tokio's documented drop), on a thread of its own here.
+        let ending = std::thread::spawn(move || drop(old));
+
+        // The new process (a rolling deploy): a store of its own.
+        let new = multi_thread();
+        let (status, body) = new.block_on(async {
+            let app = app_on(open().await);
+            let began = Instant::now();
+            loop {
+                let r = app.clone().oneshot(req_of(key)).await.unwrap();
+                let status = r.status();
+                let body = axum::body::to_bytes(r.into_body(), usize::MAX).await.unwrap();
+                if status != StatusCode::CONFLICT {
+                    break (status, body);
+                }
+                assert!(began.elapsed() < Duration::from_secs(10), "never taken over");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        // The takeover ran: the old lock lapsed, nobody extends it any more.
+        assert_eq!((status, &body[..]), (StatusCode::CREATED, &b"attempt 2"[..]));
+        assert_eq!(EFFECTS.load(Ordering::SeqCst), 1);
+
+        // The old execution's blocking work goes on to its next effect.
+        gate_tx.send(()).unwrap();
+        let lost = seen_rx.recv().unwrap();
+        ending.join().unwrap();
+        eprintln!(
+            "old execution's blocking work: is_lease_lost() = {lost}; effects = {}",
+            EFFECTS.load(Ordering::SeqCst)
+        );
+        assert!(
+            lost,
+            "the operation was taken over by another process, yet the old execution's op says its lease holds"
+        );
+        assert_eq!(EFFECTS.load(Ordering::SeqCst), 1, "the effect ran twice");
+    }
+
+    #[test]
+    fn blocking_work_of_an_execution_whose_runtime_ended_is_told_its_lease_is_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idem.db");
+        scenario(
+            || async {
+                let s = SqliteStore::open(&path).await.unwrap();
+                s.migrate().await.unwrap();
+                s
+            },
+            "k1",
+        );
+    }
+
+    #[test]
+    fn postgres_blocking_work_of_an_execution_whose_runtime_ended_is_told_its_lease_is_lost() {
+        let Some(url) = idem_testkit::pg_url() else { return };
+        let schema = multi_thread().block_on(idem_testkit::pg_schema(&url));
+        scenario(|| idem_testkit::pg_store_in(&url, &schema, 5), "k1");
+    }
+}

@@ -171,9 +171,22 @@ impl Heartbeat {
 
 impl Drop for Heartbeat {
     fn drop(&mut self) {
-        let entry = KEEPER.lock().leases.remove(&self.id);
-        if let Some(beating) = entry.and_then(|e| e.beating) {
+        let Some(entry) = KEEPER.lock().leases.remove(&self.id) else {
+            return;
+        };
+        if let Some(beating) = entry.beating {
             beating.task.abort();
+        }
+        // Nothing extends the lock from here. An execution that has not
+        // begun to record its outcome (its future dropped with its
+        // runtime) never will: its lease is lost, and work it handed a
+        // clone of its `Operation` (a blocking task, which a runtime's
+        // drop waits for) is told, rather than left to go on while the
+        // lock lapses and another execution takes the operation over.
+        // Once it settles, its outcome's write decides (`lease_ended`).
+        if entry.info.lease_ended() {
+            let _span = entry.span.enter();
+            tracing::warn!("the execution ended before recording its outcome; its lease is lost");
         }
     }
 }
