@@ -1176,6 +1176,14 @@ impl Drop for UnderWay {
 /// pool, the bound run out, a FATAL or PANIC, which ends the session)
 /// fails every member of the group, as it would each alone.
 fn refused_by_its_statement(e: &StoreError) -> bool {
+    driver_error(e)
+        .and_then(sqlx::Error::as_database_error)
+        .and_then(|db| db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .is_some_and(|pg| matches!(pg.severity(), sqlx::postgres::PgSeverity::Error))
+}
+
+/// The driver's error that `e` came from, if any.
+fn driver_error(e: &StoreError) -> Option<&sqlx::Error> {
     let (StoreError::Backend {
         source: Some(source), ..
     }
@@ -1183,13 +1191,9 @@ fn refused_by_its_statement(e: &StoreError) -> bool {
         source: Some(source), ..
     }) = e
     else {
-        return false;
+        return None;
     };
-    source
-        .downcast_ref::<sqlx::Error>()
-        .and_then(sqlx::Error::as_database_error)
-        .and_then(|db| db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-        .is_some_and(|pg| matches!(pg.severity(), sqlx::postgres::PgSeverity::Error))
+    source.downcast_ref::<sqlx::Error>()
 }
 
 /// Whether a statement's error says that its connection is gone: an I/O
@@ -1197,13 +1201,10 @@ fn refused_by_its_statement(e: &StoreError) -> bool {
 /// class 08, connection exception; 57P01-57P03, terminated, crashed or
 /// shutting down).
 fn connection_gone(e: &StoreError) -> bool {
-    let StoreError::Unavailable {
-        source: Some(source), ..
-    } = e
-    else {
+    if !e.is_unavailable() {
         return false;
-    };
-    match source.downcast_ref::<sqlx::Error>() {
+    }
+    match driver_error(e) {
         Some(sqlx::Error::Io(_)) => true,
         Some(sqlx::Error::Database(db)) => db
             .code()
@@ -2087,18 +2088,7 @@ impl FencedWrites {
 
 /// Whether `e` is PostgreSQL's `lock_not_available`: a lock wait ran out.
 fn lock_not_available(e: &StoreError) -> bool {
-    let (StoreError::Backend {
-        source: Some(source), ..
-    }
-    | StoreError::Unavailable {
-        source: Some(source), ..
-    }) = e
-    else {
-        return false;
-    };
-    source
-        .downcast_ref::<sqlx::Error>()
-        .is_some_and(sql::lock_wait_ran_out)
+    driver_error(e).is_some_and(sql::lock_wait_ran_out)
 }
 
 /// How many lookups (or groups of them) one store runs at once; the rest
