@@ -383,8 +383,17 @@ impl StreamedAnswer {
     }
 }
 
-pub(crate) fn replay(stored: StoredResponse) -> Response {
-    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+/// The stored answer as the retry gets it, or why it cannot be sent as
+/// stored: a status that is no final HTTP answer (a 1xx other than 101,
+/// which hyper would swap for an empty 500, or outside 100 to 999), or a
+/// header name or value HTTP cannot carry. idem stores neither; a record
+/// edited by hand (or a store of one's own) may hold them, and a retry
+/// is then refused as an unreadable record is, never given part of it.
+pub(crate) fn replay(stored: StoredResponse) -> Result<Response, String> {
+    let status = StatusCode::from_u16(stored.status)
+        .ok()
+        .filter(|s| !crate::classify::never_final(*s))
+        .ok_or_else(|| format!("the status {} is no final answer", stored.status))?;
     let omitted = stored.body.is_none();
     let mut response = Response::new(Body::from(stored.body.unwrap_or_default()));
     *response.status_mut() = status;
@@ -393,19 +402,20 @@ pub(crate) fn replay(stored: StoredResponse) -> Response {
         if omitted && BODY_DESCRIPTION.iter().any(|h| h.as_str() == name) {
             continue;
         }
+        let Ok(n) = HeaderName::from_bytes(name.as_bytes()) else {
+            return Err(format!("the header name {name:?} cannot be sent"));
+        };
         // The value's bytes move into it, uncopied.
-        if let (Ok(n), Ok(v)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_maybe_shared(axum::body::Bytes::from(value)),
-        ) {
-            headers.append(n, v);
-        }
+        let Ok(v) = HeaderValue::from_maybe_shared(axum::body::Bytes::from(value)) else {
+            return Err(format!("the value of the header {name:?} cannot be sent"));
+        };
+        headers.append(n, v);
     }
     headers.insert(REPLAYED, HeaderValue::from_static("true"));
     if omitted {
         headers.insert(BODY_OMITTED, HeaderValue::from_static("true"));
     }
-    response
+    Ok(response)
 }
 
 /// [`REPLAYED_HEADER`] as a header name built at compile time: from a

@@ -398,8 +398,20 @@ pub(crate) async fn protect(
                 };
             }
             Reservation::Completed(stored) => {
-                record(Outcome::Replayed);
-                return replay(stored);
+                return match replay(stored) {
+                    Ok(answer) => {
+                        record(Outcome::Replayed);
+                        answer
+                    }
+                    Err(why) => {
+                        record(Outcome::StoreUnavailable);
+                        tracing::error!(
+                            why,
+                            "the stored answer cannot be replayed (a record edited by hand?); refusing the request"
+                        );
+                        Problem::StoreUnavailable(Unavailable::NotProcessed).into_response()
+                    }
+                };
             }
             Reservation::Mismatch => {
                 record(Outcome::Mismatch);
