@@ -1292,3 +1292,62 @@ async fn a_member_the_type_never_writes_does_not_stand_for_the_one_read() {
     ran(addr, "/c", &card("4000000000004242"), "k-card").await;
     refused(addr, "/c", &card("5555555555554242"), "k-card").await;
 }
+
+/// A currency, its old lowercase spelling still read (a serde alias).
+#[derive(serde::Deserialize, serde::Serialize, PartialEq, Eq, PartialOrd, Ord, Debug, Clone, Copy)]
+enum Currency {
+    #[serde(alias = "usd")]
+    USD,
+    #[serde(alias = "eur")]
+    EUR,
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+struct Payout {
+    /// Minor units per currency.
+    amounts: std::collections::BTreeMap<Currency, u64>,
+    note: Option<String>,
+}
+
+#[idempotent(scope = "identity.payout", fields(amounts))]
+async fn payout(Json(p): Json<Payout>) -> String {
+    format!("paid {:?}", p.amounts)
+}
+
+/// A map whose key type reads two member names as one key keeps the last
+/// of them: `{"USD": 100, "usd": 999999}` pays 999999 and the other order
+/// pays 100. The canonical form sorts members, so the value is not what the
+/// handler read, and the body counts as its bytes: the other order under
+/// the same key is 422, not the first's replay; the same bytes again are
+/// replayed, and a body whose map names each key once counts by its
+/// fields (member order and spacing free).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_map_whose_key_type_reads_two_names_as_one_counts_their_order() {
+    let addr = serve(&memory(), Router::new().route("/p", post(payout))).await;
+    let first = r#"{"amounts": {"USD": 100, "usd": 999999}}"#;
+    let other = r#"{"amounts": {"usd": 999999, "USD": 100}}"#;
+    let a = send(addr, "/p", first, "k-merged").await;
+    assert_eq!(String::from_utf8_lossy(&a.body), "paid {USD: 999999}");
+    let fresh = send(addr, "/p", other, "k-merged-fresh").await;
+    assert_eq!(String::from_utf8_lossy(&fresh.body), "paid {USD: 100}");
+    let b = send(addr, "/p", other, "k-merged").await;
+    assert_eq!(
+        b.status,
+        422,
+        "the other order got {:?}",
+        String::from_utf8_lossy(&b.body)
+    );
+    let again = send(addr, "/p", first, "k-merged").await;
+    assert!(replayed(&again), "{again:?}");
+    // Each key named once: the fields count, in any order and spacing.
+    let plain = send(addr, "/p", r#"{"amounts": {"USD": 1, "EUR": 2}}"#, "k-plain").await;
+    assert_eq!(plain.status, 200);
+    let reordered = send(
+        addr,
+        "/p",
+        r#"{"note":null,"amounts":{"EUR":2,"USD":1}}"#,
+        "k-plain",
+    )
+    .await;
+    assert!(replayed(&reordered), "{reordered:?}");
+}
