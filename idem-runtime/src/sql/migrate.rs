@@ -366,7 +366,6 @@ pub(crate) fn newer_schema(table: &str, current: i64, latest: i64) -> StoreError
     ))
 }
 
-/// A schema check that failed: unreachable, or a table that does not match.
 /// Refuses a table that no reservation could be written to, by `check`
 /// (its `has_unique_key` or `writes`): read where `checks_read`
 /// (PostgreSQL: why not, or NULL), else run (SQLite: the database's own
@@ -412,6 +411,7 @@ where
     }
 }
 
+/// A schema check that failed: unreachable, or a table that does not match.
 pub(crate) fn schema_error(table: &str, latest: i64, e: sqlx::Error) -> StoreError {
     match map_err(e) {
         StoreError::Backend { reason, source } => StoreError::Backend {
