@@ -14,6 +14,8 @@ pub(crate) mod postgres;
 mod replays;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
+#[cfg(feature = "sqlite")]
+mod sqlite_file;
 
 pub use migrate::Migration;
 pub(crate) use migrate::{

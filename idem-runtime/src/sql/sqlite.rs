@@ -53,6 +53,12 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// answered as done. A write whose statement fails ends its group's
 /// transaction there; the writes after it go on in another.
 ///
+/// A database file deleted or replaced while the store has it open is
+/// noticed at the next reservation (a `stat` of its path before the read,
+/// and again after a write that took a key): from then on every reservation
+/// fails with [`StoreError::Unavailable`] (503), since SQLite in WAL mode
+/// would write on to a file no process started afterwards reads.
+///
 /// From a current-thread runtime, which may no longer be driven once its
 /// caller has an answer or has given up (between two `block_on`s), the
 /// writes in the permit's line run on a thread of idem's own (one for the
@@ -81,6 +87,9 @@ pub struct SqliteStore {
     /// Reservations' and completions' writes waiting for the next group
     /// commit, shared like `writer`.
     group: std::sync::Arc<Group>,
+    /// Whether the database file is still the one at its path, shared
+    /// like `writer`.
+    file: std::sync::Arc<sql::sqlite_file::FileWatch>,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -335,11 +344,12 @@ impl SqliteStore {
     /// # }
     /// ```
     pub fn with_table(self, table: &str) -> Result<Self, StoreError> {
-        let (timeout, writer, group) = (self.timeout, self.writer, self.group);
+        let (timeout, writer, group, file) = (self.timeout, self.writer, self.group, self.file);
         Self::build(self.pool, table).map(|s| SqliteStore {
             timeout,
             writer,
             group,
+            file,
             ..s
         })
     }
@@ -375,6 +385,7 @@ impl SqliteStore {
             timeout: DEFAULT_BUSY_TIMEOUT + Duration::from_secs(1),
             writer: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
             group: std::sync::Arc::default(),
+            file: std::sync::Arc::default(),
         })
     }
 
@@ -564,6 +575,9 @@ pub(crate) const HANDLER_MARK: &str = "SAVEPOINT idem_handler";
 impl IdempotencyStore for SqliteStore {
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>> {
         Box::pin(async move {
+            // Nothing is read from, nor written to, a file that is no
+            // longer the one at its path (see `sql::sqlite_file`).
+            self.file.check()?;
             let deadline = deadline_after(self.timeout);
             // A read first, in the caller's task (a read given up on leaves
             // nothing behind): a replay, a mismatch or a live lock is
@@ -866,6 +880,11 @@ impl SqliteStore {
             .await
             .map_err(|_| StoreError::backend("the reservation's write did not finish"))??
             .read();
+        // A key taken in a file that is gone by its commit is held by nothing
+        // a later process reads: its handler does not run.
+        if let Ok(Reservation::Reserved(_)) = answer {
+            self.file.check()?;
+        }
         pause_point!(crate::pause::RESERVE_AFTER, &key);
         answer
     }
@@ -922,6 +941,16 @@ impl SqliteStore {
                 sql::judge_row(&row, req.fingerprint)?
             }
         };
+        // The file this store writes to, learnt once (a read that fails
+        // leaves it for the next write).
+        if !self.file.learnt() {
+            let name = sqlx::query_scalar::<_, String>(sql::sqlite_file::MAIN_FILE)
+                .fetch_one(&mut *conn)
+                .await;
+            if let Ok(name) = name {
+                self.file.learn(&name);
+            }
+        }
         pause_point!(crate::pause::SQLITE_RESERVE_BEFORE_COMMIT, &req.id.key);
         Ok(answer)
     }

@@ -1,0 +1,102 @@
+//! Whether a SQLite store's database file is still the one at its path.
+//!
+//! In WAL mode SQLite writes on to the file it opened after that file is
+//! deleted or replaced (in rollback-journal mode it refuses, with
+//! `SQLITE_READONLY_DBMOVED`): every answer is 2xx, and a process started
+//! afterwards finds a fresh table, where the retry of a key answered
+//! meanwhile runs its handler again. So a reservation checks, before its
+//! read and once its write has committed, that the path still leads to the
+//! file the store's connections opened; once it does not, every reservation
+//! of the store answers [`StoreError::Unavailable`], and no handler runs
+//! on a reservation that only the lost file holds.
+
+use crate::store::StoreError;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+/// The file a store's connections opened, learnt from the first
+/// reservation's write (SQLite names it: `pragma_database_list`), and
+/// whether its path has been found to lead elsewhere since.
+#[derive(Debug, Default)]
+pub(crate) struct FileWatch {
+    /// `None` for a database with no file (in memory, temporary).
+    opened: OnceLock<Option<Opened>>,
+    moved: AtomicBool,
+}
+
+#[derive(Debug)]
+struct Opened {
+    path: PathBuf,
+    identity: Identity,
+}
+
+/// A file's device and inode: what tells one file from another at a path.
+type Identity = (u64, u64);
+
+#[cfg(unix)]
+fn identity(path: &std::path::Path) -> std::io::Result<Identity> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(path).map(|m| (m.dev(), m.ino()))
+}
+
+/// Elsewhere nothing tells two files at one path apart (and a file open in
+/// a process cannot be deleted on Windows).
+#[cfg(not(unix))]
+fn identity(path: &std::path::Path) -> std::io::Result<Identity> {
+    std::fs::metadata(path).map(|_| (0, 0))
+}
+
+impl FileWatch {
+    /// Whether the file is learnt (or known to be none).
+    pub(crate) fn learnt(&self) -> bool {
+        self.opened.get().is_some()
+    }
+
+    /// Learns the file the connection that just wrote has open, by the
+    /// name SQLite gives it (`""` for none). A file whose path cannot be
+    /// read now is learnt at a later write.
+    pub(crate) fn learn(&self, name: &str) {
+        if name.is_empty() {
+            let _ = self.opened.set(None);
+            return;
+        }
+        let path = PathBuf::from(name);
+        if let Ok(identity) = identity(&path) {
+            let _ = self.opened.set(Some(Opened { path, identity }));
+        }
+    }
+
+    /// `Ok` while the path leads to the file the store opened (or nothing
+    /// is known of it yet, or the path cannot be read: an error that tells
+    /// nothing, such as a permission, is not taken for a move).
+    pub(crate) fn check(&self) -> Result<(), StoreError> {
+        let Some(Some(opened)) = self.opened.get() else {
+            return Ok(());
+        };
+        if !self.moved.load(Ordering::Relaxed) {
+            let moved = match identity(&opened.path) {
+                Ok(now) => now != opened.identity,
+                Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+            };
+            if !moved {
+                return Ok(());
+            }
+            if !self.moved.swap(true, Ordering::Relaxed) {
+                tracing::error!(
+                    path = %opened.path.display(),
+                    "the SQLite database file was deleted or replaced while this process had it open: \
+                     every reservation now answers 503; restart the process"
+                );
+            }
+        }
+        Err(StoreError::unavailable(format!(
+            "the SQLite database file {} was deleted or replaced while this process had it open, so what \
+             it writes would be lost; restart the process",
+            opened.path.display()
+        )))
+    }
+}
+
+/// The statement that names the file of the connection's main database.
+pub(crate) const MAIN_FILE: &str = "SELECT file FROM pragma_database_list WHERE name = 'main'";

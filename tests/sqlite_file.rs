@@ -1,0 +1,155 @@
+//! A SQLite database file deleted or replaced while the process has it
+//! open. In WAL mode SQLite writes on to the file it opened, which a
+//! process started afterwards never reads: a key reserved there would be
+//! forgotten, and its retry would run the handler again. So once the path
+//! no longer leads to the file the store opened, every reservation answers
+//! 503 and no handler runs.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::{Json, Router};
+use idem::{idempotent, Idem, SqliteStore};
+use idem_runtime::pause;
+use idem_testkit::http::{post as req, serve, Reply};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+#[derive(Clone, Default)]
+struct App {
+    runs: Arc<AtomicUsize>,
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+struct Pay {
+    amount: i64,
+}
+
+#[idempotent(scope = "file.pay", fields(amount))]
+async fn pay(State(app): State<App>, Json(p): Json<Pay>) -> (StatusCode, String) {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    (StatusCode::CREATED, format!("paid {}", p.amount))
+}
+
+struct Server {
+    addr: SocketAddr,
+    app: App,
+    db: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl Server {
+    async fn start() -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("idem.db");
+        let store = SqliteStore::open(&db).await.unwrap();
+        store.migrate().await.unwrap();
+        let app = App::default();
+        let router = Router::new()
+            .route("/pay", post(pay))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(app.clone());
+        Server {
+            addr: serve(router).await,
+            app,
+            db,
+            dir,
+        }
+    }
+
+    async fn send(&self, key: &str) -> Reply {
+        req("/pay", r#"{"amount":5}"#).key(key).send(self.addr).await
+    }
+
+    fn runs(&self) -> usize {
+        self.app.runs.load(Ordering::SeqCst)
+    }
+
+    /// Answered and replayed, its handler run once.
+    async fn served(&self, key: &str) {
+        let before = self.runs();
+        assert_eq!(self.send(key).await.status, 201);
+        assert_eq!(self.send(key).await.status, 201);
+        assert_eq!(self.runs(), before + 1);
+    }
+
+    /// Refused as the store's, its handler not run.
+    async fn refused(&self, key: &str) {
+        let before = self.runs();
+        let r = self.send(key).await;
+        assert_eq!(r.status, 503, "{r:?}");
+        assert_eq!(r.problem(), "idempotency-store-unavailable");
+        assert_eq!(self.runs(), before);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_database_file_refuses_every_key_and_runs_no_handler() {
+    let s = Server::start().await;
+    s.served("before").await;
+    std::fs::remove_file(&s.db).unwrap();
+    // A new key, and the replay of one answered before: what the process
+    // reads and writes now, no process started afterwards would.
+    s.refused("after").await;
+    s.refused("before").await;
+    assert_eq!(s.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_file_replaced_by_another_refuses_every_key() {
+    let s = Server::start().await;
+    s.served("before").await;
+    // Another database, migrated and moved over the path, as a restore
+    // from a backup does.
+    let other = s.dir.path().join("other.db");
+    let restored = SqliteStore::open(&other).await.unwrap();
+    restored.migrate().await.unwrap();
+    restored.pool().close().await;
+    std::fs::rename(&other, &s.db).unwrap();
+    s.refused("after").await;
+    s.refused("before").await;
+}
+
+/// The file deleted while a reservation's transaction holds the write lock,
+/// before its commit: the key is taken in the file that is gone, and its
+/// handler does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_file_deleted_while_a_reservation_commits_runs_no_handler() {
+    let s = Server::start().await;
+    s.served("first").await;
+    let key = idem_testkit::unique("racing");
+    let mut paused = pause::arm(pause::SQLITE_RESERVE_BEFORE_COMMIT, &key);
+    let addr = s.addr;
+    let sending = {
+        let key = key.clone();
+        tokio::spawn(async move { req("/pay", r#"{"amount":5}"#).key(&key).send(addr).await })
+    };
+    paused.reached().await;
+    std::fs::remove_file(&s.db).unwrap();
+    paused.resume();
+    let r = sending.await.unwrap();
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.problem(), "idempotency-store-unavailable");
+    assert_eq!(s.runs(), 1);
+}
+
+/// Files that stay where they are are never taken for moved: a database
+/// whose WAL is checkpointed and truncated, and one vacuumed (rewritten in
+/// place), go on answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_file_checkpointed_or_vacuumed_in_place_goes_on() {
+    let s = Server::start().await;
+    s.served("one").await;
+    let elsewhere = SqliteStore::open(&s.db).await.unwrap();
+    sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+        .execute(elsewhere.pool())
+        .await
+        .unwrap();
+    s.served("two").await;
+    sqlx::query("VACUUM").execute(elsewhere.pool()).await.unwrap();
+    s.served("three").await;
+    assert_eq!(s.send("one").await.status, 201);
+    assert_eq!(s.runs(), 3);
+}
