@@ -409,6 +409,7 @@ impl PgStore {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self.fenced = std::sync::Arc::new(FencedWrites::new(&self.sql, timeout));
+        (self.lookup, self.reserve) = reserving_statements(&self.sql, timeout);
         // Its completions and lookups queue apart: a group is bounded by
         // the timeout of the store that runs it.
         self.completions = std::sync::Arc::default();
@@ -573,14 +574,6 @@ impl PgStore {
         // the lookup found none. Each part has its own snapshot: a row that
         // another request wrote in between makes the function take nothing
         // (NULL), and the statement runs again.
-        let reserve = format!(
-            "SELECT p.fingerprint, p.state, p.response_status, p.response_headers, p.response_body, \
-             p.lock_left_ms, p.takeable, CASE WHEN p.takeable IS DISTINCT FROM 0 \
-             THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END AS taken \
-             FROM (VALUES (1)) AS one (x) LEFT JOIN ({peek}) AS p ON TRUE",
-            peek = sql.peek,
-            function = sql.reserve_function,
-        );
         // What a reservation runs first. The columns as they are stored,
         // with the database's clock: every expression a statement holds is
         // built again at each execution, and the judging ones cost a replay
@@ -591,21 +584,9 @@ impl PgStore {
         //
         // `taken` is what the lookup takes where there is no record: the
         // reservation function (`when` guards the call), or nothing.
-        let lookup_taking = |taken: &str| {
-            format!(
-                "SELECT p.fingerprint, p.state, p.response_status, p.response_headers, p.response_body, \
-                 p.lock_expires_at, p.expires_at, now() AS now, {taken} AS taken, p.lock_token \
-                 FROM (VALUES (1)) AS one (x) LEFT JOIN ({stored}) AS p ON TRUE",
-                stored = sql.stored,
-            )
-        };
-        let take_when = |when: &str| {
-            format!(
-                "CASE WHEN p.state IS NULL{when} THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END",
-                function = sql.reserve_function,
-            )
-        };
-        let lookup = lookup_taking(&take_when(""));
+        let lookup_taking = |taken: &str| lookup_taking(&sql, taken);
+        let take_when = |when: &str| take_when(&sql, when);
+        let (lookup, reserve) = reserving_statements(&sql, DEFAULT_OPERATION_TIMEOUT);
         // The lookup of a group of records, one per element of the arrays,
         // in the arrays' order (the order of the nested loop that the
         // lateral join is, so that every group takes its fresh keys in the
@@ -677,10 +658,10 @@ impl PgStore {
             pool,
             fenced: std::sync::Arc::new(FencedWrites::new(&sql, DEFAULT_OPERATION_TIMEOUT)),
             sql: std::sync::Arc::new(sql),
-            lookup: lookup.into(),
+            lookup,
             lookup_group: lookup_group.into(),
             peek_group: peek_group.into(),
-            reserve: reserve.into(),
+            reserve,
             complete_group: complete_group.into(),
             complete_free: complete_free.into(),
             completions: std::sync::Arc::default(),
@@ -1919,7 +1900,9 @@ impl PgStore {
                     // moves sqlx's (several kB) twice more on every call.
                     .fetch_optional(&mut *conn)
                     .await
-                    .map_err(sql::map_err),
+                    // Its wait for a lock bounded (`reserving_statements`):
+                    // run out, the store did not answer in time.
+                    .map_err(sql::map_wait_err),
                 Err(e) => Err(e),
             }
         })?
@@ -2055,7 +2038,6 @@ pub(crate) struct FencedWrites {
 /// (empty outside the statement's transaction), for the statement to put
 /// back (its `RETURNING`).
 fn bounded_row_wait(statement: &str, wait: Duration, kept: bool) -> String {
-    let ms = wait.as_millis().clamp(1, i32::MAX as u128);
     // Kept once: a row that another transaction updated while the
     // statement waited for it is judged again (its `WHERE` evaluated anew,
     // the bound set by then), and must not keep the bound for the own.
@@ -2066,10 +2048,63 @@ fn bounded_row_wait(statement: &str, wait: Duration, kept: bool) -> String {
     } else {
         ""
     };
+    format!("{statement} AND {}", lock_timeout_at_most(wait, keep))
+}
+
+/// A condition, always true, that bounds the lock waits of the rest of the
+/// statement's transaction by `wait`: the transaction's own `lock_timeout`
+/// where it is shorter, after `keep` (a condition that keeps it, or none).
+fn lock_timeout_at_most(wait: Duration, keep: &str) -> String {
+    let ms = wait.as_millis().clamp(1, i32::MAX as u128);
     format!(
-        "{statement} AND set_config('lock_timeout', CASE WHEN {keep}current_setting('lock_timeout') <> '0' \
+        "set_config('lock_timeout', CASE WHEN {keep}current_setting('lock_timeout') <> '0' \
          AND current_setting('lock_timeout')::interval < interval '{ms} ms' \
          THEN current_setting('lock_timeout') ELSE '{ms}ms' END, true) IS NOT NULL"
+    )
+}
+
+/// The lookup, with the reservation function where the lookup finds no
+/// record, and the reserving statement, which judges a record in SQL and
+/// takes it when it may be: the statements of a reservation run alone.
+/// Each bounds its wait for a lock (a row another transaction holds, or a
+/// key it inserted and has not committed) by `wait`, the store's timeout,
+/// on the server, as the fenced writes do (see [`FencedWrites`]): given up
+/// on at the timeout on idem's side only, each such statement kept a
+/// connection of the pool, waiting on, until the lock was let go, and a
+/// few retries of one key then used the pool up and failed other keys'
+/// completions. The bound is set only where the function is called: a
+/// replay or a conflict, read, sets nothing.
+fn reserving_statements(sql: &Statements, wait: Duration) -> (std::sync::Arc<str>, std::sync::Arc<str>) {
+    let bound = lock_timeout_at_most(wait, "");
+    let lookup = lookup_taking(sql, &take_when(sql, &format!(" AND {bound}")));
+    let reserve = format!(
+        "SELECT p.fingerprint, p.state, p.response_status, p.response_headers, p.response_body, \
+         p.lock_left_ms, p.takeable, CASE WHEN p.takeable IS DISTINCT FROM 0 AND {bound} \
+         THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END AS taken \
+         FROM (VALUES (1)) AS one (x) LEFT JOIN ({peek}) AS p ON TRUE",
+        peek = sql.peek,
+        function = sql.reserve_function,
+    );
+    (lookup.into(), reserve.into())
+}
+
+/// A lookup: the columns of the record as stored, with the database's
+/// clock, and `taken`, what it takes where there is no record.
+fn lookup_taking(sql: &Statements, taken: &str) -> String {
+    format!(
+        "SELECT p.fingerprint, p.state, p.response_status, p.response_headers, p.response_body, \
+         p.lock_expires_at, p.expires_at, now() AS now, {taken} AS taken, p.lock_token \
+         FROM (VALUES (1)) AS one (x) LEFT JOIN ({stored}) AS p ON TRUE",
+        stored = sql.stored,
+    )
+}
+
+/// The reservation function's call where the lookup found no record and
+/// `when` (`AND ...`, or nothing) holds.
+fn take_when(sql: &Statements, when: &str) -> String {
+    format!(
+        "CASE WHEN p.state IS NULL{when} THEN {function}($1, $2, $3, $4, $5, $6, $7, $8) END",
+        function = sql.reserve_function,
     )
 }
 
