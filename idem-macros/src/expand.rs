@@ -139,7 +139,22 @@ impl Names {
 // Output: `::idem::__private::Raw<Json<In>>`, spanned at the type: the
 //         extractor under idem's, which keeps the bytes.
 fn raw_extractor(private: &TokenStream, ty: &Type) -> TokenStream {
+    let private = respanned(private, ty.span());
     quote_spanned!(ty.span()=> #private::Raw<#ty>)
+}
+
+// Input:  a path such as `::idem::__private`, and a span of the handler's.
+// Output: the same path at that span, so that a diagnostic that points at
+//         the type it begins (axum's `debug_handler` points at a type's
+//         first token) lands on the handler's own code, not the attribute.
+fn respanned(path: &TokenStream, span: Span) -> TokenStream {
+    path.clone()
+        .into_iter()
+        .map(|mut token| {
+            token.set_span(span);
+            token
+        })
+        .collect()
 }
 
 /// The body parameter once it is read through idem's extractor.
@@ -186,7 +201,10 @@ fn parameters(names: &Names, handler: &Handler) -> (Vec<TokenStream>, Option<Bod
                         quote_spanned!(ty.span()=> #private::print_body::<#ty>(&#body_ident)),
                     ),
                     BodyKind::Raw => (
-                        quote_spanned!(ty.span()=> #private::Tail<#ty>),
+                        {
+                            let private = respanned(private, ty.span());
+                            quote_spanned!(ty.span()=> #private::Tail<#ty>)
+                        },
                         quote!(#body_ident.value),
                         quote!(#private::raw(&#body_ident.value)),
                     ),

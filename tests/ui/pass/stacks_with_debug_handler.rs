@@ -13,8 +13,9 @@ struct PaymentIn {
 struct App;
 
 // `#[axum::debug_handler]` goes below the attribute, where it checks the
-// handler as written; above it, it would check a signature the attribute
-// then rewrites (README).
+// handler the attribute generates (see
+// tests/ui/fail/debug_handler_body_not_deserialize.rs); above it, it would
+// check a signature the attribute then rewrites (README).
 #[idempotent(scope = "payment.create", fields(amount))]
 #[axum::debug_handler]
 async fn create(State(_app): State<App>, op: Operation, Json(p): Json<PaymentIn>) -> String {
