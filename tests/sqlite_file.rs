@@ -153,3 +153,110 @@ async fn a_database_file_checkpointed_or_vacuumed_in_place_goes_on() {
     assert_eq!(s.send("one").await.status, 201);
     assert_eq!(s.runs(), 3);
 }
+
+/// The file deleted after the store opened it and before any keyed
+/// request: the store learnt the file when it opened it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_file_deleted_before_the_first_request_refuses_it() {
+    let s = Server::start().await;
+    std::fs::remove_file(&s.db).unwrap();
+    s.refused("first").await;
+    assert_eq!(s.runs(), 0);
+}
+
+/// The same over an application's pool, whose file the store learns at
+/// its first write: gone by then, it is taken for deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_applications_pool_whose_file_is_deleted_before_the_first_request_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&db)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal);
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = SqliteStore::new(pool);
+    store.migrate().await.unwrap();
+    std::fs::remove_file(&db).unwrap();
+    let app = App::default();
+    let router = Router::new()
+        .route("/pay", post(pay))
+        .layer(Idem::new(store).single_tenant().layer())
+        .with_state(app.clone());
+    let addr = serve(router).await;
+    let r = req("/pay", r#"{"amount":5}"#).key("first").send(addr).await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 0);
+}
+
+/// Opened through a symbolic link that a restore then points at another
+/// file (a link moved over the path): what a process started afterwards
+/// opens is that file, so the store refuses.
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_symbolic_link_pointed_at_another_file_refuses_every_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, link) = (dir.path().join("a.db"), dir.path().join("idem.db"));
+    std::os::unix::fs::symlink(&a, &link).unwrap();
+    let store = SqliteStore::open(&link).await.unwrap();
+    store.migrate().await.unwrap();
+    let app = App::default();
+    let router = Router::new()
+        .route("/pay", post(pay))
+        .layer(Idem::new(store).single_tenant().layer())
+        .with_state(app.clone());
+    let s = Server {
+        addr: serve(router).await,
+        app,
+        db: link.clone(),
+        dir,
+    };
+    s.served("before").await;
+    let b = s.dir.path().join("b.db");
+    let restored = SqliteStore::open(&b).await.unwrap();
+    restored.migrate().await.unwrap();
+    restored.pool().close().await;
+    let moving = s.dir.path().join("idem.db.new");
+    std::os::unix::fs::symlink(&b, &moving).unwrap();
+    std::fs::rename(&moving, &link).unwrap();
+    s.refused("after").await;
+    assert_eq!(s.runs(), 1);
+}
+
+/// Never taken for moved: a database in memory, a clone on another table,
+/// and an application's pool that connects lazily, whose file does not
+/// exist before its first connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn databases_in_memory_and_lazy_pools_go_on() {
+    let memory = SqliteStore::in_memory().await.unwrap();
+    let other = memory.clone().with_table("other_keys").unwrap();
+    other.migrate().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(dir.path().join("lazy.db"))
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal);
+    let lazy = SqliteStore::new(
+        sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_lazy_with(options),
+    );
+    lazy.migrate().await.unwrap();
+    for store in [memory, other, lazy] {
+        let app = App::default();
+        let router = Router::new()
+            .route("/pay", post(pay))
+            .layer(Idem::new(store).single_tenant().layer())
+            .with_state(app.clone());
+        let addr = serve(router).await;
+        for key in ["one", "two", "one"] {
+            let r = req("/pay", r#"{"amount":5}"#).key(key).send(addr).await;
+            assert_eq!(r.status, 201, "{r:?}");
+        }
+        assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+    }
+}

@@ -271,7 +271,18 @@ impl SqliteStore {
                 .connect_with(options.clone())
                 .await
             {
-                Ok(pool) => return Ok(Self::new(pool)),
+                Ok(pool) => {
+                    let store = Self::new(pool);
+                    // The file as opened, learnt now: one deleted or
+                    // replaced before the first request is noticed too.
+                    let name = sqlx::query_scalar::<_, String>(sql::sqlite_file::MAIN_FILE)
+                        .fetch_one(&store.pool)
+                        .await;
+                    if let Ok(name) = name {
+                        store.file.learn(&name);
+                    }
+                    return Ok(store);
+                }
                 Err(sqlx::Error::Database(db))
                     if sql::sqlite_busy_or_locked(&*db) && tokio::time::Instant::now() + pause < deadline =>
                 {
@@ -379,13 +390,14 @@ impl SqliteStore {
     }
 
     fn build(pool: SqlitePool, table: &str) -> Result<Self, StoreError> {
+        let file = sql::sqlite_file::FileWatch::of(pool.connect_options().get_filename());
         Ok(SqliteStore {
             pool,
             sql: std::sync::Arc::new(Statements::new(sql::SQLITE, SQLITE_MIGRATIONS, None, table)?),
             timeout: DEFAULT_BUSY_TIMEOUT + Duration::from_secs(1),
             writer: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
             group: std::sync::Arc::default(),
-            file: std::sync::Arc::default(),
+            file: std::sync::Arc::new(file),
         })
     }
 

@@ -15,11 +15,16 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
-/// The file a store's connections opened, learnt from the first
-/// reservation's write (SQLite names it: `pragma_database_list`), and
-/// whether its path has been found to lead elsewhere since.
+/// The file a store's connections opened, learnt when the store opens the
+/// file (or, for a store over an application's pool, at its first
+/// reservation's write), and whether its path has been found to lead
+/// elsewhere since.
 #[derive(Debug, Default)]
 pub(crate) struct FileWatch {
+    /// The path the store was given, made absolute: what a process
+    /// started afterwards opens (a symbolic link is followed at each
+    /// check, so that one pointed at another file is noticed).
+    given: Option<PathBuf>,
     /// `None` for a database with no file (in memory, temporary).
     opened: OnceLock<Option<Opened>>,
     moved: AtomicBool,
@@ -48,23 +53,54 @@ fn identity(path: &std::path::Path) -> std::io::Result<Identity> {
 }
 
 impl FileWatch {
+    /// A watch of the file at `given` (a store's file name as its pool
+    /// opens it), made absolute now.
+    pub(crate) fn of(given: &std::path::Path) -> Self {
+        FileWatch {
+            given: std::path::absolute(given).ok(),
+            ..FileWatch::default()
+        }
+    }
+
     /// Whether the file is learnt (or known to be none).
     pub(crate) fn learnt(&self) -> bool {
         self.opened.get().is_some()
     }
 
-    /// Learns the file the connection that just wrote has open, by the
-    /// name SQLite gives it (`""` for none). A file whose path cannot be
-    /// read now is learnt at a later write.
+    /// Learns the file a connection of the store has open, by the name
+    /// SQLite gives it (`""` for none; symbolic links resolved): watched
+    /// at the path the store was given when that leads to the same file,
+    /// else at SQLite's name. A name that leads to no file any more is a
+    /// file deleted already. A file whose path cannot be read now (a
+    /// permission) is learnt later.
     pub(crate) fn learn(&self, name: &str) {
         if name.is_empty() {
             let _ = self.opened.set(None);
             return;
         }
-        let path = PathBuf::from(name);
-        if let Ok(identity) = identity(&path) {
-            let _ = self.opened.set(Some(Opened { path, identity }));
-        }
+        let named = PathBuf::from(name);
+        let found = identity(&named);
+        let given = self.given.as_ref().and_then(|given| {
+            let same = identity(given)
+                .ok()
+                .filter(|at| found.as_ref().is_ok_and(|f| f == at));
+            same.map(|at| (given.clone(), at))
+        });
+        let (path, identity) = match (given, found) {
+            (Some(given), _) => given,
+            (None, Ok(at)) => (named, at),
+            (None, Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+                let _ = self.opened.set(Some(Opened {
+                    path: named,
+                    identity: (0, 0),
+                }));
+                self.moved.store(true, Ordering::Relaxed);
+                self.log_moved();
+                return;
+            }
+            (None, Err(_)) => return,
+        };
+        let _ = self.opened.set(Some(Opened { path, identity }));
     }
 
     /// `Ok` while the path leads to the file the store opened (or nothing
@@ -83,11 +119,7 @@ impl FileWatch {
                 return Ok(());
             }
             if !self.moved.swap(true, Ordering::Relaxed) {
-                tracing::error!(
-                    path = %opened.path.display(),
-                    "the SQLite database file was deleted or replaced while this process had it open: \
-                     every reservation now answers 503; restart the process"
-                );
+                self.log_moved();
             }
         }
         Err(StoreError::unavailable(format!(
@@ -95,6 +127,16 @@ impl FileWatch {
              it writes would be lost; restart the process",
             opened.path.display()
         )))
+    }
+
+    fn log_moved(&self) {
+        if let Some(Some(opened)) = self.opened.get() {
+            tracing::error!(
+                path = %opened.path.display(),
+                "the SQLite database file was deleted or replaced while this process had it open: \
+                 every reservation now answers 503; restart the process"
+            );
+        }
     }
 }
 
