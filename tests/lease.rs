@@ -915,23 +915,51 @@ async fn an_answer_given_after_the_lease_was_lost_is_never_stored(mut h: Harness
     assert_eq!(retry.header("idempotent-replayed"), None);
 }
 
-/// A reservation held up past the store timeout (a row lock, SQLite's write
-/// lock) leaves no lock that no execution holds: on PostgreSQL, whose
-/// statement was sent, it commits and is given back when it commits; on
-/// SQLite, whose write waits in this process for the lock, it writes
-/// nothing once its caller is gone.
+/// A reservation held up past the store timeout leaves no lock that no
+/// execution holds: on PostgreSQL, whose statement was sent and is slow
+/// (a trigger of the application's that sleeps; a wait for a lock would
+/// end at the store's timeout on the server too), it commits later and is
+/// given back when it commits; on SQLite, whose write waits in this
+/// process for the write lock, it writes nothing once its caller is gone.
 async fn a_reservation_that_commits_after_its_timeout_is_given_back(h: Harness) {
     let first = post_req("/flaky", "").key("k-late").send(h.addr).await;
     assert_eq!(first.status, 503);
-    let holder = h.hold("k-late").await;
+    let (holder, slow) = match &h.db {
+        Db::Pg(pool, schema) => {
+            // The retry's takeover (attempt 1 to 2) sleeps twice the
+            // store's timeout in the database.
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "CREATE FUNCTION \"{schema}\".slow_takeover() RETURNS trigger LANGUAGE plpgsql AS $$ \
+                 BEGIN IF OLD.attempt = 1 AND NEW.attempt = 2 THEN PERFORM pg_sleep(0.6); END IF; \
+                 RETURN NEW; END $$; \
+                 CREATE TRIGGER slow_takeover BEFORE UPDATE ON \"{schema}\".idempotency_keys \
+                 FOR EACH ROW EXECUTE FUNCTION \"{schema}\".slow_takeover()"
+            )))
+            .execute(pool)
+            .await
+            .unwrap();
+            (None, Some((pool.clone(), schema.clone())))
+        }
+        _ => (Some(h.hold("k-late").await), None),
+    };
     let retry = post_req("/flaky", "").key("k-late").send(h.addr).await;
     assert_eq!(retry.status, 503, "{retry:?}");
     assert_eq!(retry.problem(), "idempotency-store-unavailable");
-    holder.let_go().await;
-    // The held reservation commits now (attempt 2), then is given back; on
+    if let Some(holder) = holder {
+        holder.let_go().await;
+    }
+    // The slow reservation commits (attempt 2), then is given back; on
     // SQLite it never writes (attempt 1, as the first run left it).
     let found = if matches!(h.db, Db::Sqlite(_)) { 1 } else { 2 };
     h.until_released_at("k-late", found).await;
+    if let Some((pool, schema)) = slow {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP TRIGGER slow_takeover ON \"{schema}\".idempotency_keys"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
     let again = post_req("/flaky", "").key("k-late").send(h.addr).await;
     assert_eq!(
         (again.status, again.body.as_slice()),
