@@ -260,3 +260,87 @@ async fn databases_in_memory_and_lazy_pools_go_on() {
         assert_eq!(app.runs.load(Ordering::SeqCst), 2);
     }
 }
+
+/// An application's pool, its connections open, whose file a restore
+/// replaces before the store's first request: the store knows the file it
+/// was made on, so the first request is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_applications_pool_whose_file_is_replaced_before_the_first_request_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&db)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal);
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = SqliteStore::new(pool);
+    store.migrate().await.unwrap();
+    let other = dir.path().join("other.db");
+    let restored = SqliteStore::open(&other).await.unwrap();
+    restored.migrate().await.unwrap();
+    restored.pool().close().await;
+    std::fs::rename(&other, &db).unwrap();
+    for log in ["app.db-wal", "app.db-shm"] {
+        let _ = std::fs::remove_file(dir.path().join(log));
+    }
+    let app = App::default();
+    let router = Router::new()
+        .route("/pay", post(pay))
+        .layer(Idem::new(store).single_tenant().layer())
+        .with_state(app.clone());
+    let addr = serve(router).await;
+    let r = req("/pay", r#"{"amount":5}"#).key("first").send(addr).await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 0);
+}
+
+/// Opened by a relative path, then the process moves to another directory:
+/// the connections the pool opens afterwards open the same file (made
+/// absolute when the store opened it), not a second database there, and
+/// nothing is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relative_path_opens_one_file_whatever_the_directory_later() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let was = std::env::current_dir().unwrap();
+    std::env::set_current_dir(a.path()).unwrap();
+    let store = SqliteStore::open("relative.db").await.unwrap();
+    store.migrate().await.unwrap();
+    std::env::set_current_dir(b.path()).unwrap();
+    // The connections the pool has open, busy: it opens more.
+    let mut held = Vec::new();
+    for _ in 0..store.pool().size() {
+        held.push(store.pool().acquire().await.unwrap());
+    }
+    let app = App::default();
+    let router = Router::new()
+        .route("/pay", post(pay))
+        .layer(Idem::new(store).single_tenant().layer())
+        .with_state(app.clone());
+    let addr = serve(router).await;
+    let sends: Vec<_> = (0..8)
+        .map(|i| {
+            tokio::spawn(async move {
+                req("/pay", r#"{"amount":5}"#)
+                    .key(&format!("k{i}"))
+                    .send(addr)
+                    .await
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for send in sends {
+        statuses.push(send.await.unwrap().status);
+    }
+    drop(held);
+    std::env::set_current_dir(was).unwrap();
+    assert_eq!(statuses, vec![201; 8]);
+    assert!(
+        !b.path().join("relative.db").exists(),
+        "a second database was made"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 8);
+}

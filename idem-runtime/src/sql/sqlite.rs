@@ -102,7 +102,9 @@ impl std::fmt::Debug for SqliteStore {
 
 impl SqliteStore {
     /// Opens (creating if needed) the database file at `path`, in WAL mode
-    /// with a 5 second busy timeout. `:memory:`, which SQLite opens in
+    /// with a 5 second busy timeout. A relative path is made absolute now,
+    /// against the current directory: every connection the pool opens
+    /// later opens that file, wherever the process has moved since. `:memory:`, which SQLite opens in
     /// memory, gets [`SqliteStore::in_memory`]'s one connection; a path that
     /// is a URI file name (`file:...`) is refused (see
     /// [`SqliteStore::open_url`]).
@@ -254,7 +256,13 @@ impl SqliteStore {
     }
 
     async fn open_with(options: SqliteConnectOptions) -> Result<Self, StoreError> {
+        // Made absolute once: the pool opens each new connection by this
+        // name, and one relative to a directory the process has since
+        // moved to would open (and create) another database.
+        let absolute = std::path::absolute(options.get_filename())
+            .map_err(|e| StoreError::unavailable(format!("the SQLite file's path: {e}")))?;
         let options = options
+            .filename(absolute)
             .journal_mode(SqliteJournalMode::Wal)
             .busy_timeout(DEFAULT_BUSY_TIMEOUT)
             .foreign_keys(true);

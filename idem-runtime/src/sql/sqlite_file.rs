@@ -25,6 +25,9 @@ pub(crate) struct FileWatch {
     /// started afterwards opens (a symbolic link is followed at each
     /// check, so that one pointed at another file is noticed).
     given: Option<PathBuf>,
+    /// The file at `given` when the store was made over its pool, whose
+    /// connections (when it has any) have that file open.
+    at_start: Option<Identity>,
     /// `None` for a database with no file (in memory, temporary).
     opened: OnceLock<Option<Opened>>,
     moved: AtomicBool,
@@ -56,8 +59,10 @@ impl FileWatch {
     /// A watch of the file at `given` (a store's file name as its pool
     /// opens it), made absolute now.
     pub(crate) fn of(given: &std::path::Path) -> Self {
+        let given = std::path::absolute(given).ok();
         FileWatch {
-            given: std::path::absolute(given).ok(),
+            at_start: given.as_deref().and_then(|g| identity(g).ok()),
+            given,
             ..FileWatch::default()
         }
     }
@@ -68,14 +73,26 @@ impl FileWatch {
     }
 
     /// Learns the file a connection of the store has open, by the name
-    /// SQLite gives it (`""` for none; symbolic links resolved): watched
-    /// at the path the store was given when that leads to the same file,
-    /// else at SQLite's name. A name that leads to no file any more is a
-    /// file deleted already. A file whose path cannot be read now (a
+    /// SQLite gives it (`""` for none; symbolic links resolved): the file
+    /// that was at the path the store was given when it was made, else
+    /// (a pool that had not yet made its file) the one at that path now
+    /// when it leads to the same file as SQLite's name, else the one at
+    /// SQLite's name. A name that leads to no file any more is a file
+    /// deleted already. A file whose path cannot be read now (a
     /// permission) is learnt later.
     pub(crate) fn learn(&self, name: &str) {
         if name.is_empty() {
             let _ = self.opened.set(None);
+            return;
+        }
+        // The file found at the path when the store was made: what its
+        // connections opened, though another may be at the path by now (a
+        // restore), which the next check then tells.
+        if let (Some(given), Some(at)) = (&self.given, self.at_start) {
+            let _ = self.opened.set(Some(Opened {
+                path: given.clone(),
+                identity: at,
+            }));
             return;
         }
         let named = PathBuf::from(name);
