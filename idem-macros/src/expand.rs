@@ -99,6 +99,12 @@ fn mixed(name: &str) -> Ident {
 struct Names {
     /// `::idem::__private`, or `<crate>::__private` with `crate = ".."`.
     private: TokenStream,
+    /// `private` at the attribute's own span, for the glob imports that
+    /// bring idem's probe traits into scope: a path given as a string
+    /// carries the string's span, and in a handler a `macro_rules!` writes,
+    /// rustc then counted the import unused (an error under
+    /// `deny(warnings)`), though the calls beside it use it.
+    private_here: TokenStream,
     ctx: Ident,
     body: Ident,
     op: Ident,
@@ -119,8 +125,10 @@ impl Names {
             Some((_, path)) => quote!(#path),
             None => quote!(::idem),
         };
+        let private = quote!(#krate::__private);
         Names {
-            private: quote!(#krate::__private),
+            private_here: respanned(&private, Span::call_site()),
+            private,
             ctx: mixed("__idem_ctx"),
             body: mixed("__idem_body"),
             op: mixed("__idem_op"),
@@ -401,7 +409,12 @@ fn json_check(
 //         Each access is spanned at the field's name in the attribute, so
 //         that rustc reports a field the body type lacks there.
 fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStream) {
-    let Names { private, read, .. } = names;
+    let Names {
+        private,
+        private_here,
+        read,
+        ..
+    } = names;
     let reads = args.fields.iter().flat_map(|(_, list)| list).map(|field| {
         let segments = field.segments.iter();
         let body = Ident::new("__idem_body", Span::mixed_site().located_at(field.span()));
@@ -412,7 +425,7 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStrea
     let count = args.fields.iter().flat_map(|(_, list)| list).count();
     let reading = quote! {
         let #read: [#private::FieldJson; #count] = {
-            use #private::reading::*;
+            use #private_here::reading::*;
             [#(#reads),*]
         };
     };
@@ -452,6 +465,7 @@ fn field_reads(names: &Names, args: &IdempotentArgs) -> (TokenStream, TokenStrea
 //         the async block's own body, so a body that never returns leaves no
 //         generated code unreachable (no warning on a `todo!()` stub).
 fn pinned_block(names: &Names, output: &ReturnType, generics: &syn::Generics, block: &syn::Block) -> Pinned {
+    let private_here = &names.private_here;
     let ret_ident = &names.ret;
     let private = &names.private;
     let class = &names.class;
@@ -505,7 +519,7 @@ fn pinned_block(names: &Names, output: &ReturnType, generics: &syn::Generics, bl
         async move {
             let #ret_ident = #private::returning::<#ret, _>(async move #block).await;
             let #class = {
-                use #private::classifying::*;
+                use #private_here::classifying::*;
                 (&&&#private::Probe(&#ret_ident)).__idem_classify()
             };
             (#check, #class)
@@ -680,6 +694,7 @@ fn run_call(
 ) -> TokenStream {
     let Names {
         private,
+        private_here,
         ctx,
         op,
         spec,
@@ -715,7 +730,7 @@ fn run_call(
         Pinned::Value(block) => quote! {
             let #out = #block.await;
             let #class = {
-                use #private::classifying::*;
+                use #private_here::classifying::*;
                 (&&&#private::Probe(&#out)).__idem_classify()
             };
         },
