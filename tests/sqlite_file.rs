@@ -17,6 +17,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+/// Held by the tests that change the process's directory.
+static CWD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[derive(Clone, Default)]
 struct App {
     runs: Arc<AtomicUsize>,
@@ -304,6 +307,7 @@ async fn an_applications_pool_whose_file_is_replaced_before_the_first_request_re
 /// nothing is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relative_path_opens_one_file_whatever_the_directory_later() {
+    let _cwd = CWD.lock().unwrap_or_else(|e| e.into_inner());
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let was = std::env::current_dir().unwrap();
     std::env::set_current_dir(a.path()).unwrap();
@@ -343,4 +347,117 @@ async fn a_relative_path_opens_one_file_whatever_the_directory_later() {
         "a second database was made"
     );
     assert_eq!(app.runs.load(Ordering::SeqCst), 8);
+}
+
+/// An application's pool with WAL, on `db`.
+fn pool_options(db: &std::path::Path) -> sqlx::sqlite::SqliteConnectOptions {
+    sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(db)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+}
+
+/// Another migrated database moved over `db`, as a restore does, without
+/// the old one's log.
+async fn restore_over(db: &std::path::Path) {
+    let dir = db.parent().unwrap();
+    let other = dir.join("restored.db");
+    let restored = SqliteStore::open(&other).await.unwrap();
+    restored.migrate().await.unwrap();
+    restored.pool().close().await;
+    std::fs::rename(&other, db).unwrap();
+    let name = db.file_name().unwrap().to_str().unwrap();
+    for log in [format!("{name}-wal"), format!("{name}-shm")] {
+        let _ = std::fs::remove_file(dir.join(log));
+    }
+}
+
+/// `store` served; the status of a first request for each of `keys`, and
+/// how many times the handler ran.
+async fn first_requests(store: SqliteStore, keys: &[&str]) -> (Vec<u16>, usize) {
+    let app = App::default();
+    let router = Router::new()
+        .route("/pay", post(pay))
+        .layer(Idem::new(store).single_tenant().layer())
+        .with_state(app.clone());
+    let addr = serve(router).await;
+    let mut statuses = Vec::new();
+    for key in keys {
+        statuses.push(req("/pay", r#"{"amount":5}"#).key(key).send(addr).await.status);
+    }
+    (statuses, app.runs.load(Ordering::SeqCst))
+}
+
+/// A pool that connects lazily, whose file a restore replaces before its
+/// first connection: every connection it opens opens the file now there,
+/// which is fine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lazy_pool_whose_file_is_replaced_before_it_connects_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let made = SqliteStore::open(&db).await.unwrap();
+    made.migrate().await.unwrap();
+    made.pool().close().await;
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_lazy_with(pool_options(&db));
+    let store = SqliteStore::new(pool);
+    restore_over(&db).await;
+    assert_eq!(first_requests(store, &["one", "two"]).await, (vec![201, 201], 2));
+}
+
+/// A pool that connects lazily, its file made by the store's migration,
+/// then replaced by a restore before the first request: the connection
+/// has the replaced file open, and the request is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lazy_pool_whose_open_file_is_replaced_before_the_first_request_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_lazy_with(pool_options(&db));
+    let store = SqliteStore::new(pool);
+    store.migrate().await.unwrap();
+    restore_over(&db).await;
+    assert_eq!(first_requests(store, &["one"]).await, (vec![503], 0));
+}
+
+/// Two stores over one pool, the second made after a restore replaced the
+/// file its connection has open: both refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_made_over_a_pool_after_its_file_was_replaced_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(pool_options(&db))
+        .await
+        .unwrap();
+    let first = SqliteStore::new(pool);
+    first.migrate().await.unwrap();
+    restore_over(&db).await;
+    let second = SqliteStore::new(first.pool().clone());
+    assert_eq!(first_requests(first, &["a"]).await, (vec![503], 0));
+    assert_eq!(first_requests(second, &["b"]).await, (vec![503], 0));
+}
+
+/// A relative path in a directory whose name is not UTF-8 (which SQLite
+/// cannot be given): opened as given, relative.
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relative_path_in_a_directory_not_named_in_utf8_opens() {
+    use std::os::unix::ffi::OsStrExt as _;
+    let _cwd = CWD.lock().unwrap_or_else(|e| e.into_inner());
+    let base = tempfile::tempdir().unwrap();
+    let odd = base.path().join(std::ffi::OsStr::from_bytes(b"data-\xff"));
+    std::fs::create_dir(&odd).unwrap();
+    let was = std::env::current_dir().unwrap();
+    std::env::set_current_dir(&odd).unwrap();
+    let opened = SqliteStore::open("idem.db").await;
+    let migrated = match &opened {
+        Ok(store) => store.migrate().await,
+        Err(_) => Ok(()),
+    };
+    std::env::set_current_dir(was).unwrap();
+    assert!(opened.is_ok() && migrated.is_ok(), "{opened:?} {migrated:?}");
 }

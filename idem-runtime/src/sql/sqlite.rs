@@ -259,10 +259,13 @@ impl SqliteStore {
         // Made absolute once: the pool opens each new connection by this
         // name, and one relative to a directory the process has since
         // moved to would open (and create) another database.
-        let absolute = std::path::absolute(options.get_filename())
-            .map_err(|e| StoreError::unavailable(format!("the SQLite file's path: {e}")))?;
+        // (SQLite takes only names in UTF-8: one whose directory is not
+        // stays relative.)
+        let options = match std::path::absolute(options.get_filename()) {
+            Ok(absolute) if absolute.to_str().is_some() => options.filename(absolute),
+            _ => options,
+        };
         let options = options
-            .filename(absolute)
             .journal_mode(SqliteJournalMode::Wal)
             .busy_timeout(DEFAULT_BUSY_TIMEOUT)
             .foreign_keys(true);

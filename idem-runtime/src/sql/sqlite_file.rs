@@ -21,13 +21,12 @@ use std::sync::OnceLock;
 /// elsewhere since.
 #[derive(Debug, Default)]
 pub(crate) struct FileWatch {
-    /// The path the store was given, made absolute: what a process
-    /// started afterwards opens (a symbolic link is followed at each
-    /// check, so that one pointed at another file is noticed).
+    /// The path the store was given, when it is absolute (as `open` and
+    /// `open_url` make it): what a process started afterwards opens (a
+    /// symbolic link is followed at each check, so that one pointed at
+    /// another file is noticed). A relative one is left out: it is read
+    /// against whatever directory the process is in by then.
     given: Option<PathBuf>,
-    /// The file at `given` when the store was made over its pool, whose
-    /// connections (when it has any) have that file open.
-    at_start: Option<Identity>,
     /// `None` for a database with no file (in memory, temporary).
     opened: OnceLock<Option<Opened>>,
     moved: AtomicBool,
@@ -55,14 +54,37 @@ fn identity(path: &std::path::Path) -> std::io::Result<Identity> {
     std::fs::metadata(path).map(|_| (0, 0))
 }
 
+/// The files this process has open under the name `path` (SQLite's name,
+/// absolute, links resolved), deleted since or not: on Linux, from
+/// `/proc/self/fd`, where a file deleted or replaced since it was opened
+/// reads as `<path> (deleted)`. Elsewhere none are known.
+#[cfg(target_os = "linux")]
+fn open_under(path: &std::path::Path) -> Vec<Identity> {
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else {
+        return Vec::new();
+    };
+    let mut deleted = path.as_os_str().to_owned();
+    deleted.push(" (deleted)");
+    fds.flatten()
+        .filter_map(|fd| {
+            let link = std::fs::read_link(fd.path()).ok()?;
+            let named = link.as_os_str() == path.as_os_str() || link.as_os_str() == deleted;
+            // The link followed: the open file, deleted or not.
+            named.then(|| identity(&fd.path()).ok()).flatten()
+        })
+        .collect()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_under(_: &std::path::Path) -> Vec<Identity> {
+    Vec::new()
+}
+
 impl FileWatch {
-    /// A watch of the file at `given` (a store's file name as its pool
-    /// opens it), made absolute now.
+    /// A watch of the database a store's pool opens by the name `given`.
     pub(crate) fn of(given: &std::path::Path) -> Self {
-        let given = std::path::absolute(given).ok();
         FileWatch {
-            at_start: given.as_deref().and_then(|g| identity(g).ok()),
-            given,
+            given: given.is_absolute().then(|| given.to_owned()),
             ..FileWatch::default()
         }
     }
@@ -72,52 +94,44 @@ impl FileWatch {
         self.opened.get().is_some()
     }
 
-    /// Learns the file a connection of the store has open, by the name
-    /// SQLite gives it (`""` for none; symbolic links resolved): the file
-    /// that was at the path the store was given when it was made, else
-    /// (a pool that had not yet made its file) the one at that path now
-    /// when it leads to the same file as SQLite's name, else the one at
-    /// SQLite's name. A name that leads to no file any more is a file
-    /// deleted already. A file whose path cannot be read now (a
-    /// permission) is learnt later.
+    /// Learns the file the store's connections have open, by the name
+    /// SQLite gives it (`""` for none; absolute, links resolved): the file
+    /// at that name now, unless the process has another open under it (one
+    /// deleted or replaced since a connection opened it), or none is there
+    /// any more, which are files moved already. Watched at the path the
+    /// store was given when that leads to the same file (so that a link
+    /// pointed elsewhere later is noticed), else at SQLite's name. A file
+    /// whose path cannot be read now (a permission) is learnt later.
     pub(crate) fn learn(&self, name: &str) {
         if name.is_empty() {
             let _ = self.opened.set(None);
             return;
         }
-        // The file found at the path when the store was made: what its
-        // connections opened, though another may be at the path by now (a
-        // restore), which the next check then tells.
-        if let (Some(given), Some(at)) = (&self.given, self.at_start) {
-            let _ = self.opened.set(Some(Opened {
-                path: given.clone(),
-                identity: at,
-            }));
-            return;
-        }
         let named = PathBuf::from(name);
-        let found = identity(&named);
-        let given = self.given.as_ref().and_then(|given| {
-            let same = identity(given)
-                .ok()
-                .filter(|at| found.as_ref().is_ok_and(|f| f == at));
-            same.map(|at| (given.clone(), at))
-        });
-        let (path, identity) = match (given, found) {
-            (Some(given), _) => given,
-            (None, Ok(at)) => (named, at),
-            (None, Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {
-                let _ = self.opened.set(Some(Opened {
-                    path: named,
-                    identity: (0, 0),
-                }));
-                self.moved.store(true, Ordering::Relaxed);
-                self.log_moved();
-                return;
-            }
-            (None, Err(_)) => return,
+        let at = match identity(&named) {
+            Ok(at) => at,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return self.learn_moved(named),
+            Err(_) => return,
         };
-        let _ = self.opened.set(Some(Opened { path, identity }));
+        if open_under(&named).iter().any(|open| *open != at) {
+            return self.learn_moved(named);
+        }
+        let path = match &self.given {
+            Some(given) if identity(given).is_ok_and(|there| there == at) => given.clone(),
+            _ => named,
+        };
+        let _ = self.opened.set(Some(Opened { path, identity: at }));
+    }
+
+    /// Learns that the file at `path` moved before it could be learnt.
+    fn learn_moved(&self, path: PathBuf) {
+        let _ = self.opened.set(Some(Opened {
+            path,
+            identity: (0, 0),
+        }));
+        if !self.moved.swap(true, Ordering::Relaxed) {
+            self.log_moved();
+        }
     }
 
     /// `Ok` while the path leads to the file the store opened (or nothing
