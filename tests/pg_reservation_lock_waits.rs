@@ -75,11 +75,20 @@ async fn expired_record(store: &idem::PgStore, id: &RecordId) {
     until_db(store, id, "expires_at <= now()").await;
 }
 
-/// Store level: two retries of a key whose expired record's row is held
-/// (each answered 503 at the store's timeout), then another key's
-/// completion, its row held by nobody.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres_a_held_takeable_row_never_fails_another_keys_completion() {
+/// How the key that two retries ask for is held by another transaction.
+#[derive(Clone, Copy)]
+enum Held {
+    /// Its expired record's row, which a retry would take over.
+    ExpiredRow,
+    /// An insert of it, not committed (another server's reservation, its
+    /// commit slow), which a retry's lookup waits for.
+    UncommittedInsert,
+}
+
+/// Store level: two retries of a key held as `held` (each answered 503 at
+/// the store's timeout), then another key's completion, its row held by
+/// nobody, on a pool of two connections.
+async fn another_keys_completion_is_written(held: Held) {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 2)
@@ -87,18 +96,21 @@ async fn postgres_a_held_takeable_row_never_fails_another_keys_completion() {
         .with_timeout(Duration::from_millis(300));
     let free = RecordId::new("t", "held", idem_testkit::unique("free"));
     let free_lease = take(&store, &free, "fp", LONG, LONG).await;
-    let held = RecordId::new("t", "held", idem_testkit::unique("held"));
-    expired_record(&store, &held).await;
-
+    let key = RecordId::new("t", "held", idem_testkit::unique("held"));
     let holders = sqlx::PgPool::connect(&url).await.unwrap();
-    let holder = pg_hold_row(&holders, &store, &held).await;
+    let holder = match held {
+        Held::ExpiredRow => {
+            expired_record(&store, &key).await;
+            pg_hold_row(&holders, &store, &key).await
+        }
+        Held::UncommittedInsert => insert_uncommitted(&holders, &store, &[&key]).await,
+    };
     for n in 0..2 {
-        let r = store.reserve(req(&held, "new", LONG, LONG)).await;
+        let r = store.reserve(req(&key, "new", LONG, LONG)).await;
         assert!(matches!(&r, Err(e) if e.is_unavailable()), "retry {n}: {r:?}");
     }
     // Given up on by idem, and by the server: their connections are free.
     until_no_lock_waits(&holders, &schema).await;
-
     let done = store.complete(&free, &free_lease.token, &response("free")).await;
     holder.rollback().await.unwrap();
     assert!(
@@ -107,32 +119,14 @@ async fn postgres_a_held_takeable_row_never_fails_another_keys_completion() {
     );
 }
 
-/// The same with a fresh key: another transaction (another server's
-/// reservation, its commit slow) has inserted the key and not committed.
-/// Each lookup sent alone waits for it on the server with no bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_held_takeable_row_never_fails_another_keys_completion() {
+    another_keys_completion_is_written(Held::ExpiredRow).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_an_uncommitted_insert_of_a_key_never_fails_another_keys_completion() {
-    let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 2)
-        .await
-        .with_timeout(Duration::from_millis(300));
-    let free = RecordId::new("t", "held", idem_testkit::unique("free"));
-    let free_lease = take(&store, &free, "fp", LONG, LONG).await;
-    let racing = RecordId::new("t", "held", idem_testkit::unique("racing"));
-    let holders = sqlx::PgPool::connect(&url).await.unwrap();
-    let holder = insert_uncommitted(&holders, &store, &[&racing]).await;
-    for n in 0..2 {
-        let r = store.reserve(req(&racing, "fp", LONG, LONG)).await;
-        assert!(matches!(&r, Err(e) if e.is_unavailable()), "try {n}: {r:?}");
-    }
-    until_no_lock_waits(&holders, &schema).await;
-    let done = store.complete(&free, &free_lease.token, &response("free")).await;
-    holder.rollback().await.unwrap();
-    assert!(
-        done.is_ok(),
-        "another key's completion, on a row nobody holds, failed: {done:?}"
-    );
+    another_keys_completion_is_written(Held::UncommittedInsert).await;
 }
 
 mod http {

@@ -36,6 +36,16 @@ async fn pay(State(app): State<App>, Json(p): Json<Pay>) -> (StatusCode, String)
     (StatusCode::CREATED, format!("paid {}", p.amount))
 }
 
+/// `store` served, and what its handler saw.
+async fn serving(store: SqliteStore) -> (SocketAddr, App) {
+    let app = App::default();
+    let router = Router::new()
+        .route("/pay", post(pay))
+        .layer(Idem::new(store).single_tenant().layer())
+        .with_state(app.clone());
+    (serve(router).await, app)
+}
+
 struct Server {
     addr: SocketAddr,
     app: App,
@@ -49,17 +59,8 @@ impl Server {
         let db = dir.path().join("idem.db");
         let store = SqliteStore::open(&db).await.unwrap();
         store.migrate().await.unwrap();
-        let app = App::default();
-        let router = Router::new()
-            .route("/pay", post(pay))
-            .layer(Idem::new(store).single_tenant().layer())
-            .with_state(app.clone());
-        Server {
-            addr: serve(router).await,
-            app,
-            db,
-            dir,
-        }
+        let (addr, app) = serving(store).await;
+        Server { addr, app, db, dir }
     }
 
     async fn send(&self, key: &str) -> Reply {
@@ -185,15 +186,7 @@ async fn an_applications_pool_whose_file_is_deleted_before_the_first_request_ref
     let store = SqliteStore::new(pool);
     store.migrate().await.unwrap();
     std::fs::remove_file(&db).unwrap();
-    let app = App::default();
-    let router = Router::new()
-        .route("/pay", post(pay))
-        .layer(Idem::new(store).single_tenant().layer())
-        .with_state(app.clone());
-    let addr = serve(router).await;
-    let r = req("/pay", r#"{"amount":5}"#).key("first").send(addr).await;
-    assert_eq!(r.status, 503, "{r:?}");
-    assert_eq!(app.runs.load(Ordering::SeqCst), 0);
+    assert_eq!(first_requests(store, &["first"]).await, (vec![503], 0));
 }
 
 /// Opened through a symbolic link that a restore then points at another
@@ -207,13 +200,9 @@ async fn a_symbolic_link_pointed_at_another_file_refuses_every_key() {
     std::os::unix::fs::symlink(&a, &link).unwrap();
     let store = SqliteStore::open(&link).await.unwrap();
     store.migrate().await.unwrap();
-    let app = App::default();
-    let router = Router::new()
-        .route("/pay", post(pay))
-        .layer(Idem::new(store).single_tenant().layer())
-        .with_state(app.clone());
+    let (addr, app) = serving(store).await;
     let s = Server {
-        addr: serve(router).await,
+        addr,
         app,
         db: link.clone(),
         dir,
@@ -250,12 +239,7 @@ async fn databases_in_memory_and_lazy_pools_go_on() {
     );
     lazy.migrate().await.unwrap();
     for store in [memory, other, lazy] {
-        let app = App::default();
-        let router = Router::new()
-            .route("/pay", post(pay))
-            .layer(Idem::new(store).single_tenant().layer())
-            .with_state(app.clone());
-        let addr = serve(router).await;
+        let (addr, app) = serving(store).await;
         for key in ["one", "two", "one"] {
             let r = req("/pay", r#"{"amount":5}"#).key(key).send(addr).await;
             assert_eq!(r.status, 201, "{r:?}");
@@ -290,15 +274,7 @@ async fn an_applications_pool_whose_file_is_replaced_before_the_first_request_re
     for log in ["app.db-wal", "app.db-shm"] {
         let _ = std::fs::remove_file(dir.path().join(log));
     }
-    let app = App::default();
-    let router = Router::new()
-        .route("/pay", post(pay))
-        .layer(Idem::new(store).single_tenant().layer())
-        .with_state(app.clone());
-    let addr = serve(router).await;
-    let r = req("/pay", r#"{"amount":5}"#).key("first").send(addr).await;
-    assert_eq!(r.status, 503, "{r:?}");
-    assert_eq!(app.runs.load(Ordering::SeqCst), 0);
+    assert_eq!(first_requests(store, &["first"]).await, (vec![503], 0));
 }
 
 /// Opened by a relative path, then the process moves to another directory:
@@ -319,12 +295,7 @@ async fn a_relative_path_opens_one_file_whatever_the_directory_later() {
     for _ in 0..store.pool().size() {
         held.push(store.pool().acquire().await.unwrap());
     }
-    let app = App::default();
-    let router = Router::new()
-        .route("/pay", post(pay))
-        .layer(Idem::new(store).single_tenant().layer())
-        .with_state(app.clone());
-    let addr = serve(router).await;
+    let (addr, app) = serving(store).await;
     let sends: Vec<_> = (0..8)
         .map(|i| {
             tokio::spawn(async move {
@@ -375,12 +346,7 @@ async fn restore_over(db: &std::path::Path) {
 /// `store` served; the status of a first request for each of `keys`, and
 /// how many times the handler ran.
 async fn first_requests(store: SqliteStore, keys: &[&str]) -> (Vec<u16>, usize) {
-    let app = App::default();
-    let router = Router::new()
-        .route("/pay", post(pay))
-        .layer(Idem::new(store).single_tenant().layer())
-        .with_state(app.clone());
-    let addr = serve(router).await;
+    let (addr, app) = serving(store).await;
     let mut statuses = Vec::new();
     for key in keys {
         statuses.push(req("/pay", r#"{"amount":5}"#).key(key).send(addr).await.status);
