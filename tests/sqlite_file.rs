@@ -248,35 +248,6 @@ async fn databases_in_memory_and_lazy_pools_go_on() {
     }
 }
 
-/// An application's pool, its connections open, whose file a restore
-/// replaces before the store's first request: the store knows the file it
-/// was made on, so the first request is refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_applications_pool_whose_file_is_replaced_before_the_first_request_refuses_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("app.db");
-    let options = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(&db)
-        .create_if_missing(true)
-        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal);
-    let pool = sqlx::sqlite::SqlitePoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await
-        .unwrap();
-    let store = SqliteStore::new(pool);
-    store.migrate().await.unwrap();
-    let other = dir.path().join("other.db");
-    let restored = SqliteStore::open(&other).await.unwrap();
-    restored.migrate().await.unwrap();
-    restored.pool().close().await;
-    std::fs::rename(&other, &db).unwrap();
-    for log in ["app.db-wal", "app.db-shm"] {
-        let _ = std::fs::remove_file(dir.path().join(log));
-    }
-    assert_eq!(first_requests(store, &["first"]).await, (vec![503], 0));
-}
-
 /// Opened by a relative path, then the process moves to another directory:
 /// the connections the pool opens afterwards open the same file (made
 /// absolute when the store opened it), not a second database there, and
@@ -372,41 +343,6 @@ async fn a_lazy_pool_whose_file_is_replaced_before_it_connects_goes_on() {
     assert_eq!(first_requests(store, &["one", "two"]).await, (vec![201, 201], 2));
 }
 
-/// A pool that connects lazily, its file made by the store's migration,
-/// then replaced by a restore before the first request: the connection
-/// has the replaced file open, and the request is refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lazy_pool_whose_open_file_is_replaced_before_the_first_request_refuses_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("app.db");
-    let pool = sqlx::sqlite::SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect_lazy_with(pool_options(&db));
-    let store = SqliteStore::new(pool);
-    store.migrate().await.unwrap();
-    restore_over(&db).await;
-    assert_eq!(first_requests(store, &["one"]).await, (vec![503], 0));
-}
-
-/// Two stores over one pool, the second made after a restore replaced the
-/// file its connection has open: both refuse.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_store_made_over_a_pool_after_its_file_was_replaced_refuses() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("app.db");
-    let pool = sqlx::sqlite::SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect_with(pool_options(&db))
-        .await
-        .unwrap();
-    let first = SqliteStore::new(pool);
-    first.migrate().await.unwrap();
-    restore_over(&db).await;
-    let second = SqliteStore::new(first.pool().clone());
-    assert_eq!(first_requests(first, &["a"]).await, (vec![503], 0));
-    assert_eq!(first_requests(second, &["b"]).await, (vec![503], 0));
-}
-
 /// A relative path in a directory whose name is not UTF-8 (which SQLite
 /// cannot be given): opened as given, relative.
 #[cfg(unix)]
@@ -426,4 +362,20 @@ async fn a_relative_path_in_a_directory_not_named_in_utf8_opens() {
     };
     std::env::set_current_dir(was).unwrap();
     assert!(opened.is_ok() && migrated.is_ok(), "{opened:?} {migrated:?}");
+}
+
+/// A store opened at the path of a file another store of the process had
+/// open and that was deleted: the new store's file is the one at the path,
+/// and it serves (the first store refuses).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_opened_where_another_stores_file_was_deleted_serves() {
+    let s = Server::start().await;
+    s.served("before").await;
+    for name in ["idem.db", "idem.db-wal", "idem.db-shm"] {
+        let _ = std::fs::remove_file(s.dir.path().join(name));
+    }
+    s.refused("after").await;
+    let again = SqliteStore::open(&s.db).await.unwrap();
+    again.migrate().await.unwrap();
+    assert_eq!(first_requests(again, &["after"]).await, (vec![201], 1));
 }

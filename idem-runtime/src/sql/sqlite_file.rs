@@ -54,32 +54,6 @@ fn identity(path: &std::path::Path) -> std::io::Result<Identity> {
     std::fs::metadata(path).map(|_| (0, 0))
 }
 
-/// The files this process has open under the name `path` (SQLite's name,
-/// absolute, links resolved), deleted since or not: on Linux, from
-/// `/proc/self/fd`, where a file deleted or replaced since it was opened
-/// reads as `<path> (deleted)`. Elsewhere none are known.
-#[cfg(target_os = "linux")]
-fn open_under(path: &std::path::Path) -> Vec<Identity> {
-    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else {
-        return Vec::new();
-    };
-    let mut deleted = path.as_os_str().to_owned();
-    deleted.push(" (deleted)");
-    fds.flatten()
-        .filter_map(|fd| {
-            let link = std::fs::read_link(fd.path()).ok()?;
-            let named = link.as_os_str() == path.as_os_str() || link.as_os_str() == deleted;
-            // The link followed: the open file, deleted or not.
-            named.then(|| identity(&fd.path()).ok()).flatten()
-        })
-        .collect()
-}
-
-#[cfg(not(target_os = "linux"))]
-fn open_under(_: &std::path::Path) -> Vec<Identity> {
-    Vec::new()
-}
-
 impl FileWatch {
     /// A watch of the database a store's pool opens by the name `given`.
     pub(crate) fn of(given: &std::path::Path) -> Self {
@@ -96,12 +70,13 @@ impl FileWatch {
 
     /// Learns the file the store's connections have open, by the name
     /// SQLite gives it (`""` for none; absolute, links resolved): the file
-    /// at that name now, unless the process has another open under it (one
-    /// deleted or replaced since a connection opened it), or none is there
-    /// any more, which are files moved already. Watched at the path the
-    /// store was given when that leads to the same file (so that a link
-    /// pointed elsewhere later is noticed), else at SQLite's name. A file
-    /// whose path cannot be read now (a permission) is learnt later.
+    /// at that name now, or, when none is there any more, a file deleted
+    /// already. (Which file a connection has open cannot be asked of it:
+    /// a file replaced between its opening and this is taken for the one.)
+    /// Watched at the path the store was given when that leads to the same
+    /// file (so that a link pointed elsewhere later is noticed), else at
+    /// SQLite's name. A file whose path cannot be read now (a permission)
+    /// is learnt later.
     pub(crate) fn learn(&self, name: &str) {
         if name.is_empty() {
             let _ = self.opened.set(None);
@@ -113,9 +88,6 @@ impl FileWatch {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return self.learn_moved(named),
             Err(_) => return,
         };
-        if open_under(&named).iter().any(|open| *open != at) {
-            return self.learn_moved(named);
-        }
         let path = match &self.given {
             Some(given) if identity(given).is_ok_and(|there| there == at) => given.clone(),
             _ => named,
