@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Held by the tests that change the process's directory.
-static CWD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static CWD: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[derive(Clone, Default)]
 struct App {
@@ -254,7 +254,7 @@ async fn databases_in_memory_and_lazy_pools_go_on() {
 /// nothing is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relative_path_opens_one_file_whatever_the_directory_later() {
-    let _cwd = CWD.lock().unwrap_or_else(|e| e.into_inner());
+    let _cwd = CWD.lock().await;
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let was = std::env::current_dir().unwrap();
     std::env::set_current_dir(a.path()).unwrap();
@@ -349,7 +349,7 @@ async fn a_lazy_pool_whose_file_is_replaced_before_it_connects_goes_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relative_path_in_a_directory_not_named_in_utf8_opens() {
     use std::os::unix::ffi::OsStrExt as _;
-    let _cwd = CWD.lock().unwrap_or_else(|e| e.into_inner());
+    let _cwd = CWD.lock().await;
     let base = tempfile::tempdir().unwrap();
     let odd = base.path().join(std::ffi::OsStr::from_bytes(b"data-\xff"));
     std::fs::create_dir(&odd).unwrap();
