@@ -103,11 +103,12 @@ impl std::fmt::Debug for SqliteStore {
 impl SqliteStore {
     /// Opens (creating if needed) the database file at `path`, in WAL mode
     /// with a 5 second busy timeout. A relative path is made absolute now,
-    /// against the current directory: every connection the pool opens
-    /// later opens that file, wherever the process has moved since. `:memory:`, which SQLite opens in
-    /// memory, gets [`SqliteStore::in_memory`]'s one connection; a path that
-    /// is a URI file name (`file:...`) is refused (see
-    /// [`SqliteStore::open_url`]).
+    /// against the current directory (unless that directory's name is not
+    /// UTF-8, which SQLite cannot be given): every connection the pool
+    /// opens later opens that file, wherever the process has moved since.
+    /// `:memory:`, which SQLite opens in memory, gets
+    /// [`SqliteStore::in_memory`]'s one connection; a path that is a URI
+    /// file name (`file:...`) is refused (see [`SqliteStore::open_url`]).
     ///
     /// # Errors
     ///
