@@ -908,6 +908,14 @@ pub(crate) fn let_go_once_free(
     Problem::StoreUnavailable(Unavailable::NotCompleted).into_response()
 }
 
+/// Whether an answer with `status` has no body on the wire: an
+/// informational one, 204 No Content, 304 Not Modified (RFC 9110 6.4.1).
+fn carries_no_body(status: axum::http::StatusCode) -> bool {
+    status.is_informational()
+        || status == axum::http::StatusCode::NO_CONTENT
+        || status == axum::http::StatusCode::NOT_MODIFIED
+}
+
 /// A success's answer: its body produced, then recorded, then given.
 // Not an async fn, which would copy its arguments into its state twice.
 #[allow(clippy::manual_async_fn)]
@@ -924,13 +932,25 @@ fn complete_answer<'a>(
         // The body is read as data: its trailers are neither stored nor
         // passed on, so the answer does not announce any (README).
         parts.headers.remove(axum::http::header::TRAILER);
+        // A payload of the body's drop (the handler's code), dropped on
+        // leaving, once the key is let go or the answer recorded.
+        let mut body_panic = None;
+        // A status that carries no body (1xx, 204, 304): the server sends
+        // none and never reads the handler's (hyper drops it unread), so
+        // neither does idem: the answer is its status and headers, recorded
+        // before they go out. Read, a body past the stored limit streamed
+        // (the client seeing a whole answer at its head) and, failing, let
+        // the key go: the retry ran the handler again.
+        let body = if carries_no_body(parts.status) {
+            drop_caught(body.into_data_stream(), &mut body_panic);
+            Body::empty()
+        } else {
+            body
+        };
         let stream = parts
             .headers
             .get(CONTENT_TYPE)
             .is_some_and(|v| is_event_stream(v.as_bytes()));
-        // A payload of the body's drop (the handler's code), dropped on
-        // leaving, once the key is let go or the answer recorded.
-        let mut body_panic = None;
         // A client that could not tell a broken body from a whole one (a
         // `HEAD`, HTTP/1.0 without a length) gets an answer too large to keep
         // only once it is recorded: read to its end first.
