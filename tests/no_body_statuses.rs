@@ -51,6 +51,17 @@ async fn not_modified(State(app): State<App>, _op: Operation) -> Response {
     answer(&app, StatusCode::NOT_MODIFIED)
 }
 
+#[idempotent(scope = "nobody.events", body = "none")]
+async fn events(State(app): State<App>, _op: Operation) -> Response {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    (
+        StatusCode::NO_CONTENT,
+        [("content-type", "text/event-stream")],
+        "data: x\n\n",
+    )
+        .into_response()
+}
+
 #[idempotent(scope = "nobody.small", body = "none")]
 async fn small(State(app): State<App>, _op: Operation) -> (StatusCode, &'static str) {
     app.runs.fetch_add(1, Ordering::SeqCst);
@@ -67,6 +78,7 @@ async fn start() -> (SocketAddr, App) {
         .route("/no-content", post(no_content))
         .route("/not-modified", get(not_modified))
         .route("/small", post(small))
+        .route("/events", post(events))
         .layer(idem.layer())
         .with_state(app.clone());
     (serve(router).await, app)
@@ -115,5 +127,27 @@ async fn a_204_with_a_small_body_replays_as_it_went_out() {
     assert_eq!((first.status, first.body.len()), (204, 0), "{first:?}");
     assert_eq!((again.status, again.body.len()), (204, 0), "{again:?}");
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+/// A 204 with an event stream's type: nothing streams, and the replay
+/// carries the type and the whole (empty) answer as it went out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_204_with_an_event_streams_type_replays_as_it_went_out() {
+    let (addr, app) = start().await;
+    let request = post_req("/events", "").key("k-events");
+    let first = request.send(addr).await;
+    let again = request.send(addr).await;
+    assert_eq!(
+        (first.status, first.header("content-type")),
+        (204, Some("text/event-stream"))
+    );
+    assert_eq!(
+        (again.status, again.header("content-type")),
+        (204, Some("text/event-stream")),
+        "{again:?}"
+    );
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.header("idempotent-replay-body-omitted"), None);
     assert_eq!(app.runs.load(Ordering::SeqCst), 1);
 }

@@ -941,16 +941,20 @@ fn complete_answer<'a>(
         // before they go out. Read, a body past the stored limit streamed
         // (the client seeing a whole answer at its head) and, failing, let
         // the key go: the retry ran the handler again.
-        let body = if carries_no_body(parts.status) {
+        let no_body = carries_no_body(parts.status);
+        let body = if no_body {
             drop_caught(body.into_data_stream(), &mut body_panic);
             Body::empty()
         } else {
             body
         };
-        let stream = parts
-            .headers
-            .get(CONTENT_TYPE)
-            .is_some_and(|v| is_event_stream(v.as_bytes()));
+        // (An event stream's type on a status without a body streams
+        // nothing: recorded whole, its headers replayed as they went out.)
+        let stream = !no_body
+            && parts
+                .headers
+                .get(CONTENT_TYPE)
+                .is_some_and(|v| is_event_stream(v.as_bytes()));
         // A client that could not tell a broken body from a whole one (a
         // `HEAD`, HTTP/1.0 without a length) gets an answer too large to keep
         // only once it is recorded: read to its end first.
