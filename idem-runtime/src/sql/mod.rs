@@ -126,9 +126,10 @@ pub(crate) struct Dialect {
     span: fn(&str, &str) -> String,
     /// The same, for the completion alone. On PostgreSQL it is computed in
     /// `float8` (within a microsecond for any TTL), not `numeric`. (`span`
-    /// is in the reservation function's source, which `check_schema`
-    /// compares: a change to it is a new function, which `migrate()`
-    /// creates in place of the old one.)
+    /// is in the reservation function's source, which `migrate()` compares
+    /// with this build's: a change to it is a new function, which
+    /// `migrate()` creates in place of the old one; `check_schema` only
+    /// asks that a function of that name and signature be there.)
     kept_span: fn(&str, &str) -> String,
     /// Lists the columns of `table` (in `schema`) that a row must fill (no
     /// default, not null) and that are not in `known` (a list of quoted
