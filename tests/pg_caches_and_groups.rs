@@ -449,6 +449,64 @@ async fn backend_of(pool: &sqlx::PgPool, schema: &str, like: &str, wait_event: O
     }
 }
 
+/// A group's statement ends in an error whose outcome is not known (its
+/// backend terminated) after the read apart answered one of its lookups (a
+/// replay): the group's task hands that lookup's key back, fenced by its
+/// token, in the background, and `Idem::idle` waits for it, as for every
+/// other give-back in the background, so that a process that exits at
+/// `idle` leaves no key locked that nobody holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_idle_waits_for_a_groups_hand_back() {
+    let Some((url, schema, store)) = fresh_store(8, LONG).await else {
+        return;
+    };
+    slow_inserts(&store, 5.0).await;
+    let idem = idem::Idem::new(store.clone());
+    let slow = lookup_id("t", "idle", &idem_testkit::unique("slow"));
+    let done = lookup_id("t", "idle", &idem_testkit::unique("done"));
+    let l = take(&store, &done, "fp", LONG, LONG).await;
+    store.complete(&done, &l.token, &response("done")).await.unwrap();
+    let ([first, second], turns) = hold_the_lookup_turns(&store).await;
+    let (_, slow_task) = reserve_in_task_tok(&store, &slow, "fp", LONG);
+    until_lookups_waiting(&store, 1).await;
+    let (_, replay) = reserve_in_task_tok(&store, &done, "fp", LONG);
+    until_lookups_waiting(&store, 2).await;
+    first.resume();
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    let pid = backend_of(&watcher, &schema, "%idem-group%", Some("PgSleep")).await;
+    // The replay is answered by the read apart meanwhile.
+    let replayed = tokio::time::timeout(Duration::from_secs(5), replay)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(replayed, Ok(Reservation::Completed(response("done"))));
+    let mut handed_back = idem_runtime::pause::arm(idem_runtime::pause::HAND_BACK_AFTER, &done.key);
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&watcher)
+        .await
+        .unwrap();
+    assert!(killed);
+    tokio::time::timeout(Duration::from_secs(10), handed_back.reached())
+        .await
+        .expect("the group never handed back the answered lookup's key");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), idem.idle())
+            .await
+            .is_err(),
+        "idle() resolved while the group's hand-back was under way"
+    );
+    handed_back.resume();
+    tokio::time::timeout(Duration::from_secs(10), idem.idle())
+        .await
+        .expect("idle() after the hand-back");
+    let _ = slow_task.await.unwrap();
+    second.resume();
+    for t in turns {
+        let _ = t.await.unwrap();
+    }
+}
+
 /// A group's statement (slow: an insert sleeps) is terminated
 /// (`pg_terminate_backend`) after its fresh keys were inserted, uncommitted.
 /// Each caller is answered either 503 or what the database holds; the

@@ -469,7 +469,9 @@ impl Idem {
     /// release finished in the background), whether its client waits or
     /// not; and it waits for the stores' own work in the background (a
     /// reservation given up on at the store's timeout whose key is still
-    /// to be given back), of any `Idem` of the process. Bound the wait
+    /// to be given back; a group of PostgreSQL lookups, which may give
+    /// back a key it took for a lookup answered already), of any `Idem` of
+    /// the process. Bound the wait
     /// yourself (`tokio::time::timeout`): an execution may take as long as
     /// its handler.
     ///

@@ -1612,6 +1612,11 @@ impl PgStore {
     /// answer from is answered then. A record taken for a caller that is
     /// answered already or gone is handed back.
     async fn read_group(self, mut group: Vec<LookupWaiting>) {
+        // Under way (`Idem::idle`) to its end: a key it hands back for a
+        // lookup answered already is given back after that lookup's
+        // request ended, and a process that exited at `idle` before then
+        // left the key locked until its lock timeout.
+        let _under_way = crate::store::background_work().enter();
         if group.len() == 1 {
             for w in group {
                 let _ = w.answer.send(LookedUp::Alone);
