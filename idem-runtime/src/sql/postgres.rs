@@ -574,6 +574,7 @@ impl PgStore {
         // the lookup found none. Each part has its own snapshot: a row that
         // another request wrote in between makes the function take nothing
         // (NULL), and the statement runs again.
+        //
         // What a reservation runs first. The columns as they are stored,
         // with the database's clock: every expression a statement holds is
         // built again at each execution, and the judging ones cost a replay
@@ -584,8 +585,6 @@ impl PgStore {
         //
         // `taken` is what the lookup takes where there is no record: the
         // reservation function (`when` guards the call), or nothing.
-        let lookup_taking = |taken: &str| lookup_taking(&sql, taken);
-        let take_when = |when: &str| take_when(&sql, when);
         let (lookup, reserve) = reserving_statements(&sql, DEFAULT_OPERATION_TIMEOUT);
         // The lookup of a group of records, one per element of the arrays,
         // in the arrays' order (the order of the nested loop that the
@@ -612,13 +611,19 @@ impl PgStore {
         // runs alone, so that no key's wait (a concurrent insert of it, a
         // `CREATE INDEX` holding the table), nor many short ones, holds up
         // the others.
-        let lookup_group = group_of(&lookup_taking(&take_when(&format!(
-            " AND set_config('lock_timeout', greatest(1, {} - floor(extract(epoch \
+        let lookup_group = group_of(&lookup_taking(
+            &sql,
+            &take_when(
+                &sql,
+                &format!(
+                    " AND set_config('lock_timeout', greatest(1, {} - floor(extract(epoch \
              FROM clock_timestamp() - statement_timestamp()) * 1000))::bigint || 'ms', true) IS NOT NULL",
-            GROUP_LOCK_WAIT.as_millis()
-        ))));
+                    GROUP_LOCK_WAIT.as_millis()
+                ),
+            ),
+        ));
         // The same, reading only: nothing is taken.
-        let peek_group = group_of(&lookup_taking("NULL::text[]"));
+        let peek_group = group_of(&lookup_taking(&sql, "NULL::text[]"));
         // The completion of a group of records, one per element of the
         // arrays: `complete`, each record fenced by its own token, with the
         // same clock for all, on the rows no other transaction holds
