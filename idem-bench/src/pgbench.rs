@@ -259,11 +259,12 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
     let lookup = bound(s.lookup, &RESERVE_VARS);
     let reserve = bound(s.reserve, &RESERVE_VARS);
     let complete = bound(s.complete, &COMPLETE_VARS);
-    let function = reserve[reserve.find("CASE WHEN").expect("the reserving statement's CASE")..]
-        .split(" THEN ")
-        .nth(1)
-        .and_then(|rest| rest.split(" END AS taken").next())
+    // The call is the last branch before `taken`: the condition before it
+    // holds a `CASE` of its own (the bound on its lock waits).
+    let function = reserve[..reserve.find(" END AS taken").expect("the reserving statement's CASE")]
+        .rsplit_once(" THEN ")
         .expect("the reservation function's call")
+        .1
         .to_owned();
     vec![
         ExecCell {
