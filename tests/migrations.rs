@@ -464,6 +464,144 @@ async fn postgres_a_table_that_does_not_match_refuses_to_start() {
     );
 }
 
+/// A column changed by hand to a type or collation that cannot hold what
+/// idem writes, or that makes two ids one, refuses to serve (`migrate()`
+/// and `check_schema()` name each column): before, a body column of `text`
+/// stored each answer and every replay of it then failed (503 on every
+/// retry of a request that was served), a `varchar(8)` key refused longer
+/// keys, and a case-insensitive key answered the key `abc` with the answer
+/// of `ABC`, as this test first shows.
+#[tokio::test]
+async fn postgres_columns_that_cannot_hold_what_idem_writes_refuse_to_start() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let cases = [
+        (
+            "ALTER TABLE {t} ALTER COLUMN response_body TYPE text USING encode(response_body, 'escape')",
+            "response_body is text, where idem needs bytea",
+        ),
+        (
+            "ALTER TABLE {t} ALTER COLUMN key TYPE varchar(8)",
+            "key is character varying(8), where idem needs text or varchar of at least 255 characters",
+        ),
+        (
+            "ALTER TABLE {t} ALTER COLUMN response_headers TYPE jsonb USING response_headers::jsonb",
+            "response_headers is jsonb, where idem needs text or varchar without a length",
+        ),
+        (
+            "ALTER TABLE {t} ALTER COLUMN attempt TYPE smallint",
+            "attempt is smallint, where idem needs integer or bigint",
+        ),
+        (
+            "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE text",
+            "lock_expires_at is text, where idem needs timestamptz or timestamp",
+        ),
+        (
+            "CREATE COLLATION {s}.ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false); \
+             ALTER TABLE {t} ALTER COLUMN key TYPE text COLLATE {s}.ci",
+            "key has the nondeterministic collation ci",
+        ),
+    ];
+    for (alter, says) in cases {
+        let (pool, schema, store) = migrated_pg_store(&url).await;
+        let s = format!("\"{schema}\"");
+        let t = format!("{s}.idempotency_keys");
+        if says.contains("collation") {
+            // What such a collation does: another key's answer replayed.
+            pool.execute(sqlx::AssertSqlSafe(alter.replace("{t}", &t).replace("{s}", &s)))
+                .await
+                .unwrap();
+            takes_completes_replays(&store, "ABC").await;
+            let other = RecordId::new("t", "s", "abc");
+            assert_eq!(
+                store.reserve(req(&other, "fp")).await.unwrap(),
+                Reservation::Completed(created(b"ok")),
+                "the key abc is answered as ABC was"
+            );
+        } else {
+            pool.execute(sqlx::AssertSqlSafe(alter.replace("{t}", &t).replace("{s}", &s)))
+                .await
+                .unwrap();
+        }
+        for (what, result) in [
+            ("check_schema", store.check_schema().await),
+            ("migrate", store.migrate().await),
+        ] {
+            let err = result.expect_err(says).to_string();
+            assert!(err.contains(says) && err.contains("cannot use"), "{what}: {err}");
+        }
+    }
+}
+
+/// SQLite: a table made by hand whose key has a numeric affinity, or a
+/// collation other than `BINARY`, makes two keys one record (as this test
+/// first shows: the key `1e3` answered with the answer of `1000`, `abc`
+/// with that of `ABC`); `migrate()` and `check_schema()` refuse it, naming
+/// the column.
+#[tokio::test]
+async fn sqlite_id_columns_that_make_two_keys_one_refuse_to_start() {
+    for (declared, first, second, says) in [
+        (
+            "key NUMERIC NOT NULL",
+            "1000",
+            "1e3",
+            "key is declared NUMERIC, whose numeric affinity",
+        ),
+        (
+            "key TEXT NOT NULL COLLATE NOCASE",
+            "ABC",
+            "abc",
+            "key has the collation NOCASE in a unique key",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("hand.db")).await.unwrap();
+        let table =
+            V1_SQLITE
+                .replace("{t}", "\"idempotency_keys\"")
+                .replacen("key TEXT NOT NULL", declared, 1);
+        store.pool().execute(sqlx::AssertSqlSafe(table)).await.unwrap();
+        let err = store.migrate().await.expect_err(says).to_string();
+        assert!(err.contains(says) && err.contains("cannot use"), "migrate: {err}");
+        takes_completes_replays(&store, first).await;
+        assert_eq!(
+            store
+                .reserve(req(&RecordId::new("t", "s", second), "fp"))
+                .await
+                .unwrap(),
+            Reservation::Completed(created(b"ok")),
+            "{declared}: the key {second} is answered as {first} was"
+        );
+        let err = store.check_schema().await.expect_err(says).to_string();
+        assert!(err.contains(says), "check_schema: {err}");
+    }
+}
+
+/// Columns changed by hand to types that hold every value idem writes (a
+/// `varchar` as long as the longest, a domain over `text`, a narrower or
+/// wider integer, times to the millisecond) pass, and serve: the longest
+/// key is taken, completed and replayed.
+#[tokio::test]
+async fn postgres_columns_changed_to_types_that_hold_what_idem_writes_serve() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    let s = format!("\"{schema}\"");
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "CREATE DOMAIN {s}.print AS text; \
+         ALTER TABLE {s}.idempotency_keys ALTER COLUMN key TYPE varchar(255), \
+         ALTER COLUMN tenant TYPE varchar, ALTER COLUMN fingerprint TYPE {s}.print, \
+         ALTER COLUMN lock_token TYPE varchar(32), ALTER COLUMN response_status TYPE smallint, \
+         ALTER COLUMN attempt TYPE bigint, ALTER COLUMN expires_at TYPE timestamptz(3)"
+    )))
+    .await
+    .unwrap();
+    store
+        .check_schema()
+        .await
+        .expect("the table passes the schema check");
+    store.migrate().await.expect("and migrate() agrees");
+    takes_completes_replays(&store, &"k".repeat(255)).await;
+}
+
 /// The reservation function gone (dropped by hand, or a restore that left
 /// functions out): the store refuses to start and says what to do, and
 /// `migrate()` brings it back.

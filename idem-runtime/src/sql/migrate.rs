@@ -227,8 +227,10 @@ macro_rules! check_schema {
     };
     ($vis:vis $name:ident) => {
         /// Checks that the table matches what this build of idem needs (every
-        /// migration applied, every column, and a unique key on (tenant,
-        /// scope, key)): a service should refuse to start otherwise.
+        /// migration applied, every column, on PostgreSQL of a type and
+        /// collation that hold what idem writes, and a unique key on
+        /// (tenant, scope, key)): a service should refuse to start
+        /// otherwise.
         /// [`migrate`](Self::migrate) ends with it.
         ///
         /// # Errors
@@ -272,6 +274,7 @@ macro_rules! check_schema {
                     )));
                 }
             }
+            $crate::sql::refuse_column_types(&self.pool, sql).await?;
             // Every reservation's `ON CONFLICT (tenant, scope, key)` needs a
             // unique key on those columns (a table made by hand may have
             // every column and none).
@@ -406,6 +409,29 @@ where
         None => Ok(()),
         Some(why) => Err(StoreError::backend(format!(
             "the table {} cannot take a reservation: {why}",
+            sql.table
+        ))),
+    }
+}
+
+/// Refuses a table with a column whose type or collation idem cannot use
+/// (see `column_types` and `sqlite_column_types`), naming each.
+pub(crate) async fn refuse_column_types<'c, E, DB>(conn: E, sql: &super::Statements) -> Result<(), StoreError>
+where
+    DB: sqlx::Database,
+    E: sqlx::Executor<'c, Database = DB>,
+    for<'r> (Option<String>,): sqlx::FromRow<'r, DB::Row>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    let (why,): (Option<String>,) = sqlx::query_as(sqlx::AssertSqlSafe(sql.column_types.as_str()))
+        .fetch_one(conn)
+        .await
+        .map_err(map_err)?;
+    match why {
+        None => Ok(()),
+        Some(why) => Err(StoreError::backend(format!(
+            "the table {} has columns idem cannot use: {why}; change them back (migrate() makes them \
+             as idem needs them)",
             sql.table
         ))),
     }

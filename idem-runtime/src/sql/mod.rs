@@ -19,8 +19,8 @@ mod sqlite_file;
 
 pub use migrate::Migration;
 pub(crate) use migrate::{
-    check_schema, found, migrate_in, migrations, newer_schema, refuse_encoding, refuse_found_elsewhere,
-    refuse_unreservable, schema_error,
+    check_schema, found, migrate_in, migrations, newer_schema, refuse_column_types, refuse_encoding,
+    refuse_found_elsewhere, refuse_unreservable, schema_error,
 };
 #[cfg(feature = "sqlite")]
 pub(crate) use run::sqlite_busy_or_locked;
@@ -67,6 +67,79 @@ const COLUMNS: &str =
     "tenant, scope, key, fingerprint, state, operation_id, lock_token, attempt, taken_over, \
                        lock_expires_at, recovery_point, response_status, response_headers, response_body, \
                        created_at, expires_at, purge_at";
+
+/// PostgreSQL: why a column of the table `t` (quoted, as the statements
+/// name it) cannot be used, or NULL. Each column takes the types that hold
+/// every value idem writes and that its statements read back: a text
+/// column `text` or `varchar` (unbounded, or at least as long as the
+/// longest value: the id's parts 255 characters, a fingerprint 64, a token
+/// or operation id 32, the state 11), with a deterministic collation for
+/// those an id or fingerprint is compared on (a case-insensitive one would
+/// make the keys `A` and `a` one record, answering one request with
+/// another's answer); the body `bytea`; the status and `taken_over` any
+/// integer, `attempt` `integer` or `bigint`; the times `timestamptz` or
+/// `timestamp` (a domain counts as its base type). Other types fail the
+/// statements that write or read them, some only once an answer was
+/// stored: a body column of `text` stores the answer and every replay of
+/// it then fails.
+fn column_types(t: &str) -> String {
+    // (column, kind, the longest value, whether ids are compared on it).
+    let columns = "('tenant', 'text', 255, true), ('scope', 'text', 255, true), ('key', 'text', 255, true), \
+                   ('fingerprint', 'text', 64, true), ('state', 'text', 11, true), \
+                   ('operation_id', 'text', 32, false), ('lock_token', 'text', 32, true), \
+                   ('recovery_point', 'text', NULL, false), ('response_headers', 'text', NULL, false), \
+                   ('response_body', 'bytea', NULL, false), ('response_status', 'int', NULL, false), \
+                   ('taken_over', 'int', NULL, false), ('attempt', 'int4', NULL, false), \
+                   ('lock_expires_at', 'time', NULL, false), ('created_at', 'time', NULL, false), \
+                   ('expires_at', 'time', NULL, false), ('purge_at', 'time', NULL, false)";
+    format!(
+        "SELECT string_agg(why, '; ' ORDER BY why) FROM (\
+         SELECT CASE WHEN NOT CASE n.kind \
+         WHEN 'text' THEN c.typ = 'text'::regtype OR (c.typ = 'varchar'::regtype \
+         AND (c.typmod < 0 OR (n.len IS NOT NULL AND c.typmod - 4 >= n.len))) \
+         WHEN 'bytea' THEN c.typ = 'bytea'::regtype \
+         WHEN 'int' THEN c.typ IN ('int2'::regtype, 'int4'::regtype, 'int8'::regtype) \
+         WHEN 'int4' THEN c.typ IN ('int4'::regtype, 'int8'::regtype) \
+         ELSE c.typ IN ('timestamptz'::regtype, 'timestamp'::regtype) END \
+         THEN format('%s is %s, where idem needs %s', n.col, format_type(a.atttypid, a.atttypmod), CASE n.kind \
+         WHEN 'text' THEN 'text or varchar' || COALESCE(' of at least ' || n.len || ' characters', ' without a length') \
+         WHEN 'bytea' THEN 'bytea' WHEN 'int' THEN 'smallint, integer or bigint' \
+         WHEN 'int4' THEN 'integer or bigint' ELSE 'timestamptz or timestamp' END) \
+         WHEN n.ids AND NOT COALESCE((SELECT (to_jsonb(co) ->> 'collisdeterministic')::boolean \
+         FROM pg_catalog.pg_collation co WHERE co.oid = a.attcollation), true) \
+         THEN format('%s has the nondeterministic collation %s, under which two different ids or \
+         fingerprints can be equal; idem needs a deterministic one (the database''s default)', \
+         n.col, (SELECT co.collname FROM pg_catalog.pg_collation co WHERE co.oid = a.attcollation)) END AS why \
+         FROM (VALUES {columns}) AS n (col, kind, len, ids) \
+         JOIN pg_catalog.pg_attribute a ON a.attrelid = to_regclass('{t}') AND a.attname = n.col \
+         AND NOT a.attisdropped \
+         JOIN pg_catalog.pg_type ty ON ty.oid = a.atttypid \
+         CROSS JOIN LATERAL (SELECT CASE WHEN ty.typtype = 'd' THEN ty.typbasetype ELSE a.atttypid END AS typ, \
+         CASE WHEN ty.typtype = 'd' THEN ty.typtypmod ELSE a.atttypmod END AS typmod) AS c) AS w"
+    )
+}
+
+/// SQLite: why the id's columns of `schema.table` could make two ids
+/// one, or NULL. SQLite's declared types refuse no value, but a column
+/// whose affinity is numeric (declared `INTEGER`, `NUMERIC`, `REAL`, ...)
+/// stores a key that reads as a number as that number (the keys `1000` and
+/// `1e3` are then one record), and a collation other than `BINARY` in the
+/// unique key (`NOCASE`) makes `ABC` and `abc` one.
+fn sqlite_column_types(schema: &str, table: &str) -> String {
+    format!(
+        "SELECT group_concat(why, '; ') FROM (\
+         SELECT name || ' is declared ' || CASE WHEN type = '' THEN 'without a type' ELSE type END \
+         || ', whose numeric affinity makes a key that reads as a number that number (1000 and 1e3 one \
+         record), where idem needs TEXT' AS why FROM pragma_table_xinfo('{table}', '{schema}') \
+         WHERE name IN ('tenant', 'scope', 'key') AND (upper(type) LIKE '%INT%' \
+         OR (upper(type) NOT LIKE '%CHAR%' AND upper(type) NOT LIKE '%CLOB%' AND upper(type) NOT LIKE '%TEXT%' \
+         AND upper(type) NOT LIKE '%BLOB%' AND type <> '')) \
+         UNION ALL SELECT DISTINCT x.name || ' has the collation ' || x.coll || ' in a unique key, under which \
+         two different ids can be equal, where idem needs BINARY' FROM pragma_index_list('{table}', '{schema}') AS l, \
+         pragma_index_xinfo(l.name, '{schema}') AS x WHERE l.\"unique\" = 1 AND x.key = 1 \
+         AND x.name IN ('tenant', 'scope', 'key') AND x.coll <> 'BINARY')"
+    )
+}
 
 /// The two SQL dialects.
 #[derive(Clone, Copy)]
@@ -274,6 +347,10 @@ pub(crate) struct Statements {
     /// SQLite: the same upsert of no row, run, which fails on a read-only
     /// file (within the migration's own write transaction).
     pub(crate) writes: String,
+    /// Why a column's type or collation cannot hold what idem writes, or
+    /// would make two ids one: one row, NULL when every column will do,
+    /// read from the catalog (SQLite: its pragmas).
+    pub(crate) column_types: String,
     /// Whether `has_unique_key` and `writes` are read (PostgreSQL) rather
     /// than run to fail (SQLite).
     pub(crate) checks_read: bool,
@@ -649,6 +726,11 @@ impl Statements {
                 no_row_upsert.clone()
             },
             checks_read: d.reserve_function,
+            column_types: if d.reserve_function {
+                column_types(&t)
+            } else {
+                sqlite_column_types(schema.or(d.rows_schema).unwrap_or("main"), table)
+            },
             unknown_required: (d.required_columns)(
                 schema,
                 table,
