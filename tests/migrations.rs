@@ -496,16 +496,41 @@ async fn postgres_columns_that_cannot_hold_what_idem_writes_refuse_to_start() {
             "lock_expires_at is text, where idem needs timestamptz or timestamp",
         ),
         (
+            // To the second: a lock of 1 s taken at .45 past a second was
+            // stored as run out, and another server took it over while its
+            // handler ran.
+            "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamptz(0)",
+            "lock_expires_at is timestamp(0) with time zone, where idem needs timestamptz or timestamp, \
+             to the millisecond at least",
+        ),
+        (
+            // Every completion failed: the token is NULL once the answer is stored.
+            "CREATE DOMAIN {s}.tok AS text NOT NULL; ALTER TABLE {t} ALTER COLUMN lock_token TYPE {s}.tok",
+            "lock_token is the domain",
+        ),
+        (
             "CREATE COLLATION {s}.ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false); \
              ALTER TABLE {t} ALTER COLUMN key TYPE text COLLATE {s}.ci",
             "key has the nondeterministic collation ci",
+        ),
+        (
+            // The column as it was, the unique key under such a collation:
+            // the key abc, after ABC, was 503 on every try.
+            "CREATE COLLATION {s}.ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false); \
+             ALTER TABLE {t} DROP CONSTRAINT idempotency_keys_pkey; \
+             CREATE UNIQUE INDEX ci_key ON {t} (tenant, scope, key COLLATE {s}.ci)",
+            "the unique index",
+        ),
+        (
+            "CREATE UNIQUE INDEX lower_key ON {t} (tenant, scope, lower(key))",
+            "lower_key does not hold tenant, scope and key",
         ),
     ];
     for (alter, says) in cases {
         let (pool, schema, store) = migrated_pg_store(&url).await;
         let s = format!("\"{schema}\"");
         let t = format!("{s}.idempotency_keys");
-        if says.contains("collation") {
+        if says.contains("collation ci") {
             // What such a collation does: another key's answer replayed.
             pool.execute(sqlx::AssertSqlSafe(alter.replace("{t}", &t).replace("{s}", &s)))
                 .await
@@ -539,7 +564,7 @@ async fn postgres_columns_that_cannot_hold_what_idem_writes_refuse_to_start() {
 /// the column.
 #[tokio::test]
 async fn sqlite_id_columns_that_make_two_keys_one_refuse_to_start() {
-    for (declared, first, second, says) in [
+    for (i, (declared, first, second, says)) in [
         (
             "key NUMERIC NOT NULL",
             "1000",
@@ -550,15 +575,34 @@ async fn sqlite_id_columns_that_make_two_keys_one_refuse_to_start() {
             "key TEXT NOT NULL COLLATE NOCASE",
             "ABC",
             "abc",
-            "key has the collation NOCASE in a unique key",
+            "key has a collation under which two different ids are equal",
         ),
-    ] {
+        (
+            // The column's collation decides the statements' comparisons,
+            // whatever the key's index says.
+            "key TEXT NOT NULL COLLATE NOCASE",
+            "ABC",
+            "abc",
+            "key has a collation under which two different ids are equal",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let dir = tempfile::tempdir().unwrap();
         let store = SqliteStore::open(dir.path().join("hand.db")).await.unwrap();
-        let table =
+        let mut table =
             V1_SQLITE
                 .replace("{t}", "\"idempotency_keys\"")
                 .replacen("key TEXT NOT NULL", declared, 1);
+        if i == 2 {
+            // The key's index `BINARY`, the column not.
+            table = table.replacen(
+                "PRIMARY KEY (tenant, scope, key)",
+                "PRIMARY KEY (tenant, scope, key COLLATE BINARY)",
+                1,
+            );
+        }
         store.pool().execute(sqlx::AssertSqlSafe(table)).await.unwrap();
         let err = store.migrate().await.expect_err(says).to_string();
         assert!(err.contains(says) && err.contains("cannot use"), "migrate: {err}");
@@ -576,6 +620,40 @@ async fn sqlite_id_columns_that_make_two_keys_one_refuse_to_start() {
     }
 }
 
+/// SQLite: a unique index of the table's own that does not hold the key as
+/// a column (`lower(key)`) made the key `abc`, after `ABC`, fail on every
+/// try; refused. One that holds tenant, scope and key (`COLLATE binary`,
+/// as written in lower case, or with more columns) passes.
+#[tokio::test]
+async fn sqlite_a_unique_index_that_makes_two_keys_one_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("index.db")).await.unwrap();
+    store.migrate().await.unwrap();
+    store
+        .pool()
+        .execute(
+            "CREATE UNIQUE INDEX wider ON idempotency_keys (tenant, scope, key COLLATE binary, fingerprint)",
+        )
+        .await
+        .unwrap();
+    store
+        .check_schema()
+        .await
+        .expect("an index that holds the id passes");
+    store
+        .pool()
+        .execute("CREATE UNIQUE INDEX lower_key ON idempotency_keys (tenant, scope, lower(key))")
+        .await
+        .unwrap();
+    for result in [store.check_schema().await, store.migrate().await] {
+        let err = result.expect_err("refused").to_string();
+        assert!(
+            err.contains("the unique index lower_key does not hold tenant, scope and key"),
+            "{err}"
+        );
+    }
+}
+
 /// Columns changed by hand to types that hold every value idem writes (a
 /// `varchar` as long as the longest, a domain over `text`, a narrower or
 /// wider integer, times to the millisecond) pass, and serve: the longest
@@ -586,10 +664,12 @@ async fn postgres_columns_changed_to_types_that_hold_what_idem_writes_serve() {
     let (pool, schema, store) = migrated_pg_store(&url).await;
     let s = format!("\"{schema}\"");
     pool.execute(sqlx::AssertSqlSafe(format!(
-        "CREATE DOMAIN {s}.print AS text; \
+        "CREATE DOMAIN {s}.text_of AS text; CREATE DOMAIN {s}.print AS {s}.text_of; \
+         CREATE DOMAIN {s}.short AS varchar(32); CREATE DOMAIN {s}.token AS {s}.short; \
          ALTER TABLE {s}.idempotency_keys ALTER COLUMN key TYPE varchar(255), \
          ALTER COLUMN tenant TYPE varchar, ALTER COLUMN fingerprint TYPE {s}.print, \
-         ALTER COLUMN lock_token TYPE varchar(32), ALTER COLUMN response_status TYPE smallint, \
+         ALTER COLUMN lock_token TYPE {s}.token, ALTER COLUMN operation_id TYPE varchar(32), \
+         ALTER COLUMN response_status TYPE smallint, \
          ALTER COLUMN attempt TYPE bigint, ALTER COLUMN expires_at TYPE timestamptz(3)"
     )))
     .await

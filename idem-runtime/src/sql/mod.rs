@@ -78,10 +78,16 @@ const COLUMNS: &str =
 /// make the keys `A` and `a` one record, answering one request with
 /// another's answer); the body `bytea`; the status and `taken_over` any
 /// integer, `attempt` `integer` or `bigint`; the times `timestamptz` or
-/// `timestamp` (a domain counts as its base type). Other types fail the
+/// `timestamp` to the millisecond at least (to the second, a lock ran out
+/// up to half a second early, and another server took it over while it
+/// ran). A domain counts as its base type, if it adds no constraint (a
+/// `NOT NULL` on the token failed every completion). Other types fail the
 /// statements that write or read them, some only once an answer was
 /// stored: a body column of `text` stores the answer and every replay of
-/// it then fails.
+/// it then fails. And every unique index of the table must hold tenant,
+/// scope and key as columns under deterministic collations: one that does
+/// not (on `lower(key)`, or under a case-insensitive collation) makes two
+/// ids one.
 fn column_types(t: &str) -> String {
     // (column, kind, the longest value, whether ids are compared on it).
     let columns = "('tenant', 'text', 255, true), ('scope', 'text', 255, true), ('key', 'text', 255, true), \
@@ -92,6 +98,12 @@ fn column_types(t: &str) -> String {
                    ('taken_over', 'int', NULL, false), ('attempt', 'int4', NULL, false), \
                    ('lock_expires_at', 'time', NULL, false), ('created_at', 'time', NULL, false), \
                    ('expires_at', 'time', NULL, false), ('purge_at', 'time', NULL, false)";
+    let deterministic = |collation: &str| {
+        format!(
+            "COALESCE((SELECT (to_jsonb(co) ->> 'collisdeterministic')::boolean \
+             FROM pg_catalog.pg_collation co WHERE co.oid = {collation}), true)"
+        )
+    };
     format!(
         "SELECT string_agg(why, '; ' ORDER BY why) FROM (\
          SELECT CASE WHEN NOT CASE n.kind \
@@ -100,32 +112,60 @@ fn column_types(t: &str) -> String {
          WHEN 'bytea' THEN c.typ = 'bytea'::regtype \
          WHEN 'int' THEN c.typ IN ('int2'::regtype, 'int4'::regtype, 'int8'::regtype) \
          WHEN 'int4' THEN c.typ IN ('int4'::regtype, 'int8'::regtype) \
-         ELSE c.typ IN ('timestamptz'::regtype, 'timestamp'::regtype) END \
-         THEN format('%s is %s, where idem needs %s', n.col, format_type(a.atttypid, a.atttypmod), CASE n.kind \
+         ELSE c.typ IN ('timestamptz'::regtype, 'timestamp'::regtype) AND (c.typmod < 0 OR c.typmod >= 3) END \
+         THEN format('%s is %s, where idem needs %s', n.col, format_type(c.typ, c.typmod), CASE n.kind \
          WHEN 'text' THEN 'text or varchar' || COALESCE(' of at least ' || n.len || ' characters', ' without a length') \
          WHEN 'bytea' THEN 'bytea' WHEN 'int' THEN 'smallint, integer or bigint' \
-         WHEN 'int4' THEN 'integer or bigint' ELSE 'timestamptz or timestamp' END) \
-         WHEN n.ids AND NOT COALESCE((SELECT (to_jsonb(co) ->> 'collisdeterministic')::boolean \
-         FROM pg_catalog.pg_collation co WHERE co.oid = a.attcollation), true) \
+         WHEN 'int4' THEN 'integer or bigint' \
+         ELSE 'timestamptz or timestamp, to the millisecond at least' END) \
+         WHEN c.constrained THEN format('%s is the domain %s, whose constraint (NOT NULL or CHECK) a value idem \
+         writes may fail, where idem needs %s itself or a domain without a constraint', \
+         n.col, format_type(a.atttypid, a.atttypmod), format_type(c.typ, c.typmod)) \
+         WHEN n.ids AND NOT {column_deterministic} \
          THEN format('%s has the nondeterministic collation %s, under which two different ids or \
          fingerprints can be equal; idem needs a deterministic one (the database''s default)', \
          n.col, (SELECT co.collname FROM pg_catalog.pg_collation co WHERE co.oid = a.attcollation)) END AS why \
          FROM (VALUES {columns}) AS n (col, kind, len, ids) \
          JOIN pg_catalog.pg_attribute a ON a.attrelid = to_regclass('{t}') AND a.attname = n.col \
          AND NOT a.attisdropped \
-         JOIN pg_catalog.pg_type ty ON ty.oid = a.atttypid \
-         CROSS JOIN LATERAL (SELECT CASE WHEN ty.typtype = 'd' THEN ty.typbasetype ELSE a.atttypid END AS typ, \
-         CASE WHEN ty.typtype = 'd' THEN ty.typtypmod ELSE a.atttypmod END AS typmod) AS c) AS w"
+         CROSS JOIN LATERAL (WITH RECURSIVE d (typ, typmod, constrained, depth) AS (\
+         SELECT a.atttypid, a.atttypmod, false, 0 UNION ALL \
+         SELECT ty.typbasetype, CASE WHEN d.typmod >= 0 THEN d.typmod ELSE ty.typtypmod END, \
+         d.constrained OR ty.typnotnull \
+         OR EXISTS (SELECT 1 FROM pg_catalog.pg_constraint k WHERE k.contypid = ty.oid), d.depth + 1 \
+         FROM d JOIN pg_catalog.pg_type ty ON ty.oid = d.typ AND ty.typtype = 'd' WHERE d.depth < 64) \
+         SELECT typ, typmod, constrained FROM d ORDER BY depth DESC LIMIT 1) AS c \
+         UNION ALL \
+         SELECT format('the unique index %s does not hold tenant, scope and key as columns under \
+         deterministic collations: it makes two different ids one; idem needs every unique index of the \
+         table to hold them', i.indexrelid::regclass) \
+         FROM pg_catalog.pg_index i WHERE i.indrelid = to_regclass('{t}') AND i.indisunique \
+         AND 3 > (SELECT count(DISTINCT a.attname) FROM generate_series(0, i.indnkeyatts - 1) AS k (n) \
+         JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k.n] \
+         WHERE a.attname IN ('tenant', 'scope', 'key') AND {index_deterministic})) AS w",
+        column_deterministic = deterministic("a.attcollation"),
+        index_deterministic = deterministic("i.indcollation[k.n]"),
     )
 }
 
 /// SQLite: why the id's columns of `schema.table` could make two ids
 /// one, or NULL. SQLite's declared types refuse no value, but a column
-/// whose affinity is numeric (declared `INTEGER`, `NUMERIC`, `REAL`, ...)
-/// stores a key that reads as a number as that number (the keys `1000` and
-/// `1e3` are then one record), and a collation other than `BINARY` in the
-/// unique key (`NOCASE`) makes `ABC` and `abc` one.
+/// whose affinity is numeric (declared `INTEGER`, `NUMERIC`, `REAL`,
+/// `STRING`, ...) stores a key that reads as a number as that number (the
+/// keys `1000` and `1e3` are then one record); a column's collation other
+/// than `BINARY` (`NOCASE`, `RTRIM`) makes `ABC` and `abc` one where the
+/// statements compare it (told by how a `UNION` led by the column counts
+/// `a`, `A` and `a `: the column's collation decides), and so does a unique
+/// index that does not hold tenant, scope and key as `BINARY` columns.
 fn sqlite_column_types(schema: &str, table: &str) -> String {
+    let collated = |column: &str| {
+        format!(
+            "SELECT '{column} has a collation under which two different ids are equal (a, A and a followed by \
+             a space are not three under it), where idem needs BINARY' WHERE (SELECT count(*) FROM \
+             (SELECT {column} FROM \"{schema}\".\"{table}\" WHERE 0 UNION SELECT 'a' UNION SELECT 'A' \
+             UNION SELECT 'a ')) <> 3"
+        )
+    };
     format!(
         "SELECT group_concat(why, '; ') FROM (\
          SELECT name || ' is declared ' || CASE WHEN type = '' THEN 'without a type' ELSE type END \
@@ -134,10 +174,15 @@ fn sqlite_column_types(schema: &str, table: &str) -> String {
          WHERE name IN ('tenant', 'scope', 'key') AND (upper(type) LIKE '%INT%' \
          OR (upper(type) NOT LIKE '%CHAR%' AND upper(type) NOT LIKE '%CLOB%' AND upper(type) NOT LIKE '%TEXT%' \
          AND upper(type) NOT LIKE '%BLOB%' AND type <> '')) \
-         UNION ALL SELECT DISTINCT x.name || ' has the collation ' || x.coll || ' in a unique key, under which \
-         two different ids can be equal, where idem needs BINARY' FROM pragma_index_list('{table}', '{schema}') AS l, \
-         pragma_index_xinfo(l.name, '{schema}') AS x WHERE l.\"unique\" = 1 AND x.key = 1 \
-         AND x.name IN ('tenant', 'scope', 'key') AND x.coll <> 'BINARY')"
+         UNION ALL {tenant} UNION ALL {scope} UNION ALL {key} \
+         UNION ALL SELECT 'the unique index ' || l.name || ' does not hold tenant, scope and key as BINARY \
+         columns: it makes two different ids one; idem needs every unique index of the table to hold them' \
+         FROM pragma_index_list('{table}', '{schema}') AS l WHERE l.\"unique\" = 1 AND 3 > (\
+         SELECT count(DISTINCT x.name) FROM pragma_index_xinfo(l.name, '{schema}') AS x WHERE x.key = 1 \
+         AND x.name IN ('tenant', 'scope', 'key') AND upper(x.coll) = 'BINARY'))",
+        tenant = collated("tenant"),
+        scope = collated("scope"),
+        key = collated("key"),
     )
 }
 
