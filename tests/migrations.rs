@@ -493,20 +493,55 @@ async fn postgres_columns_that_cannot_hold_what_idem_writes_refuse_to_start() {
         ),
         (
             "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE text",
-            "lock_expires_at is text, where idem needs timestamptz or timestamp",
+            "lock_expires_at is text, where idem needs timestamptz",
         ),
         (
             // To the second: a lock of 1 s taken at .45 past a second was
             // stored as run out, and another server took it over while its
             // handler ran.
             "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamptz(0)",
-            "lock_expires_at is timestamp(0) with time zone, where idem needs timestamptz or timestamp, \
+            "lock_expires_at is timestamp(0) with time zone, where idem needs timestamptz, \
              to the millisecond at least",
+        ),
+        (
+            // Read in each session's own time zone: a server whose
+            // sessions were in another took a running lock over.
+            "ALTER TABLE {t} ALTER COLUMN lock_expires_at TYPE timestamp",
+            "lock_expires_at is timestamp without time zone, where idem needs timestamptz",
         ),
         (
             // Every completion failed: the token is NULL once the answer is stored.
             "CREATE DOMAIN {s}.tok AS text NOT NULL; ALTER TABLE {t} ALTER COLUMN lock_token TYPE {s}.tok",
             "lock_token is the domain",
+        ),
+        (
+            "ALTER TABLE {t} ADD CONSTRAINT ex EXCLUDE USING btree (tenant WITH =, scope WITH =, lower(key) WITH =)",
+            "the exclusion constraint's index",
+        ),
+        (
+            // Two tenants' same key.
+            "CREATE UNIQUE INDEX key_alone ON {t} (key)",
+            "key_alone does not hold tenant, scope and key",
+        ),
+        (
+            // An operator class that compares keys as lower case.
+            "CREATE FUNCTION {s}.ci_cmp(text, text) RETURNS int LANGUAGE sql IMMUTABLE AS \
+             $$ SELECT CASE WHEN lower($1) < lower($2) THEN -1 WHEN lower($1) > lower($2) THEN 1 ELSE 0 END $$; \
+             CREATE FUNCTION {s}.ci_lt(text, text) RETURNS bool LANGUAGE sql IMMUTABLE AS $$ SELECT lower($1) < lower($2) $$; \
+             CREATE FUNCTION {s}.ci_le(text, text) RETURNS bool LANGUAGE sql IMMUTABLE AS $$ SELECT lower($1) <= lower($2) $$; \
+             CREATE FUNCTION {s}.ci_eq(text, text) RETURNS bool LANGUAGE sql IMMUTABLE AS $$ SELECT lower($1) = lower($2) $$; \
+             CREATE FUNCTION {s}.ci_ge(text, text) RETURNS bool LANGUAGE sql IMMUTABLE AS $$ SELECT lower($1) >= lower($2) $$; \
+             CREATE FUNCTION {s}.ci_gt(text, text) RETURNS bool LANGUAGE sql IMMUTABLE AS $$ SELECT lower($1) > lower($2) $$; \
+             CREATE OPERATOR {s}.~<~ (LEFTARG = text, RIGHTARG = text, FUNCTION = {s}.ci_lt); \
+             CREATE OPERATOR {s}.~<=~ (LEFTARG = text, RIGHTARG = text, FUNCTION = {s}.ci_le); \
+             CREATE OPERATOR {s}.~=~ (LEFTARG = text, RIGHTARG = text, FUNCTION = {s}.ci_eq); \
+             CREATE OPERATOR {s}.~>=~ (LEFTARG = text, RIGHTARG = text, FUNCTION = {s}.ci_ge); \
+             CREATE OPERATOR {s}.~>~ (LEFTARG = text, RIGHTARG = text, FUNCTION = {s}.ci_gt); \
+             CREATE OPERATOR CLASS {s}.ci_ops FOR TYPE text USING btree AS \
+             OPERATOR 1 {s}.~<~, OPERATOR 2 {s}.~<=~, OPERATOR 3 {s}.~=~, OPERATOR 4 {s}.~>=~, \
+             OPERATOR 5 {s}.~>~, FUNCTION 1 {s}.ci_cmp(text, text); \
+             CREATE UNIQUE INDEX ci_ops_key ON {t} (tenant, scope, key {s}.ci_ops)",
+            "ci_ops_key does not hold tenant, scope and key",
         ),
         (
             "CREATE COLLATION {s}.ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false); \
@@ -637,9 +672,16 @@ async fn sqlite_a_unique_index_that_makes_two_keys_one_refuses_to_start() {
         .await
         .unwrap();
     store
+        .pool()
+        .execute("CREATE UNIQUE INDEX own_operation ON idempotency_keys (operation_id)")
+        .await
+        .unwrap();
+    store
         .check_schema()
         .await
-        .expect("an index that holds the id passes");
+        .expect("indexes that never make two ids one pass");
+    takes_completes_replays(&store, "ABC").await;
+    takes_completes_replays(&store, "DEF").await;
     store
         .pool()
         .execute("CREATE UNIQUE INDEX lower_key ON idempotency_keys (tenant, scope, lower(key))")
@@ -652,6 +694,22 @@ async fn sqlite_a_unique_index_that_makes_two_keys_one_refuses_to_start() {
             "{err}"
         );
     }
+}
+
+/// SQLite: a `STRICT` table keeps a key declared `ANY` as the text it is
+/// (`1000` and `1e3` stay two records): it passes.
+#[tokio::test]
+async fn sqlite_a_strict_table_with_any_keys_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("strict.db")).await.unwrap();
+    let table = V1_SQLITE
+        .replace("{t}", "\"idempotency_keys\"")
+        .replacen("key TEXT NOT NULL", "key ANY NOT NULL", 1)
+        .replacen("WITHOUT ROWID;", "WITHOUT ROWID, STRICT;", 1);
+    store.pool().execute(sqlx::AssertSqlSafe(table)).await.unwrap();
+    store.migrate().await.expect("a STRICT table's ANY keeps text");
+    takes_completes_replays(&store, "1000").await;
+    takes_completes_replays(&store, "1e3").await;
 }
 
 /// Columns changed by hand to types that hold every value idem writes (a
@@ -680,6 +738,35 @@ async fn postgres_columns_changed_to_types_that_hold_what_idem_writes_serve() {
         .expect("the table passes the schema check");
     store.migrate().await.expect("and migrate() agrees");
     takes_completes_replays(&store, &"k".repeat(255)).await;
+    // Indexes of the application's own that never make two ids one: on
+    // other columns, on more than the id in another order, the key compared
+    // as text is (`text_pattern_ops`); a domain `NOT NULL` where idem
+    // always writes; and a unique index that a failed `CREATE INDEX
+    // CONCURRENTLY` left, not ready, which enforces nothing.
+    let t = format!("{s}.idempotency_keys");
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "CREATE UNIQUE INDEX own_operation ON {t} (operation_id); \
+         CREATE UNIQUE INDEX own_wider ON {t} (key, scope, tenant, fingerprint) INCLUDE (state); \
+         CREATE UNIQUE INDEX own_pattern ON {t} (tenant, scope, key text_pattern_ops) WHERE key <> ''; \
+         CREATE DOMAIN {s}.filled AS text NOT NULL; \
+         ALTER TABLE {t} ALTER COLUMN scope TYPE {s}.filled"
+    )))
+    .await
+    .unwrap();
+    takes_completes_replays(&store, "ABC").await;
+    takes_completes_replays(&store, "abc").await;
+    let failed = pool
+        .execute(sqlx::AssertSqlSafe(format!(
+            "CREATE UNIQUE INDEX CONCURRENTLY lower_key ON {t} (tenant, scope, lower(key))"
+        )))
+        .await;
+    assert!(failed.is_err(), "ABC and abc are both there");
+    store
+        .check_schema()
+        .await
+        .expect("the table passes the schema check");
+    takes_completes_replays(&store, "XyZ").await;
+    takes_completes_replays(&store, "xyz").await;
 }
 
 /// The reservation function gone (dropped by hand, or a restore that left

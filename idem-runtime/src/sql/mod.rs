@@ -68,36 +68,44 @@ const COLUMNS: &str =
                        lock_expires_at, recovery_point, response_status, response_headers, response_body, \
                        created_at, expires_at, purge_at";
 
-/// PostgreSQL: why a column of the table `t` (quoted, as the statements
-/// name it) cannot be used, or NULL. Each column takes the types that hold
-/// every value idem writes and that its statements read back: a text
-/// column `text` or `varchar` (unbounded, or at least as long as the
+/// PostgreSQL: why a column or an index of the table `t` (quoted, as the
+/// statements name it) cannot be used, or NULL. Each column takes the types
+/// that hold every value idem writes and that its statements read back: a
+/// text column `text` or `varchar` (unbounded, or at least as long as the
 /// longest value: the id's parts 255 characters, a fingerprint 64, a token
 /// or operation id 32, the state 11), with a deterministic collation for
 /// those an id or fingerprint is compared on (a case-insensitive one would
 /// make the keys `A` and `a` one record, answering one request with
 /// another's answer); the body `bytea`; the status and `taken_over` any
-/// integer, `attempt` `integer` or `bigint`; the times `timestamptz` or
-/// `timestamp` to the millisecond at least (to the second, a lock ran out
-/// up to half a second early, and another server took it over while it
-/// ran). A domain counts as its base type, if it adds no constraint (a
-/// `NOT NULL` on the token failed every completion). Other types fail the
+/// integer, `attempt` `integer` or `bigint`; the times `timestamptz` to the
+/// millisecond at least (to the second, a lock ran out up to half a second
+/// early; as `timestamp`, without a time zone, each session read them in
+/// its own `TimeZone`, and a server whose sessions were in another took
+/// the locks of the others over while their handlers ran). A domain counts
+/// as its base type, unless it is `NOT NULL` where idem writes NULL (the
+/// token of a completed record: every completion failed); its `CHECK`s,
+/// like the table's own, are the application's. Other types fail the
 /// statements that write or read them, some only once an answer was
 /// stored: a body column of `text` stores the answer and every replay of
-/// it then fails. And every unique index of the table must hold tenant,
-/// scope and key as columns under deterministic collations: one that does
-/// not (on `lower(key)`, or under a case-insensitive collation) makes two
-/// ids one.
+/// it then fails. And every unique index or exclusion constraint that
+/// involves tenant, scope or key must hold all three as columns compared as
+/// text is, under deterministic collations: one on `lower(key)`, under a
+/// case-insensitive collation or operator class, or on the key alone makes
+/// two ids one (one of them then fails on every try). One that is not ready
+/// yet (a `CREATE INDEX CONCURRENTLY` that failed) enforces nothing, and
+/// one on other columns (`operation_id`) is the application's.
 fn column_types(t: &str) -> String {
-    // (column, kind, the longest value, whether ids are compared on it).
-    let columns = "('tenant', 'text', 255, true), ('scope', 'text', 255, true), ('key', 'text', 255, true), \
-                   ('fingerprint', 'text', 64, true), ('state', 'text', 11, true), \
-                   ('operation_id', 'text', 32, false), ('lock_token', 'text', 32, true), \
-                   ('recovery_point', 'text', NULL, false), ('response_headers', 'text', NULL, false), \
-                   ('response_body', 'bytea', NULL, false), ('response_status', 'int', NULL, false), \
-                   ('taken_over', 'int', NULL, false), ('attempt', 'int4', NULL, false), \
-                   ('lock_expires_at', 'time', NULL, false), ('created_at', 'time', NULL, false), \
-                   ('expires_at', 'time', NULL, false), ('purge_at', 'time', NULL, false)";
+    // (column, kind, the longest value, whether ids are compared on it,
+    // whether idem writes NULL to it).
+    let columns = "('tenant', 'text', 255, true, false), ('scope', 'text', 255, true, false), \
+                   ('key', 'text', 255, true, false), ('fingerprint', 'text', 64, true, false), \
+                   ('state', 'text', 11, true, false), ('operation_id', 'text', 32, false, false), \
+                   ('lock_token', 'text', 32, true, true), ('recovery_point', 'text', NULL, false, true), \
+                   ('response_headers', 'text', NULL, false, true), ('response_body', 'bytea', NULL, false, true), \
+                   ('response_status', 'int', NULL, false, true), ('taken_over', 'int', NULL, false, false), \
+                   ('attempt', 'int4', NULL, false, false), ('lock_expires_at', 'time', NULL, false, false), \
+                   ('created_at', 'time', NULL, false, false), ('expires_at', 'time', NULL, false, false), \
+                   ('purge_at', 'time', NULL, false, false)";
     let deterministic = |collation: &str| {
         format!(
             "COALESCE((SELECT (to_jsonb(co) ->> 'collisdeterministic')::boolean \
@@ -112,37 +120,46 @@ fn column_types(t: &str) -> String {
          WHEN 'bytea' THEN c.typ = 'bytea'::regtype \
          WHEN 'int' THEN c.typ IN ('int2'::regtype, 'int4'::regtype, 'int8'::regtype) \
          WHEN 'int4' THEN c.typ IN ('int4'::regtype, 'int8'::regtype) \
-         ELSE c.typ IN ('timestamptz'::regtype, 'timestamp'::regtype) AND (c.typmod < 0 OR c.typmod >= 3) END \
+         ELSE c.typ = 'timestamptz'::regtype AND (c.typmod < 0 OR c.typmod >= 3) END \
          THEN format('%s is %s, where idem needs %s', n.col, format_type(c.typ, c.typmod), CASE n.kind \
          WHEN 'text' THEN 'text or varchar' || COALESCE(' of at least ' || n.len || ' characters', ' without a length') \
          WHEN 'bytea' THEN 'bytea' WHEN 'int' THEN 'smallint, integer or bigint' \
          WHEN 'int4' THEN 'integer or bigint' \
-         ELSE 'timestamptz or timestamp, to the millisecond at least' END) \
-         WHEN c.constrained THEN format('%s is the domain %s, whose constraint (NOT NULL or CHECK) a value idem \
-         writes may fail, where idem needs %s itself or a domain without a constraint', \
+         ELSE 'timestamptz, to the millisecond at least (a time without a time zone is read in each \
+         session''s own TimeZone, and servers in different ones take each other''s locks over)' END) \
+         WHEN n.nulls AND c.no_null THEN format('%s is the domain %s, NOT NULL, where idem writes NULL; \
+         idem needs %s itself or a domain that takes NULL', \
          n.col, format_type(a.atttypid, a.atttypmod), format_type(c.typ, c.typmod)) \
          WHEN n.ids AND NOT {column_deterministic} \
          THEN format('%s has the nondeterministic collation %s, under which two different ids or \
          fingerprints can be equal; idem needs a deterministic one (the database''s default)', \
          n.col, (SELECT co.collname FROM pg_catalog.pg_collation co WHERE co.oid = a.attcollation)) END AS why \
-         FROM (VALUES {columns}) AS n (col, kind, len, ids) \
+         FROM (VALUES {columns}) AS n (col, kind, len, ids, nulls) \
          JOIN pg_catalog.pg_attribute a ON a.attrelid = to_regclass('{t}') AND a.attname = n.col \
          AND NOT a.attisdropped \
-         CROSS JOIN LATERAL (WITH RECURSIVE d (typ, typmod, constrained, depth) AS (\
+         CROSS JOIN LATERAL (WITH RECURSIVE d (typ, typmod, no_null, depth) AS (\
          SELECT a.atttypid, a.atttypmod, false, 0 UNION ALL \
          SELECT ty.typbasetype, CASE WHEN d.typmod >= 0 THEN d.typmod ELSE ty.typtypmod END, \
-         d.constrained OR ty.typnotnull \
-         OR EXISTS (SELECT 1 FROM pg_catalog.pg_constraint k WHERE k.contypid = ty.oid), d.depth + 1 \
+         d.no_null OR ty.typnotnull, d.depth + 1 \
          FROM d JOIN pg_catalog.pg_type ty ON ty.oid = d.typ AND ty.typtype = 'd' WHERE d.depth < 64) \
-         SELECT typ, typmod, constrained FROM d ORDER BY depth DESC LIMIT 1) AS c \
+         SELECT typ, typmod, no_null FROM d ORDER BY depth DESC LIMIT 1) AS c \
          UNION ALL \
-         SELECT format('the unique index %s does not hold tenant, scope and key as columns under \
-         deterministic collations: it makes two different ids one; idem needs every unique index of the \
-         table to hold them', i.indexrelid::regclass) \
-         FROM pg_catalog.pg_index i WHERE i.indrelid = to_regclass('{t}') AND i.indisunique \
+         SELECT format('the %s %s does not hold tenant, scope and key as columns compared as text is \
+         under deterministic collations: it makes two different ids one, and one of them fails on every \
+         try; idem needs every unique index or exclusion constraint that involves them to hold all three', \
+         CASE WHEN i.indisexclusion THEN 'exclusion constraint''s index' ELSE 'unique index' END, \
+         i.indexrelid::regclass) \
+         FROM pg_catalog.pg_index i WHERE i.indrelid = to_regclass('{t}') \
+         AND (i.indisunique OR i.indisexclusion) AND i.indisready \
+         AND EXISTS (SELECT 1 FROM generate_series(1, i.indnkeyatts) AS k (n) \
+         WHERE pg_catalog.pg_get_indexdef(i.indexrelid, k.n, true) ~ '\\m(tenant|scope|key)\\M') \
          AND 3 > (SELECT count(DISTINCT a.attname) FROM generate_series(0, i.indnkeyatts - 1) AS k (n) \
          JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k.n] \
-         WHERE a.attname IN ('tenant', 'scope', 'key') AND {index_deterministic})) AS w",
+         JOIN pg_catalog.pg_opclass opc ON opc.oid = i.indclass[k.n] \
+         WHERE a.attname IN ('tenant', 'scope', 'key') AND {index_deterministic} \
+         AND EXISTS (SELECT 1 FROM pg_catalog.pg_amop op WHERE op.amopfamily = opc.opcfamily \
+         AND op.amopstrategy = 3 AND op.amoplefttype = opc.opcintype AND op.amoprighttype = opc.opcintype \
+         AND op.amopopr = 'pg_catalog.=(pg_catalog.text,pg_catalog.text)'::pg_catalog.regoperator))) AS w",
         column_deterministic = deterministic("a.attcollation"),
         index_deterministic = deterministic("i.indcollation[k.n]"),
     )
@@ -152,11 +169,13 @@ fn column_types(t: &str) -> String {
 /// one, or NULL. SQLite's declared types refuse no value, but a column
 /// whose affinity is numeric (declared `INTEGER`, `NUMERIC`, `REAL`,
 /// `STRING`, ...) stores a key that reads as a number as that number (the
-/// keys `1000` and `1e3` are then one record); a column's collation other
-/// than `BINARY` (`NOCASE`, `RTRIM`) makes `ABC` and `abc` one where the
-/// statements compare it (told by how a `UNION` led by the column counts
-/// `a`, `A` and `a `: the column's collation decides), and so does a unique
-/// index that does not hold tenant, scope and key as `BINARY` columns.
+/// keys `1000` and `1e3` are then one record; `ANY` in a `STRICT` table
+/// keeps text); a column's collation other than `BINARY` (`NOCASE`,
+/// `RTRIM`) makes `ABC` and `abc` one where the statements compare it (told
+/// by how a `UNION` led by the column counts `a`, `A` and `a `: the
+/// column's collation decides), and so does a unique index that involves
+/// them (names one, or has an expression) without holding tenant, scope
+/// and key as `BINARY` columns. One on other columns is the application's.
 fn sqlite_column_types(schema: &str, table: &str) -> String {
     let collated = |column: &str| {
         format!(
@@ -174,10 +193,15 @@ fn sqlite_column_types(schema: &str, table: &str) -> String {
          WHERE name IN ('tenant', 'scope', 'key') AND (upper(type) LIKE '%INT%' \
          OR (upper(type) NOT LIKE '%CHAR%' AND upper(type) NOT LIKE '%CLOB%' AND upper(type) NOT LIKE '%TEXT%' \
          AND upper(type) NOT LIKE '%BLOB%' AND type <> '')) \
+         AND NOT (upper(type) = 'ANY' AND EXISTS (SELECT 1 FROM pragma_table_list WHERE schema = '{schema}' \
+         AND name = '{table}' AND strict = 1)) \
          UNION ALL {tenant} UNION ALL {scope} UNION ALL {key} \
          UNION ALL SELECT 'the unique index ' || l.name || ' does not hold tenant, scope and key as BINARY \
-         columns: it makes two different ids one; idem needs every unique index of the table to hold them' \
-         FROM pragma_index_list('{table}', '{schema}') AS l WHERE l.\"unique\" = 1 AND 3 > (\
+         columns: it makes two different ids one, and one of them fails on every try; idem needs every \
+         unique index that involves them to hold all three' \
+         FROM pragma_index_list('{table}', '{schema}') AS l WHERE l.\"unique\" = 1 \
+         AND EXISTS (SELECT 1 FROM pragma_index_xinfo(l.name, '{schema}') AS x WHERE x.key = 1 \
+         AND (x.name IN ('tenant', 'scope', 'key') OR x.cid = -2)) AND 3 > (\
          SELECT count(DISTINCT x.name) FROM pragma_index_xinfo(l.name, '{schema}') AS x WHERE x.key = 1 \
          AND x.name IN ('tenant', 'scope', 'key') AND upper(x.coll) = 'BINARY'))",
         tenant = collated("tenant"),
