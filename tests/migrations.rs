@@ -544,6 +544,26 @@ async fn postgres_columns_that_cannot_hold_what_idem_writes_refuse_to_start() {
             "ci_ops_key does not hold tenant, scope and key",
         ),
         (
+            "ALTER TABLE {t} ADD COLUMN id_ci text \
+             GENERATED ALWAYS AS (tenant || '/' || scope || '/' || lower(key)) STORED; \
+             CREATE UNIQUE INDEX generated_ci ON {t} (id_ci)",
+            "generated_ci does not hold tenant, scope and key",
+        ),
+        (
+            // The whole row, through a function.
+            "CREATE FUNCTION {s}.id_ci(r {t}) RETURNS text LANGUAGE sql IMMUTABLE \
+             AS $$ SELECT r.tenant || '/' || r.scope || '/' || lower(r.key) $$; \
+             CREATE UNIQUE INDEX row_ci ON {t} ({s}.id_ci(idempotency_keys))",
+            "row_ci does not hold tenant, scope and key",
+        ),
+        (
+            // One key per tenant and scope: the operator, not the operator
+            // class, says what conflicts.
+            "CREATE EXTENSION IF NOT EXISTS btree_gist; \
+             ALTER TABLE {t} ADD CONSTRAINT one_key EXCLUDE USING gist (tenant WITH =, scope WITH =, key WITH <>)",
+            "the exclusion constraint's index",
+        ),
+        (
             "CREATE COLLATION {s}.ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false); \
              ALTER TABLE {t} ALTER COLUMN key TYPE text COLLATE {s}.ci",
             "key has the nondeterministic collation ci",
@@ -587,7 +607,10 @@ async fn postgres_columns_that_cannot_hold_what_idem_writes_refuse_to_start() {
             ("migrate", store.migrate().await),
         ] {
             let err = result.expect_err(says).to_string();
-            assert!(err.contains(says) && err.contains("cannot use"), "{what}: {err}");
+            assert!(
+                err.contains(says) && err.contains("cannot serve as it is"),
+                "{what}: {err}"
+            );
         }
     }
 }
@@ -640,7 +663,10 @@ async fn sqlite_id_columns_that_make_two_keys_one_refuse_to_start() {
         }
         store.pool().execute(sqlx::AssertSqlSafe(table)).await.unwrap();
         let err = store.migrate().await.expect_err(says).to_string();
-        assert!(err.contains(says) && err.contains("cannot use"), "migrate: {err}");
+        assert!(
+            err.contains(says) && err.contains("cannot serve as it is"),
+            "migrate: {err}"
+        );
         takes_completes_replays(&store, first).await;
         assert_eq!(
             store
@@ -682,17 +708,33 @@ async fn sqlite_a_unique_index_that_makes_two_keys_one_refuses_to_start() {
         .expect("indexes that never make two ids one pass");
     takes_completes_replays(&store, "ABC").await;
     takes_completes_replays(&store, "DEF").await;
-    store
-        .pool()
-        .execute("CREATE UNIQUE INDEX lower_key ON idempotency_keys (tenant, scope, lower(key))")
-        .await
-        .unwrap();
-    for result in [store.check_schema().await, store.migrate().await] {
-        let err = result.expect_err("refused").to_string();
-        assert!(
-            err.contains("the unique index lower_key does not hold tenant, scope and key"),
-            "{err}"
-        );
+    for (index, name) in [
+        (
+            "CREATE UNIQUE INDEX lower_key ON idempotency_keys (tenant, scope, lower(key))",
+            "lower_key",
+        ),
+        (
+            "ALTER TABLE idempotency_keys ADD COLUMN id_ci TEXT GENERATED ALWAYS AS \
+             (tenant || '/' || scope || '/' || lower(key)) VIRTUAL; \
+             CREATE UNIQUE INDEX generated_ci ON idempotency_keys (id_ci)",
+            "generated_ci",
+        ),
+    ] {
+        store.pool().execute(index).await.unwrap();
+        for result in [store.check_schema().await, store.migrate().await] {
+            let err = result.expect_err("refused").to_string();
+            assert!(
+                err.contains(&format!(
+                    "the unique index {name} does not hold tenant, scope and key"
+                )),
+                "{err}"
+            );
+        }
+        store
+            .pool()
+            .execute(sqlx::AssertSqlSafe(format!("DROP INDEX {name}")))
+            .await
+            .unwrap();
     }
 }
 
@@ -747,6 +789,9 @@ async fn postgres_columns_changed_to_types_that_hold_what_idem_writes_serve() {
     pool.execute(sqlx::AssertSqlSafe(format!(
         "CREATE UNIQUE INDEX own_operation ON {t} (operation_id); \
          CREATE UNIQUE INDEX own_wider ON {t} (key, scope, tenant, fingerprint) INCLUDE (state); \
+         ALTER TABLE {t} ADD COLUMN \"api key\" text, ADD COLUMN \"tenant-ref\" text; \
+         CREATE UNIQUE INDEX own_named ON {t} (\"api key\", \"tenant-ref\"); \
+         CREATE UNIQUE INDEX own_partial ON {t} (operation_id) WHERE key <> '' AND tenant <> 'x'; \
          CREATE UNIQUE INDEX own_pattern ON {t} (tenant, scope, key text_pattern_ops) WHERE key <> ''; \
          CREATE DOMAIN {s}.filled AS text NOT NULL; \
          ALTER TABLE {t} ALTER COLUMN scope TYPE {s}.filled"

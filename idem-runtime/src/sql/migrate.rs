@@ -430,8 +430,8 @@ where
     match why {
         None => Ok(()),
         Some(why) => Err(StoreError::backend(format!(
-            "the table {} has columns idem cannot use: {why}; change them back (migrate() makes them \
-             as idem needs them)",
+            "the table {} cannot serve as it is: {why}. Change that by hand: migrate() changes no \
+             column's type and drops no index",
             sql.table
         ))),
     }

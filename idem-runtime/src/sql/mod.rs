@@ -87,13 +87,17 @@ const COLUMNS: &str =
 /// like the table's own, are the application's. Other types fail the
 /// statements that write or read them, some only once an answer was
 /// stored: a body column of `text` stores the answer and every replay of
-/// it then fails. And every unique index or exclusion constraint that
-/// involves tenant, scope or key must hold all three as columns compared as
-/// text is, under deterministic collations: one on `lower(key)`, under a
-/// case-insensitive collation or operator class, or on the key alone makes
-/// two ids one (one of them then fails on every try). One that is not ready
-/// yet (a `CREATE INDEX CONCURRENTLY` that failed) enforces nothing, and
-/// one on other columns (`operation_id`) is the application's.
+/// it then fails. And every unique index or exclusion constraint with a
+/// column that is tenant, scope or key, an expression or a generated column
+/// must hold all three as columns compared as text is (PostgreSQL's own
+/// operator classes, `=` in an exclusion constraint), under deterministic
+/// collations: one on `lower(key)`, on the key alone, on a generated
+/// column of the lower-case key, under a case-insensitive collation or
+/// operator class makes two ids one (one of them then fails on every try).
+/// An expression is not read: one that never involves the id (`payload ->>
+/// 'key'`) is refused all the same. One that is not ready yet (a `CREATE
+/// INDEX CONCURRENTLY` that failed) enforces nothing, and one on other
+/// plain columns (`operation_id`) is the application's.
 fn column_types(t: &str) -> String {
     // (column, kind, the longest value, whether ids are compared on it,
     // whether idem writes NULL to it).
@@ -144,22 +148,28 @@ fn column_types(t: &str) -> String {
          FROM d JOIN pg_catalog.pg_type ty ON ty.oid = d.typ AND ty.typtype = 'd' WHERE d.depth < 64) \
          SELECT typ, typmod, no_null FROM d ORDER BY depth DESC LIMIT 1) AS c \
          UNION ALL \
-         SELECT format('the %s %s does not hold tenant, scope and key as columns compared as text is \
-         under deterministic collations: it makes two different ids one, and one of them fails on every \
-         try; idem needs every unique index or exclusion constraint that involves them to hold all three', \
+         SELECT format('the %s %s does not hold tenant, scope and key as columns compared as text is, \
+         under deterministic collations: it can make two different ids one, and one of them then fails on \
+         every try; idem needs every unique index or exclusion constraint whose columns are any of them, \
+         an expression or a generated column to hold all three', \
          CASE WHEN i.indisexclusion THEN 'exclusion constraint''s index' ELSE 'unique index' END, \
          i.indexrelid::regclass) \
-         FROM pg_catalog.pg_index i WHERE i.indrelid = to_regclass('{t}') \
+         FROM pg_catalog.pg_index i LEFT JOIN pg_catalog.pg_constraint x ON x.conindid = i.indexrelid \
+         AND x.contype = 'x' WHERE i.indrelid = to_regclass('{t}') \
          AND (i.indisunique OR i.indisexclusion) AND i.indisready \
-         AND EXISTS (SELECT 1 FROM generate_series(1, i.indnkeyatts) AS k (n) \
-         WHERE pg_catalog.pg_get_indexdef(i.indexrelid, k.n, true) ~ '\\m(tenant|scope|key)\\M') \
+         AND EXISTS (SELECT 1 FROM generate_series(0, i.indnkeyatts - 1) AS k (n) \
+         LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k.n] \
+         WHERE i.indkey[k.n] = 0 OR a.attname IN ('tenant', 'scope', 'key') OR a.attgenerated <> '') \
          AND 3 > (SELECT count(DISTINCT a.attname) FROM generate_series(0, i.indnkeyatts - 1) AS k (n) \
          JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k.n] \
          JOIN pg_catalog.pg_opclass opc ON opc.oid = i.indclass[k.n] \
          WHERE a.attname IN ('tenant', 'scope', 'key') AND {index_deterministic} \
+         AND CASE WHEN i.indisexclusion THEN x.conexclop[k.n + 1] = {text_equals} \
+         ELSE opc.opcnamespace = 'pg_catalog'::pg_catalog.regnamespace \
          AND EXISTS (SELECT 1 FROM pg_catalog.pg_amop op WHERE op.amopfamily = opc.opcfamily \
          AND op.amopstrategy = 3 AND op.amoplefttype = opc.opcintype AND op.amoprighttype = opc.opcintype \
-         AND op.amopopr = 'pg_catalog.=(pg_catalog.text,pg_catalog.text)'::pg_catalog.regoperator))) AS w",
+         AND op.amopopr = {text_equals}) END)) AS w",
+        text_equals = "'pg_catalog.=(pg_catalog.text,pg_catalog.text)'::pg_catalog.regoperator::oid",
         column_deterministic = deterministic("a.attcollation"),
         index_deterministic = deterministic("i.indcollation[k.n]"),
     )
@@ -173,9 +183,10 @@ fn column_types(t: &str) -> String {
 /// keeps text); a column's collation other than `BINARY` (`NOCASE`,
 /// `RTRIM`) makes `ABC` and `abc` one where the statements compare it (told
 /// by how a `UNION` led by the column counts `a`, `A` and `a `: the
-/// column's collation decides), and so does a unique index that involves
-/// them (names one, or has an expression) without holding tenant, scope
-/// and key as `BINARY` columns. One on other columns is the application's.
+/// column's collation decides), and so does a unique index with a column
+/// that is one of them, an expression or a generated column, without
+/// holding tenant, scope and key as `BINARY` columns. One on other plain
+/// columns is the application's.
 fn sqlite_column_types(schema: &str, table: &str) -> String {
     let collated = |column: &str| {
         format!(
@@ -197,11 +208,13 @@ fn sqlite_column_types(schema: &str, table: &str) -> String {
          AND name = '{table}' AND strict = 1)) \
          UNION ALL {tenant} UNION ALL {scope} UNION ALL {key} \
          UNION ALL SELECT 'the unique index ' || l.name || ' does not hold tenant, scope and key as BINARY \
-         columns: it makes two different ids one, and one of them fails on every try; idem needs every \
-         unique index that involves them to hold all three' \
+         columns: it can make two different ids one, and one of them then fails on every try; idem needs \
+         every unique index whose columns are any of them, an expression or a generated column to hold all \
+         three' \
          FROM pragma_index_list('{table}', '{schema}') AS l WHERE l.\"unique\" = 1 \
          AND EXISTS (SELECT 1 FROM pragma_index_xinfo(l.name, '{schema}') AS x WHERE x.key = 1 \
-         AND (x.name IN ('tenant', 'scope', 'key') OR x.cid = -2)) AND 3 > (\
+         AND (x.name IN ('tenant', 'scope', 'key') OR x.cid = -2 OR x.name IN (SELECT c.name \
+         FROM pragma_table_xinfo('{table}', '{schema}') AS c WHERE c.hidden IN (2, 3)))) AND 3 > (\
          SELECT count(DISTINCT x.name) FROM pragma_index_xinfo(l.name, '{schema}') AS x WHERE x.key = 1 \
          AND x.name IN ('tenant', 'scope', 'key') AND upper(x.coll) = 'BINARY'))",
         tenant = collated("tenant"),
