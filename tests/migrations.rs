@@ -515,6 +515,19 @@ async fn postgres_columns_that_cannot_hold_what_idem_writes_refuse_to_start() {
             "lock_token is the domain",
         ),
         (
+            // Every completion failed, as with the domain.
+            "ALTER TABLE {t} ALTER COLUMN lock_token SET NOT NULL",
+            "lock_token is NOT NULL, where idem writes NULL",
+        ),
+        (
+            // `ON CONFLICT` takes both and refuses the deferrable one:
+            // every reservation failed.
+            "ALTER TABLE {t} DROP CONSTRAINT idempotency_keys_pkey; \
+             ALTER TABLE {t} ADD PRIMARY KEY (tenant, scope, key) DEFERRABLE INITIALLY IMMEDIATE; \
+             CREATE UNIQUE INDEX own_key ON {t} (tenant, scope, key)",
+            "a unique key on (tenant, scope, key) is DEFERRABLE",
+        ),
+        (
             "ALTER TABLE {t} ADD CONSTRAINT ex EXCLUDE USING btree (tenant WITH =, scope WITH =, lower(key) WITH =)",
             "the exclusion constraint's index",
         ),
@@ -607,10 +620,8 @@ async fn postgres_columns_that_cannot_hold_what_idem_writes_refuse_to_start() {
             ("migrate", store.migrate().await),
         ] {
             let err = result.expect_err(says).to_string();
-            assert!(
-                err.contains(says) && err.contains("cannot serve as it is"),
-                "{what}: {err}"
-            );
+            // Refused as a table that cannot serve, or take a reservation.
+            assert!(err.contains(says) && err.contains("the table"), "{what}: {err}");
         }
     }
 }
@@ -735,6 +746,92 @@ async fn sqlite_a_unique_index_that_makes_two_keys_one_refuses_to_start() {
             .execute(sqlx::AssertSqlSafe(format!("DROP INDEX {name}")))
             .await
             .unwrap();
+    }
+}
+
+/// A partitioned table: a unique index on one of its partitions counts as
+/// one on the table (on `lower(key)`, the key `abc` after `ABC` failed on
+/// every try); refused.
+#[tokio::test]
+async fn postgres_a_unique_index_on_a_partition_refuses_to_start() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let (s, t) = (format!("\"{schema}\""), format!("\"{schema}\".idempotency_keys"));
+    pool.execute(sqlx::AssertSqlSafe(V1_POSTGRES.replace("{t}", &t).replacen(
+        "PRIMARY KEY (tenant, scope, key));",
+        &format!(
+            "PRIMARY KEY (tenant, scope, key)) PARTITION BY HASH (tenant); \
+             CREATE TABLE {s}.p0 PARTITION OF {t} FOR VALUES WITH (MODULUS 1, REMAINDER 0);"
+        ),
+        1,
+    )))
+    .await
+    .unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.expect("a partitioned table serves");
+    takes_completes_replays(&store, "ABC").await;
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "CREATE UNIQUE INDEX lower_on_partition ON {s}.p0 (tenant, scope, lower(key))"
+    )))
+    .await
+    .unwrap();
+    for result in [store.check_schema().await, store.migrate().await] {
+        let err = result.expect_err("refused").to_string();
+        assert!(
+            err.contains("lower_on_partition does not hold tenant, scope and key"),
+            "{err}"
+        );
+    }
+}
+
+/// SQLite: a column where idem writes NULL made `NOT NULL` (every
+/// completion failed) is refused; column and table names are SQLite's, in
+/// any case (`KEY`, a `STRICT` table made as `IDEMPOTENCY_KEYS`), and pass.
+#[tokio::test]
+async fn sqlite_not_null_where_idem_writes_null_refuses_and_names_in_any_case_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("not-null.db")).await.unwrap();
+    // The table alone: its row has no token.
+    let table = V1_SQLITE
+        .replace("{t}", "\"idempotency_keys\"")
+        .replacen("lock_token TEXT,", "lock_token TEXT NOT NULL DEFAULT '',", 1)
+        .split("; INSERT")
+        .next()
+        .unwrap()
+        .to_owned();
+    store.pool().execute(sqlx::AssertSqlSafe(table)).await.unwrap();
+    for result in [store.migrate().await, store.check_schema().await] {
+        let err = result.expect_err("refused").to_string();
+        assert!(
+            err.contains("lock_token is NOT NULL, where idem writes NULL"),
+            "{err}"
+        );
+    }
+    for (name, table) in [
+        (
+            "upper-case-key.db",
+            V1_SQLITE.replace("{t}", "\"idempotency_keys\"").replacen(
+                "key TEXT NOT NULL",
+                "KEY TEXT NOT NULL",
+                1,
+            ),
+        ),
+        (
+            "upper-case-table.db",
+            V1_SQLITE
+                .replace("{t}", "\"IDEMPOTENCY_KEYS\"")
+                .replacen("key TEXT NOT NULL", "key ANY NOT NULL", 1)
+                .replacen("WITHOUT ROWID;", "WITHOUT ROWID, STRICT;", 1),
+        ),
+    ] {
+        let store = SqliteStore::open(dir.path().join(name)).await.unwrap();
+        store.pool().execute(sqlx::AssertSqlSafe(table)).await.unwrap();
+        store.migrate().await.expect(name);
+        takes_completes_replays(&store, "1000").await;
+        takes_completes_replays(&store, "1e3").await;
     }
 }
 

@@ -414,8 +414,8 @@ where
     }
 }
 
-/// Refuses a table with a column whose type or collation idem cannot use
-/// (see `column_types` and `sqlite_column_types`), naming each.
+/// Refuses a table with a column or a unique index that idem cannot use
+/// safely (see `column_types` and `sqlite_column_types`), naming each.
 pub(crate) async fn refuse_column_types<'c, E, DB>(conn: E, sql: &super::Statements) -> Result<(), StoreError>
 where
     DB: sqlx::Database,

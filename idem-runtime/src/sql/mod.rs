@@ -82,9 +82,10 @@ const COLUMNS: &str =
 /// early; as `timestamp`, without a time zone, each session read them in
 /// its own `TimeZone`, and a server whose sessions were in another took
 /// the locks of the others over while their handlers ran). A domain counts
-/// as its base type, unless it is `NOT NULL` where idem writes NULL (the
-/// token of a completed record: every completion failed); its `CHECK`s,
-/// like the table's own, are the application's. Other types fail the
+/// as its base type; none may be `NOT NULL` where idem writes NULL,
+/// itself or through a domain (the token of a completed record: every
+/// completion failed); a domain's `CHECK`s, like the table's own, are the
+/// application's. Other types fail the
 /// statements that write or read them, some only once an answer was
 /// stored: a body column of `text` stores the answer and every replay of
 /// it then fails. And every unique index or exclusion constraint with a
@@ -97,7 +98,8 @@ const COLUMNS: &str =
 /// An expression is not read: one that never involves the id (`payload ->>
 /// 'key'`) is refused all the same. One that is not ready yet (a `CREATE
 /// INDEX CONCURRENTLY` that failed) enforces nothing, and one on other
-/// plain columns (`operation_id`) is the application's.
+/// plain columns (`operation_id`) is the application's. The indexes of a
+/// partitioned table's partitions count as its own.
 fn column_types(t: &str) -> String {
     // (column, kind, the longest value, whether ids are compared on it,
     // whether idem writes NULL to it).
@@ -134,6 +136,8 @@ fn column_types(t: &str) -> String {
          WHEN n.nulls AND c.no_null THEN format('%s is the domain %s, NOT NULL, where idem writes NULL; \
          idem needs %s itself or a domain that takes NULL', \
          n.col, format_type(a.atttypid, a.atttypmod), format_type(c.typ, c.typmod)) \
+         WHEN n.nulls AND a.attnotnull THEN format('%s is NOT NULL, where idem writes NULL (the token of a \
+         record no longer locked, the answer of one not yet answered); idem needs it to take NULL', n.col) \
          WHEN n.ids AND NOT {column_deterministic} \
          THEN format('%s has the nondeterministic collation %s, under which two different ids or \
          fingerprints can be equal; idem needs a deterministic one (the database''s default)', \
@@ -155,7 +159,8 @@ fn column_types(t: &str) -> String {
          CASE WHEN i.indisexclusion THEN 'exclusion constraint''s index' ELSE 'unique index' END, \
          i.indexrelid::regclass) \
          FROM pg_catalog.pg_index i LEFT JOIN pg_catalog.pg_constraint x ON x.conindid = i.indexrelid \
-         AND x.contype = 'x' WHERE i.indrelid = to_regclass('{t}') \
+         AND x.contype = 'x' WHERE (i.indrelid = to_regclass('{t}') \
+         OR i.indrelid IN (SELECT p.relid FROM pg_catalog.pg_partition_tree(to_regclass('{t}')) AS p)) \
          AND (i.indisunique OR i.indisexclusion) AND i.indisready \
          AND EXISTS (SELECT 1 FROM generate_series(0, i.indnkeyatts - 1) AS k (n) \
          LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k.n] \
@@ -186,7 +191,9 @@ fn column_types(t: &str) -> String {
 /// column's collation decides), and so does a unique index with a column
 /// that is one of them, an expression or a generated column, without
 /// holding tenant, scope and key as `BINARY` columns. One on other plain
-/// columns is the application's.
+/// columns is the application's. And none of the token's and the answer's
+/// columns may be `NOT NULL`, where idem writes NULL. Names are compared
+/// as SQLite compares them, in any case.
 fn sqlite_column_types(schema: &str, table: &str) -> String {
     let collated = |column: &str| {
         format!(
@@ -201,11 +208,15 @@ fn sqlite_column_types(schema: &str, table: &str) -> String {
          SELECT name || ' is declared ' || CASE WHEN type = '' THEN 'without a type' ELSE type END \
          || ', whose numeric affinity makes a key that reads as a number that number (1000 and 1e3 one \
          record), where idem needs TEXT' AS why FROM pragma_table_xinfo('{table}', '{schema}') \
-         WHERE name IN ('tenant', 'scope', 'key') AND (upper(type) LIKE '%INT%' \
+         WHERE lower(name) IN ('tenant', 'scope', 'key') AND (upper(type) LIKE '%INT%' \
          OR (upper(type) NOT LIKE '%CHAR%' AND upper(type) NOT LIKE '%CLOB%' AND upper(type) NOT LIKE '%TEXT%' \
          AND upper(type) NOT LIKE '%BLOB%' AND type <> '')) \
-         AND NOT (upper(type) = 'ANY' AND EXISTS (SELECT 1 FROM pragma_table_list WHERE schema = '{schema}' \
-         AND name = '{table}' AND strict = 1)) \
+         AND NOT (upper(type) = 'ANY' AND EXISTS (SELECT 1 FROM pragma_table_list \
+         WHERE lower(schema) = lower('{schema}') AND lower(name) = lower('{table}') AND strict = 1)) \
+         UNION ALL SELECT name || ' is NOT NULL, where idem writes NULL (the token of a record no longer \
+         locked, the answer of one not yet answered); idem needs it to take NULL' \
+         FROM pragma_table_xinfo('{table}', '{schema}') WHERE \"notnull\" = 1 AND lower(name) IN \
+         ('lock_token', 'recovery_point', 'response_status', 'response_headers', 'response_body') \
          UNION ALL {tenant} UNION ALL {scope} UNION ALL {key} \
          UNION ALL SELECT 'the unique index ' || l.name || ' does not hold tenant, scope and key as BINARY \
          columns: it can make two different ids one, and one of them then fails on every try; idem needs \
@@ -213,10 +224,10 @@ fn sqlite_column_types(schema: &str, table: &str) -> String {
          three' \
          FROM pragma_index_list('{table}', '{schema}') AS l WHERE l.\"unique\" = 1 \
          AND EXISTS (SELECT 1 FROM pragma_index_xinfo(l.name, '{schema}') AS x WHERE x.key = 1 \
-         AND (x.name IN ('tenant', 'scope', 'key') OR x.cid = -2 OR x.name IN (SELECT c.name \
+         AND (lower(x.name) IN ('tenant', 'scope', 'key') OR x.cid = -2 OR lower(x.name) IN (SELECT lower(c.name) \
          FROM pragma_table_xinfo('{table}', '{schema}') AS c WHERE c.hidden IN (2, 3)))) AND 3 > (\
-         SELECT count(DISTINCT x.name) FROM pragma_index_xinfo(l.name, '{schema}') AS x WHERE x.key = 1 \
-         AND x.name IN ('tenant', 'scope', 'key') AND upper(x.coll) = 'BINARY'))",
+         SELECT count(DISTINCT lower(x.name)) FROM pragma_index_xinfo(l.name, '{schema}') AS x WHERE x.key = 1 \
+         AND lower(x.name) IN ('tenant', 'scope', 'key') AND upper(x.coll) = 'BINARY'))",
         tenant = collated("tenant"),
         scope = collated("scope"),
         key = collated("key"),
@@ -385,7 +396,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
     required_columns: |_, table, known| {
         format!(
             "SELECT name FROM pragma_table_info('{table}', 'main') WHERE \"notnull\" = 1 AND dflt_value IS NULL \
-             AND name NOT IN ({known})"
+             AND lower(name) NOT IN ({known})"
         )
     },
     drop_state_check: None,
@@ -779,16 +790,29 @@ impl Statements {
                 // The key's columns, in any order, and nothing else: what
                 // `ON CONFLICT (tenant, scope, key)` infers its index from
                 // (unique, not partial, not deferred, no expression).
+                // And none of those it infers deferred: `ON CONFLICT` takes
+                // every one, and refuses a deferred one (every reservation
+                // failed, a deferrable primary key beside a plain unique
+                // index).
+                let on_the_key = |immediate: &str| {
+                    format!(
+                        "EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
+                         WHERE i.indrelid = to_regclass('{t}') \
+                         AND i.indisunique AND {immediate} AND i.indisvalid AND i.indpred IS NULL \
+                         AND i.indexprs IS NULL AND i.indnkeyatts = 3 \
+                         AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_catalog.pg_attribute a \
+                         WHERE a.attrelid = i.indrelid AND a.attnum = ANY ((i.indkey::int2[])[0:2])) \
+                         = ARRAY['key', 'scope', 'tenant'])"
+                    )
+                };
                 format!(
-                    "SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
-                     WHERE i.indrelid = to_regclass('{t}') \
-                     AND i.indisunique AND i.indimmediate AND i.indisvalid AND i.indpred IS NULL \
-                     AND i.indexprs IS NULL AND i.indnkeyatts = 3 \
-                     AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_catalog.pg_attribute a \
-                     WHERE a.attrelid = i.indrelid AND a.attnum = ANY ((i.indkey::int2[])[0:2])) \
-                     = ARRAY['key', 'scope', 'tenant']) \
+                    "SELECT CASE WHEN NOT {immediate} \
                      THEN 'it has no unique key on (tenant, scope, key), which every reservation''s ON CONFLICT \
-                     needs; give it one (its primary key, as migrate() makes it)' END"
+                     needs; give it one (its primary key, as migrate() makes it)' \
+                     WHEN {deferred} THEN 'a unique key on (tenant, scope, key) is DEFERRABLE, which every \
+                     reservation''s ON CONFLICT refuses; make it NOT DEFERRABLE' END",
+                    immediate = on_the_key("i.indimmediate"),
+                    deferred = on_the_key("NOT i.indimmediate"),
                 )
             } else {
                 format!("EXPLAIN {no_row_upsert}")
