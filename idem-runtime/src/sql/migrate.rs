@@ -227,10 +227,11 @@ macro_rules! check_schema {
     };
     ($vis:vis $name:ident) => {
         /// Checks that the table matches what this build of idem needs (every
-        /// migration applied, every column, on PostgreSQL of a type and
-        /// collation that hold what idem writes, and a unique key on
-        /// (tenant, scope, key)): a service should refuse to start
-        /// otherwise.
+        /// migration applied; every column, of a type, collation and
+        /// nullability that hold what idem writes; no unique index that can
+        /// make two ids one; and a unique key on (tenant, scope, key)): a
+        /// service should refuse to start otherwise (README, "Choosing a
+        /// store").
         /// [`migrate`](Self::migrate) ends with it.
         ///
         /// # Errors
