@@ -749,41 +749,58 @@ async fn sqlite_a_unique_index_that_makes_two_keys_one_refuses_to_start() {
     }
 }
 
-/// A partitioned table: a unique index on one of its partitions counts as
-/// one on the table (on `lower(key)`, the key `abc` after `ABC` failed on
-/// every try); refused.
+/// A partitioned table: what one of its partitions holds counts as the
+/// table's own, and each of these passed before and then failed: a unique
+/// index on `lower(key)` (the key `abc` after `ABC`, on every try), a
+/// `NOT NULL` token (every completion), a partition attached with a
+/// `DEFERRABLE` key of its own (every reservation, as `ON CONFLICT` takes
+/// it for the partition's rows).
 #[tokio::test]
-async fn postgres_a_unique_index_on_a_partition_refuses_to_start() {
+async fn postgres_a_partition_that_cannot_serve_refuses_to_start() {
     let Some(url) = idem_testkit::pg_url() else { return };
-    let schema = idem_testkit::pg_schema(&url).await;
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    let (s, t) = (format!("\"{schema}\""), format!("\"{schema}\".idempotency_keys"));
-    pool.execute(sqlx::AssertSqlSafe(V1_POSTGRES.replace("{t}", &t).replacen(
-        "PRIMARY KEY (tenant, scope, key));",
-        &format!(
-            "PRIMARY KEY (tenant, scope, key)) PARTITION BY HASH (tenant); \
-             CREATE TABLE {s}.p0 PARTITION OF {t} FOR VALUES WITH (MODULUS 1, REMAINDER 0);"
+    for (change, says) in [
+        (
+            "CREATE UNIQUE INDEX lower_on_partition ON {s}.p0 (tenant, scope, lower(key))",
+            "lower_on_partition does not hold tenant, scope and key",
         ),
-        1,
-    )))
-    .await
-    .unwrap();
-    let store = PgStore::new(pool.clone())
-        .with_table(Some(&schema), "idempotency_keys")
+        (
+            "UPDATE {s}.p0 SET lock_token = '-' WHERE lock_token IS NULL; \
+             ALTER TABLE {s}.p0 ALTER COLUMN lock_token SET NOT NULL",
+            "lock_token is NOT NULL in the partition",
+        ),
+        (
+            "ALTER TABLE {t} DETACH PARTITION {s}.p0; DROP TABLE {s}.p0; \
+             CREATE TABLE {s}.p0 (LIKE {t} INCLUDING DEFAULTS); \
+             ALTER TABLE {s}.p0 ADD PRIMARY KEY (tenant, scope, key) DEFERRABLE INITIALLY IMMEDIATE; \
+             ALTER TABLE {t} ATTACH PARTITION {s}.p0 FOR VALUES WITH (MODULUS 1, REMAINDER 0)",
+            "is DEFERRABLE",
+        ),
+    ] {
+        let schema = idem_testkit::pg_schema(&url).await;
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        let (s, t) = (format!("\"{schema}\""), format!("\"{schema}\".idempotency_keys"));
+        pool.execute(sqlx::AssertSqlSafe(V1_POSTGRES.replace("{t}", &t).replacen(
+            "PRIMARY KEY (tenant, scope, key));",
+            &format!(
+                "PRIMARY KEY (tenant, scope, key)) PARTITION BY HASH (tenant); \
+                 CREATE TABLE {s}.p0 PARTITION OF {t} FOR VALUES WITH (MODULUS 1, REMAINDER 0);"
+            ),
+            1,
+        )))
+        .await
         .unwrap();
-    store.migrate().await.expect("a partitioned table serves");
-    takes_completes_replays(&store, "ABC").await;
-    pool.execute(sqlx::AssertSqlSafe(format!(
-        "CREATE UNIQUE INDEX lower_on_partition ON {s}.p0 (tenant, scope, lower(key))"
-    )))
-    .await
-    .unwrap();
-    for result in [store.check_schema().await, store.migrate().await] {
-        let err = result.expect_err("refused").to_string();
-        assert!(
-            err.contains("lower_on_partition does not hold tenant, scope and key"),
-            "{err}"
-        );
+        let store = PgStore::new(pool.clone())
+            .with_table(Some(&schema), "idempotency_keys")
+            .unwrap();
+        store.migrate().await.expect("a partitioned table serves");
+        takes_completes_replays(&store, "ABC").await;
+        pool.execute(sqlx::AssertSqlSafe(change.replace("{s}", &s).replace("{t}", &t)))
+            .await
+            .unwrap();
+        for result in [store.check_schema().await, store.migrate().await] {
+            let err = result.expect_err(says).to_string();
+            assert!(err.contains(says), "{err}");
+        }
     }
 }
 

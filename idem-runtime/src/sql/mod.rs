@@ -152,6 +152,13 @@ fn column_types(t: &str) -> String {
          FROM d JOIN pg_catalog.pg_type ty ON ty.oid = d.typ AND ty.typtype = 'd' WHERE d.depth < 64) \
          SELECT typ, typmod, no_null FROM d ORDER BY depth DESC LIMIT 1) AS c \
          UNION ALL \
+         SELECT format('%s is NOT NULL in the partition %s, where idem writes NULL; idem needs it to take NULL', \
+         a.attname, a.attrelid::regclass) \
+         FROM pg_catalog.pg_partition_tree(to_regclass('{t}')) AS p \
+         JOIN pg_catalog.pg_attribute a ON a.attrelid = p.relid AND a.attnotnull AND NOT a.attisdropped \
+         AND a.attname IN ('lock_token', 'recovery_point', 'response_headers', 'response_body', 'response_status') \
+         WHERE p.relid <> to_regclass('{t}') \
+         UNION ALL \
          SELECT format('the %s %s does not hold tenant, scope and key as columns compared as text is, \
          under deterministic collations: it can make two different ids one, and one of them then fails on \
          every try; idem needs every unique index or exclusion constraint whose columns are any of them, \
@@ -794,10 +801,10 @@ impl Statements {
                 // every one, and refuses a deferred one (every reservation
                 // failed, a deferrable primary key beside a plain unique
                 // index).
-                let on_the_key = |immediate: &str| {
+                let on_the_key = |immediate: &str, on: &str| {
                     format!(
                         "EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
-                         WHERE i.indrelid = to_regclass('{t}') \
+                         WHERE {on} \
                          AND i.indisunique AND {immediate} AND i.indisvalid AND i.indpred IS NULL \
                          AND i.indexprs IS NULL AND i.indnkeyatts = 3 \
                          AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_catalog.pg_attribute a \
@@ -811,8 +818,16 @@ impl Statements {
                      needs; give it one (its primary key, as migrate() makes it)' \
                      WHEN {deferred} THEN 'a unique key on (tenant, scope, key) is DEFERRABLE, which every \
                      reservation''s ON CONFLICT refuses; make it NOT DEFERRABLE' END",
-                    immediate = on_the_key("i.indimmediate"),
-                    deferred = on_the_key("NOT i.indimmediate"),
+                    immediate = on_the_key("i.indimmediate", &format!("i.indrelid = to_regclass('{t}')")),
+                    // A partition's own (one attached with it), which `ON
+                    // CONFLICT` takes for its rows, too.
+                    deferred = on_the_key(
+                        "NOT i.indimmediate",
+                        &format!(
+                            "(i.indrelid = to_regclass('{t}') OR i.indrelid IN (SELECT p.relid \
+                             FROM pg_catalog.pg_partition_tree(to_regclass('{t}')) AS p))"
+                        )
+                    ),
                 )
             } else {
                 format!("EXPLAIN {no_row_upsert}")
