@@ -90,12 +90,17 @@ const COLUMNS: &str =
 /// stored: a body column of `text` stores the answer and every replay of
 /// it then fails. And every unique index or exclusion constraint with a
 /// column that is tenant, scope or key, an expression or a generated column
-/// must hold all three as columns compared as text is (PostgreSQL's own
-/// operator classes, `=` in an exclusion constraint), under deterministic
-/// collations: one on `lower(key)`, on the key alone, on a generated
+/// must be one that `ON CONFLICT (tenant, scope, key)` takes as its
+/// arbiter: those three columns alone, compared as text is (PostgreSQL's
+/// own operator classes), under deterministic collations, without a
+/// predicate, not `DEFERRABLE` (which it refuses), on a partition attached
+/// to the table's. One on `lower(key)`, on the key alone, on a generated
 /// column of the lower-case key, under a case-insensitive collation or
-/// operator class makes two ids one (one of them then fails on every try).
-/// An expression is not read: one that never involves the id (`payload ->>
+/// operator class makes two ids one (one of them then fails on every try);
+/// any other (an exclusion constraint, a partial index, one on more
+/// columns, a partition's own) is checked apart from the arbiter, and of
+/// two first requests that race on one key one can fail on it. An
+/// expression is not read: one that never involves the id (`payload ->>
 /// 'key'`) is refused all the same. One that is not ready yet (a `CREATE
 /// INDEX CONCURRENTLY` that failed) enforces nothing, and one on other
 /// plain columns (`operation_id`) is the application's. The indexes of a
@@ -159,31 +164,43 @@ fn column_types(t: &str) -> String {
          AND a.attname IN ('lock_token', 'recovery_point', 'response_headers', 'response_body', 'response_status') \
          WHERE p.relid <> to_regclass('{t}') \
          UNION ALL \
-         SELECT format('the %s %s does not hold tenant, scope and key as columns compared as text is, \
-         under deterministic collations: it can make two different ids one, and one of them then fails on \
-         every try; idem needs every unique index or exclusion constraint whose columns are any of them, \
-         an expression or a generated column to hold all three', \
+         SELECT format('the %s %s %s; idem needs every unique index or exclusion constraint with a column \
+         that is tenant, scope or key, an expression or a generated column to be one that ON CONFLICT \
+         (tenant, scope, key) takes: on those three columns alone, compared as text is, under \
+         deterministic collations, without a predicate, not DEFERRABLE (on a partition, attached to the \
+         table''s)', \
          CASE WHEN i.indisexclusion THEN 'exclusion constraint''s index' ELSE 'unique index' END, \
-         i.indexrelid::regclass) \
-         FROM pg_catalog.pg_index i LEFT JOIN pg_catalog.pg_constraint x ON x.conindid = i.indexrelid \
-         AND x.contype = 'x' WHERE (i.indrelid = to_regclass('{t}') \
+         i.indexrelid::regclass, CASE \
+         WHEN NOT i.indimmediate THEN 'is DEFERRABLE, which ON CONFLICT refuses' \
+         WHEN 3 > {held} THEN 'does not hold tenant, scope and key as columns compared as text is, under \
+         deterministic collations: it can make two different ids one, and one of them then fails on every try' \
+         ELSE 'is not one ON CONFLICT takes: of two first requests that race on one key, one can fail on it' \
+         END) \
+         FROM pg_catalog.pg_index i WHERE (i.indrelid = to_regclass('{t}') \
          OR i.indrelid IN (SELECT p.relid FROM pg_catalog.pg_partition_tree(to_regclass('{t}')) AS p)) \
          AND (i.indisunique OR i.indisexclusion) AND i.indisready \
          AND EXISTS (SELECT 1 FROM generate_series(0, i.indnkeyatts - 1) AS k (n) \
          LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k.n] \
          WHERE i.indkey[k.n] = 0 OR a.attname IN ('tenant', 'scope', 'key') OR a.attgenerated <> '') \
-         AND 3 > (SELECT count(DISTINCT a.attname) FROM generate_series(0, i.indnkeyatts - 1) AS k (n) \
-         JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k.n] \
-         JOIN pg_catalog.pg_opclass opc ON opc.oid = i.indclass[k.n] \
-         WHERE a.attname IN ('tenant', 'scope', 'key') AND {index_deterministic} \
-         AND CASE WHEN i.indisexclusion THEN x.conexclop[k.n + 1] = {text_equals} \
-         ELSE opc.opcnamespace = 'pg_catalog'::pg_catalog.regnamespace \
-         AND EXISTS (SELECT 1 FROM pg_catalog.pg_amop op WHERE op.amopfamily = opc.opcfamily \
-         AND op.amopstrategy = 3 AND op.amoplefttype = opc.opcintype AND op.amoprighttype = opc.opcintype \
-         AND op.amopopr = {text_equals}) END)) AS w",
-        text_equals = "'pg_catalog.=(pg_catalog.text,pg_catalog.text)'::pg_catalog.regoperator::oid",
+         AND NOT (i.indisunique AND NOT i.indisexclusion AND i.indimmediate AND i.indisvalid \
+         AND i.indpred IS NULL AND i.indexprs IS NULL AND i.indnkeyatts = 3 AND {held} = 3 \
+         AND (i.indrelid = to_regclass('{t}') \
+         OR EXISTS (SELECT 1 FROM pg_catalog.pg_inherits h WHERE h.inhrelid = i.indexrelid)))) AS w",
+        // How many of tenant, scope and key the index holds as columns
+        // compared as text is (PostgreSQL's own operator classes), under
+        // deterministic collations.
+        held = format!(
+            "(SELECT count(DISTINCT a.attname) FROM generate_series(0, i.indnkeyatts - 1) AS k (n) \
+             JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k.n] \
+             JOIN pg_catalog.pg_opclass opc ON opc.oid = i.indclass[k.n] \
+             WHERE a.attname IN ('tenant', 'scope', 'key') AND {index_deterministic} \
+             AND opc.opcnamespace = 'pg_catalog'::pg_catalog.regnamespace \
+             AND EXISTS (SELECT 1 FROM pg_catalog.pg_amop op WHERE op.amopfamily = opc.opcfamily \
+             AND op.amopstrategy = 3 AND op.amoplefttype = opc.opcintype AND op.amoprighttype = opc.opcintype \
+             AND op.amopopr = 'pg_catalog.=(pg_catalog.text,pg_catalog.text)'::pg_catalog.regoperator::oid))",
+            index_deterministic = deterministic("i.indcollation[k.n]"),
+        ),
         column_deterministic = deterministic("a.attcollation"),
-        index_deterministic = deterministic("i.indcollation[k.n]"),
     )
 }
 
@@ -797,37 +814,19 @@ impl Statements {
                 // The key's columns, in any order, and nothing else: what
                 // `ON CONFLICT (tenant, scope, key)` infers its index from
                 // (unique, not partial, not deferred, no expression).
-                // And none of those it infers deferred: `ON CONFLICT` takes
-                // every one, and refuses a deferred one (every reservation
-                // failed, a deferrable primary key beside a plain unique
-                // index).
-                let on_the_key = |immediate: &str, on: &str| {
-                    format!(
-                        "EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
-                         WHERE {on} \
-                         AND i.indisunique AND {immediate} AND i.indisvalid AND i.indpred IS NULL \
-                         AND i.indexprs IS NULL AND i.indnkeyatts = 3 \
-                         AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_catalog.pg_attribute a \
-                         WHERE a.attrelid = i.indrelid AND a.attnum = ANY ((i.indkey::int2[])[0:2])) \
-                         = ARRAY['key', 'scope', 'tenant'])"
-                    )
-                };
+                // (That no other unique index stands beside it that `ON
+                // CONFLICT` refuses or leaves out, a deferred one, a
+                // partition's own, is `column_types`'s to say.)
                 format!(
-                    "SELECT CASE WHEN NOT {immediate} \
+                    "SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
+                     WHERE i.indrelid = to_regclass('{t}') \
+                     AND i.indisunique AND i.indimmediate AND i.indisvalid AND i.indpred IS NULL \
+                     AND i.indexprs IS NULL AND i.indnkeyatts = 3 \
+                     AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_catalog.pg_attribute a \
+                     WHERE a.attrelid = i.indrelid AND a.attnum = ANY ((i.indkey::int2[])[0:2])) \
+                     = ARRAY['key', 'scope', 'tenant']) \
                      THEN 'it has no unique key on (tenant, scope, key), which every reservation''s ON CONFLICT \
-                     needs; give it one (its primary key, as migrate() makes it)' \
-                     WHEN {deferred} THEN 'a unique key on (tenant, scope, key) is DEFERRABLE, which every \
-                     reservation''s ON CONFLICT refuses; make it NOT DEFERRABLE' END",
-                    immediate = on_the_key("i.indimmediate", &format!("i.indrelid = to_regclass('{t}')")),
-                    // A partition's own (one attached with it), which `ON
-                    // CONFLICT` takes for its rows, too.
-                    deferred = on_the_key(
-                        "NOT i.indimmediate",
-                        &format!(
-                            "(i.indrelid = to_regclass('{t}') OR i.indrelid IN (SELECT p.relid \
-                             FROM pg_catalog.pg_partition_tree(to_regclass('{t}')) AS p))"
-                        )
-                    ),
+                     needs; give it one (its primary key, as migrate() makes it)' END"
                 )
             } else {
                 format!("EXPLAIN {no_row_upsert}")
