@@ -2601,25 +2601,57 @@ mod held_rows {
         (StatusCode::CREATED, format!("{{\"run\":{n}}}"))
     }
 
+    /// `pay` served on a store of its own schema, with a small pool and a
+    /// short timeout, to use the pool up quickly.
+    struct PayApp {
+        url: String,
+        schema: String,
+        store: idem::PgStore,
+        runs: Runs,
+        addr: std::net::SocketAddr,
+    }
+
+    impl PayApp {
+        async fn start() -> Option<Self> {
+            let url = idem_testkit::pg_url()?;
+            let schema = idem_testkit::pg_schema(&url).await;
+            let store = idem_testkit::pg_store_in(&url, &schema, 4)
+                .await
+                .with_timeout(Duration::from_millis(300));
+            let runs = Runs::default();
+            let router = Router::new()
+                .route("/pay", post(pay))
+                .layer(Idem::new(store.clone()).single_tenant().layer())
+                .with_state(runs.clone());
+            let addr = idem_testkit::http::serve(router).await;
+            Some(Self {
+                url,
+                schema,
+                store,
+                runs,
+                addr,
+            })
+        }
+
+        /// A request of `key`, sent in a task of its own.
+        fn send(&self, key: &str) -> tokio::task::JoinHandle<idem_testkit::http::Reply> {
+            let (addr, key) = (self.addr, key.to_owned());
+            tokio::spawn(async move { post_req("/pay", "{\"amount\": 1}").key(&key).send(addr).await })
+        }
+
+        /// How many times `pay` ran for `key`.
+        fn runs_of(&self, key: &str) -> Option<usize> {
+            self.runs.0.lock().unwrap().get(key).copied()
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn postgres_a_held_row_never_fails_another_keys_completion() {
-        let Some(url) = idem_testkit::pg_url() else { return };
-        let schema = idem_testkit::pg_schema(&url).await;
-        // A small pool and a short timeout, to use it up quickly.
-        let store = idem_testkit::pg_store_in(&url, &schema, 4)
-            .await
-            .with_timeout(Duration::from_millis(300));
-        let runs = Runs::default();
-        let router = Router::new()
-            .route("/pay", post(pay))
-            .layer(Idem::new(store.clone()).single_tenant().layer())
-            .with_state(runs.clone());
-        let addr = idem_testkit::http::serve(router).await;
+        let Some(app) = PayApp::start().await else { return };
+        let (store, url) = (&app.store, &app.url);
         let (held_key, free_key) = (idem_testkit::unique("held"), idem_testkit::unique("free"));
         let held_id = RecordId::new("", "held.pay", held_key.clone());
-        let send = |key: String| {
-            tokio::spawn(async move { post_req("/pay", "{\"amount\": 1}").key(&key).send(addr).await })
-        };
+        let send = |key: String| app.send(&key);
 
         // The free key's handler has returned; its completion waits.
         let mut free_returned = idem_runtime::pause::arm(idem_runtime::pause::HANDLER_RETURNED, &free_key);
@@ -2634,8 +2666,8 @@ mod held_rows {
         tokio::time::timeout(Duration::from_secs(10), held_returned.reached())
             .await
             .unwrap();
-        let holders = sqlx::PgPool::connect(&url).await.unwrap();
-        let holder = pg_hold_row(&holders, &store, &held_id).await;
+        let holders = sqlx::PgPool::connect(url).await.unwrap();
+        let holder = pg_hold_row(&holders, store, &held_id).await;
         held_returned.resume();
         let held_answer = tokio::time::timeout(Duration::from_secs(30), held_first)
             .await
@@ -2657,7 +2689,7 @@ mod held_rows {
         holder.rollback().await.unwrap();
         let again = send(free_key.clone()).await.unwrap();
         assert_eq!(again.header("idempotent-replayed"), Some("true"), "{again:?}");
-        assert_eq!(runs.0.lock().unwrap().get(&free_key), Some(&1));
+        assert_eq!(app.runs_of(&free_key), Some(1));
     }
 
     // A reservation that must wait for a lock (a row another transaction
@@ -2761,23 +2793,12 @@ mod held_rows {
     /// so the free key's completion finds a connection.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn postgres_http_a_held_takeable_row_never_fails_another_keys_completion() {
-        let Some(url) = idem_testkit::pg_url() else { return };
-        let schema = idem_testkit::pg_schema(&url).await;
-        let store = idem_testkit::pg_store_in(&url, &schema, 4)
-            .await
-            .with_timeout(Duration::from_millis(300));
-        let runs = Runs::default();
-        let router = Router::new()
-            .route("/pay", post(pay))
-            .layer(Idem::new(store.clone()).single_tenant().layer())
-            .with_state(runs.clone());
-        let addr = idem_testkit::http::serve(router).await;
+        let Some(app) = PayApp::start().await else { return };
+        let (store, url, schema) = (&app.store, &app.url, &app.schema);
         let (held_key, free_key) = (idem_testkit::unique("held"), idem_testkit::unique("free"));
         let held_id = RecordId::new("", "held.pay", held_key.clone());
-        expired_record(&store, &held_id).await;
-        let send = |key: String| {
-            tokio::spawn(async move { post_req("/pay", "{\"amount\": 1}").key(&key).send(addr).await })
-        };
+        expired_record(store, &held_id).await;
+        let send = |key: String| app.send(&key);
 
         // The free key's handler has returned; its completion waits.
         let mut free_returned = idem_runtime::pause::arm(idem_runtime::pause::HANDLER_RETURNED, &free_key);
@@ -2788,13 +2809,13 @@ mod held_rows {
 
         // The held key's expired record is held by another transaction:
         // four requests for it (a client's retries), each answered 503.
-        let holders = sqlx::PgPool::connect(&url).await.unwrap();
-        let holder = pg_hold_row(&holders, &store, &held_id).await;
+        let holders = sqlx::PgPool::connect(url).await.unwrap();
+        let holder = pg_hold_row(&holders, store, &held_id).await;
         for n in 0..4 {
             let answer = send(held_key.clone()).await.unwrap();
             assert_eq!(answer.status, 503, "retry {n}: {answer:?}");
         }
-        until_no_lock_waits(&holders, &schema).await;
+        until_no_lock_waits(&holders, schema).await;
 
         // The free key's completion, its row held by nobody.
         free_returned.resume();
@@ -2817,7 +2838,7 @@ mod held_rows {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
-        let runs_of_free = runs.0.lock().unwrap().get(&free_key).copied();
+        let runs_of_free = app.runs_of(&free_key);
         assert_eq!(
             lost,
             (201, "{\"run\":1}".to_owned()),
