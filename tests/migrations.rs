@@ -641,6 +641,45 @@ async fn postgres_columns_that_cannot_hold_what_idem_writes_refuse_to_start() {
     }
 }
 
+/// The checks of `check_schema()` (run by `migrate()` too, at every start)
+/// are planned well below PostgreSQL's default `jit_above_cost` (100,000):
+/// one that read `pg_index` whole, on a catalog of a few thousand
+/// relations, was estimated at 48 million, and its JIT compilation took
+/// about a second of every start (the check itself, 4 ms). Each statement
+/// the checks prepared on the store's one connection is explained as it
+/// is.
+#[tokio::test]
+async fn postgres_the_schema_checks_are_planned_below_the_jit_threshold() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
+    store.check_schema().await.unwrap();
+    let statements: Vec<String> = sqlx::query_scalar(
+        "SELECT statement FROM pg_prepared_statements WHERE statement NOT LIKE '%$1%' \
+         AND (statement ILIKE 'SELECT%' OR statement ILIKE 'WITH%')",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert!(
+        statements.iter().any(|s| s.contains("pg_index")),
+        "the unique indexes' check was prepared: {statements:#?}"
+    );
+    for statement in statements {
+        // The plan's first line: `Aggregate  (cost=12.34..56.78 rows=1 width=32)`.
+        let (top,): (String,) = sqlx::query_as(sqlx::AssertSqlSafe(format!("EXPLAIN {statement}")))
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        let cost: f64 = top
+            .split_once("..")
+            .and_then(|(_, rest)| rest.split_once(' '))
+            .and_then(|(total, _)| total.parse().ok())
+            .unwrap_or_else(|| panic!("no cost in {top}"));
+        assert!(cost < 100_000.0, "estimated at {cost} ({top}): {statement}");
+    }
+}
+
 /// SQLite: a table made by hand whose key has a numeric affinity, or a
 /// collation other than `BINARY`, makes two keys one record (as this test
 /// first shows: the key `1e3` answered with the answer of `1000`, `abc`

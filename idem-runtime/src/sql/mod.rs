@@ -105,6 +105,13 @@ const COLUMNS: &str =
 /// INDEX CONCURRENTLY` that failed) enforces nothing, and one on other
 /// plain columns (`operation_id`) is the application's. The indexes of a
 /// partitioned table's partitions count as its own.
+///
+/// Every catalog table is reached through its index on the table's oid:
+/// a plan that scanned `pg_index` whole was estimated at tens of millions
+/// (more, the more relations the database holds), above PostgreSQL's
+/// `jit_above_cost`, and the JIT compilation alone took about a second of
+/// every `check_schema()` and `migrate()`, where the check itself takes a
+/// few milliseconds.
 fn column_types(t: &str) -> String {
     // (column, kind, the longest value, whether ids are compared on it,
     // whether idem writes NULL to it).
@@ -159,10 +166,10 @@ fn column_types(t: &str) -> String {
          UNION ALL \
          SELECT format('%s is NOT NULL in the partition %s, where idem writes NULL; idem needs it to take NULL', \
          a.attname, a.attrelid::regclass) \
-         FROM pg_catalog.pg_partition_tree(to_regclass('{t}')) AS p \
-         JOIN pg_catalog.pg_attribute a ON a.attrelid = p.relid AND a.attnotnull AND NOT a.attisdropped \
+         FROM pg_catalog.pg_attribute a WHERE a.attrelid = ANY (ARRAY(SELECT p.relid::oid \
+         FROM pg_catalog.pg_partition_tree(to_regclass('{t}')) AS p WHERE p.relid <> to_regclass('{t}'))) \
+         AND a.attnotnull AND NOT a.attisdropped \
          AND a.attname IN ('lock_token', 'recovery_point', 'response_headers', 'response_body', 'response_status') \
-         WHERE p.relid <> to_regclass('{t}') \
          UNION ALL \
          SELECT format('the %s %s %s; idem needs every unique index or exclusion constraint with a column \
          that is tenant, scope or key, an expression or a generated column to be one that ON CONFLICT \
@@ -176,12 +183,13 @@ fn column_types(t: &str) -> String {
          deterministic collations: it can make two different ids one, and one of them then fails on every try' \
          ELSE 'is not one ON CONFLICT takes: of two first requests that race on one key, one can fail on it' \
          END) \
-         FROM pg_catalog.pg_index i WHERE (i.indrelid = to_regclass('{t}') \
-         OR i.indrelid IN (SELECT p.relid FROM pg_catalog.pg_partition_tree(to_regclass('{t}')) AS p)) \
+         FROM pg_catalog.pg_index i WHERE i.indrelid = ANY (ARRAY(SELECT to_regclass('{t}')::oid \
+         UNION SELECT p.relid::oid FROM pg_catalog.pg_partition_tree(to_regclass('{t}')) AS p)) \
          AND (i.indisunique OR i.indisexclusion) AND i.indisready \
-         AND EXISTS (SELECT 1 FROM generate_series(0, i.indnkeyatts - 1) AS k (n) \
-         LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k.n] \
-         WHERE i.indkey[k.n] = 0 OR a.attname IN ('tenant', 'scope', 'key') OR a.attgenerated <> '') \
+         AND EXISTS (SELECT 1 FROM {key_columns} \
+         LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+         WHERE k.n <= i.indnkeyatts AND (k.attnum = 0 OR a.attname IN ('tenant', 'scope', 'key') \
+         OR a.attgenerated <> '')) \
          AND NOT (i.indisunique AND NOT i.indisexclusion AND i.indimmediate AND i.indisvalid \
          AND i.indpred IS NULL AND i.indexprs IS NULL AND i.indnkeyatts = 3 AND {held} = 3 \
          AND (i.indrelid = to_regclass('{t}') \
@@ -190,19 +198,29 @@ fn column_types(t: &str) -> String {
         // compared as text is (PostgreSQL's own operator classes), under
         // deterministic collations.
         held = format!(
-            "(SELECT count(DISTINCT a.attname) FROM generate_series(0, i.indnkeyatts - 1) AS k (n) \
-             JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[k.n] \
-             JOIN pg_catalog.pg_opclass opc ON opc.oid = i.indclass[k.n] \
-             WHERE a.attname IN ('tenant', 'scope', 'key') AND {index_deterministic} \
+            "(SELECT count(DISTINCT a.attname) FROM {key_columns} \
+             JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+             JOIN pg_catalog.pg_opclass opc ON opc.oid = i.indclass[k.n - 1] \
+             WHERE k.n <= i.indnkeyatts AND a.attname IN ('tenant', 'scope', 'key') AND {index_deterministic} \
              AND opc.opcnamespace = 'pg_catalog'::pg_catalog.regnamespace \
              AND EXISTS (SELECT 1 FROM pg_catalog.pg_amop op WHERE op.amopfamily = opc.opcfamily \
              AND op.amopstrategy = 3 AND op.amoplefttype = opc.opcintype AND op.amoprighttype = opc.opcintype \
              AND op.amopopr = 'pg_catalog.=(pg_catalog.text,pg_catalog.text)'::pg_catalog.regoperator::oid))",
-            index_deterministic = deterministic("i.indcollation[k.n]"),
+            index_deterministic = deterministic("i.indcollation[k.n - 1]"),
+            key_columns = KEY_COLUMNS,
         ),
+        key_columns = KEY_COLUMNS,
         column_deterministic = deterministic("a.attcollation"),
     )
 }
+
+/// The key columns of the index `i` as rows `k (attnum, n)`, `n` from 1:
+/// an `unnest`, which the planner takes for a few rows, where a
+/// `generate_series` of bounds it cannot read is taken for a thousand (and
+/// made the check's estimate a JIT compilation's). `n <= i.indnkeyatts`
+/// leaves out the `INCLUDE` columns; `indclass` and `indcollation` are
+/// read at `n - 1`, as they count from 0.
+const KEY_COLUMNS: &str = "unnest(i.indkey::pg_catalog.int2[]) WITH ORDINALITY AS k (attnum, n)";
 
 /// SQLite: why the id's columns of `schema.table` could make two ids
 /// one, or NULL. SQLite's declared types refuse no value, but a column
@@ -464,9 +482,11 @@ pub(crate) struct Statements {
     /// SQLite: the same upsert of no row, run, which fails on a read-only
     /// file (within the migration's own write transaction).
     pub(crate) writes: String,
-    /// Why a column's type or collation cannot hold what idem writes, or
-    /// would make two ids one: one row, NULL when every column will do,
-    /// read from the catalog (SQLite: its pragmas).
+    /// Why the table cannot serve as it is: a column whose type, collation
+    /// or `NOT NULL` cannot hold what idem writes, or a unique index that
+    /// would make two ids one or that `ON CONFLICT` does not take. One row,
+    /// NULL when the table will do, read from the catalog (SQLite: its
+    /// pragmas).
     pub(crate) column_types: String,
     /// Whether `has_unique_key` and `writes` are read (PostgreSQL) rather
     /// than run to fail (SQLite).
