@@ -680,6 +680,120 @@ async fn postgres_the_schema_checks_are_planned_below_the_jit_threshold() {
     }
 }
 
+/// A name the migrations give an index of their own, already held in the
+/// table's schema by another table's index (a table renamed to keep it,
+/// whose indexes kept their names) or by another relation: `migrate()`
+/// refuses, naming it, and changes nothing. Before, `CREATE INDEX IF NOT
+/// EXISTS` skipped idem's purge index (the janitor then read the whole
+/// table), and version 5's `DROP INDEX IF EXISTS` dropped the other
+/// table's expiry index. Once the table is past the versions that make
+/// those names, a name taken later changes nothing.
+#[tokio::test]
+async fn postgres_an_index_name_held_by_another_table_is_refused_and_kept() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    for (held, says) in [
+        (
+            "CREATE INDEX idempotency_keys_expires_at_idx ON {s}.kept (expires_at)",
+            "idempotency_keys_expires_at_idx is an index on",
+        ),
+        (
+            "CREATE INDEX idempotency_keys_purge_at_idx ON {s}.kept (purge_at)",
+            "idempotency_keys_purge_at_idx is an index on",
+        ),
+        (
+            "CREATE TABLE {s}.idempotency_keys_purge_at_idx (x int)",
+            "idempotency_keys_purge_at_idx is a table",
+        ),
+    ] {
+        let schema = idem_testkit::pg_schema(&url).await;
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        let s = format!("\"{schema}\"");
+        pool.execute(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {s}.kept (expires_at timestamptz, purge_at timestamptz); {}",
+            held.replace("{s}", &s)
+        )))
+        .await
+        .unwrap();
+        let relations = || {
+            let pool = pool.clone();
+            let schema = schema.clone();
+            async move {
+                let names: Vec<String> = sqlx::query_scalar(
+                    "SELECT relname::text FROM pg_class WHERE relnamespace = to_regnamespace($1) ORDER BY 1",
+                )
+                .bind(format!("\"{schema}\""))
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+                names
+            }
+        };
+        let before = relations().await;
+        let store = PgStore::new(pool.clone())
+            .with_table(Some(&schema), "idempotency_keys")
+            .unwrap();
+        let err = store.migrate().await.expect_err(says).to_string();
+        assert!(
+            err.contains(says) && err.contains("changed nothing") && err.contains("with_table"),
+            "{err}"
+        );
+        assert_eq!(relations().await, before, "nothing made, nothing dropped");
+    }
+
+    // Past version 5, the expiry index's name taken since changes nothing.
+    let (pool, schema, store) = migrated_pg_store(&url).await;
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE \"{schema}\".kept (expires_at timestamptz); \
+         CREATE INDEX idempotency_keys_expires_at_idx ON \"{schema}\".kept (expires_at)"
+    )))
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    takes_completes_replays(&store, "after").await;
+}
+
+/// The same on SQLite, where version 7's triggers have names of their
+/// own too, and names are one in any case.
+#[tokio::test]
+async fn sqlite_an_index_or_trigger_name_held_by_another_table_is_refused_and_kept() {
+    for (held, says) in [
+        (
+            "CREATE INDEX IDEMPOTENCY_KEYS_expires_at_idx ON kept (expires_at)",
+            "IDEMPOTENCY_KEYS_expires_at_idx\" is an index on \"kept\"",
+        ),
+        (
+            "CREATE INDEX idempotency_keys_purge_at_idx ON kept (purge_at)",
+            "idempotency_keys_purge_at_idx\" is an index on \"kept\"",
+        ),
+        (
+            "CREATE TRIGGER idempotency_keys_times_on_insert AFTER INSERT ON kept BEGIN SELECT 1; END",
+            "idempotency_keys_times_on_insert\" is a trigger on \"kept\"",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("held.db")).await.unwrap();
+        store
+            .pool()
+            .execute(sqlx::AssertSqlSafe(format!(
+                "CREATE TABLE kept (expires_at INTEGER, purge_at INTEGER); {held}"
+            )))
+            .await
+            .unwrap();
+        let schema = || async {
+            let names: Vec<(String, String)> =
+                sqlx::query_as("SELECT type, name FROM sqlite_master ORDER BY type, name")
+                    .fetch_all(store.pool())
+                    .await
+                    .unwrap();
+            names
+        };
+        let before = schema().await;
+        let err = store.migrate().await.expect_err(says).to_string();
+        assert!(err.contains(says) && err.contains("changed nothing"), "{err}");
+        assert_eq!(schema().await, before, "nothing made, nothing dropped");
+    }
+}
+
 /// SQLite: a table made by hand whose key has a numeric affinity, or a
 /// collation other than `BINARY`, makes two keys one record (as this test
 /// first shows: the key `1e3` answered with the answer of `1000`, `abc`

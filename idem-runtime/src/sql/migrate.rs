@@ -145,6 +145,27 @@ macro_rules! migrate_in {
                 current = version;
             }
         }
+        // A name a pending migration gives an object of its own, held by
+        // something else: refused before anything is written, where `IF NOT
+        // EXISTS` would leave the table without its index and `DROP INDEX IF
+        // EXISTS` would drop another table's.
+        for (before, statement) in &sql.names_taken {
+            if current >= *before {
+                continue;
+            }
+            let taken: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(statement.as_str()))
+                .fetch_optional(&mut *$tx)
+                .await
+                .map_err($crate::sql::map_err)?;
+            if let Some(taken) = taken {
+                return Err($crate::StoreError::backend(format!(
+                    "migrate() changed nothing: {taken}, where the migrations of the table {} make an \
+                     index or trigger of that name for it (or drop idem's own). Rename that, or give \
+                     idem's table another name (`with_table`)",
+                    sql.table
+                )));
+            }
+        }
         for (migration, text) in &sql.migrations {
             if migration.version > current {
                 run(text).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;

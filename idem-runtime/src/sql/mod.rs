@@ -214,6 +214,38 @@ fn column_types(t: &str) -> String {
     )
 }
 
+/// PostgreSQL: what holds `name` where the migrations make an index of that
+/// name on the table `t` (the table's schema; where it is not made yet, the
+/// configured one or the first of the search path), unless it is an index
+/// on `t`. One row, or none.
+fn pg_name_taken(t: &str, schema: Option<&str>, name: &str) -> String {
+    let made_in = match schema {
+        Some(schema) => format!("to_regnamespace('\"{schema}\"')"),
+        None => "(SELECT n.oid FROM pg_catalog.pg_namespace n WHERE n.nspname = current_schema())".to_owned(),
+    };
+    format!(
+        "SELECT format('%s is %s', c.oid::regclass, COALESCE('an index on ' || i.indrelid::regclass, \
+         CASE c.relkind WHEN 'r' THEN 'a table' WHEN 'v' THEN 'a view' WHEN 'S' THEN 'a sequence' \
+         ELSE 'another relation' END)) \
+         FROM pg_catalog.pg_class c LEFT JOIN pg_catalog.pg_index i ON i.indexrelid = c.oid \
+         WHERE (c.relname = '{name}' AND c.relnamespace = COALESCE((SELECT r.relnamespace \
+         FROM pg_catalog.pg_class r WHERE r.oid = to_regclass('{t}')), {made_in})) \
+         AND NOT COALESCE(i.indrelid = to_regclass('{t}'), false) LIMIT 1"
+    )
+}
+
+/// SQLite: what holds `name` in `schema` (names in any case), unless it is
+/// an index or a trigger of `table`. One row, or none.
+fn sqlite_name_taken(schema: &str, table: &str, name: &str) -> String {
+    format!(
+        "SELECT '\"' || name || '\" is ' || CASE WHEN type IN ('index', 'trigger') \
+         THEN 'a' || CASE type WHEN 'index' THEN 'n ' ELSE ' ' END || type || ' on \"' || tbl_name || '\"' \
+         ELSE 'a ' || type END FROM \"{schema}\".sqlite_master \
+         WHERE lower(name) = lower('{name}') \
+         AND NOT (type IN ('index', 'trigger') AND lower(tbl_name) = lower('{table}')) LIMIT 1"
+    )
+}
+
 /// The key columns of the index `i` as rows `k (attnum, n)`, `n` from 1:
 /// an `unnest`, which the planner takes for a few rows, where a
 /// `generate_series` of bounds it cannot read is taken for a thousand (and
@@ -488,6 +520,13 @@ pub(crate) struct Statements {
     /// NULL when the table will do, read from the catalog (SQLite: its
     /// pragmas).
     pub(crate) column_types: String,
+    /// The names the migrations give objects of their own (the expiry and
+    /// purge indexes; SQLite's triggers) that something else already holds
+    /// (`CREATE ... IF NOT EXISTS` would skip idem's, `DROP INDEX IF
+    /// EXISTS` would drop the other's): each with the version below which
+    /// a pending migration still makes or drops it, and a statement that
+    /// says what holds it, or returns no row.
+    pub(crate) names_taken: Vec<(i64, String)>,
     /// Whether `has_unique_key` and `writes` are read (PostgreSQL) rather
     /// than run to fail (SQLite).
     pub(crate) checks_read: bool,
@@ -870,6 +909,23 @@ impl Statements {
                 column_types(&t)
             } else {
                 sqlite_column_types(schema.or(d.rows_schema).unwrap_or("main"), table)
+            },
+            names_taken: if d.reserve_function {
+                [(5, "expires_at_idx"), (5, "purge_at_idx")]
+                    .into_iter()
+                    .map(|(before, suffix)| (before, pg_name_taken(&t, schema, &derived_name(table, suffix))))
+                    .collect()
+            } else {
+                let schema = schema.or(d.rows_schema).unwrap_or("main");
+                [
+                    (5, "expires_at_idx"),
+                    (5, "purge_at_idx"),
+                    (7, "times_on_insert"),
+                    (7, "times_on_update"),
+                ]
+                .into_iter()
+                .map(|(before, suffix)| (before, sqlite_name_taken(schema, table, &derived_name(table, suffix))))
+                .collect()
             },
             unknown_required: (d.required_columns)(
                 schema,
