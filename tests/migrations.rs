@@ -752,6 +752,54 @@ async fn postgres_an_index_name_held_by_another_table_is_refused_and_kept() {
     takes_completes_replays(&store, "after").await;
 }
 
+/// With no schema configured, version 5 names the old expiry index bare,
+/// and `DROP INDEX` finds it through the search path: where the table's
+/// schema holds none (dropped by hand), an index of that name in a later
+/// schema on the path (another table's) was dropped. It is dropped only
+/// where it is an index on idem's table.
+#[tokio::test]
+async fn postgres_an_expiry_index_name_later_on_the_search_path_is_kept() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let (own, later) = (
+        idem_testkit::pg_schema(&url).await,
+        idem_testkit::pg_schema(&url).await,
+    );
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    // A table at version 4 whose expiry index was dropped by hand.
+    PgStore::new(admin.clone())
+        .with_table(Some(&own), "idempotency_keys")
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM \"{own}\".idempotency_keys_migrations WHERE version >= 5; \
+             ALTER TABLE \"{own}\".idempotency_keys DROP COLUMN purge_at; \
+             CREATE TABLE \"{later}\".kept (expires_at timestamptz); \
+             CREATE UNIQUE INDEX idempotency_keys_expires_at_idx ON \"{later}\".kept (expires_at)"
+        )))
+        .await
+        .unwrap();
+    let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    let pool = sqlx::PgPool::connect_with(
+        options.options([("search_path", format!("\"{own}\",\"{later}\"").as_str())]),
+    )
+    .await
+    .unwrap();
+    let store = PgStore::new(pool);
+    store.migrate().await.unwrap();
+    takes_completes_replays(&store, "after").await;
+    let kept: Option<String> = sqlx::query_scalar(
+        "SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid = to_regclass($1)",
+    )
+    .bind(format!("\"{later}\".kept"))
+    .fetch_optional(&admin)
+    .await
+    .unwrap();
+    assert!(kept.is_some(), "the other table's index was dropped");
+}
+
 /// The same on SQLite, where version 7's triggers have names of their
 /// own too, and names are one in any case.
 #[tokio::test]
@@ -791,6 +839,24 @@ async fn sqlite_an_index_or_trigger_name_held_by_another_table_is_refused_and_ke
         let err = store.migrate().await.expect_err(says).to_string();
         assert!(err.contains(says) && err.contains("changed nothing"), "{err}");
         assert_eq!(schema().await, before, "nothing made, nothing dropped");
+    }
+    // Triggers are a namespace of their own: a view named as a trigger of
+    // idem's, or a trigger named as an index of idem's, holds nothing.
+    for held in [
+        "CREATE VIEW idempotency_keys_times_on_insert AS SELECT 1",
+        "CREATE TRIGGER idempotency_keys_purge_at_idx AFTER INSERT ON kept BEGIN SELECT 1; END",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("other.db")).await.unwrap();
+        store
+            .pool()
+            .execute(sqlx::AssertSqlSafe(format!(
+                "CREATE TABLE kept (expires_at INTEGER, purge_at INTEGER); {held}"
+            )))
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        takes_completes_replays(&store, "served").await;
     }
 }
 

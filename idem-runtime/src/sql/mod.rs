@@ -214,6 +214,18 @@ fn column_types(t: &str) -> String {
     )
 }
 
+/// Version 5's drop of the expiry index, as its file writes it.
+const EXPIRY_INDEX_DROP: &str = "DROP INDEX IF EXISTS {expiry_index};";
+
+/// The same drop as PostgreSQL runs it: only where the name is an index on
+/// the table. With no schema configured the name is bare, and `DROP INDEX`
+/// finds it through the search path: where the table's schema holds no
+/// index of that name (dropped or renamed by hand), or an earlier schema
+/// on the path holds one, it was another table's index that went.
+const PG_EXPIRY_INDEX_DROP: &str = "DO $idem$ BEGIN IF EXISTS (SELECT 1 FROM pg_catalog.pg_index \
+     WHERE indexrelid = to_regclass('{expiry_index}') AND indrelid = to_regclass('{table}')) \
+     THEN DROP INDEX {expiry_index}; END IF; END $idem$;";
+
 /// PostgreSQL: what holds `name` where the migrations make an index of that
 /// name on the table `t` (the table's schema; where it is not made yet, the
 /// configured one or the first of the search path), unless it is an index
@@ -235,13 +247,20 @@ fn pg_name_taken(t: &str, schema: Option<&str>, name: &str) -> String {
 }
 
 /// SQLite: what holds `name` in `schema` (names in any case), unless it is
-/// an index or a trigger of `table`. One row, or none.
-fn sqlite_name_taken(schema: &str, table: &str, name: &str) -> String {
+/// `table`'s own: for an index, a table, view or index (one namespace in
+/// SQLite); for a trigger, a trigger (a namespace of its own). One row, or
+/// none.
+fn sqlite_name_taken(schema: &str, table: &str, name: &str, trigger: bool) -> String {
+    let kinds = if trigger {
+        "'trigger'"
+    } else {
+        "'table', 'view', 'index'"
+    };
     format!(
         "SELECT '\"' || name || '\" is ' || CASE WHEN type IN ('index', 'trigger') \
          THEN 'a' || CASE type WHEN 'index' THEN 'n ' ELSE ' ' END || type || ' on \"' || tbl_name || '\"' \
          ELSE 'a ' || type END FROM \"{schema}\".sqlite_master \
-         WHERE lower(name) = lower('{name}') \
+         WHERE lower(name) = lower('{name}') AND type IN ({kinds}) \
          AND NOT (type IN ('index', 'trigger') AND lower(tbl_name) = lower('{table}')) LIMIT 1"
     )
 }
@@ -835,6 +854,7 @@ impl Statements {
                     (
                         *m,
                         m.sql
+                            .replace(EXPIRY_INDEX_DROP, if d.reserve_function { PG_EXPIRY_INDEX_DROP } else { EXPIRY_INDEX_DROP })
                             .replace(" ON {table} (", &format!(" ON {indexed_table} ("))
                             .replace(" ON {table} FOR EACH ROW", &format!(" ON {indexed_table} FOR EACH ROW"))
                             .replace("{times_on_insert}", &times_on_insert)
@@ -918,13 +938,15 @@ impl Statements {
             } else {
                 let schema = schema.or(d.rows_schema).unwrap_or("main");
                 [
-                    (5, "expires_at_idx"),
-                    (5, "purge_at_idx"),
-                    (7, "times_on_insert"),
-                    (7, "times_on_update"),
+                    (5, "expires_at_idx", false),
+                    (5, "purge_at_idx", false),
+                    (7, "times_on_insert", true),
+                    (7, "times_on_update", true),
                 ]
                 .into_iter()
-                .map(|(before, suffix)| (before, sqlite_name_taken(schema, table, &derived_name(table, suffix))))
+                .map(|(before, suffix, trigger)| {
+                    (before, sqlite_name_taken(schema, table, &derived_name(table, suffix), trigger))
+                })
                 .collect()
             },
             unknown_required: (d.required_columns)(
