@@ -219,9 +219,9 @@ const EXPIRY_INDEX_DROP: &str = "DROP INDEX IF EXISTS {expiry_index};";
 
 /// The same drop as PostgreSQL runs it: only where the name is an index on
 /// the table. With no schema configured the name is bare, and `DROP INDEX`
-/// finds it through the search path: where the table's schema holds no
-/// index of that name (dropped or renamed by hand), or an earlier schema
-/// on the path holds one, it was another table's index that went.
+/// finds it through the search path: where the table's schema held no
+/// index of that name (dropped or renamed by hand), another schema's on
+/// the path, another table's, went.
 const PG_EXPIRY_INDEX_DROP: &str = "DO $idem$ BEGIN IF EXISTS (SELECT 1 FROM pg_catalog.pg_index \
      WHERE indexrelid = to_regclass('{expiry_index}') AND indrelid = to_regclass('{table}')) \
      THEN DROP INDEX {expiry_index}; END IF; END $idem$;";
