@@ -752,6 +752,54 @@ async fn postgres_an_index_name_held_by_another_table_is_refused_and_kept() {
     takes_completes_replays(&store, "after").await;
 }
 
+/// A table of someone else's under the name idem gives its migrations
+/// table (`<table>_migrations`): `migrate()` refuses it by name and changes
+/// nothing, where before it failed with the database's "column \"version\"
+/// does not exist".
+#[tokio::test]
+async fn postgres_a_migrations_table_of_someone_elses_is_refused_by_name() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE \"{schema}\".idempotency_keys_migrations (id serial PRIMARY KEY, note text)"
+    )))
+    .await
+    .unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    let err = store.migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains("idempotency_keys_migrations\" exists but is not idem's migrations table")
+            && err.contains("nothing was changed"),
+        "{err}"
+    );
+    let made: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(format!("\"{schema}\".idempotency_keys"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(made, None, "nothing made");
+}
+
+/// The same on SQLite.
+#[tokio::test]
+async fn sqlite_a_migrations_table_of_someone_elses_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("theirs.db")).await.unwrap();
+    store
+        .pool()
+        .execute("CREATE TABLE idempotency_keys_migrations (id INTEGER PRIMARY KEY, note TEXT)")
+        .await
+        .unwrap();
+    let err = store.migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains("idempotency_keys_migrations\" exists but is not idem's migrations table"),
+        "{err}"
+    );
+}
+
 /// With no schema configured, version 5 names the old expiry index bare,
 /// and `DROP INDEX` finds it through the search path: where the table's
 /// schema holds none (dropped by hand), an index of that name in a later

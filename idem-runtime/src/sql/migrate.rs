@@ -86,13 +86,28 @@ macro_rules! migrate_in {
         // Created only when missing: a role that may create nothing in the
         // schema can still run `migrate()` on an up-to-date table.
         let mut probe = $tx.begin().await.map_err($crate::sql::map_err)?;
-        let versions_exist = $crate::sql::found(run(&sql.versions).execute(&mut *probe).await)?;
+        let versions_exist = $crate::sql::found(run(&sql.versions_exist).execute(&mut *probe).await)?;
         probe.rollback().await.map_err($crate::sql::map_err)?;
         if !versions_exist {
             run(&sql.create_versions)
                 .execute(&mut *$tx)
                 .await
                 .map_err($crate::sql::map_err)?;
+        } else {
+            // A table of that name without idem's columns (another
+            // service's): refused by name before anything is written,
+            // rather than with the database's word for a missing column.
+            let mut probe = $tx.begin().await.map_err($crate::sql::map_err)?;
+            let ours = $crate::sql::found(run(&sql.versions_shape).execute(&mut *probe).await)?;
+            probe.rollback().await.map_err($crate::sql::map_err)?;
+            if !ours {
+                return Err($crate::StoreError::backend(format!(
+                    "the table {} exists but is not idem's migrations table: it lacks version, name \
+                     or applied_at; nothing was changed. It is the one idem names after its table {}: \
+                     give idem's table another name (`with_table`), or that table another",
+                    sql.versions_shown, sql.table
+                )));
+            }
         }
         let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
             .fetch_all(&mut *$tx)

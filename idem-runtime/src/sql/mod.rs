@@ -507,6 +507,12 @@ pub(crate) struct Statements {
     pub(crate) create_versions: String,
     /// The versions applied. Columns: version.
     pub(crate) versions: String,
+    /// Reads nothing, but fails unless the versions table exists.
+    pub(crate) versions_exist: String,
+    /// Reads nothing, but fails unless the versions table has idem's columns.
+    pub(crate) versions_shape: String,
+    /// The versions table as errors name it.
+    pub(crate) versions_shown: String,
     /// Records a version. Binds: version, name.
     pub(crate) record_version: String,
     /// Reads nothing, but fails unless the table exists.
@@ -873,6 +879,9 @@ impl Statements {
                  applied_at BIGINT NOT NULL)"
             ),
             versions: format!("SELECT version FROM {versions_table} ORDER BY version"),
+            versions_exist: format!("SELECT 1 FROM {versions_table} LIMIT 0"),
+            versions_shape: format!("SELECT version, name, applied_at FROM {versions_table} LIMIT 0"),
+            versions_shown: qualify(&derived_name(table, "migrations")),
             record_version: format!(
                 "INSERT INTO {versions_table} (version, name, applied_at) VALUES ({}, {}, {}) \
                  ON CONFLICT (version) DO NOTHING",
