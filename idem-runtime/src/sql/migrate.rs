@@ -72,6 +72,24 @@ macro_rules! migrations {
 }
 pub(crate) use migrations;
 
+/// Runs `$statement` in a savepoint of `$tx` and rolls it back: whether
+/// what it reads is there ([`found`]). A probe that fails does not abort
+/// `$tx` (PostgreSQL aborts a transaction on an error otherwise).
+macro_rules! probed {
+    ($tx:ident, $statement:expr) => {{
+        use sqlx::Acquire as _;
+        let mut savepoint = $tx.begin().await.map_err($crate::sql::map_err)?;
+        let found = $crate::sql::found(
+            sqlx::raw_sql(sqlx::AssertSqlSafe($statement.to_owned()))
+                .execute(&mut *savepoint)
+                .await,
+        )?;
+        savepoint.rollback().await.map_err($crate::sql::map_err)?;
+        found
+    }};
+}
+pub(crate) use probed;
+
 /// Applies the migrations not yet applied, in a transaction `$tx` that
 /// holds the store's migration lock, and commits it (the caller then checks
 /// the table). A table made by a build from before the migrations table
@@ -79,15 +97,12 @@ pub(crate) use migrations;
 /// savepoint (PostgreSQL aborts a transaction on an error otherwise).
 macro_rules! migrate_in {
     ($self:ident, $tx:ident) => {{
-        use sqlx::Acquire as _;
         let sql = &$self.sql;
         let run = |statement: &str| sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned()));
         $crate::sql::refuse_found_elsewhere(&mut *$tx, sql).await?;
         // Created only when missing: a role that may create nothing in the
         // schema can still run `migrate()` on an up-to-date table.
-        let mut probe = $tx.begin().await.map_err($crate::sql::map_err)?;
-        let versions_exist = $crate::sql::found(run(&sql.versions_exist).execute(&mut *probe).await)?;
-        probe.rollback().await.map_err($crate::sql::map_err)?;
+        let versions_exist = $crate::sql::probed!($tx, &sql.versions_exist);
         if !versions_exist {
             run(&sql.create_versions)
                 .execute(&mut *$tx)
@@ -97,9 +112,7 @@ macro_rules! migrate_in {
             // A table of that name without idem's columns (another
             // service's): refused by name before anything is written,
             // rather than with the database's word for a missing column.
-            let mut probe = $tx.begin().await.map_err($crate::sql::map_err)?;
-            let ours = $crate::sql::found(run(&sql.versions_shape).execute(&mut *probe).await)?;
-            probe.rollback().await.map_err($crate::sql::map_err)?;
+            let ours = $crate::sql::probed!($tx, &sql.versions_shape);
             if !ours {
                 return Err($crate::StoreError::backend(format!(
                     "the table {} exists but is not idem's migrations table: it lacks version, name \
@@ -121,9 +134,7 @@ macro_rules! migrate_in {
         if current > latest {
             return Err($crate::sql::newer_schema(&sql.table, current, latest));
         }
-        let mut exists = $tx.begin().await.map_err($crate::sql::map_err)?;
-        let table_exists = $crate::sql::found(run(&sql.table_exists).execute(&mut *exists).await)?;
-        exists.rollback().await.map_err($crate::sql::map_err)?;
+        let table_exists = $crate::sql::probed!($tx, &sql.table_exists);
         if !table_exists {
             // Never made, or dropped since: every migration runs (again).
             current = 0;
@@ -132,9 +143,7 @@ macro_rules! migrate_in {
             // table without version 1's columns is not idem's (another
             // service's, under the same name): refused before anything is
             // written, and the transaction, never committed, changes nothing.
-            let mut savepoint = $tx.begin().await.map_err($crate::sql::map_err)?;
-            let ours = $crate::sql::found(run(&sql.has_v1_columns).execute(&mut *savepoint).await)?;
-            savepoint.rollback().await.map_err($crate::sql::map_err)?;
+            let ours = $crate::sql::probed!($tx, &sql.has_v1_columns);
             if !ours {
                 return Err($crate::StoreError::backend(format!(
                     "the table {} exists but is not idem's: it has no schema version recorded and lacks \
@@ -151,9 +160,7 @@ macro_rules! migrate_in {
                 (2, &sql.has_taken_over),
                 (5, &sql.has_purge_at),
             ] {
-                let mut savepoint = $tx.begin().await.map_err($crate::sql::map_err)?;
-                let found = $crate::sql::found(run(probe).execute(&mut *savepoint).await)?;
-                savepoint.rollback().await.map_err($crate::sql::map_err)?;
+                let found = $crate::sql::probed!($tx, probe);
                 if !found {
                     break;
                 }

@@ -19,7 +19,7 @@ mod sqlite_file;
 
 pub use migrate::Migration;
 pub(crate) use migrate::{
-    check_schema, found, migrate_in, migrations, newer_schema, refuse_column_types, refuse_encoding,
+    check_schema, found, migrate_in, migrations, newer_schema, probed, refuse_column_types, refuse_encoding,
     refuse_found_elsewhere, refuse_unreservable, schema_error,
 };
 #[cfg(feature = "sqlite")]
@@ -222,6 +222,7 @@ const EXPIRY_INDEX_DROP: &str = "DROP INDEX IF EXISTS {expiry_index};";
 /// finds it through the search path: where the table's schema held no
 /// index of that name (dropped or renamed by hand), another schema's on
 /// the path, another table's, went.
+#[cfg(feature = "postgres")]
 const PG_EXPIRY_INDEX_DROP: &str = "DO $idem$ BEGIN IF EXISTS (SELECT 1 FROM pg_catalog.pg_index \
      WHERE indexrelid = to_regclass('{expiry_index}') AND indrelid = to_regclass('{table}')) \
      THEN DROP INDEX {expiry_index}; END IF; END $idem$;";
@@ -365,6 +366,9 @@ pub(crate) struct Dialect {
     /// integer (text left by the upgrade to version 7, which its triggers
     /// refuse to see written, gets `purge_floor`).
     purge_copies: &'static str,
+    /// Version 5's drop of the old expiry index as the dialect runs it (its
+    /// file's text is [`EXPIRY_INDEX_DROP`]).
+    expiry_index_drop: &'static str,
     /// The store's clock in milliseconds since the Unix epoch.
     epoch_millis: &'static str,
     /// The time now, even inside a transaction (PostgreSQL's `now()` is the
@@ -430,6 +434,7 @@ pub(crate) const POSTGRES: Dialect = Dialect {
     purge_unset: "'-infinity'::timestamptz",
     purge_floor: "'epoch'::timestamptz",
     purge_copies: "TRUE",
+    expiry_index_drop: PG_EXPIRY_INDEX_DROP,
     epoch_millis: "(EXTRACT(EPOCH FROM now()) * 1000)::bigint",
     clock: "statement_timestamp()",
     latest: "clock_timestamp()",
@@ -475,6 +480,7 @@ pub(crate) const SQLITE: Dialect = Dialect {
     purge_unset: "0",
     purge_floor: "1",
     purge_copies: "typeof(expires_at) = 'integer'",
+    expiry_index_drop: EXPIRY_INDEX_DROP,
     epoch_millis: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     clock: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     // Computed as the statement runs, under the write lock.
@@ -679,7 +685,8 @@ impl Statements {
         // and migrations write it.
         let t_shown = qualify(table);
         let t = named(table);
-        let versions_table = named(&derived_name(table, "migrations"));
+        let versions_name = derived_name(table, "migrations");
+        let versions_table = named(&versions_name);
         // Takes nothing (its `SELECT` has no row; SQLite's parser needs its
         // `WHERE` before an upsert), but is planned with the reservations'
         // conflict target, and run it writes.
@@ -860,7 +867,7 @@ impl Statements {
                     (
                         *m,
                         m.sql
-                            .replace(EXPIRY_INDEX_DROP, if d.reserve_function { PG_EXPIRY_INDEX_DROP } else { EXPIRY_INDEX_DROP })
+                            .replace(EXPIRY_INDEX_DROP, d.expiry_index_drop)
                             .replace(" ON {table} (", &format!(" ON {indexed_table} ("))
                             .replace(" ON {table} FOR EACH ROW", &format!(" ON {indexed_table} FOR EACH ROW"))
                             .replace("{times_on_insert}", &times_on_insert)
@@ -881,7 +888,7 @@ impl Statements {
             versions: format!("SELECT version FROM {versions_table} ORDER BY version"),
             versions_exist: format!("SELECT 1 FROM {versions_table} LIMIT 0"),
             versions_shape: format!("SELECT version, name, applied_at FROM {versions_table} LIMIT 0"),
-            versions_shown: qualify(&derived_name(table, "migrations")),
+            versions_shown: qualify(&versions_name),
             record_version: format!(
                 "INSERT INTO {versions_table} (version, name, applied_at) VALUES ({}, {}, {}) \
                  ON CONFLICT (version) DO NOTHING",
