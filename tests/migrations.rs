@@ -800,6 +800,79 @@ async fn sqlite_a_migrations_table_of_someone_elses_is_refused_by_name() {
     );
 }
 
+/// A table of that name with idem's three columns, but of other types, or
+/// without a unique version: refused naming the table and the way out,
+/// not with the driver's word for a type, and nothing is made.
+#[tokio::test]
+async fn postgres_a_migrations_table_of_other_types_is_refused_by_name() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    for columns in [
+        "version text PRIMARY KEY, name text, applied_at bigint",
+        "version integer PRIMARY KEY, name text, applied_at bigint",
+        "version bigint, name text, applied_at bigint",
+    ] {
+        let schema = idem_testkit::pg_schema(&url).await;
+        pool.execute(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE \"{schema}\".idempotency_keys_migrations ({columns})"
+        )))
+        .await
+        .unwrap();
+        let store = PgStore::new(pool.clone())
+            .with_table(Some(&schema), "idempotency_keys")
+            .unwrap();
+        let err = store.migrate().await.unwrap_err().to_string();
+        assert!(
+            err.contains("idempotency_keys_migrations\" could not be used as idem's migrations table")
+                && err.contains("nothing was changed")
+                && err.contains("with_table"),
+            "{columns}: {err}"
+        );
+        let made: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+            .bind(format!("\"{schema}\".idempotency_keys"))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(made, None, "{columns}: nothing made");
+    }
+}
+
+/// The same on SQLite, whose columns take any type: a version kept as
+/// text, or without a unique version.
+#[tokio::test]
+async fn sqlite_a_migrations_table_of_other_types_is_refused_by_name() {
+    for (columns, row) in [
+        (
+            "version TEXT PRIMARY KEY, name TEXT, applied_at INTEGER",
+            "('one', 'x', 0)",
+        ),
+        ("version INTEGER, name TEXT, applied_at INTEGER", "(1, 'x', 0)"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("theirs.db")).await.unwrap();
+        store
+            .pool()
+            .execute(sqlx::AssertSqlSafe(format!(
+                "CREATE TABLE idempotency_keys_migrations ({columns}); \
+                 INSERT INTO idempotency_keys_migrations VALUES {row}"
+            )))
+            .await
+            .unwrap();
+        let err = store.migrate().await.unwrap_err().to_string();
+        assert!(
+            err.contains("idempotency_keys_migrations\" could not be used as idem's migrations table")
+                && err.contains("nothing was changed"),
+            "{columns}: {err}"
+        );
+        let made: Option<String> =
+            sqlx::query_scalar("SELECT name FROM sqlite_master WHERE name = 'idempotency_keys'")
+                .fetch_optional(store.pool())
+                .await
+                .unwrap();
+        assert_eq!(made, None, "{columns}: nothing made");
+    }
+}
+
 /// With no schema configured, version 5 names the old expiry index bare,
 /// and `DROP INDEX` finds it through the search path: where the table's
 /// schema holds none (dropped by hand), an index of that name in a later
