@@ -402,6 +402,32 @@ fn asks_for(ty: &Type) -> Option<AsksFor> {
     }
 }
 
+/// `#[instrument]` or `#[tracing::instrument]` (any path ending so) whose
+/// arguments do not include `skip_all`.
+fn instrument_without_skip_all(attr: &syn::Attribute) -> bool {
+    let path = attr.path();
+    let named = path.segments.last().is_some_and(|s| s.ident == "instrument")
+        && (path.segments.len() == 1
+            || path
+                .segments
+                .iter()
+                .rev()
+                .nth(1)
+                .is_some_and(|s| s.ident == "tracing"));
+    if !named {
+        return false;
+    }
+    match &attr.meta {
+        syn::Meta::Path(_) => true,
+        syn::Meta::List(list) => !list
+            .tokens
+            .clone()
+            .into_iter()
+            .any(|t| matches!(t, proc_macro2::TokenTree::Ident(i) if i == "skip_all")),
+        syn::Meta::NameValue(_) => false,
+    }
+}
+
 /// The most extractors axum's `Handler` is implemented for.
 const AXUM_EXTRACTORS_MAX: usize = 16;
 
@@ -413,6 +439,29 @@ impl Handler {
             errors.push(syn::Error::new(
                 item.sig.fn_token.span,
                 "`#[idempotent]` handlers must be `async fn`",
+            ));
+        }
+        // axum calls a handler as a plain, safe Rust function, which a
+        // `const`, `unsafe` or `extern` one is not (and `const` cannot be
+        // `async`): said at the qualifier, not at the attribute or the route.
+        if let Some(token) = &item.sig.constness {
+            errors.push(syn::Error::new(
+                token.span,
+                "`#[idempotent]` handlers cannot be `const`: remove `const`",
+            ));
+        }
+        if let Some(token) = &item.sig.unsafety {
+            errors.push(syn::Error::new(
+                token.span,
+                "`#[idempotent]` handlers cannot be `unsafe fn`: axum calls a handler as a safe function; \
+                 remove `unsafe` and put the unsafe code in an `unsafe` block inside",
+            ));
+        }
+        if let Some(abi) = &item.sig.abi {
+            errors.push(syn::Error::new_spanned(
+                abi,
+                "`#[idempotent]` handlers cannot be `extern`: axum calls a handler as a Rust function; \
+                 remove the ABI",
             ));
         }
         // The attribute given twice: the outer one sees the inner one among
@@ -427,6 +476,17 @@ impl Handler {
                 errors.push(syn::Error::new_spanned(
                     attr,
                     "`#[idempotent]` is given twice: a handler is one operation, with one scope; keep one",
+                ));
+            }
+            // `#[tracing::instrument]` below the attribute instruments the
+            // function it generates, whose parameters are idem's own (not
+            // `Debug`): only `skip_all` fits there.
+            if instrument_without_skip_all(attr) {
+                errors.push(syn::Error::new_spanned(
+                    attr,
+                    "`#[instrument]` below `#[idempotent]` instruments the function the attribute \
+                     generates, whose parameters are idem's own: put it above `#[idempotent]`, where it \
+                     sees your parameters, or add `skip_all`",
                 ));
             }
         }
