@@ -6,6 +6,7 @@ use proc_macro2::Span;
 use syn::ext::IdentExt as _;
 use syn::parse::{Parse, ParseStream};
 use syn::punctuated::Punctuated;
+use syn::spanned::Spanned as _;
 use syn::{Ident, LitStr, Token};
 
 pub(crate) mod kw {
@@ -65,9 +66,18 @@ impl Parse for FieldPath {
                      field's index) names nothing the body's JSON carries",
                 ));
             }
+            if input.peek(LitStr) {
+                return Err(input.error(
+                    "`fields` names a field as written in Rust, such as `fields(amount)`, not as a \
+                     string; a field sent under another JSON name is written `amount = \"amt\"`",
+                ));
+            }
             Ident::parse_any(input)
         };
         let segments = Punctuated::parse_separated_nonempty_with(input, segment)?;
+        if input.peek(Token![::]) {
+            return Err(input.error("a nested field is written with `.`, such as `recipient.account`"));
+        }
         let wire = if input.peek(Token![=]) {
             input.parse::<Token![=]>()?;
             Some(input.parse()?)
@@ -132,9 +142,21 @@ pub(crate) struct IdempotentArgs {
     pub(crate) errors: Errors,
 }
 
-fn value<T: Parse>(input: ParseStream<'_>) -> syn::Result<T> {
+/// `= "..."`: the string value of the argument `name`; anything else
+/// (`ttl = 30`, `body = none`) is refused at the value with `example`.
+fn value(input: ParseStream<'_>, name: &str, example: &str) -> syn::Result<LitStr> {
     input.parse::<Token![=]>()?;
-    input.parse()
+    if input.peek(LitStr) {
+        return input.parse();
+    }
+    let span = match input.parse::<syn::Expr>() {
+        Ok(expr) => expr.span(),
+        Err(_) => input.span(),
+    };
+    Err(syn::Error::new(
+        span,
+        format!("`{name}` takes a string, such as `{name} = {example}`"),
+    ))
 }
 
 /// A flag written with a value (`optional = true`): `message` at the `=`,
@@ -169,7 +191,12 @@ fn duration(
     name: &str,
     (min, max, allowed): (u64, u64, &str),
 ) -> syn::Result<Option<DurationLit>> {
-    let lit: LitStr = value(input)?;
+    let example = match name {
+        "ttl" => "\"24h\"",
+        "lock_timeout" => "\"30s\"",
+        _ => "\"2s\"",
+    };
+    let lit: LitStr = value(input, name, example)?;
     match DurationLit::parse_lit(&lit) {
         Ok(d) if (min..=max).contains(&d.millis) => Ok(Some(d)),
         Ok(_) => {
@@ -289,7 +316,7 @@ impl Parse for IdempotentArgs {
             let lookahead = input.lookahead1();
             if lookahead.peek(kw::scope) {
                 let k: kw::scope = input.parse()?;
-                let lit: LitStr = value(input)?;
+                let lit: LitStr = value(input, "scope", "\"payment.create\"")?;
                 let scope = lit.value();
                 if scope.len() > MAX_SCOPE_LEN {
                     errors.push(syn::Error::new(
@@ -359,7 +386,7 @@ impl Parse for IdempotentArgs {
                 );
             } else if lookahead.peek(kw::header) {
                 let k: kw::header = input.parse()?;
-                let lit: LitStr = value(input)?;
+                let lit: LitStr = value(input, "header", "\"Idempotency-Key\"")?;
                 if !valid_header(&lit.value()) {
                     errors.push(syn::Error::new(
                         lit.span(),
@@ -385,6 +412,13 @@ impl Parse for IdempotentArgs {
                 errors.set_once(&mut args.header, (k, lit), k.span, "header");
             } else if lookahead.peek(kw::optional) {
                 let k: kw::optional = input.parse()?;
+                if input.peek(syn::token::Paren) {
+                    let group: proc_macro2::TokenTree = input.parse()?;
+                    errors.push(syn::Error::new(
+                        group.span(),
+                        "`optional` takes no arguments: write `optional` alone",
+                    ));
+                }
                 no_value(
                     input,
                     &mut errors,
@@ -414,7 +448,13 @@ impl Parse for IdempotentArgs {
                 )?;
                 let content;
                 syn::parenthesized!(content in input);
-                let list: Punctuated<LitStr, Token![,]> = Punctuated::parse_terminated(&content)?;
+                let list: Punctuated<LitStr, Token![,]> =
+                    Punctuated::parse_terminated_with(&content, |content| {
+                        if content.peek(LitStr) {
+                            return content.parse();
+                        }
+                        Err(content.error("`ignore` takes names as strings, such as `ignore(\"page\")`"))
+                    })?;
                 for lit in &list {
                     if lit.value().is_empty() {
                         errors.push(syn::Error::new(
@@ -431,7 +471,7 @@ impl Parse for IdempotentArgs {
                 );
             } else if lookahead.peek(kw::body) {
                 let k: kw::body = input.parse()?;
-                let lit: LitStr = value(input)?;
+                let lit: LitStr = value(input, "body", "\"none\"")?;
                 if lit.value() != "none" {
                     errors.push(syn::Error::new(
                         lit.span(),
@@ -441,7 +481,7 @@ impl Parse for IdempotentArgs {
                 errors.set_once(&mut args.no_body, k, k.span, "body");
             } else if lookahead.peek(Token![crate]) {
                 let k: Token![crate] = input.parse()?;
-                let lit: LitStr = value(input)?;
+                let lit: LitStr = value(input, "crate", "\"::idem\"")?;
                 match lit.parse::<syn::Path>() {
                     Ok(path) => errors.set_once(&mut args.krate, (k, path), k.span, "crate"),
                     Err(_) => errors.push(syn::Error::new(
