@@ -105,9 +105,11 @@ impl MemoryRecord {
 /// where a machine whose own stalls reach 4 to 8 ms gives 3 to 36 ms
 /// against 700 to 1,300; `cargo run --release -p idem-bench -- --growth
 /// 1200000`, which times that floor too). Memory is bounded by the records
-/// within their retention, about 550 bytes each plus the stored body (1.2
-/// million records with 200-byte bodies: 870 MiB resident, as `--growth`
-/// prints): a shard that is full first drops its expired records (by
+/// within their retention, about 550 bytes each with short ids, plus its
+/// tenant, scope and key, each kept once (three ids of 255 bytes, the
+/// longest a client's key may be, add about 700 bytes), plus the stored
+/// answer (1.2 million records with short ids and 200-byte bodies: 870 MiB
+/// resident, as `--growth` prints): a shard that is full first drops its expired records (by
 /// the rule of [`purge_expired`](crate::purge_expired), which a
 /// [`Janitor`](crate::Janitor) runs) before it grows, so without a janitor
 /// each of its 256 shards holds at most about four times the most records
