@@ -753,101 +753,192 @@ async fn postgres_an_index_name_held_by_another_table_is_refused_and_kept() {
 }
 
 /// A table of someone else's under the name idem gives its migrations
-/// table (`<table>_migrations`): `migrate()` refuses it by name, says the
-/// way out, and makes nothing, where before it failed with the database's
-/// "column \"version\" does not exist", or (with idem's columns of other
-/// types, which PostgreSQL casts idem's numbers into) made the table and
-/// then failed every check with the driver's word for a type.
+/// table (`<table>_migrations`): `migrate()` refuses it by name, says why
+/// and the way out, and makes nothing, where before it failed with the
+/// database's "column \"version\" does not exist", or (with idem's columns
+/// of other types, which PostgreSQL casts idem's numbers into, or without
+/// a unique version, or a view that lists every version) made the table
+/// and then failed every check with the driver's word for a type, or
+/// served with versions it could not record.
 #[tokio::test]
 async fn postgres_a_migrations_table_of_someone_elses_is_refused_by_name() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    for (columns, said) in [
-        ("id serial PRIMARY KEY, note text", "exists but is not"),
+    let all = "SELECT v, 'x', 0 FROM generate_series(1, 7) AS v";
+    for (made, why) in [
         (
-            "version text PRIMARY KEY, name text, applied_at bigint",
-            "could not be used as",
+            "CREATE TABLE {m} (id serial PRIMARY KEY, note text)",
+            "it lacks version",
         ),
         (
-            "version integer PRIMARY KEY, name text, applied_at bigint",
-            "could not be used as",
+            "CREATE TABLE {m} (version text PRIMARY KEY, name text, applied_at bigint)",
+            "not of the types",
         ),
         (
-            "version bigint, name text, applied_at bigint",
-            "could not be used as",
+            "CREATE TABLE {m} (version integer PRIMARY KEY, name text, applied_at bigint)",
+            "not of the types",
+        ),
+        (
+            "CREATE TABLE {m} (version bigint PRIMARY KEY, name text, applied_at text)",
+            "not of the types",
+        ),
+        (
+            "CREATE TABLE {m} (version bigint, name text, applied_at bigint)",
+            "not a unique key",
+        ),
+        (
+            "CREATE TABLE {m} (version bigint, name text, applied_at bigint); INSERT INTO {m} {all}",
+            "not a unique key",
+        ),
+        (
+            "CREATE TABLE {m} (version bigint, name text, applied_at bigint); \
+             CREATE UNIQUE INDEX ON {m} (version) WHERE version > 0",
+            "not a unique key",
+        ),
+        (
+            "CREATE VIEW {m} (version, name, applied_at) AS {all}",
+            "not a table",
         ),
     ] {
         let schema = idem_testkit::pg_schema(&url).await;
-        pool.execute(sqlx::AssertSqlSafe(format!(
-            "CREATE TABLE \"{schema}\".idempotency_keys_migrations ({columns})"
-        )))
-        .await
-        .unwrap();
+        let m = format!("\"{schema}\".idempotency_keys_migrations");
+        pool.execute(sqlx::AssertSqlSafe(made.replace("{m}", &m).replace("{all}", all)))
+            .await
+            .unwrap();
         let store = PgStore::new(pool.clone())
             .with_table(Some(&schema), "idempotency_keys")
             .unwrap();
         let err = store.migrate().await.unwrap_err().to_string();
         assert!(
-            err.contains(&format!(
-                "idempotency_keys_migrations\" {said} idem's migrations table"
-            )) && err.contains("nothing was changed")
+            err.contains("idempotency_keys_migrations\" exists but is not idem's migrations table")
+                && err.contains(why)
+                && err.contains("nothing was changed")
                 && err.contains("with_table"),
-            "{columns}: {err}"
+            "{made}: {err}"
         );
-        let made: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        let made_table: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
             .bind(format!("\"{schema}\".idempotency_keys"))
             .fetch_one(&pool)
             .await
             .unwrap();
-        assert_eq!(made, None, "{columns}: nothing made");
+        assert_eq!(made_table, None, "{made}: nothing made");
     }
+    // Made by hand as idem would, with a domain over bigint and a
+    // varchar name: taken.
+    let schema = idem_testkit::pg_schema(&url).await;
+    pool.execute(sqlx::AssertSqlSafe(format!(
+        "CREATE DOMAIN \"{schema}\".v AS bigint; CREATE TABLE \"{schema}\".idempotency_keys_migrations \
+         (version \"{schema}\".v PRIMARY KEY, name varchar(200), applied_at bigint)"
+    )))
+    .await
+    .unwrap();
+    let store = PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
 }
 
 /// The same on SQLite, whose columns take any type: a version kept as
-/// text, or without a unique version.
+/// text, one without a unique key (also when it lists every version), or
+/// a view.
 #[tokio::test]
 async fn sqlite_a_migrations_table_of_someone_elses_is_refused_by_name() {
-    for (columns, row, said) in [
+    let all =
+        "VALUES (1, 'x', 0), (2, 'x', 0), (3, 'x', 0), (4, 'x', 0), (5, 'x', 0), (6, 'x', 0), (7, 'x', 0)";
+    for (made, why) in [
         (
-            "id INTEGER PRIMARY KEY, note TEXT",
-            "(1, 'x')",
-            "exists but is not",
+            "CREATE TABLE m (id INTEGER PRIMARY KEY, note TEXT)",
+            "it lacks version",
         ),
         (
-            "version TEXT PRIMARY KEY, name TEXT, applied_at INTEGER",
-            "('one', 'x', 0)",
-            "could not be used as",
+            "CREATE TABLE m (version TEXT PRIMARY KEY, name TEXT, applied_at INTEGER); \
+             INSERT INTO m VALUES ('one', 'x', 0)",
+            "not declared as integers",
         ),
         (
-            "version INTEGER, name TEXT, applied_at INTEGER",
-            "(1, 'x', 0)",
-            "could not be used as",
+            "CREATE TABLE m (version INTEGER, name TEXT, applied_at INTEGER)",
+            "not a unique key",
+        ),
+        (
+            "CREATE TABLE m (version INTEGER, name TEXT, applied_at INTEGER); INSERT INTO m {all}",
+            "not a unique key",
+        ),
+        (
+            "CREATE TABLE m (version INTEGER, name TEXT, applied_at INTEGER); \
+             CREATE UNIQUE INDEX m_v ON m (version) WHERE version > 0",
+            "not a unique key",
+        ),
+        (
+            "CREATE VIEW m (version, name, applied_at) AS {all}",
+            "not a table",
         ),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let store = SqliteStore::open(dir.path().join("theirs.db")).await.unwrap();
+        let made = made
+            .replace(" m ", " idempotency_keys_migrations ")
+            .replace(" m (", " idempotency_keys_migrations (")
+            .replace("{all}", all);
         store
             .pool()
-            .execute(sqlx::AssertSqlSafe(format!(
-                "CREATE TABLE idempotency_keys_migrations ({columns}); \
-                 INSERT INTO idempotency_keys_migrations VALUES {row}"
-            )))
+            .execute(sqlx::AssertSqlSafe(made.clone()))
             .await
             .unwrap();
         let err = store.migrate().await.unwrap_err().to_string();
         assert!(
-            err.contains(&format!(
-                "idempotency_keys_migrations\" {said} idem's migrations table"
-            )) && err.contains("nothing was changed"),
-            "{columns}: {err}"
+            err.contains("idempotency_keys_migrations\" exists but is not idem's migrations table")
+                && err.contains(why)
+                && err.contains("nothing was changed"),
+            "{made}: {err}"
         );
-        let made: Option<String> =
+        let made_table: Option<String> =
             sqlx::query_scalar("SELECT name FROM sqlite_master WHERE name = 'idempotency_keys'")
                 .fetch_optional(store.pool())
                 .await
                 .unwrap();
-        assert_eq!(made, None, "{columns}: nothing made");
+        assert_eq!(made_table, None, "{made}: nothing made");
     }
+    // `INTEGER PRIMARY KEY` (the rowid, in no index) and an untyped
+    // applied_at: taken.
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("ours.db")).await.unwrap();
+    store
+        .pool()
+        .execute("CREATE TABLE idempotency_keys_migrations (version INTEGER PRIMARY KEY, name, applied_at)")
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+}
+
+/// A read-only session's `migrate()` on idem's own table with a version
+/// to record is refused with the database's words, not taken for a table
+/// of someone else's.
+#[tokio::test]
+async fn postgres_a_read_only_session_is_not_told_the_migrations_table_is_foreign() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let store = |pool: sqlx::PgPool| {
+        PgStore::new(pool)
+            .with_table(Some(&schema), "idempotency_keys")
+            .unwrap()
+    };
+    store(admin.clone()).migrate().await.unwrap();
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM \"{schema}\".idempotency_keys_migrations WHERE version = 1"
+        )))
+        .await
+        .unwrap();
+    let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    let read_only = sqlx::PgPool::connect_with(options.options([("default_transaction_read_only", "on")]))
+        .await
+        .unwrap();
+    let err = store(read_only).migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains("read-only") && !err.contains("migrations table"),
+        "{err}"
+    );
 }
 
 /// With no schema configured, version 5 names the old expiry index bare,

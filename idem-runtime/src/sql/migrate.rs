@@ -112,35 +112,32 @@ macro_rules! migrate_in {
             // A table of that name without idem's columns (another
             // service's): refused by name before anything is written,
             // rather than with the database's word for a missing column.
-            let ours = $crate::sql::probed!($tx, &sql.versions_shape);
-            if !ours {
+            // With them, one that cannot serve as it (a view, other
+            // types, no unique version) is refused too: PostgreSQL would
+            // cast idem's numbers into it, and the table made beside it
+            // would find its versions unreadable.
+            let why: Option<String> = if $crate::sql::probed!($tx, &sql.versions_shape) {
+                sqlx::query_scalar::<_, Option<String>>(sqlx::AssertSqlSafe(sql.versions_fit.as_str()))
+                    .fetch_optional(&mut *$tx)
+                    .await
+                    .map_err($crate::sql::map_err)?
+                    .flatten()
+            } else {
+                Some("it lacks version, name or applied_at".to_owned())
+            };
+            if let Some(why) = why {
                 return Err($crate::StoreError::backend(format!(
-                    "the table {} exists but is not idem's migrations table: it lacks version, name \
-                     or applied_at; nothing was changed. It is the one idem names after its table {}: \
-                     give idem's table another name (`with_table`), or that table another",
+                    "the table {} exists but is not idem's migrations table: {why}; nothing was changed. \
+                     It is the one idem names after its table {}: give idem's table another name \
+                     (`with_table`), or that table another",
                     sql.versions_shown, sql.table
                 )));
             }
         }
-        // A table of that name whose columns are of other types, or whose
-        // version is not unique, fails a read or a write below: said by
-        // name, the transaction left uncommitted.
-        let not_versions = |e: sqlx::Error| match $crate::sql::map_err(e) {
-            $crate::StoreError::Backend { reason, source } => $crate::StoreError::Backend {
-                reason: format!(
-                    "the table {} could not be used as idem's migrations table ({reason}); nothing was \
-                     changed. It is the one idem names after its table {}: give idem's table another \
-                     name (`with_table`), or that table another",
-                    sql.versions_shown, sql.table
-                ),
-                source,
-            },
-            other => other,
-        };
         let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
             .fetch_all(&mut *$tx)
             .await
-            .map_err(not_versions)?;
+            .map_err($crate::sql::map_err)?;
         let mut current = applied.last().copied().unwrap_or(0);
         let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
         // A newer build's table is refused before anything is written, also
@@ -203,30 +200,18 @@ macro_rules! migrate_in {
                 )));
             }
         }
-        let mut recorded = false;
         for (migration, text) in &sql.migrations {
             if migration.version > current {
                 run(text).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
             }
             if !applied.contains(&migration.version) {
-                recorded = true;
                 sqlx::query(sqlx::AssertSqlSafe(sql.record_version.as_str()))
                     .bind(migration.version)
                     .bind(migration.name)
                     .execute(&mut *$tx)
                     .await
-                    .map_err(not_versions)?;
+                    .map_err($crate::sql::map_err)?;
             }
-        }
-        // Read back before the commit: a version column of another type
-        // (PostgreSQL casts a number into text or a narrower integer on the
-        // way in; SQLite keeps what its column's affinity makes of it) would
-        // otherwise fail every later check, the table made beside it.
-        if recorded {
-            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql.versions.as_str()))
-                .fetch_all(&mut *$tx)
-                .await
-                .map_err(not_versions)?;
         }
         // Whatever the version, the reservation function is this build's:
         // made again if someone dropped it or another build changed it, and

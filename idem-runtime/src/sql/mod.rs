@@ -328,6 +328,55 @@ fn sqlite_column_types(schema: &str, table: &str) -> String {
     )
 }
 
+/// PostgreSQL: why the table `v`, named as idem's migrations table and
+/// with its three columns, cannot be it, or NULL: a view (nothing can be
+/// recorded in it), columns of other types than `bigint`, text and
+/// `bigint` (PostgreSQL casts idem's numbers into text or a narrower
+/// integer on the way in, and the table would be made beside it, its
+/// versions unreadable), or a `version` without a unique key that
+/// `ON CONFLICT (version)` can take as its arbiter (immediate, valid, on
+/// the column alone, without a predicate). A domain over the type counts
+/// as the type.
+fn pg_versions_fit(v: &str) -> String {
+    format!(
+        "SELECT CASE WHEN c.relkind NOT IN ('r', 'p') THEN 'it is not a table' \
+         WHEN 3 > (SELECT count(*) FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type ty \
+         ON ty.oid = a.atttypid WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped AND \
+         ((a.attname IN ('version', 'applied_at') AND COALESCE(NULLIF(ty.typbasetype, 0), ty.oid) \
+         = 'pg_catalog.int8'::pg_catalog.regtype) OR (a.attname = 'name' AND ty.typcategory = 'S'))) \
+         THEN 'its columns version, name and applied_at are not of the types bigint, text and bigint' \
+         WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisunique \
+         AND i.indimmediate AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL \
+         AND i.indnkeyatts = 1 AND i.indkey[0] = (SELECT a.attnum FROM pg_catalog.pg_attribute a \
+         WHERE a.attrelid = c.oid AND a.attname = 'version')) \
+         THEN 'its version is not a unique key, where idem records each version once' END \
+         FROM pg_catalog.pg_class c WHERE c.oid = to_regclass('{v}')"
+    )
+}
+
+/// SQLite: [`pg_versions_fit`]'s reasons for the table `name` in
+/// `schema`: a view; `version` or `applied_at` declared of a type without
+/// integer affinity (a `TEXT` version keeps idem's numbers as text, which
+/// then read as no version); or a `version` that is neither the table's
+/// sole primary key column nor a unique index of its own without a
+/// `WHERE`. Names are compared in any case.
+fn sqlite_versions_fit(schema: &str, name: &str) -> String {
+    format!(
+        "SELECT CASE WHEN (SELECT type FROM \"{schema}\".sqlite_master WHERE lower(name) = lower('{name}') \
+         AND type IN ('table', 'view')) <> 'table' THEN 'it is not a table' \
+         WHEN 3 > (SELECT count(*) FROM pragma_table_info('{name}', '{schema}') WHERE lower(name) = 'name' \
+         OR (lower(name) IN ('version', 'applied_at') AND (upper(type) LIKE '%INT%' OR type = ''))) \
+         THEN 'its columns version and applied_at are not declared as integers' \
+         WHEN NOT (1 = (SELECT count(*) FROM pragma_table_info('{name}', '{schema}') WHERE pk > 0) \
+         AND EXISTS (SELECT 1 FROM pragma_table_info('{name}', '{schema}') WHERE lower(name) = 'version' \
+         AND pk = 1)) AND NOT EXISTS (SELECT 1 FROM pragma_index_list('{name}', '{schema}') AS l \
+         WHERE l.\"unique\" = 1 AND l.partial = 0 AND 1 = (SELECT count(*) FROM pragma_index_info(l.name, \
+         '{schema}')) AND EXISTS (SELECT 1 FROM pragma_index_info(l.name, '{schema}') AS x \
+         WHERE lower(x.name) = 'version')) \
+         THEN 'its version is not a unique key, where idem records each version once' END"
+    )
+}
+
 /// The two SQL dialects.
 #[derive(Clone, Copy)]
 pub(crate) struct Dialect {
@@ -517,6 +566,10 @@ pub(crate) struct Statements {
     pub(crate) versions_exist: String,
     /// Reads nothing, but fails unless the versions table has idem's columns.
     pub(crate) versions_shape: String,
+    /// Why the versions table, which has idem's columns, cannot serve as
+    /// it (not a table, columns of other types, no unique version), or
+    /// NULL (see `pg_versions_fit` and `sqlite_versions_fit`).
+    pub(crate) versions_fit: String,
     /// The versions table as errors name it.
     pub(crate) versions_shown: String,
     /// Records a version. Binds: version, name.
@@ -888,6 +941,11 @@ impl Statements {
             versions: format!("SELECT version FROM {versions_table} ORDER BY version"),
             versions_exist: format!("SELECT 1 FROM {versions_table} LIMIT 0"),
             versions_shape: format!("SELECT version, name, applied_at FROM {versions_table} LIMIT 0"),
+            versions_fit: if d.reserve_function {
+                pg_versions_fit(&versions_table)
+            } else {
+                sqlite_versions_fit(schema.or(d.rows_schema).unwrap_or("main"), &versions_name)
+            },
             versions_shown: qualify(&versions_name),
             record_version: format!(
                 "INSERT INTO {versions_table} (version, name, applied_at) VALUES ({}, {}, {}) \
