@@ -442,7 +442,7 @@ impl Handler {
             ));
         }
         // axum calls a handler as a plain, safe Rust function, which a
-        // `const`, `unsafe` or `extern` one is not (and `const` cannot be
+        // `const`, `unsafe` or `extern "C"` one is not (and `const` cannot be
         // `async`): said at the qualifier, not at the attribute or the route.
         if let Some(token) = &item.sig.constness {
             errors.push(syn::Error::new(
@@ -457,7 +457,13 @@ impl Handler {
                  remove `unsafe` and put the unsafe code in an `unsafe` block inside",
             ));
         }
-        if let Some(abi) = &item.sig.abi {
+        // `extern "Rust"` is the Rust ABI written out: axum takes it.
+        if let Some(abi) = item
+            .sig
+            .abi
+            .as_ref()
+            .filter(|abi| !abi.name.as_ref().is_some_and(|n| n.value() == "Rust"))
+        {
             errors.push(syn::Error::new_spanned(
                 abi,
                 "`#[idempotent]` handlers cannot be `extern`: axum calls a handler as a Rust function; \
