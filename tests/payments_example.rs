@@ -819,6 +819,44 @@ fn run_to_exit(env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
     (out.status, text)
 }
 
+/// `--help` lists the settings and starts nothing (no database file is
+/// made where it runs); another argument is refused, and an address that
+/// is not an IP address and a port says what it needs.
+#[test]
+fn help_lists_the_settings_and_bad_starts_say_what_is_needed() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(example_binary())
+        .arg("--help")
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        text.contains("PAYMENTS_ADDR") && text.contains("DATABASE_URL"),
+        "{text}"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing made");
+    let out = Command::new(example_binary())
+        .arg("--port=9000")
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("takes no arguments") && text.contains("--help"),
+        "{text}"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing made");
+    let (status, text) = run_to_exit(&[("PAYMENTS_ADDR", "localhost:8081")]);
+    assert_eq!(status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("such as 127.0.0.1:8080, got `localhost:8081`"),
+        "{text}"
+    );
+}
+
 /// A start that cannot reach its database fails, says why, and never logs
 /// the password, in the user info or as a query parameter.
 #[test]

@@ -4,6 +4,24 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+/// What `--help` prints: the service takes no arguments, only these.
+pub const USAGE: &str = "\
+payments: the example payments API protected by #[idempotent]. It takes no
+arguments; its settings are environment variables, read at start:
+
+  PAYMENTS_ADDR              IP address and port to serve on (127.0.0.1:8080)
+  DATABASE_URL               postgres://... or sqlite://... (sqlite://payments.db)
+  IDEM_TTL                   how long answers are kept (24h)
+  IDEM_LOCK_TIMEOUT          how long a crashed request holds its key (60s)
+  PAYMENTS_HEADER_TIMEOUT    a request head not whole by then is cut off (10s)
+  PAYMENTS_BODY_TIMEOUT      a body not whole by then is answered 408 (10s)
+  PAYMENTS_GATEWAY_DELAY_MS  how long the fake card gateway takes (0)
+  RUST_LOG                   what is logged, to stderr (info)
+
+Fault injection, for crash tests: PAYMENTS_FAULT_AFTER_CHARGE_MS,
+PAYMENTS_FAULT_BEFORE_COMMIT_MS, PAYMENTS_FAULT_LEDGER_ONCE=1.
+";
+
 /// The service's settings, read from the environment.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -61,7 +79,13 @@ impl Config {
             addr: var("PAYMENTS_ADDR")
                 .unwrap_or_else(|| "127.0.0.1:8080".into())
                 .parse()
-                .map_err(|e| format!("PAYMENTS_ADDR: {e}"))?,
+                .map_err(|e| {
+                    format!(
+                        "PAYMENTS_ADDR: expected an IP address and a port, such as 127.0.0.1:8080, \
+                         got `{}` ({e})",
+                        var("PAYMENTS_ADDR").unwrap_or_default()
+                    )
+                })?,
             database_url: var("DATABASE_URL").unwrap_or_else(|| "sqlite://payments.db".into()),
             ttl: in_range(
                 "IDEM_TTL",

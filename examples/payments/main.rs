@@ -36,6 +36,19 @@ mod service;
 
 #[tokio::main]
 async fn main() {
+    // Settings are environment variables: `--help` lists them, and any
+    // other argument is refused before anything starts or is created.
+    if let Some(arg) = std::env::args_os().nth(1) {
+        if arg == "--help" || arg == "-h" {
+            print!("{}", config::USAGE);
+            return;
+        }
+        eprintln!(
+            "payments: takes no arguments (got {arg:?}); its settings are environment variables, \
+             which `--help` lists"
+        );
+        std::process::exit(2);
+    }
     // Logs go to stderr, coloured only on a terminal (a file or a pipe
     // gets plain text).
     tracing_subscriber::fmt()
