@@ -653,6 +653,8 @@ async fn postgres_the_schema_checks_are_planned_below_the_jit_threshold() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 1).await;
+    // Again, on the table made: the migrations table's own check runs too.
+    store.migrate().await.unwrap();
     store.check_schema().await.unwrap();
     let statements: Vec<String> = sqlx::query_scalar(
         "SELECT statement FROM pg_prepared_statements WHERE statement NOT LIKE '%$1%' \
@@ -662,8 +664,9 @@ async fn postgres_the_schema_checks_are_planned_below_the_jit_threshold() {
     .await
     .unwrap();
     assert!(
-        statements.iter().any(|s| s.contains("pg_index")),
-        "the unique indexes' check was prepared: {statements:#?}"
+        statements.iter().any(|s| s.contains("pg_index"))
+            && statements.iter().any(|s| s.contains("WITH RECURSIVE cols")),
+        "the unique indexes' and the migrations table's checks were prepared: {statements:#?}"
     );
     for statement in statements {
         // The plan's first line: `Aggregate  (cost=12.34..56.78 rows=1 width=32)`.
@@ -799,6 +802,25 @@ async fn postgres_a_migrations_table_of_someone_elses_is_refused_by_name() {
             "CREATE VIEW {m} (version, name, applied_at) AS {all}",
             "not a table",
         ),
+        (
+            "CREATE TABLE {m} (version bigint PRIMARY KEY DEFERRABLE, name text, applied_at bigint); \
+             CREATE UNIQUE INDEX ON {m} (version)",
+            "DEFERRABLE",
+        ),
+        (
+            "CREATE TABLE {m} (version bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, name text, \
+             applied_at bigint)",
+            "is generated",
+        ),
+        (
+            "CREATE TABLE {m} (version bigint PRIMARY KEY, name varchar(3), applied_at bigint)",
+            "name text of 32",
+        ),
+        (
+            "CREATE TABLE {m} (version bigint PRIMARY KEY, name text, applied_at bigint); \
+             CREATE RULE dropped AS ON INSERT TO {m} DO INSTEAD NOTHING",
+            "did not keep the versions",
+        ),
     ] {
         let schema = idem_testkit::pg_schema(&url).await;
         let m = format!("\"{schema}\".idempotency_keys_migrations");
@@ -810,7 +832,7 @@ async fn postgres_a_migrations_table_of_someone_elses_is_refused_by_name() {
             .unwrap();
         let err = store.migrate().await.unwrap_err().to_string();
         assert!(
-            err.contains("idempotency_keys_migrations\" exists but is not idem's migrations table")
+            err.contains("idempotency_keys_migrations\"")
                 && err.contains(why)
                 && err.contains("nothing was changed")
                 && err.contains("with_table"),
@@ -823,12 +845,13 @@ async fn postgres_a_migrations_table_of_someone_elses_is_refused_by_name() {
             .unwrap();
         assert_eq!(made_table, None, "{made}: nothing made");
     }
-    // Made by hand as idem would, with a domain over bigint and a
-    // varchar name: taken.
+    // Made by hand as idem would, with a domain over a domain over bigint
+    // and a varchar name: taken.
     let schema = idem_testkit::pg_schema(&url).await;
     pool.execute(sqlx::AssertSqlSafe(format!(
-        "CREATE DOMAIN \"{schema}\".v AS bigint; CREATE TABLE \"{schema}\".idempotency_keys_migrations \
-         (version \"{schema}\".v PRIMARY KEY, name varchar(200), applied_at bigint)"
+        "CREATE DOMAIN \"{schema}\".v1 AS bigint; CREATE DOMAIN \"{schema}\".v AS \"{schema}\".v1; \
+         CREATE TABLE \"{schema}\".idempotency_keys_migrations \
+         (version \"{schema}\".v PRIMARY KEY, name varchar(200), applied_at \"{schema}\".v)"
     )))
     .await
     .unwrap();
@@ -872,10 +895,20 @@ async fn sqlite_a_migrations_table_of_someone_elses_is_refused_by_name() {
             "CREATE VIEW m (version, name, applied_at) AS {all}",
             "not a table",
         ),
+        (
+            "CREATE TABLE m (version INTEGER PRIMARY KEY, name TEXT, applied_at INTEGER AS (version * 2))",
+            "is generated",
+        ),
+        (
+            "CREATE TABLE m (version INTEGER PRIMARY KEY, name TEXT, applied_at INTEGER); \
+             CREATE TRIGGER dropped BEFORE INSERT ON m BEGIN SELECT RAISE(IGNORE); END",
+            "did not keep the versions",
+        ),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let store = SqliteStore::open(dir.path().join("theirs.db")).await.unwrap();
         let made = made
+            .replace(" ON m ", " ON idempotency_keys_migrations ")
             .replace(" m ", " idempotency_keys_migrations ")
             .replace(" m (", " idempotency_keys_migrations (")
             .replace("{all}", all);
@@ -886,7 +919,7 @@ async fn sqlite_a_migrations_table_of_someone_elses_is_refused_by_name() {
             .unwrap();
         let err = store.migrate().await.unwrap_err().to_string();
         assert!(
-            err.contains("idempotency_keys_migrations\" exists but is not idem's migrations table")
+            err.contains("idempotency_keys_migrations\"")
                 && err.contains(why)
                 && err.contains("nothing was changed"),
             "{made}: {err}"

@@ -200,17 +200,36 @@ macro_rules! migrate_in {
                 )));
             }
         }
+        let mut recorded = false;
         for (migration, text) in &sql.migrations {
             if migration.version > current {
                 run(text).execute(&mut *$tx).await.map_err($crate::sql::map_err)?;
             }
             if !applied.contains(&migration.version) {
+                recorded = true;
                 sqlx::query(sqlx::AssertSqlSafe(sql.record_version.as_str()))
                     .bind(migration.version)
                     .bind(migration.name)
                     .execute(&mut *$tx)
                     .await
                     .map_err($crate::sql::map_err)?;
+            }
+        }
+        // The versions recorded must read back (a rule or trigger of the
+        // table's own may drop them): else every later start would find
+        // the table at an older version and be told to migrate again.
+        if recorded {
+            let kept: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
+                .fetch_all(&mut *$tx)
+                .await
+                .map_err($crate::sql::map_err)?;
+            if sql.migrations.iter().any(|(m, _)| !kept.contains(&m.version)) {
+                return Err($crate::StoreError::backend(format!(
+                    "the table {} did not keep the versions migrate() recorded in it (a rule or trigger \
+                     of its own?); nothing was changed. It is the one idem names after its table {}: give \
+                     idem's table another name (`with_table`), or that table another",
+                    sql.versions_shown, sql.table
+                )));
             }
         }
         // Whatever the version, the reservation function is this build's:

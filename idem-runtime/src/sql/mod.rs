@@ -330,40 +330,57 @@ fn sqlite_column_types(schema: &str, table: &str) -> String {
 
 /// PostgreSQL: why the table `v`, named as idem's migrations table and
 /// with its three columns, cannot be it, or NULL: a view (nothing can be
-/// recorded in it), columns of other types than `bigint`, text and
-/// `bigint` (PostgreSQL casts idem's numbers into text or a narrower
-/// integer on the way in, and the table would be made beside it, its
-/// versions unreadable), or a `version` without a unique key that
-/// `ON CONFLICT (version)` can take as its arbiter (immediate, valid, on
-/// the column alone, without a predicate). A domain over the type counts
-/// as the type.
+/// recorded in it); one of the three generated (`GENERATED ALWAYS`),
+/// where idem writes them; columns of other types than `bigint`, text (of
+/// 32 characters or more) and `bigint` (PostgreSQL casts idem's numbers
+/// into text or a narrower integer on the way in, and the table would be
+/// made beside it, its versions unreadable), a domain over one, at any
+/// depth, counting as the type; or a `version` without a unique key that
+/// `ON CONFLICT (version)` can take as its arbiter (valid, on the column
+/// alone, without a predicate), or with one it refuses (`DEFERRABLE`).
 fn pg_versions_fit(v: &str) -> String {
+    let on_version = "i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL \
+                      AND i.indnkeyatts = 1 AND i.indkey[0] = (SELECT a.attnum FROM pg_catalog.pg_attribute a \
+                      WHERE a.attrelid = c.oid AND a.attname = 'version')";
     format!(
-        "SELECT CASE WHEN c.relkind NOT IN ('r', 'p') THEN 'it is not a table' \
-         WHEN 3 > (SELECT count(*) FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type ty \
-         ON ty.oid = a.atttypid WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped AND \
-         ((a.attname IN ('version', 'applied_at') AND COALESCE(NULLIF(ty.typbasetype, 0), ty.oid) \
-         = 'pg_catalog.int8'::pg_catalog.regtype) OR (a.attname = 'name' AND ty.typcategory = 'S'))) \
-         THEN 'its columns version, name and applied_at are not of the types bigint, text and bigint' \
-         WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisunique \
-         AND i.indimmediate AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL \
-         AND i.indnkeyatts = 1 AND i.indkey[0] = (SELECT a.attnum FROM pg_catalog.pg_attribute a \
-         WHERE a.attrelid = c.oid AND a.attname = 'version')) \
-         THEN 'its version is not a unique key, where idem records each version once' END \
-         FROM pg_catalog.pg_class c WHERE c.oid = to_regclass('{v}')"
+        "WITH RECURSIVE cols (col, typ, typmod, depth) AS (SELECT a.attname::text, a.atttypid, a.atttypmod, 0 \
+         FROM pg_catalog.pg_attribute a WHERE a.attrelid = to_regclass('{v}') AND a.attnum > 0 \
+         AND NOT a.attisdropped AND a.attname IN ('version', 'name', 'applied_at') \
+         UNION ALL SELECT c.col, t.typbasetype, t.typtypmod, c.depth + 1 FROM cols c \
+         JOIN pg_catalog.pg_type t ON t.oid = c.typ WHERE t.typbasetype <> 0 AND c.depth < 32), \
+         base AS (SELECT col, (array_agg(typ ORDER BY depth DESC))[1] AS typ, \
+         min(typmod) FILTER (WHERE typmod >= 0) AS typmod FROM cols GROUP BY col) \
+         SELECT CASE WHEN c.relkind NOT IN ('r', 'p') THEN 'it is not a table' \
+         WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid AND NOT a.attisdropped \
+         AND a.attname IN ('version', 'name', 'applied_at') AND (a.attidentity = 'a' OR a.attgenerated <> '')) \
+         THEN 'its column version, name or applied_at is generated, where idem writes them' \
+         WHEN odd.cols IS NOT NULL THEN 'its columns ' || odd.cols || ' are not of the types idem writes \
+         (version and applied_at bigint, name text of 32 characters or more)' \
+         WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE {on_version} AND i.indisvalid) \
+         THEN 'its version is not a unique key, where idem records each version once' \
+         WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE {on_version} AND NOT i.indimmediate) \
+         THEN 'its unique key on version is DEFERRABLE, which ON CONFLICT (version) cannot take' END \
+         FROM pg_catalog.pg_class c, (SELECT string_agg(b.col, ', ' ORDER BY b.col) AS cols FROM base b \
+         JOIN pg_catalog.pg_type t ON t.oid = b.typ WHERE NOT ((b.col <> 'name' \
+         AND b.typ = 'pg_catalog.int8'::pg_catalog.regtype) OR (b.col = 'name' AND t.typcategory = 'S' \
+         AND (b.typmod IS NULL OR b.typmod - 4 >= 32)))) AS odd WHERE c.oid = to_regclass('{v}')"
     )
 }
 
 /// SQLite: [`pg_versions_fit`]'s reasons for the table `name` in
-/// `schema`: a view; `version` or `applied_at` declared of a type without
-/// integer affinity (a `TEXT` version keeps idem's numbers as text, which
-/// then read as no version); or a `version` that is neither the table's
-/// sole primary key column nor a unique index of its own without a
-/// `WHERE`. Names are compared in any case.
+/// `schema`: a view; one of the three columns generated; `version` or
+/// `applied_at` declared of a type without integer affinity (a `TEXT`
+/// version keeps idem's numbers as text, which then read as no version);
+/// or a `version` that is neither the table's sole primary key column nor
+/// a unique index of its own without a `WHERE`. Names are compared in any
+/// case.
 fn sqlite_versions_fit(schema: &str, name: &str) -> String {
     format!(
         "SELECT CASE WHEN (SELECT type FROM \"{schema}\".sqlite_master WHERE lower(name) = lower('{name}') \
          AND type IN ('table', 'view')) <> 'table' THEN 'it is not a table' \
+         WHEN EXISTS (SELECT 1 FROM pragma_table_xinfo('{name}', '{schema}') WHERE hidden <> 0 \
+         AND lower(name) IN ('version', 'name', 'applied_at')) \
+         THEN 'its column version, name or applied_at is generated, where idem writes them' \
          WHEN 3 > (SELECT count(*) FROM pragma_table_info('{name}', '{schema}') WHERE lower(name) = 'name' \
          OR (lower(name) IN ('version', 'applied_at') AND (upper(type) LIKE '%INT%' OR type = ''))) \
          THEN 'its columns version and applied_at are not declared as integers' \
