@@ -462,7 +462,7 @@ impl Handler {
             .sig
             .abi
             .as_ref()
-            .filter(|abi| !abi.name.as_ref().is_some_and(|n| n.value() == "Rust"))
+            .filter(|abi| abi.name.as_ref().is_none_or(|n| n.value() != "Rust"))
         {
             errors.push(syn::Error::new_spanned(
                 abi,
