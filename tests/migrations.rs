@@ -774,16 +774,16 @@ async fn postgres_a_migrations_table_of_someone_elses_is_refused_by_name() {
             "it lacks version",
         ),
         (
-            "CREATE TABLE {m} (version text PRIMARY KEY, name text, applied_at bigint)",
-            "not of the types",
+            "CREATE TABLE {m} (version text PRIMARY KEY, name text, applied_at text)",
+            "its columns applied_at, version are not of the type",
         ),
         (
             "CREATE TABLE {m} (version integer PRIMARY KEY, name text, applied_at bigint)",
-            "not of the types",
+            "its column version is not of the type",
         ),
         (
-            "CREATE TABLE {m} (version bigint PRIMARY KEY, name text, applied_at text)",
-            "not of the types",
+            "CREATE TABLE {m} (version bigint PRIMARY KEY, name text, applied_at numeric)",
+            "its column applied_at is not of the type",
         ),
         (
             "CREATE TABLE {m} (version bigint, name text, applied_at bigint)",

@@ -354,8 +354,9 @@ fn pg_versions_fit(v: &str) -> String {
          WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid AND NOT a.attisdropped \
          AND a.attname IN ('version', 'name', 'applied_at') AND (a.attidentity = 'a' OR a.attgenerated <> '')) \
          THEN 'its column version, name or applied_at is generated, where idem writes them' \
-         WHEN odd.cols IS NOT NULL THEN 'its columns ' || odd.cols || ' are not of the types idem writes \
-         (version and applied_at bigint, name text of 32 characters or more)' \
+         WHEN odd.cols IS NOT NULL THEN CASE WHEN odd.cols LIKE '%,%' THEN 'its columns ' || odd.cols \
+         || ' are' ELSE 'its column ' || odd.cols || ' is' END || ' not of the type idem writes (version \
+         and applied_at bigint, name text of 32 characters or more)' \
          WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE {on_version} AND i.indisvalid) \
          THEN 'its version is not a unique key, where idem records each version once' \
          WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE {on_version} AND NOT i.indimmediate) \
