@@ -824,12 +824,31 @@ fn run_to_exit(env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
 /// is not an IP address and a port says what it needs.
 #[test]
 fn help_lists_the_settings_and_bad_starts_say_what_is_needed() {
+    // Run with `arg` in `dir`, killed (and failed) if it does not exit by
+    // itself within 20 s: an example binary built before `--help` existed
+    // would serve.
+    let run = |arg: &str, dir: &std::path::Path| {
+        let mut child = Command::new(example_binary())
+            .arg(arg)
+            .current_dir(dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                child.kill().unwrap();
+                panic!(
+                    "`payments {arg}` did not exit (a stale example binary? cargo build --example payments)"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        child.wait_with_output().unwrap()
+    };
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(example_binary())
-        .arg("--help")
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
+    let out = run("--help", dir.path());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(
@@ -837,11 +856,7 @@ fn help_lists_the_settings_and_bad_starts_say_what_is_needed() {
         "{text}"
     );
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing made");
-    let out = Command::new(example_binary())
-        .arg("--port=9000")
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
+    let out = run("--port=9000", dir.path());
     let text = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{text}");
     assert!(
