@@ -820,16 +820,28 @@ fn run_to_exit(env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
 }
 
 /// `--help` lists the settings and starts nothing (no database file is
-/// made where it runs); another argument is refused, and an address that
-/// is not an IP address and a port says what it needs.
+/// made where it runs); another argument is refused, a setting that is not
+/// UTF-8 too, and an address that is not an IP address and a port says
+/// what it needs.
 #[test]
 fn help_lists_the_settings_and_bad_starts_say_what_is_needed() {
     // Run with `arg` in `dir`, killed (and failed) if it does not exit by
     // itself within 20 s: an example binary built before `--help` existed
     // would serve.
     let run = |arg: &str, dir: &std::path::Path| {
-        let mut child = Command::new(example_binary())
-            .arg(arg)
+        let mut cmd = Command::new(example_binary());
+        if arg.starts_with('-') {
+            cmd.arg(arg);
+        } else {
+            // `NAME`: that setting, not UTF-8.
+            use std::os::unix::ffi::OsStrExt as _;
+            cmd.env("PAYMENTS_ADDR", format!("127.0.0.1:{}", free_port()))
+                .env(
+                    arg,
+                    std::ffi::OsStr::from_bytes(b"postgres://app:\xff@127.0.0.1/payments"),
+                );
+        }
+        let mut child = cmd
             .current_dir(dir)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -864,6 +876,22 @@ fn help_lists_the_settings_and_bad_starts_say_what_is_needed() {
         "{text}"
     );
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing made");
+    // A setting that is not UTF-8 is refused, not taken for unset (a
+    // `DATABASE_URL` fell back to a local SQLite file).
+    for name in ["DATABASE_URL", "IDEM_TTL"] {
+        let out = run(name, dir.path());
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name}: {text}");
+        assert!(
+            text.contains(&format!("{name}: its value is not UTF-8")),
+            "{text}"
+        );
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "{name}: nothing made"
+        );
+    }
     let (status, text) = run_to_exit(&[("PAYMENTS_ADDR", "localhost:8081")]);
     assert_eq!(status.code(), Some(2), "{text}");
     assert!(

@@ -56,12 +56,19 @@ pub struct Config {
 impl Config {
     /// Reads the environment; a bad value is an error that names the variable.
     pub fn from_env() -> Result<Config, String> {
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-        let duration = |name: &str, default: Duration| match var(name) {
+        // Unset or empty: the default. A value that is not UTF-8 is
+        // refused, never taken for unset (a `DATABASE_URL` would otherwise
+        // fall back to a local file).
+        let var = |name: &str| match std::env::var(name) {
+            Ok(v) => Ok(Some(v).filter(|v| !v.is_empty())),
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(_)) => Err(format!("{name}: its value is not UTF-8")),
+        };
+        let duration = |name: &str, default: Duration| match var(name)? {
             Some(v) => idem::parse_duration(&v).map_err(|e| format!("{name}: {e}")),
             None => Ok(default),
         };
-        let millis = |name: &str| match var(name) {
+        let millis = |name: &str| match var(name)? {
             Some(v) => v
                 .parse::<u64>()
                 .map(Duration::from_millis)
@@ -76,17 +83,16 @@ impl Config {
             }
         };
         Ok(Config {
-            addr: var("PAYMENTS_ADDR")
-                .unwrap_or_else(|| "127.0.0.1:8080".into())
-                .parse()
-                .map_err(|e| {
+            addr: {
+                let addr = var("PAYMENTS_ADDR")?.unwrap_or_else(|| "127.0.0.1:8080".into());
+                addr.parse().map_err(|e| {
                     format!(
                         "PAYMENTS_ADDR: expected an IP address and a port, such as 127.0.0.1:8080, \
-                         got `{}` ({e})",
-                        var("PAYMENTS_ADDR").unwrap_or_default()
+                         got `{addr}` ({e})"
                     )
-                })?,
-            database_url: var("DATABASE_URL").unwrap_or_else(|| "sqlite://payments.db".into()),
+                })?
+            },
+            database_url: var("DATABASE_URL")?.unwrap_or_else(|| "sqlite://payments.db".into()),
             ttl: in_range(
                 "IDEM_TTL",
                 duration("IDEM_TTL", idem::DEFAULT_TTL)?,
@@ -102,7 +108,7 @@ impl Config {
             gateway_delay: millis("PAYMENTS_GATEWAY_DELAY_MS")?,
             pause_after_charge: millis("PAYMENTS_FAULT_AFTER_CHARGE_MS")?,
             pause_before_commit: millis("PAYMENTS_FAULT_BEFORE_COMMIT_MS")?,
-            ledger_down_once: match var("PAYMENTS_FAULT_LEDGER_ONCE").as_deref() {
+            ledger_down_once: match var("PAYMENTS_FAULT_LEDGER_ONCE")?.as_deref() {
                 None | Some("0" | "false") => false,
                 Some("1" | "true") => true,
                 Some(v) => return Err(format!("PAYMENTS_FAULT_LEDGER_ONCE: expected 1 or 0, got `{v}`")),

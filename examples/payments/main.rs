@@ -40,7 +40,11 @@ async fn main() {
     // other argument is refused before anything starts or is created.
     if let Some(arg) = std::env::args_os().nth(1) {
         if arg == "--help" || arg == "-h" {
-            print!("{}", config::USAGE);
+            use std::io::Write as _;
+            if let Err(e) = std::io::stdout().write_all(config::USAGE.as_bytes()) {
+                eprintln!("payments: cannot print the help: {e}");
+                std::process::exit(1);
+            }
             return;
         }
         eprintln!(
