@@ -852,7 +852,7 @@ fn help_lists_the_settings_and_bad_starts_say_what_is_needed() {
             if Instant::now() > deadline {
                 child.kill().unwrap();
                 panic!(
-                    "`payments {arg}` did not exit (a stale example binary? cargo build --example payments)"
+                    "`payments {arg}` did not exit within 20 s: it serves (a stale example binary? cargo build --example payments)"
                 );
             }
             std::thread::sleep(Duration::from_millis(10));
