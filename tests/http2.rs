@@ -38,7 +38,7 @@ struct App {
     /// dropped), "ran" the handler.
     counts: Arc<Mutex<HashMap<(&'static str, String), u32>>>,
     /// A `gated` handler waits on its key's gate.
-    gates: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
+    gates: idem_testkit::Gates,
     payments: Arc<AtomicU64>,
 }
 
@@ -64,12 +64,7 @@ impl App {
         }
     }
     fn gate(&self, key: &str) -> Arc<Notify> {
-        self.gates
-            .lock()
-            .unwrap()
-            .entry(key.to_owned())
-            .or_default()
-            .clone()
+        self.gates.gate(key)
     }
 }
 

@@ -32,7 +32,7 @@ const LIMIT: usize = 64;
 #[derive(Clone)]
 struct App {
     runs: Arc<Mutex<HashMap<String, u32>>>,
-    gates: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
+    gates: idem_testkit::Gates,
     events: mpsc::UnboundedSender<String>,
 }
 
@@ -47,12 +47,7 @@ impl App {
         self.runs.lock().unwrap().get(key).copied().unwrap_or(0)
     }
     fn gate(&self, key: &str) -> Arc<Notify> {
-        self.gates
-            .lock()
-            .unwrap()
-            .entry(key.to_owned())
-            .or_default()
-            .clone()
+        self.gates.gate(key)
     }
 }
 
@@ -290,7 +285,7 @@ async fn start(kind: StoreKind) -> Option<H> {
     let (tx, events) = mpsc::unbounded_channel();
     let app = App {
         runs: Arc::default(),
-        gates: Arc::default(),
+        gates: idem_testkit::Gates::default(),
         events: tx,
     };
     let idem = Idem::from_arc(store.clone())

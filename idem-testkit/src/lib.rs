@@ -14,12 +14,14 @@
 //! - [`logs`]: every line the test binary logs, to assert on.
 
 mod each_store;
+mod gates;
 pub mod http;
 mod logs;
 mod names;
 pub mod records;
 mod stores;
 
+pub use gates::Gates;
 pub use logs::{logs, Logged};
 pub use names::{token, unique};
 pub use stores::{
