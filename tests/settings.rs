@@ -119,3 +119,58 @@ async fn a_store_timeout_of_duration_max_bounds_nothing() {
         }
     }
 }
+
+/// Names and URLs that would send idem's records elsewhere than they read:
+/// a second `mode` after `mode=memory` (sqlx keeps the database in memory,
+/// so a file's records were lost at every restart, and a retry ran again),
+/// a URL of another scheme given to SQLite (read as a file's name: a store
+/// "down", or a file made in the working directory), a table name SQLite
+/// keeps for itself, and PostgreSQL's own schemas (where a superuser's
+/// `migrate()` wrote idem's tables): each refused where it is given, as
+/// a configuration error (not a store that is down).
+#[tokio::test]
+async fn names_and_urls_that_send_records_elsewhere_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("idem.db");
+    for (url, says) in [
+        (
+            format!("sqlite://{}?mode=memory&mode=rwc", file.display()),
+            "mode is given more than once",
+        ),
+        (
+            format!("sqlite://{}?mode=rwc&mode=rwc", file.display()),
+            "mode is given more than once",
+        ),
+        ("postgres://postgres@127.0.0.1/test".to_owned(), "another store's"),
+        ("SQLITE://idem.db".to_owned(), "must start with sqlite:"),
+        ("idem.db".to_owned(), "must start with sqlite:"),
+    ] {
+        let err = idem::SqliteStore::open_url(&url).await.unwrap_err();
+        assert!(
+            !err.is_unavailable() && err.to_string().contains(says),
+            "{url}: {err}"
+        );
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no file made");
+    let store = idem::SqliteStore::open_url(&format!("sqlite://{}?mode=rwc", file.display()))
+        .await
+        .unwrap();
+    for table in ["sqlite_keys", "SQLite_Keys"] {
+        let Err(err) = store.clone().with_table(table) else {
+            panic!("{table} taken")
+        };
+        assert!(err.to_string().contains("SQLite's own"), "{table}: {err}");
+    }
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .connect_lazy("postgres://127.0.0.1/x")
+        .unwrap();
+    for schema in ["information_schema", "pg_catalog", "pg_temp"] {
+        let Err(err) = idem::PgStore::new(pool.clone()).with_table(Some(schema), "keys") else {
+            panic!("{schema} taken")
+        };
+        assert!(err.to_string().contains("PostgreSQL's own"), "{schema}: {err}");
+    }
+    assert!(idem::PgStore::new(pool)
+        .with_table(Some("Pg_Keys"), "keys")
+        .is_ok());
+}

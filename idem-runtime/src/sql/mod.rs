@@ -737,6 +737,19 @@ impl Statements {
         if let Some(schema) = schema {
             check_identifier(schema, 63)?;
         }
+        // Names the databases keep for themselves: refused here, not by
+        // `migrate()` (SQLite's `sqlite_` prefix), or never (PostgreSQL's
+        // system schemas, where a superuser's `migrate()` would write).
+        if !d.reserve_function && table.to_ascii_lowercase().starts_with("sqlite_") {
+            return Err(StoreError::backend(format!(
+                "invalid table name `{table}`: names beginning with sqlite_ are SQLite's own"
+            )));
+        }
+        if let Some(system) = schema.filter(|s| *s == "information_schema" || s.starts_with("pg_")) {
+            return Err(StoreError::backend(format!(
+                "invalid schema `{system}`: it is PostgreSQL's own; give idem a schema of the application's"
+            )));
+        }
         let qualify = |name: &str| match schema {
             Some(s) => format!("\"{s}\".\"{name}\""),
             None => format!("\"{name}\""),

@@ -309,7 +309,8 @@ impl PgStore {
     ///
     /// # Errors
     ///
-    /// [`StoreError::Backend`] for a name that is not a plain identifier.
+    /// [`StoreError::Backend`] for a name that is not a plain identifier,
+    /// or a schema that is PostgreSQL's own (`information_schema`, `pg_...`).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {

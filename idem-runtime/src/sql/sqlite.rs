@@ -132,7 +132,7 @@ impl SqliteStore {
 
     /// Opens a `sqlite://` URL, such as `sqlite://payments.db`, read as
     /// sqlx reads it (percent escapes decoded, the last of a parameter
-    /// counting). A database in memory (`sqlite::memory:`, `mode=memory`,
+    /// counting; `mode` may be given once). A database in memory (`sqlite::memory:`, `mode=memory`,
     /// or a name that SQLite reads as `:memory:`) gets the pool that
     /// [`SqliteStore::in_memory`] makes: one connection, kept open (several
     /// would lock whole tables without waiting, and answer concurrent
@@ -145,8 +145,9 @@ impl SqliteStore {
     ///
     /// # Errors
     ///
-    /// [`StoreError::Backend`] for a URL that does not parse, asks a file
-    /// for a shared cache or a VFS without locks, or names a URI file name;
+    /// [`StoreError::Backend`] for a URL that does not parse or does not
+    /// start with `sqlite:`, gives `mode` twice, asks a file for a shared
+    /// cache or a VFS without locks, or names a URI file name;
     /// [`StoreError::Unavailable`] when the file cannot be opened.
     ///
     /// ```
@@ -161,6 +162,19 @@ impl SqliteStore {
     /// # }
     /// ```
     pub async fn open_url(url: &str) -> Result<Self, StoreError> {
+        // sqlx trims only `sqlite:` and reads anything else as a file's
+        // name: a `postgres://` URL would be a file that cannot be opened
+        // (the store down, 503) or one made in the working directory.
+        if !url.starts_with("sqlite:") {
+            return Err(StoreError::backend(format!(
+                "invalid SQLite URL: it must start with sqlite: (such as sqlite://payments.db){}",
+                if url.contains("://") {
+                    "; a URL of another scheme is another store's (postgres:// is PgStore::connect's)"
+                } else {
+                    ""
+                }
+            )));
+        }
         let options = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::backend(format!("invalid SQLite URL: {e}")))?
             .create_if_missing(true);
@@ -172,7 +186,19 @@ impl SqliteStore {
         let mut in_memory = database == ":memory:";
         let mut shared_cache = in_memory;
         let mut vfs = None;
+        let mut modes = 0;
         for (name, value) in form_urlencoded::parse(params.as_bytes()) {
+            // sqlx keeps a database in memory once any `mode=memory` asked
+            // for one, whatever a later `mode` says: a second `mode` would
+            // not mean what it reads as.
+            if name == "mode" {
+                modes += 1;
+                if modes > 1 {
+                    return Err(StoreError::backend(
+                        "invalid SQLite URL: mode is given more than once; give it once",
+                    ));
+                }
+            }
             match (&*name, &*value) {
                 ("mode", "memory") => (in_memory, shared_cache) = (true, true),
                 ("vfs", _) => vfs = Some(value),
@@ -358,7 +384,8 @@ impl SqliteStore {
     ///
     /// # Errors
     ///
-    /// [`StoreError::Backend`] for a name that is not a plain identifier.
+    /// [`StoreError::Backend`] for a name that is not a plain identifier,
+    /// or one SQLite keeps for itself (beginning with `sqlite_`, in any case).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
