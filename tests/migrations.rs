@@ -974,6 +974,37 @@ async fn postgres_a_read_only_session_is_not_told_the_migrations_table_is_foreig
     );
 }
 
+/// With no schema configured, the table goes to the first schema of the
+/// search path: one PostgreSQL keeps for itself (`information_schema`,
+/// where a superuser's `migrate()` made idem's tables and function, or a
+/// session's `pg_temp`, where the records would go with its connection)
+/// is refused before anything is made.
+#[tokio::test]
+async fn postgres_a_search_path_into_a_system_schema_is_refused() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let table = idem_testkit::unique("sys").replace('-', "_");
+    for path in ["information_schema", "pg_temp"] {
+        let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.options([("search_path", path)]))
+            .await
+            .unwrap();
+        let store = PgStore::new(pool.clone()).with_table(None, &table).unwrap();
+        let err = store.migrate().await.unwrap_err().to_string();
+        assert!(
+            err.contains("which is PostgreSQL's own") && err.contains("nothing was changed"),
+            "{path}: {err}"
+        );
+        let made: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+            .bind(format!("\"{table}\""))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(made, None, "{path}: nothing made");
+    }
+}
+
 /// With no schema configured, version 5 names the old expiry index bare,
 /// and `DROP INDEX` finds it through the search path: where the table's
 /// schema holds none (dropped by hand), an index of that name in a later

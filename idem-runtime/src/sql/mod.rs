@@ -677,6 +677,12 @@ pub(crate) struct Statements {
     /// The database's encoding, where it may be one that cannot hold all
     /// of Unicode (see [`refuse_encoding`]).
     pub(crate) encoding: Option<&'static str>,
+    /// PostgreSQL, no schema configured: the schema the table is in, or
+    /// would be made in (the first of the search path), where it is one
+    /// PostgreSQL keeps for itself (`information_schema`, `pg_...`, a
+    /// session's `pg_temp_...`); no row otherwise.
+    #[cfg(feature = "postgres")]
+    pub(crate) system_schema: Option<String>,
     /// Creates or replaces that function: a migration run does when the
     /// function is missing or is not this build's.
     pub(crate) reserve_ddl: Option<String>,
@@ -1118,6 +1124,15 @@ impl Statements {
                 latest = d.latest
             ),
             encoding: d.encoding,
+            #[cfg(feature = "postgres")]
+            system_schema: (d.reserve_function && schema.is_none()).then(|| {
+                format!(
+                    "SELECT n.nspname::text FROM pg_catalog.pg_namespace n WHERE n.oid = COALESCE((SELECT \
+                     c.relnamespace FROM pg_catalog.pg_class c WHERE c.oid = to_regclass('{t}')), \
+                     (SELECT m.oid FROM pg_catalog.pg_namespace m WHERE m.nspname = current_schema())) \
+                     AND (n.nspname = 'information_schema' OR n.nspname LIKE 'pg\\_%')"
+                )
+            }),
             has_reserve_function: d.reserve_function.then(|| {
                 format!(
                     "SELECT to_regprocedure({function_ref}) \
