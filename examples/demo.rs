@@ -311,7 +311,16 @@ impl Demo {
 #[tokio::main]
 async fn main() {
     let tmp = tempfile::tempdir().expect("a temporary directory");
-    let given = std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty());
+    // Unset or empty: a temporary SQLite file. A value that is not UTF-8
+    // is refused, never taken for unset.
+    let given = match std::env::var("DATABASE_URL") {
+        Ok(url) => Some(url).filter(|u| !u.is_empty()),
+        Err(std::env::VarError::NotPresent) => None,
+        Err(std::env::VarError::NotUnicode(_)) => {
+            eprintln!("demo: DATABASE_URL: its value is not UTF-8");
+            std::process::exit(2);
+        }
+    };
     let store = match &given {
         None => "SQLite (temporary file)".to_owned(),
         Some(url) => payments::db::describe(url),

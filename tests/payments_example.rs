@@ -878,7 +878,7 @@ fn help_lists_the_settings_and_bad_starts_say_what_is_needed() {
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing made");
     // A setting that is not UTF-8 is refused, not taken for unset (a
     // `DATABASE_URL` fell back to a local SQLite file).
-    for name in ["DATABASE_URL", "IDEM_TTL"] {
+    for name in ["DATABASE_URL", "IDEM_TTL", "RUST_LOG"] {
         let out = run(name, dir.path());
         let text = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{name}: {text}");
@@ -892,6 +892,26 @@ fn help_lists_the_settings_and_bad_starts_say_what_is_needed() {
             "{name}: nothing made"
         );
     }
+    // So does the demo, which ran its scenarios on a temporary SQLite
+    // file instead.
+    {
+        use std::os::unix::ffi::OsStrExt as _;
+        let demo = example_binary().with_file_name("demo");
+        let out = Command::new(demo)
+            .env(
+                "DATABASE_URL",
+                std::ffi::OsStr::from_bytes(b"postgres://app:\xff@127.0.0.1/payments"),
+            )
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "demo: {text}");
+        assert!(text.contains("DATABASE_URL: its value is not UTF-8"), "{text}");
+    }
+    // A log filter that does not parse is refused, not taken for `info`.
+    let (status, text) = run_to_exit(&[("RUST_LOG", "[[[")]);
+    assert_eq!(status.code(), Some(2), "{text}");
+    assert!(text.contains("RUST_LOG: "), "{text}");
     let (status, text) = run_to_exit(&[("PAYMENTS_ADDR", "localhost:8081")]);
     assert_eq!(status.code(), Some(2), "{text}");
     assert!(

@@ -54,11 +54,21 @@ async fn main() {
         std::process::exit(2);
     }
     // Logs go to stderr, coloured only on a terminal (a file or a pipe
-    // gets plain text).
+    // gets plain text). `RUST_LOG` unset or empty is `info`; one that is
+    // not UTF-8 or does not parse is refused, not taken for unset.
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.is_empty() => tracing_subscriber::EnvFilter::try_new(&v).unwrap_or_else(|e| {
+            eprintln!("payments: RUST_LOG: {e}");
+            std::process::exit(2);
+        }),
+        Ok(_) | Err(std::env::VarError::NotPresent) => tracing_subscriber::EnvFilter::new("info"),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            eprintln!("payments: RUST_LOG: its value is not UTF-8");
+            std::process::exit(2);
+        }
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
