@@ -978,24 +978,49 @@ async fn postgres_a_read_only_session_is_not_told_the_migrations_table_is_foreig
 /// search path: one PostgreSQL keeps for itself (`information_schema`,
 /// where a superuser's `migrate()` made idem's tables and function, or a
 /// session's `pg_temp`, where the records would go with its connection)
-/// is refused before anything is made.
+/// is refused before anything is made; and so is a path of schemas none
+/// of which exists, or a schema named that does not exist, said as such
+/// by `migrate()` and `check_schema()` (which said "run migrate()"), where
+/// they gave the database's words without the table.
 #[tokio::test]
-async fn postgres_a_search_path_into_a_system_schema_is_refused() {
+async fn postgres_a_schema_that_is_missing_or_postgresqls_own_is_refused() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let table = idem_testkit::unique("sys").replace('-', "_");
-    for path in ["information_schema", "pg_temp"] {
+    for (path, named, says) in [
+        (
+            "information_schema",
+            None,
+            "in the schema information_schema, which is PostgreSQL's own",
+        ),
+        ("pg_temp", None, "which is PostgreSQL's own"),
+        (
+            "idem_no_such_schema",
+            None,
+            "no schema of the connection's search_path exists",
+        ),
+        (
+            "public",
+            Some("idem_no_such_schema"),
+            "the schema \"idem_no_such_schema\" does not exist",
+        ),
+    ] {
         let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(1)
             .connect_with(options.options([("search_path", path)]))
             .await
             .unwrap();
-        let store = PgStore::new(pool.clone()).with_table(None, &table).unwrap();
-        let err = store.migrate().await.unwrap_err().to_string();
-        assert!(
-            err.contains("which is PostgreSQL's own") && err.contains("nothing was changed"),
-            "{path}: {err}"
-        );
+        let store = PgStore::new(pool.clone()).with_table(named, &table).unwrap();
+        for err in [
+            store.migrate().await.unwrap_err(),
+            store.check_schema().await.unwrap_err(),
+        ] {
+            let err = err.to_string();
+            assert!(
+                err.contains("the table \"") && err.contains(says) && err.contains("nothing was changed"),
+                "{path}: {err}"
+            );
+        }
         let made: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
             .bind(format!("\"{table}\""))
             .fetch_one(&pool)

@@ -317,6 +317,7 @@ macro_rules! check_schema {
             let sql = &self.sql;
             let latest = sql.migrations.last().map_or(0, |(m, _)| m.version);
             $crate::sql::refuse_encoding(&self.pool, sql).await?;
+            $crate::sql::refuse_schema(&self.pool, sql).await?;
             $crate::sql::refuse_found_elsewhere(&self.pool, sql).await?;
             let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.versions.as_str()))
                 .fetch_all(&self.pool)
@@ -430,6 +431,35 @@ where
         other => Err(StoreError::backend(format!(
             "the database of the table {} is encoded in {other}, which cannot hold every tenant and \
              checkpoint name (idem's text is Unicode): use a database created with ENCODING 'UTF8'",
+            sql.table
+        ))),
+    }
+}
+
+/// Refuses a table whose schema cannot hold it (PostgreSQL): a schema
+/// named that does not exist (`migrate()` makes tables, not schemas), no
+/// schema of the search path that exists, or one PostgreSQL keeps for
+/// itself (`information_schema`, `pg_...`, a session's `pg_temp_...`,
+/// where a superuser's `migrate()` would write, or the records would go
+/// with one connection) that the search path puts the table in.
+pub(crate) async fn refuse_schema<'c, E, DB>(conn: E, sql: &super::Statements) -> Result<(), StoreError>
+where
+    DB: sqlx::Database,
+    E: sqlx::Executor<'c, Database = DB>,
+    for<'r> (Option<String>,): sqlx::FromRow<'r, DB::Row>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    let Some(query) = &sql.schema_problem else {
+        return Ok(());
+    };
+    let why: Option<(Option<String>,)> = sqlx::query_as(sqlx::AssertSqlSafe(query.as_str()))
+        .fetch_optional(conn)
+        .await
+        .map_err(map_err)?;
+    match why.and_then(|(why,)| why) {
+        None => Ok(()),
+        Some(why) => Err(StoreError::backend(format!(
+            "the table {} cannot be served: {why}; nothing was changed",
             sql.table
         ))),
     }

@@ -20,7 +20,7 @@ mod sqlite_file;
 pub use migrate::Migration;
 pub(crate) use migrate::{
     check_schema, found, migrate_in, migrations, newer_schema, probed, refuse_column_types, refuse_encoding,
-    refuse_found_elsewhere, refuse_unreservable, schema_error,
+    refuse_found_elsewhere, refuse_schema, refuse_unreservable, schema_error,
 };
 #[cfg(feature = "sqlite")]
 pub(crate) use run::sqlite_busy_or_locked;
@@ -677,12 +677,9 @@ pub(crate) struct Statements {
     /// The database's encoding, where it may be one that cannot hold all
     /// of Unicode (see [`refuse_encoding`]).
     pub(crate) encoding: Option<&'static str>,
-    /// PostgreSQL, no schema configured: the schema the table is in, or
-    /// would be made in (the first of the search path), where it is one
-    /// PostgreSQL keeps for itself (`information_schema`, `pg_...`, a
-    /// session's `pg_temp_...`); no row otherwise.
-    #[cfg(feature = "postgres")]
-    pub(crate) system_schema: Option<String>,
+    /// PostgreSQL: why the table's schema cannot hold it (see
+    /// [`refuse_schema`]), or NULL; `None` on SQLite.
+    pub(crate) schema_problem: Option<String>,
     /// Creates or replaces that function: a migration run does when the
     /// function is missing or is not this build's.
     pub(crate) reserve_ddl: Option<String>,
@@ -1124,14 +1121,25 @@ impl Statements {
                 latest = d.latest
             ),
             encoding: d.encoding,
-            #[cfg(feature = "postgres")]
-            system_schema: (d.reserve_function && schema.is_none()).then(|| {
-                format!(
-                    "SELECT n.nspname::text FROM pg_catalog.pg_namespace n WHERE n.oid = COALESCE((SELECT \
-                     c.relnamespace FROM pg_catalog.pg_class c WHERE c.oid = to_regclass('{t}')), \
-                     (SELECT m.oid FROM pg_catalog.pg_namespace m WHERE m.nspname = current_schema())) \
-                     AND (n.nspname = 'information_schema' OR n.nspname LIKE 'pg\\_%')"
-                )
+            schema_problem: d.reserve_function.then(|| {
+                let own = "which is PostgreSQL''s own: set the search_path to a schema of the application''s, \
+                           or name one (`with_table`)";
+                match schema {
+                    Some(schema) => format!(
+                        "SELECT CASE WHEN to_regnamespace('\"{schema}\"') IS NULL THEN 'the schema \"{schema}\" \
+                         does not exist: create it first (migrate() makes idem''s tables, not their schema)' END"
+                    ),
+                    None => format!(
+                        "SELECT CASE WHEN current_schema() IS NULL AND to_regclass('{t}') IS NULL THEN 'no \
+                         schema of the connection''s search_path exists to make it in: set the search_path \
+                         to a schema of the application''s, or name one (`with_table`)' ELSE (SELECT 'it is, \
+                         or would be made, in the schema ' || n.nspname || ', {own}' \
+                         FROM pg_catalog.pg_namespace n WHERE n.oid = COALESCE((SELECT c.relnamespace \
+                         FROM pg_catalog.pg_class c WHERE c.oid = to_regclass('{t}')), (SELECT m.oid \
+                         FROM pg_catalog.pg_namespace m WHERE m.nspname = current_schema())) \
+                         AND (n.nspname = 'information_schema' OR n.nspname LIKE 'pg\\_%')) END"
+                    ),
+                }
             }),
             has_reserve_function: d.reserve_function.then(|| {
                 format!(

@@ -728,23 +728,11 @@ impl PgStore {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         self.first_runtime.note(&self.sql.table);
         // Before any DDL: a database that cannot hold idem's text is refused
-        // as it is, and so is a schema of PostgreSQL's own that the search
-        // path would put the table in (`with_table` refuses one named).
+        // as it is, and so is a schema that is missing, or PostgreSQL's
+        // own, that the search path would put the table in (`with_table`
+        // refuses one named).
         sql::refuse_encoding(&self.pool, &self.sql).await?;
-        if let Some(query) = &self.sql.system_schema {
-            let system: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(query.as_str()))
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(sql::map_err)?;
-            if let Some(system) = system {
-                return Err(StoreError::backend(format!(
-                    "the table {} would be in the schema {system}, which is PostgreSQL's own (the first \
-                     of the connection's search_path): set the search_path to a schema of the \
-                     application's, or name one (`with_table`); nothing was changed",
-                    self.sql.table
-                )));
-            }
-        }
+        sql::refuse_schema(&self.pool, &self.sql).await?;
         let mut pauses = MIGRATION_PAUSES.iter();
         loop {
             let mut tx = begin_to_its_answer(&self.pool, None).await?;
