@@ -1028,6 +1028,31 @@ async fn postgres_a_schema_that_is_missing_or_postgresqls_own_is_refused() {
             .unwrap();
         assert_eq!(made, None, "{path}: nothing made");
     }
+    // An application's schema whose name begins with `pg` is not
+    // PostgreSQL's, under `standard_conforming_strings = off` too (where
+    // `LIKE 'pg\_%'` read `\_` as any character).
+    let schema = format!("pgapp_{}", idem_testkit::pg_schema(&url).await);
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
+        .await
+        .unwrap();
+    let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.options([
+            ("search_path", schema.as_str()),
+            ("standard_conforming_strings", "off"),
+        ]))
+        .await
+        .unwrap();
+    let store = PgStore::new(pool).with_table(None, &table).unwrap();
+    store.migrate().await.unwrap();
+    store.check_schema().await.unwrap();
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        .await
+        .unwrap();
 }
 
 /// With no schema configured, version 5 names the old expiry index bare,

@@ -1137,7 +1137,7 @@ impl Statements {
                          FROM pg_catalog.pg_namespace n WHERE n.oid = COALESCE((SELECT c.relnamespace \
                          FROM pg_catalog.pg_class c WHERE c.oid = to_regclass('{t}')), (SELECT m.oid \
                          FROM pg_catalog.pg_namespace m WHERE m.nspname = current_schema())) \
-                         AND (n.nspname = 'information_schema' OR n.nspname LIKE 'pg\\_%')) END"
+                         AND (n.nspname = 'information_schema' OR left(n.nspname, 3) = 'pg_')) END"
                     ),
                 }
             }),
