@@ -116,12 +116,8 @@ macro_rules! migrate_in {
             // types, no unique version) is refused too: PostgreSQL would
             // cast idem's numbers into it, and the table made beside it
             // would find its versions unreadable.
-            let why: Option<String> = if $crate::sql::probed!($tx, &sql.versions_shape) {
-                sqlx::query_scalar::<_, Option<String>>(sqlx::AssertSqlSafe(sql.versions_fit.as_str()))
-                    .fetch_optional(&mut *$tx)
-                    .await
-                    .map_err($crate::sql::map_err)?
-                    .flatten()
+            let why = if $crate::sql::probed!($tx, &sql.versions_shape) {
+                $crate::sql::reason(&mut *$tx, &sql.versions_fit).await?
             } else {
                 Some("it lacks version, name or applied_at".to_owned())
             };
@@ -436,6 +432,22 @@ where
     }
 }
 
+/// What a check statement (one row of one nullable text column) gives as
+/// the reason a table cannot serve, or `None`.
+pub(crate) async fn reason<'c, E, DB>(conn: E, check: &str) -> Result<Option<String>, StoreError>
+where
+    DB: sqlx::Database,
+    E: sqlx::Executor<'c, Database = DB>,
+    for<'r> (Option<String>,): sqlx::FromRow<'r, DB::Row>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    let (why,): (Option<String>,) = sqlx::query_as(sqlx::AssertSqlSafe(check))
+        .fetch_one(conn)
+        .await
+        .map_err(map_err)?;
+    Ok(why)
+}
+
 /// Refuses a table whose schema cannot hold it (PostgreSQL): a schema
 /// named that does not exist (`migrate()` makes tables, not schemas), no
 /// schema of the search path that exists, or one PostgreSQL keeps for
@@ -452,11 +464,7 @@ where
     let Some(query) = &sql.schema_problem else {
         return Ok(());
     };
-    let why: Option<(Option<String>,)> = sqlx::query_as(sqlx::AssertSqlSafe(query.as_str()))
-        .fetch_optional(conn)
-        .await
-        .map_err(map_err)?;
-    match why.and_then(|(why,)| why) {
+    match reason(conn, query).await? {
         None => Ok(()),
         Some(why) => Err(StoreError::backend(format!(
             "the table {} cannot be served: {why}; nothing was changed",
@@ -491,11 +499,7 @@ where
     DB::Arguments: sqlx::IntoArguments<DB>,
 {
     let why = if sql.checks_read {
-        let (why,): (Option<String>,) = sqlx::query_as(sqlx::AssertSqlSafe(check))
-            .fetch_one(conn)
-            .await
-            .map_err(map_err)?;
-        why
+        reason(conn, check).await?
     } else {
         match conn
             .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(check)))
@@ -528,11 +532,7 @@ where
     for<'r> (Option<String>,): sqlx::FromRow<'r, DB::Row>,
     DB::Arguments: sqlx::IntoArguments<DB>,
 {
-    let (why,): (Option<String>,) = sqlx::query_as(sqlx::AssertSqlSafe(sql.column_types.as_str()))
-        .fetch_one(conn)
-        .await
-        .map_err(map_err)?;
-    match why {
+    match reason(conn, &sql.column_types).await? {
         None => Ok(()),
         Some(why) => Err(StoreError::backend(format!(
             "the table {} cannot serve as it is: {why}. Change that by hand: migrate() changes no \

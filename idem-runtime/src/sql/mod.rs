@@ -19,8 +19,8 @@ mod sqlite_file;
 
 pub use migrate::Migration;
 pub(crate) use migrate::{
-    check_schema, found, migrate_in, migrations, newer_schema, probed, refuse_column_types, refuse_encoding,
-    refuse_found_elsewhere, refuse_schema, refuse_unreservable, schema_error,
+    check_schema, found, migrate_in, migrations, newer_schema, probed, reason, refuse_column_types,
+    refuse_encoding, refuse_found_elsewhere, refuse_schema, refuse_unreservable, schema_error,
 };
 #[cfg(feature = "sqlite")]
 pub(crate) use run::sqlite_busy_or_locked;
@@ -342,8 +342,10 @@ fn pg_versions_fit(v: &str) -> String {
     let on_version = "i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL \
                       AND i.indnkeyatts = 1 AND i.indkey[0] = (SELECT a.attnum FROM pg_catalog.pg_attribute a \
                       WHERE a.attrelid = c.oid AND a.attname = 'version')";
+    // One row whatever the catalog holds (a scalar subquery), as every
+    // check's reason is read.
     format!(
-        "WITH RECURSIVE cols (col, typ, typmod, depth) AS (SELECT a.attname::text, a.atttypid, a.atttypmod, 0 \
+        "SELECT (WITH RECURSIVE cols (col, typ, typmod, depth) AS (SELECT a.attname::text, a.atttypid, a.atttypmod, 0 \
          FROM pg_catalog.pg_attribute a WHERE a.attrelid = to_regclass('{v}') AND a.attnum > 0 \
          AND NOT a.attisdropped AND a.attname IN ('version', 'name', 'applied_at') \
          UNION ALL SELECT c.col, t.typbasetype, t.typtypmod, c.depth + 1 FROM cols c \
@@ -364,8 +366,34 @@ fn pg_versions_fit(v: &str) -> String {
          FROM pg_catalog.pg_class c, (SELECT string_agg(b.col, ', ' ORDER BY b.col) AS cols FROM base b \
          JOIN pg_catalog.pg_type t ON t.oid = b.typ WHERE NOT ((b.col <> 'name' \
          AND b.typ = 'pg_catalog.int8'::pg_catalog.regtype) OR (b.col = 'name' AND t.typcategory = 'S' \
-         AND (b.typmod IS NULL OR b.typmod - 4 >= 32)))) AS odd WHERE c.oid = to_regclass('{v}')"
+         AND (b.typmod IS NULL OR b.typmod - 4 >= 32)))) AS odd WHERE c.oid = to_regclass('{v}'))"
     )
+}
+
+/// PostgreSQL: why the table `t` cannot be served in its schema, or NULL
+/// (see [`refuse_schema`]): a schema named that does not exist; or, none
+/// named, no schema of the search path that exists, or one PostgreSQL
+/// keeps for itself (`information_schema`, `pg_...`) that the table is in
+/// or would be made in. The first three bytes are compared, not `LIKE
+/// 'pg\_%'`, whose backslash `standard_conforming_strings = off` reads
+/// otherwise; `Statements::new` refuses the same names given to it.
+fn pg_schema_problem(t: &str, schema: Option<&str>) -> String {
+    let advice = "set the search_path to a schema of the application''s, or name one (`with_table`)";
+    match schema {
+        Some(schema) => format!(
+            "SELECT CASE WHEN to_regnamespace('\"{schema}\"') IS NULL THEN 'the schema \"{schema}\" does not \
+             exist: create it first (migrate() makes idem''s tables, not their schema)' END"
+        ),
+        None => format!(
+            "SELECT CASE WHEN current_schema() IS NULL AND to_regclass('{t}') IS NULL THEN 'no schema of the \
+             connection''s search_path exists to make it in: {advice}' ELSE (SELECT 'it is, or would be \
+             made, in the schema ' || n.nspname || ', which is PostgreSQL''s own: {advice}' \
+             FROM pg_catalog.pg_namespace n WHERE n.oid = COALESCE((SELECT c.relnamespace \
+             FROM pg_catalog.pg_class c WHERE c.oid = to_regclass('{t}')), (SELECT m.oid \
+             FROM pg_catalog.pg_namespace m WHERE m.nspname = current_schema())) \
+             AND (n.nspname = 'information_schema' OR left(n.nspname, 3) = 'pg_')) END"
+        ),
+    }
 }
 
 /// SQLite: [`pg_versions_fit`]'s reasons for the table `name` in
@@ -1121,26 +1149,7 @@ impl Statements {
                 latest = d.latest
             ),
             encoding: d.encoding,
-            schema_problem: d.reserve_function.then(|| {
-                let own = "which is PostgreSQL''s own: set the search_path to a schema of the application''s, \
-                           or name one (`with_table`)";
-                match schema {
-                    Some(schema) => format!(
-                        "SELECT CASE WHEN to_regnamespace('\"{schema}\"') IS NULL THEN 'the schema \"{schema}\" \
-                         does not exist: create it first (migrate() makes idem''s tables, not their schema)' END"
-                    ),
-                    None => format!(
-                        "SELECT CASE WHEN current_schema() IS NULL AND to_regclass('{t}') IS NULL THEN 'no \
-                         schema of the connection''s search_path exists to make it in: set the search_path \
-                         to a schema of the application''s, or name one (`with_table`)' ELSE (SELECT 'it is, \
-                         or would be made, in the schema ' || n.nspname || ', {own}' \
-                         FROM pg_catalog.pg_namespace n WHERE n.oid = COALESCE((SELECT c.relnamespace \
-                         FROM pg_catalog.pg_class c WHERE c.oid = to_regclass('{t}')), (SELECT m.oid \
-                         FROM pg_catalog.pg_namespace m WHERE m.nspname = current_schema())) \
-                         AND (n.nspname = 'information_schema' OR left(n.nspname, 3) = 'pg_')) END"
-                    ),
-                }
-            }),
+            schema_problem: d.reserve_function.then(|| pg_schema_problem(&t, schema)),
             has_reserve_function: d.reserve_function.then(|| {
                 format!(
                     "SELECT to_regprocedure({function_ref}) \
