@@ -5596,3 +5596,180 @@ async fn until_waiting_for_a_lock(pool: &sqlx::PgPool, schema: &str, part: &str)
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// A commit that PostgreSQL refuses (a deferred constraint, a serialization
+/// failure) rolled the handler's transaction back, the completion with it:
+/// the client is told its changes were rolled back (not that the outcome
+/// is unknown), the key is let go, and a retry runs the operation again,
+/// once.
+mod a_commit_postgresql_refuses_was_rolled_back {
+    use super::*;
+    use idem_runtime::pause;
+
+    #[derive(Clone)]
+    struct Ledger {
+        pool: sqlx::PgPool,
+        schema: String,
+    }
+
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct Entry {
+        note: String,
+        /// Serializable, having read the ledger first.
+        serializable: bool,
+    }
+
+    #[idempotent(scope = "ledger.write", fields(note, serializable))]
+    async fn write(
+        State(ledger): State<Ledger>,
+        op: Operation,
+        Json(entry): Json<Entry>,
+    ) -> Result<(StatusCode, String), StatusCode> {
+        let failed = |_| StatusCode::INTERNAL_SERVER_ERROR;
+        let mut conn = op
+            .pg_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        if entry.serializable {
+            sqlx::raw_sql("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+                .execute(&mut *conn)
+                .await
+                .map_err(failed)?;
+            let _: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM \"{}\".ledger",
+                ledger.schema
+            )))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(failed)?;
+        }
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO \"{}\".ledger (note) VALUES ($1)",
+            ledger.schema
+        )))
+        .bind(&entry.note)
+        .execute(&mut *conn)
+        .await
+        .map_err(failed)?;
+        Ok((StatusCode::CREATED, entry.note))
+    }
+
+    /// The ledger (each note once, checked at commit), the store, and the
+    /// service's address.
+    async fn ledger() -> Option<(Ledger, idem::PgStore, std::net::SocketAddr)> {
+        let url = idem_testkit::pg_url()?;
+        let schema = idem_testkit::pg_schema(&url).await;
+        let store = idem_testkit::pg_store_in(&url, &schema, 10).await;
+        let pool = store.pool().clone();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE \"{schema}\".ledger (note TEXT NOT NULL, \
+             CONSTRAINT once UNIQUE (note) DEFERRABLE INITIALLY DEFERRED)"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let ledger = Ledger { pool, schema };
+        let app = Router::new()
+            .route("/ledger", post(write))
+            .layer(Idem::new(store.clone()).single_tenant().layer())
+            .with_state(ledger.clone());
+        Some((ledger, store, serve(app).await))
+    }
+
+    impl Ledger {
+        async fn run(&self, sql: &str) {
+            let sql = sql.replace("ledger", &format!("\"{}\".ledger", self.schema));
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&self.pool)
+                .await
+                .unwrap();
+        }
+
+        async fn notes(&self) -> Vec<String> {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT note FROM \"{}\".ledger ORDER BY note",
+                self.schema
+            )))
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
+        }
+    }
+
+    /// 503, its changes said to be rolled back, and the key let go (not
+    /// completed, no lock left).
+    async fn rolled_back(answer: &idem_testkit::http::Reply, store: &idem::PgStore, key: &str) {
+        assert_eq!(answer.status, 503, "{answer:?}");
+        assert_eq!(answer.problem(), "idempotency-store-unavailable");
+        let detail = answer.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("rolled back"), "{detail}");
+        let row = idem_testkit::records::pg_row(store, &RecordId::new("", "ledger.write", key)).await;
+        let (state, token, _) = row.expect("the record");
+        assert_ne!(state, "completed");
+        assert_eq!(token, None, "a lock left that no execution holds");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_deferred_constraint() {
+        let Some((ledger, store, addr)) = ledger().await else {
+            return;
+        };
+        ledger.run("INSERT INTO ledger VALUES ('taken')").await;
+        let key = "k-deferred";
+        let request = || post_req("/ledger", r#"{"note":"taken","serializable":false}"#).key(key);
+        rolled_back(&request().send(addr).await, &store, key).await;
+        // Refused again as long as the note is taken: never a 409.
+        rolled_back(&request().send(addr).await, &store, key).await;
+        assert_eq!(ledger.notes().await, ["taken"]);
+
+        ledger.run("DELETE FROM ledger").await;
+        let retry = request().send(addr).await;
+        assert_eq!(retry.status, 201, "{retry:?}");
+        assert_eq!(retry.header("idempotent-replayed"), None);
+        let replay = request().send(addr).await;
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        assert_eq!(replay.body, retry.body);
+        assert_eq!(ledger.notes().await, ["taken"], "one write of the operation's");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_serialization_failure() {
+        let Some((ledger, store, addr)) = ledger().await else {
+            return;
+        };
+        let key = "k-serializable";
+        let request = || post_req("/ledger", r#"{"note":"mine","serializable":true}"#).key(key);
+        let mut paused = pause::arm(pause::TX_BEFORE_COMMIT, key);
+        let first = {
+            let request = request();
+            tokio::spawn(async move { request.send(addr).await })
+        };
+        paused.reached().await;
+        // Another serializable writer reads what the handler wrote to and
+        // writes what it read, and commits first: the handler's commit
+        // closes a cycle, and PostgreSQL refuses it.
+        let mut other = ledger.pool.begin().await.unwrap();
+        for sql in [
+            "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE".to_owned(),
+            format!("SELECT count(*) FROM \"{}\".ledger", ledger.schema),
+            format!("INSERT INTO \"{}\".ledger VALUES ('theirs')", ledger.schema),
+        ] {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&mut *other)
+                .await
+                .unwrap();
+        }
+        other.commit().await.unwrap();
+        paused.resume();
+        rolled_back(&first.await.unwrap(), &store, key).await;
+        assert_eq!(ledger.notes().await, ["theirs"]);
+
+        let retry = request().send(addr).await;
+        assert_eq!(retry.status, 201, "{retry:?}");
+        assert_eq!(retry.header("idempotent-replayed"), None);
+        assert_eq!(ledger.notes().await, ["mine", "theirs"]);
+        let replay = request().send(addr).await;
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        assert_eq!(ledger.notes().await, ["mine", "theirs"]);
+    }
+}

@@ -99,10 +99,23 @@ fn completing<'a>(
                 );
                 Box::pin(complete(engine, info, lock_timeout, stored)).await
             }
-            Err(failure @ (TxFailure::Failed | TxFailure::NotCommitted(_))) => {
+            Err(failure @ (TxFailure::Failed | TxFailure::NotCommitted(_) | TxFailure::CommitRefused(_))) => {
                 // Nothing of this execution committed: the retry runs it again.
                 record(Outcome::Released);
                 match failure {
+                    TxFailure::CommitRefused(e) => {
+                        let hint = if e.to_string().contains("could not serialize") {
+                            " (the transaction runs above READ COMMITTED, and another transaction's writes \
+                             conflicted with what it read or wrote; a retry runs the operation again)"
+                        } else {
+                            ""
+                        };
+                        tracing::error!(
+                            error = %e,
+                            "PostgreSQL refused the commit of the handler's transaction: its writes and the \
+                             completion were rolled back{hint}"
+                        )
+                    }
                     TxFailure::NotCommitted(e) => {
                         // PostgreSQL's words for it, as sqlx passes them on.
                         let hint = if e.to_string().contains("could not serialize") {

@@ -251,6 +251,12 @@ pub(crate) enum TxFailure {
     Failed,
     /// The commit itself failed: whether it took effect is unknown.
     Unknown(StoreError),
+    /// PostgreSQL refused the commit (an error it answered it with: a
+    /// serialization failure, a deferred constraint, a deadlock): the
+    /// transaction was rolled back, the handler's writes and the
+    /// completion with it.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    CommitRefused(StoreError),
     /// The handler's transaction had ended before the outcome (SQLite
     /// ended it by itself, see [`sqlite_transaction_lost`]; on PostgreSQL
     /// idem's mark was gone, see `PgStands`: a begin of the handler's given
@@ -456,9 +462,9 @@ async fn complete_pg(
     }
     if pg_depth(&tx) == 1 {
         return deadline
-            .bound(async { tx.commit().await.map_err(crate::sql::map_err) })
+            .bound(async { Ok(tx.commit().await.map_err(pg_commit_failed)) })
             .await
-            .map_err(TxFailure::Unknown);
+            .unwrap_or_else(|e| Err(TxFailure::Unknown(e)));
     }
     // sqlx counts other than the one level of idem's transaction (a nested
     // transaction the handler left open, or a count a cut begin moved): its
@@ -467,16 +473,34 @@ async fn complete_pg(
     // let go after it (see `pg_let_go`).
     let committed = deadline
         .bound(async {
-            sqlx::raw_sql("COMMIT")
+            Ok(sqlx::raw_sql("COMMIT")
                 .execute(&mut *tx)
                 .await
                 .map(drop)
-                .map_err(crate::sql::map_err)
+                .map_err(pg_commit_failed))
         })
         .await
-        .map_err(TxFailure::Unknown);
+        .unwrap_or_else(|e| Err(TxFailure::Unknown(e)));
     pg_let_go(tx);
     committed
+}
+
+/// How a `COMMIT` that failed with `e` left the transaction: refused
+/// ([`TxFailure::CommitRefused`]) where PostgreSQL answered it with an
+/// error of severity `ERROR`, which rolls the transaction back (none is
+/// raised once a commit is recorded); unknown otherwise (a lost
+/// connection, or a `FATAL` error, which ends the session, possibly after
+/// the commit).
+#[cfg(feature = "postgres")]
+fn pg_commit_failed(e: sqlx::Error) -> TxFailure {
+    let refused = e
+        .as_database_error()
+        .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .is_some_and(|d| d.severity() == sqlx::postgres::PgSeverity::Error);
+    match crate::sql::map_err(e) {
+        e if refused => TxFailure::CommitRefused(e),
+        e => TxFailure::Unknown(e),
+    }
 }
 
 /// [`PendingTx::rollback`] on PostgreSQL, after reading idem's mark (see
