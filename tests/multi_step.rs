@@ -5773,3 +5773,87 @@ mod a_commit_postgresql_refuses_was_rolled_back {
         assert_eq!(ledger.notes().await, ["mine", "theirs"]);
     }
 }
+
+/// On SQLite, a deferred foreign key that the `COMMIT` of the handler's
+/// transaction finds broken fails the commit and leaves the transaction
+/// open, which idem then rolls back: as on PostgreSQL, the client is told
+/// its changes were rolled back, and a retry runs the operation again,
+/// once.
+mod a_commit_sqlite_refuses_was_rolled_back {
+    use super::*;
+
+    #[derive(serde::Deserialize, serde::Serialize)]
+    struct Line {
+        order: i64,
+    }
+
+    #[idempotent(scope = "line.add", fields(order))]
+    async fn add(op: Operation, Json(line): Json<Line>) -> Result<(StatusCode, String), StatusCode> {
+        let mut conn = op
+            .sqlite_transaction()
+            .await
+            .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+        sqlx::query("INSERT INTO lines (order_id) VALUES (?1)")
+            .bind(line.order)
+            .execute(&mut *conn)
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        Ok((StatusCode::CREATED, format!("line of {}", line.order)))
+    }
+
+    #[tokio::test]
+    async fn sqlite_a_deferred_foreign_key() {
+        let (store, _dir) = idem_testkit::sqlite_store().await;
+        let pool = store.pool().clone();
+        sqlx::raw_sql(
+            "CREATE TABLE orders (id INTEGER PRIMARY KEY); \
+             CREATE TABLE lines (order_id INTEGER NOT NULL \
+             REFERENCES orders (id) DEFERRABLE INITIALLY DEFERRED)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let app = Router::new()
+            .route("/lines", post(add))
+            .layer(Idem::new(store).single_tenant().layer());
+        let addr = serve(app).await;
+        let lines = || async {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM lines")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            n
+        };
+        let record = || async {
+            let row: (String, Option<String>) =
+                sqlx::query_as("SELECT state, lock_token FROM idempotency_keys WHERE key = 'k-line'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            row
+        };
+        let request = || post_req("/lines", r#"{"order":7}"#).key("k-line");
+        for _ in 0..2 {
+            let refused = request().send(addr).await;
+            assert_eq!(refused.status, 503, "{refused:?}");
+            assert_eq!(refused.problem(), "idempotency-store-unavailable");
+            let detail = refused.json()["detail"].as_str().unwrap().to_owned();
+            assert!(detail.contains("rolled back"), "{detail}");
+            assert_eq!(lines().await, 0);
+            let (state, token) = record().await;
+            assert_ne!(state, "completed");
+            assert_eq!(token, None, "a lock left that no execution holds");
+        }
+
+        sqlx::query("INSERT INTO orders (id) VALUES (7)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let retry = request().send(addr).await;
+        assert_eq!(retry.status, 201, "{retry:?}");
+        assert_eq!(retry.header("idempotent-replayed"), None);
+        let replay = request().send(addr).await;
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        assert_eq!(lines().await, 1);
+    }
+}

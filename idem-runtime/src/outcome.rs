@@ -112,7 +112,7 @@ fn completing<'a>(
                         };
                         tracing::error!(
                             error = %e,
-                            "PostgreSQL refused the commit of the handler's transaction: its writes and the \
+                            "the database refused the commit of the handler's transaction: its writes and the \
                              completion were rolled back{hint}"
                         )
                     }

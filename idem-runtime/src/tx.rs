@@ -251,11 +251,11 @@ pub(crate) enum TxFailure {
     Failed,
     /// The commit itself failed: whether it took effect is unknown.
     Unknown(StoreError),
-    /// PostgreSQL refused the commit (an error it answered it with: a
-    /// serialization failure, a deferred constraint, a deadlock): the
-    /// transaction was rolled back, the handler's writes and the
-    /// completion with it.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    /// The database refused the commit (PostgreSQL answered it with an
+    /// error: a serialization failure, a deferred constraint, a deadlock;
+    /// SQLite found a deferred foreign key broken): the transaction was
+    /// rolled back, the handler's writes and the completion with it.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     CommitRefused(StoreError),
     /// The handler's transaction had ended before the outcome (SQLite
     /// ended it by itself, see [`sqlite_transaction_lost`]; on PostgreSQL
@@ -651,18 +651,29 @@ async fn complete_sqlite(
     // would be closed (losing a database in memory).
     let commit = tokio::spawn(crate::sql::sqlite::Finishing::new(async move {
         let committed = async {
+            let unknown = |e| TxFailure::Unknown(crate::sql::map_err(e));
             let depth = tx.depth();
-            let conn = tx.conn()?;
+            let conn = tx.conn().map_err(TxFailure::Unknown)?;
             for level in 1..depth {
                 sqlx::raw_sql(sqlx_core::transaction::begin_ansi_transaction_sql(level))
                     .execute(&mut *conn)
                     .await
-                    .map_err(crate::sql::map_err)?;
+                    .map_err(unknown)?;
             }
             for _ in 1..depth {
-                Manager::commit(&mut *conn).await.map_err(crate::sql::map_err)?;
+                Manager::commit(&mut *conn).await.map_err(unknown)?;
             }
-            Manager::commit(conn).await.map_err(crate::sql::map_err)
+            // A deferred foreign key broken at the commit fails it, and
+            // SQLite keeps the transaction open: it is rolled back below.
+            Manager::commit(conn).await.map_err(|e| {
+                let refused = e
+                    .as_database_error()
+                    .is_some_and(|d| d.kind() == sqlx::error::ErrorKind::ForeignKeyViolation);
+                match crate::sql::map_err(e) {
+                    e if refused => TxFailure::CommitRefused(e),
+                    e => TxFailure::Unknown(e),
+                }
+            })
         }
         .await;
         if committed.is_err() {
@@ -672,12 +683,14 @@ async fn complete_sqlite(
     }));
     deadline
         .bound(async {
-            commit
-                .await
-                .unwrap_or_else(|e| Err(StoreError::unavailable(format!("the commit's task ended: {e}"))))
+            Ok(commit.await.unwrap_or_else(|e| {
+                Err(TxFailure::Unknown(StoreError::unavailable(format!(
+                    "the commit's task ended: {e}"
+                ))))
+            }))
         })
         .await
-        .map_err(TxFailure::Unknown)
+        .unwrap_or_else(|e| Err(TxFailure::Unknown(e)))
 }
 
 #[cfg(test)]
