@@ -738,7 +738,14 @@ impl PgStore {
             let mut tx = begin_to_its_answer(&self.pool, None).await?;
             // Errors here, a wait for the migration lock that the session's
             // own `lock_timeout` ended included, are returned as they are.
-            sqlx::query("SELECT pg_advisory_xact_lock(7319002151)")
+            // The notices of the migrations' `IF NOT EXISTS` and `IF
+            // EXISTS` ("relation ... already exists, skipping"), which sqlx
+            // logs, are not sent: warnings are (errors alone, where the
+            // session asked for that).
+            sqlx::query(
+                "SELECT pg_advisory_xact_lock(7319002151), set_config('client_min_messages', \
+                 CASE current_setting('client_min_messages') WHEN 'error' THEN 'error' ELSE 'warning' END, true)",
+            )
                 .execute(&mut *tx)
                 .await
                 .map_err(sql::map_err)?;
