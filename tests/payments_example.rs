@@ -405,6 +405,42 @@ async fn text_no_database_can_hold_is_refused_before_any_charge(store: Store) {
             .await;
         assert_eq!(refund.status, 404, "{refund:?}");
     }
+    // An id that is not UTF-8 once decoded is an id the service never
+    // makes: its 404 problem, not the router's plain-text 400.
+    let not_found = |r: &Reply| {
+        assert_eq!(
+            (r.status, r.json()["type"].as_str()),
+            (404, Some("urn:payments:problem:payment-not-found")),
+            "{r:?}"
+        );
+    };
+    for path in ["/v1/payments/%FF", "/v1/payments/pay_%C3%28"] {
+        not_found(&get(path).bearer(&tenant).send(svc.addr).await);
+    }
+    for _ in 0..2 {
+        let refund = post("/v1/payments/%FF/refunds", r#"{"amount": 1}"#)
+            .bearer(&tenant)
+            .key("k-not-utf8-refund")
+            .send(svc.addr)
+            .await;
+        not_found(&refund);
+    }
+    let replayed = post("/v1/payments/%FF/refunds", r#"{"amount": 1}"#)
+        .bearer(&tenant)
+        .key("k-not-utf8-refund")
+        .send(svc.addr)
+        .await;
+    assert_eq!(
+        replayed.header("idempotent-replayed"),
+        Some("true"),
+        "stored: {replayed:?}"
+    );
+    let other = post("/v1/payments/%FE/refunds", r#"{"amount": 1}"#)
+        .bearer(&tenant)
+        .key("k-not-utf8-refund")
+        .send(svc.addr)
+        .await;
+    assert_eq!(other.status, 422, "another path under the key: {other:?}");
 }
 
 // Each scenario on a temporary SQLite file and on PostgreSQL.

@@ -96,7 +96,7 @@ async fn create_payment(
 #[idempotent(scope = "refund.create", fields(amount))]
 async fn create_refund(
     State(app): State<App>,
-    Path(payment_id): Path<String>,
+    PaymentId(payment_id): PaymentId,
     op: Operation,
     ApiJson(r): ApiJson<RefundIn>,
 ) -> Result<Created<Refund>, ApiError> {
@@ -242,7 +242,7 @@ async fn gateway_charge(
 async fn get_payment(
     State(app): State<App>,
     Extension(tenant): Extension<Tenant>,
-    Path(id): Path<String>,
+    PaymentId(id): PaymentId,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let found = match possible_payment_id(&id) {
         true => app.db.payment(&id, tenant.as_str()).await?,
@@ -395,6 +395,34 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<
 
 impl<T> idem::FingerprintBody for ApiJson<T> {
     const FORMAT: idem::BodyFormat = idem::BodyFormat::Json;
+}
+
+/// The `{id}` of a payment's path. One that is not UTF-8 once decoded is
+/// an id the service never makes: it reads as the empty id, which names
+/// no payment (404, as for any other), rather than as the router's
+/// plain-text 400. idem fingerprints the path as the client sent it.
+struct PaymentId(String);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for PaymentId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
+        use axum::extract::path::ErrorKind;
+        use axum::extract::rejection::PathRejection;
+        match Path::<String>::from_request_parts(parts, state).await {
+            Ok(Path(id)) => Ok(PaymentId(id)),
+            Err(PathRejection::FailedToDeserializePathParams(e))
+                if matches!(e.kind(), ErrorKind::InvalidUtf8InPathParam { .. }) =>
+            {
+                Ok(PaymentId(String::new()))
+            }
+            Err(refused) => Err(ApiError::problem(
+                refused.status(),
+                "invalid-path",
+                &refused.body_text(),
+            )),
+        }
+    }
 }
 
 #[derive(Debug)]
