@@ -130,8 +130,8 @@ pub struct MemoryStore {
     hasher: std::hash::RandomState,
     /// Where the last purge that filled its batch stopped: a shard (the
     /// high 16 bits) and a bucket of its table (the rest), where the next
-    /// one starts, so that a janitor's round reads each record about once
-    /// whatever its batch (see [`purge_expired`](IdempotencyStore::purge_expired)).
+    /// one starts, so that a janitor's round reads each bucket about twice
+    /// whatever its batch, not once per batch (see `purge_round`).
     purge_from: std::sync::atomic::AtomicU64,
     /// How many of its tables' buckets purges have read (for tests).
     #[cfg(feature = "pause-points")]
