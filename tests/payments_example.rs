@@ -417,29 +417,27 @@ async fn text_no_database_can_hold_is_refused_before_any_charge(store: Store) {
     for path in ["/v1/payments/%FF", "/v1/payments/pay_%C3%28"] {
         not_found(&get(path).bearer(&tenant).send(svc.addr).await);
     }
+    let (tenant, addr) = (&tenant, svc.addr);
+    let refund = |payment: &str| {
+        let path = format!("/v1/payments/{payment}/refunds");
+        async move {
+            post(&path, r#"{"amount": 1}"#)
+                .bearer(tenant)
+                .key("k-not-utf8-refund")
+                .send(addr)
+                .await
+        }
+    };
     for _ in 0..2 {
-        let refund = post("/v1/payments/%FF/refunds", r#"{"amount": 1}"#)
-            .bearer(&tenant)
-            .key("k-not-utf8-refund")
-            .send(svc.addr)
-            .await;
-        not_found(&refund);
+        not_found(&refund("%FF").await);
     }
-    let replayed = post("/v1/payments/%FF/refunds", r#"{"amount": 1}"#)
-        .bearer(&tenant)
-        .key("k-not-utf8-refund")
-        .send(svc.addr)
-        .await;
+    let replayed = refund("%FF").await;
     assert_eq!(
         replayed.header("idempotent-replayed"),
         Some("true"),
         "stored: {replayed:?}"
     );
-    let other = post("/v1/payments/%FE/refunds", r#"{"amount": 1}"#)
-        .bearer(&tenant)
-        .key("k-not-utf8-refund")
-        .send(svc.addr)
-        .await;
+    let other = refund("%FE").await;
     assert_eq!(other.status, 422, "another path under the key: {other:?}");
 }
 
