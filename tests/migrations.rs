@@ -838,12 +838,8 @@ async fn postgres_a_migrations_table_of_someone_elses_is_refused_by_name() {
                 && err.contains("with_table"),
             "{made}: {err}"
         );
-        let made_table: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
-            .bind(format!("\"{schema}\".idempotency_keys"))
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-        assert_eq!(made_table, None, "{made}: nothing made");
+        let found = regclass(&pool, &format!("\"{schema}\".idempotency_keys")).await;
+        assert_eq!(found, None, "{made}: nothing made");
     }
     // Made by hand as idem would, with a domain over a domain over bigint
     // and a varchar name: taken.
@@ -1021,12 +1017,11 @@ async fn postgres_a_schema_that_is_missing_or_postgresqls_own_is_refused() {
                 "{path}: {err}"
             );
         }
-        let made: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
-            .bind(format!("\"{table}\""))
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-        assert_eq!(made, None, "{path}: nothing made");
+        assert_eq!(
+            regclass(&pool, &format!("\"{table}\"")).await,
+            None,
+            "{path}: nothing made"
+        );
     }
     // An application's schema whose name begins with `pg` is not
     // PostgreSQL's, under `standard_conforming_strings = off` too (where
@@ -3244,4 +3239,13 @@ async fn postgres_a_role_is_judged_by_the_rights_it_has() {
         err.contains("this role may not insert, update and delete"),
         "{err}"
     );
+}
+
+/// The relation `name` names, as PostgreSQL finds it; `None` where none.
+async fn regclass(pool: &sqlx::PgPool, name: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }

@@ -272,6 +272,19 @@ pub(crate) enum TxFailure {
     Unclear(StoreError),
 }
 
+impl TxFailure {
+    /// A failed commit: [`CommitRefused`](TxFailure::CommitRefused) where
+    /// the database `refused` it (and so rolled it back), else
+    /// [`Unknown`](TxFailure::Unknown).
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    fn of_commit(e: StoreError, refused: bool) -> Self {
+        match refused {
+            true => TxFailure::CommitRefused(e),
+            false => TxFailure::Unknown(e),
+        }
+    }
+}
+
 /// Whether SQLite ended the handler's transaction by itself. It does so on
 /// some errors (a trigger's `RAISE(ROLLBACK)`, a constraint's `ON CONFLICT
 /// ROLLBACK`, a full disk, an I/O error), after which each statement on the
@@ -497,10 +510,7 @@ fn pg_commit_failed(e: sqlx::Error) -> TxFailure {
         .as_database_error()
         .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
         .is_some_and(|d| d.severity() == sqlx::postgres::PgSeverity::Error);
-    match crate::sql::map_err(e) {
-        e if refused => TxFailure::CommitRefused(e),
-        e => TxFailure::Unknown(e),
-    }
+    TxFailure::of_commit(crate::sql::map_err(e), refused)
 }
 
 /// [`PendingTx::rollback`] on PostgreSQL, after reading idem's mark (see
@@ -669,10 +679,7 @@ async fn complete_sqlite(
                 let refused = e
                     .as_database_error()
                     .is_some_and(|d| d.kind() == sqlx::error::ErrorKind::ForeignKeyViolation);
-                match crate::sql::map_err(e) {
-                    e if refused => TxFailure::CommitRefused(e),
-                    e => TxFailure::Unknown(e),
-                }
+                TxFailure::of_commit(crate::sql::map_err(e), refused)
             })
         }
         .await;
