@@ -989,10 +989,11 @@ async fn postgres_a_statement_whose_session_ends_while_it_waits_runs_again() {
     let name = idem_testkit::unique("idem_gone_w");
     let store = Arc::new(named_pg_store(&url, &schema, &name).await);
     let watcher = sqlx::PgPool::connect(&url).await.unwrap();
-    // Three connections in the pool, idle: a statement's second try, and
+    // Four connections in the pool, idle: the store's first reservation
+    // takes one for its lock extensions, and a statement's second try, and
     // the completion that follows the one that skips the held row, each
-    // find one.
-    let lent: Vec<_> = futures_util::future::join_all((0..3).map(|_| store.pool().acquire())).await;
+    // find one of the rest.
+    let lent: Vec<_> = futures_util::future::join_all((0..4).map(|_| store.pool().acquire())).await;
     drop(lent);
 
     // The reservation: its insert waits for another transaction's.

@@ -126,6 +126,27 @@ pub struct PgStore {
     /// store's clones.
     #[cfg_attr(not(feature = "axum"), allow(dead_code))]
     in_tx: std::sync::Arc<InTx>,
+    /// The connection the lock extensions fall back on, shared by the
+    /// store's clones.
+    spare: std::sync::Arc<Spare>,
+}
+
+/// A connection of the store's own for its lock extensions, taken from the
+/// pool and detached from it (the pool may then open another in its
+/// place), at the first reservation that finds none: handlers that hold
+/// every connection of the pool (each in its transaction) would otherwise
+/// leave the extensions of the leases they run under nothing to run on,
+/// and a living execution would count as lost, its key taken over by a
+/// retry while it still runs. An extension runs on an idle connection of
+/// the pool when there is one, on this one otherwise, and on one the pool
+/// lends when it is not there (not yet taken, or gone: the next
+/// reservation takes another).
+#[derive(Default)]
+struct Spare {
+    connection: std::sync::Arc<tokio::sync::Mutex<Option<sqlx::PgConnection>>>,
+    /// Whether `connection` holds one (read without its lock, on every
+    /// reservation's path).
+    held: std::sync::atomic::AtomicBool,
 }
 
 /// The completion a handler's transaction writes, whose search path is the
@@ -490,6 +511,81 @@ impl PgStore {
         self.pool.acquire().await.map_err(sql::map_err)
     }
 
+    /// Takes the store's spare connection for its lock extensions (see
+    /// [`Spare`]) when it has none: an idle one of the pool at once, else
+    /// the next the pool lends, in a task of its own (the reservation that
+    /// finds none never waits for it). Not for a store whose every
+    /// statement takes a tested connection, nor outside a runtime.
+    fn keep_spare(&self) {
+        use std::sync::atomic::Ordering;
+        if self.tested || self.spare.held.load(Ordering::Acquire) || self.pool.is_closed() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let Ok(mut held) = self.spare.connection.clone().try_lock_owned() else {
+            // Being taken.
+            return;
+        };
+        if held.is_some() {
+            return;
+        }
+        if let Some(idle) = self.pool.try_acquire() {
+            *held = Some(idle.detach());
+            self.spare.held.store(true, Ordering::Release);
+            return;
+        }
+        let (pool, spare, timeout) = (self.pool.clone(), self.spare.clone(), self.timeout);
+        drop(runtime.spawn(async move {
+            if held.is_some() {
+                return;
+            }
+            if let Ok(Ok(connection)) = tokio::time::timeout(timeout, pool.acquire()).await {
+                *held = Some(connection.detach());
+                spare.held.store(true, Ordering::Release);
+            }
+        }));
+    }
+
+    /// A lock extension's statement, built by `statement`: on an idle
+    /// connection of the pool, else on the store's spare (see [`Spare`]),
+    /// else on one the pool lends. A connection found gone is not tried
+    /// again: the extension, fenced by its token and setting the deadline
+    /// from the database's clock, runs on the next.
+    async fn run_extension<'q>(
+        &self,
+        statement: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<sqlx::postgres::PgQueryResult, StoreError> {
+        use std::sync::atomic::Ordering;
+        if !self.tested && !self.pool.is_closed() {
+            if let Some(mut idle) = self.pool.try_acquire() {
+                match statement().execute(&mut *idle).await.map_err(sql::map_wait_err) {
+                    Err(e) if connection_gone(&e) => {}
+                    done => return done,
+                }
+            }
+            if self.spare.held.load(Ordering::Acquire) {
+                let mut spare = self.spare.connection.lock().await;
+                if let Some(connection) = spare.as_mut() {
+                    match statement()
+                        .execute(&mut *connection)
+                        .await
+                        .map_err(sql::map_wait_err)
+                    {
+                        Err(e) if connection_gone(&e) => {
+                            *spare = None;
+                            self.spare.held.store(false, Ordering::Release);
+                        }
+                        done => return done,
+                    }
+                }
+            }
+        }
+        let mut lent = self.lent_connection().await?;
+        statement().execute(&mut *lent).await.map_err(sql::map_wait_err)
+    }
+
     /// The statements of a keyed request as this store runs them (binds
     /// `$1`..: see docs/PROTOCOL.md), and the parts the reservation is made
     /// of, for measuring them on the database alone (`bench --pgbench`).
@@ -678,6 +774,7 @@ impl PgStore {
             tested: false,
             statements: std::sync::Arc::default(),
             in_tx: std::sync::Arc::new(in_tx),
+            spare: std::sync::Arc::default(),
         })
     }
 
@@ -1825,6 +1922,7 @@ impl IdempotencyStore for PgStore {
         }
         // Before anything is sent: the lock of a key taken is counted from here.
         let sent = std::time::Instant::now();
+        self.keep_spare();
         Box::pin(async move {
             self.first_runtime.note(&self.sql.table);
             // On the caller's runtime: the pool's connections are registered

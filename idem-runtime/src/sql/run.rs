@@ -345,23 +345,23 @@ macro_rules! complete_with {
         }
 
         /// Moves the lock deadline of the record `token` owns to
-        /// `lock_timeout` from now, on the pool; says how many rows it
-        /// changed.
+        /// `lock_timeout` from now, on the connection the store gives its
+        /// extensions (`run_extension`); says how many rows it changed.
         async fn extend_write(
             &self,
             id: &$crate::store::RecordId,
             token: &str,
             lock_timeout: std::time::Duration,
         ) -> Result<u64, $crate::StoreError> {
-            let done = sqlx::query(sqlx::AssertSqlSafe(self.fenced_writes().extend.as_str()))
-                .bind(&id.tenant)
-                .bind(&id.scope)
-                .bind(&id.key)
-                .bind(token)
-                .bind($crate::sql::millis(lock_timeout))
-                .execute(&self.pool)
-                .await
-                .map_err($crate::sql::map_wait_err)?;
+            let extend = || {
+                sqlx::query(sqlx::AssertSqlSafe(self.fenced_writes().extend.as_str()))
+                    .bind(&id.tenant)
+                    .bind(&id.scope)
+                    .bind(&id.key)
+                    .bind(token)
+                    .bind($crate::sql::millis(lock_timeout))
+            };
+            let done = self.run_extension(extend).await?;
             Ok(done.rows_affected())
         }
 

@@ -1,0 +1,166 @@
+//! PostgreSQL: executions whose handlers hold every connection of the
+//! store's pool (each in its own transaction) keep their leases. The lock
+//! extensions fall back on a connection the store keeps of its own, so a
+//! living execution is never counted as lost for want of a connection,
+//! and a retry sent to another server meanwhile is answered 409, never run.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::Router;
+use idem::{idempotent, Idem, Operation};
+use idem_testkit::http::post as post_req;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+
+const LOCK: Duration = Duration::from_millis(600);
+
+#[derive(Clone)]
+struct Gates {
+    /// One permit per handler inside its open transaction.
+    in_tx: Arc<Semaphore>,
+    /// Lets the handlers return.
+    done: Arc<Semaphore>,
+    runs: Arc<AtomicU32>,
+}
+
+impl Gates {
+    fn new() -> Self {
+        Gates {
+            in_tx: Arc::new(Semaphore::new(0)),
+            done: Arc::new(Semaphore::new(0)),
+            runs: Arc::default(),
+        }
+    }
+}
+
+/// Opens its transaction (a connection of the store's pool), writes in it,
+/// and holds it until the test lets it go; says whether it was told its
+/// lease was lost meanwhile.
+#[idempotent(scope = "pool.tx", lock_timeout = "600ms")]
+async fn holds_tx(State(g): State<Gates>, op: Operation) -> (StatusCode, String) {
+    let run = g.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let mut tx = op.pg_transaction().await.expect("the transaction opens");
+    sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+    g.in_tx.add_permits(1);
+    let told_lost = tokio::select! {
+        () = op.lease_lost() => true,
+        _ = g.done.acquire() => false,
+    };
+    drop(tx);
+    (StatusCode::CREATED, format!("run {run}, told lost: {told_lost}"))
+}
+
+fn app(store: idem::PgStore, gates: &Gates) -> Router {
+    Router::new()
+        .route("/tx", post(holds_tx))
+        .layer(Idem::new(store).single_tenant().layer())
+        .with_state(gates.clone())
+}
+
+/// Waits until the lock of `key` has been extended to more than three lock
+/// timeouts past its first deadline (the extensions ran while the
+/// handlers held the pool), or `running` says its request ended first.
+async fn extended_three_times(pool: &sqlx::PgPool, schema: &str, key: &str, running: impl Fn() -> bool) {
+    let deadline = |pool: &sqlx::PgPool| {
+        let sql = format!(
+            "SELECT date_part('epoch', lock_expires_at)::float8 FROM \"{schema}\".idempotency_keys \
+             WHERE key = '{key}' AND lock_token IS NOT NULL"
+        );
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, f64>(sqlx::AssertSqlSafe(sql))
+                .fetch_optional(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let first = deadline(pool).await.expect("the record is locked");
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(
+            running(),
+            "the request of {key} ended while its handler held its transaction"
+        );
+        match deadline(pool).await {
+            Some(now) if now > first + 3.0 * LOCK.as_secs_f64() => return,
+            Some(_) => {}
+            None => panic!("the lock of {key} is gone while its handler runs"),
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the lock of {key} was not extended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_handlers_holding_every_pooled_connection_keep_their_leases() {
+    let url = idem_testkit::pg_url().expect("DATABASE_URL");
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2)
+        .await
+        .with_timeout(Duration::from_secs(2));
+    let observer = sqlx::PgPool::connect(&url).await.unwrap();
+    let gates = Gates::new();
+    let addr = idem_testkit::http::serve(app(store, &gates)).await;
+    let keys: [&'static str; 2] = ["pool-full-0", "pool-full-1"];
+    let sent: Vec<_> = keys
+        .iter()
+        .map(|&key| tokio::spawn(async move { post_req("/tx", "").key(key).send(addr).await }))
+        .collect();
+    // Both handlers hold their transactions: the pool of 2 has no
+    // connection left.
+    let _both = gates.in_tx.acquire_many(2).await.unwrap();
+    for (key, request) in keys.iter().zip(&sent) {
+        extended_three_times(&observer, &schema, key, || !request.is_finished()).await;
+    }
+    gates.done.add_permits(2);
+    for request in sent {
+        let answer = request.await.unwrap();
+        let body = String::from_utf8_lossy(&answer.body).into_owned();
+        assert_eq!(answer.status, 201, "{body}");
+        assert!(body.ends_with("told lost: false"), "{body}");
+    }
+    assert_eq!(gates.runs.load(Ordering::SeqCst), 2);
+}
+
+/// Two servers on one table: the first's handler holds the only
+/// connection of its store's pool; the same request sent to the second
+/// while it runs is 409, and its retry afterwards replays the one run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_retry_elsewhere_is_409_while_an_execution_holds_its_pool() {
+    let url = idem_testkit::pg_url().expect("DATABASE_URL");
+    let schema = idem_testkit::pg_schema(&url).await;
+    let one = idem_testkit::pg_store_in(&url, &schema, 1)
+        .await
+        .with_timeout(Duration::from_secs(2));
+    let other = idem_testkit::pg_store_in(&url, &schema, 4)
+        .await
+        .with_timeout(Duration::from_secs(2));
+    let observer = other.pool().clone();
+    let gates = Gates::new();
+    let first_server = idem_testkit::http::serve(app(one, &gates)).await;
+    let second_server = idem_testkit::http::serve(app(other, &gates)).await;
+    let first = tokio::spawn(async move { post_req("/tx", "").key("pool-one").send(first_server).await });
+    gates.in_tx.acquire().await.unwrap().forget();
+    extended_three_times(&observer, &schema, "pool-one", || !first.is_finished()).await;
+    let retry = post_req("/tx", "").key("pool-one").send(second_server).await;
+    assert_eq!(retry.status, 409, "{}", String::from_utf8_lossy(&retry.body));
+    assert_eq!(gates.runs.load(Ordering::SeqCst), 1);
+    gates.done.add_permits(1);
+    let first = first.await.unwrap();
+    assert_eq!(
+        (first.status, String::from_utf8_lossy(&first.body).into_owned()),
+        (201, "run 1, told lost: false".to_owned()),
+    );
+    let replay = post_req("/tx", "").key("pool-one").send(second_server).await;
+    assert_eq!(
+        (replay.status, String::from_utf8_lossy(&replay.body).into_owned()),
+        (201, "run 1, told lost: false".to_owned()),
+    );
+    assert_eq!(gates.runs.load(Ordering::SeqCst), 1);
+}
