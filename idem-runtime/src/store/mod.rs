@@ -460,6 +460,14 @@ pub trait IdempotencyStore: std::any::Any + Send + Sync + 'static {
     /// and that token, and a store whose statements may still commit after
     /// it answered (with a timeout, or with a state read apart) gives the
     /// key back itself when they do.
+    ///
+    /// The lock and the TTL of a record taken count, by the store's clock,
+    /// from some moment after the call began: on PostgreSQL, the start of
+    /// the statement, even one that then waited for a row another
+    /// transaction held. A caller counts its lease from before the call
+    /// and starts no work on one whose lock may have run out by the time
+    /// it is answered, as the runtime does: the store may already let
+    /// another request take the key, or its janitor remove the record.
     fn reserve<'a>(&'a self, req: ReserveRequest<'a>) -> BoxFuture<'a, Result<Reservation, StoreError>>;
 
     /// Marks the record completed with `response`.
