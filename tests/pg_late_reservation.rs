@@ -15,8 +15,7 @@ use axum::{Json, Router};
 use idem::store::RecordId;
 use idem::{idempotent, Idem, IdempotencyStore};
 use idem_testkit::http::post as post_req;
-use idem_testkit::records::take;
-use sqlx::Connection as _;
+use idem_testkit::records::{pg_hold_row, pg_table, take};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,14 +59,14 @@ async fn postgres_a_reservation_that_waited_past_its_lock_never_runs() {
         )
         .await
         .unwrap();
-    let table = format!("\"{schema}\".idempotency_keys");
-    let mut operator = sqlx::PgConnection::connect(&url).await.unwrap();
+    let operators = sqlx::PgPool::connect(&url).await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE {table} SET created_at = created_at - interval '1 hour', \
+        "UPDATE {} SET created_at = created_at - interval '1 hour', \
          expires_at = expires_at - interval '1 hour', purge_at = purge_at - interval '1 hour', \
-         lock_expires_at = lock_expires_at - interval '1 hour' WHERE key = 'late-1'"
+         lock_expires_at = lock_expires_at - interval '1 hour' WHERE key = 'late-1'",
+        pg_table(&store)
     )))
-    .execute(&mut operator)
+    .execute(&operators)
     .await
     .unwrap();
 
@@ -79,13 +78,7 @@ async fn postgres_a_reservation_that_waited_past_its_lock_never_runs() {
     let addr = idem_testkit::http::serve(app).await;
 
     // An operator's transaction holds the record's row.
-    sqlx::query("BEGIN").execute(&mut operator).await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT 1 FROM {table} WHERE key = 'late-1' FOR UPDATE"
-    )))
-    .execute(&mut operator)
-    .await
-    .unwrap();
+    let operator = pg_hold_row(&operators, &store, &id).await;
     let first = tokio::spawn(async move {
         post_req("/pay", r#"{"amount":100}"#)
             .key("late-1")
@@ -115,7 +108,7 @@ async fn postgres_a_reservation_that_waited_past_its_lock_never_runs() {
     }
     // Held for longer than the 300 ms lock (a duration, not an ordering).
     tokio::time::sleep(Duration::from_millis(600)).await;
-    sqlx::query("COMMIT").execute(&mut operator).await.unwrap();
+    operator.commit().await.unwrap();
 
     let first = first.await.unwrap();
     assert_eq!(first.status, 503, "{}", String::from_utf8_lossy(&first.body));
