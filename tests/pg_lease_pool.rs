@@ -164,3 +164,142 @@ async fn postgres_a_retry_elsewhere_is_409_while_an_execution_holds_its_pool() {
     );
     assert_eq!(gates.runs.load(Ordering::SeqCst), 1);
 }
+
+/// Waits for a handler of its own until the test lets it go; says whether
+/// it was told its lease was lost meanwhile. No transaction: the pool
+/// stays the test's to fill.
+#[idempotent(scope = "pool.plain", lock_timeout = "600ms")]
+async fn holds(State(g): State<Gates>, op: Operation) -> (StatusCode, String) {
+    g.in_tx.add_permits(1);
+    let told_lost = tokio::select! {
+        () = op.lease_lost() => true,
+        _ = g.done.acquire() => false,
+    };
+    (StatusCode::CREATED, format!("told lost: {told_lost}"))
+}
+
+/// One execution's extension held up on the store's spare connection (its
+/// row held by another transaction) holds up no other execution's: with no
+/// idle connection in the pool, the other's runs on one the pool opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_extension_held_up_on_the_spare_holds_up_no_other() {
+    let url = idem_testkit::pg_url().expect("DATABASE_URL");
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 10).await;
+    let pool = store.pool().clone();
+    // Idle connections: the first reservation takes its spare at once.
+    drop(futures_util::future::join_all((0..3).map(|_| pool.acquire())).await);
+    let gates = Gates::new();
+    let app = Router::new()
+        .route("/plain", post(holds))
+        .layer(Idem::new(store.clone()).single_tenant().layer())
+        .with_state(gates.clone());
+    let addr = idem_testkit::http::serve(app).await;
+    let held_up = tokio::spawn(async move { post_req("/plain", "").key("spare-x").send(addr).await });
+    let other = tokio::spawn(async move { post_req("/plain", "").key("spare-y").send(addr).await });
+    gates.in_tx.acquire_many(2).await.unwrap().forget();
+    // Every connection the pool has open now is the test's (it may open
+    // seven more): no extension finds an idle one.
+    let open = pool.size() as usize;
+    let mut taken = Vec::new();
+    while taken.len() < open {
+        match pool.try_acquire() {
+            Some(c) => taken.push(c),
+            None => tokio::time::sleep(Duration::from_millis(1)).await,
+        }
+    }
+    let observer = sqlx::PgPool::connect(&url).await.unwrap();
+    let holder = idem_testkit::records::pg_hold_row(
+        &observer,
+        &store,
+        &idem::store::RecordId::new("", "pool.plain", "spare-x"),
+    )
+    .await;
+    // The held-up execution's extension waits for the row.
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+        )
+        .bind(format!("%\"{schema}\"%lock_expires_at%"))
+        .fetch_one(&observer)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "no extension waited for the row"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    extended_three_times(&observer, &schema, "spare-y", || !other.is_finished()).await;
+    holder.rollback().await.unwrap();
+    drop(taken);
+    gates.done.add_permits(2);
+    let other = other.await.unwrap();
+    assert_eq!(
+        (other.status, String::from_utf8_lossy(&other.body).into_owned()),
+        (201, "told lost: false".to_owned()),
+    );
+    // The held-up one's own lease may have run out meanwhile: it answers,
+    // either way, and runs once.
+    assert!(matches!(held_up.await.unwrap().status, 201 | 503));
+}
+
+/// The spare connection's session ends while the handlers hold every
+/// connection of the pool: the next extension makes a new one (the store
+/// names its schema), and no living execution loses its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_spare_that_ends_is_replaced_while_handlers_hold_the_pool() {
+    let url = idem_testkit::pg_url().expect("DATABASE_URL");
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 2)
+        .await
+        .with_timeout(Duration::from_secs(2));
+    let observer = sqlx::PgPool::connect(&url).await.unwrap();
+    let gates = Gates::new();
+    let addr = idem_testkit::http::serve(app(store, &gates)).await;
+    let keys: [&'static str; 2] = ["spare-gone-0", "spare-gone-1"];
+    let sent: Vec<_> = keys
+        .iter()
+        .map(|&key| tokio::spawn(async move { post_req("/tx", "").key(key).send(addr).await }))
+        .collect();
+    gates.in_tx.acquire_many(2).await.unwrap().forget();
+    // The spare: the one session of this schema's store whose last
+    // statement is an extension, outside any transaction (the pool's two
+    // are in their handlers').
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    let spare: i32 = loop {
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE $1 AND query LIKE 'UPDATE%' \
+             AND state = 'idle' AND pid <> pg_backend_pid() LIMIT 1",
+        )
+        .bind(format!("%\"{schema}\"%lock_expires_at%"))
+        .fetch_optional(&observer)
+        .await
+        .unwrap();
+        if let Some(pid) = pid {
+            break pid;
+        }
+        assert!(std::time::Instant::now() < until, "no extension ran on the spare");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(spare)
+        .fetch_one(&observer)
+        .await
+        .unwrap();
+    assert!(ended);
+    for (key, request) in keys.iter().zip(&sent) {
+        extended_three_times(&observer, &schema, key, || !request.is_finished()).await;
+    }
+    gates.done.add_permits(2);
+    for request in sent {
+        let answer = request.await.unwrap();
+        let body = String::from_utf8_lossy(&answer.body).into_owned();
+        assert_eq!(answer.status, 201, "{body}");
+        assert!(body.ends_with("told lost: false"), "{body}");
+    }
+}

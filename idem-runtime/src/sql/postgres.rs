@@ -138,9 +138,10 @@ pub struct PgStore {
 /// leave the extensions of the leases they run under nothing to run on,
 /// and a living execution would count as lost, its key taken over by a
 /// retry while it still runs. An extension runs on an idle connection of
-/// the pool when there is one, on this one otherwise, and on one the pool
-/// lends when it is not there (not yet taken, or gone: the next
-/// reservation takes another).
+/// the pool when there is one, else on whichever answers first of this
+/// one and one the pool lends (see [`PgStore::run_extension`]); one found
+/// gone is replaced at once where the store names its schema, else at the
+/// next reservation.
 #[derive(Default)]
 struct Spare {
     connection: std::sync::Arc<tokio::sync::Mutex<Option<sqlx::PgConnection>>>,
@@ -549,41 +550,77 @@ impl PgStore {
     }
 
     /// A lock extension's statement, built by `statement`: on an idle
-    /// connection of the pool, else on the store's spare (see [`Spare`]),
-    /// else on one the pool lends. A connection found gone is not tried
-    /// again: the extension, fenced by its token and setting the deadline
-    /// from the database's clock, runs on the next.
+    /// connection of the pool, else on whichever answers first of the
+    /// store's spare (see [`Spare`]) and a connection the pool lends (a new
+    /// one while the pool has room, else the first a handler gives back).
+    /// So an extension held up on the spare (its row held by another
+    /// transaction, or one given up on still running there) holds up no
+    /// other: theirs run on the pool's. A spare found gone is replaced at
+    /// once by a new connection (`fresh_spare`). A connection found gone
+    /// is not tried again: the extension, fenced by its token and setting
+    /// the deadline from the database's clock, runs on the next, and one
+    /// that ran on two (the spare's given up on) moves the deadline twice.
     async fn run_extension<'q>(
         &self,
         statement: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
     ) -> Result<sqlx::postgres::PgQueryResult, StoreError> {
         use std::sync::atomic::Ordering;
-        if !self.tested && !self.pool.is_closed() {
-            if let Some(mut idle) = self.pool.try_acquire() {
-                match statement().execute(&mut *idle).await.map_err(sql::map_wait_err) {
-                    Err(e) if connection_gone(&e) => {}
-                    done => return done,
-                }
-            }
-            if self.spare.held.load(Ordering::Acquire) {
-                let mut spare = self.spare.connection.lock().await;
-                if let Some(connection) = spare.as_mut() {
-                    match statement()
-                        .execute(&mut *connection)
-                        .await
-                        .map_err(sql::map_wait_err)
-                    {
-                        Err(e) if connection_gone(&e) => {
-                            *spare = None;
-                            self.spare.held.store(false, Ordering::Release);
-                        }
-                        done => return done,
-                    }
-                }
+        if self.tested || self.pool.is_closed() {
+            let mut lent = self.lent_connection().await?;
+            return statement().execute(&mut *lent).await.map_err(sql::map_wait_err);
+        }
+        if let Some(mut idle) = self.pool.try_acquire() {
+            match statement().execute(&mut *idle).await.map_err(sql::map_wait_err) {
+                Err(e) if connection_gone(&e) => {}
+                done => return done,
             }
         }
-        let mut lent = self.lent_connection().await?;
-        statement().execute(&mut *lent).await.map_err(sql::map_wait_err)
+        // `None` when the store has no spare and cannot make one.
+        let on_spare = async {
+            let mut spare = self.spare.connection.lock().await;
+            for _ in 0..2 {
+                if spare.is_none() {
+                    *spare = self.fresh_spare().await;
+                    self.spare.held.store(spare.is_some(), Ordering::Release);
+                }
+                let connection = spare.as_mut()?;
+                match statement()
+                    .execute(&mut *connection)
+                    .await
+                    .map_err(sql::map_wait_err)
+                {
+                    Err(e) if connection_gone(&e) => {
+                        *spare = None;
+                        self.spare.held.store(false, Ordering::Release);
+                    }
+                    done => return Some(done),
+                }
+            }
+            None
+        };
+        let lent = self.lent_connection();
+        tokio::select! {
+            Some(done) = on_spare => done,
+            Ok(mut lent) = lent => statement().execute(&mut *lent).await.map_err(sql::map_wait_err),
+            else => Err(StoreError::unavailable(
+                "no connection for the lock's extension: the pool lent none, and the store's own is gone",
+            )),
+        }
+    }
+
+    /// A new connection for the store's spare, not of the pool: only where
+    /// the store names its table with its schema, as a connection made
+    /// apart from the pool runs none of its `after_connect` settings (a
+    /// search path among them, which an unqualified table would be looked
+    /// up in).
+    async fn fresh_spare(&self) -> Option<sqlx::PgConnection> {
+        if self.in_tx.unqualified.is_some() {
+            return None;
+        }
+        let options = self.pool.connect_options();
+        <sqlx::PgConnection as sqlx::Connection>::connect_with(&options)
+            .await
+            .ok()
     }
 
     /// The statements of a keyed request as this store runs them (binds
