@@ -608,6 +608,104 @@ fn complete_in_task(
     tokio::spawn(async move { store.complete(&id, &token, &response(&tag)).await })
 }
 
+/// A trigger that sleeps `seconds` when a key starting `slow` is completed
+/// (an audit trigger's work, a synchronous standby: not a row lock).
+async fn slow_completions(store: &idem::PgStore, seconds: f64) {
+    let table = pg_table(store);
+    let schema = schema_of(store);
+    for ddl in [
+        format!(
+            "CREATE FUNCTION {schema}.slow_complete() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF NEW.key LIKE 'slow%' AND NEW.state = 'completed' THEN PERFORM pg_sleep({seconds}); \
+             END IF; RETURN NEW; END $$"
+        ),
+        format!(
+            "CREATE TRIGGER slow_complete BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.slow_complete()"
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
+    }
+}
+
+/// A completion slow in the database (a trigger's work, not a row lock)
+/// holds the store's turn to write no longer than `TURN_HELD_MAX`: the
+/// completion of a free key that queued behind it is written while the
+/// slow one still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_slow_completion_holds_the_turn_no_longer_than_a_turn() {
+    let Some((url, schema, store)) = fresh_store(8, Duration::ZERO).await else {
+        return;
+    };
+    slow_completions(&store, 5.0).await;
+    let slow = RecordId::new("t", "turn", "slow-1");
+    let fast = RecordId::new("t", "turn", "fast-1");
+    let slow_lease = take(&store, &slow, "fp", LONG, LONG).await;
+    let fast_lease = take(&store, &fast, "fp", LONG, LONG).await;
+    let slow_task = complete_in_task(&store, &slow, &slow_lease.token, "slow");
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    backend_of(&watcher, &schema, "UPDATE%", Some("PgSleep")).await;
+    let fast_task = complete_in_task(&store, &fast, &fast_lease.token, "fast");
+    until_waiting(&store, 1).await;
+    assert_eq!(fast_task.await.unwrap(), Ok(()));
+    assert!(
+        !slow_task.is_finished(),
+        "the fast completion waited for the slow one"
+    );
+    assert_eq!(
+        pg_row(&store, &fast).await.unwrap().2.as_deref(),
+        Some("{\"id\":\"fast\"}")
+    );
+    assert_eq!(slow_task.await.unwrap(), Ok(()));
+}
+
+/// A group of completions slow in the database holds up the next group no
+/// longer than `TURN_HELD_MAX`: the group is left to finish in its task,
+/// which answers its members, and the completion queued after it is
+/// written while it still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_slow_completion_group_holds_up_the_next_no_longer_than_a_turn() {
+    let Some((url, schema, store)) = fresh_store(8, Duration::ZERO).await else {
+        return;
+    };
+    slow_completions(&store, 5.0).await;
+    let ids: Vec<RecordId> = ["turn-0", "slow-2", "group-2", "after-2"]
+        .iter()
+        .map(|k| RecordId::new("t", "turn", *k))
+        .collect();
+    let mut leases = Vec::new();
+    for id in &ids {
+        leases.push(take(&store, id, "fp", LONG, LONG).await);
+    }
+    // The first holds the turn, paused, while two queue into one group.
+    let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &ids[0].key);
+    let first = complete_in_task(&store, &ids[0], &leases[0].token, "turn");
+    tokio::time::timeout(Duration::from_secs(10), turn.reached())
+        .await
+        .expect("the first completion took the turn");
+    let slow_group = complete_in_task(&store, &ids[1], &leases[1].token, "slow");
+    let in_group = complete_in_task(&store, &ids[2], &leases[2].token, "group");
+    until_waiting(&store, 2).await;
+    turn.resume();
+    assert_eq!(first.await.unwrap(), Ok(()));
+    // The group's statement sleeps on its slow row.
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    backend_of(&watcher, &schema, "WITH c AS%", Some("PgSleep")).await;
+    let after = complete_in_task(&store, &ids[3], &leases[3].token, "after");
+    assert_eq!(after.await.unwrap(), Ok(()));
+    assert!(
+        !slow_group.is_finished(),
+        "the completion after the group waited for it"
+    );
+    assert_eq!(slow_group.await.unwrap(), Ok(()));
+    assert_eq!(in_group.await.unwrap(), Ok(()));
+    for (id, tag) in ids.iter().zip(["turn", "slow", "group", "after"]) {
+        assert_eq!(
+            pg_row(&store, id).await.unwrap().2,
+            Some(format!("{{\"id\":\"{tag}\"}}"))
+        );
+    }
+}
+
 /// One completion group: the same key under two tenants and a scope, a
 /// record deleted by hand before the group, a record held FOR UPDATE by a
 /// test connection, a stale token, the same record twice (same token, two

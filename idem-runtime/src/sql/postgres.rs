@@ -1003,15 +1003,29 @@ impl PgStore {
                 )),
             },
             None => {
-                // Whether written, failed, or given up on (a timeout), the
-                // completions that queued meanwhile go on without it.
-                let turn = Turn(self);
+                // Whether written, failed, or given up on (a timeout), or
+                // still being written after `TURN_HELD_MAX` (a trigger's
+                // work, a synchronous standby), the completions that
+                // queued meanwhile go on without it.
+                let mut turn = Some(Turn(self));
                 pause_point!(crate::pause::COMPLETE_TURN, &id.key);
                 let mut again = None;
-                let completed = on_connection!(self, again, |conn| {
-                    self.complete_rows(conn, &self.complete_free, id, token, response)
-                        .await
-                })?;
+                let completed = {
+                    let mut writing = std::pin::pin!(async {
+                        on_connection!(self, again, |conn| {
+                            self.complete_rows(conn, &self.complete_free, id, token, response)
+                                .await
+                        })
+                    });
+                    let held_until = tokio::time::Instant::now() + TURN_HELD_MAX;
+                    tokio::select! {
+                        completed = &mut writing => completed,
+                        () = tokio::time::sleep_until(held_until) => {
+                            drop(turn.take());
+                            writing.await
+                        }
+                    }
+                }?;
                 if completed == 1 {
                     return Ok(());
                 }
@@ -1484,7 +1498,14 @@ impl GroupWriter {
                     .max(1);
                 queue.waiting.drain(..n).collect()
             };
-            self.store.write_group(group).await;
+            // Not past `TURN_HELD_MAX`: a group still being written then
+            // (a trigger's work, a synchronous standby) is left to finish in
+            // its task, which answers its members, and the next is written.
+            let running = tokio::spawn({
+                let store = self.store.clone();
+                async move { store.write_group(group).await }
+            });
+            let _ = tokio::time::timeout(TURN_HELD_MAX, running).await;
         }
     }
 }
@@ -1829,19 +1850,24 @@ impl PgStore {
                 let unavailable = e.is_unavailable() && !refused_by_its_statement(&e);
                 let mut gone = Vec::new();
                 for (b, answer) in binds.iter().zip(answers) {
-                    match answer {
-                        Some(answer) => {
-                            let _ = answer.send(if unavailable {
+                    // Sent to its caller, which then hands the key back
+                    // (a failure) or runs alone (a statement refused, which
+                    // took nothing).
+                    let told = answer.is_some_and(|answer| {
+                        answer
+                            .send(if unavailable {
                                 LookedUp::Failed(e.clone())
                             } else {
                                 LookedUp::Alone
-                            });
-                        }
-                        // Answered already; the statement may have taken
-                        // its key (its outcome is not known): handed back,
-                        // fenced by its token, as it was found not known.
-                        None if unavailable => gone.push((b, true)),
-                        None => {}
+                            })
+                            .is_ok()
+                    });
+                    // Answered already, or its caller gone: the statement
+                    // may have taken its key (its outcome is not known), so
+                    // it is handed back here, fenced by its token, as it
+                    // was found not known.
+                    if !told && unavailable {
+                        gone.push((b, true));
                     }
                 }
                 return self.hand_back_all(gone).await;
