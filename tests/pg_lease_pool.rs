@@ -248,11 +248,12 @@ async fn postgres_an_extension_held_up_on_the_spare_holds_up_no_other() {
     assert!(matches!(held_up.await.unwrap().status, 201 | 503));
 }
 
-/// The spare connection's session ends while the handlers hold every
-/// connection of the pool: the next extension makes a new one (the store
-/// names its schema), and no living execution loses its lease.
+/// With every connection of the pool held by handlers in their
+/// transactions, one execution's extension held up on the spare (its row
+/// held by another transaction) holds up the other's no longer than an
+/// extension waits for its row: the other lease is kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_spare_that_ends_is_replaced_while_handlers_hold_the_pool() {
+async fn postgres_an_extension_held_up_on_the_spare_with_the_pool_full_holds_up_no_lease() {
     let url = idem_testkit::pg_url().expect("DATABASE_URL");
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 2)
@@ -260,46 +261,93 @@ async fn postgres_a_spare_that_ends_is_replaced_while_handlers_hold_the_pool() {
         .with_timeout(Duration::from_secs(2));
     let observer = sqlx::PgPool::connect(&url).await.unwrap();
     let gates = Gates::new();
-    let addr = idem_testkit::http::serve(app(store, &gates)).await;
-    let keys: [&'static str; 2] = ["spare-gone-0", "spare-gone-1"];
-    let sent: Vec<_> = keys
-        .iter()
-        .map(|&key| tokio::spawn(async move { post_req("/tx", "").key(key).send(addr).await }))
-        .collect();
+    let addr = idem_testkit::http::serve(app(store.clone(), &gates)).await;
+    let held_up = tokio::spawn(async move { post_req("/tx", "").key("full-a").send(addr).await });
+    let other = tokio::spawn(async move { post_req("/tx", "").key("full-b").send(addr).await });
     gates.in_tx.acquire_many(2).await.unwrap().forget();
-    // The spare: the one session of this schema's store whose last
-    // statement is an extension, outside any transaction (the pool's two
-    // are in their handlers').
+    let holder = idem_testkit::records::pg_hold_row(
+        &observer,
+        &store,
+        &idem::store::RecordId::new("", "pool.tx", "full-a"),
+    )
+    .await;
+    // The held-up execution's extension waits for the row on the spare
+    // (the pool's two connections are in their handlers' transactions).
     let until = std::time::Instant::now() + Duration::from_secs(20);
-    let spare: i32 = loop {
-        let pid: Option<i32> = sqlx::query_scalar(
-            "SELECT pid FROM pg_stat_activity WHERE query LIKE $1 AND query LIKE 'UPDATE%' \
-             AND state = 'idle' AND pid <> pg_backend_pid() LIMIT 1",
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
         )
         .bind(format!("%\"{schema}\"%lock_expires_at%"))
-        .fetch_optional(&observer)
-        .await
-        .unwrap();
-        if let Some(pid) = pid {
-            break pid;
-        }
-        assert!(std::time::Instant::now() < until, "no extension ran on the spare");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
-    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(spare)
         .fetch_one(&observer)
         .await
         .unwrap();
-    assert!(ended);
-    for (key, request) in keys.iter().zip(&sent) {
-        extended_three_times(&observer, &schema, key, || !request.is_finished()).await;
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "no extension waited for the row"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    extended_three_times(&observer, &schema, "full-b", || !other.is_finished()).await;
+    holder.rollback().await.unwrap();
     gates.done.add_permits(2);
-    for request in sent {
-        let answer = request.await.unwrap();
-        let body = String::from_utf8_lossy(&answer.body).into_owned();
-        assert_eq!(answer.status, 201, "{body}");
-        assert!(body.ends_with("told lost: false"), "{body}");
+    let other = other.await.unwrap();
+    let body = String::from_utf8_lossy(&other.body).into_owned();
+    assert_eq!(other.status, 201, "{body}");
+    assert!(body.ends_with("told lost: false"), "{body}");
+    assert!(matches!(held_up.await.unwrap().status, 201 | 503));
+}
+
+/// The application closes its pool: the store's spare connection is
+/// closed with it, and no connection of the store stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_closing_the_pool_closes_the_spare() {
+    let url = idem_testkit::pg_url().expect("DATABASE_URL");
+    let schema = idem_testkit::pg_schema(&url).await;
+    let name = idem_testkit::unique("idem_spare_close");
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap()
+        .application_name(&name);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(3)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = idem::PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    let gates = Gates::new();
+    let idem = Idem::new(store).single_tenant();
+    let app = Router::new()
+        .route("/plain", post(holds))
+        .layer(idem.clone().layer())
+        .with_state(gates.clone());
+    let addr = idem_testkit::http::serve(app).await;
+    gates.done.add_permits(1);
+    assert_eq!(post_req("/plain", "").key("close-1").send(addr).await.status, 201);
+    idem.idle().await;
+    let observer = sqlx::PgPool::connect(&url).await.unwrap();
+    let sessions = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+            .bind(&name)
+            .fetch_one(&observer)
+            .await
+            .unwrap()
+    };
+    // The spare is one of them (the pool keeps no more than three).
+    assert!(sessions().await > 0);
+    pool.close().await;
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while sessions().await > 0 {
+        assert!(
+            std::time::Instant::now() < until,
+            "a connection of the store stayed open"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

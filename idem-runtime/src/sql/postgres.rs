@@ -140,14 +140,15 @@ pub struct PgStore {
 /// retry while it still runs. An extension runs on an idle connection of
 /// the pool when there is one, else on whichever answers first of this
 /// one and one the pool lends (see [`PgStore::run_extension`]); one found
-/// gone is replaced at once where the store names its schema, else at the
-/// next reservation.
+/// gone is replaced at the next reservation. Closed when the pool is.
 #[derive(Default)]
 struct Spare {
     connection: std::sync::Arc<tokio::sync::Mutex<Option<sqlx::PgConnection>>>,
     /// Whether `connection` holds one (read without its lock, on every
     /// reservation's path).
     held: std::sync::atomic::AtomicBool,
+    /// Whether a task closes the spare when the pool is closed.
+    watched: std::sync::atomic::AtomicBool,
 }
 
 /// The completion a handler's transaction writes, whose search path is the
@@ -532,6 +533,19 @@ impl PgStore {
         if held.is_some() {
             return;
         }
+        if !self.spare.watched.swap(true, Ordering::AcqRel) {
+            // Closed with the pool: the application's `pool.close()`
+            // leaves no connection of the store open.
+            let (close, spare) = (self.pool.close_event(), self.spare.clone());
+            drop(runtime.spawn(async move {
+                close.await;
+                let taken = spare.connection.lock().await.take();
+                spare.held.store(false, Ordering::Release);
+                if let Some(connection) = taken {
+                    let _ = sqlx::Connection::close(connection).await;
+                }
+            }));
+        }
         if let Some(idle) = self.pool.try_acquire() {
             *held = Some(idle.detach());
             self.spare.held.store(true, Ordering::Release);
@@ -543,8 +557,10 @@ impl PgStore {
                 return;
             }
             if let Ok(Ok(connection)) = tokio::time::timeout(timeout, pool.acquire()).await {
-                *held = Some(connection.detach());
-                spare.held.store(true, Ordering::Release);
+                if !pool.is_closed() {
+                    *held = Some(connection.detach());
+                    spare.held.store(true, Ordering::Release);
+                }
             }
         }));
     }
@@ -555,72 +571,64 @@ impl PgStore {
     /// one while the pool has room, else the first a handler gives back).
     /// So an extension held up on the spare (its row held by another
     /// transaction, or one given up on still running there) holds up no
-    /// other: theirs run on the pool's. A spare found gone is replaced at
-    /// once by a new connection (`fresh_spare`). A connection found gone
-    /// is not tried again: the extension, fenced by its token and setting
-    /// the deadline from the database's clock, runs on the next, and one
-    /// that ran on two (the spare's given up on) moves the deadline twice.
+    /// other while the pool can lend one; when it cannot, no longer than
+    /// an extension on the spare waits for its row ([`EXTENSION_ROW_WAIT`]). A spare
+    /// found gone is replaced at the next reservation, from the pool (a
+    /// connection made apart from it would run none of its `after_connect`
+    /// settings, a role or a search path among them). A connection found
+    /// gone is not tried again: the extension, fenced by its token and
+    /// setting the deadline from the database's clock, runs on the next,
+    /// and one that ran on two (the spare's given up on) moves the
+    /// deadline twice.
     async fn run_extension<'q>(
         &self,
-        statement: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        statement: impl Fn(&str) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
     ) -> Result<sqlx::postgres::PgQueryResult, StoreError> {
         use std::sync::atomic::Ordering;
+        let (extend, on_spare) = (&self.fenced.extend, &self.fenced.extend_on_spare);
         if self.tested || self.pool.is_closed() {
             let mut lent = self.lent_connection().await?;
-            return statement().execute(&mut *lent).await.map_err(sql::map_wait_err);
+            return statement(extend)
+                .execute(&mut *lent)
+                .await
+                .map_err(sql::map_wait_err);
         }
         if let Some(mut idle) = self.pool.try_acquire() {
-            match statement().execute(&mut *idle).await.map_err(sql::map_wait_err) {
+            match statement(extend)
+                .execute(&mut *idle)
+                .await
+                .map_err(sql::map_wait_err)
+            {
                 Err(e) if connection_gone(&e) => {}
                 done => return done,
             }
         }
-        // `None` when the store has no spare and cannot make one.
+        // `None` when the store has no spare (not taken yet, or found
+        // gone: the next reservation takes another from the pool).
         let on_spare = async {
             let mut spare = self.spare.connection.lock().await;
-            for _ in 0..2 {
-                if spare.is_none() {
-                    *spare = self.fresh_spare().await;
-                    self.spare.held.store(spare.is_some(), Ordering::Release);
+            let connection = spare.as_mut()?;
+            match statement(on_spare)
+                .execute(&mut *connection)
+                .await
+                .map_err(sql::map_wait_err)
+            {
+                Err(e) if connection_gone(&e) => {
+                    *spare = None;
+                    self.spare.held.store(false, Ordering::Release);
+                    None
                 }
-                let connection = spare.as_mut()?;
-                match statement()
-                    .execute(&mut *connection)
-                    .await
-                    .map_err(sql::map_wait_err)
-                {
-                    Err(e) if connection_gone(&e) => {
-                        *spare = None;
-                        self.spare.held.store(false, Ordering::Release);
-                    }
-                    done => return Some(done),
-                }
+                done => Some(done),
             }
-            None
         };
         let lent = self.lent_connection();
         tokio::select! {
             Some(done) = on_spare => done,
-            Ok(mut lent) = lent => statement().execute(&mut *lent).await.map_err(sql::map_wait_err),
+            Ok(mut lent) = lent => statement(extend).execute(&mut *lent).await.map_err(sql::map_wait_err),
             else => Err(StoreError::unavailable(
-                "no connection for the lock's extension: the pool lent none, and the store's own is gone",
+                "no connection for the lock's extension: the pool lent none, and the store has no spare",
             )),
         }
-    }
-
-    /// A new connection for the store's spare, not of the pool: only where
-    /// the store names its table with its schema, as a connection made
-    /// apart from the pool runs none of its `after_connect` settings (a
-    /// search path among them, which an unqualified table would be looked
-    /// up in).
-    async fn fresh_spare(&self) -> Option<sqlx::PgConnection> {
-        if self.in_tx.unqualified.is_some() {
-            return None;
-        }
-        let options = self.pool.connect_options();
-        <sqlx::PgConnection as sqlx::Connection>::connect_with(&options)
-            .await
-            .ok()
     }
 
     /// The statements of a keyed request as this store runs them (binds
@@ -2210,6 +2218,9 @@ pub(crate) struct FencedWrites {
     pub(crate) reject: String,
     pub(crate) checkpoint: String,
     pub(crate) extend: String,
+    /// `extend` on the store's spare connection, whose wait for a row is
+    /// bounded by [`EXTENSION_ROW_WAIT`].
+    pub(crate) extend_on_spare: String,
     /// The completion written alone.
     pub(crate) complete: String,
 }
@@ -2298,10 +2309,20 @@ impl FencedWrites {
             reject: bounded(&sql.reject),
             checkpoint: bounded(&sql.checkpoint),
             extend: bounded(&sql.extend),
+            // Shorter: an extension given up on (its lease's deadline)
+            // while it waits for its row runs on until the bound, and the
+            // next extensions of other leases may need the spare.
+            extend_on_spare: bounded_row_wait(&sql.extend, wait.min(EXTENSION_ROW_WAIT), false),
             complete: bounded(&sql.complete),
         }
     }
 }
+
+/// How long a lock extension on the store's spare connection waits for
+/// its record's row, held by another transaction, before it fails
+/// (`lock_not_available`) and is tried again at the lease's next period
+/// (see [`FencedWrites`]).
+const EXTENSION_ROW_WAIT: Duration = TURN_HELD_MAX;
 
 /// Whether `e` is PostgreSQL's `lock_not_available`: a lock wait ran out.
 fn lock_not_available(e: &StoreError) -> bool {

@@ -353,8 +353,10 @@ macro_rules! complete_with {
             token: &str,
             lock_timeout: std::time::Duration,
         ) -> Result<u64, $crate::StoreError> {
-            let extend = || {
-                sqlx::query(sqlx::AssertSqlSafe(self.fenced_writes().extend.as_str()))
+            // The statement's text is the store's to choose (see
+            // `run_extension`).
+            let extend = |statement: &str| {
+                sqlx::query(sqlx::AssertSqlSafe(statement))
                     .bind(&id.tenant)
                     .bind(&id.scope)
                     .bind(&id.key)

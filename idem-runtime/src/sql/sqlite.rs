@@ -564,12 +564,16 @@ impl SqliteStore {
 impl SqliteStore {
     sql::complete_with!(sqlx::Sqlite);
 
-    /// A lock extension's statement, built by `statement`, on the pool.
+    /// A lock extension, built by `statement` from the statement's text,
+    /// on the pool.
     async fn run_extension<'q>(
         &self,
-        statement: impl Fn() -> sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>,
+        statement: impl Fn(&str) -> sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>,
     ) -> Result<sqlx::sqlite::SqliteQueryResult, StoreError> {
-        statement().execute(&self.pool).await.map_err(sql::map_wait_err)
+        statement(&self.sql.extend)
+            .execute(&self.pool)
+            .await
+            .map_err(sql::map_wait_err)
     }
 
     /// The token-fenced writes, as written: SQLite's waits for the file
