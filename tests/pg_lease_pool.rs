@@ -178,6 +178,26 @@ async fn holds(State(g): State<Gates>, op: Operation) -> (StatusCode, String) {
     (StatusCode::CREATED, format!("told lost: {told_lost}"))
 }
 
+/// Waits until an extension of the store in `schema` waits for a row lock
+/// (seen by the database, not hoped for).
+async fn an_extension_waits_for_a_row(observer: &sqlx::PgPool, schema: &str) {
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+        )
+        .bind(format!("%\"{schema}\"%lock_expires_at%"))
+        .fetch_one(observer)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "no extension waited for a row");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// One execution's extension held up on the store's spare connection (its
 /// row held by another transaction) holds up no other execution's: with no
 /// idle connection in the pool, the other's runs on one the pool opens.
@@ -216,24 +236,7 @@ async fn postgres_an_extension_held_up_on_the_spare_holds_up_no_other() {
     )
     .await;
     // The held-up execution's extension waits for the row.
-    let until = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
-        )
-        .bind(format!("%\"{schema}\"%lock_expires_at%"))
-        .fetch_one(&observer)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < until,
-            "no extension waited for the row"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    an_extension_waits_for_a_row(&observer, &schema).await;
     extended_three_times(&observer, &schema, "spare-y", || !other.is_finished()).await;
     holder.rollback().await.unwrap();
     drop(taken);
@@ -273,24 +276,7 @@ async fn postgres_an_extension_held_up_on_the_spare_with_the_pool_full_holds_up_
     .await;
     // The held-up execution's extension waits for the row on the spare
     // (the pool's two connections are in their handlers' transactions).
-    let until = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
-        )
-        .bind(format!("%\"{schema}\"%lock_expires_at%"))
-        .fetch_one(&observer)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < until,
-            "no extension waited for the row"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    an_extension_waits_for_a_row(&observer, &schema).await;
     extended_three_times(&observer, &schema, "full-b", || !other.is_finished()).await;
     holder.rollback().await.unwrap();
     gates.done.add_permits(2);
