@@ -572,14 +572,14 @@ impl PgStore {
     /// So an extension held up on the spare (its row held by another
     /// transaction, or one given up on still running there) holds up no
     /// other while the pool can lend one; when it cannot, no longer than
-    /// an extension on the spare waits for its row ([`EXTENSION_ROW_WAIT`]). A spare
-    /// found gone is replaced at the next reservation, from the pool (a
-    /// connection made apart from it would run none of its `after_connect`
-    /// settings, a role or a search path among them). A connection found
-    /// gone is not tried again: the extension, fenced by its token and
-    /// setting the deadline from the database's clock, runs on the next,
-    /// and one that ran on two (the spare's given up on) moves the
-    /// deadline twice.
+    /// an extension on the spare waits for its row
+    /// ([`EXTENSION_ROW_WAIT`]). A spare found gone is replaced at the next
+    /// reservation, from the pool (a connection made apart from it would
+    /// run none of its `after_connect` settings, a role or a search path
+    /// among them). A connection found gone is not tried again: the
+    /// extension, fenced by its token and setting the deadline from the
+    /// database's clock, runs on the next, and one that ran on two (the
+    /// spare's given up on) moves the deadline twice.
     async fn run_extension<'q>(
         &self,
         statement: impl Fn(&str) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
