@@ -337,3 +337,57 @@ async fn postgres_closing_the_pool_closes_the_spare() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A store and its `with_table` clone on one pool share one spare: with
+/// the pool at its full size, the database has the pool's connections and
+/// one more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_store_and_its_clones_share_one_spare() {
+    let url = idem_testkit::pg_url().expect("DATABASE_URL");
+    let schema = idem_testkit::pg_schema(&url).await;
+    let name = idem_testkit::unique("idem_spares");
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap()
+        .application_name(&name);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(3)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let one = idem::PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap();
+    one.migrate().await.unwrap();
+    let other = one.clone().with_table(Some(&schema), "other_keys").unwrap();
+    other.migrate().await.unwrap();
+    let lasting = Duration::from_secs(3600);
+    for (store, key) in [
+        (&one, "one-1"),
+        (&other, "other-1"),
+        (&one, "one-2"),
+        (&other, "other-2"),
+    ] {
+        let id = idem::store::RecordId::new("t", "s", key);
+        idem_testkit::records::take(store, &id, "fp", lasting, lasting).await;
+    }
+    let mut full = Vec::new();
+    for _ in 0..3 {
+        full.push(pool.acquire().await.unwrap());
+    }
+    let observer = sqlx::PgPool::connect(&url).await.unwrap();
+    let sessions = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+            .bind(&name)
+            .fetch_one(&observer)
+            .await
+            .unwrap()
+    };
+    // A spare taken in the background may still be on its way.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while sessions().await < 4 {
+        assert!(std::time::Instant::now() < until, "no spare was taken");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(sessions().await, 4, "the pool's 3 and one spare");
+}

@@ -352,6 +352,9 @@ impl PgStore {
             first_runtime: self.first_runtime,
             tested: self.tested,
             statements: self.statements,
+            // One spare for the pool's stores of every table: the
+            // extensions name their table.
+            spare: self.spare,
             ..built
         })
     }
