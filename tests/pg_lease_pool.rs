@@ -287,6 +287,34 @@ async fn postgres_an_extension_held_up_on_the_spare_with_the_pool_full_holds_up_
     assert!(matches!(held_up.await.unwrap().status, 201 | 503));
 }
 
+/// A pool of three whose sessions are named `name`, and a migrated store
+/// over it on `schema`'s table.
+async fn named_store(url: &str, schema: &str, name: &str) -> (sqlx::PgPool, idem::PgStore) {
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap()
+        .application_name(name);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(3)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = idem::PgStore::new(pool.clone())
+        .with_table(Some(schema), "idempotency_keys")
+        .unwrap();
+    store.migrate().await.unwrap();
+    (pool, store)
+}
+
+/// How many of the database's sessions are named `name`.
+async fn sessions_named(observer: &sqlx::PgPool, name: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+        .bind(name)
+        .fetch_one(observer)
+        .await
+        .unwrap()
+}
+
 /// The application closes its pool: the store's spare connection is
 /// closed with it, and no connection of the store stays open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -294,19 +322,7 @@ async fn postgres_closing_the_pool_closes_the_spare() {
     let url = idem_testkit::pg_url().expect("DATABASE_URL");
     let schema = idem_testkit::pg_schema(&url).await;
     let name = idem_testkit::unique("idem_spare_close");
-    let options = url
-        .parse::<sqlx::postgres::PgConnectOptions>()
-        .unwrap()
-        .application_name(&name);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(3)
-        .connect_with(options)
-        .await
-        .unwrap();
-    let store = idem::PgStore::new(pool.clone())
-        .with_table(Some(&schema), "idempotency_keys")
-        .unwrap();
-    store.migrate().await.unwrap();
+    let (pool, store) = named_store(&url, &schema, &name).await;
     let gates = Gates::new();
     let idem = Idem::new(store).single_tenant();
     let app = Router::new()
@@ -318,18 +334,11 @@ async fn postgres_closing_the_pool_closes_the_spare() {
     assert_eq!(post_req("/plain", "").key("close-1").send(addr).await.status, 201);
     idem.idle().await;
     let observer = sqlx::PgPool::connect(&url).await.unwrap();
-    let sessions = || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
-            .bind(&name)
-            .fetch_one(&observer)
-            .await
-            .unwrap()
-    };
     // The spare is one of them (the pool keeps no more than three).
-    assert!(sessions().await > 0);
+    assert!(sessions_named(&observer, &name).await > 0);
     pool.close().await;
     let until = std::time::Instant::now() + Duration::from_secs(10);
-    while sessions().await > 0 {
+    while sessions_named(&observer, &name).await > 0 {
         assert!(
             std::time::Instant::now() < until,
             "a connection of the store stayed open"
@@ -346,19 +355,7 @@ async fn postgres_a_store_and_its_clones_share_one_spare() {
     let url = idem_testkit::pg_url().expect("DATABASE_URL");
     let schema = idem_testkit::pg_schema(&url).await;
     let name = idem_testkit::unique("idem_spares");
-    let options = url
-        .parse::<sqlx::postgres::PgConnectOptions>()
-        .unwrap()
-        .application_name(&name);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(3)
-        .connect_with(options)
-        .await
-        .unwrap();
-    let one = idem::PgStore::new(pool.clone())
-        .with_table(Some(&schema), "idempotency_keys")
-        .unwrap();
-    one.migrate().await.unwrap();
+    let (pool, one) = named_store(&url, &schema, &name).await;
     let other = one.clone().with_table(Some(&schema), "other_keys").unwrap();
     other.migrate().await.unwrap();
     let lasting = Duration::from_secs(3600);
@@ -376,18 +373,15 @@ async fn postgres_a_store_and_its_clones_share_one_spare() {
         full.push(pool.acquire().await.unwrap());
     }
     let observer = sqlx::PgPool::connect(&url).await.unwrap();
-    let sessions = || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
-            .bind(&name)
-            .fetch_one(&observer)
-            .await
-            .unwrap()
-    };
     // A spare taken in the background may still be on its way.
     let until = std::time::Instant::now() + Duration::from_secs(10);
-    while sessions().await < 4 {
+    while sessions_named(&observer, &name).await < 4 {
         assert!(std::time::Instant::now() < until, "no spare was taken");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(sessions().await, 4, "the pool's 3 and one spare");
+    assert_eq!(
+        sessions_named(&observer, &name).await,
+        4,
+        "the pool's 3 and one spare"
+    );
 }
