@@ -1204,6 +1204,11 @@ async fn postgres_request_statements_skip_the_pools_test_unless_told() {
         before,
         "a request's statement was lent a tested connection"
     );
+    // Three connections idle in the pool (the first reservation took one
+    // of them for the store's lock extensions): each statement below is
+    // lent one of them, tested (a connection the pool opens anew runs
+    // `after_connect`, not `before_acquire`).
+    drop(futures_util::future::join_all((0..3).map(|_| store.pool().acquire())).await);
     idle().await;
     let before = tested.load(Ordering::SeqCst);
     first_request(store.clone().with_tested_connections(true), "tested").await;
