@@ -1018,34 +1018,24 @@ impl PgStore {
                 // still being written after `TURN_HELD_MAX` (a trigger's
                 // work, a synchronous standby), the completions that
                 // queued meanwhile go on without it.
-                let mut turn = Some(Turn(self));
+                let turn = Turn(self);
                 pause_point!(crate::pause::COMPLETE_TURN, &id.key);
                 let mut again = None;
-                let completed = {
-                    let mut writing = std::pin::pin!(async {
-                        on_connection!(self, again, |conn| {
-                            self.complete_rows(conn, &self.complete_free, id, token, response)
-                                .await
-                        })
-                    });
-                    let held_until = tokio::time::Instant::now() + TURN_HELD_MAX;
-                    tokio::select! {
-                        completed = &mut writing => completed,
-                        () = tokio::time::sleep_until(held_until) => {
-                            drop(turn.take());
-                            writing.await
-                        }
-                    }
-                }?;
+                let writing = async {
+                    on_connection!(self, again, |conn| {
+                        self.complete_rows(conn, &self.complete_free, id, token, response)
+                            .await
+                    })
+                };
+                let completed = holding_at_most_a_turn(turn, writing).await?;
                 if completed == 1 {
                     return Ok(());
                 }
                 // Its lock lost, or its row held by another transaction:
-                // the turn goes on, and this one waits for its own row
+                // the turn has gone on, and this one waits for its own row
                 // only. After a first try whose session ended, the lock
                 // found lost may be that try's writing: answered as it
                 // failed (see `complete_alone`).
-                drop(turn);
                 match (self.complete_alone(id, token, response).await, again) {
                     (Err(StoreError::LockLost), Some(first)) => Err(first),
                     (done, _) => done,
@@ -1735,23 +1725,15 @@ impl PgStore {
         // The statement's future is built in this one place: it is several
         // kilobytes, and each place that awaited one would add them to this
         // future's size, which the reservation's own future carries.
-        let mut running = std::pin::pin!(self.run_reserving(&self.lookup, req, operation_id));
-        if turn.is_none() {
+        let running = std::pin::pin!(self.run_reserving(&self.lookup, req, operation_id));
+        let Some(turn) = turn else {
             return running.await;
-        }
+        };
         // Whether answered, failed, given up on, or still waiting after
         // `TURN_HELD_MAX`, the lookups that queued meanwhile go on without
         // it.
-        let mut turn = turn;
         pause_point!(crate::pause::RESERVE_TURN, &req.id.key);
-        let held_until = tokio::time::Instant::now() + TURN_HELD_MAX;
-        tokio::select! {
-            row = &mut running => row,
-            () = tokio::time::sleep_until(held_until) => {
-                drop(turn.take());
-                running.await
-            }
-        }
+        holding_at_most_a_turn(turn, running).await
     }
 
     /// Passes the lookups that queued behind the one just run (or given up
@@ -2330,6 +2312,22 @@ const EXTENSION_ROW_WAIT: Duration = TURN_HELD_MAX;
 /// Whether `e` is PostgreSQL's `lock_not_available`: a lock wait ran out.
 fn lock_not_available(e: &StoreError) -> bool {
     driver_error(e).is_some_and(sql::lock_wait_ran_out)
+}
+
+/// Runs `statement` holding `turn` (whose drop lets the queue behind it go
+/// on) until it answers or for [`TURN_HELD_MAX`], whichever comes first: a
+/// statement still running then runs on to its answer without the turn.
+async fn holding_at_most_a_turn<F: std::future::Future>(turn: impl Sized, statement: F) -> F::Output {
+    let mut turn = Some(turn);
+    let mut statement = std::pin::pin!(statement);
+    let held_until = tokio::time::Instant::now() + TURN_HELD_MAX;
+    tokio::select! {
+        done = &mut statement => done,
+        () = tokio::time::sleep_until(held_until) => {
+            drop(turn.take());
+            statement.await
+        }
+    }
 }
 
 /// How many lookups (or groups of them) one store runs at once; the rest
