@@ -411,21 +411,43 @@ async fn postgres_lookup_group_tenants_scopes_duplicates_and_held_row() {
     assert_eq!(answers[6].1, Ok(Reservation::Completed(response("held"))));
 }
 
-/// A trigger that sleeps `seconds` before inserting a key starting `slow`.
-async fn slow_inserts(store: &idem::PgStore, seconds: f64) {
+/// A trigger named `name` that sleeps `seconds` on each row of `event`
+/// (`INSERT` or `UPDATE`) for which `condition` holds (an audit trigger's
+/// work, a synchronous standby: not a row lock).
+async fn slow_trigger(store: &idem::PgStore, name: &str, event: &str, condition: &str, seconds: f64) {
     let table = pg_table(store);
     let schema = schema_of(store);
     for ddl in [
         format!(
-            "CREATE FUNCTION {schema}.slow_insert() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN IF NEW.key LIKE 'slow%' THEN PERFORM pg_sleep({seconds}); END IF; RETURN NEW; END $$"
+            "CREATE FUNCTION {schema}.{name}() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF {condition} THEN PERFORM pg_sleep({seconds}); END IF; RETURN NEW; END $$"
         ),
         format!(
-            "CREATE TRIGGER slow_insert BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.slow_insert()"
+            "CREATE TRIGGER {name} BEFORE {event} ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.{name}()"
         ),
     ] {
-        sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(ddl))
+            .execute(store.pool())
+            .await
+            .unwrap();
     }
+}
+
+/// A trigger that sleeps `seconds` before inserting a key starting `slow`.
+async fn slow_inserts(store: &idem::PgStore, seconds: f64) {
+    slow_trigger(store, "slow_insert", "INSERT", "NEW.key LIKE 'slow%'", seconds).await;
+}
+
+/// A trigger that sleeps `seconds` when a key starting `slow` is completed.
+async fn slow_completions(store: &idem::PgStore, seconds: f64) {
+    slow_trigger(
+        store,
+        "slow_complete",
+        "UPDATE",
+        "NEW.key LIKE 'slow%' AND NEW.state = 'completed'",
+        seconds,
+    )
+    .await;
 }
 
 /// Terminates the backend `pid` (`pg_terminate_backend`), from `watcher`;
@@ -606,25 +628,6 @@ fn complete_in_task(
 ) -> tokio::task::JoinHandle<Result<(), StoreError>> {
     let (store, id, token, tag) = (store.clone(), id.clone(), token.to_owned(), tag.to_owned());
     tokio::spawn(async move { store.complete(&id, &token, &response(&tag)).await })
-}
-
-/// A trigger that sleeps `seconds` when a key starting `slow` is completed
-/// (an audit trigger's work, a synchronous standby: not a row lock).
-async fn slow_completions(store: &idem::PgStore, seconds: f64) {
-    let table = pg_table(store);
-    let schema = schema_of(store);
-    for ddl in [
-        format!(
-            "CREATE FUNCTION {schema}.slow_complete() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN IF NEW.key LIKE 'slow%' AND NEW.state = 'completed' THEN PERFORM pg_sleep({seconds}); \
-             END IF; RETURN NEW; END $$"
-        ),
-        format!(
-            "CREATE TRIGGER slow_complete BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.slow_complete()"
-        ),
-    ] {
-        sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
-    }
 }
 
 /// A completion slow in the database (a trigger's work, not a row lock)
@@ -1880,33 +1883,6 @@ mod cancellation {
             .unwrap()
     }
 
-    async fn ddl(store: &idem::PgStore, statements: &[String]) {
-        for s in statements {
-            sqlx::query(sqlx::AssertSqlSafe(s.clone()))
-                .execute(store.pool())
-                .await
-                .unwrap();
-        }
-    }
-
-    /// A trigger that sleeps `seconds` before completing a key starting `slow`.
-    async fn slow_completions(store: &idem::PgStore, seconds: f64) {
-        let (table, schema) = (pg_table(store), schema_of(store));
-        ddl(
-            store,
-            &[
-                format!(
-                    "CREATE FUNCTION {schema}.slow_complete() RETURNS trigger LANGUAGE plpgsql AS \
-                     $$ BEGIN IF NEW.key LIKE 'slow%' AND NEW.state = 'completed' THEN PERFORM pg_sleep({seconds}); END IF; RETURN NEW; END $$"
-                ),
-                format!(
-                    "CREATE TRIGGER slow_complete BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION {schema}.slow_complete()"
-                ),
-            ],
-        )
-        .await;
-    }
-
     async fn until_row<F: Fn(&Option<(String, Option<String>, Option<String>)>) -> bool>(
         store: &idem::PgStore,
         id: &RecordId,
@@ -3134,5 +3110,194 @@ mod refused_rows {
                 }
             }
         }
+    }
+}
+
+/// PostgreSQL: a reservation waiting in a lookup group whose caller is
+/// gone before the group answers, when the group's statement committed but
+/// its answer never arrived (the connection cut after the commit: an
+/// outcome not known). The group's task hands its key back, fenced by its
+/// token, as it does for one whose caller is gone after an answer: no lock
+/// is left that nobody holds.
+///
+/// The ordering: pause points (the two lookup turns), the queue's counter,
+/// a TCP proxy between the store and PostgreSQL that holds the server's
+/// replies to the group's statement and then cuts the connections, and the
+/// row seen committed from a direct connection.
+mod unknown_outcome {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    struct Proxy {
+        port: u16,
+        frozen: Arc<AtomicBool>,
+        kill: tokio::sync::watch::Sender<u64>,
+    }
+
+    async fn proxy() -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let frozen = Arc::new(AtomicBool::new(false));
+        let (kill, _) = tokio::sync::watch::channel(0_u64);
+        let (f, k) = (frozen.clone(), kill.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let Ok(server) = tokio::net::TcpStream::connect("127.0.0.1:5432").await else {
+                    continue;
+                };
+                let mut killed = k.subscribe();
+                let frozen = f.clone();
+                tokio::spawn(async move {
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    // Held on this connection only: from the execution of a
+                    // group's statement (the chunk after its text was parsed).
+                    let here = Arc::new(AtomicBool::new(false));
+                    let up = {
+                        let (here, frozen) = (here.clone(), frozen.clone());
+                        async move {
+                            let mut buf = vec![0_u8; 65536];
+                            let mut parsed = false;
+                            loop {
+                                let n = match cr.read(&mut buf).await {
+                                    Ok(0) | Err(_) => return,
+                                    Ok(n) => n,
+                                };
+                                let chunk = &buf[..n];
+                                if parsed && frozen.load(Ordering::SeqCst) {
+                                    here.store(true, Ordering::SeqCst);
+                                }
+                                if chunk.windows(10).any(|w| w == b"idem-group") {
+                                    parsed = true;
+                                }
+                                if sw.write_all(chunk).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    };
+                    let frozen = here;
+                    let down = async {
+                        let mut buf = vec![0_u8; 16384];
+                        loop {
+                            let n = match sr.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            while frozen.load(Ordering::SeqCst) {
+                                tokio::time::sleep(Duration::from_millis(1)).await;
+                            }
+                            if cw.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        () = up => {}
+                        () = down => {}
+                        _ = killed.changed() => {}
+                    }
+                });
+            }
+        });
+        Proxy { port, frozen, kill }
+    }
+
+    async fn token_of(direct: &sqlx::PgPool, table: &str, id: &RecordId) -> Option<Option<String>> {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT lock_token FROM {table} WHERE tenant = $1 AND scope = $2 AND key = $3"
+        )))
+        .bind(&id.tenant)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .fetch_optional(direct)
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_group_member_gone_before_an_unknown_outcome_has_its_key_handed_back() {
+        let url = idem_testkit::pg_url().expect("DATABASE_URL");
+        let schema = idem_testkit::pg_schema(&url).await;
+        let proxy = proxy().await;
+        let via_proxy = {
+            let (head, tail) = url.rsplit_once('/').unwrap();
+            let host = head.rsplit_once('@').map_or("postgres://", |(u, _)| u);
+            format!("{host}@127.0.0.1:{}/{tail}", proxy.port)
+        };
+        let store = idem_testkit::pg_store_in(&via_proxy, &schema, 8)
+            .await
+            .with_replay_cache(Duration::ZERO);
+        let direct = sqlx::PgPool::connect(&url).await.unwrap();
+        let table = pg_table(&store);
+
+        // Both lookup turns held (replays of completed records, paused at
+        // their turn): what comes next queues.
+        let (pauses, turns) = hold_the_lookup_turns(&store).await;
+
+        let a = RecordId::new("t", "gone", idem_testkit::unique("a"));
+        let b = RecordId::new("t", "gone", idem_testkit::unique("b"));
+        let tok_a = idem_testkit::token();
+        let mut fut_a = store.reserve(ReserveRequest {
+            id: &a,
+            fingerprint: "fp",
+            token: tok_a,
+            ttl: LONG,
+            lock_timeout: LONG,
+        });
+        let waker = futures_util::task::noop_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        assert!(std::future::Future::poll(fut_a.as_mut(), &mut cx).is_pending());
+        until_lookups_waiting(&store, 1).await;
+        let b_task = reserve_in_task(&store, &b, "fp");
+        until_lookups_waiting(&store, 2).await;
+
+        // The server's replies held from here on; the first turn goes on, and
+        // the group [a, b] is sent.
+        proxy.frozen.store(true, Ordering::SeqCst);
+        let mut pauses = pauses.into_iter();
+        pauses.next().unwrap().resume();
+        // The group's statement committed: a's key is taken under its token.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while token_of(&direct, &table, &a).await != Some(Some(tok_a.to_owned())) {
+            assert!(Instant::now() < deadline, "the group never took a's key");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // a's caller leaves before the group's answer arrives.
+        drop(fut_a);
+        // The answer never arrives: the connections are cut.
+        proxy.frozen.store(false, Ordering::SeqCst);
+        proxy.kill.send_modify(|g| *g += 1);
+        let b_out = tokio::time::timeout(Duration::from_secs(20), b_task)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            matches!(&b_out, Err(e) if e.is_unavailable()),
+            "b, still there, is told the outcome is not known: {b_out:?}"
+        );
+        pauses.next().unwrap().resume();
+        for t in turns {
+            let _ = tokio::time::timeout(Duration::from_secs(20), t).await;
+        }
+        // The group's task has answered everyone; its hand-back of a's key is
+        // bounded by the store's timeout.
+        let deadline = Instant::now() + Duration::from_secs(12);
+        let mut still = token_of(&direct, &table, &a).await;
+        while still == Some(Some(tok_a.to_owned())) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            still = token_of(&direct, &table, &a).await;
+        }
+        let retry = store.reserve(req(&a, "fp", LONG, LONG)).await;
+        assert!(
+        still != Some(Some(tok_a.to_owned())),
+        "a's key stays locked (lock timeout: an hour) under the token of a reservation that is gone; retry: {retry:?}"
+    );
+        assert!(matches!(retry, Ok(Reservation::Reserved(_))), "{retry:?}");
     }
 }
