@@ -74,7 +74,7 @@ fn cells(schema: &str, store: &idem::PgStore, unindexed: &idem::PgStore) -> Vec<
         )
     };
     let completion = completion_of(complete);
-    let completion_free = completion_of(statements.complete_free);
+    let completion_bounded = completion_of(statements.complete_bounded);
     let bare = unindexed.request_statements();
     vec![
         Cell {
@@ -106,12 +106,12 @@ fn cells(schema: &str, store: &idem::PgStore, unindexed: &idem::PgStore) -> Vec<
             script: format!("{new}{};\n{completion};\n", reserve_key("('new-' || :i)")),
         },
         // What a first request runs when no other completion of its store
-        // is being written: the completion that takes the turn skips a row
-        // another transaction holds.
+        // is being written: the completion with its wait for a held row
+        // bounded on the server.
         Cell {
-            name: "idem first: the lookup, then complete, SKIP LOCKED",
+            name: "idem first: the lookup, then complete, bounded",
             baseline: Some("hand-written first: INSERT, then UPDATE"),
-            script: format!("{new}{};\n{completion_free};\n", reserve_key("('new-' || :i)")),
+            script: format!("{new}{};\n{completion_bounded};\n", reserve_key("('new-' || :i)")),
         },
         // Where the rest goes: the reservation's parts on their own.
         Cell {
@@ -350,10 +350,10 @@ fn exec_cells(schema: &str, store: &idem::PgStore) -> Vec<ExecCell> {
             statements: vec![lookup.clone(), complete.clone()],
         },
         ExecCell {
-            name: "idem first: the lookup, then complete, SKIP LOCKED",
+            name: "idem first: the lookup, then complete, bounded",
             baseline: Some("hand-written first: INSERT, then UPDATE"),
             key: new,
-            statements: vec![lookup.clone(), bound(s.complete_free, &COMPLETE_VARS)],
+            statements: vec![lookup.clone(), bound(s.complete_bounded, &COMPLETE_VARS)],
         },
         ExecCell {
             name: "idem first, without the lock-wait bounds",

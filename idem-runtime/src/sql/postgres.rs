@@ -93,9 +93,6 @@ pub struct PgStore {
     peek_group: std::sync::Arc<str>,
     /// Completes every record of a group: `complete`'s binds as arrays.
     complete_group: std::sync::Arc<str>,
-    /// `complete` on a row no other transaction holds, else nothing: the
-    /// completion that takes the turn never waits on a row lock with it.
-    complete_free: std::sync::Arc<str>,
     /// The writes fenced by a lock token that may wait on a record's row,
     /// each bounded on the server by this store's timeout.
     fenced: std::sync::Arc<FencedWrites>,
@@ -268,11 +265,11 @@ pub struct RequestStatements<'a> {
     /// Stores an answer. Binds: tenant, scope, key, token, status, headers,
     /// body.
     pub complete: &'a str,
-    /// `complete` on a row that no other transaction holds (`SKIP
-    /// LOCKED`): what the completion that takes the store's turn to write
-    /// runs (see docs/PROTOCOL.md, "PostgreSQL's grouped completions").
-    /// The binds of `complete`.
-    pub complete_free: &'a str,
+    /// `complete` with its wait for a held row bounded on the server by
+    /// the store's timeout: what a completion not written in a group runs
+    /// (see docs/PROTOCOL.md, "PostgreSQL's grouped completions"). The
+    /// binds of `complete`.
+    pub complete_bounded: &'a str,
     /// The lookup alone. Binds: tenant, scope, key, fingerprint.
     pub peek: &'a str,
     /// The writes of a reservation as one plain statement (an insert that
@@ -645,7 +642,7 @@ impl PgStore {
     /// assert!(s.reserve.contains("idempotency_keys_take") && s.complete.starts_with("UPDATE"));
     /// assert!(s.reserve.contains(s.peek) && s.upsert.starts_with("INSERT"));
     /// assert!(s.lookup.contains("idempotency_keys_take") && !s.lookup.contains(s.peek));
-    /// assert!(s.complete_free.starts_with(s.complete) && s.complete_free.contains("SKIP LOCKED"));
+    /// assert!(s.complete_bounded.starts_with(s.complete) && s.complete_bounded.contains("lock_timeout"));
     /// # }
     /// ```
     #[doc(hidden)]
@@ -654,7 +651,7 @@ impl PgStore {
             lookup: &self.lookup,
             reserve: &self.reserve,
             complete: &self.sql.complete,
-            complete_free: &self.complete_free,
+            complete_bounded: &self.fenced.complete,
             peek: &self.sql.peek,
             upsert: &self.sql.take,
         }
@@ -790,12 +787,6 @@ impl PgStore {
             completed = crate::store::RecordState::COMPLETED_COLUMN,
             in_progress = crate::store::RecordState::IN_PROGRESS_COLUMN,
         );
-        let complete_free = format!(
-            "{complete} AND (tenant, scope, key) IN (SELECT tenant, scope, key FROM {t} \
-             WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE SKIP LOCKED)",
-            complete = sql.complete,
-            t = sql.table,
-        );
         let first_runtime = FirstRuntime::of(&pool);
         let in_tx = InTx {
             unqualified: schema.is_none().then(|| table.to_owned()),
@@ -813,7 +804,6 @@ impl PgStore {
             peek_group: peek_group.into(),
             reserve,
             complete_group: complete_group.into(),
-            complete_free: complete_free.into(),
             completions: std::sync::Arc::default(),
             lookups: std::sync::Arc::default(),
             replays: sql::replays::Replays::new(DEFAULT_REPLAY_CACHE),
@@ -1014,32 +1004,14 @@ impl PgStore {
                 )),
             },
             None => {
-                // Whether written, failed, or given up on (a timeout), or
-                // still being written after `TURN_HELD_MAX` (a trigger's
-                // work, a synchronous standby), the completions that
-                // queued meanwhile go on without it.
+                // Written as the plain statement, as alone. Whether written,
+                // failed, or given up on (a timeout), or still being written
+                // after `TURN_HELD_MAX` (a trigger's work, a synchronous
+                // standby, its row held by another transaction), the
+                // completions that queued meanwhile go on without it.
                 let turn = Turn(self);
                 pause_point!(crate::pause::COMPLETE_TURN, &id.key);
-                let mut again = None;
-                let writing = async {
-                    on_connection!(self, again, |conn| {
-                        self.complete_rows(conn, &self.complete_free, id, token, response)
-                            .await
-                    })
-                };
-                let completed = holding_at_most_a_turn(turn, writing).await?;
-                if completed == 1 {
-                    return Ok(());
-                }
-                // Its lock lost, or its row held by another transaction:
-                // the turn has gone on, and this one waits for its own row
-                // only. After a first try whose session ended, the lock
-                // found lost may be that try's writing: answered as it
-                // failed (see `complete_alone`).
-                match (self.complete_alone(id, token, response).await, again) {
-                    (Err(StoreError::LockLost), Some(first)) => Err(first),
-                    (done, _) => done,
-                }
+                holding_at_most_a_turn(turn, self.complete_alone(id, token, response)).await
             }
         }
     }
@@ -2196,8 +2168,8 @@ const BOUNDED_LOCK_WAIT: &str = "SELECT set_config('lock_timeout', greatest(1, r
 /// too. At the bound the statement fails (`lock_not_available`) and gives
 /// its connection back; a shorter `lock_timeout` of the session's stands.
 /// The statement's own transaction's setting: it goes with the statement.
-/// A completion that takes the turn never waits (`complete_free`), nor do
-/// a group's.
+/// A completion that takes the turn waits for its row as one written
+/// alone, holding the turn at most `TURN_HELD_MAX`; a group's never waits.
 pub(crate) struct FencedWrites {
     pub(crate) release: String,
     pub(crate) reject: String,
