@@ -117,9 +117,11 @@ where
     }
 }
 
-/// Maps a sqlx error: connection-level failures are [`StoreError::Unavailable`]
-/// (the request is refused with 503 and may be retried), the rest
-/// [`StoreError::Backend`].
+/// Maps a sqlx error: connection-level failures, and statements cancelled
+/// (PostgreSQL's `query_canceled`, 57014: the session's `statement_timeout`,
+/// an operator's cancel), are [`StoreError::Unavailable`] (the store did
+/// not answer in time; the request is refused with 503 and may be
+/// retried), the rest [`StoreError::Backend`].
 pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
     use sqlx::Error as E;
     let unavailable = match &e {
@@ -130,9 +132,10 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
                 let busy = sqlite_busy_or_locked(&**db);
                 return store_error(e, busy);
             }
-            // PostgreSQL: 08 connection, 53 resources, 57P0x shutdown/crash.
+            // PostgreSQL: 08 connection, 53 resources, 57014 cancelled,
+            // 57P0x shutdown/crash.
             let code = db.code().unwrap_or_default();
-            code.starts_with("08") || code.starts_with("53") || code.starts_with("57P0")
+            code.starts_with("08") || code.starts_with("53") || code == "57014" || code.starts_with("57P0")
         }
         _ => false,
     };
