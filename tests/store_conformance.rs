@@ -2679,10 +2679,11 @@ async fn postgres_held_rows_of_a_group_hold_up_no_later_completion() {
 }
 
 /// The completion that takes the store's turn, finding its row held by
-/// another transaction, gives the turn up and waits for its row alone:
-/// the completions after it, of rows nobody holds, are written at once.
+/// another transaction, waits for it holding the turn no longer than a
+/// turn (`TURN_HELD_MAX`, 100 ms): the completions after it, of rows
+/// nobody holds, are written while its row is still held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_held_row_never_holds_the_turn_to_write() {
+async fn postgres_a_held_row_holds_the_turn_no_longer_than_a_turn() {
     let Some((url, store)) = pg_group_store(6).await else {
         return;
     };
