@@ -491,8 +491,16 @@ fn pinned_block(names: &Names, output: &ReturnType, generics: &syn::Generics, bl
                 let (impl_params, bounds): (Vec<_>, Vec<_>) = params.into_iter().unzip();
                 let placeholders = impl_params.iter().map(|_| quote_spanned!(ty.span()=> _));
                 let (part_params, part_types): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
-                // Lifetimes as the fn's own, left to inference.
-                let lifetimes = generics.lifetimes().map(|l| &l.lifetime);
+                // Lifetimes as the fn's own, left to inference: the
+                // handler's, and those of the `impl` block that the
+                // declared type names (`impl IntoResponse + 'a`).
+                let mut lifetimes: Vec<syn::Lifetime> =
+                    generics.lifetimes().map(|l| l.lifetime.clone()).collect();
+                for named in lifetimes_in(declared.to_token_stream()) {
+                    if !lifetimes.contains(&named) {
+                        lifetimes.push(named);
+                    }
+                }
                 let check_fn = mixed("__idem_check");
                 // A bound the value does not meet is reported at the
                 // declared type, as without the attribute, not at it.
@@ -542,6 +550,38 @@ fn abstract_named_parts(ty: &mut Type, parts: &mut Vec<(Ident, Type)>) {
         parts.push((name.clone(), std::mem::replace(t, syn::parse_quote!(#name))));
         false
     });
+}
+
+/// The lifetimes named in `tokens` (a type), in order, but `'static` and
+/// `'_`, which no generic parameter declares.
+fn lifetimes_in(tokens: TokenStream) -> Vec<syn::Lifetime> {
+    let mut found: Vec<syn::Lifetime> = Vec::new();
+    let mut tokens = tokens.into_iter().peekable();
+    while let Some(token) = tokens.next() {
+        match token {
+            proc_macro2::TokenTree::Group(group) => {
+                for lifetime in lifetimes_in(group.stream()) {
+                    if !found.contains(&lifetime) {
+                        found.push(lifetime);
+                    }
+                }
+            }
+            proc_macro2::TokenTree::Punct(p) if p.as_char() == '\'' => {
+                if let Some(proc_macro2::TokenTree::Ident(name)) = tokens.peek() {
+                    let lifetime = syn::Lifetime {
+                        apostrophe: p.span(),
+                        ident: name.clone(),
+                    };
+                    tokens.next();
+                    if lifetime.ident != "static" && lifetime.ident != "_" && !found.contains(&lifetime) {
+                        found.push(lifetime);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    found
 }
 
 /// Whether `ty` has an `impl Trait` in it.
