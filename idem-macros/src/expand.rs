@@ -552,36 +552,51 @@ fn abstract_named_parts(ty: &mut Type, parts: &mut Vec<(Ident, Type)>) {
     });
 }
 
-/// The lifetimes named in `tokens` (a type), in order, but `'static` and
-/// `'_`, which no generic parameter declares.
+/// The lifetimes named in `tokens` (a type), in order, but `'static`,
+/// `'_` and those a `for<..>` binds, which no generic parameter declares.
 fn lifetimes_in(tokens: TokenStream) -> Vec<syn::Lifetime> {
-    let mut found: Vec<syn::Lifetime> = Vec::new();
+    let (mut named, mut bound) = (Vec::new(), Vec::new());
+    collect_lifetimes(tokens, &mut named, &mut bound);
+    named.retain(|l| !bound.contains(l));
+    named
+}
+
+/// Pushes each lifetime of `tokens` to `named` once, and those a
+/// `for<..>` declares to `bound` too.
+fn collect_lifetimes(tokens: TokenStream, named: &mut Vec<syn::Lifetime>, bound: &mut Vec<syn::Lifetime>) {
+    use proc_macro2::TokenTree;
     let mut tokens = tokens.into_iter().peekable();
+    // Inside a `for<..>`: how many `<` are open.
+    let mut binder = 0usize;
+    let mut after_for = false;
     while let Some(token) = tokens.next() {
         match token {
-            proc_macro2::TokenTree::Group(group) => {
-                for lifetime in lifetimes_in(group.stream()) {
-                    if !found.contains(&lifetime) {
-                        found.push(lifetime);
-                    }
-                }
+            TokenTree::Group(group) => collect_lifetimes(group.stream(), named, bound),
+            TokenTree::Ident(ident) => {
+                after_for = ident == "for";
+                continue;
             }
-            proc_macro2::TokenTree::Punct(p) if p.as_char() == '\'' => {
-                if let Some(proc_macro2::TokenTree::Ident(name)) = tokens.peek() {
+            TokenTree::Punct(p) if p.as_char() == '<' && (after_for || binder > 0) => binder += 1,
+            TokenTree::Punct(p) if p.as_char() == '>' && binder > 0 => binder -= 1,
+            TokenTree::Punct(p) if p.as_char() == '\'' => {
+                if let Some(TokenTree::Ident(ident)) = tokens.peek() {
                     let lifetime = syn::Lifetime {
                         apostrophe: p.span(),
-                        ident: name.clone(),
+                        ident: ident.clone(),
                     };
                     tokens.next();
-                    if lifetime.ident != "static" && lifetime.ident != "_" && !found.contains(&lifetime) {
-                        found.push(lifetime);
+                    if binder > 0 && !bound.contains(&lifetime) {
+                        bound.push(lifetime.clone());
+                    }
+                    if lifetime.ident != "static" && lifetime.ident != "_" && !named.contains(&lifetime) {
+                        named.push(lifetime);
                     }
                 }
             }
             _ => {}
         }
+        after_for = false;
     }
-    found
 }
 
 /// Whether `ty` has an `impl Trait` in it.
@@ -966,6 +981,25 @@ mod tests {
         assert!(
             !expected.contains(allow),
             "its own expectation stands: {expected}"
+        );
+    }
+
+    #[test]
+    fn names_the_lifetimes_of_a_type_but_static_elided_and_bound() {
+        let names = |ty: TokenStream| {
+            lifetimes_in(ty)
+                .iter()
+                .map(|l| l.ident.to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(quote!(impl IntoResponse + 'a)), ["a"]);
+        assert_eq!(
+            names(quote!(Result<impl IntoResponse + 'a + 'b, Wrap<'a, 'static, '_>>)),
+            ["a", "b"]
+        );
+        assert_eq!(
+            names(quote!(impl for<'x, 'y> Tr<'x, &'y u8> + Into<Vec<&'c str>>)),
+            ["c"]
         );
     }
 
