@@ -875,10 +875,8 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
     if body.is_none() {
         params.push(quote!(mut #body_ident: #private::NoBody));
     }
-    let arguments_allowed = past_clippys_argument_limit(attrs, sig.inputs.len(), params.len());
     quote! {
         #(#attrs)*
-        #arguments_allowed
         #vis #constness async #unsafety #abi #fn_token #ident #generics (#(#params),*) -> #private::Response
         #where_clause
         {
@@ -894,26 +892,6 @@ fn generate(args: &IdempotentArgs, handler: &Handler) -> TokenStream {
             let #ctx = #ctx.seen_last(#body_ident.tenant.take());
             #run
         }
-    }
-}
-
-// Input:  the handler's attributes, how many parameters it declares, and
-//         how many the expansion has.
-// Output: `#[allow(clippy::too_many_arguments)]` when idem's own parameters
-//         alone take the handler past clippy's default limit (7): the lint
-//         would fire on code the handler's author did not write. Nothing
-//         when the handler's own count is past it (the lint holds either
-//         way), or when its attributes already name the lint (an
-//         `#[expect]` must stay fulfilled).
-fn past_clippys_argument_limit(attrs: &[syn::Attribute], declared: usize, expanded: usize) -> TokenStream {
-    const CLIPPY_DEFAULT_LIMIT: usize = 7;
-    let named = attrs
-        .iter()
-        .any(|a| a.to_token_stream().to_string().contains("too_many_arguments"));
-    if declared <= CLIPPY_DEFAULT_LIMIT && expanded > CLIPPY_DEFAULT_LIMIT && !named {
-        quote!(#[allow(clippy::too_many_arguments)])
-    } else {
-        TokenStream::new()
     }
 }
 
@@ -944,44 +922,6 @@ mod tests {
         assert!(out.contains("\"amount\""), "{out}");
         assert!(out.contains("let Json (p) = __idem_body . value ;"), "{out}");
         assert!(out.contains("-> :: idem :: __private :: Response"), "{out}");
-    }
-
-    #[test]
-    fn allows_clippys_argument_count_only_where_idems_parameters_pass_it() {
-        let allow = "# [allow (clippy :: too_many_arguments)]";
-        let six_head = expand(
-            quote!(scope = "s"),
-            quote!(
-                async fn f(_a: A, _b: B, _c: C, _d: D, _e: E, _f: Uri) {}
-            ),
-        );
-        // The last a head extractor: idem adds the context and `NoBody`.
-        assert!(six_head.contains(allow), "6 + 2: {six_head}");
-        let five_head = expand(
-            quote!(scope = "s"),
-            quote!(
-                async fn f(_a: A, _b: B, _c: C, _d: D, _e: Uri) {}
-            ),
-        );
-        assert!(!five_head.contains(allow), "5 + 2 is clippy's 7: {five_head}");
-        let eight = expand(
-            quote!(scope = "s"),
-            quote!(
-                async fn f(_a: A, _b: B, _c: C, _d: D, _e: E, _f: F, _g: G, _h: H) {}
-            ),
-        );
-        assert!(!eight.contains(allow), "past it on its own: {eight}");
-        let expected = expand(
-            quote!(scope = "s"),
-            quote!(
-                #[expect(clippy::too_many_arguments)]
-                async fn f(_a: A, _b: B, _c: C, _d: D, _e: E, _f: Uri) {}
-            ),
-        );
-        assert!(
-            !expected.contains(allow),
-            "its own expectation stands: {expected}"
-        );
     }
 
     #[test]
