@@ -492,15 +492,33 @@ fn pinned_block(names: &Names, output: &ReturnType, generics: &syn::Generics, bl
                 let placeholders = impl_params.iter().map(|_| quote_spanned!(ty.span()=> _));
                 let (part_params, part_types): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
                 // Lifetimes as the fn's own, left to inference: the
-                // handler's, and those of the `impl` block that the
-                // declared type names (`impl IntoResponse + 'a`).
-                let mut lifetimes: Vec<syn::Lifetime> =
-                    generics.lifetimes().map(|l| l.lifetime.clone()).collect();
-                for named in lifetimes_in(declared.to_token_stream()) {
-                    if !lifetimes.contains(&named) {
-                        lifetimes.push(named);
+                // handler's, with their bounds (`'b: 'a`), and those of the
+                // `impl` block that the declared type or those bounds name
+                // (`impl IntoResponse + 'a`), whose bounds it cannot see.
+                let own: Vec<&syn::LifetimeParam> = generics.lifetimes().collect();
+                let mut outer: Vec<syn::Lifetime> = Vec::new();
+                let named = own
+                    .iter()
+                    .flat_map(|l| l.bounds.iter().cloned())
+                    .filter(|l| l.ident != "static")
+                    .chain(lifetimes_in(declared.to_token_stream()));
+                for named in named {
+                    let same = |l: &syn::Lifetime| l.ident.unraw() == named.ident.unraw();
+                    if !own.iter().any(|o| same(&o.lifetime)) && !outer.iter().any(same) {
+                        outer.push(named);
                     }
                 }
+                let lifetimes = own
+                    .iter()
+                    .map(|l| {
+                        let (lifetime, bounds) = (&l.lifetime, l.bounds.iter());
+                        if l.bounds.is_empty() {
+                            quote!(#lifetime)
+                        } else {
+                            quote!(#lifetime: #(#bounds)+*)
+                        }
+                    })
+                    .chain(outer.iter().map(|l| quote!(#l)));
                 let check_fn = mixed("__idem_check");
                 // A bound the value does not meet is reported at the
                 // declared type, as without the attribute, not at it.
@@ -557,7 +575,7 @@ fn abstract_named_parts(ty: &mut Type, parts: &mut Vec<(Ident, Type)>) {
 fn lifetimes_in(tokens: TokenStream) -> Vec<syn::Lifetime> {
     let (mut named, mut bound) = (Vec::new(), Vec::new());
     collect_lifetimes(tokens, &mut named, &mut bound);
-    named.retain(|l| !bound.contains(l));
+    named.retain(|l| !bound.iter().any(|b| b.ident.unraw() == l.ident.unraw()));
     named
 }
 
@@ -585,10 +603,11 @@ fn collect_lifetimes(tokens: TokenStream, named: &mut Vec<syn::Lifetime>, bound:
                         ident: ident.clone(),
                     };
                     tokens.next();
-                    if binder > 0 && !bound.contains(&lifetime) {
+                    if binder > 0 && !bound.iter().any(|l| l.ident.unraw() == lifetime.ident.unraw()) {
                         bound.push(lifetime.clone());
                     }
-                    if lifetime.ident != "static" && lifetime.ident != "_" && !named.contains(&lifetime) {
+                    let name = lifetime.ident.unraw();
+                    if name != "static" && name != "_" && !named.iter().any(|l| l.ident.unraw() == name) {
                         named.push(lifetime);
                     }
                 }

@@ -2,7 +2,8 @@
 
 // A returned `impl Trait` bounded by a lifetime of the `impl` block (not
 // the handler's own), alone and inside a `Result`, beside one of the
-// handler's own.
+// handler's own; the handler's own lifetimes with their bounds; a raw
+// lifetime naming one of them.
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::{routing::post, Router};
@@ -28,9 +29,24 @@ impl<'a> Api<'a> {
     }
 }
 
+trait Two<'a, 'b: 'a> {}
+impl<'a, 'b: 'a> Two<'a, 'b> for &'static str {}
+
+#[idempotent(scope = "api.own_bounded", body = "none")]
+async fn own_bounded<'a, 'b: 'a + 'static>() -> impl IntoResponse + Two<'a, 'b> {
+    "own"
+}
+
+#[idempotent(scope = "api.raw", body = "none")]
+async fn raw<'a>() -> impl IntoResponse + 'r#a {
+    "raw"
+}
+
 fn main() {
     let _app: Router = Router::new()
         .route("/bounded", post(Api::<'static>::bounded))
         .route("/result", post(Api::<'static>::result))
-        .route("/both", post(Api::<'static>::both));
+        .route("/both", post(Api::<'static>::both))
+        .route("/own", post(own_bounded))
+        .route("/raw", post(raw));
 }
