@@ -144,8 +144,11 @@ impl Names {
 
 // Input:  the body extractor's type, `Json<In>` (or `Form<In>`, or the
 //         application's own).
-// Output: `::idem::__private::Raw<Json<In>>`, spanned at the type: the
-//         extractor under idem's, which keeps the bytes.
+// Output: `::idem::__private::Raw<Json<In>>`, the extractor under idem's,
+//         which keeps the bytes: its own tokens at the type's location
+//         (where diagnostics point) but the macro's (mixed-site), so that
+//         lints judge the handler's type as written (clippy's
+//         `type_complexity` counted the wrapper's nesting as the user's).
 fn raw_extractor(private: &TokenStream, ty: &Type) -> TokenStream {
     let span = Span::mixed_site().located_at(ty.span());
     let private = respanned(private, span);
