@@ -1196,7 +1196,18 @@ async fn postgres_request_statements_skip_the_pools_test_unless_told() {
             Reservation::Completed(response(key))
         );
     };
-    idle().await;
+    // Three connections idle, so that each statement below finds one idle
+    // while the one before it goes back through sqlx's ping; and the
+    // store's spare connection taken before counting (a store's first
+    // reservation takes one, at once from the idle ones, else through the
+    // pool's test in a task of its own: not a request's statement).
+    let three_idle = || async {
+        drop(futures_util::future::join_all((0..3).map(|_| store.pool().acquire())).await);
+        idle().await;
+    };
+    three_idle().await;
+    first_request(store.clone(), "warm").await;
+    three_idle().await;
     let before = tested.load(Ordering::SeqCst);
     first_request(store.clone(), "untested").await;
     assert_eq!(
@@ -1204,12 +1215,10 @@ async fn postgres_request_statements_skip_the_pools_test_unless_told() {
         before,
         "a request's statement was lent a tested connection"
     );
-    // Three connections idle in the pool (the first reservation took one
-    // of them for the store's lock extensions): each statement below is
-    // lent one of them, tested (a connection the pool opens anew runs
-    // `after_connect`, not `before_acquire`).
-    drop(futures_util::future::join_all((0..3).map(|_| store.pool().acquire())).await);
-    idle().await;
+    // Three connections idle again: each statement below is lent one of
+    // them, tested (a connection the pool opens anew runs `after_connect`,
+    // not `before_acquire`).
+    three_idle().await;
     let before = tested.load(Ordering::SeqCst);
     first_request(store.clone().with_tested_connections(true), "tested").await;
     assert!(
