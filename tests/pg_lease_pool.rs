@@ -181,21 +181,21 @@ async fn holds(State(g): State<Gates>, op: Operation) -> (StatusCode, String) {
 /// Waits until an extension of the store in `schema` waits for a row lock
 /// (seen by the database, not hoped for).
 async fn an_extension_waits_for_a_row(observer: &sqlx::PgPool, schema: &str) {
-    let until = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
-        )
-        .bind(format!("%\"{schema}\"%lock_expires_at%"))
-        .fetch_one(observer)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            return;
-        }
-        assert!(std::time::Instant::now() < until, "no extension waited for a row");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    idem_testkit::within(
+        Duration::from_secs(20),
+        "an extension to wait for a row",
+        async || {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+            )
+            .bind(format!("%\"{schema}\"%lock_expires_at%"))
+            .fetch_one(observer)
+            .await
+            .unwrap();
+            waiting > 0
+        },
+    )
+    .await;
 }
 
 /// One execution's extension held up on the store's spare connection (its
@@ -337,14 +337,12 @@ async fn postgres_closing_the_pool_closes_the_spare() {
     // The spare is one of them (the pool keeps no more than three).
     assert!(sessions_named(&observer, &name).await > 0);
     pool.close().await;
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    while sessions_named(&observer, &name).await > 0 {
-        assert!(
-            std::time::Instant::now() < until,
-            "a connection of the store stayed open"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    idem_testkit::within(
+        Duration::from_secs(10),
+        "every connection of the store to close",
+        async || sessions_named(&observer, &name).await == 0,
+    )
+    .await;
 }
 
 /// A store and its `with_table` clone on one pool share one spare: with
@@ -374,11 +372,10 @@ async fn postgres_a_store_and_its_clones_share_one_spare() {
     }
     let observer = sqlx::PgPool::connect(&url).await.unwrap();
     // A spare taken in the background may still be on its way.
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    while sessions_named(&observer, &name).await < 4 {
-        assert!(std::time::Instant::now() < until, "no spare was taken");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    idem_testkit::within(Duration::from_secs(10), "a spare to be taken", async || {
+        sessions_named(&observer, &name).await >= 4
+    })
+    .await;
     assert_eq!(
         sessions_named(&observer, &name).await,
         4,

@@ -907,12 +907,8 @@ async fn end_idle_sessions(store: &idem::PgStore, watcher: &sqlx::PgPool, name: 
 
 /// Polls `done` every 5 ms until it holds; fails the test, saying what it
 /// waited for, after ten seconds.
-async fn within_ten_seconds(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let until = Instant::now() + Duration::from_secs(10);
-    while !done().await {
-        assert!(Instant::now() < until, "waited ten seconds for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+async fn within_ten_seconds(what: &str, done: impl AsyncFnMut() -> bool) {
+    idem_testkit::within(Duration::from_secs(10), what, done).await;
 }
 
 /// How many sessions named `name` there are, of those whose state

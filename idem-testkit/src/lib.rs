@@ -12,6 +12,7 @@
 //! - [`records`]: store calls as the store-level tests write them.
 //! - [`multi_thread`]: a runtime of its own, for tests that shut one down.
 //! - [`logs`]: every line the test binary logs, to assert on.
+//! - [`within`]: a condition polled until it holds, or the test fails.
 
 mod each_store;
 mod gates;
@@ -28,6 +29,31 @@ pub use stores::{
     dropped_transaction_rolls_back, pg_schema, pg_store, pg_store_in, pg_url, sqlite_in_memory_store,
     sqlite_store, Fixture, StoreKind,
 };
+
+/// Polls `done` every 5 ms until it holds; fails the test, saying what it
+/// waited for, once `limit` has passed.
+///
+/// # Panics
+///
+/// When `limit` passes first.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let mut polls = 0;
+/// idem_testkit::within(std::time::Duration::from_secs(1), "a third poll", async || {
+///     polls += 1;
+///     polls == 3
+/// })
+/// .await;
+/// # }
+/// ```
+pub async fn within(limit: std::time::Duration, what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let until = std::time::Instant::now() + limit;
+    while !done().await {
+        assert!(std::time::Instant::now() < until, "waited {limit:?} for {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
 
 /// A multi-thread runtime of `workers` workers, with I/O and time, whose
 /// workers drive its tasks whatever its callers do.
