@@ -552,10 +552,9 @@ impl PgStore {
             return;
         }
         let (pool, spare, timeout) = (self.pool.clone(), self.spare.clone(), self.timeout);
+        // `held` is this task's until it ends: nothing else can take a
+        // spare meanwhile.
         drop(runtime.spawn(async move {
-            if held.is_some() {
-                return;
-            }
             if let Ok(Ok(connection)) = tokio::time::timeout(timeout, pool.acquire()).await {
                 if !pool.is_closed() {
                     *held = Some(connection.detach());
