@@ -19,7 +19,7 @@ pub enum Classification {
     /// The answer is final: complete the record and replay it to retries.
     Store,
     /// Released as *failed*: something went wrong that a retry should really
-    /// retry (408, 425, 429, 5xx, a panic). The record stays bound to its
+    /// retry (408, 425, 429, 5xx and past, a panic). The record stays bound to its
     /// request: the same request retried continues the operation (the next
     /// attempt, recovery point, derived keys); another request with this
     /// key gets 422 until the record expires.
@@ -34,8 +34,9 @@ pub enum Classification {
 
 impl Classification {
     /// The default rule: 2xx and 3xx are stored; 400, 409 and 422 are
-    /// rejected; 408, 425, 429 and every 5xx are released as failed; every
-    /// other 4xx is stored. A 1xx other than 101 (an upgrade) is not a
+    /// rejected; 408, 425, 429, every 5xx and every status past 599 (600
+    /// to 999, which a client processes as a 5xx: RFC 9110 section 15) are
+    /// released as failed; every other 4xx is stored. A 1xx other than 101 (an upgrade) is not a
     /// final answer (HTTP cannot send one as such): released as failed, and
     /// its client gets 500, whatever a handler's error type says.
     ///
@@ -46,6 +47,8 @@ impl Classification {
     /// assert_eq!(Classification::from_status(StatusCode::TOO_MANY_REQUESTS), Classification::Release);
     /// assert_eq!(Classification::from_status(StatusCode::NOT_FOUND), Classification::Store);
     /// assert_eq!(Classification::from_status(StatusCode::CONTINUE), Classification::Release);
+    /// let past_599 = StatusCode::from_u16(600).unwrap();
+    /// assert_eq!(Classification::from_status(past_599), Classification::Release);
     /// ```
     pub fn from_status(status: StatusCode) -> Self {
         if never_final(status) {
@@ -53,7 +56,9 @@ impl Classification {
         }
         match status.as_u16() {
             400 | 409 | 422 => Classification::Reject,
-            408 | 425 | 429 | 500..=599 => Classification::Release,
+            // 600 to 999 (which `http` lets a handler send) are no HTTP
+            // status: a client processes one as a 5xx (RFC 9110 15).
+            408 | 425 | 429 | 500..=999 => Classification::Release,
             _ => Classification::Store,
         }
     }
@@ -181,6 +186,9 @@ mod tests {
             (429, Classification::Release),
             (500, Classification::Release),
             (503, Classification::Release),
+            // Outside 100..599, invalid: processed as a 5xx (RFC 9110 15).
+            (600, Classification::Release),
+            (999, Classification::Release),
         ] {
             assert_eq!(
                 Classification::from_status(StatusCode::from_u16(code).unwrap()),
