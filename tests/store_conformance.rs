@@ -887,6 +887,11 @@ async fn named_pg_store(url: &str, schema: &str, name: &str) -> idem::PgStore {
         .unwrap()
         .with_replay_cache(Duration::ZERO);
     store.migrate().await.unwrap();
+    // Four connections in the pool, idle: the store's first statements
+    // take two of them for its own (its spare, and the one kept for the
+    // statements that run alone), and the rest stay idle for a statement
+    // to find as it is.
+    drop(futures_util::future::join_all((0..4).map(|_| store.pool().acquire())).await);
     store
 }
 
@@ -1251,6 +1256,70 @@ async fn postgres_request_statements_skip_the_pools_test_unless_told() {
     );
     holder.rollback().await.unwrap();
     completing.await.unwrap().unwrap();
+}
+
+/// The statements a request waits for, when they run alone, keep the
+/// connection they ran on for the next, rather than give it back to the
+/// pool, which would test it first (sqlx pings every connection given back
+/// to it, running its `after_release` hook): request after request, no
+/// connection goes back to the pool. A store that takes tested connections
+/// gives each back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_request_statements_that_run_alone_keep_their_connection() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let given_back = Arc::new(AtomicUsize::new(0));
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .after_release({
+            let given_back = given_back.clone();
+            move |_, _| {
+                given_back.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async { Ok(true) })
+            }
+        })
+        .connect(&url)
+        .await
+        .unwrap();
+    let store = idem::PgStore::new(pool)
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap()
+        .with_replay_cache(Duration::ZERO);
+    store.migrate().await.unwrap();
+    let first_request = |store: idem::PgStore, key: String| async move {
+        let id = RecordId::new("t", "s", key.as_str());
+        let lease = take(&store, &id, "fp", LONG, LONG).await;
+        store.complete(&id, &lease.token, &response(&key)).await.unwrap();
+        assert_eq!(
+            reserve(&store, &id, "fp", LONG, LONG).await,
+            Reservation::Completed(response(&key))
+        );
+    };
+    // The first takes the store's connections (its spare, and the one it
+    // keeps) from the pool.
+    first_request(store.clone(), "warm".into()).await;
+    let pool = store.pool().clone();
+    within_ten_seconds("every connection lent back in the pool", async || {
+        pool.num_idle() == pool.size() as usize
+    })
+    .await;
+    let before = given_back.load(Ordering::SeqCst);
+    for n in 0..5 {
+        first_request(store.clone(), format!("kept-{n}")).await;
+    }
+    assert_eq!(
+        given_back.load(Ordering::SeqCst),
+        before,
+        "a request's statement gave its connection back to the pool"
+    );
+    let tested = store.clone().with_tested_connections(true);
+    first_request(tested, "tested".into()).await;
+    all_idle(&store).await;
+    assert!(
+        given_back.load(Ordering::SeqCst) >= before + 3,
+        "the reservation, the completion and the replay each give their lent connection back"
+    );
 }
 
 /// Expiry is judged by the database's clock: moving the record's times
@@ -2725,7 +2794,11 @@ async fn postgres_a_group_is_not_written_past_its_callers_deadlines() {
     let Some((url, store)) = pg_group_store(3).await else {
         return;
     };
-    let store = store.with_timeout(Duration::from_secs(1));
+    // Tested connections only: the store keeps none of its own, so that
+    // with the pool's taken, nothing it sends gets one.
+    let store = store
+        .with_timeout(Duration::from_secs(1))
+        .with_tested_connections(true);
     let (ids, leases, _holders, turn, first) =
         hold_the_first_completion(&store, &url, &["first", "a", "b"]).await;
     let [a, b] = queue_the_second_and_third(&store, &ids, &leases).await;

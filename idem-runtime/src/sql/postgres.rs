@@ -5,7 +5,7 @@ use crate::sql::{self, Statements};
 use crate::store::{deadline_after, random_token_inline, BoxFuture};
 use crate::store::{IdempotencyStore, Reservation, ReserveRequest, StoreError};
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The migrations of the records table, in order, with `{table}`,
 /// `{index}` and `{reserve_function}` standing for the configured names and
@@ -144,8 +144,35 @@ struct Spare {
     /// Whether `connection` holds one (read without its lock, on every
     /// reservation's path).
     held: std::sync::atomic::AtomicBool,
-    /// Whether a task closes the spare when the pool is closed.
+    /// Whether a task closes the spare and the kept connection when the
+    /// pool is closed.
     watched: std::sync::atomic::AtomicBool,
+    /// The connection the statements that run alone take first (see
+    /// [`Kept`]), shared by the store's clones. Never locked across an
+    /// `.await`.
+    kept: std::sync::Mutex<Option<Kept>>,
+}
+
+/// A connection of the store's own for the statements a request waits for
+/// when they run alone (a reservation's lookup, a completion written
+/// alone): taken from the pool idle and detached from it after the first
+/// such statement that ran on it, then kept between statements. A
+/// connection the pool takes back is tested first (sqlx pings every
+/// connection given back to its pool, a round trip to the database, in a
+/// task of its own); one kept by the store is used again as it is, so
+/// that a request that runs alone pays no round trip beyond its
+/// statements', and the pool's connections stay the application's. Kept
+/// only after a statement that ended with the database's answer (its
+/// session in step); one found gone runs its statement again on a
+/// connection the pool lends, as an idle one found gone does.
+struct Kept {
+    connection: sqlx::PgConnection,
+    /// When it was detached from the pool: kept no longer than the pool
+    /// keeps a connection (its `max_lifetime`).
+    since: Instant,
+    /// When it was last given back: kept idle no longer than the pool
+    /// keeps one idle (its `idle_timeout`).
+    idle_since: Instant,
 }
 
 /// The completion a handler's transaction writes, whose search path is the
@@ -453,7 +480,9 @@ impl PgStore {
     /// reservation's lookup and the completion the store writes alone)
     /// skip that round trip when they run alone: they take an idle
     /// connection of the pool as it is (sqlx's `try_acquire`, which neither
-    /// tests it nor runs the hook), and one that turns out gone (an I/O
+    /// tests it nor runs the hook), then keep it for the next such
+    /// statement, detached from the pool (which sqlx would test again as
+    /// it comes back: see [`Kept`]), and one that turns out gone (an I/O
     /// error, or the database's word that it ended the session: SQLSTATE
     /// class 08 or 57P0x) runs the same statement again, once, on a
     /// connection the pool lends. The pool still tests each connection as
@@ -472,8 +501,9 @@ impl PgStore {
     /// finds its lock gone, fails as unavailable, as without the second
     /// try. Anything else found is answered as it would have been.
     ///
-    /// `true` is for a pool whose `before_acquire` hook must run before
-    /// every statement, idem's included. Other statements (heartbeats,
+    /// `true` is for a pool whose `before_acquire` (or `after_release`)
+    /// hook must run around every statement, idem's included; such a store
+    /// keeps no connection of its own. Other statements (heartbeats,
     /// releases, the janitor's) always take a lent connection.
     ///
     /// ```
@@ -490,12 +520,86 @@ impl PgStore {
     /// An idle connection of the pool, taken as it is, for a statement
     /// that runs alone, unless the store takes only tested ones: see
     /// [`with_tested_connections`](Self::with_tested_connections).
-    fn idle_connection(&self, under_way: &UnderWay) -> Option<sqlx::pool::PoolConnection<sqlx::Postgres>> {
+    fn idle_connection(&self, under_way: &UnderWay) -> Option<AloneOn> {
         if self.tested || !under_way.alone {
-            None
-        } else {
-            self.pool.try_acquire()
+            return None;
         }
+        if let Some(kept) = self.take_kept() {
+            return Some(AloneOn::Kept(kept));
+        }
+        self.pool.try_acquire().map(AloneOn::Idle)
+    }
+
+    /// The store's kept connection (see [`Kept`]), unless another
+    /// statement has it, or it outlived the pool's bounds (then closed).
+    fn take_kept(&self) -> Option<Kept> {
+        let kept = self.spare.kept.try_lock().ok()?.take()?;
+        let options = self.pool.options();
+        let now = Instant::now();
+        let outlived = options
+            .get_max_lifetime()
+            .is_some_and(|most| now.saturating_duration_since(kept.since) >= most)
+            || options
+                .get_idle_timeout()
+                .is_some_and(|most| now.saturating_duration_since(kept.idle_since) >= most);
+        if outlived {
+            close_apart(kept.connection);
+            return None;
+        }
+        Some(kept)
+    }
+
+    /// Keeps `on`, the connection a statement that ran alone ended on with
+    /// the database's answer, for the next (see [`Kept`]): detached from
+    /// the pool if it came from it. Given back instead (to the pool, or
+    /// closed if the store's) when the store keeps one already or the pool
+    /// is closed.
+    fn keep(&self, on: AloneOn) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return on.give_back();
+        };
+        let Ok(mut kept) = self.spare.kept.lock() else {
+            return on.give_back();
+        };
+        // Under the lock, which the task that closes it takes after the
+        // pool is closed: none is kept after that task ran.
+        if kept.is_some() || self.pool.is_closed() {
+            drop(kept);
+            return on.give_back();
+        }
+        self.watch_close(&runtime);
+        let now = Instant::now();
+        *kept = Some(match on {
+            AloneOn::Kept(k) => Kept { idle_since: now, ..k },
+            AloneOn::Idle(pooled) => Kept {
+                connection: pooled.detach(),
+                since: now,
+                idle_since: now,
+            },
+        });
+    }
+
+    /// Starts, once per store and its clones, the task that closes the
+    /// spare and the kept connection when the pool is closed, so that the
+    /// application's `pool.close()` leaves no connection of the store open.
+    fn watch_close(&self, runtime: &tokio::runtime::Handle) {
+        use std::sync::atomic::Ordering;
+        if self.spare.watched.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (close, spare) = (self.pool.close_event(), self.spare.clone());
+        drop(runtime.spawn(async move {
+            close.await;
+            let kept = spare.kept.lock().ok().and_then(|mut k| k.take());
+            if let Some(kept) = kept {
+                let _ = sqlx::Connection::close(kept.connection).await;
+            }
+            let taken = spare.connection.lock().await.take();
+            spare.held.store(false, Ordering::Release);
+            if let Some(connection) = taken {
+                let _ = sqlx::Connection::close(connection).await;
+            }
+        }));
     }
 
     /// Counts a statement under way until the guard is dropped, and says
@@ -533,19 +637,7 @@ impl PgStore {
         if held.is_some() {
             return;
         }
-        if !self.spare.watched.swap(true, Ordering::AcqRel) {
-            // Closed with the pool: the application's `pool.close()`
-            // leaves no connection of the store open.
-            let (close, spare) = (self.pool.close_event(), self.spare.clone());
-            drop(runtime.spawn(async move {
-                close.await;
-                let taken = spare.connection.lock().await.take();
-                spare.held.store(false, Ordering::Release);
-                if let Some(connection) = taken {
-                    let _ = sqlx::Connection::close(connection).await;
-                }
-            }));
-        }
+        self.watch_close(&runtime);
         if let Some(idle) = self.pool.try_acquire() {
             *held = Some(idle.detach());
             self.spare.held.store(true, Ordering::Release);
@@ -1251,14 +1343,24 @@ macro_rules! on_connection {
     ($store:expr, $again:ident, |$conn:ident| $statement:expr) => {
         async {
             let under_way = $store.under_way();
-            if let Some(mut idle) = $store.idle_connection(&under_way) {
-                let $conn: &mut sqlx::PgConnection = &mut idle;
+            if let Some(mut alone) = $store.idle_connection(&under_way) {
+                let $conn: &mut sqlx::PgConnection = alone.connection();
                 match $statement {
                     Err(e) if connection_gone(&e) => {
                         tracing::debug!(error = %e, "an idle connection was gone: the statement runs again on a tested one");
                         $again = Some(e);
                     }
-                    done => return done,
+                    done => {
+                        // Answered by the database (a row, none, or a
+                        // fenced write that found its lock gone): its
+                        // session is in step, and kept for the next.
+                        if matches!(done, Ok(_) | Err(StoreError::LockLost)) {
+                            $store.keep(alone);
+                        } else {
+                            alone.give_back();
+                        }
+                        return done;
+                    }
                 }
             }
             let mut lent = $store.lent_connection().await?;
@@ -1271,6 +1373,39 @@ macro_rules! on_connection {
     };
 }
 use on_connection;
+
+/// The connection a statement that runs alone takes as it is.
+enum AloneOn {
+    /// The store's own (see [`Kept`]).
+    Kept(Kept),
+    /// An idle one of the pool.
+    Idle(sqlx::pool::PoolConnection<sqlx::Postgres>),
+}
+
+impl AloneOn {
+    fn connection(&mut self) -> &mut sqlx::PgConnection {
+        match self {
+            AloneOn::Kept(kept) => &mut kept.connection,
+            AloneOn::Idle(pooled) => pooled,
+        }
+    }
+
+    /// Back to the pool (which tests it first), or closed if the store's.
+    fn give_back(self) {
+        match self {
+            AloneOn::Kept(kept) => close_apart(kept.connection),
+            AloneOn::Idle(pooled) => drop(pooled),
+        }
+    }
+}
+
+/// Closes a connection of the store's own (the database is told the
+/// session ends) in a task of its own; dropped at once outside a runtime.
+fn close_apart(connection: sqlx::PgConnection) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        drop(runtime.spawn(sqlx::Connection::close(connection)));
+    }
+}
 
 /// A statement of the store under way, counted until this is dropped.
 struct UnderWay {
