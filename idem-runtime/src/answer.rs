@@ -29,8 +29,9 @@ pub(crate) enum Collected {
         head: Vec<axum::body::Bytes>,
         rest: axum::body::BodyDataStream,
     },
-    /// The body failed while it was produced.
-    Failed(axum::Error),
+    /// The body failed while it was produced: what was read of it (within
+    /// the limit, `collect` only), and the failure.
+    Failed(axum::body::Bytes, axum::Error),
     /// Larger than the limit, read to its end for a client that could not
     /// tell it broken from whole ([`Reader`]): the whole of it for that
     /// client, or `None` when it was dropped as it came (a `HEAD`, or past
@@ -114,7 +115,7 @@ pub(crate) async fn drain(
                     }
                 }
             }
-            Err(e) => return Collected::Failed(e),
+            Err(e) => return Collected::Failed(axum::body::Bytes::new(), e),
         }
         // As in `collect`: a body always ready gives the runtime its turn.
         tokio::task::consume_budget().await;
@@ -196,7 +197,7 @@ pub(crate) async fn collect(
             drop_caught(rest, panic);
             return Collected::Whole(axum::body::Bytes::new());
         }
-        Some(Err(e)) => return Collected::Failed(e),
+        Some(Err(e)) => return Collected::Failed(axum::body::Bytes::new(), e),
         Some(Ok(first)) if first.len() > limit => {
             return Collected::Streamed {
                 head: vec![first],
@@ -230,7 +231,7 @@ pub(crate) async fn collect(
                 // extensions (on a current-thread runtime, nothing else would).
                 tokio::task::consume_budget().await;
             }
-            Err(e) => return Collected::Failed(e),
+            Err(e) => return Collected::Failed(read.into(), e),
         }
     }
     drop_caught(rest, panic);
@@ -247,13 +248,21 @@ pub(crate) enum Frame {
 
 pub(crate) const ABANDONED: &str = "the client did not read the answer within the lock timeout";
 
+/// How a streamed answer ends once its body has.
+pub(crate) enum End {
+    /// Recorded: its status and headers.
+    Complete(StoredResponse),
+    /// The key let go as it says, nothing recorded.
+    LetGo(LetGo),
+}
+
 /// An answer too large to keep, still being produced.
 pub(crate) struct StreamedAnswer {
     pub(crate) engine: Arc<Engine>,
     pub(crate) info: OperationInfo,
     pub(crate) lock_timeout: Duration,
-    /// Its status and headers, to record once the body ended.
-    pub(crate) stored: StoredResponse,
+    /// What is done once the body ended.
+    pub(crate) end: End,
     pub(crate) beat: Heartbeat,
     pub(crate) head: Vec<axum::body::Bytes>,
     pub(crate) rest: axum::body::BodyDataStream,
@@ -263,9 +272,10 @@ pub(crate) struct StreamedAnswer {
 
 /// Streams an answer larger than the stored limit to the client, still under
 /// the lease, and records its completion (status and headers) when the body
-/// ends. The last bytes are held back until the completion is recorded (and
-/// the body ends only with an explicit end): a client gets a whole body only
-/// when its answer is recorded; otherwise its connection breaks. A body that
+/// ends, or lets its key go (`End`). The last bytes are held back until that
+/// is done (and the body ends only with an explicit end): a client gets a
+/// whole body only when its answer's outcome is recorded; otherwise its
+/// connection breaks. A body that
 /// fails is a failed execution. A client that goes away, or reads nothing
 /// for a whole lock timeout, cancels nothing: it is cut off, and the body is
 /// read to its end and the outcome recorded all the same.
@@ -313,7 +323,7 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
         engine,
         info,
         lock_timeout,
-        stored,
+        end,
         beat,
         mut client,
         ..
@@ -322,7 +332,11 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
     // transaction connection has let it go.
     let Ok(tx) = info.take_tx(lock_timeout).await else {
         // The client has its status already: its connection breaks.
-        let _ = let_go_once_free(&engine, &info, lock_timeout, beat, LetGo::Fail, panic, None);
+        let how = match end {
+            End::LetGo(how) => how,
+            End::Complete(_) => LetGo::Fail,
+        };
+        let _ = let_go_once_free(&engine, &info, lock_timeout, beat, how, panic, None);
         if let Some(c) = &client {
             let kept = axum::Error::new(std::io::Error::other(
                 "the handler's transaction was kept from its completion; retry with the same key",
@@ -331,20 +345,37 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
         }
         return;
     };
-    let ending = match broken {
-        Some(e) => {
+    let not_recorded = || {
+        vec![Frame::Fail(axum::Error::new(std::io::Error::other(
+            "the answer could not be recorded; retry with the same key",
+        )))]
+    };
+    let ending = match (broken, end) {
+        (Some(e), _) => {
             let _ = let_go(&engine, &info, lock_timeout, tx, Response::default(), LetGo::Fail).await;
             vec![Frame::Fail(e)]
         }
-        None => match record_completion(&engine, &info, lock_timeout, &stored, tx).await {
-            Ok(()) => {
-                record(Outcome::executed(info.lease.is_takeover()));
-                held.into_iter().map(Frame::Data).chain([Frame::End]).collect()
+        (None, End::Complete(stored)) => {
+            match record_completion(&engine, &info, lock_timeout, &stored, tx).await {
+                Ok(()) => {
+                    record(Outcome::executed(info.lease.is_takeover()));
+                    held.into_iter().map(Frame::Data).chain([Frame::End]).collect()
+                }
+                Err(_) => not_recorded(),
             }
-            Err(_) => vec![Frame::Fail(axum::Error::new(std::io::Error::other(
-                "the answer could not be recorded; retry with the same key",
-            )))],
-        },
+        }
+        (None, End::LetGo(how)) => {
+            // Let go as asked, its answer stands; otherwise (the lease lost,
+            // a rejection not confirmed) it is not the answer that counts.
+            let mut asked = Response::default();
+            asked.extensions_mut().insert(LetGoneAsAsked);
+            let answer = let_go(&engine, &info, lock_timeout, tx, asked, how).await;
+            if answer.extensions().get::<LetGoneAsAsked>().is_some() {
+                held.into_iter().map(Frame::Data).chain([Frame::End]).collect()
+            } else {
+                not_recorded()
+            }
+        }
     };
     drop(beat);
     for frame in ending {
@@ -359,6 +390,11 @@ pub(crate) async fn stream_then_complete(mut s: StreamedAnswer) {
     // Last: its drop may panic again, which must not cut the client off.
     drop(panic);
 }
+
+/// Marks the answer [`let_go`] gives back when the key went as asked (it
+/// gives another when it did not).
+#[derive(Clone, Copy)]
+struct LetGoneAsAsked;
 
 impl StreamedAnswer {
     /// Keeps `chunk` back and sends the one kept before: the last bytes
@@ -441,7 +477,7 @@ mod tests {
         match collected {
             Collected::Whole(bytes) => bytes,
             Collected::Streamed { head, .. } => panic!("streamed, {} chunks read", head.len()),
-            Collected::Failed(e) => panic!("failed: {e}"),
+            Collected::Failed(_, e) => panic!("failed: {e}"),
             Collected::Over(read, _) => panic!("over the limit, {:?} chunks kept", read.map(|r| r.len())),
         }
     }
@@ -510,7 +546,7 @@ mod tests {
             let body = Body::from_stream(futures_util::stream::iter(frames.collect::<Vec<_>>()));
             assert!(matches!(
                 collect(body, 64, false, &mut None).await,
-                Collected::Failed(_)
+                Collected::Failed(..)
             ));
         }
     }
@@ -560,7 +596,7 @@ mod tests {
         ]));
         assert!(matches!(
             drain(Reader::UntilClose, head, broken.into_data_stream(), &mut None).await,
-            Collected::Failed(_)
+            Collected::Failed(..)
         ));
     }
 

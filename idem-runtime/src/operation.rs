@@ -154,6 +154,12 @@ impl OperationInfo {
         slot.take()
     }
 
+    /// Whether the handler opened a transaction through `op` (one a task
+    /// holds counts), without taking it.
+    pub(crate) fn has_tx(&self) -> bool {
+        self.tx.try_lock().map_or(true, |slot| slot.is_some())
+    }
+
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.load(std::sync::atomic::Ordering::Acquire)
     }

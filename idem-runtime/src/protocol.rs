@@ -4,7 +4,7 @@
 //! See docs/PROTOCOL.md.
 
 use crate::answer::{
-    collect, drain, replay, stream_then_complete, Collected, Frame, Reader, StreamedAnswer, ABANDONED,
+    collect, drain, replay, stream_then_complete, Collected, End, Frame, Reader, StreamedAnswer, ABANDONED,
     BODY_OMITTED,
 };
 use crate::classify::Classification;
@@ -609,43 +609,63 @@ pub(crate) fn finish<'a>(
     // answer) is no final answer: HTTP cannot send it as one (hyper answers
     // 500 instead), so it is neither stored nor given; released as failed,
     // as a panic is, whatever the handler's error type says.
-    let (response, how) = if crate::classify::never_final(response.status()) {
+    if crate::classify::never_final(response.status()) {
         tracing::error!(
             status = response.status().as_u16(),
             "the handler answered with an informational status, which is no final answer; releasing the key"
         );
         drop_unsent(response);
-        (Problem::HandlerFailed.into_response(), LetGo::Fail)
-    } else {
-        // A problem of the handler's own is stored, and so replayed, as its
-        // client first gets it: under the configured base.
-        let response = match &engine.problem_base {
-            Some(base) => crate::problem::rebase(response, base),
-            None => response,
-        };
-        match declared.unwrap_or_else(|| Classification::from_status(response.status())) {
-            Classification::Reject => (response, LetGo::Reject),
-            Classification::Release => (response, LetGo::Fail),
-            Classification::Store => {
-                let (parts, body) = response.into_parts();
-                return Either::Right(complete_answer(
-                    engine,
-                    info,
-                    lock_timeout,
-                    parts,
-                    body,
-                    beat,
-                    reader,
-                ));
-            }
-        }
+        let failed = Problem::HandlerFailed.into_response();
+        return Either::Left(keeping(
+            engine,
+            info,
+            lock_timeout,
+            beat,
+            None,
+            failed,
+            LetGo::Fail,
+        ));
+    }
+    // A problem of the handler's own is stored, and so replayed, as its
+    // client first gets it: under the configured base.
+    let response = match &engine.problem_base {
+        Some(base) => crate::problem::rebase(response, base),
+        None => response,
     };
-    Either::Left(keeping(engine, info, lock_timeout, beat, None, response, how))
+    // Kept or let go, the answer's body is produced under the lease: a
+    // retry meanwhile gets 409, never a second execution beside it (but
+    // for a handler's transaction: below).
+    let how = match declared.unwrap_or_else(|| Classification::from_status(response.status())) {
+        Classification::Reject => Some(LetGo::Reject),
+        Classification::Release => Some(LetGo::Fail),
+        Classification::Store => None,
+    };
+    if let Some(how) = how.filter(|_| info.has_tx()) {
+        // With the handler's transaction, which a task may hold while it
+        // feeds this very body: rolled back and the key let go once the
+        // connection is free, then the answer given (README, "Multi-step
+        // operations").
+        return Either::Left(keeping(engine, info, lock_timeout, beat, None, response, how));
+    }
+    let (parts, body) = response.into_parts();
+    Either::Right(complete_answer(
+        engine,
+        info,
+        lock_timeout,
+        parts,
+        body,
+        beat,
+        reader,
+        how,
+    ))
 }
 
 /// The key let go as `how`, with the lease kept until that is done, and
-/// then `panic`, the handler's panic payload if it panicked, dropped.
-/// Boxed: only some executions take this step.
+/// then `panic`, the handler's panic payload if it panicked, dropped, and
+/// then the answer given: for an answer of idem's own (a panic's, a 1xx's),
+/// whose body is whole, and for a rejection or a failure of a handler that
+/// opened a transaction (see `finish`). Boxed: only some executions take
+/// this step.
 fn keeping<'a>(
     engine: &'a Arc<Engine>,
     info: &'a OperationInfo,
@@ -916,9 +936,13 @@ fn carries_no_body(status: axum::http::StatusCode) -> bool {
         || status == axum::http::StatusCode::NOT_MODIFIED
 }
 
-/// A success's answer: its body produced, then recorded, then given.
+/// The handler's answer: its body produced under the lease, then recorded
+/// (`how` is `None`: a success, a business rejection) or the key let go as
+/// `how` says (a failure, a rejected request), then given. A body larger
+/// than the stored limit streams to the client still under the lease, and
+/// is recorded or let go when it ends.
 // Not an async fn, which would copy its arguments into its state twice.
-#[allow(clippy::manual_async_fn)]
+#[allow(clippy::manual_async_fn, clippy::too_many_arguments)]
 fn complete_answer<'a>(
     engine: &'a Arc<Engine>,
     info: &'a OperationInfo,
@@ -927,6 +951,7 @@ fn complete_answer<'a>(
     body: Body,
     beat: Heartbeat,
     reader: Reader,
+    how: Option<LetGo>,
 ) -> impl Future<Output = Response> + Send + 'a {
     async move {
         // The body is read as data: its trailers are neither stored nor
@@ -962,7 +987,8 @@ fn complete_answer<'a>(
         let collected = AssertUnwindSafe(async {
             match collect(body, engine.max_stored_body, stream, &mut body_panic).await {
                 // Boxed: the common answers' futures stay as small as they were.
-                Collected::Streamed { head, rest } if !stream && !sees_breaks => {
+                // (An answer let go is not replayed: it streams on.)
+                Collected::Streamed { head, rest } if !stream && !sees_breaks && how.is_none() => {
                     Box::pin(drain(reader, head, rest, &mut body_panic)).await
                 }
                 collected => collected,
@@ -999,7 +1025,8 @@ fn complete_answer<'a>(
                         Ok(_) => (body_panic, None),
                     };
                     drop_unsent(Response::from_parts(parts, Body::empty()));
-                    return let_go_once_free(engine, info, lock_timeout, beat, LetGo::Fail, panic, rest);
+                    let how = how.unwrap_or(LetGo::Fail);
+                    return let_go_once_free(engine, info, lock_timeout, beat, how, panic, rest);
                 }
             }
         };
@@ -1031,6 +1058,8 @@ fn complete_answer<'a>(
         };
         // `None`: the answer is the stored body, handed over once it is recorded.
         let answer = match collected {
+            // Given as it is, not kept.
+            Collected::Whole(bytes) if how.is_some() => Some(Body::from(bytes)),
             Collected::Whole(bytes) => {
                 // No copy when the body is one buffer that nothing else holds.
                 stored.body = Some(Vec::from(bytes));
@@ -1086,16 +1115,22 @@ fn complete_answer<'a>(
                 return refused;
             }
             Collected::Streamed { head, rest } => {
-                tracing::warn!(
-                    limit = engine.max_stored_body,
-                    "response body larger than the stored limit: a replay gets status and headers only"
-                );
+                let end = match how {
+                    Some(how) => End::LetGo(how),
+                    None => {
+                        tracing::warn!(
+                            limit = engine.max_stored_body,
+                            "response body larger than the stored limit: a replay gets status and headers only"
+                        );
+                        End::Complete(stored)
+                    }
+                };
                 let (to_client, from_task) = tokio::sync::mpsc::channel(1);
                 let streamer = stream_then_complete(StreamedAnswer {
                     engine: engine.clone(),
                     info: info.clone(),
                     lock_timeout,
-                    stored,
+                    end,
                     beat,
                     head,
                     rest,
@@ -1115,7 +1150,7 @@ fn complete_answer<'a>(
                 });
                 return Response::from_parts(parts, Body::from_stream(body));
             }
-            Collected::Failed(e) => {
+            Collected::Failed(read, e) => {
                 // Without idem the connection would break: so it does here, and
                 // nothing is stored.
                 tracing::error!(error = %e, "the response body failed while it was produced; releasing the key");
@@ -1125,7 +1160,14 @@ fn complete_answer<'a>(
                     drop_unsent(Response::from_parts(parts, Body::empty()));
                     return handler_failed(engine, info, lock_timeout, tx).await;
                 }
-                let broken = futures_util::stream::once(async move { Err::<axum::body::Bytes, _>(e) });
+                // An answer let go gets what was read of it, then the
+                // failure where it came, after a yield (so that the server
+                // sends the head before the failure cuts the connection).
+                let head = (how.is_some() && !read.is_empty()).then_some(Ok(read));
+                let broken = futures_util::stream::iter(head).chain(futures_util::stream::once(async move {
+                    tokio::task::yield_now().await;
+                    Err::<axum::body::Bytes, _>(e)
+                }));
                 return let_go(
                     engine,
                     info,
@@ -1137,6 +1179,15 @@ fn complete_answer<'a>(
                 .await;
             }
         };
+        if let Some(how) = how {
+            let answer = Response::from_parts(parts, answer.unwrap_or_else(Body::empty));
+            let answer = let_go(engine, info, lock_timeout, tx, answer, how).await;
+            drop(beat);
+            if let Some(payload) = body_panic.take() {
+                drop_quietly(payload, "the response body's panic");
+            }
+            return answer;
+        }
         if let Err(refusal) = record_completion(engine, info, lock_timeout, &stored, tx).await {
             drop_unsent(Response::from_parts(parts, answer.unwrap_or_else(Body::empty)));
             return refusal;
