@@ -898,6 +898,9 @@ async fn named_pg_store(url: &str, schema: &str, name: &str) -> idem::PgStore {
 /// Waits until every connection of `store`'s pool is idle, then ends the
 /// sessions named `name` and waits until they are gone.
 async fn end_idle_sessions(store: &idem::PgStore, watcher: &sqlx::PgPool, name: &str) {
+    // Two lent and given back first: the pool has idle connections to end
+    // (the store may have made its kept connection of the last one).
+    drop(futures_util::future::join_all((0..2).map(|_| store.pool().acquire())).await);
     all_idle(store).await;
     sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1")
         .bind(name)
@@ -1320,6 +1323,106 @@ async fn postgres_request_statements_that_run_alone_keep_their_connection() {
         given_back.load(Ordering::SeqCst) >= before + 3,
         "the reservation, the completion and the replay each give their lent connection back"
     );
+}
+
+/// A statement that runs alone and that the database refuses with an
+/// error of its own (here a lock wait run out, SQLSTATE 55P03, under the
+/// session's shorter `lock_timeout`), its session in step, keeps its
+/// connection as one it answers does: refused statements cost the store
+/// no new connection each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_statement_the_database_refuses_keeps_its_connection() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let opened = Arc::new(AtomicUsize::new(0));
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .after_connect({
+            let opened = opened.clone();
+            move |conn, _| {
+                opened.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async move {
+                    sqlx::Executor::execute(conn, "SET lock_timeout = '50ms'").await?;
+                    Ok(())
+                })
+            }
+        })
+        .connect(&url)
+        .await
+        .unwrap();
+    let store = idem::PgStore::new(pool)
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap()
+        .with_replay_cache(Duration::ZERO)
+        .with_timeout(Duration::from_secs(5));
+    store.migrate().await.unwrap();
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    let warm = RecordId::new("t", "s", "warm");
+    let lease = take(&store, &warm, "fp", LONG, LONG).await;
+    store
+        .complete(&warm, &lease.token, &response("warm"))
+        .await
+        .unwrap();
+    for round in 0..10 {
+        let id = RecordId::new("t", "s", format!("held-{round}"));
+        let lease = take(&store, &id, "fp", LONG, LONG).await;
+        let holder = hold_row(&watcher, &store, &id).await;
+        let refused = store.complete(&id, &lease.token, &response("x")).await;
+        assert!(refused.is_err(), "round {round}: {refused:?}");
+        holder.rollback().await.unwrap();
+        store.complete(&id, &lease.token, &response("x")).await.unwrap();
+    }
+    // The database ended no session: the pool's size and the store's two.
+    let opened = opened.load(Ordering::SeqCst);
+    assert!(opened <= 4 + 2, "{opened} connections opened for a pool of 4");
+}
+
+/// The connection a store keeps is closed once it has been idle longer
+/// than the pool keeps one idle (its `idle_timeout`), as the pool closes
+/// its own, even when no statement comes to find it so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_kept_connection_idle_past_the_pools_idle_timeout_is_closed() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let name = idem_testkit::unique("idem_kept_idle");
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .idle_timeout(Duration::from_secs(1))
+        .connect(&format!("{url}{sep}application_name={name}"))
+        .await
+        .unwrap();
+    let store = idem::PgStore::new(pool.clone())
+        .with_table(Some(&schema), "idempotency_keys")
+        .unwrap()
+        .with_replay_cache(Duration::ZERO);
+    store.migrate().await.unwrap();
+    // Three connections idle: the first request finds its spare and the
+    // one it keeps among them.
+    drop(futures_util::future::join_all((0..3).map(|_| pool.acquire())).await);
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    let id = RecordId::new("t", "s", "idle");
+    let lease = take(&store, &id, "fp", LONG, LONG).await;
+    store.complete(&id, &lease.token, &response("i")).await.unwrap();
+    // The completion's session, kept, is left idle; then it is closed.
+    let kept_since = |watcher: &sqlx::PgPool| {
+        let (watcher, name) = (watcher.clone(), name.clone());
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'UPDATE%'",
+            )
+            .bind(&name)
+            .fetch_one(&watcher)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(kept_since(&watcher).await, 1, "the completion's connection, kept");
+    within_ten_seconds("the kept connection to be closed", async || {
+        kept_since(&watcher).await == 0
+    })
+    .await;
 }
 
 /// Expiry is judged by the database's clock: moving the record's times

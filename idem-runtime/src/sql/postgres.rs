@@ -168,10 +168,12 @@ struct Spare {
 struct Kept {
     connection: sqlx::PgConnection,
     /// When it was detached from the pool: kept no longer than the pool
-    /// keeps a connection (its `max_lifetime`).
+    /// keeps a connection (its `max_lifetime`), counted from then (how
+    /// long the pool had it before is not known).
     since: Instant,
     /// When it was last given back: kept idle no longer than the pool
-    /// keeps one idle (its `idle_timeout`).
+    /// keeps one idle (its `idle_timeout`; closed within half that again
+    /// when no statement comes).
     idle_since: Instant,
 }
 
@@ -534,15 +536,7 @@ impl PgStore {
     /// statement has it, or it outlived the pool's bounds (then closed).
     fn take_kept(&self) -> Option<Kept> {
         let kept = self.spare.kept.try_lock().ok()?.take()?;
-        let options = self.pool.options();
-        let now = Instant::now();
-        let outlived = options
-            .get_max_lifetime()
-            .is_some_and(|most| now.saturating_duration_since(kept.since) >= most)
-            || options
-                .get_idle_timeout()
-                .is_some_and(|most| now.saturating_duration_since(kept.idle_since) >= most);
-        if outlived {
+        if kept.outlived(&KeptBounds::of(&self.pool), Instant::now()) {
             close_apart(kept.connection);
             return None;
         }
@@ -588,8 +582,30 @@ impl PgStore {
             return;
         }
         let (close, spare) = (self.pool.close_event(), self.spare.clone());
+        let bounds = KeptBounds::of(&self.pool);
         drop(runtime.spawn(async move {
-            close.await;
+            // Meanwhile, a kept connection left idle past the pool's bounds
+            // is closed, as the pool closes its own: checked every half of
+            // the shorter bound (at most every 100 ms).
+            let mut close = std::pin::pin!(close);
+            if let Some(every) = bounds.sweep_every() {
+                loop {
+                    tokio::select! {
+                        () = &mut close => break,
+                        () = tokio::time::sleep(every) => {
+                            let now = Instant::now();
+                            let outlived = spare.kept.lock().ok().and_then(|mut k| {
+                                k.take_if(|k| k.outlived(&bounds, now))
+                            });
+                            if let Some(kept) = outlived {
+                                let _ = sqlx::Connection::close(kept.connection).await;
+                            }
+                        }
+                    }
+                }
+            } else {
+                close.await;
+            }
             let kept = spare.kept.lock().ok().and_then(|mut k| k.take());
             if let Some(kept) = kept {
                 let _ = sqlx::Connection::close(kept.connection).await;
@@ -1351,10 +1367,15 @@ macro_rules! on_connection {
                         $again = Some(e);
                     }
                     done => {
-                        // Answered by the database (a row, none, or a
-                        // fenced write that found its lock gone): its
-                        // session is in step, and kept for the next.
-                        if matches!(done, Ok(_) | Err(StoreError::LockLost)) {
+                        // Answered by the database (a row, none, a fenced
+                        // write that found its lock gone, or an error of
+                        // the statement's own, a lock wait run out say):
+                        // its session is in step, and kept for the next.
+                        let answered = match &done {
+                            Ok(_) | Err(StoreError::LockLost) => true,
+                            Err(e) => refused_by_its_statement(e),
+                        };
+                        if answered {
                             $store.keep(alone);
                         } else {
                             alone.give_back();
@@ -1373,6 +1394,44 @@ macro_rules! on_connection {
     };
 }
 use on_connection;
+
+/// How long the pool keeps a connection, which bounds the kept one too.
+#[derive(Clone, Copy)]
+struct KeptBounds {
+    max_lifetime: Option<Duration>,
+    idle_timeout: Option<Duration>,
+}
+
+impl KeptBounds {
+    fn of(pool: &PgPool) -> Self {
+        let options = pool.options();
+        KeptBounds {
+            max_lifetime: options.get_max_lifetime(),
+            idle_timeout: options.get_idle_timeout(),
+        }
+    }
+
+    /// How often an idle kept connection is checked against the bounds:
+    /// half the shorter one, at least 100 ms; never without a bound.
+    fn sweep_every(&self) -> Option<Duration> {
+        let shorter = match (self.max_lifetime, self.idle_timeout) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some((shorter / 2).max(Duration::from_millis(100)))
+    }
+}
+
+impl Kept {
+    /// Whether it is older than the pool keeps a connection (counted from
+    /// when it was kept), or idle longer.
+    fn outlived(&self, bounds: &KeptBounds, now: Instant) -> bool {
+        let past = |since: Instant, most: Option<Duration>| {
+            most.is_some_and(|most| now.saturating_duration_since(since) >= most)
+        };
+        past(self.since, bounds.max_lifetime) || past(self.idle_since, bounds.idle_timeout)
+    }
+}
 
 /// The connection a statement that runs alone takes as it is.
 enum AloneOn {
