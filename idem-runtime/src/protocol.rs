@@ -987,8 +987,8 @@ fn complete_answer<'a>(
         let collected = AssertUnwindSafe(async {
             match collect(body, engine.max_stored_body, stream, &mut body_panic).await {
                 // Boxed: the common answers' futures stay as small as they were.
-                // (An answer let go is not replayed: it streams on.)
-                Collected::Streamed { head, rest } if !stream && !sees_breaks && how.is_none() => {
+                // (An answer let go too: its client gets it once the key is.)
+                Collected::Streamed { head, rest } if !stream && !sees_breaks => {
                     Box::pin(drain(reader, head, rest, &mut body_panic)).await
                 }
                 collected => collected,
@@ -1066,11 +1066,14 @@ fn complete_answer<'a>(
                 None
             }
             Collected::Over(read, len) => {
-                tracing::warn!(
-                    limit = engine.max_stored_body,
-                    "response body larger than the stored limit: a replay gets status and headers only"
-                );
-                // Recorded (status and headers) before any of it goes out.
+                if how.is_none() {
+                    tracing::warn!(
+                        limit = engine.max_stored_body,
+                        "response body larger than the stored limit: a replay gets status and headers only"
+                    );
+                }
+                // Recorded (status and headers), or its key let go, before
+                // any of it goes out.
                 match read {
                     // With its length, which the client can check.
                     Some(read) => {
