@@ -12,13 +12,12 @@ use axum::routing::get;
 use axum::Router;
 use futures_util::StreamExt as _;
 use idem::{idempotent, Idem, Operation};
-use idem_testkit::http::{parse, post as post_req};
+use idem_testkit::http::{exchange, head_request, http10_request, parse, post as post_req, split};
 use idem_testkit::StoreKind;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::mpsc;
 
 const LIMIT: usize = 64;
@@ -112,33 +111,6 @@ async fn start(kind: StoreKind) -> Option<H> {
         events,
         _f: f,
     })
-}
-
-async fn exchange(addr: SocketAddr, request: String) -> (Vec<u8>, std::io::Result<usize>) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(request.as_bytes()).await.unwrap();
-    let mut out = Vec::new();
-    let res = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
-        .await
-        .expect("the server closes within 20 s");
-    (out, res)
-}
-
-fn head_request(path: &str, key: &str) -> String {
-    format!("HEAD {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\nidempotency-key: {key}\r\n\r\n")
-}
-
-fn http10_request(path: &str, key: &str) -> String {
-    format!("POST {path} HTTP/1.0\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: 0\r\n\r\n")
-}
-
-fn split(out: &[u8]) -> (u16, &[u8]) {
-    let text = std::str::from_utf8(out.get(9..12).unwrap_or_default()).unwrap_or_default();
-    let at = out
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map_or(out.len(), |i| i + 4);
-    (text.parse().unwrap_or(0), &out[at..])
 }
 
 /// A GET (HTTP/1.1) of `path` with `key` until it is not 409.

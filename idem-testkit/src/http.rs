@@ -236,3 +236,60 @@ pub async fn serve(app: axum::Router) -> std::net::SocketAddr {
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     addr
 }
+
+/// A client that sends `request` (raw HTTP) and reads until the server
+/// closes the connection (within 20 seconds): what it got, and `Ok` for a
+/// clean close (what a whole HTTP/1.0 body or a `HEAD` answer looks like),
+/// `Err` for a reset.
+///
+/// ```no_run
+/// # async fn f(addr: std::net::SocketAddr) {
+/// let (raw, closed) = idem_testkit::http::exchange(addr, idem_testkit::http::head_request("/p", "k-1")).await;
+/// assert!(closed.is_ok() && raw.starts_with(b"HTTP/1.1 "));
+/// # }
+/// ```
+pub async fn exchange(addr: std::net::SocketAddr, request: String) -> (Vec<u8>, std::io::Result<usize>) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    let res = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .expect("the server closes within 20 s");
+    (out, res)
+}
+
+/// A raw `HEAD` of `path` with the key `key`, the connection closed after it.
+///
+/// ```
+/// let request = idem_testkit::http::head_request("/p", "k-1");
+/// assert!(request.starts_with("HEAD /p HTTP/1.1\r\n") && request.contains("idempotency-key: k-1\r\n"));
+/// ```
+pub fn head_request(path: &str, key: &str) -> String {
+    format!("HEAD {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\nidempotency-key: {key}\r\n\r\n")
+}
+
+/// A raw HTTP/1.0 `POST` of `path` with the key `key` and no body: its
+/// answer's body, without a `Content-Length`, ends when the connection does.
+///
+/// ```
+/// let request = idem_testkit::http::http10_request("/p", "k-1");
+/// assert!(request.starts_with("POST /p HTTP/1.0\r\n"));
+/// ```
+pub fn http10_request(path: &str, key: &str) -> String {
+    format!("POST {path} HTTP/1.0\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: 0\r\n\r\n")
+}
+
+/// A raw answer's status code (0 if none), and its body after the head.
+///
+/// ```
+/// let (status, body) = idem_testkit::http::split(b"HTTP/1.0 400 Bad Request\r\nx: y\r\n\r\nab");
+/// assert_eq!((status, body), (400, &b"ab"[..]));
+/// ```
+pub fn split(out: &[u8]) -> (u16, &[u8]) {
+    let text = std::str::from_utf8(out.get(9..12).unwrap_or_default()).unwrap_or_default();
+    let at = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(out.len(), |i| i + 4);
+    (text.parse().unwrap_or(0), &out[at..])
+}
