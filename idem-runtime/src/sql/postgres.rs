@@ -588,23 +588,26 @@ impl PgStore {
             // is closed, as the pool closes its own: checked every half of
             // the shorter bound (at most every 100 ms).
             let mut close = std::pin::pin!(close);
-            if let Some(every) = bounds.sweep_every() {
-                loop {
-                    tokio::select! {
-                        () = &mut close => break,
-                        () = tokio::time::sleep(every) => {
-                            let now = Instant::now();
-                            let outlived = spare.kept.lock().ok().and_then(|mut k| {
-                                k.take_if(|k| k.outlived(&bounds, now))
-                            });
-                            if let Some(kept) = outlived {
-                                let _ = sqlx::Connection::close(kept.connection).await;
-                            }
+            let every = bounds.sweep_every();
+            loop {
+                let sweep = async {
+                    match every {
+                        Some(every) => tokio::time::sleep(every).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = &mut close => break,
+                    () = sweep => {
+                        let now = Instant::now();
+                        let outlived = spare.kept.lock().ok().and_then(|mut k| {
+                            k.take_if(|k| k.outlived(&bounds, now))
+                        });
+                        if let Some(kept) = outlived {
+                            let _ = sqlx::Connection::close(kept.connection).await;
                         }
                     }
                 }
-            } else {
-                close.await;
             }
             let kept = spare.kept.lock().ok().and_then(|mut k| k.take());
             if let Some(kept) = kept {
