@@ -639,6 +639,8 @@ async fn postgres_a_slow_completion_holds_the_turn_no_longer_than_a_turn() {
     let Some((url, schema, store)) = fresh_store(8, Duration::ZERO).await else {
         return;
     };
+    // One turn to write: the completion after the slow one queues.
+    let store = store.with_completion_turns(1);
     slow_completions(&store, 5.0).await;
     let slow = RecordId::new("t", "turn", "slow-1");
     let fast = RecordId::new("t", "turn", "fast-1");
@@ -670,6 +672,8 @@ async fn postgres_a_slow_completion_group_holds_up_the_next_no_longer_than_a_tur
     let Some((url, schema, store)) = fresh_store(8, Duration::ZERO).await else {
         return;
     };
+    // One turn to write: the completions after the one stopped at its turn queue.
+    let store = store.with_completion_turns(1);
     slow_completions(&store, 5.0).await;
     let ids: Vec<RecordId> = ["turn-0", "slow-2", "group-2", "after-2"]
         .iter()
@@ -719,6 +723,8 @@ async fn postgres_completion_group_mixed_members() {
     let Some((url, _, store)) = fresh_store(8, LONG).await else {
         return;
     };
+    // One turn to write: the completions after the one stopped at its turn queue.
+    let store = store.with_completion_turns(1);
     let k = idem_testkit::unique("ck");
     let first = lookup_id("t0", "s", &idem_testkit::unique("first"));
     let a = lookup_id("t1", "s1", &k);
@@ -818,6 +824,8 @@ async fn postgres_completion_group_killed() {
     let Some((url, schema, store)) = fresh_store(8, LONG).await else {
         return;
     };
+    // One turn to write: the completions after the one stopped at its turn queue.
+    let store = store.with_completion_turns(1);
     let ids: Vec<RecordId> = ["first", "b", "c"]
         .iter()
         .map(|k| lookup_id("t", "ckill", &idem_testkit::unique(k)))
@@ -2067,6 +2075,8 @@ mod cancellation {
         let Some((_, _, store)) = fresh_store(8, LONG).await else {
             return;
         };
+        // One turn to write: the completions after the one stopped at its turn queue.
+        let store = store.with_completion_turns(1);
         let ids: Vec<RecordId> = ["first", "b", "c"].iter().map(|k| id(k)).collect();
         let Queued {
             leases,
@@ -2105,6 +2115,8 @@ mod cancellation {
         let Some((url, schema, store)) = fresh_store(8, LONG).await else {
             return;
         };
+        // One turn to write: the completions after the one stopped at its turn queue.
+        let store = store.with_completion_turns(1);
         slow_completions(&store, 1.5).await;
         let ids: Vec<RecordId> = ["first", "q", "b", "f", "slow"].iter().map(|k| id(k)).collect();
         let Queued {
@@ -2227,6 +2239,8 @@ mod cancellation {
         let Some((_, _, store)) = store_with_statement_timeout(400).await else {
             return;
         };
+        // One turn to write: the completions after the one stopped at its turn queue.
+        let store = store.with_completion_turns(1);
         slow_completions(&store, 1.0).await;
         let first = id("first");
         let a = id("aaa");
@@ -2420,6 +2434,8 @@ mod cancellation {
         let Some((url, schema, store)) = fresh_store(8, LONG).await else {
             return;
         };
+        // One turn to write: the completions after the one stopped at its turn queue.
+        let store = store.with_completion_turns(1);
         slow_completions(&store, 5.0).await;
         let first = id("first");
         let a = id("aaa");
@@ -3044,6 +3060,8 @@ mod refused_rows {
             let Some((_, schema, store)) = fresh_store(8, Duration::ZERO).await else {
                 return;
             };
+            // One turn to write: the completions after the one stopped at its turn queue.
+            let store = store.with_completion_turns(1);
             let first = RecordId::new("t", "s", idem_testkit::unique("first"));
             let ids = members();
             let mut tokens = Vec::new();

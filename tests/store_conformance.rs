@@ -1680,7 +1680,8 @@ async fn postgres_a_completion_about_to_be_sent_leaves_conflicts_to_the_database
     let schema = idem_testkit::pg_schema(&url).await;
     let store = idem_testkit::pg_store_in(&url, &schema, 4)
         .await
-        .with_replay_cache(LONG);
+        .with_replay_cache(LONG)
+        .with_completion_turns(1);
     let (ids, _leases, _holders, turn, first) = hold_the_first_completion(&store, &url, &["sent"]).await;
     stale_by_hand(&store, &schema, &ids[0]).await;
     assert!(is_takeover(&reserve(&store, &ids[0], "fp", LONG, LONG).await));
@@ -2430,12 +2431,16 @@ async fn postgres_a_column_type_changed_while_servers_run_changes_no_answer() {
     }
 }
 
-/// A PostgreSQL store with `connections` connections, on a schema of its
-/// own, and `DATABASE_URL`; `None` without it.
+/// A PostgreSQL store with `connections` connections and one turn to
+/// write completions (so that one completion stopped at its turn makes
+/// those after it queue), on a schema of its own, and `DATABASE_URL`;
+/// `None` without it.
 async fn pg_group_store(connections: u32) -> Option<(String, idem::PgStore)> {
     let url = idem_testkit::pg_url()?;
     let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, connections).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, connections)
+        .await
+        .with_completion_turns(1);
     Some((url, store))
 }
 
@@ -2472,9 +2477,10 @@ async fn until_statements_wait(pool: &sqlx::PgPool, store: &idem::PgStore, like:
     }
 }
 
-/// Takes the keys `keys` of scope "group" on `store`, and stops the first
-/// one's completion at `pause::COMPLETE_TURN`, holding the store's turn to
-/// write: the completions after it queue until the test resumes it.
+/// Takes the keys `keys` of scope "group" on `store` (a store of one turn
+/// to write, `with_completion_turns(1)`), and stops the first one's
+/// completion at `pause::COMPLETE_TURN`, holding that turn: the
+/// completions after it queue until the test resumes it.
 /// Returns the ids, their leases, a pool for connections that hold rows,
 /// the pause, and the first completion's task, stopped there by then.
 async fn hold_the_first_completion(
@@ -2633,6 +2639,63 @@ async fn postgres_completions_that_queue_are_written_as_one_group() {
     assert_eq!(store.waiting_completions(), 0);
 }
 
+/// A store writes up to three completions at once (its default turns):
+/// three stopped at their turns hold them all, the two that come next
+/// queue and are written together by one statement once the three go on;
+/// then every turn is free again, and three more each take one at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_three_completions_are_written_at_once_and_the_rest_queue() {
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let schema = idem_testkit::pg_schema(&url).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 6).await;
+    for round in 0..2 {
+        let ids: Vec<RecordId> = (0..5)
+            .map(|i| RecordId::new("t", "turns", idem_testkit::unique(&format!("r{round}-{i}"))))
+            .collect();
+        let mut leases = Vec::new();
+        for id in &ids {
+            leases.push(take(&store, id, "fp", LONG, LONG).await);
+        }
+        let mut turns = Vec::new();
+        let mut holders = Vec::new();
+        for (id, lease) in ids.iter().zip(&leases).take(3) {
+            let mut turn = idem_runtime::pause::arm(idem_runtime::pause::COMPLETE_TURN, &id.key);
+            holders.push(complete_in_task(&store, id, &lease.token));
+            tokio::time::timeout(Duration::from_secs(10), turn.reached())
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: {} found no free turn", id.key));
+            turns.push(turn);
+        }
+        assert_eq!(store.waiting_completions(), 0, "round {round}");
+        let queued = queue_completions(
+            &store,
+            &[(&ids[3], &leases[3].token), (&ids[4], &leases[4].token)],
+        )
+        .await;
+        assert!(
+            queued.iter().all(|q| !q.is_finished()),
+            "round {round}: written past three at once"
+        );
+        for turn in turns {
+            turn.resume();
+        }
+        for task in holders.into_iter().chain(queued) {
+            assert_eq!(task.await.unwrap(), Ok(()), "round {round}");
+        }
+        let mut written = Vec::new();
+        for id in &ids {
+            let (state, at) = written_at(&store, id).await;
+            assert_eq!(state, "completed", "round {round}: {}", id.key);
+            written.push(at);
+        }
+        assert_eq!(
+            written[3], written[4],
+            "round {round}: the queued two written by one statement"
+        );
+        assert_eq!(store.waiting_completions(), 0, "round {round}");
+    }
+}
+
 /// A completion whose caller gave up while it waited for its group is not
 /// written; the rest of its group is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2668,7 +2731,9 @@ async fn postgres_a_completion_given_up_on_in_the_queue_is_not_written() {
 async fn postgres_a_completion_refused_in_a_group_fails_only_itself() {
     let Some(url) = idem_testkit::pg_url() else { return };
     let schema = idem_testkit::pg_schema(&url).await;
-    let store = idem_testkit::pg_store_in(&url, &schema, 4).await;
+    let store = idem_testkit::pg_store_in(&url, &schema, 4)
+        .await
+        .with_completion_turns(1);
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE FUNCTION \"{schema}\".refuse() RETURNS trigger LANGUAGE plpgsql AS \
          $$ BEGIN RAISE EXCEPTION 'refused'; END $$; \
