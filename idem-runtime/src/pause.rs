@@ -37,16 +37,18 @@ pub const SQLITE_RESERVE_BEFORE_COMMIT: &str = "sqlite.reserve.before_commit";
 /// A SQLite group's leader, or a reservation's read, found no idle
 /// connection, before it asks the pool for one (keyed by the table's name as written in SQL, quoted).
 pub const SQLITE_GROUP_WAITS_FOR_A_CONNECTION: &str = "sqlite.group.waits_for_a_connection";
-/// PostgreSQL: a reservation took the store's turn to look up, before its
-/// statement: the reservations that come meanwhile queue for the next group.
+/// PostgreSQL: a reservation took one of the store's turns to look up,
+/// before its statement: once every turn is taken, the reservations that
+/// come meanwhile queue for the next group.
 pub const RESERVE_TURN: &str = "reserve.turn";
 /// A completion committed, before it returns.
 pub const COMPLETE_AFTER: &str = "complete.after";
 /// A completion in the handler's transaction is written; the commit has
 /// not started.
 pub const TX_BEFORE_COMMIT: &str = "tx.before_commit";
-/// PostgreSQL: a completion took the store's turn to write, before its
-/// statement: the completions that come meanwhile queue for the next group.
+/// PostgreSQL: a completion took one of the store's turns to write, before
+/// its statement: once every turn is taken, the completions that come
+/// meanwhile queue for the next group.
 pub const COMPLETE_TURN: &str = "complete.turn";
 /// A release committed, before it returns.
 pub const RELEASE_AFTER: &str = "release.after";
