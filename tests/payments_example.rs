@@ -522,6 +522,47 @@ async fn postgres_two_instances_split_forty_requests_and_make_one_charge() {
     assert_eq!(ledger(b.addr, &tenant).await.0, 1);
 }
 
+/// A payment stuck behind its tenant's account row, which another
+/// transaction holds, is answered 503 within the service's lock timeout
+/// (5 s) and its key released: it does not hold its key, every retry
+/// answered 409, for as long as the row is held. Once the row is free, the
+/// retry with the same key pays, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_a_payment_stuck_on_a_held_row_is_released_within_the_lock_timeout() {
+    let Some(store) = Store::postgres().await else {
+        return;
+    };
+    let url = store.url();
+    let svc = Service::start(&url, &[]).await;
+    let tenant = idem_testkit::unique("held_row");
+    assert_eq!(pay(svc.addr, &tenant, "opens-the-account", 100).await.status, 201);
+
+    let holder = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut held = holder.begin().await.unwrap();
+    sqlx::query("SELECT balance FROM accounts WHERE tenant = $1 FOR UPDATE")
+        .bind(&tenant)
+        .fetch_one(&mut *held)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let stuck = tokio::time::timeout(Duration::from_secs(20), pay(svc.addr, &tenant, "stuck", 200))
+        .await
+        .expect("the payment waited for the row as long as it was held");
+    assert_eq!(stuck.status, 503, "{stuck:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(12),
+        "answered after {:?}",
+        started.elapsed()
+    );
+    held.rollback().await.unwrap();
+
+    let retried = pay(svc.addr, &tenant, "stuck", 200).await;
+    assert_eq!(retried.status, 201, "the key was released: {retried:?}");
+    assert_eq!(retried.header("idempotent-replayed"), None);
+    let (charges, _, balance) = ledger(svc.addr, &tenant).await;
+    assert_eq!((charges, balance), (2, 1_000_000 - 300));
+}
+
 /// Both instances replay what the other stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_two_processes_on_one_file_share_their_records() {

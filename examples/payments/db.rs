@@ -11,6 +11,17 @@ use std::time::Duration;
 /// Every tenant starts with this balance, in minor units.
 pub const STARTING_BALANCE: i64 = 1_000_000;
 
+/// On PostgreSQL, the longest any statement of the service (its handlers',
+/// idem's) waits for a lock, and the longest one runs: idem puts no bound
+/// on a handler, so a handler stuck on a row lock (another transaction
+/// holding its tenant's account) would hold its key, every retry answered
+/// 409, for as long as the lock is held. Bounded, it fails with 503 and its
+/// key is released for the retry. (On SQLite the busy timeout bounds each
+/// wait for the write lock.)
+const PG_LOCK_TIMEOUT: &str = "5s";
+/// See [`PG_LOCK_TIMEOUT`].
+const PG_STATEMENT_TIMEOUT: &str = "10s";
+
 /// The service's tables, next to idem's `idempotency_keys`.
 const SCHEMA: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS accounts (tenant TEXT PRIMARY KEY, balance BIGINT NOT NULL)",
@@ -64,10 +75,17 @@ impl Db {
                 Ok(Err(e)) => return Err(format!("cannot connect to {shown}: {e}")),
                 Err(_) => return Err(format!("cannot connect to {shown}: no answer within 5 s")),
             }
+            let options = url
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .map_err(|e| format!("cannot connect to {shown}: {e}"))?
+                .options([
+                    ("lock_timeout", PG_LOCK_TIMEOUT),
+                    ("statement_timeout", PG_STATEMENT_TIMEOUT),
+                ]);
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(32)
                 .acquire_timeout(Duration::from_secs(5))
-                .connect(url)
+                .connect_with(options)
                 .await
                 .map_err(|e| format!("cannot connect to {shown}: {e}"))?;
             let store = PgStore::new(pool.clone());
