@@ -12,12 +12,13 @@ use std::time::Duration;
 pub const STARTING_BALANCE: i64 = 1_000_000;
 
 /// On PostgreSQL, the longest any statement of the service (its handlers',
-/// idem's) waits for a lock, and the longest one runs: idem puts no bound
-/// on a handler, so a handler stuck on a row lock (another transaction
-/// holding its tenant's account) would hold its key, every retry answered
-/// 409, for as long as the lock is held. Bounded, it fails with 503 and its
-/// key is released for the retry. (On SQLite the busy timeout bounds each
-/// wait for the write lock.)
+/// idem's) waits for a lock, and the longest one runs, unless the operator
+/// set their own (in `DATABASE_URL`'s `options`, or for the role or the
+/// database): idem puts no bound on a handler, so a handler stuck on a row
+/// lock (another transaction holding its tenant's account) would hold its
+/// key, every retry answered 409, for as long as the lock is held.
+/// Bounded, it fails with 503 and its key is released for the retry. (On
+/// SQLite the busy timeout bounds each wait for the write lock.)
 const PG_LOCK_TIMEOUT: &str = "5s";
 /// See [`PG_LOCK_TIMEOUT`].
 const PG_STATEMENT_TIMEOUT: &str = "10s";
@@ -75,17 +76,27 @@ impl Db {
                 Ok(Err(e)) => return Err(format!("cannot connect to {shown}: {e}")),
                 Err(_) => return Err(format!("cannot connect to {shown}: no answer within 5 s")),
             }
-            let options = url
-                .parse::<sqlx::postgres::PgConnectOptions>()
-                .map_err(|e| format!("cannot connect to {shown}: {e}"))?
-                .options([
-                    ("lock_timeout", PG_LOCK_TIMEOUT),
-                    ("statement_timeout", PG_STATEMENT_TIMEOUT),
-                ]);
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(32)
                 .acquire_timeout(Duration::from_secs(5))
-                .connect_with(options)
+                .after_connect(|conn, _| {
+                    Box::pin(async move {
+                        // Where the session has none (`0`) of its own.
+                        sqlx::query(
+                            "SELECT set_config(name, $1, false) FROM pg_settings \
+                             WHERE name = 'lock_timeout' AND setting = '0' \
+                             UNION ALL \
+                             SELECT set_config(name, $2, false) FROM pg_settings \
+                             WHERE name = 'statement_timeout' AND setting = '0'",
+                        )
+                        .bind(PG_LOCK_TIMEOUT)
+                        .bind(PG_STATEMENT_TIMEOUT)
+                        .execute(conn)
+                        .await
+                        .map(drop)
+                    })
+                })
+                .connect(url)
                 .await
                 .map_err(|e| format!("cannot connect to {shown}: {e}"))?;
             let store = PgStore::new(pool.clone());
