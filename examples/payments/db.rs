@@ -81,7 +81,8 @@ impl Db {
                 .acquire_timeout(Duration::from_secs(5))
                 .after_connect(|conn, _| {
                     Box::pin(async move {
-                        // Where the session has none (`0`) of its own.
+                        // Where the session has none (`0`, which a `0`
+                        // set on purpose cannot be told from) of its own.
                         sqlx::query(
                             "SELECT set_config(name, $1, false) FROM pg_settings \
                              WHERE name = 'lock_timeout' AND setting = '0' \
