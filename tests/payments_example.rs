@@ -553,6 +553,21 @@ async fn postgres_the_operators_lock_timeout_is_kept() {
     );
 }
 
+/// An operator's lock timeout longer than the service's statement timeout
+/// (12 s against 10 s) is not cut short by it: with a bound of their own,
+/// the service adds none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_an_operators_longer_lock_timeout_is_not_cut_short() {
+    let Some(store) = Store::postgres().await else {
+        return;
+    };
+    let answered = stuck_on_a_held_row(&format!("{}%20-c%20lock_timeout%3D12s", store.url())).await;
+    assert!(
+        answered > Duration::from_millis(11_500),
+        "answered after {answered:?}, before the operator's 12 s"
+    );
+}
+
 /// Pays once for a fresh tenant, then again with its account row held by a
 /// test transaction: the stuck payment must be answered 503 while the row
 /// is still held; the retry with its key, once the row is free, pays once.

@@ -13,8 +13,9 @@ pub const STARTING_BALANCE: i64 = 1_000_000;
 
 /// On PostgreSQL, the longest any statement of the service (its handlers',
 /// idem's) waits for a lock, and the longest one runs, unless the operator
-/// set their own (in `DATABASE_URL`'s `options`, or for the role or the
-/// database): idem puts no bound on a handler, so a handler stuck on a row
+/// set either of their own (in `DATABASE_URL`'s `options`, or for the role
+/// or the database; then the service sets neither, so that its statement
+/// timeout never cuts an operator's longer lock timeout short): idem puts no bound on a handler, so a handler stuck on a row
 /// lock (another transaction holding its tenant's account) would hold its
 /// key, every retry answered 409, for as long as the lock is held.
 /// Bounded, it fails with 503 and its key is released for the retry. (On
@@ -81,14 +82,13 @@ impl Db {
                 .acquire_timeout(Duration::from_secs(5))
                 .after_connect(|conn, _| {
                     Box::pin(async move {
-                        // Where the session has none (`0`, which a `0`
-                        // set on purpose cannot be told from) of its own.
+                        // Where the session has neither of its own (`0`,
+                        // which a `0` set on purpose cannot be told from).
                         sqlx::query(
-                            "SELECT set_config(name, $1, false) FROM pg_settings \
-                             WHERE name = 'lock_timeout' AND setting = '0' \
-                             UNION ALL \
-                             SELECT set_config(name, $2, false) FROM pg_settings \
-                             WHERE name = 'statement_timeout' AND setting = '0'",
+                            "SELECT set_config('lock_timeout', $1, false), \
+                             set_config('statement_timeout', $2, false) \
+                             WHERE current_setting('lock_timeout') = '0' \
+                             AND current_setting('statement_timeout') = '0'",
                         )
                         .bind(PG_LOCK_TIMEOUT)
                         .bind(PG_STATEMENT_TIMEOUT)
