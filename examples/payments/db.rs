@@ -15,11 +15,12 @@ pub const STARTING_BALANCE: i64 = 1_000_000;
 /// idem's) waits for a lock, and the longest one runs, unless the operator
 /// set either of their own (in `DATABASE_URL`'s `options`, or for the role
 /// or the database; then the service sets neither, so that its statement
-/// timeout never cuts an operator's longer lock timeout short): idem puts no bound on a handler, so a handler stuck on a row
-/// lock (another transaction holding its tenant's account) would hold its
-/// key, every retry answered 409, for as long as the lock is held.
-/// Bounded, it fails with 503 and its key is released for the retry. (On
-/// SQLite the busy timeout bounds each wait for the write lock.)
+/// timeout never cuts an operator's longer lock timeout short). idem puts
+/// no bound on a handler: a handler stuck on a row lock (another
+/// transaction holding its tenant's account) would hold its key, every
+/// retry answered 409, for as long as the lock is held. Bounded, it fails
+/// with 503 and its key is released for the retry. (On SQLite the busy
+/// timeout bounds each wait for the write lock.)
 const PG_LOCK_TIMEOUT: &str = "5s";
 /// See [`PG_LOCK_TIMEOUT`].
 const PG_STATEMENT_TIMEOUT: &str = "10s";
