@@ -16,7 +16,6 @@ use idem_testkit::http::{exchange, head_request, http10_request, parse, post as 
 use idem_testkit::StoreKind;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -24,21 +23,9 @@ const LIMIT: usize = 64;
 
 #[derive(Clone)]
 struct App {
-    runs: Arc<Mutex<HashMap<String, u32>>>,
+    runs: idem_testkit::Runs,
     gates: idem_testkit::Gates,
     events: mpsc::UnboundedSender<String>,
-}
-
-impl App {
-    fn ran(&self, key: &str) -> u32 {
-        let mut runs = self.runs.lock().unwrap();
-        let n = runs.entry(key.to_owned()).or_default();
-        *n += 1;
-        *n
-    }
-    fn runs(&self, key: &str) -> u32 {
-        self.runs.lock().unwrap().get(key).copied().unwrap_or(0)
-    }
 }
 
 fn chunk(c: &str, n: usize) -> Result<Bytes, std::io::Error> {
@@ -49,7 +36,7 @@ fn chunk(c: &str, n: usize) -> Result<Bytes, std::io::Error> {
 /// failure. Later runs: 201 "done".
 #[idempotent(scope = "let_go.breaks")]
 async fn breaks(State(app): State<App>, op: Operation, Query(q): Query<HashMap<String, String>>) -> Response {
-    if app.ran(op.key()) > 1 {
+    if app.runs.ran(op.key()) > 1 {
         return (StatusCode::CREATED, "done").into_response();
     }
     let status = StatusCode::from_u16(q["status"].parse().unwrap()).unwrap();
@@ -66,7 +53,7 @@ async fn breaks(State(app): State<App>, op: Operation, Query(q): Query<HashMap<S
 #[idempotent(scope = "let_go.gated")]
 async fn gated(State(app): State<App>, op: Operation, Query(q): Query<HashMap<String, String>>) -> Response {
     let key = op.key().to_owned();
-    if app.ran(&key) > 1 {
+    if app.runs.ran(&key) > 1 {
         return (StatusCode::CREATED, "done").into_response();
     }
     let status = StatusCode::from_u16(q["status"].parse().unwrap()).unwrap();
@@ -92,7 +79,7 @@ async fn start(kind: StoreKind) -> Option<H> {
     let f = kind.fixture().await?;
     let (tx, events) = mpsc::unbounded_channel();
     let app = App {
-        runs: Arc::default(),
+        runs: idem_testkit::Runs::default(),
         gates: idem_testkit::Gates::default(),
         events: tx,
     };
@@ -148,7 +135,7 @@ async fn http10_rejection_past_limit_that_fails(h: H) {
         "first: status {status}, close {res:?}, body {body:?}; the corrected request with the key: {} {:?} (runs {})",
         fixed.status,
         String::from_utf8_lossy(&fixed.body),
-        h.app.runs(key)
+        h.app.runs.of(key)
     );
 }
 
@@ -164,7 +151,7 @@ async fn head_rejection_past_limit_that_fails(h: H) {
         String::from_utf8_lossy(&out),
         fixed.status,
         String::from_utf8_lossy(&fixed.body),
-        h.app.runs(key)
+        h.app.runs.of(key)
     );
 }
 

@@ -19,9 +19,8 @@ use futures_util::StreamExt as _;
 use idem::{idempotent, Idem, IdempotencyStore, Operation};
 use idem_testkit::http::{exchange, head_request, http10_request, parse, post as post_req, split, Reply};
 use idem_testkit::StoreKind;
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::{mpsc, Notify};
@@ -31,21 +30,12 @@ const LIMIT: usize = 64;
 
 #[derive(Clone)]
 struct App {
-    runs: Arc<Mutex<HashMap<String, u32>>>,
+    runs: idem_testkit::Runs,
     gates: idem_testkit::Gates,
     events: mpsc::UnboundedSender<String>,
 }
 
 impl App {
-    fn ran(&self, key: &str) -> u32 {
-        let mut runs = self.runs.lock().unwrap();
-        let n = runs.entry(key.to_owned()).or_default();
-        *n += 1;
-        *n
-    }
-    fn runs(&self, key: &str) -> u32 {
-        self.runs.lock().unwrap().get(key).copied().unwrap_or(0)
-    }
     fn gate(&self, key: &str) -> Arc<Notify> {
         self.gates.gate(key)
     }
@@ -57,7 +47,7 @@ fn chunk(c: &str, n: usize) -> Result<Bytes, std::io::Error> {
 
 /// 80 bytes at once (past the limit), then, on its first run, a failure.
 async fn breaking(app: &App, key: &str) -> Response {
-    let n = app.ran(key);
+    let n = app.runs.ran(key);
     let tail = if n == 1 {
         Err(std::io::Error::other("broken"))
     } else {
@@ -80,7 +70,7 @@ async fn breaks_get(State(app): State<App>, op: Operation) -> Response {
 /// 80 bytes at once, then 10 more once the test opens the key's gate;
 /// says when it has run. With `length`, the answer declares its 90 bytes.
 async fn gated_answer(app: &App, key: &str, length: bool) -> Response {
-    app.ran(key);
+    app.runs.ran(key);
     let gate = app.gate(key);
     let _ = app.events.send(format!("gated {key}"));
     let last = async move {
@@ -115,7 +105,7 @@ async fn gated_length(State(app): State<App>, op: Operation) -> Response {
 /// bytes once the test opens the key's gate, or, with `fail`, a failure on
 /// the first run.
 fn huge_answer(app: &App, key: &str, fail: bool) -> Response {
-    let n = app.ran(key);
+    let n = app.runs.ran(key);
     let gate = app.gate(key);
     let _ = app.events.send(format!("gated {key}"));
     let mib = Bytes::from(vec![b'x'; 1 << 20]);
@@ -177,7 +167,7 @@ impl Drop for Panicking {
 }
 
 fn panicking(app: &App, key: &str, in_poll: bool) -> Response {
-    let first = app.ran(key) == 1;
+    let first = app.runs.ran(key) == 1;
     let last = async move {
         if first && in_poll {
             panic!("the body panics while polled");
@@ -284,7 +274,7 @@ async fn start(kind: StoreKind) -> Option<H> {
     };
     let (tx, events) = mpsc::unbounded_channel();
     let app = App {
-        runs: Arc::default(),
+        runs: idem_testkit::Runs::default(),
         gates: idem_testkit::Gates::default(),
         events: tx,
     };
@@ -371,7 +361,7 @@ async fn head_of_a_large_answer_that_fails_is_a_500(h: H) {
     );
     let g = get_after(h.addr, "/breaks-get", "k-head-fails").await;
     assert_eq!((g.status, replayed(&g)), (201, false), "{g:?}");
-    assert_eq!(h.app.runs("k-head-fails"), 2);
+    assert_eq!(h.app.runs.of("k-head-fails"), 2);
 }
 
 /// HEAD: the answer is recorded before its status goes out; the GET
@@ -388,7 +378,7 @@ async fn head_of_a_large_answer_is_answered_once_recorded(mut h: H) {
     let g = get_after(h.addr, "/gated-get", key).await;
     assert_eq!((g.status, replayed(&g)), (201, true), "{g:?}");
     assert_eq!(g.header("idempotent-replay-body-omitted"), Some("true"));
-    assert_eq!(h.app.runs(key), 1);
+    assert_eq!(h.app.runs.of(key), 1);
 }
 
 /// HTTP/1.0: the body fails past the limit. Its client is told the
@@ -401,7 +391,7 @@ async fn http10_large_answer_that_fails_is_a_500(h: H) {
     assert!(!body.starts_with(b"aaaa"), "{:?}", String::from_utf8_lossy(&out));
     let retry = post_req("/breaks", "").key("k-10-fails").send(h.addr).await;
     assert_eq!((retry.status, replayed(&retry)), (201, false), "{retry:?}");
-    assert_eq!(h.app.runs("k-10-fails"), 2);
+    assert_eq!(h.app.runs.of("k-10-fails"), 2);
 }
 
 /// HTTP/1.0: nothing of a large answer goes out before it is recorded, and
@@ -471,7 +461,7 @@ async fn http10_answer_past_what_is_held_is_answered_as_its_replay(mut h: H) {
     let again = post_req("/huge", "").key(key).send(h.addr).await;
     assert_eq!((again.status, replayed(&again)), (201, true), "{again:?}");
     assert_eq!(again.header("idempotent-replay-body-omitted"), Some("true"));
-    assert_eq!(h.app.runs(key), 1);
+    assert_eq!(h.app.runs.of(key), 1);
 }
 
 /// HTTP/1.0, an answer past the 64 MiB held for it that then fails: a 500,
@@ -489,7 +479,7 @@ async fn http10_answer_past_what_is_held_that_fails_is_a_500(h: H) {
         .send(h.addr)
         .await;
     assert_eq!((retry.status, replayed(&retry)), (201, false));
-    assert_eq!(h.app.runs("k-10-huge-fails"), 2);
+    assert_eq!(h.app.runs.of("k-10-huge-fails"), 2);
 }
 
 /// A large body that panics while it is read to its end: the HEAD and
@@ -522,7 +512,7 @@ async fn a_large_body_that_panics_while_read_is_a_500(h: H) {
             (201, false, 90),
             "{key}: {retry:?}"
         );
-        assert_eq!(h.app.runs(key), 2, "{key}");
+        assert_eq!(h.app.runs.of(key), 2, "{key}");
     }
 }
 
@@ -549,7 +539,7 @@ async fn a_large_body_whose_drop_panics_is_recorded(h: H) {
             post_req("/drop-panics", "").key(key).send(h.addr).await
         };
         assert_eq!((retry.status, replayed(&retry)), (201, true), "{key}: {retry:?}");
-        assert_eq!(h.app.runs(key), 1, "{key}");
+        assert_eq!(h.app.runs.of(key), 1, "{key}");
     }
 }
 
@@ -567,7 +557,7 @@ async fn a_head_client_that_leaves_cancels_nothing(mut h: H) {
     let g = get_after(h.addr, "/gated-get", key).await;
     assert_eq!((g.status, replayed(&g)), (201, true), "{g:?}");
     assert_eq!(g.header("idempotent-replay-body-omitted"), Some("true"));
-    assert_eq!(h.app.runs(key), 1);
+    assert_eq!(h.app.runs.of(key), 1);
 }
 
 /// Taken over while its body is produced (its lock token changed behind

@@ -9,6 +9,7 @@
 //! - One [`Fixture`] per [`StoreKind`], and [`for_each_store!`] to run a
 //!   suite's cases on each.
 //! - Names that no concurrent test shares: [`unique`], [`token`].
+//! - [`Gates`] a handler waits on by key, and [`Runs`]: its runs counted by key.
 //! - [`records`]: store calls as the store-level tests write them.
 //! - [`multi_thread`]: a runtime of its own, for tests that shut one down.
 //! - [`logs`]: every line the test binary logs, to assert on.
@@ -20,11 +21,13 @@ pub mod http;
 mod logs;
 mod names;
 pub mod records;
+mod runs;
 mod stores;
 
 pub use gates::Gates;
 pub use logs::{logs, Logged};
 pub use names::{token, unique};
+pub use runs::Runs;
 pub use stores::{
     dropped_transaction_rolls_back, pg_schema, pg_store, pg_store_in, pg_url, sqlite_in_memory_store,
     sqlite_store, Fixture, StoreKind,
