@@ -370,7 +370,9 @@ impl PgStore {
     /// # }
     /// ```
     pub fn with_table(self, schema: Option<&str>, table: &str) -> Result<Self, StoreError> {
-        let built = Self::build(self.pool, schema, table)?.with_timeout(self.timeout);
+        let built = Self::build(self.pool, schema, table)?
+            .with_timeout(self.timeout)
+            .with_completion_turns(self.completions.turns);
         // What is known in memory is per table: the same table, named
         // the same, shares it (an execution may be ended through either).
         let replays = self.replays.of_table(&self.sql.table, &built.sql.table);
@@ -382,7 +384,6 @@ impl PgStore {
             // One spare for the pool's stores of every table: the
             // extensions name their table.
             spare: self.spare,
-            completions: std::sync::Arc::new(Completions::with_turns(self.completions.turns)),
             ..built
         })
     }
