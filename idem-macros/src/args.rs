@@ -78,6 +78,17 @@ impl Parse for FieldPath {
         if input.peek(Token![::]) {
             return Err(input.error("a nested field is written with `.`, such as `recipient.account`"));
         }
+        if input.peek(syn::token::Paren) {
+            // `amount()`: what rustc's help suggests when `amount` is a
+            // method of the body's type (or its field is private).
+            let call: proc_macro2::TokenTree = input.parse()?;
+            return Err(syn::Error::new(
+                call.span(),
+                "`fields` names fields of the body's type as its JSON carries them, not methods: \
+                 name the field itself (visible where the handler is), such as `fields(amount)`; \
+                 a field sent under another JSON name is written `amount = \"amt\"`",
+            ));
+        }
         let wire = if input.peek(Token![=]) {
             input.parse::<Token![=]>()?;
             Some(input.parse()?)
@@ -230,75 +241,120 @@ fn valid_scope(scope: &str) -> bool {
 /// Headers whose values are credentials: never a record's key (the key is
 /// stored, and the contract stores no credential).
 const CREDENTIAL_HEADERS: &[&str] = &[
+    "api-key",
+    "apikey",
     "authorization",
-    "proxy-authorization",
     "cookie",
+    "proxy-authorization",
     "set-cookie",
-    "x-access-token",
-    "x-api-key",
-    "x-auth-token",
-    "x-csrf-token",
-    "x-xsrf-token",
+    "x-apikey",
+    "x-amz-security-token",
 ];
 
-/// Prefixes of headers that describe the client (client hints, fetch
-/// metadata), refused as the headers of [`MESSAGE_HEADERS`] are.
-const MESSAGE_HEADER_PREFIXES: &[&str] = &["sec-ch-", "sec-fetch-"];
+/// Endings of credential headers' names (`X-API-Key`, `X-Auth-Token`, ...).
+const CREDENTIAL_HEADER_SUFFIXES: &[&str] = &[
+    "-access-token",
+    "-api-key",
+    "-auth-token",
+    "-csrf-token",
+    "-security-token",
+    "-session-token",
+    "-xsrf-token",
+];
+
+/// Headers that carry a hash of the body: one value for every request with
+/// one body, so two operations with the same body (the same coffee bought
+/// twice) would share one record.
+const BODY_HASH_HEADERS: &[&str] = &["content-md5", "digest", "want-digest", "x-amz-content-sha256"];
+
+/// Beginnings of the names of headers that describe the message, its
+/// connection or its client, refused as the headers of
+/// [`MESSAGE_HEADERS`] are: every `Content-*` header describes the body,
+/// every `Sec-*` one is set by the browser (client hints, fetch metadata,
+/// privacy flags), `Accept-*`, `If-*` and `Access-Control-*` describe what
+/// the client wants, the rest are set by proxies and SDKs.
+const MESSAGE_HEADER_PREFIXES: &[&str] = &[
+    "accept-",
+    "access-control-",
+    "content-",
+    "if-",
+    "sec-",
+    "x-amz-",
+    "x-b3-",
+    "x-forwarded-",
+];
 
 /// Headers that describe the message, its connection or its client, which
 /// many requests carry with one value: never a key (different operations
 /// would share one record, and one be answered the other's replay).
 const MESSAGE_HEADERS: &[&str] = &[
     "accept",
-    "accept-charset",
-    "accept-encoding",
-    "accept-language",
-    "access-control-request-headers",
-    "access-control-request-method",
+    "b3",
+    "baggage",
     "cache-control",
-    "cf-connecting-ip",
     "connection",
-    "content-encoding",
-    "content-language",
-    "content-length",
-    "content-type",
     "date",
+    "device-memory",
     "dnt",
+    "downlink",
+    "dpr",
+    "early-data",
+    "ect",
     "expect",
     "forwarded",
     "host",
-    "if-match",
-    "if-modified-since",
-    "if-none-match",
-    "if-range",
-    "if-unmodified-since",
     "keep-alive",
     "max-forwards",
     "origin",
     "pragma",
+    "prefer",
+    "priority",
+    "proxy-connection",
+    "purpose",
     "range",
     "referer",
+    "rtt",
+    "save-data",
     "te",
+    "traceparent",
+    "tracestate",
     "trailer",
-    "true-client-ip",
     "transfer-encoding",
     "upgrade",
     "upgrade-insecure-requests",
     "user-agent",
     "via",
-    "x-client-ip",
-    "x-forwarded-for",
-    "x-forwarded-host",
-    "x-forwarded-port",
-    "x-forwarded-prefix",
-    "x-forwarded-proto",
-    "x-real-ip",
+    "viewport-width",
+    "width",
+    "x-http-method-override",
+    "x-purpose",
     "x-requested-with",
 ];
 
-/// Whether a header (its name in lowercase) describes the message.
-fn describes_the_message(name: &str) -> bool {
-    MESSAGE_HEADERS.contains(&name) || MESSAGE_HEADER_PREFIXES.iter().any(|p| name.starts_with(p))
+/// Why a header (its name in lowercase) cannot carry the key.
+#[derive(Debug, PartialEq, Eq)]
+enum Unfit {
+    Credential,
+    BodyHash,
+    Message,
+}
+
+/// Whether a header (its name in lowercase) cannot carry the key, and why.
+/// A client's address (`X-Real-IP`, `CF-Connecting-IP`, `Fastly-Client-IP`,
+/// every name that ends in `-ip`) describes the message.
+fn unfit_header(name: &str) -> Option<Unfit> {
+    if CREDENTIAL_HEADERS.contains(&name) || CREDENTIAL_HEADER_SUFFIXES.iter().any(|s| name.ends_with(s)) {
+        Some(Unfit::Credential)
+    } else if BODY_HASH_HEADERS.contains(&name) || name.ends_with("-digest") {
+        Some(Unfit::BodyHash)
+    } else if MESSAGE_HEADERS.contains(&name)
+        || MESSAGE_HEADER_PREFIXES.iter().any(|p| name.starts_with(p))
+        || name.ends_with("-ip")
+    {
+        Some(Unfit::Message)
+    } else {
+        None
+    }
 }
 
 fn valid_header(name: &str) -> bool {
@@ -392,22 +448,33 @@ impl Parse for IdempotentArgs {
                         lit.span(),
                         "`header` must be a valid HTTP header name, such as `\"Idempotency-Key\"`",
                     ));
-                } else if CREDENTIAL_HEADERS.contains(&lit.value().to_ascii_lowercase().as_str()) {
-                    errors.push(syn::Error::new(
-                        lit.span(),
-                        "`header` cannot be a credential header: the key is stored with the record, and \
-                         credentials are never stored; use a header of its own, such as `\"Idempotency-Key\"`",
-                    ));
-                } else if describes_the_message(&lit.value().to_ascii_lowercase()) {
-                    errors.push(syn::Error::new(
-                        lit.span(),
-                        format!(
-                            "`header` cannot be `{}`: it describes the message, not the operation, and \
-                             many requests carry one value of it, so different operations would share one \
-                             record; use a header of its own, such as `\"Idempotency-Key\"`",
-                            lit.value()
+                } else {
+                    let why = match unfit_header(&lit.value().to_ascii_lowercase()) {
+                        None => None,
+                        Some(Unfit::Credential) => Some(
+                            "`header` cannot be a credential header: the key is stored with the record, \
+                             and credentials are never stored"
+                                .to_owned(),
                         ),
-                    ));
+                        Some(Unfit::BodyHash) => Some(format!(
+                            "`header` cannot be `{}`: it is a hash of the body, so two operations with \
+                             one body (the same order placed twice) would share one record, and the \
+                             second be answered the first's replay",
+                            lit.value()
+                        )),
+                        Some(Unfit::Message) => Some(format!(
+                            "`header` cannot be `{}`: it describes the message, not the operation, and \
+                             many requests carry one value of it, so different operations would share \
+                             one record",
+                            lit.value()
+                        )),
+                    };
+                    if let Some(why) = why {
+                        errors.push(syn::Error::new(
+                            lit.span(),
+                            format!("{why}; use a header of its own, such as `\"Idempotency-Key\"`"),
+                        ));
+                    }
                 }
                 errors.set_once(&mut args.header, (k, lit), k.span, "header");
             } else if lookahead.peek(kw::optional) {
@@ -565,6 +632,87 @@ mod tests {
             let lit = LitStr::new(bad, Span::call_site());
             assert!(DurationLit::parse_lit(&lit).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn headers_that_cannot_carry_a_key() {
+        let credentials = [
+            "authorization",
+            "cookie",
+            "x-api-key",
+            "api-key",
+            "x-goog-api-key",
+            "x-auth-token",
+            "x-access-token",
+            "x-amz-security-token",
+            "x-session-token",
+        ];
+        for name in credentials {
+            assert_eq!(unfit_header(name), Some(Unfit::Credential), "{name}");
+        }
+        let hashes = [
+            "content-digest",
+            "repr-digest",
+            "want-content-digest",
+            "digest",
+            "content-md5",
+            "x-amz-content-sha256",
+        ];
+        for name in hashes {
+            assert_eq!(unfit_header(name), Some(Unfit::BodyHash), "{name}");
+        }
+        let message = [
+            "content-type",
+            "content-location",
+            "content-disposition",
+            "content-range",
+            "sec-gpc",
+            "sec-purpose",
+            "sec-ch-ua-platform",
+            "dnt",
+            "true-client-ip",
+            "fastly-client-ip",
+            "x-cluster-client-ip",
+            "cf-connecting-ip",
+            "x-real-ip",
+            "x-forwarded-for",
+            "traceparent",
+            "priority",
+            "prefer",
+            "save-data",
+            "early-data",
+            "if-match",
+            "accept-language",
+            "x-amz-date",
+            "user-agent",
+        ];
+        for name in message {
+            assert_eq!(unfit_header(name), Some(Unfit::Message), "{name}");
+        }
+        // What services name their key header, and headers near the
+        // refused ones.
+        let keys = [
+            "idempotency-key",
+            "x-idempotency-key",
+            "idempotency-token",
+            "x-idempotency-token",
+            "x-request-id",
+            "request-id",
+            "x-correlation-id",
+            "client-request-id",
+            "x-operation-id",
+            "x-tip",
+            "key",
+        ];
+        for name in keys {
+            assert_eq!(unfit_header(name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_method_call_in_fields_is_refused_with_the_fix() {
+        let err = parse(quote::quote!(scope = "a", fields(amount()))).err().unwrap();
+        assert!(err.to_string().contains("not methods"), "{err}");
     }
 
     #[test]

@@ -12,4 +12,10 @@ async fn cancel() {}
 #[idempotent(scope = "payment.refund", header = "X-Auth-Token")]
 async fn refund() {}
 
+#[idempotent(scope = "payment.signed", header = "X-Amz-Security-Token")]
+async fn signed() {}
+
+#[idempotent(scope = "payment.keyed", header = "Api-Key")]
+async fn keyed() {}
+
 fn main() {}
