@@ -245,10 +245,18 @@ const CREDENTIAL_HEADERS: &[&str] = &[
     "apikey",
     "authorization",
     "cookie",
+    "ocp-apim-subscription-key",
+    "private-token",
     "proxy-authorization",
     "set-cookie",
-    "x-apikey",
     "x-amz-security-token",
+    "x-apikey",
+    "x-auth-key",
+    "x-csrftoken",
+    "x-functions-key",
+    "x-rapidapi-key",
+    "x-vault-token",
+    "x-xsrftoken",
 ];
 
 /// Endings of credential headers' names (`X-API-Key`, `X-Auth-Token`, ...).
@@ -257,6 +265,8 @@ const CREDENTIAL_HEADER_SUFFIXES: &[&str] = &[
     "-api-key",
     "-auth-token",
     "-csrf-token",
+    "-id-token",
+    "-refresh-token",
     "-security-token",
     "-session-token",
     "-xsrf-token",
@@ -265,21 +275,31 @@ const CREDENTIAL_HEADER_SUFFIXES: &[&str] = &[
 /// Headers that carry a hash of the body: one value for every request with
 /// one body, so two operations with the same body (the same coffee bought
 /// twice) would share one record.
-const BODY_HASH_HEADERS: &[&str] = &["content-md5", "digest", "want-digest", "x-amz-content-sha256"];
+const BODY_HASH_HEADERS: &[&str] = &[
+    "content-md5",
+    "digest",
+    "want-digest",
+    "x-amz-content-sha256",
+    "x-goog-hash",
+    "x-hub-signature",
+    "x-hub-signature-256",
+    "x-shopify-hmac-sha256",
+];
 
 /// Beginnings of the names of headers that describe the message, its
 /// connection or its client, refused as the headers of
 /// [`MESSAGE_HEADERS`] are: every `Content-*` header describes the body,
 /// every `Sec-*` one is set by the browser (client hints, fetch metadata,
 /// privacy flags), `Accept-*`, `If-*` and `Access-Control-*` describe what
-/// the client wants, the rest are set by proxies and SDKs.
+/// the client wants, the rest are set by proxies and CDNs. (Not `X-Amz-*`:
+/// AWS sends idempotency tokens under it, such as `X-Amz-Client-Token`.)
 const MESSAGE_HEADER_PREFIXES: &[&str] = &[
     "accept-",
     "access-control-",
+    "cloudfront-viewer-",
     "content-",
     "if-",
     "sec-",
-    "x-amz-",
     "x-b3-",
     "x-forwarded-",
 ];
@@ -289,9 +309,13 @@ const MESSAGE_HEADER_PREFIXES: &[&str] = &[
 /// would share one record, and one be answered the other's replay).
 const MESSAGE_HEADERS: &[&str] = &[
     "accept",
+    "alt-used",
     "b3",
     "baggage",
     "cache-control",
+    "cdn-loop",
+    "cf-connecting-ipv6",
+    "cf-ipcountry",
     "connection",
     "date",
     "device-memory",
@@ -315,18 +339,27 @@ const MESSAGE_HEADERS: &[&str] = &[
     "referer",
     "rtt",
     "save-data",
+    "sentry-trace",
     "te",
     "traceparent",
     "tracestate",
     "trailer",
     "transfer-encoding",
+    "uber-trace-id",
     "upgrade",
     "upgrade-insecure-requests",
     "user-agent",
     "via",
     "viewport-width",
     "width",
+    "x-amz-date",
+    "x-amzn-trace-id",
+    "x-azure-clientip",
+    "x-azure-socketip",
+    "x-cloud-trace-context",
+    "x-http-method",
     "x-http-method-override",
+    "x-method-override",
     "x-purpose",
     "x-requested-with",
 ];
@@ -345,7 +378,10 @@ enum Unfit {
 fn unfit_header(name: &str) -> Option<Unfit> {
     if CREDENTIAL_HEADERS.contains(&name) || CREDENTIAL_HEADER_SUFFIXES.iter().any(|s| name.ends_with(s)) {
         Some(Unfit::Credential)
-    } else if BODY_HASH_HEADERS.contains(&name) || name.ends_with("-digest") {
+    } else if BODY_HASH_HEADERS.contains(&name)
+        || name.ends_with("-digest")
+        || name.starts_with("x-amz-checksum-")
+    {
         Some(Unfit::BodyHash)
     } else if MESSAGE_HEADERS.contains(&name)
         || MESSAGE_HEADER_PREFIXES.iter().any(|p| name.starts_with(p))
@@ -646,6 +682,10 @@ mod tests {
             "x-access-token",
             "x-amz-security-token",
             "x-session-token",
+            "x-csrftoken",
+            "ocp-apim-subscription-key",
+            "x-ms-token-aad-id-token",
+            "private-token",
         ];
         for name in credentials {
             assert_eq!(unfit_header(name), Some(Unfit::Credential), "{name}");
@@ -657,6 +697,9 @@ mod tests {
             "digest",
             "content-md5",
             "x-amz-content-sha256",
+            "x-amz-checksum-sha256",
+            "x-hub-signature-256",
+            "x-shopify-hmac-sha256",
         ];
         for name in hashes {
             assert_eq!(unfit_header(name), Some(Unfit::BodyHash), "{name}");
@@ -685,13 +728,25 @@ mod tests {
             "accept-language",
             "x-amz-date",
             "user-agent",
+            "x-azure-clientip",
+            "cloudfront-viewer-address",
+            "x-amzn-trace-id",
         ];
         for name in message {
             assert_eq!(unfit_header(name), Some(Unfit::Message), "{name}");
         }
-        // What services name their key header, and headers near the
-        // refused ones.
+        // What services name their key header (Stripe's and Adyen's,
+        // PayPal's, Twilio's, Azure's, AWS's, Amazon Pay's), and headers
+        // near the refused ones.
         let keys = [
+            "paypal-request-id",
+            "i-twilio-idempotency-token",
+            "x-ms-client-request-id",
+            "repeatability-request-id",
+            "x-amz-client-token",
+            "x-amz-pay-idempotency-key",
+            "x-amzn-requestid",
+            "cko-idempotency-key",
             "idempotency-key",
             "x-idempotency-key",
             "idempotency-token",
