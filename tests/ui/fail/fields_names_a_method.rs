@@ -13,10 +13,14 @@ impl Payment {
 }
 
 // A method is not what the JSON carries: the error points at the name.
-// (rustc's help to add `()` leads to `fields_calls_a_method.rs`'s error,
-// which names the fix.)
 #[idempotent(scope = "payment.create", fields(amount))]
 async fn create(Json(p): Json<Payment>) -> String {
+    p.amount().to_string()
+}
+
+// What rustc's help suggests for the one above: refused with the fix.
+#[idempotent(scope = "payment.update", fields(amount()))]
+async fn update(Json(p): Json<Payment>) -> String {
     p.amount().to_string()
 }
 
