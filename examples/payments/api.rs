@@ -32,7 +32,9 @@ async fn create_payment(
     // The balance is held atomically before the gateway is called: two
     // payments near the balance cannot both charge. Once per operation (a
     // retry or takeover finds its hold), settled with the payment below,
-    // given back when the payment fails.
+    // given back when the gateway declines or fails. A crash leaves it to
+    // the operation's next attempt (none after the record's TTL: README,
+    // "The example payments service").
     let hold = op.derived_key("hold");
     if op.is_lease_lost() {
         // Another execution owns this payment now: no further effect.

@@ -38,7 +38,8 @@ const SCHEMA: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS gateway_calls (tenant TEXT PRIMARY KEY, calls BIGINT NOT NULL)",
     // Balance held for a payment in flight, once per operation: debited when
     // taken, settled with the payment (the row stays, so a late execution
-    // of the same operation cannot hold again), given back when it fails.
+    // of the same operation cannot hold again), given back when the gateway
+    // declines or fails.
     "CREATE TABLE IF NOT EXISTS holds (hold_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, amount BIGINT NOT NULL, \
      settled INTEGER NOT NULL DEFAULT 0)",
 ];
