@@ -484,33 +484,29 @@ impl Parse for IdempotentArgs {
                         lit.span(),
                         "`header` must be a valid HTTP header name, such as `\"Idempotency-Key\"`",
                     ));
-                } else {
-                    let why = match unfit_header(&lit.value().to_ascii_lowercase()) {
-                        None => None,
-                        Some(Unfit::Credential) => Some(
+                } else if let Some(unfit) = unfit_header(&lit.value().to_ascii_lowercase()) {
+                    let why = match unfit {
+                        Unfit::Credential => {
                             "`header` cannot be a credential header: the key is stored with the record, \
                              and credentials are never stored"
-                                .to_owned(),
+                                .to_owned()
+                        }
+                        Unfit::BodyHash => format!(
+                            "`header` cannot be `{}`: it is a hash of the body, so two operations with one \
+                             body (the same order placed twice) would share one record, and the second be \
+                             answered the first's replay",
+                            lit.value()
                         ),
-                        Some(Unfit::BodyHash) => Some(format!(
-                            "`header` cannot be `{}`: it is a hash of the body, so two operations with \
-                             one body (the same order placed twice) would share one record, and the \
-                             second be answered the first's replay",
+                        Unfit::Message => format!(
+                            "`header` cannot be `{}`: it describes the message, not the operation, and many \
+                             requests carry one value of it, so different operations would share one record",
                             lit.value()
-                        )),
-                        Some(Unfit::Message) => Some(format!(
-                            "`header` cannot be `{}`: it describes the message, not the operation, and \
-                             many requests carry one value of it, so different operations would share \
-                             one record",
-                            lit.value()
-                        )),
+                        ),
                     };
-                    if let Some(why) = why {
-                        errors.push(syn::Error::new(
-                            lit.span(),
-                            format!("{why}; use a header of its own, such as `\"Idempotency-Key\"`"),
-                        ));
-                    }
+                    errors.push(syn::Error::new(
+                        lit.span(),
+                        format!("{why}; use a header of its own, such as `\"Idempotency-Key\"`"),
+                    ));
                 }
                 errors.set_once(&mut args.header, (k, lit), k.span, "header");
             } else if lookahead.peek(kw::optional) {
