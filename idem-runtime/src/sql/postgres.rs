@@ -1145,7 +1145,7 @@ impl PgStore {
     fn pass_on(&self) {
         let mut queue = self.completions.lock();
         if queue.waiting.is_empty() {
-            queue.busy = queue.busy.saturating_sub(1);
+            queue.free_turn();
             return;
         }
         match tokio::runtime::Handle::try_current() {
@@ -1161,10 +1161,7 @@ impl PgStore {
                 runtime.spawn(writer.run());
             }
             Err(_) => {
-                queue.busy = queue.busy.saturating_sub(1);
-                if queue.busy == 0 {
-                    queue.waiting.clear();
-                }
+                queue.abandon_turn();
             }
         }
     }
@@ -1578,7 +1575,7 @@ async fn begin_to_its_answer(
 /// elsewhere, its lock lost) its caller writes alone. A completion whose
 /// caller gave up before its group was taken is not written.
 struct Completions {
-    queue: std::sync::Mutex<Queue>,
+    queue: std::sync::Mutex<Queue<Waiting>>,
     /// How many completions, or tasks writing groups, may hold a turn.
     turns: usize,
 }
@@ -1599,16 +1596,45 @@ impl Completions {
 
     /// A panic under this lock cannot leave the queue half-changed: each
     /// change is one push, one drain or one assignment.
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue<Waiting>> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-#[derive(Default)]
-struct Queue {
-    /// How many completions, or tasks writing groups, hold a turn.
+/// A store's queue of completions or of lookups: the turns held, and the
+/// calls waiting for the next group.
+struct Queue<W> {
+    /// How many calls, or tasks running groups, hold a turn.
     busy: usize,
-    waiting: Vec<Waiting>,
+    waiting: Vec<W>,
+}
+
+impl<W> Default for Queue<W> {
+    fn default() -> Self {
+        Queue {
+            busy: 0,
+            waiting: Vec::new(),
+        }
+    }
+}
+
+impl<W> Queue<W> {
+    /// Frees a turn whose holder passed on what waited (or nothing did).
+    fn free_turn(&mut self) {
+        self.busy = self.busy.saturating_sub(1);
+    }
+
+    /// Frees the turn of a holder that cannot pass on what waits (gone
+    /// before its end, or outside a runtime): when no other turn is held,
+    /// nobody would take the waiting calls, which are dropped, their
+    /// callers answered with an error at once; otherwise another holder
+    /// takes them when it ends.
+    fn abandon_turn(&mut self) {
+        self.free_turn();
+        if self.busy == 0 {
+            self.waiting.clear();
+        }
+    }
 }
 
 /// The most completions one statement writes.
@@ -1679,7 +1705,7 @@ impl GroupWriter {
                     .waiting
                     .retain(|w| !w.answer.is_closed() && w.deadline > now);
                 if queue.waiting.is_empty() {
-                    queue.busy = queue.busy.saturating_sub(1);
+                    queue.free_turn();
                     self.done = true;
                     return;
                 }
@@ -1712,10 +1738,7 @@ impl Drop for GroupWriter {
     fn drop(&mut self) {
         if !self.done {
             let mut queue = self.store.completions.lock();
-            queue.busy = queue.busy.saturating_sub(1);
-            if queue.busy == 0 {
-                queue.waiting.clear();
-            }
+            queue.abandon_turn();
         }
     }
 }
@@ -1739,22 +1762,15 @@ impl Drop for GroupWriter {
 /// record a group took for a caller that is gone is handed back.
 #[derive(Default)]
 struct Lookups {
-    queue: std::sync::Mutex<LookupQueue>,
+    queue: std::sync::Mutex<Queue<LookupWaiting>>,
 }
 
 impl Lookups {
     /// A panic under this lock cannot leave the queue half-changed: each
     /// change is one push, one drain or one assignment.
-    fn lock(&self) -> std::sync::MutexGuard<'_, LookupQueue> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue<LookupWaiting>> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
-}
-
-#[derive(Default)]
-struct LookupQueue {
-    /// How many lookups, or tasks running groups, hold a turn.
-    busy: usize,
-    waiting: Vec<LookupWaiting>,
 }
 
 /// A lookup waiting for its group: the binds of `lookup`.
@@ -1827,7 +1843,7 @@ impl GroupReader {
                     }
                 }
                 if group.is_empty() {
-                    queue.busy = queue.busy.saturating_sub(1);
+                    queue.free_turn();
                     self.done = true;
                 }
                 drop(queue);
@@ -1858,10 +1874,7 @@ impl Drop for GroupReader {
     fn drop(&mut self) {
         if !self.done {
             let mut queue = self.store.lookups.lock();
-            queue.busy = queue.busy.saturating_sub(1);
-            if queue.busy == 0 {
-                queue.waiting.clear();
-            }
+            queue.abandon_turn();
         }
     }
 }
@@ -1942,7 +1955,7 @@ impl PgStore {
     fn pass_on_lookups(&self) {
         let mut queue = self.lookups.lock();
         if queue.waiting.is_empty() {
-            queue.busy = queue.busy.saturating_sub(1);
+            queue.free_turn();
             return;
         }
         match tokio::runtime::Handle::try_current() {
@@ -1957,10 +1970,7 @@ impl PgStore {
                 runtime.spawn(reader.run());
             }
             Err(_) => {
-                queue.busy = queue.busy.saturating_sub(1);
-                if queue.busy == 0 {
-                    queue.waiting.clear();
-                }
+                queue.abandon_turn();
             }
         }
     }
