@@ -6,7 +6,7 @@
 # statements on the database alone (pgbench) and in its executor alone,
 # and the criterion micro-benchmarks.
 #
-#   bash scripts/bench.sh            # everything (about 20 minutes)
+#   bash scripts/bench.sh            # everything (20 to 25 minutes)
 #   bash scripts/bench.sh quick      # the harness alone, 1 round
 #
 # Needs DATABASE_URL (PostgreSQL) for the PostgreSQL and hand-written cells.

@@ -1087,8 +1087,9 @@ async fn pg_cpu(n: usize, cells: &[&str]) {
             continue;
         };
         println!(
-            "idem's PostgreSQL {path} costs the server {:.2} us of CPU more than the hand-written one ({:.2}x)",
-            idem - hand,
+            "idem's PostgreSQL {path} costs the server {:.2} us of CPU {} than the hand-written one ({:.2}x)",
+            (idem - hand).abs(),
+            if idem >= hand { "more" } else { "less" },
             idem / hand
         );
     }
