@@ -238,6 +238,13 @@ async fn duplicate_members_are_a_problem_not_a_guess() {
         (400, "idempotency-body-invalid")
     );
     s.refused_cleanly(r.status, "duplicate members").await;
+    // A typed handler's own extractor refuses a field sent twice first,
+    // with its own answer, as without the attribute (the attribute's docs
+    // say so).
+    let r = s.send("/pay", r#"{"amount":1,"amount":2}"#, "k-dup-typed").await;
+    assert_eq!(r.status, 422);
+    assert_eq!(r.header("content-type"), Some("text/plain; charset=utf-8"));
+    s.refused_cleanly(r.status, "a typed field sent twice").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -345,7 +345,9 @@ impl Idem {
     /// The largest response body stored for replay (default 1 MiB). A larger
     /// answer still completes the record, so the handler never runs twice
     /// for one key, but only its status and headers are kept: a replay
-    /// answers them with an empty body and `Idempotent-Replay-Body-Omitted: true`.
+    /// answers them with an empty body and `Idempotent-Replay-Body-Omitted: true`,
+    /// without the headers that described the body (`Content-Type`,
+    /// `Content-Encoding`).
     ///
     /// # Errors
     ///

@@ -287,7 +287,8 @@ impl Operation {
     }
 
     /// The last recovery point: set by [`Operation::checkpoint`] in this
-    /// execution, or by an earlier attempt that was taken over.
+    /// execution, or by an earlier attempt of the same operation (one
+    /// taken over, or released as failed and retried).
     pub fn recovery_point(&self) -> Option<String> {
         let own = self
             .info

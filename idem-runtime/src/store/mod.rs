@@ -312,8 +312,9 @@ pub struct StoredResponse {
     /// Header names (lowercase) and values as bytes (HTTP allows bytes
     /// beyond ASCII in a value), in the order they are replayed.
     pub headers: Vec<(String, Vec<u8>)>,
-    /// The body bytes; `None` when the body was larger than the configured
-    /// limit and only status and headers were kept.
+    /// The body bytes; `None` when only status and headers were kept: the
+    /// body was larger than the configured limit, or an event stream
+    /// (`text/event-stream`, whatever its size).
     pub body: Option<Vec<u8>>,
 }
 
