@@ -93,7 +93,10 @@ impl From<JsonError> for FingerprintError {
 ///
 /// What never changes it: whitespace, member order, number spelling
 /// (`4990`, `4.99e3`), unicode escapes, undeclared body members when
-/// `fields` are given, the order of different query names, ignored names.
+/// `fields` are given, the order of different query names (but for names
+/// that decode alike and are not UTF-8, such as `%FF` and `%FE`, which a
+/// handler reads as one: their order counts, as one name's values' does),
+/// ignored names.
 /// What always does: the scope, a path parameter, a query value, a declared
 /// field (or, without `fields`, any member), any byte of a raw body.
 ///
