@@ -407,9 +407,9 @@ impl PgStore {
     /// answer outlive the record's retention by up to this long. At most
     /// 8,192 answers of up to 16 KiB each and 16 MiB in all are kept, each
     /// counted with its body, its headers (48 bytes more each), its
-    /// tenant, scope, key and fingerprint, and 160 bytes for the map: an
-    /// answer whose body and headers come within about 250 bytes of
-    /// 16 KiB, or are larger, is always read.
+    /// tenant, scope, key and fingerprint, and 160 bytes for the map; an
+    /// answer counted past 16 KiB (one a few hundred bytes under it may
+    /// be) is always read.
     ///
     /// The same bound covers the store's own executions: from the
     /// reservation that handed an execution its lease until that
