@@ -698,6 +698,15 @@ mod tests {
         }
         assert!(Exact::of("1e1000000000000000").is_some());
         assert!(Exact::of("1e1000000000000001").is_none());
+        // Zero has no first digit to be far: it is zero whatever its
+        // exponent (the README says so).
+        for zero in [
+            "0e-9999999999999999",
+            "0.0e9999999999999999",
+            "-0e-9999999999999999",
+        ] {
+            assert_eq!(canon(zero), "0", "{zero}");
+        }
     }
 
     #[test]
