@@ -67,6 +67,19 @@ async fn breaks_get(State(app): State<App>, op: Operation) -> Response {
     breaking(&app, op.key()).await
 }
 
+/// 10 bytes (well within the limit), then, on its first run, a failure.
+#[idempotent(scope = "unframed.breaks_small_get")]
+async fn breaks_small_get(State(app): State<App>, op: Operation) -> Response {
+    let n = app.runs.ran(op.key());
+    let tail = if n == 1 {
+        Err(std::io::Error::other("broken"))
+    } else {
+        chunk("c", 10)
+    };
+    let body = futures_util::stream::iter([chunk("a", 10), tail]);
+    (StatusCode::CREATED, Body::from_stream(body)).into_response()
+}
+
 /// 80 bytes at once, then 10 more once the test opens the key's gate;
 /// says when it has run. With `length`, the answer declares its 90 bytes.
 async fn gated_answer(app: &App, key: &str, length: bool) -> Response {
@@ -285,6 +298,7 @@ async fn start(kind: StoreKind) -> Option<H> {
     let router = Router::new()
         .route("/breaks", post(breaks))
         .route("/breaks-get", get(breaks_get))
+        .route("/breaks-small-get", get(breaks_small_get))
         .route("/gated", post(gated))
         .route("/gated-get", get(gated_get))
         .route("/gated-length", post(gated_length))
@@ -362,6 +376,17 @@ async fn head_of_a_large_answer_that_fails_is_a_500(h: H) {
     let g = get_after(h.addr, "/breaks-get", "k-head-fails").await;
     assert_eq!((g.status, replayed(&g)), (201, false), "{g:?}");
     assert_eq!(h.app.runs.of("k-head-fails"), 2);
+}
+
+/// HEAD: a body within the limit fails while read. Its client could not
+/// tell a broken body from a whole one: 500, as past the limit, and the
+/// key is released (docs/PROTOCOL.md, "Classification").
+async fn head_of_a_small_answer_that_fails_is_a_500(h: H) {
+    let (out, _) = exchange(h.addr, head_request("/breaks-small-get", "k-head-small")).await;
+    assert_eq!(split(&out).0, 500, "{:?}", String::from_utf8_lossy(&out));
+    let g = get_after(h.addr, "/breaks-small-get", "k-head-small").await;
+    assert_eq!((g.status, replayed(&g)), (201, false), "{g:?}");
+    assert_eq!(h.app.runs.of("k-head-small"), 2);
 }
 
 /// HEAD: the answer is recorded before its status goes out; the GET
@@ -588,6 +613,7 @@ mod each {
         worker_threads: 4,
         cases: [
             head_of_a_large_answer_that_fails_is_a_500,
+            head_of_a_small_answer_that_fails_is_a_500,
             head_of_a_large_answer_is_answered_once_recorded,
             http10_large_answer_that_fails_is_a_500,
             http10_large_answer_is_whole_once_recorded,
