@@ -422,3 +422,78 @@ mod runtime_ended {
         scenario(|| idem_testkit::pg_store_in(&url, &schema, 5), "k1");
     }
 }
+
+static GONE_RUNS: AtomicU32 = AtomicU32::new(0);
+
+#[idempotent(scope = "probe.gone", lock_timeout = "300ms")]
+async fn gone(op: Operation) -> (StatusCode, String) {
+    let n = GONE_RUNS.fetch_add(1, Ordering::SeqCst) + 1;
+    (
+        StatusCode::CREATED,
+        format!("run {n}, attempt {}, takeover {}", op.attempt(), op.is_takeover()),
+    )
+}
+
+/// README, "Where idem departs from the contract": on PostgreSQL as on
+/// SQLite, a client that goes away during its reservation, on a
+/// current-thread runtime that is then no longer driven, leaves its key
+/// locked until its lock timeout (the rest of the request is the task of
+/// that runtime, which never runs it). Nothing runs under that lock: the
+/// retry from another runtime gets 409, then takes the operation over, and
+/// the handler runs once.
+#[test]
+fn postgres_a_client_gone_during_its_reservation_on_a_runtime_no_longer_driven() {
+    use idem_runtime::pause;
+    let Some(url) = idem_testkit::pg_url() else { return };
+    let key = idem_testkit::unique("gone");
+    let idle = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let schema = idle.block_on(idem_testkit::pg_schema(&url));
+    let app = |store: idem::PgStore| {
+        Router::new()
+            .route("/gone", post(gone))
+            .layer(Idem::new(store).single_tenant().layer())
+    };
+    idle.block_on(async {
+        let app = app(idem_testkit::pg_store_in(&url, &schema, 4).await);
+        let mut armed = pause::arm(pause::RESERVE_AFTER, &key);
+        let request = app.oneshot(req("/gone", &key));
+        tokio::pin!(request);
+        tokio::select! {
+            _ = &mut request => panic!("answered before its reservation's pause"),
+            () = armed.reached() => {}
+        }
+        // The client goes away with its reservation committed.
+        drop(request);
+        armed.resume();
+    });
+    // `idle` lives on, not driven.
+    let other = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    other.block_on(async {
+        let app = app(idem_testkit::pg_store_in(&url, &schema, 4).await);
+        let first = app.clone().oneshot(req("/gone", &key)).await.unwrap();
+        assert_eq!(first.status(), StatusCode::CONFLICT, "the key is locked");
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        let answer = loop {
+            let r = app.clone().oneshot(req("/gone", &key)).await.unwrap();
+            if r.status() != StatusCode::CONFLICT || std::time::Instant::now() > until {
+                break r;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let status = answer.status();
+        let body = axum::body::to_bytes(answer.into_body(), 1 << 16).await.unwrap();
+        assert_eq!(
+            (status, String::from_utf8_lossy(&body).into_owned()),
+            (StatusCode::CREATED, "run 1, attempt 2, takeover true".to_owned())
+        );
+    });
+    assert_eq!(GONE_RUNS.load(Ordering::SeqCst), 1);
+    drop(idle);
+}
