@@ -459,8 +459,7 @@ fn postgres_a_client_gone_during_its_reservation_on_a_runtime_no_longer_driven()
     idle.block_on(async {
         let app = app(idem_testkit::pg_store_in(&url, &schema, 4).await);
         let mut armed = pause::arm(pause::RESERVE_AFTER, &key);
-        let request = app.oneshot(req("/gone", &key));
-        tokio::pin!(request);
+        let mut request = Box::pin(app.oneshot(req("/gone", &key)));
         tokio::select! {
             _ = &mut request => panic!("answered before its reservation's pause"),
             () = armed.reached() => {}
