@@ -91,7 +91,7 @@ impl Parse for FieldPath {
         }
         let wire = if input.peek(Token![=]) {
             input.parse::<Token![=]>()?;
-            Some(input.parse()?)
+            Some(unsuffixed(input.parse()?)?)
         } else {
             None
         };
@@ -158,7 +158,7 @@ pub(crate) struct IdempotentArgs {
 fn value(input: ParseStream<'_>, name: &str, example: &str) -> syn::Result<LitStr> {
     input.parse::<Token![=]>()?;
     if input.peek(LitStr) {
-        return input.parse();
+        return unsuffixed(input.parse()?);
     }
     let span = match input.parse::<syn::Expr>() {
         Ok(expr) => expr.span(),
@@ -167,6 +167,21 @@ fn value(input: ParseStream<'_>, name: &str, example: &str) -> syn::Result<LitSt
     Err(syn::Error::new(
         span,
         format!("`{name}` takes a string, such as `{name} = {example}`"),
+    ))
+}
+
+/// `lit`, refused where it carries a suffix (`"5s"ms`): rustc refuses one
+/// on a string literal everywhere else, and its value would drop it.
+fn unsuffixed(lit: LitStr) -> syn::Result<LitStr> {
+    if lit.suffix().is_empty() {
+        return Ok(lit);
+    }
+    Err(syn::Error::new(
+        lit.span(),
+        format!(
+            "a string here takes no suffix: remove `{}` after the closing quote",
+            lit.suffix()
+        ),
     ))
 }
 
@@ -251,6 +266,7 @@ const CREDENTIAL_HEADERS: &[&str] = &[
     "set-cookie",
     "x-amz-security-token",
     "x-apikey",
+    "x-consul-token",
     "x-auth-key",
     "x-csrftoken",
     "x-functions-key",
@@ -259,11 +275,14 @@ const CREDENTIAL_HEADERS: &[&str] = &[
     "x-xsrftoken",
 ];
 
-/// Endings of credential headers' names (`X-API-Key`, `X-Auth-Token`, ...).
+/// Endings of credential headers' names (`X-API-Key`, `X-Auth-Token`, ...),
+/// each also a name of its own without its first dash (`Auth-Token`).
 const CREDENTIAL_HEADER_SUFFIXES: &[&str] = &[
     "-access-token",
     "-api-key",
+    "-api-token",
     "-auth-token",
+    "-authorization",
     "-csrf-token",
     "-id-token",
     "-refresh-token",
@@ -299,8 +318,11 @@ const MESSAGE_HEADER_PREFIXES: &[&str] = &[
     "cloudfront-viewer-",
     "content-",
     "if-",
+    "ot-tracer-",
     "sec-",
     "x-b3-",
+    "x-datadog-",
+    "x-envoy-",
     "x-forwarded-",
 ];
 
@@ -359,9 +381,14 @@ const MESSAGE_HEADERS: &[&str] = &[
     "x-cloud-trace-context",
     "x-http-method",
     "x-http-method-override",
+    "x-forwarded",
     "x-method-override",
+    "x-original-host",
+    "x-original-uri",
+    "x-original-url",
     "x-purpose",
     "x-requested-with",
+    "x-rewrite-url",
 ];
 
 /// Why a header (its name in lowercase) cannot carry the key.
@@ -376,7 +403,11 @@ enum Unfit {
 /// A client's address (`X-Real-IP`, `CF-Connecting-IP`, `Fastly-Client-IP`,
 /// every name that ends in `-ip`) describes the message.
 fn unfit_header(name: &str) -> Option<Unfit> {
-    if CREDENTIAL_HEADERS.contains(&name) || CREDENTIAL_HEADER_SUFFIXES.iter().any(|s| name.ends_with(s)) {
+    if CREDENTIAL_HEADERS.contains(&name)
+        || CREDENTIAL_HEADER_SUFFIXES
+            .iter()
+            .any(|s| name.ends_with(s) || name == &s[1..])
+    {
         Some(Unfit::Credential)
     } else if BODY_HASH_HEADERS.contains(&name)
         || name.ends_with("-digest")
@@ -385,7 +416,9 @@ fn unfit_header(name: &str) -> Option<Unfit> {
         Some(Unfit::BodyHash)
     } else if MESSAGE_HEADERS.contains(&name)
         || MESSAGE_HEADER_PREFIXES.iter().any(|p| name.starts_with(p))
-        || name.ends_with("-ip")
+        || ["-ip", "forwarded-for", "-trace-id", "-span-id"]
+            .iter()
+            .any(|s| name.ends_with(s))
     {
         Some(Unfit::Message)
     } else {
@@ -393,8 +426,14 @@ fn unfit_header(name: &str) -> Option<Unfit> {
     }
 }
 
+/// The longest header name a request can carry (the `http` crate's
+/// `MAX_HEADER_NAME_LEN`): a longer one would never be found, and an
+/// `optional` handler would run every request unprotected.
+const MAX_HEADER_NAME_LEN: usize = (1 << 16) - 1;
+
 fn valid_header(name: &str) -> bool {
     !name.is_empty()
+        && name.len() <= MAX_HEADER_NAME_LEN
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
@@ -550,15 +589,20 @@ impl Parse for IdempotentArgs {
                 let list: Punctuated<LitStr, Token![,]> =
                     Punctuated::parse_terminated_with(&content, |content| {
                         if content.peek(LitStr) {
-                            return content.parse();
+                            return unsuffixed(content.parse()?);
                         }
                         Err(content.error("`ignore` takes names as strings, such as `ignore(\"page\")`"))
                     })?;
-                for lit in &list {
+                for (i, lit) in list.iter().enumerate() {
                     if lit.value().is_empty() {
                         errors.push(syn::Error::new(
                             lit.span(),
                             "`ignore` names path parameters or query names; this one is empty",
+                        ));
+                    } else if list.iter().take(i).any(|earlier| earlier.value() == lit.value()) {
+                        errors.push(syn::Error::new(
+                            lit.span(),
+                            format!("`ignore` lists `{}` twice", lit.value()),
                         ));
                     }
                 }
@@ -682,6 +726,13 @@ mod tests {
             "ocp-apim-subscription-key",
             "x-ms-token-aad-id-token",
             "private-token",
+            "auth-token",
+            "access-token",
+            "api-token",
+            "csrf-token",
+            "x-api-token",
+            "x-authorization",
+            "x-consul-token",
         ];
         let hashes: &[&str] = &[
             "content-digest",
@@ -721,6 +772,17 @@ mod tests {
             "x-azure-clientip",
             "cloudfront-viewer-address",
             "x-amzn-trace-id",
+            "x-forwarded",
+            "forwarded-for",
+            "x-original-forwarded-for",
+            "x-envoy-external-address",
+            "x-envoy-original-path",
+            "x-datadog-trace-id",
+            "x-datadog-parent-id",
+            "ot-tracer-traceid",
+            "x-original-url",
+            "x-original-uri",
+            "x-rewrite-url",
         ];
         // What services name their key header (Stripe's and Adyen's,
         // PayPal's, Twilio's, Azure's, AWS's, Amazon Pay's), and headers
@@ -757,6 +819,20 @@ mod tests {
                 assert_eq!(unfit_header(name), unfit, "{name}");
             }
         }
+    }
+
+    /// A header name longer than a request can carry would never be
+    /// found (an `optional` handler would run every request unprotected).
+    #[test]
+    fn a_header_name_no_request_can_carry_is_refused() {
+        assert!(valid_header(&"x".repeat(MAX_HEADER_NAME_LEN)));
+        assert!(!valid_header(&"x".repeat(MAX_HEADER_NAME_LEN + 1)));
+        let long = format!(
+            "scope = \"a\", header = \"{}\"",
+            "x".repeat(MAX_HEADER_NAME_LEN + 1)
+        );
+        let err = parse(long.parse().unwrap()).unwrap().errors.finish().unwrap_err();
+        assert!(err.to_string().contains("header"), "{err}");
     }
 
     #[test]

@@ -121,11 +121,15 @@ impl Names {
     // Output: `my::idem::__private` (`::idem::__private`), and `__idem_ctx`,
     //         `__idem_body`, .. for the bindings.
     fn new(args: &IdempotentArgs) -> Self {
-        let krate = match &args.krate {
-            Some((_, path)) => quote!(#path),
-            None => quote!(::idem),
+        // With `crate = ".."`, `__private` carries the string's span: a
+        // path that is not idem's is refused at the string.
+        let private = match &args.krate {
+            Some((_, path)) => {
+                let span = syn::spanned::Spanned::span(path);
+                quote::quote_spanned!(span=> #path::__private)
+            }
+            None => quote!(::idem::__private),
         };
-        let private = quote!(#krate::__private);
         Names {
             private_here: respanned(&private, Span::call_site()),
             private,

@@ -402,9 +402,43 @@ fn asks_for(ty: &Type) -> Option<AsksFor> {
     }
 }
 
-/// `#[instrument]` or `#[tracing::instrument]` (any path ending so) whose
-/// arguments do not include `skip_all`.
-fn instrument_without_skip_all(attr: &syn::Attribute) -> bool {
+/// What is wrong with an `#[instrument]` or `#[tracing::instrument]` (any
+/// path ending so) below the attribute, if anything: its arguments lack
+/// `skip_all`, or include `err`.
+fn unfit_instrument(attr: &syn::Attribute) -> Option<&'static str> {
+    if !is_instrument(attr) {
+        return None;
+    }
+    let idents = |name: &str| match &attr.meta {
+        syn::Meta::List(list) => list
+            .tokens
+            .clone()
+            .into_iter()
+            .any(|t| matches!(t, proc_macro2::TokenTree::Ident(i) if i == name)),
+        _ => false,
+    };
+    if matches!(attr.meta, syn::Meta::NameValue(_)) {
+        None
+    } else if !idents("skip_all") {
+        Some(
+            "`#[instrument]` below `#[idempotent]` instruments the function the attribute \
+             generates, whose parameters are idem's own: put it above `#[idempotent]`, where it \
+             sees your parameters, or add `skip_all`",
+        )
+    } else if idents("err") {
+        Some(
+            "`err` in `#[instrument]` below `#[idempotent]` reads what the function the attribute \
+             generates returns, an HTTP response, not your `Result`: put `#[instrument]` above \
+             `#[idempotent]`, or log the error in the handler",
+        )
+    } else {
+        None
+    }
+}
+
+/// Whether `attr` is `#[instrument]` or `#[tracing::instrument]` (any path
+/// ending so).
+fn is_instrument(attr: &syn::Attribute) -> bool {
     let path = attr.path();
     let named = path.segments.last().is_some_and(|s| s.ident == "instrument")
         && (path.segments.len() == 1
@@ -414,18 +448,7 @@ fn instrument_without_skip_all(attr: &syn::Attribute) -> bool {
                 .rev()
                 .nth(1)
                 .is_some_and(|s| s.ident == "tracing"));
-    if !named {
-        return false;
-    }
-    match &attr.meta {
-        syn::Meta::Path(_) => true,
-        syn::Meta::List(list) => !list
-            .tokens
-            .clone()
-            .into_iter()
-            .any(|t| matches!(t, proc_macro2::TokenTree::Ident(i) if i == "skip_all")),
-        syn::Meta::NameValue(_) => false,
-    }
+    named
 }
 
 /// The most extractors axum's `Handler` is implemented for.
@@ -487,13 +510,8 @@ impl Handler {
             // `#[tracing::instrument]` below the attribute instruments the
             // function it generates, whose parameters are idem's own (not
             // `Debug`): only `skip_all` fits there.
-            if instrument_without_skip_all(attr) {
-                errors.push(syn::Error::new_spanned(
-                    attr,
-                    "`#[instrument]` below `#[idempotent]` instruments the function the attribute \
-                     generates, whose parameters are idem's own: put it above `#[idempotent]`, where it \
-                     sees your parameters, or add `skip_all`",
-                ));
+            if let Some(message) = unfit_instrument(attr) {
+                errors.push(syn::Error::new_spanned(attr, message));
             }
         }
         let mut body = None;

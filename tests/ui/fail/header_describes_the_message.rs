@@ -33,4 +33,24 @@ async fn traced() {}
 #[idempotent(scope = "transfer.urgent", header = "Priority")]
 async fn urgent() {}
 
+// The client's address, trace context and the request's target, as
+// proxies and tracers name them.
+#[idempotent(scope = "payment.forwarded_for", header = "X-Original-Forwarded-For")]
+async fn forwarded_for() {}
+
+#[idempotent(scope = "payment.x_forwarded", header = "X-Forwarded")]
+async fn x_forwarded() {}
+
+#[idempotent(scope = "payment.envoy", header = "X-Envoy-External-Address")]
+async fn envoy() {}
+
+#[idempotent(scope = "payment.datadog", header = "X-Datadog-Trace-Id")]
+async fn datadog() {}
+
+#[idempotent(scope = "payment.ot", header = "Ot-Tracer-Traceid")]
+async fn ot() {}
+
+#[idempotent(scope = "payment.original_url", header = "X-Original-URL")]
+async fn original_url() {}
+
 fn main() {}

@@ -18,4 +18,17 @@ async fn signed() {}
 #[idempotent(scope = "payment.keyed", header = "Api-Key")]
 async fn keyed() {}
 
+// Without an `X-` in front, and `X-Authorization`, `X-Consul-Token`.
+#[idempotent(scope = "payment.bare_token", header = "Auth-Token")]
+async fn bare_token() {}
+
+#[idempotent(scope = "payment.api_token", header = "X-Api-Token")]
+async fn api_token() {}
+
+#[idempotent(scope = "payment.x_authorization", header = "X-Authorization")]
+async fn x_authorization() {}
+
+#[idempotent(scope = "payment.consul", header = "X-Consul-Token")]
+async fn consul() {}
+
 fn main() {}

@@ -1,0 +1,6 @@
+use idem::idempotent;
+
+#[idempotent = "payment.create"]
+async fn create() {}
+
+fn main() {}
