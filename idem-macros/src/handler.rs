@@ -440,15 +440,14 @@ fn unfit_instrument(attr: &syn::Attribute) -> Option<&'static str> {
 /// ending so).
 fn is_instrument(attr: &syn::Attribute) -> bool {
     let path = attr.path();
-    let named = path.segments.last().is_some_and(|s| s.ident == "instrument")
+    path.segments.last().is_some_and(|s| s.ident == "instrument")
         && (path.segments.len() == 1
             || path
                 .segments
                 .iter()
                 .rev()
                 .nth(1)
-                .is_some_and(|s| s.ident == "tracing"));
-    named
+                .is_some_and(|s| s.ident == "tracing"))
 }
 
 /// The most extractors axum's `Handler` is implemented for.
@@ -509,7 +508,8 @@ impl Handler {
             }
             // `#[tracing::instrument]` below the attribute instruments the
             // function it generates, whose parameters are idem's own (not
-            // `Debug`): only `skip_all` fits there.
+            // `Debug`) and whose answer is a `Response`: only `skip_all`
+            // (without `err`) fits there.
             if let Some(message) = unfit_instrument(attr) {
                 errors.push(syn::Error::new_spanned(attr, message));
             }
